@@ -1,0 +1,90 @@
+#include "compute/checkpoint.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include <torch/csrc/jit/serialization/pickle.h>
+
+namespace troupe {
+
+namespace {
+[[noreturn]] void fail(const std::string& what, const std::string& path) {
+  throw checkpoint_error(what + " " + path + ": " + std::strerror(errno));
+}
+}  // namespace
+
+void write_file_atomically(const std::string& path, const std::string& bytes) {
+  namespace fs = std::filesystem;
+  const fs::path target(path);
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  std::string tmp = (dir / ("." + target.filename().string() + ".tmp.XXXXXX")).string();
+  int fd = mkstemp(tmp.data());
+  if (fd < 0) fail("cannot create a temporary file for", path);
+  std::size_t written = 0;
+  while (written < bytes.size()) {
+    const auto n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      fail("cannot write", tmp);
+    }
+    written += std::size_t(n);
+  }
+  if (::fchmod(fd, 0644) != 0 || ::fsync(fd) != 0) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    fail("cannot sync", tmp);
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    fail("cannot rename into", path);
+  }
+  // Make the rename itself durable.
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+void save_state_dict(const std::string& path, const state_dict& state) {
+  c10::Dict<std::string, torch::Tensor> dict;
+  for (const auto& [name, t] : state) dict.insert(name, t.detach().contiguous());
+  const auto bytes = torch::jit::pickle_save(c10::IValue(dict));
+  write_file_atomically(path, std::string(bytes.begin(), bytes.end()));
+}
+
+state_dict load_state_dict(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw checkpoint_error("cannot open checkpoint " + path + ": " + std::strerror(errno));
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (bytes.empty()) throw checkpoint_error("checkpoint " + path + " is empty");
+  c10::IValue value;
+  try {
+    value = torch::jit::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    msg = msg.substr(0, msg.find('\n'));
+    throw checkpoint_error("checkpoint " + path + " is not a readable PyTorch file (" + msg + ")");
+  }
+  if (!value.isGenericDict())
+    throw checkpoint_error("checkpoint " + path + " does not hold a dict of tensors (a state_dict)");
+  state_dict out;
+  for (const auto& item : value.toGenericDict()) {
+    if (!item.key().isString() || !item.value().isTensor())
+      throw checkpoint_error("checkpoint " + path + " holds an entry that is not name -> tensor");
+    out.emplace_back(item.key().toStringRef(), item.value().toTensor());
+  }
+  return out;
+}
+
+}  // namespace troupe

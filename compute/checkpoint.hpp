@@ -1,0 +1,25 @@
+#pragma once
+// Checkpoints in PyTorch's own format: `torch.load(path)` in Python returns a dict of
+// GPT-2-named tensors. Writes are atomic: temp file, fsync, rename, fsync of the folder.
+#include <stdexcept>
+#include <string>
+
+#include "compute/model.hpp"
+
+namespace troupe {
+
+struct checkpoint_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Writes `state` as a PyTorch-readable `state_dict` file, atomically.
+void save_state_dict(const std::string& path, const state_dict& state);
+
+/// Reads a `state_dict` written by `save_state_dict` or by Python's `torch.save` of a
+/// dict / OrderedDict of tensors. Throws checkpoint_error naming the file on any problem.
+state_dict load_state_dict(const std::string& path);
+
+/// Writes `bytes` to `path` atomically (temp file in the same folder, fsync, rename).
+void write_file_atomically(const std::string& path, const std::string& bytes);
+
+}  // namespace troupe

@@ -1,0 +1,159 @@
+#include "compute/data.hpp"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+#include "compute/splitmix.hpp"
+
+namespace fs = std::filesystem;
+
+namespace troupe {
+
+// --- fortunes ------------------------------------------------------------------------
+
+namespace {
+
+std::vector<std::uint8_t> read_fortunes(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    throw data_error("fortunes corpus not found: " + dir +
+                     " does not exist (install it: apt-get install fortunes)");
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (entry.is_symlink() || !entry.is_regular_file()) continue;
+    if (name.find('.') != std::string::npos) continue;  // *.dat, *.u8, ...
+    names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());  // byte order, as LC_ALL=C sort
+  std::vector<std::uint8_t> bytes;
+  for (const auto& name : names) {
+    std::ifstream in(fs::path(dir) / name, std::ios::binary);
+    if (!in) throw data_error("cannot read fortunes file " + (fs::path(dir) / name).string());
+    bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  if (bytes.empty())
+    throw data_error("fortunes corpus in " + dir +
+                     " is empty (install it: apt-get install fortunes)");
+  return bytes;
+}
+
+}  // namespace
+
+fortunes_corpus::fortunes_corpus(const std::string& dir) : fortunes_corpus(read_fortunes(dir)) {}
+
+fortunes_corpus::fortunes_corpus(std::vector<std::uint8_t> bytes) : bytes_(std::move(bytes)) {
+  n_train_ = bytes_.size() * 9 / 10;
+}
+
+std::size_t fortunes_corpus::train_offset(std::uint64_t seed, std::uint64_t g, int seq_len) const {
+  if (n_train_ <= static_cast<std::size_t>(seq_len) + 1)
+    throw data_error("fortunes corpus too small for seq_len " + std::to_string(seq_len));
+  return splitmix64(seeded_key(seed, g)) % (n_train_ - seq_len);
+}
+
+batch fortunes_corpus::windows(const std::vector<std::size_t>& offsets, int seq_len) const {
+  const auto n = static_cast<std::int64_t>(offsets.size());
+  auto input = torch::empty({n, seq_len}, torch::kInt64);
+  auto target = torch::empty({n, seq_len}, torch::kInt64);
+  auto in = input.accessor<std::int64_t, 2>();
+  auto tg = target.accessor<std::int64_t, 2>();
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint8_t* w = bytes_.data() + offsets[i];
+    for (int t = 0; t < seq_len; ++t) {
+      in[i][t] = w[t];
+      tg[i][t] = w[t + 1];
+    }
+  }
+  return {input, target};
+}
+
+batch fortunes_corpus::train_batch(std::uint64_t seed, std::uint64_t first, int count,
+                                   int seq_len) const {
+  std::vector<std::size_t> offsets(count);
+  for (int i = 0; i < count; ++i) offsets[i] = train_offset(seed, first + i, seq_len);
+  return windows(offsets, seq_len);
+}
+
+batch fortunes_corpus::validation_batch(int seq_len, int n_windows) const {
+  if (n_valid() < static_cast<std::size_t>(seq_len) + 1 + n_windows)
+    throw data_error("fortunes validation split too small for seq_len " + std::to_string(seq_len));
+  const std::size_t stride = (n_valid() - seq_len - 1) / n_windows;
+  std::vector<std::size_t> offsets(n_windows);
+  for (int i = 0; i < n_windows; ++i) offsets[i] = n_train_ + i * stride;
+  return windows(offsets, seq_len);
+}
+
+// --- Fashion-MNIST -------------------------------------------------------------------
+
+namespace {
+
+std::uint32_t read_be32(gzFile f, const std::string& path) {
+  unsigned char b[4];
+  if (gzread(f, b, 4) != 4) throw data_error("truncated IDX header in " + path);
+  return (std::uint32_t(b[0]) << 24) | (std::uint32_t(b[1]) << 16) | (std::uint32_t(b[2]) << 8) | b[3];
+}
+
+/// Reads an IDX file of unsigned bytes: magic 0x0803 (images) or 0x0801 (labels).
+torch::Tensor read_idx(const std::string& path, int expected_dims) {
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw data_error("Fashion-MNIST file not found: " + path +
+                     " (install it: apt-get install dataset-fashion-mnist)");
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (!f) throw data_error("cannot open " + path);
+  std::unique_ptr<gzFile_s, int (*)(gzFile)> guard(f, gzclose);
+  const auto magic = read_be32(f, path);
+  if ((magic >> 8) != 0x08 || static_cast<int>(magic & 0xff) != expected_dims)
+    throw data_error("not an IDX file of unsigned bytes with " + std::to_string(expected_dims) +
+                     " dimensions: " + path);
+  std::vector<std::int64_t> dims;
+  std::int64_t total = 1;
+  for (int i = 0; i < expected_dims; ++i) {
+    dims.push_back(read_be32(f, path));
+    total *= dims.back();
+  }
+  auto out = torch::empty(dims, torch::kUInt8);
+  if (gzread(f, out.data_ptr<std::uint8_t>(), static_cast<unsigned>(total)) != total)
+    throw data_error("truncated IDX data in " + path);
+  return out;
+}
+
+torch::Tensor normalise(const torch::Tensor& images) {
+  auto x = images.to(torch::kFloat32).div_(255.0).reshape({images.size(0), fashion_mnist::image_size});
+  return x.sub_(fashion_mnist::mean).div_(fashion_mnist::stddev);
+}
+
+}  // namespace
+
+fashion_mnist::fashion_mnist(const std::string& dir) {
+  train_images_ = normalise(read_idx(dir + "/train-images-idx3-ubyte.gz", 3));
+  train_labels_ = read_idx(dir + "/train-labels-idx1-ubyte.gz", 1).to(torch::kInt64);
+  test_images_ = normalise(read_idx(dir + "/t10k-images-idx3-ubyte.gz", 3));
+  test_labels_ = read_idx(dir + "/t10k-labels-idx1-ubyte.gz", 1).to(torch::kInt64);
+  if (train_images_.size(0) != train_labels_.size(0) || test_images_.size(0) != test_labels_.size(0))
+    throw data_error("Fashion-MNIST images and labels disagree in count in " + dir);
+}
+
+std::vector<std::int64_t> fashion_mnist::epoch_order(std::uint64_t seed, std::uint64_t epoch) const {
+  const auto n = train_size();
+  std::vector<std::pair<std::uint64_t, std::int64_t>> keyed(n);
+  for (std::int64_t i = 0; i < n; ++i)
+    keyed[i] = {splitmix64(seeded_key(seed, (epoch << 20) + i)), i};
+  std::sort(keyed.begin(), keyed.end());  // ties broken by index
+  std::vector<std::int64_t> order(n);
+  for (std::int64_t i = 0; i < n; ++i) order[i] = keyed[i].second;
+  return order;
+}
+
+batch fashion_mnist::train_batch(const std::vector<std::int64_t>& order, std::int64_t first,
+                                 int count) const {
+  auto idx = torch::from_blob(const_cast<std::int64_t*>(order.data() + first), {count}, torch::kInt64);
+  return {train_images_.index_select(0, idx), train_labels_.index_select(0, idx)};
+}
+
+}  // namespace troupe

@@ -1,0 +1,78 @@
+#pragma once
+// Data sets of WORKLOADS.md, loaded from Debian packages, with deterministic sampling:
+// a sample depends only on the seed and its global index, never on the parallel layout.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+namespace troupe {
+
+/// Raised when a data set is missing or malformed; the message names the package.
+struct data_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// One batch: inputs and targets of a contiguous range of samples.
+struct batch {
+  torch::Tensor input;   ///< gpt: int64 [B, T] bytes; mlp: float [B, 784]
+  torch::Tensor target;  ///< gpt: int64 [B, T] next bytes; mlp: int64 [B]
+};
+
+/// The fortunes corpus as raw bytes, split 90/10 into training and validation.
+class fortunes_corpus {
+ public:
+  static constexpr const char* default_dir = "/usr/share/games/fortunes";
+
+  /// Reads every regular file without extension in `dir`, in byte order of names.
+  explicit fortunes_corpus(const std::string& dir = default_dir);
+  /// A corpus from given bytes (for tests).
+  explicit fortunes_corpus(std::vector<std::uint8_t> bytes);
+
+  std::size_t size() const { return bytes_.size(); }
+  std::size_t n_train() const { return n_train_; }
+  std::size_t n_valid() const { return bytes_.size() - n_train_; }
+  const std::vector<std::uint8_t>& bytes() const { return bytes_; }
+
+  /// Start offset of training sample `g` (global index) for `seed`.
+  std::size_t train_offset(std::uint64_t seed, std::uint64_t g, int seq_len) const;
+
+  /// Training samples [first, first + count) of the global sample sequence.
+  batch train_batch(std::uint64_t seed, std::uint64_t first, int count, int seq_len) const;
+
+  /// The 32 fixed validation windows.
+  batch validation_batch(int seq_len, int windows = 32) const;
+
+ private:
+  batch windows(const std::vector<std::size_t>& offsets, int seq_len) const;
+  std::vector<std::uint8_t> bytes_;
+  std::size_t n_train_ = 0;
+};
+
+/// Fashion-MNIST from the gzipped IDX files of `dataset-fashion-mnist`.
+class fashion_mnist {
+ public:
+  static constexpr const char* default_dir = "/usr/share/datasets/fashion-mnist";
+  static constexpr int image_size = 28 * 28;
+  static constexpr float mean = 0.2860f;  ///< normalisation of WORKLOADS.md
+  static constexpr float stddev = 0.3530f;
+
+  explicit fashion_mnist(const std::string& dir = default_dir);
+
+  int train_size() const { return static_cast<int>(train_labels_.size(0)); }
+  int test_size() const { return static_cast<int>(test_labels_.size(0)); }
+
+  /// Epoch `e`'s visiting order of the training indices (ascending splitmix key).
+  std::vector<std::int64_t> epoch_order(std::uint64_t seed, std::uint64_t epoch) const;
+
+  /// Training positions [first, first + count) of epoch `e`'s order.
+  batch train_batch(const std::vector<std::int64_t>& order, std::int64_t first, int count) const;
+  batch test_set() const { return {test_images_, test_labels_}; }
+
+ private:
+  torch::Tensor train_images_, train_labels_, test_images_, test_labels_;
+};
+
+}  // namespace troupe

@@ -1,0 +1,50 @@
+#pragma once
+// Shard ranges of Megatron's distributed optimizer over a slice's flat buffers.
+//
+//   flat buffer:  | wte ........ | wpe .... | h.0.ln_1 | h.0.attn.c_attn ...... | pad |
+//   shards (d=3): |<--- rank 0 --->|<--- rank 1 --->|<--- rank 2 --->|
+//
+// Each data-parallel rank owns one equal range of the (padded) buffer; ranges ignore
+// parameter boundaries. A `shard_piece` is where one parameter and one shard overlap.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "compute/model.hpp"
+
+namespace troupe {
+
+/// A half-open range [begin, end) of flat buffer elements.
+struct flat_range {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+  std::int64_t size() const { return end - begin; }
+  bool operator==(const flat_range& o) const { return begin == o.begin && end == o.end; }
+};
+
+/// Equal ranges of a buffer of `padded_size` elements (a multiple of `ranks`).
+std::vector<flat_range> shard_ranges(std::int64_t padded_size, int ranks);
+
+/// The overlap of one parameter with one shard.
+struct shard_piece {
+  std::size_t entry = 0;       ///< index into the slice's entries
+  flat_range in_param;         ///< elements of the parameter (0-based in the parameter)
+  flat_range in_shard;         ///< the same elements, 0-based in the shard
+};
+
+/// Parameter -> shard: every piece of every parameter that falls in `shard`, in order.
+std::vector<shard_piece> shard_pieces(const std::vector<param_entry>& entries, const flat_range& shard);
+
+/// Shard -> parameter: the entry holding flat element `index`, or -1 for padding.
+int entry_at(const std::vector<param_entry>& entries, std::int64_t index);
+
+/// Per element of `shard`: 1 where weight decay applies, else 0 (bool tensor).
+torch::Tensor decay_mask(const std::vector<param_entry>& entries, const flat_range& shard);
+
+/// Per element of `shard`: 1 where the element counts in the global grad norm (not
+/// padding, not a shared copy of a tied parameter), else 0 (bool tensor).
+torch::Tensor norm_mask(const std::vector<param_entry>& entries, const flat_range& shard);
+
+}  // namespace troupe

@@ -1,0 +1,285 @@
+#include "compute/job_config.hpp"
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include <toml++/toml.h>
+
+#include "compute/schedule.hpp"
+
+namespace troupe {
+
+namespace {
+
+struct key_def {
+  config_key key;
+  std::function<void(job_config&, const std::string&)> set;
+  std::function<std::string(const job_config&)> get;
+};
+
+[[noreturn]] void bad(const std::string& what) { throw std::invalid_argument(what); }
+
+long long parse_int(const std::string& v) {
+  std::size_t used = 0;
+  long long x = 0;
+  try {
+    x = std::stoll(v, &used);
+  } catch (...) {
+    bad("expected an integer");
+  }
+  if (used != v.size()) bad("expected an integer");
+  return x;
+}
+
+double parse_double(const std::string& v) {
+  std::size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &used);
+  } catch (...) {
+    bad("expected a number");
+  }
+  if (used != v.size() || !std::isfinite(x)) bad("expected a finite number");
+  return x;
+}
+
+std::string fmt_double(double x) {
+  std::ostringstream o;
+  o.precision(17);
+  o << x;
+  return o.str();
+}
+
+template <class T>
+key_def int_key(std::string name, std::string help, T job_config::*field, long long lo, long long hi) {
+  return {{name, help},
+          [=](job_config& c, const std::string& v) {
+            const auto x = parse_int(v);
+            if (x < lo || x > hi)
+              bad("must be between " + std::to_string(lo) + " and " + std::to_string(hi));
+            c.*field = static_cast<T>(x);
+          },
+          [=](const job_config& c) { return std::to_string(c.*field); }};
+}
+
+key_def double_key(std::string name, std::string help, double job_config::*field, double lo, double hi) {
+  return {{name, help},
+          [=](job_config& c, const std::string& v) {
+            const auto x = parse_double(v);
+            if (x < lo || x > hi) bad("must be between " + fmt_double(lo) + " and " + fmt_double(hi));
+            c.*field = x;
+          },
+          [=](const job_config& c) { return fmt_double(c.*field); }};
+}
+
+key_def string_key(std::string name, std::string help, std::string job_config::*field) {
+  return {{name, help},
+          [=](job_config& c, const std::string& v) { c.*field = v; },
+          [=](const job_config& c) { return "\"" + c.*field + "\""; }};
+}
+
+const std::vector<key_def>& key_defs() {
+  static const std::vector<key_def> defs = {
+      string_key("train.workload", "gpt-tiny or fmnist-mlp", &job_config::workload),
+      int_key("train.steps", "optimizer steps (also the lr schedule's length)", &job_config::steps, 1, 10000000),
+      int_key("train.seed", "seed of initial weights and data sampling", &job_config::seed, 0, 0xffffffffLL),
+      int_key("train.threads", "LibTorch intra-op threads (0: LibTorch's default)", &job_config::threads, 0, 1024),
+      int_key("train.eval_interval", "validation every N steps and at the end", &job_config::eval_interval, 0, 10000000),
+      int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
+      int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
+      int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
+      int_key("parallel.chunks", "virtual chunks per stage (interleaved-1f1b)", &job_config::chunks, 1, 64),
+      string_key("parallel.schedule", "gpipe, 1f1b or interleaved-1f1b", &job_config::schedule),
+      {{"parallel.split", "explicit layers per virtual stage, e.g. 3,5"},
+       [](job_config& c, const std::string& v) {
+         c.split.clear();
+         if (v.empty()) return;
+         std::stringstream in(v);
+         std::string item;
+         while (std::getline(in, item, ',')) {
+           const auto x = parse_int(item);
+           if (x < 1) bad("every entry must be >= 1");
+           c.split.push_back(int(x));
+         }
+       },
+       [](const job_config& c) {
+         std::string s = "[";
+         for (std::size_t i = 0; i < c.split.size(); ++i) s += (i ? ", " : "") + std::to_string(c.split[i]);
+         return s + "]";
+       }},
+      double_key("optimizer.lr", "peak learning rate", &job_config::lr, 0, 10),
+      double_key("optimizer.min_lr", "final learning rate of the cosine decay", &job_config::min_lr, 0, 10),
+      int_key("optimizer.warmup", "linear warm-up steps", &job_config::warmup, 0, 10000000),
+      double_key("optimizer.weight_decay", "AdamW weight decay on 2-D weights", &job_config::weight_decay, 0, 10),
+      double_key("optimizer.beta1", "Adam beta1", &job_config::beta1, 0, 0.999999),
+      double_key("optimizer.beta2", "Adam beta2", &job_config::beta2, 0, 0.999999999),
+      double_key("optimizer.eps", "Adam epsilon", &job_config::eps, 0, 1),
+      double_key("optimizer.clip", "global gradient-norm clip (0: off)", &job_config::clip, 0, 1e9),
+      int_key("data.global_batch", "sequences (or images) per optimizer step", &job_config::global_batch, 1, 100000000),
+      string_key("data.fortunes_dir", "fortunes corpus folder", &job_config::fortunes_dir),
+      string_key("data.fmnist_dir", "Fashion-MNIST folder", &job_config::fmnist_dir),
+      string_key("output.metrics", "JSON-lines metrics file (one line per step)", &job_config::metrics),
+      string_key("output.save", "checkpoint to write (PyTorch state_dict; optimizer in FILE.optim)", &job_config::save),
+      string_key("output.load", "checkpoint to resume from (written by --save)", &job_config::load),
+      string_key("output.init", "initial weights: a PyTorch state_dict file", &job_config::init),
+      int_key("output.checkpoint_interval", "also save every N steps (0: only at the end)", &job_config::checkpoint_interval, 0, 10000000),
+  };
+  return defs;
+}
+
+const key_def& find_key(const std::string& key) {
+  for (const auto& d : key_defs()) {
+    const auto& n = d.key.name;
+    if (n == key || n.substr(n.find('.') + 1) == key) return d;
+  }
+  std::string known;
+  for (const auto& d : key_defs()) known += (known.empty() ? "" : ", ") + d.key.name;
+  throw config_error("unknown configuration key '" + key + "' (known keys: " + known + ")");
+}
+
+/// Flattens a TOML document into (dotted key, text value) pairs.
+void flatten(const toml::table& table, const std::string& prefix, const std::string& path,
+             std::vector<std::pair<std::string, std::string>>& out) {
+  for (const auto& [k, node] : table) {
+    const std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (const auto* t = node.as_table()) {
+      flatten(*t, key, path, out);
+    } else if (const auto* s = node.as_string()) {
+      out.emplace_back(key, s->get());
+    } else if (const auto* i = node.as_integer()) {
+      out.emplace_back(key, std::to_string(i->get()));
+    } else if (const auto* f = node.as_floating_point()) {
+      out.emplace_back(key, fmt_double(f->get()));
+    } else if (const auto* a = node.as_array()) {
+      std::string v;
+      for (const auto& e : *a) {
+        const auto* ei = e.as_integer();
+        if (!ei) throw config_error(path + ": " + key + ": expected an array of integers");
+        v += (v.empty() ? "" : ",") + std::to_string(ei->get());
+      }
+      out.emplace_back(key, v);
+    } else {
+      throw config_error(path + ": " + key + ": unsupported value type");
+    }
+  }
+}
+
+}  // namespace
+
+std::string config_key::flag() const {
+  std::string f = name.substr(name.find('.') + 1);
+  std::replace(f.begin(), f.end(), '_', '-');
+  return "--" + f;
+}
+
+const std::vector<config_key>& config_keys() {
+  static const std::vector<config_key> keys = [] {
+    std::vector<config_key> out;
+    for (const auto& d : key_defs()) out.push_back(d.key);
+    return out;
+  }();
+  return keys;
+}
+
+job_config job_config::defaults_for(const std::string& workload) {
+  job_config c;
+  if (workload == "gpt-tiny") return c;
+  if (workload == "fmnist-mlp") {
+    c.workload = workload;
+    c.steps = 937;  // one epoch of 60 000 images in batches of 64 (partial batch dropped)
+    c.global_batch = 64;
+    c.microbatches = 4;  // micro-batch 16
+    c.lr = c.min_lr = 1e-3;
+    c.warmup = 0;
+    c.weight_decay = 0;
+    c.beta2 = 0.999;
+    c.clip = 0;
+    c.eval_interval = 0;
+    return c;
+  }
+  throw config_error("unknown workload '" + workload + "' (expected gpt-tiny or fmnist-mlp)");
+}
+
+void job_config::set(const std::string& key, const std::string& value, const std::string& origin) {
+  const auto& def = find_key(key);
+  try {
+    def.set(*this, value);
+  } catch (const std::invalid_argument& e) {
+    throw config_error(origin + ": " + def.key.name + " = '" + value + "': " + e.what());
+  }
+}
+
+void job_config::validate() const {
+  auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
+  if (workload != "gpt-tiny" && workload != "fmnist-mlp")
+    fail("unknown workload '" + workload + "' (expected gpt-tiny or fmnist-mlp)");
+  if (global_batch % (data_parallel * microbatches) != 0)
+    fail("global_batch " + std::to_string(global_batch) + " is not divisible by data_parallel (" +
+         std::to_string(data_parallel) + ") x microbatches (" + std::to_string(microbatches) + ")");
+  if (min_lr > lr) fail("min_lr " + fmt_double(min_lr) + " is above lr " + fmt_double(lr));
+  try {
+    make_schedule(parse_schedule_kind(schedule), pipeline, microbatches, chunks);
+  } catch (const schedule_error& e) {
+    fail(e.what());
+  }
+  const int layers = model().n_layers();
+  if (split.empty() && layers < pipeline * chunks)
+    fail(workload + " has " + std::to_string(layers) + " layers, too few for " +
+         std::to_string(pipeline) + " stages x " + std::to_string(chunks) + " chunks");
+  if (!split.empty()) {
+    int sum = 0;
+    for (int x : split) sum += x;
+    if (int(split.size()) != pipeline * chunks || sum != layers)
+      fail("split must list " + std::to_string(pipeline * chunks) + " layer counts summing to " +
+           std::to_string(layers));
+  }
+  if (!load.empty() && !init.empty()) fail("give either load (resume) or init (initial weights), not both");
+}
+
+model_spec job_config::model() const {
+  return workload == "fmnist-mlp" ? model_spec::fmnist_mlp() : model_spec::gpt_tiny();
+}
+
+std::string job_config::to_toml() const {
+  std::string out, section;
+  for (const auto& d : key_defs()) {
+    const auto& n = d.key.name;
+    const auto sec = n.substr(0, n.find('.'));
+    if (sec != section) {
+      out += (section.empty() ? "[" : "\n[") + sec + "]\n";
+      section = sec;
+    }
+    out += n.substr(n.find('.') + 1) + " = " + d.get(*this) + "\n";
+  }
+  return out;
+}
+
+job_config load_job_config(const std::string& toml_path,
+                           const std::vector<std::pair<std::string, std::string>>& overrides) {
+  std::vector<std::pair<std::string, std::string>> from_file;
+  if (!toml_path.empty()) {
+    try {
+      auto doc = toml::parse_file(toml_path);
+      flatten(doc, "", toml_path, from_file);
+    } catch (const toml::parse_error& e) {
+      std::ostringstream msg;
+      msg << "cannot read config " << toml_path << ": " << e.description() << " (line "
+          << e.source().begin.line << ", column " << e.source().begin.column << ")";
+      throw config_error(msg.str());
+    }
+  }
+  std::string workload = "gpt-tiny";
+  for (const auto& [k, v] : from_file)
+    if (find_key(k).key.name == "train.workload") workload = v;
+  for (const auto& [k, v] : overrides)
+    if (find_key(k).key.name == "train.workload") workload = v;
+  job_config c = job_config::defaults_for(workload);
+  for (const auto& [k, v] : from_file) c.set(k, v, toml_path);
+  for (const auto& [k, v] : overrides) c.set(k, v, "command line");
+  c.validate();
+  return c;
+}
+
+}  // namespace troupe

@@ -1,0 +1,81 @@
+#pragma once
+// A training job's configuration: workload defaults, then a TOML file, then flags.
+//
+//   [train]     workload, steps, seed, threads, eval_interval
+//   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split
+//   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
+//   [data]      global_batch, fortunes_dir, fmnist_dir
+//   [output]    metrics, save, load, init, checkpoint_interval
+//
+// Every key can also be given as a flag: the key's last part with '-' for '_'
+// (`--data-parallel 2`, `--lr 3e-4`).
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "compute/model.hpp"
+
+namespace troupe {
+
+/// Bad configuration: the message says which key, which value and where it came from.
+struct config_error : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+struct job_config {
+  // [train]
+  std::string workload = "gpt-tiny";  ///< gpt-tiny | fmnist-mlp
+  int steps = 200;                    ///< also the lr schedule's length
+  std::uint64_t seed = 1234;
+  int threads = 0;                    ///< LibTorch intra-op threads (0: its default)
+  int eval_interval = 50;             ///< validation every N steps (and at the end)
+  // [parallel]
+  int pipeline = 1;
+  int data_parallel = 1;
+  int microbatches = 8;               ///< per replica per step
+  int chunks = 1;
+  std::string schedule = "1f1b";
+  std::vector<int> split;             ///< explicit layers per virtual stage
+  // [optimizer]
+  double lr = 1e-3, min_lr = 1e-4;
+  int warmup = 20;
+  double weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double clip = 1.0;                  ///< global-norm clip; 0 disables
+  // [data]
+  int global_batch = 32;
+  std::string fortunes_dir = "/usr/share/games/fortunes";
+  std::string fmnist_dir = "/usr/share/datasets/fashion-mnist";
+  // [output]
+  std::string metrics, save, load, init;
+  int checkpoint_interval = 0;        ///< also save every N steps (0: only at the end)
+
+  /// The defaults of a workload of WORKLOADS.md.
+  static job_config defaults_for(const std::string& workload);
+
+  /// Sets one key ("optimizer.lr" or just "lr") from text; throws config_error.
+  void set(const std::string& key, const std::string& value, const std::string& origin);
+  /// Throws config_error for contradictions (batch not divisible, bad schedule, ...).
+  void validate() const;
+
+  model_spec model() const;
+  int microbatch_size() const { return global_batch / (data_parallel * microbatches); }
+  /// The whole configuration as TOML (what a run actually used).
+  std::string to_toml() const;
+};
+
+/// One configurable key: its full dotted name and a one-line help text.
+struct config_key {
+  std::string name;
+  std::string help;
+  std::string flag() const;  ///< "--data-parallel" for "parallel.data_parallel"
+};
+const std::vector<config_key>& config_keys();
+
+/// Defaults for the workload (flag > file > gpt-tiny), then the TOML file (if any),
+/// then `overrides` (key, value) in order; validated.
+job_config load_job_config(const std::string& toml_path,
+                           const std::vector<std::pair<std::string, std::string>>& overrides);
+
+}  // namespace troupe

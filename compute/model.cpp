@@ -1,0 +1,322 @@
+#include "compute/model.hpp"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/functional.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace F = torch::nn::functional;
+
+namespace troupe {
+
+namespace {
+
+/// A parameter of the full model: name, shape, how it is initialised, decayed or not.
+struct param_spec {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  enum class init { normal, zeros, ones, uniform_fan_in } how;
+  double stddev = 0;
+  bool decay = false;
+};
+
+std::vector<param_spec> gpt_block_params(const gpt_config& c, int i) {
+  const std::string p = "h." + std::to_string(i) + ".";
+  const std::int64_t d = c.d_model, f = c.d_ff;
+  const double proj_std = 0.02 / std::sqrt(2.0 * c.n_layer);
+  using I = param_spec::init;
+  return {
+      {p + "ln_1.weight", {d}, I::ones},
+      {p + "ln_1.bias", {d}, I::zeros},
+      {p + "attn.c_attn.weight", {3 * d, d}, I::normal, 0.02, true},
+      {p + "attn.c_attn.bias", {3 * d}, I::zeros},
+      {p + "attn.c_proj.weight", {d, d}, I::normal, proj_std, true},
+      {p + "attn.c_proj.bias", {d}, I::zeros},
+      {p + "ln_2.weight", {d}, I::ones},
+      {p + "ln_2.bias", {d}, I::zeros},
+      {p + "mlp.c_fc.weight", {f, d}, I::normal, 0.02, true},
+      {p + "mlp.c_fc.bias", {f}, I::zeros},
+      {p + "mlp.c_proj.weight", {d, f}, I::normal, proj_std, true},
+      {p + "mlp.c_proj.bias", {d}, I::zeros},
+  };
+}
+
+std::vector<param_spec> gpt_embedding_params(const gpt_config& c) {
+  using I = param_spec::init;
+  return {{"wte.weight", {c.vocab, c.d_model}, I::normal, 0.02, true},
+          {"wpe.weight", {c.seq_len, c.d_model}, I::normal, 0.02, false}};
+}
+
+std::vector<param_spec> gpt_head_params(const gpt_config& c) {
+  using I = param_spec::init;
+  return {{"ln_f.weight", {c.d_model}, I::ones}, {"ln_f.bias", {c.d_model}, I::zeros}};
+}
+
+std::vector<param_spec> mlp_layer_params(const std::vector<int>& w, int i) {
+  const std::string p = "net." + std::to_string(2 * i) + ".";
+  using I = param_spec::init;
+  // PyTorch's default Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias.
+  return {{p + "weight", {w[i + 1], w[i]}, I::uniform_fan_in, 0, false},
+          {p + "bias", {w[i + 1]}, I::uniform_fan_in, 0, false}};
+}
+
+/// The full model's parameters in canonical (state_dict) order.
+std::vector<param_spec> all_params(const model_spec& spec) {
+  std::vector<param_spec> out;
+  auto append = [&](std::vector<param_spec> v) { out.insert(out.end(), v.begin(), v.end()); };
+  if (spec.type == model_spec::kind::gpt) {
+    append(gpt_embedding_params(spec.gpt));
+    for (int i = 0; i < spec.gpt.n_layer; ++i) append(gpt_block_params(spec.gpt, i));
+    append(gpt_head_params(spec.gpt));
+  } else {
+    for (int i = 0; i < spec.n_layers(); ++i) append(mlp_layer_params(spec.mlp_widths, i));
+  }
+  return out;
+}
+
+bool decays(const model_spec& spec, const std::string& name) {
+  for (const auto& p : all_params(spec))
+    if (p.name == name) return p.decay;
+  return false;
+}
+
+std::string shape_str(c10::IntArrayRef s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+}  // namespace
+
+std::vector<std::string> parameter_names(const model_spec& spec) {
+  std::vector<std::string> out;
+  for (const auto& p : all_params(spec)) out.push_back(p.name);
+  return out;
+}
+
+state_dict initial_state(const model_spec& spec, std::uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(seed);
+  state_dict out;
+  for (const auto& p : all_params(spec)) {
+    auto t = torch::empty(p.shape, torch::kFloat32);
+    switch (p.how) {
+      case param_spec::init::normal: t.normal_(0.0, p.stddev, gen); break;
+      case param_spec::init::zeros: t.zero_(); break;
+      case param_spec::init::ones: t.fill_(1.0); break;
+      case param_spec::init::uniform_fan_in: {
+        // fan_in is the weight's second dimension (a bias uses its layer's weight's).
+        const auto& w = spec.mlp_widths;
+        const int layer = std::stoi(p.name.substr(4)) / 2;
+        const double bound = 1.0 / std::sqrt(double(w[layer]));
+        t.uniform_(-bound, bound, gen);
+        break;
+      }
+    }
+    out.emplace_back(p.name, t);
+  }
+  return out;
+}
+
+void check_state(const model_spec& spec, const state_dict& state) {
+  std::map<std::string, torch::Tensor> given(state.begin(), state.end());
+  std::vector<std::string> problems;
+  for (const auto& p : all_params(spec)) {
+    auto it = given.find(p.name);
+    if (it == given.end()) {
+      problems.push_back("missing " + p.name);
+      continue;
+    }
+    if (it->second.sizes() != c10::IntArrayRef(p.shape))
+      problems.push_back(p.name + " has shape " + shape_str(it->second.sizes()) + ", expected " +
+                         shape_str(p.shape));
+    else if (!it->second.is_floating_point())
+      problems.push_back(p.name + " is not a floating-point tensor");
+    given.erase(it);
+  }
+  for (const auto& [name, t] : given) problems.push_back("unexpected " + name);
+  if (!problems.empty()) {
+    std::string msg = "state_dict does not fit model " + spec.name() + ": ";
+    for (std::size_t i = 0; i < problems.size() && i < 8; ++i) msg += (i ? "; " : "") + problems[i];
+    if (problems.size() > 8) msg += "; and " + std::to_string(problems.size() - 8) + " more";
+    throw model_error(msg);
+  }
+}
+
+// --- model_slice ---------------------------------------------------------------------
+
+torch::Tensor& model_slice::param(const std::string& name) {
+  auto it = index_.find(name);
+  if (it == index_.end()) throw model_error("slice has no parameter " + name);
+  return params_[it->second];
+}
+
+state_dict model_slice::state(bool include_shared_copies) const {
+  state_dict out;
+  for (std::size_t i = 0; i < entries_.size(); ++i)
+    if (include_shared_copies || !entries_[i].shared_copy)
+      out.emplace_back(entries_[i].name, params_[i].detach().clone());
+  return out;
+}
+
+void model_slice::allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
+                           const std::vector<std::string>& shared_copies, std::int64_t pad_to) {
+  std::map<std::string, torch::Tensor> given(state.begin(), state.end());
+  entries_.clear();
+  std::int64_t offset = 0;
+  for (const auto& name : names) {
+    auto it = given.find(name);
+    if (it == given.end()) throw model_error("state_dict has no parameter " + name);
+    param_entry e;
+    e.name = name;
+    e.shape = it->second.sizes().vec();
+    e.offset = offset;
+    e.numel = it->second.numel();
+    e.decay = decays(spec, name);
+    e.shared_copy = std::find(shared_copies.begin(), shared_copies.end(), name) != shared_copies.end();
+    offset += e.numel;
+    entries_.push_back(e);
+  }
+  numel_ = offset;
+  pad_to = std::max<std::int64_t>(pad_to, 1);
+  const std::int64_t padded = (offset + pad_to - 1) / pad_to * pad_to;
+  torch::NoGradGuard no_grad;
+  flat_params_ = torch::zeros({padded}, torch::kFloat32);
+  flat_grads_ = torch::zeros({padded}, torch::kFloat32);
+  params_.clear();
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    const auto& e = entries_[i];
+    auto p = flat_params_.narrow(0, e.offset, e.numel).view(e.shape);
+    p.copy_(given.at(e.name).to(torch::kFloat32));
+    p.requires_grad_(true);
+    p.mutable_grad() = flat_grads_.narrow(0, e.offset, e.numel).view(e.shape);
+    params_.push_back(p);
+    index_[e.name] = i;
+  }
+}
+
+namespace {
+
+// --- gpt-tiny --------------------------------------------------------------------------
+
+class gpt_slice final : public model_slice {
+ public:
+  gpt_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
+            std::int64_t pad_to)
+      : cfg_(spec.gpt) {
+    range_ = range;
+    std::vector<std::string> names, shared;
+    if (range.first_slice)
+      for (const auto& p : gpt_embedding_params(cfg_)) names.push_back(p.name);
+    else if (range.last_slice) {
+      names.push_back("wte.weight");  // tied output layer: this stage's copy
+      shared.push_back("wte.weight");
+    }
+    for (int i = range.first; i < range.last; ++i)
+      for (const auto& p : gpt_block_params(cfg_, i)) names.push_back(p.name);
+    if (range.last_slice)
+      for (const auto& p : gpt_head_params(cfg_)) names.push_back(p.name);
+    allocate(spec, state, names, shared, pad_to);
+    causal_ = torch::ones({cfg_.seq_len, cfg_.seq_len}, torch::kBool).tril();
+  }
+
+  torch::Tensor forward(const torch::Tensor& input) override {
+    torch::Tensor x = input;
+    if (is_first()) {
+      const auto T = input.size(1);
+      auto pos = torch::arange(T, torch::kInt64);
+      x = torch::embedding(param("wte.weight"), input) + torch::embedding(param("wpe.weight"), pos);
+    }
+    for (int i = range_.first; i < range_.last; ++i) x = block(x, i);
+    if (is_last()) x = layer_norm(x, "ln_f");
+    return x;
+  }
+
+  torch::Tensor logits(const torch::Tensor& output) override {
+    return torch::linear(output, param("wte.weight"));
+  }
+
+  torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override {
+    auto l = logits(output);
+    return F::cross_entropy(l.view({-1, l.size(-1)}), target.reshape({-1}));
+  }
+
+ private:
+  torch::Tensor layer_norm(const torch::Tensor& x, const std::string& p) {
+    return torch::layer_norm(x, {cfg_.d_model}, param(p + ".weight"), param(p + ".bias"), 1e-5);
+  }
+  torch::Tensor linear(const torch::Tensor& x, const std::string& p) {
+    return torch::linear(x, param(p + ".weight"), param(p + ".bias"));
+  }
+
+  torch::Tensor block(torch::Tensor x, int i) {
+    const std::string p = "h." + std::to_string(i) + ".";
+    const auto B = x.size(0), T = x.size(1), d = x.size(2);
+    const std::int64_t H = cfg_.n_head, hd = d / H;
+    // attention: fused qkv, causal softmax(q k^T / sqrt(hd)) v, output projection
+    auto qkv = linear(layer_norm(x, p + "ln_1"), p + "attn.c_attn").split(d, /*dim=*/2);
+    auto q = qkv[0].view({B, T, H, hd}).transpose(1, 2);
+    auto k = qkv[1].view({B, T, H, hd}).transpose(1, 2);
+    auto v = qkv[2].view({B, T, H, hd}).transpose(1, 2);
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+    att = att.masked_fill(causal_.slice(0, 0, T).slice(1, 0, T).logical_not(),
+                          -std::numeric_limits<float>::infinity());
+    att = torch::softmax(att, /*dim=*/-1);
+    auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, d});
+    x = x + linear(y, p + "attn.c_proj");
+    // mlp: c_fc, exact GELU, c_proj
+    auto h = torch::gelu(linear(layer_norm(x, p + "ln_2"), p + "mlp.c_fc"));
+    return x + linear(h, p + "mlp.c_proj");
+  }
+
+  gpt_config cfg_;
+  torch::Tensor causal_;
+};
+
+// --- fmnist-mlp ------------------------------------------------------------------------
+
+class mlp_slice final : public model_slice {
+ public:
+  mlp_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
+            std::int64_t pad_to)
+      : n_layers_(spec.n_layers()) {
+    range_ = range;
+    std::vector<std::string> names;
+    for (int i = range.first; i < range.last; ++i)
+      for (const auto& p : mlp_layer_params(spec.mlp_widths, i)) names.push_back(p.name);
+    allocate(spec, state, names, {}, pad_to);
+  }
+
+  torch::Tensor forward(const torch::Tensor& input) override {
+    torch::Tensor x = input;
+    for (int i = range_.first; i < range_.last; ++i) {
+      const std::string p = "net." + std::to_string(2 * i) + ".";
+      x = torch::linear(x, param(p + "weight"), param(p + "bias"));
+      if (i + 1 < n_layers_) x = torch::relu(x);
+    }
+    return x;
+  }
+  torch::Tensor logits(const torch::Tensor& output) override { return output; }
+  torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override {
+    return F::cross_entropy(output, target);
+  }
+
+ private:
+  int n_layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
+                                        const state_dict& state, std::int64_t pad_to) {
+  if (range.first < 0 || range.last > spec.n_layers() || range.first >= range.last)
+    throw model_error("layer range [" + std::to_string(range.first) + ", " +
+                      std::to_string(range.last) + ") does not fit " + spec.name() + " with " +
+                      std::to_string(spec.n_layers()) + " layers");
+  if (spec.type == model_spec::kind::gpt)
+    return std::make_unique<gpt_slice>(spec, range, state, pad_to);
+  return std::make_unique<mlp_slice>(spec, range, state, pad_to);
+}
+
+}  // namespace troupe

@@ -1,0 +1,129 @@
+#pragma once
+// The two reference models of WORKLOADS.md, buildable as slices of their layers.
+//
+// A slice owns a contiguous range of layers. Its parameters live in one flat fp32 buffer
+// (each parameter is a view into it) and their gradients in another flat buffer of the
+// same layout (each `.grad()` is a view), so optimizer shards and collectives can work
+// on contiguous ranges that ignore parameter boundaries (Megatron's distributed optimizer).
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "compute/partition.hpp"
+
+namespace troupe {
+
+struct model_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// GPT-2 style decoder (WORKLOADS.md "gpt-tiny").
+struct gpt_config {
+  int n_layer = 8;
+  int n_head = 4;
+  int d_model = 128;
+  int d_ff = 512;
+  int seq_len = 128;
+  int vocab = 256;
+};
+
+/// Which model and its shape.
+struct model_spec {
+  enum class kind { gpt, mlp };
+  kind type = kind::gpt;
+  gpt_config gpt;
+  std::vector<int> mlp_widths{784, 512, 512, 256, 10};  ///< fmnist-mlp
+
+  static model_spec gpt_tiny() { return {}; }
+  static model_spec fmnist_mlp() {
+    model_spec s;
+    s.type = kind::mlp;
+    return s;
+  }
+  /// Number of sliceable layers (transformer blocks or Linear layers).
+  int n_layers() const { return type == kind::gpt ? gpt.n_layer : int(mlp_widths.size()) - 1; }
+  std::string name() const { return type == kind::gpt ? "gpt" : "fmnist-mlp"; }
+};
+
+/// An ordered `state_dict`: parameter name -> tensor, in the model's canonical order.
+using state_dict = std::vector<std::pair<std::string, torch::Tensor>>;
+
+/// The full model's initial parameters for `seed` (WORKLOADS.md init), canonical order.
+state_dict initial_state(const model_spec& spec, std::uint64_t seed);
+
+/// The full model's parameter names in canonical (state_dict) order.
+std::vector<std::string> parameter_names(const model_spec& spec);
+
+/// Checks that `state` holds exactly the full model's parameters with the right shapes;
+/// throws model_error naming every missing, unexpected or mis-shaped entry.
+void check_state(const model_spec& spec, const state_dict& state);
+
+/// One parameter's place in a slice's flat buffers.
+struct param_entry {
+  std::string name;              ///< global (GPT-2) name, e.g. "h.3.attn.c_attn.weight"
+  std::vector<std::int64_t> shape;
+  std::int64_t offset = 0;       ///< first element in the flat buffers
+  std::int64_t numel = 0;
+  bool decay = false;            ///< weight decay applies (2-D weights, not wpe)
+  bool shared_copy = false;      ///< a second copy of a tied parameter (last stage's wte):
+                                 ///< its gradient is summed with the owner's, it is not
+                                 ///< counted twice in the grad norm nor saved twice
+};
+
+/// A contiguous slice of a model's layers with flat parameter and gradient buffers.
+
+class model_slice {
+ public:
+  virtual ~model_slice() = default;
+
+  /// First slice: `input` is data (token ids, or images); otherwise the previous
+  /// slice's activation. Last slice: returns the final features (see `loss`).
+  virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  /// Last slice only: mean loss of `output` (from forward) against `target`.
+  virtual torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) = 0;
+  /// Last slice only: logits from `output` (for accuracy).
+  virtual torch::Tensor logits(const torch::Tensor& output) = 0;
+
+  const layer_range& range() const { return range_; }
+  bool is_first() const { return range_.first_slice; }
+  bool is_last() const { return range_.last_slice; }
+
+  const std::vector<param_entry>& entries() const { return entries_; }
+  /// Parameter views, in entry order.
+  const std::vector<torch::Tensor>& parameters() const { return params_; }
+  torch::Tensor& param(const std::string& name);
+  /// Flat buffers; their length is the entries' total rounded up to `pad_to`.
+  torch::Tensor flat_params() const { return flat_params_; }
+  torch::Tensor flat_grads() const { return flat_grads_; }
+  std::int64_t numel() const { return numel_; }  ///< without padding
+  void zero_grads() { flat_grads_.zero_(); }
+
+  /// This slice's parameters (shared copies left out) as a state_dict (clones).
+  state_dict state(bool include_shared_copies = false) const;
+
+ protected:
+  /// Lays out `names` (taken from `state`) into the flat buffers.
+  void allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
+                const std::vector<std::string>& shared_copies, std::int64_t pad_to);
+  layer_range range_;
+
+ private:
+  std::vector<param_entry> entries_;
+  std::vector<torch::Tensor> params_;
+  std::map<std::string, std::size_t> index_;
+  torch::Tensor flat_params_, flat_grads_;
+  std::int64_t numel_ = 0;
+};
+
+/// Builds the slice for `range`, taking its parameters from a full-model `state`.
+/// `pad_to`: flat buffers are padded to a multiple of this (the data-parallel width).
+std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
+                                        const state_dict& state, std::int64_t pad_to = 1);
+
+}  // namespace troupe

@@ -1,0 +1,120 @@
+#include "compute/pipeline.hpp"
+
+#include <map>
+
+namespace troupe {
+
+local_pipeline::local_pipeline(const model_spec& spec, const state_dict& init, int stages,
+                               int chunks, const std::vector<int>& split, std::int64_t pad_to)
+    : spec_(spec), stages_(stages), chunks_(chunks) {
+  check_state(spec, init);
+  for (const auto& range : partition_layers(spec.n_layers(), stages, chunks, split))
+    slices_.push_back(make_slice(spec, range, init, pad_to));
+}
+
+std::vector<double> local_pipeline::run_step(const schedule& sched,
+                                             const std::vector<batch>& microbatches,
+                                             double loss_weight) {
+  const int p = stages_, m = sched.microbatches, n_virtual = virtual_stages();
+  if (sched.stages != p || sched.chunks != chunks_)
+    throw schedule_error("schedule is for " + std::to_string(sched.stages) + " stages x " +
+                         std::to_string(sched.chunks) + " chunks, pipeline has " +
+                         std::to_string(p) + " x " + std::to_string(chunks_));
+  if (static_cast<int>(microbatches.size()) != m)
+    throw schedule_error("schedule has " + std::to_string(m) + " micro-batches, got " +
+                         std::to_string(microbatches.size()));
+  // Per (virtual stage, micro-batch): the input it received, its output, and the
+  // gradient of its output once the next virtual stage has run its backward.
+  const auto at = [m](int x, int mb) { return std::size_t(x) * m + mb; };
+  std::vector<torch::Tensor> inputs(std::size_t(n_virtual) * m), outputs(inputs.size()),
+      grads(inputs.size());
+  std::vector<char> forward_done(inputs.size(), 0);
+  std::vector<double> losses(m, 0.0);
+  std::vector<std::size_t> next(p, 0);
+  std::size_t remaining = 0;
+  for (const auto& ops : sched.ranks) remaining += ops.size();
+
+  while (remaining > 0) {
+    bool progressed = false;
+    for (int r = 0; r < p; ++r) {
+      const auto& ops = sched.ranks[r];
+      while (next[r] < ops.size()) {
+        const auto& op = ops[next[r]];
+        const int x = op.chunk * p + r;
+        auto& s = *slices_[x];
+        const auto i = at(x, op.mb);
+        if (op.kind == op_kind::forward) {
+          torch::Tensor in;
+          if (x == 0) {
+            in = microbatches[op.mb].input;
+          } else {
+            if (!forward_done[at(x - 1, op.mb)]) break;
+            // Receive: a fresh leaf, so this slice's backward stops here and yields
+            // the gradient to hand back to the previous slice.
+            in = outputs[at(x - 1, op.mb)].detach().requires_grad_(true);
+          }
+          inputs[i] = in;
+          auto out = s.forward(in);
+          if (x == n_virtual - 1) {
+            auto l = s.loss(out, microbatches[op.mb].target);
+            losses[op.mb] = l.item<double>();
+            out = l * loss_weight;
+          }
+          outputs[i] = out;
+          forward_done[i] = 1;
+        } else {
+          if (!forward_done[i]) break;
+          if (x == n_virtual - 1) {
+            outputs[i].backward();
+          } else {
+            if (!grads[i].defined()) break;
+            outputs[i].backward(grads[i]);
+          }
+          if (x > 0) grads[at(x - 1, op.mb)] = inputs[i].grad();
+          inputs[i] = outputs[i] = grads[i] = torch::Tensor();  // per-step state dropped
+        }
+        ++next[r];
+        --remaining;
+        progressed = true;
+      }
+    }
+    if (!progressed) throw schedule_error("pipeline run cannot make progress: " + validate(sched));
+  }
+  return losses;
+}
+
+void local_pipeline::sum_tied_grads() {
+  if (spec_.type != model_spec::kind::gpt || slices_.size() < 2) return;
+  torch::NoGradGuard no_grad;
+  auto& first = slices_.front()->param("wte.weight").mutable_grad();
+  auto& last = slices_.back()->param("wte.weight").mutable_grad();
+  first.add_(last);
+  last.copy_(first);
+}
+
+void local_pipeline::zero_grads() {
+  for (auto& s : slices_) s->zero_grads();
+}
+
+torch::Tensor local_pipeline::forward(const torch::Tensor& input) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor x = input;
+  for (auto& s : slices_) x = s->forward(x);
+  return x;
+}
+
+double local_pipeline::loss(const batch& b) {
+  torch::NoGradGuard no_grad;
+  return slices_.back()->loss(forward(b.input), b.target).item<double>();
+}
+
+state_dict local_pipeline::state() const {
+  std::map<std::string, torch::Tensor> all;
+  for (const auto& s : slices_)
+    for (auto& [name, t] : s->state()) all.emplace(name, t);
+  state_dict out;
+  for (const auto& name : parameter_names(spec_)) out.emplace_back(name, all.at(name));
+  return out;
+}
+
+}  // namespace troupe

@@ -1,0 +1,55 @@
+#pragma once
+// One pipeline replica in one process: p stages x v chunks of model slices, run in a
+// schedule's order with tensors handed over in memory. This is the plain-LibTorch
+// reference that the actor runtime is checked against.
+#include <memory>
+#include <vector>
+
+#include "compute/data.hpp"
+#include "compute/model.hpp"
+#include "compute/schedule.hpp"
+
+namespace troupe {
+
+class local_pipeline {
+ public:
+  /// `split`: explicit layer counts per virtual stage (empty: even split);
+  /// `pad_to`: flat buffers padded to a multiple of this (data-parallel width).
+  local_pipeline(const model_spec& spec, const state_dict& init, int stages, int chunks = 1,
+                 const std::vector<int>& split = {}, std::int64_t pad_to = 1);
+
+  int stages() const { return stages_; }
+  int chunks() const { return chunks_; }
+  int virtual_stages() const { return int(slices_.size()); }
+  model_slice& slice(int virtual_stage) { return *slices_.at(virtual_stage); }
+  model_slice& slice(int stage, int chunk) { return *slices_.at(chunk * stages_ + stage); }
+  const model_spec& spec() const { return spec_; }
+
+  /// Runs one step's forwards and backwards: each stage follows its order in `sched`,
+  /// an op runs once its input (activation or gradient) exists. Gradients accumulate
+  /// into the slices' grad buffers; each micro-batch's loss is multiplied by
+  /// `loss_weight` before its backward. Returns every micro-batch's (unweighted) loss.
+  /// Throws schedule_error if the schedule cannot make progress.
+  std::vector<double> run_step(const schedule& sched, const std::vector<batch>& microbatches,
+                               double loss_weight);
+
+  /// Sums the gradients of the two copies of the tied embedding (first and last
+  /// stage) into both, as Megatron's embedding-group all-reduce does.
+  void sum_tied_grads();
+  void zero_grads();
+
+  /// Forward through every slice without autograd; returns the last slice's output.
+  torch::Tensor forward(const torch::Tensor& input);
+  /// Mean loss of a batch (no autograd).
+  double loss(const batch& b);
+
+  /// Full-model parameters (each once, canonical order), cloned.
+  state_dict state() const;
+
+ private:
+  model_spec spec_;
+  int stages_, chunks_;
+  std::vector<std::unique_ptr<model_slice>> slices_;
+};
+
+}  // namespace troupe

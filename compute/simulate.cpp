@@ -1,0 +1,127 @@
+// Validator and simulator of pipeline schedules: an event-driven replay of every stage's
+// order in which an op starts when its stage is free and its inputs exist.
+#include <algorithm>
+#include <sstream>
+
+#include "compute/schedule.hpp"
+
+namespace troupe {
+
+namespace {
+
+/// Replays `s`; calls on_op(stage, index, start, end) for every op. Returns an empty
+/// string, or a description of the deadlock.
+template <class OnOp>
+std::string replay(const schedule& s, double f, double b, OnOp on_op) {
+  const int p = s.stages, m = s.microbatches, n_virtual = s.stages * s.chunks;
+  std::vector<double> f_end(std::size_t(n_virtual) * m, -1.0), b_end(std::size_t(n_virtual) * m, -1.0);
+  std::vector<std::size_t> next(p, 0);
+  std::vector<double> free_at(p, 0.0);
+  std::size_t remaining = 0;
+  for (const auto& ops : s.ranks) remaining += ops.size();
+  while (remaining > 0) {
+    bool progressed = false;
+    for (int r = 0; r < p; ++r) {
+      const auto& ops = s.ranks[r];
+      while (next[r] < ops.size()) {
+        const auto& op = ops[next[r]];
+        const int x = op.chunk * p + r;
+        const std::size_t here = std::size_t(x) * m + op.mb;
+        double ready = 0;
+        if (op.kind == op_kind::forward) {
+          if (x > 0) {
+            ready = f_end[here - m];
+            if (ready < 0) break;
+          }
+        } else {
+          ready = f_end[here];
+          if (ready < 0) break;
+          if (x < n_virtual - 1) {
+            if (b_end[here + m] < 0) break;
+            ready = std::max(ready, b_end[here + m]);
+          }
+        }
+        const double start = std::max(free_at[r], ready);
+        const double end = start + (op.kind == op_kind::forward ? f : b);
+        (op.kind == op_kind::forward ? f_end : b_end)[here] = end;
+        free_at[r] = end;
+        on_op(r, next[r], start, end);
+        ++next[r];
+        --remaining;
+        progressed = true;
+      }
+    }
+    if (!progressed) {
+      std::ostringstream why;
+      why << "deadlock: no stage can run its next op (";
+      bool first = true;
+      for (int r = 0; r < p; ++r)
+        if (next[r] < s.ranks[r].size()) {
+          why << (first ? "" : ", ") << "stage " << r << " waits at "
+              << to_string(s.ranks[r][next[r]], s.chunks > 1);
+          first = false;
+        }
+      why << ")";
+      return why.str();
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+std::string validate(const schedule& s) {
+  if (s.stages < 1 || s.microbatches < 1 || s.chunks < 1) return "empty schedule";
+  if (static_cast<int>(s.ranks.size()) != s.stages)
+    return "schedule has " + std::to_string(s.ranks.size()) + " rank lists for " +
+           std::to_string(s.stages) + " stages";
+  const int m = s.microbatches;
+  for (int r = 0; r < s.stages; ++r) {
+    std::vector<int> seen_f(std::size_t(s.chunks) * m, 0), seen_b(std::size_t(s.chunks) * m, 0);
+    for (const auto& op : s.ranks[r]) {
+      if (op.mb < 0 || op.mb >= m || op.chunk < 0 || op.chunk >= s.chunks)
+        return "stage " + std::to_string(r) + " has out-of-range op " + to_string(op, true);
+      const auto i = std::size_t(op.chunk) * m + op.mb;
+      if (op.kind == op_kind::forward) {
+        if (seen_f[i]++) return "stage " + std::to_string(r) + " runs " + to_string(op, true) + " twice";
+      } else {
+        if (seen_b[i]++) return "stage " + std::to_string(r) + " runs " + to_string(op, true) + " twice";
+        if (!seen_f[i])
+          return "stage " + std::to_string(r) + " runs " + to_string(op, true) + " before its forward";
+      }
+    }
+    for (std::size_t i = 0; i < seen_f.size(); ++i)
+      if (!seen_f[i] || !seen_b[i])
+        return "stage " + std::to_string(r) + " never runs " + (!seen_f[i] ? "F" : "B") +
+               std::to_string(i % m) + "." + std::to_string(i / m);
+  }
+  return replay(s, 1.0, 1.0, [](int, std::size_t, double, double) {});
+}
+
+simulation simulate(const schedule& s, double f, double b) {
+  simulation out;
+  out.busy.assign(s.stages, 0.0);
+  out.peak_activations.assign(s.stages, 0);
+  out.times.resize(s.stages);
+  for (int r = 0; r < s.stages; ++r) out.times[r].resize(s.ranks[r].size());
+  const auto error = replay(s, f, b, [&](int r, std::size_t i, double start, double end) {
+    out.times[r][i] = {start, end};
+    out.busy[r] += end - start;
+    out.makespan = std::max(out.makespan, end);
+  });
+  if (!error.empty()) throw schedule_error(error);
+  // Activations in flight: forwards run minus backwards run, in each stage's order.
+  for (int r = 0; r < s.stages; ++r) {
+    int live = 0;
+    for (const auto& op : s.ranks[r]) {
+      live += op.kind == op_kind::forward ? 1 : -1;
+      out.peak_activations[r] = std::max(out.peak_activations[r], live);
+    }
+  }
+  double busy = 0;
+  for (double x : out.busy) busy += x;
+  out.bubble = out.makespan > 0 ? 1.0 - busy / (s.stages * out.makespan) : 0.0;
+  return out;
+}
+
+}  // namespace troupe

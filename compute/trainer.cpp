@@ -1,0 +1,264 @@
+#include "compute/trainer.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "compute/checkpoint.hpp"
+
+namespace troupe {
+
+// --- training_data ---------------------------------------------------------------------
+
+training_data::training_data(const job_config& cfg) : cfg_(cfg) {
+  if (cfg.workload == "fmnist-mlp")
+    images_ = std::make_unique<fashion_mnist>(cfg.fmnist_dir);
+  else
+    text_ = std::make_unique<fortunes_corpus>(cfg.fortunes_dir);
+}
+
+batch training_data::samples(int step, int first, int count) {
+  const std::int64_t B = cfg_.global_batch;
+  if (text_) return text_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().gpt.seq_len);
+  // Fashion-MNIST: step t of epoch e takes positions [B t, B t + B) of e's order.
+  const int per_epoch = images_->train_size() / int(B);
+  const int epoch = step / per_epoch;
+  if (epoch != order_epoch_) {
+    order_ = images_->epoch_order(cfg_.seed, epoch);
+    order_epoch_ = epoch;
+  }
+  return images_->train_batch(order_, std::int64_t(step % per_epoch) * B + first, count);
+}
+
+batch training_data::evaluation_set() const {
+  return text_ ? text_->validation_batch(cfg_.model().gpt.seq_len) : images_->test_set();
+}
+
+std::int64_t training_data::tokens_per_sample() const { return text_ ? cfg_.model().gpt.seq_len : 1; }
+
+// --- local_trainer ---------------------------------------------------------------------
+
+local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> init)
+    : cfg_(cfg),
+      spec_(cfg.model()),
+      sched_(make_schedule(parse_schedule_kind(cfg.schedule), cfg.pipeline, cfg.microbatches, cfg.chunks)),
+      lrs_{cfg.lr, cfg.min_lr, cfg.warmup},
+      data_(cfg) {
+  cfg_.validate();
+  if (!init) init = cfg.init.empty() ? initial_state(spec_, cfg.seed) : load_state_dict(cfg.init);
+  check_state(spec_, *init);
+  const int d = cfg.data_parallel;
+  for (int r = 0; r < d; ++r)
+    replicas_.push_back(std::make_unique<local_pipeline>(spec_, *init, cfg.pipeline, cfg.chunks, cfg.split, d));
+  const adamw_options opts{cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
+  auto& first = *replicas_.front();
+  for (int x = 0; x < first.virtual_stages(); ++x) {
+    auto& s = first.slice(x);
+    const auto ranges = shard_ranges(s.flat_params().numel(), d);
+    for (int r = 0; r < d; ++r) {
+      const auto& range = ranges[r];
+      shards_.push_back({x, r, range,
+                         adamw_shard(s.flat_params().narrow(0, range.begin, range.size()),
+                                     decay_mask(s.entries(), range), opts),
+                         norm_mask(s.entries(), range)});
+    }
+  }
+  if (!cfg.load.empty()) load_checkpoint(cfg.load);
+}
+
+step_stats local_trainer::step() {
+  const auto t0 = std::chrono::steady_clock::now();
+  step_stats st;
+  st.step = next_step_;
+  st.lr = lrs_.at(next_step_, cfg_.steps);
+  const int d = cfg_.data_parallel, m = cfg_.microbatches, mbs = cfg_.microbatch_size();
+  const double weight = double(mbs) / cfg_.global_batch;  // each micro-batch's share
+  // Forward and backward of every replica, in schedule order.
+  for (int r = 0; r < d; ++r) {
+    std::vector<batch> mb;
+    for (int k = 0; k < m; ++k) mb.push_back(data_.samples(next_step_, r * m * mbs + k * mbs, mbs));
+    for (double l : replicas_[r]->run_step(sched_, mb, weight)) st.loss += l * weight;
+    replicas_[r]->sum_tied_grads();
+  }
+  torch::NoGradGuard no_grad;
+  // Reduce-scatter: each shard receives the sum over replicas of its range (rank order).
+  std::vector<torch::Tensor> reduced(shards_.size());
+  double sq_norm = 0;
+  for (std::size_t i = 0; i < shards_.size(); ++i) {
+    const auto& sh = shards_[i];
+    auto sum = replicas_[0]->slice(sh.virtual_stage).flat_grads().narrow(0, sh.range.begin, sh.range.size()).clone();
+    for (int r = 1; r < d; ++r)
+      sum.add_(replicas_[r]->slice(sh.virtual_stage).flat_grads().narrow(0, sh.range.begin, sh.range.size()));
+    sq_norm += partial_sq_norm(sum, sh.norm_mask);
+    reduced[i] = sum;
+  }
+  st.grad_norm = std::sqrt(sq_norm);
+  const double scale = cfg_.clip > 0 ? clip_factor(sq_norm, cfg_.clip) : 1.0;
+  // Update each shard, then all-gather: every replica copies every updated range.
+  for (std::size_t i = 0; i < shards_.size(); ++i) {
+    auto& sh = shards_[i];
+    sh.opt.step(reduced[i], st.lr, scale);
+    for (auto& rep : replicas_)
+      rep->slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(sh.opt.params());
+  }
+  for (auto& rep : replicas_) rep->zero_grads();
+  ++next_step_;
+  st.tokens = std::int64_t(cfg_.global_batch) * data_.tokens_per_sample();
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+double local_trainer::evaluation_loss() { return replicas_[0]->loss(data_.evaluation_set()); }
+
+double local_trainer::test_accuracy() {
+  const auto b = data_.evaluation_set();
+  auto& pipe = *replicas_[0];
+  torch::NoGradGuard no_grad;
+  auto logits = pipe.slice(pipe.virtual_stages() - 1).logits(pipe.forward(b.input));
+  return logits.argmax(-1).eq(b.target).to(torch::kFloat64).mean().item<double>();
+}
+
+state_dict local_trainer::state() const { return replicas_[0]->state(); }
+
+state_dict local_trainer::optimizer_state() const {
+  std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> moments;
+  for (const auto& sh : shards_) {
+    const auto& entries = replicas_[0]->slice(sh.virtual_stage).entries();
+    for (const auto& piece : shard_pieces(entries, sh.range)) {
+      const auto& e = entries[piece.entry];
+      if (e.shared_copy) continue;
+      auto& [m, v] = moments[e.name];
+      if (!m.defined()) {
+        m = torch::zeros({e.numel}, torch::kFloat32);
+        v = torch::zeros({e.numel}, torch::kFloat32);
+      }
+      m.narrow(0, piece.in_param.begin, piece.in_param.size())
+          .copy_(sh.opt.exp_avg().narrow(0, piece.in_shard.begin, piece.in_shard.size()));
+      v.narrow(0, piece.in_param.begin, piece.in_param.size())
+          .copy_(sh.opt.exp_avg_sq().narrow(0, piece.in_shard.begin, piece.in_shard.size()));
+    }
+  }
+  state_dict out;
+  out.emplace_back("step", torch::tensor({std::int64_t(next_step_)}, torch::kInt64));
+  const auto shapes = replicas_[0]->state();
+  for (const auto& [name, p] : shapes) {
+    out.emplace_back("exp_avg." + name, moments.at(name).first.view(p.sizes()));
+    out.emplace_back("exp_avg_sq." + name, moments.at(name).second.view(p.sizes()));
+  }
+  return out;
+}
+
+void local_trainer::save_checkpoint(const std::string& path) const {
+  // Optimizer first: a model file next to a stale optimizer file is never the newest.
+  save_state_dict(path + ".optim", optimizer_state());
+  save_state_dict(path, state());
+}
+
+void local_trainer::load_checkpoint(const std::string& path) {
+  auto model = load_state_dict(path);
+  check_state(spec_, model);
+  auto optim = load_state_dict(path + ".optim");
+  std::map<std::string, torch::Tensor> by_name(optim.begin(), optim.end());
+  auto get = [&](const std::string& name) {
+    auto it = by_name.find(name);
+    if (it == by_name.end())
+      throw checkpoint_error("optimizer checkpoint " + path + ".optim has no entry " + name);
+    return it->second.reshape({-1}).to(torch::kFloat32);
+  };
+  const auto step = by_name.count("step") ? by_name.at("step").item<std::int64_t>() : -1;
+  if (step < 0 || step > cfg_.steps)
+    throw checkpoint_error("optimizer checkpoint " + path + ".optim has no valid step");
+  torch::NoGradGuard no_grad;
+  std::map<std::string, torch::Tensor> params(model.begin(), model.end());
+  for (auto& sh : shards_) {
+    const auto& entries = replicas_[0]->slice(sh.virtual_stage).entries();
+    for (const auto& piece : shard_pieces(entries, sh.range)) {
+      const auto& name = entries[piece.entry].name;
+      auto src = [&](torch::Tensor t) { return t.narrow(0, piece.in_param.begin, piece.in_param.size()); };
+      auto dst = [&](const torch::Tensor& t) { return t.narrow(0, piece.in_shard.begin, piece.in_shard.size()); };
+      dst(sh.opt.params()).copy_(src(params.at(name).reshape({-1}).to(torch::kFloat32)));
+      dst(sh.opt.exp_avg()).copy_(src(get("exp_avg." + name)));
+      dst(sh.opt.exp_avg_sq()).copy_(src(get("exp_avg_sq." + name)));
+    }
+    sh.opt.set_steps(step);
+    for (auto& rep : replicas_)
+      rep->slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(sh.opt.params());
+  }
+  next_step_ = int(step);
+}
+
+// --- the training loop -------------------------------------------------------------------
+
+namespace {
+
+std::string duration_text(double seconds) {
+  const auto s = static_cast<long>(std::lround(seconds));
+  char buf[32];
+  if (s >= 3600)
+    std::snprintf(buf, sizeof buf, "%ldh%02ldm", s / 3600, (s / 60) % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%ldm%02lds", s / 60, s % 60);
+  return buf;
+}
+
+}  // namespace
+
+int run_training(const job_config& cfg) {
+  if (cfg.threads > 0) torch::set_num_threads(cfg.threads);
+  spdlog::info("training {} for {} steps: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
+               "{} threads", cfg.workload, cfg.steps, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
+               cfg.microbatch_size(), cfg.schedule, torch::get_num_threads());
+  local_trainer trainer(cfg);
+  if (trainer.next_step() > 0) spdlog::info("resumed from {} at step {}", cfg.load, trainer.next_step());
+  std::ofstream metrics;
+  if (!cfg.metrics.empty()) {
+    metrics.open(cfg.metrics, std::ios::app);
+    if (!metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
+  }
+  const bool is_text = cfg.workload == "gpt-tiny";
+  auto evaluate = [&](nlohmann::json& line) {
+    const double l = trainer.evaluation_loss();
+    if (is_text) {
+      line["val_loss"] = l;
+      spdlog::info("step {}: validation loss {:.4f}", trainer.next_step(), l);
+    } else {
+      const double acc = trainer.test_accuracy();
+      line["test_loss"] = l;
+      line["test_accuracy"] = acc;
+      spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", trainer.next_step(), l, 100 * acc);
+    }
+  };
+  double elapsed = 0;
+  int timed = 0;
+  while (trainer.next_step() < cfg.steps) {
+    const auto st = trainer.step();
+    if (!std::isfinite(st.loss)) {
+      spdlog::error("loss is {} at step {}: stopping (parameters of step {} are not saved)", st.loss, st.step, st.step);
+      return 1;
+    }
+    elapsed += st.seconds;
+    ++timed;
+    const double tps = st.tokens / st.seconds;
+    const double eta = elapsed / timed * (cfg.steps - trainer.next_step());
+    std::printf("step %*d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f %s/s | ETA %s\n",
+                int(std::to_string(cfg.steps).size()), st.step + 1, cfg.steps, st.loss, st.lr,
+                st.grad_norm, tps, is_text ? "tok" : "img", duration_text(eta).c_str());
+    std::fflush(stdout);
+    nlohmann::json line{{"step", st.step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
+                        {"tokens_per_s", tps}, {"step_seconds", st.seconds}};
+    const bool last = trainer.next_step() == cfg.steps;
+    if (last || (cfg.eval_interval > 0 && trainer.next_step() % cfg.eval_interval == 0)) evaluate(line);
+    if (metrics.is_open()) metrics << line.dump() << '\n' << std::flush;
+    if (!cfg.save.empty() && (last || (cfg.checkpoint_interval > 0 && trainer.next_step() % cfg.checkpoint_interval == 0))) {
+      trainer.save_checkpoint(cfg.save);
+      spdlog::info("step {}: checkpoint written to {} (and {}.optim)", trainer.next_step(), cfg.save, cfg.save);
+    }
+  }
+  spdlog::info("done: {} steps in {}", timed, duration_text(elapsed));
+  return 0;
+}
+
+}  // namespace troupe

@@ -1,0 +1,94 @@
+#pragma once
+// The single-process trainer: d replicas of a p-stage pipeline in one process, run in
+// schedule order, with Megatron's sharded optimizer emulated in memory (reduce-scatter
+// of each stage's flat grad buffer, one AdamW shard per stage per replica, global-norm
+// clipping from per-shard partial norms, all-gather of the updated parameters).
+// It is the reference the actor runtime is checked against.
+#include <memory>
+#include <optional>
+
+#include "compute/data.hpp"
+#include "compute/grad_buffer.hpp"
+#include "compute/job_config.hpp"
+#include "compute/optimizer.hpp"
+#include "compute/pipeline.hpp"
+#include "compute/schedule.hpp"
+
+namespace troupe {
+
+struct step_stats {
+  int step = 0;
+  double loss = 0;       ///< mean loss over the global batch
+  double lr = 0;
+  double grad_norm = 0;  ///< global L2 norm before clipping
+  double seconds = 0;
+  std::int64_t tokens = 0;  ///< tokens (gpt) or images (mlp) in the step
+};
+
+/// The training data of a workload: a step's samples, independent of the layout.
+class training_data {
+ public:
+  explicit training_data(const job_config& cfg);
+  /// Samples [first, first + count) of step `step`'s global batch.
+  batch samples(int step, int first, int count);
+  /// gpt: the validation windows; mlp: the test set.
+  batch evaluation_set() const;
+  std::int64_t tokens_per_sample() const;
+
+ private:
+  job_config cfg_;
+  std::unique_ptr<fortunes_corpus> text_;
+  std::unique_ptr<fashion_mnist> images_;
+  int order_epoch_ = -1;
+  std::vector<std::int64_t> order_;
+};
+
+class local_trainer {
+ public:
+  /// Initial weights: `init` if given, else the file cfg.init, else initial_state(seed).
+  explicit local_trainer(const job_config& cfg, std::optional<state_dict> init = std::nullopt);
+
+  /// Runs optimizer step `next_step()`.
+  step_stats step();
+  int next_step() const { return next_step_; }
+
+  double evaluation_loss();   ///< gpt: validation loss; mlp: test loss
+  double test_accuracy();     ///< fraction of correct predictions (mlp)
+
+  /// Full-model parameters (replica 0), canonical order.
+  state_dict state() const;
+  /// AdamW state by parameter name: "exp_avg.<name>", "exp_avg_sq.<name>", and "step".
+  state_dict optimizer_state() const;
+
+  /// FILE: model state_dict (PyTorch); FILE.optim: optimizer state and the next step.
+  void save_checkpoint(const std::string& path) const;
+  /// Restores both files of save_checkpoint (any layout: state is kept by name).
+  void load_checkpoint(const std::string& path);
+
+  const job_config& config() const { return cfg_; }
+  local_pipeline& replica(int r) { return *replicas_.at(r); }
+
+ private:
+  struct shard {
+    int virtual_stage = 0;
+    int rank = 0;
+    flat_range range;
+    adamw_shard opt;
+    torch::Tensor norm_mask;
+  };
+
+  job_config cfg_;
+  model_spec spec_;
+  schedule sched_;
+  lr_schedule lrs_;
+  training_data data_;
+  std::vector<std::unique_ptr<local_pipeline>> replicas_;
+  std::vector<shard> shards_;
+  int next_step_ = 0;
+};
+
+/// `troupe train`: the training loop with progress lines, metrics, evaluation and
+/// checkpoints. Returns the process exit code.
+int run_training(const job_config& cfg);
+
+}  // namespace troupe
