@@ -1,1 +1,65 @@
 #include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "compute/checkpoint.hpp"
+#include "test_util.hpp"
+
+namespace troupe {
+
+TEST(Checkpoint, RoundTripKeepsNamesOrderAndValues) {
+  test::temp_dir dir;
+  const auto state = initial_state(model_spec::gpt_tiny(), 1234);
+  save_state_dict(dir / "model.pt", state);
+  const auto back = load_state_dict(dir / "model.pt");
+  ASSERT_EQ(back.size(), state.size());
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    EXPECT_EQ(back[i].first, state[i].first);
+    EXPECT_TRUE(torch::equal(back[i].second, state[i].second)) << state[i].first;
+  }
+  // Atomic write: nothing but the file itself is left in the folder.
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path)) files += e.is_regular_file();
+  EXPECT_EQ(files, 1);
+}
+
+TEST(Checkpoint, PythonTorchLoadReadsItWithGpt2Names) {
+  test::temp_dir dir;
+  save_state_dict(dir / "model.pt", initial_state(model_spec::gpt_tiny(), 1234));
+  const std::string cmd = "/usr/bin/python3 -c \"import torch; sd = torch.load('" + (dir / "model.pt") +
+                          "'); assert list(sd)[:3] == ['wte.weight', 'wpe.weight', 'h.0.ln_1.weight'], list(sd)[:3];"
+                          " assert tuple(sd['h.7.mlp.c_fc.weight'].shape) == (512, 128); print(len(sd))\" > " +
+                          (dir / "out.txt");
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(dir / "out.txt");
+  int n = 0;
+  in >> n;
+  EXPECT_EQ(n, 2 + 8 * 12 + 2);
+}
+
+TEST(Checkpoint, TruncatedOrForeignFilesGiveClearErrors) {
+  test::temp_dir dir;
+  save_state_dict(dir / "model.pt", initial_state(model_spec::gpt_tiny(), 1234));
+  const auto size = std::filesystem::file_size(dir / "model.pt");
+  std::filesystem::resize_file(dir / "model.pt", size / 2);
+  EXPECT_THROW(load_state_dict(dir / "model.pt"), checkpoint_error);
+  std::ofstream(dir / "text.pt") << "not a checkpoint";
+  EXPECT_THROW(load_state_dict(dir / "text.pt"), checkpoint_error);
+  EXPECT_THROW(load_state_dict(dir / "missing.pt"), checkpoint_error);
+  try {
+    load_state_dict(dir / "missing.pt");
+  } catch (const checkpoint_error& e) {
+    EXPECT_NE(std::string(e.what()).find("missing.pt"), std::string::npos);
+  }
+}
+
+TEST(Checkpoint, FailedWriteLeavesTheOldFileIntact) {
+  test::temp_dir dir;
+  const auto state = initial_state(model_spec::fmnist_mlp(), 1);
+  save_state_dict(dir / "model.pt", state);
+  EXPECT_THROW(save_state_dict(dir / "no-such-folder/model.pt", state), checkpoint_error);
+  EXPECT_EQ(load_state_dict(dir / "model.pt").size(), state.size());
+}
+
+}  // namespace troupe

@@ -1,2 +1,60 @@
-#!/bin/sh
-exit 0
+#!/usr/bin/env bash
+# Command-line tests of the troupe executable: output formats, exit codes, errors.
+set -u
+troupe=$1
+fail=0
+check() {  # check NAME EXPECTED_RC COMMAND...
+  local name=$1 want=$2; shift 2
+  "$@" >/tmp/troupe-cli.out 2>/tmp/troupe-cli.err
+  local rc=$?
+  if [ "$rc" != "$want" ]; then
+    echo "FAIL $name: exit $rc, expected $want"; cat /tmp/troupe-cli.err; fail=1
+  else
+    echo "ok   $name"
+  fi
+}
+expect_in() {  # expect_in NAME FILE TEXT
+  if grep -qF -- "$3" "$2"; then echo "ok   $1"; else echo "FAIL $1: '$3' not in $2:"; cat "$2"; fail=1; fi
+}
+
+check schedule-json 0 "$troupe" schedule --kind 1f1b --stages 4 --microbatches 8 --format json
+/usr/bin/python3 - /tmp/troupe-cli.out <<'PY' || fail=1
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["kind"] == "1f1b" and d["stages"] == 4 and d["microbatches"] == 8 and d["chunks"] == 1, d
+assert len(d["ranks"]) == 4 and len(d["ranks"][0]) == 16
+assert d["ranks"][3][:2] == [{"op": "F", "mb": 0, "chunk": 0}, {"op": "B", "mb": 0, "chunk": 0}]
+assert abs(d["bubble"] - 3 / 11) < 1e-9, d["bubble"]  # (p-1)/(m+p-1)
+print("ok   schedule-json-content")
+PY
+check schedule-table 0 "$troupe" schedule --kind interleaved-1f1b --stages 2 --microbatches 4 --chunks 2
+expect_in schedule-table-row /tmp/troupe-cli.out "stage 1 | F0.0 F1.0 F0.1"
+check interleaved-bad-m 2 "$troupe" schedule --kind interleaved-1f1b --stages 4 --microbatches 6 --chunks 2
+expect_in interleaved-bad-m-msg /tmp/troupe-cli.err "multiple of stages"
+[ "$(wc -l < /tmp/troupe-cli.err)" = 1 ] && echo "ok   one-line-error" || { echo "FAIL one-line-error"; fail=1; }
+check unknown-kind 2 "$troupe" schedule --kind zigzag
+check bad-number 2 "$troupe" schedule --stages many
+check train-bad-flag 2 "$troupe" train --steps ten
+expect_in train-bad-flag-msg /tmp/troupe-cli.err "train.steps = 'ten'"
+check train-contradiction 2 "$troupe" train --microbatches 5
+check train-missing-data 1 "$troupe" train --steps 1 --fortunes-dir /nonexistent
+expect_in train-missing-data-msg /tmp/troupe-cli.err "apt-get install fortunes"
+check train-missing-config 2 "$troupe" train --config /nonexistent.toml
+tmp=$(mktemp -d)
+check train-two-steps 0 "$troupe" train --steps 2 --threads 1 --metrics "$tmp/m.jsonl" --save "$tmp/model.pt"
+expect_in train-progress /tmp/troupe-cli.out "step 2/2 | loss"
+/usr/bin/python3 - "$tmp" <<'PY' || fail=1
+import json, sys, torch
+lines = [json.loads(l) for l in open(sys.argv[1] + "/m.jsonl")]
+assert [l["step"] for l in lines] == [0, 1], lines
+for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+    assert all(key in l for l in lines), key
+assert "val_loss" in lines[-1]
+sd = torch.load(sys.argv[1] + "/model.pt")
+assert "h.0.attn.c_attn.weight" in sd and "ln_f.weight" in sd
+print("ok   metrics-and-checkpoint")
+PY
+check train-bad-init 1 "$troupe" train --steps 1 --init "$tmp/m.jsonl"
+expect_in train-bad-init-msg /tmp/troupe-cli.err "not a readable PyTorch file"
+rm -rf "$tmp"
+exit $fail

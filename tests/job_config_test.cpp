@@ -1,1 +1,75 @@
 #include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "compute/job_config.hpp"
+#include "test_util.hpp"
+
+namespace troupe {
+
+namespace {
+std::string write(const test::temp_dir& dir, const std::string& text) {
+  const auto path = dir / "job.toml";
+  std::ofstream(path) << text;
+  return path;
+}
+std::string error_of(const std::string& path, std::vector<std::pair<std::string, std::string>> overrides = {}) {
+  try {
+    load_job_config(path, overrides);
+  } catch (const config_error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(JobConfig, WorkloadDefaults) {
+  const auto gpt = load_job_config("", {});
+  EXPECT_EQ(gpt.steps, 200);
+  EXPECT_EQ(gpt.microbatch_size(), 4);
+  const auto mlp = load_job_config("", {{"workload", "fmnist-mlp"}});
+  EXPECT_EQ(mlp.steps, 937);
+  EXPECT_EQ(mlp.microbatch_size(), 16);
+  EXPECT_EQ(mlp.weight_decay, 0.0);
+  EXPECT_EQ(mlp.beta2, 0.999);
+}
+
+TEST(JobConfig, FlagsOverrideTheFileWhichOverridesDefaults) {
+  test::temp_dir dir;
+  const auto path = write(dir, "[train]\nsteps = 50\nseed = 7\n[parallel]\npipeline = 2\nmicrobatches = 4\n"
+                               "[optimizer]\nlr = 3e-4\n");
+  const auto c = load_job_config(path, {{"steps", "20"}, {"parallel.data_parallel", "2"}});
+  EXPECT_EQ(c.steps, 20);
+  EXPECT_EQ(c.seed, 7u);
+  EXPECT_EQ(c.pipeline, 2);
+  EXPECT_EQ(c.data_parallel, 2);
+  EXPECT_DOUBLE_EQ(c.lr, 3e-4);
+  EXPECT_EQ(c.min_lr, 1e-4);
+  // A file's workload picks that workload's defaults before the file's own keys.
+  const auto mlp = load_job_config(write(dir, "[train]\nworkload = \"fmnist-mlp\"\nsteps = 10\n"), {});
+  EXPECT_EQ(mlp.global_batch, 64);
+  EXPECT_EQ(mlp.steps, 10);
+  // The printed config reads back to the same values.
+  const auto again = load_job_config(write(dir, c.to_toml()), {});
+  EXPECT_EQ(again.to_toml(), c.to_toml());
+}
+
+TEST(JobConfig, BadInputGivesErrorsThatNameTheProblem) {
+  test::temp_dir dir;
+  EXPECT_NE(error_of(write(dir, "[train]\nstepz = 3\n")).find("unknown configuration key 'train.stepz'"), std::string::npos);
+  EXPECT_NE(error_of("", {{"steps", "ten"}}).find("train.steps = 'ten': expected an integer"), std::string::npos);
+  EXPECT_NE(error_of("", {{"steps", "-1"}}).find("train.steps"), std::string::npos);
+  EXPECT_NE(error_of(write(dir, "[train\nsteps = 3\n")).find("line 1"), std::string::npos)
+      << error_of(write(dir, "[train\nsteps = 3\n"));
+  EXPECT_NE(error_of("", {{"microbatches", "5"}}).find("not divisible"), std::string::npos);
+  EXPECT_NE(error_of("", {{"schedule", "interleaved-1f1b"}, {"pipeline", "3"}, {"chunks", "2"}})
+                .find("multiple of stages"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {{"pipeline", "16"}}).find("too few"), std::string::npos);
+  EXPECT_NE(error_of("", {{"workload", "resnet"}}).find("unknown workload"), std::string::npos);
+  EXPECT_NE(error_of("", {{"split", "3,3"}, {"pipeline", "2"}}).find("split"), std::string::npos);
+  EXPECT_NE(error_of("", {{"lr", "nan"}}).find("optimizer.lr"), std::string::npos);
+  EXPECT_EQ(error_of("", {{"split", "3,5"}, {"pipeline", "2"}}), "");
+}
+
+}  // namespace troupe

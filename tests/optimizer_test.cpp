@@ -1,1 +1,77 @@
 #include <gtest/gtest.h>
+
+#include <torch/optim/adamw.h>
+
+#include "compute/optimizer.hpp"
+
+namespace troupe {
+
+// Our flat-shard AdamW against LibTorch's own torch::optim::AdamW on the same data:
+// one tensor with weight decay, one without, several steps with changing lr.
+TEST(Optimizer, AdamwShardEqualsTorchAdamw) {
+  torch::manual_seed(3);
+  auto w = torch::randn({40, 5}), b = torch::randn({5});
+  auto pw = w.clone().requires_grad_(true), pb = b.clone().requires_grad_(true);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{pw},
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(1e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1)));
+  groups.emplace_back(std::vector<torch::Tensor>{pb},
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(1e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.0)));
+  torch::optim::AdamW ref(groups);
+
+  auto flat = torch::cat({w.reshape({-1}), b});
+  auto mask = torch::cat({torch::ones({200}, torch::kBool), torch::zeros({5}, torch::kBool)});
+  adamw_shard shard(flat, mask, {0.9, 0.95, 1e-8, 0.1});
+  for (int step = 0; step < 6; ++step) {
+    const double lr = 1e-3 * (step + 1);
+    auto gw = torch::randn({40, 5}), gb = torch::randn({5});
+    for (auto& g : ref.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+    pw.mutable_grad() = gw.clone();
+    pb.mutable_grad() = gb.clone();
+    ref.step();
+    shard.step(torch::cat({gw.reshape({-1}), gb}), lr);
+  }
+  auto ours = shard.params();
+  EXPECT_LE((ours.narrow(0, 0, 200) - pw.detach().reshape({-1})).abs().max().item<double>(), 1e-7);
+  EXPECT_LE((ours.narrow(0, 200, 5) - pb.detach()).abs().max().item<double>(), 1e-7);
+  EXPECT_EQ(shard.steps(), 6);
+}
+
+TEST(Optimizer, GradScaleIsAppliedBeforeTheMoments) {
+  auto p = torch::ones({4});
+  auto mask = torch::zeros({4}, torch::kBool);
+  adamw_shard a(p, mask, {}), b(p, mask, {});
+  auto g = torch::tensor({1.0f, -2.0f, 3.0f, 0.5f});
+  a.step(g, 1e-2, 0.25);
+  b.step(g * 0.25, 1e-2);
+  EXPECT_TRUE(torch::equal(a.exp_avg(), b.exp_avg()));
+  EXPECT_TRUE(torch::equal(a.params(), b.params()));
+}
+
+TEST(Optimizer, LearningRateScheduleOfWorkloads) {
+  lr_schedule s;  // 1e-3 peak, 1e-4 floor, 20 warm-up steps
+  EXPECT_DOUBLE_EQ(s.at(0, 200), 1e-3 / 20);
+  EXPECT_DOUBLE_EQ(s.at(9, 200), 1e-3 * 10 / 20);
+  EXPECT_DOUBLE_EQ(s.at(19, 200), 1e-3);
+  EXPECT_DOUBLE_EQ(s.at(20, 200), 1e-3);
+  EXPECT_NEAR(s.at(199, 200), 1e-4, 1e-15);
+  EXPECT_NEAR(s.at(20 + 179 / 2, 200), 0.55e-3, 5e-6);  // half way down the cosine
+  EXPECT_GT(s.at(100, 200), s.at(101, 200));
+  lr_schedule constant{1e-3, 1e-3, 0};
+  EXPECT_DOUBLE_EQ(constant.at(0, 937), 1e-3);
+  EXPECT_DOUBLE_EQ(constant.at(500, 937), 1e-3);
+}
+
+TEST(Optimizer, GlobalNormFromPartialNorms) {
+  auto g = torch::tensor({3.0f, 4.0f, 12.0f, 100.0f});
+  auto mask = torch::tensor({true, true, true, false});
+  const double a = partial_sq_norm(g.narrow(0, 0, 2), mask.narrow(0, 0, 2));
+  const double b = partial_sq_norm(g.narrow(0, 2, 2), mask.narrow(0, 2, 2));
+  EXPECT_DOUBLE_EQ(a + b, 169.0);  // 100 is masked out (a shared copy)
+  EXPECT_NEAR(clip_factor(a + b, 1.0), 1.0 / (13.0 + 1e-6), 1e-15);
+  EXPECT_EQ(clip_factor(0.25, 1.0), 1.0);
+}
+
+}  // namespace troupe
