@@ -24,61 +24,37 @@ std::vector<double> local_pipeline::run_step(const schedule& sched,
     throw schedule_error("schedule has " + std::to_string(m) + " micro-batches, got " +
                          std::to_string(microbatches.size()));
   // Per (virtual stage, micro-batch): the input it received, its output, and the
-  // gradient of its output once the next virtual stage has run its backward.
+  // gradient of its output once the next virtual stage has run its backward. Ops run in
+  // an order where every input already exists (execution_order checks the schedule).
   const auto at = [m](int x, int mb) { return std::size_t(x) * m + mb; };
   std::vector<torch::Tensor> inputs(std::size_t(n_virtual) * m), outputs(inputs.size()),
       grads(inputs.size());
-  std::vector<char> forward_done(inputs.size(), 0);
   std::vector<double> losses(m, 0.0);
-  std::vector<std::size_t> next(p, 0);
-  std::size_t remaining = 0;
-  for (const auto& ops : sched.ranks) remaining += ops.size();
-
-  while (remaining > 0) {
-    bool progressed = false;
-    for (int r = 0; r < p; ++r) {
-      const auto& ops = sched.ranks[r];
-      while (next[r] < ops.size()) {
-        const auto& op = ops[next[r]];
-        const int x = op.chunk * p + r;
-        auto& s = *slices_[x];
-        const auto i = at(x, op.mb);
-        if (op.kind == op_kind::forward) {
-          torch::Tensor in;
-          if (x == 0) {
-            in = microbatches[op.mb].input;
-          } else {
-            if (!forward_done[at(x - 1, op.mb)]) break;
-            // Receive: a fresh leaf, so this slice's backward stops here and yields
-            // the gradient to hand back to the previous slice.
-            in = outputs[at(x - 1, op.mb)].detach().requires_grad_(true);
-          }
-          inputs[i] = in;
-          auto out = s.forward(in);
-          if (x == n_virtual - 1) {
-            auto l = s.loss(out, microbatches[op.mb].target);
-            losses[op.mb] = l.item<double>();
-            out = l * loss_weight;
-          }
-          outputs[i] = out;
-          forward_done[i] = 1;
-        } else {
-          if (!forward_done[i]) break;
-          if (x == n_virtual - 1) {
-            outputs[i].backward();
-          } else {
-            if (!grads[i].defined()) break;
-            outputs[i].backward(grads[i]);
-          }
-          if (x > 0) grads[at(x - 1, op.mb)] = inputs[i].grad();
-          inputs[i] = outputs[i] = grads[i] = torch::Tensor();  // per-step state dropped
-        }
-        ++next[r];
-        --remaining;
-        progressed = true;
+  for (const auto& [r, index] : execution_order(sched)) {
+    const auto& op = sched.ranks[r][index];
+    const int x = op.chunk * p + r;
+    auto& s = *slices_[x];
+    const auto i = at(x, op.mb);
+    if (op.kind == op_kind::forward) {
+      // Receive: a fresh leaf, so this slice's backward stops here and yields the
+      // gradient to hand back to the previous slice.
+      auto in = x == 0 ? microbatches[op.mb].input : outputs[at(x - 1, op.mb)].detach().requires_grad_(true);
+      inputs[i] = in;
+      auto out = s.forward(in);
+      if (x == n_virtual - 1) {
+        auto l = s.loss(out, microbatches[op.mb].target);
+        losses[op.mb] = l.item<double>();
+        out = l * loss_weight;
       }
+      outputs[i] = out;
+    } else {
+      if (x == n_virtual - 1)
+        outputs[i].backward();
+      else
+        outputs[i].backward(grads[i]);
+      if (x > 0) grads[at(x - 1, op.mb)] = inputs[i].grad();
+      inputs[i] = outputs[i] = grads[i] = torch::Tensor();  // per-step state dropped
     }
-    if (!progressed) throw schedule_error("pipeline run cannot make progress: " + validate(sched));
   }
   return losses;
 }

@@ -55,6 +55,11 @@ std::string to_string(const pipeline_op& op, bool with_chunk);
 /// the given orders (no deadlock). Returns an empty string when valid, else the reason.
 std::string validate(const schedule& s);
 
+/// A global order in which all ops can run one at a time, respecting every stage's order
+/// and every cross-stage dependency: (stage, index into that stage's list) pairs.
+/// Throws schedule_error if the schedule deadlocks.
+std::vector<std::pair<int, std::size_t>> execution_order(const schedule& s);
+
 /// Result of simulating a schedule with fixed per-op costs and free communication.
 struct simulation {
   double makespan = 0;

@@ -98,6 +98,13 @@ std::string validate(const schedule& s) {
   return replay(s, 1.0, 1.0, [](int, std::size_t, double, double) {});
 }
 
+std::vector<std::pair<int, std::size_t>> execution_order(const schedule& s) {
+  std::vector<std::pair<int, std::size_t>> order;
+  const auto error = replay(s, 1.0, 1.0, [&](int r, std::size_t i, double, double) { order.emplace_back(r, i); });
+  if (!error.empty()) throw schedule_error(error);
+  return order;
+}
+
 simulation simulate(const schedule& s, double f, double b) {
   simulation out;
   out.busy.assign(s.stages, 0.0);

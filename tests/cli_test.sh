@@ -3,12 +3,15 @@
 set -u
 troupe=$1
 fail=0
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+out=$tmp/out err=$tmp/err
 check() {  # check NAME EXPECTED_RC COMMAND...
   local name=$1 want=$2; shift 2
-  "$@" >/tmp/troupe-cli.out 2>/tmp/troupe-cli.err
+  "$@" >"$out" 2>"$err"
   local rc=$?
   if [ "$rc" != "$want" ]; then
-    echo "FAIL $name: exit $rc, expected $want"; cat /tmp/troupe-cli.err; fail=1
+    echo "FAIL $name: exit $rc, expected $want"; cat "$err"; fail=1
   else
     echo "ok   $name"
   fi
@@ -18,7 +21,7 @@ expect_in() {  # expect_in NAME FILE TEXT
 }
 
 check schedule-json 0 "$troupe" schedule --kind 1f1b --stages 4 --microbatches 8 --format json
-/usr/bin/python3 - /tmp/troupe-cli.out <<'PY' || fail=1
+/usr/bin/python3 - "$out" <<'PY' || fail=1
 import json, sys
 d = json.load(open(sys.argv[1]))
 assert d["kind"] == "1f1b" and d["stages"] == 4 and d["microbatches"] == 8 and d["chunks"] == 1, d
@@ -28,21 +31,20 @@ assert abs(d["bubble"] - 3 / 11) < 1e-9, d["bubble"]  # (p-1)/(m+p-1)
 print("ok   schedule-json-content")
 PY
 check schedule-table 0 "$troupe" schedule --kind interleaved-1f1b --stages 2 --microbatches 4 --chunks 2
-expect_in schedule-table-row /tmp/troupe-cli.out "stage 1 | F0.0 F1.0 F0.1"
+expect_in schedule-table-row "$out" "stage 1 | F0.0 F1.0 F0.1"
 check interleaved-bad-m 2 "$troupe" schedule --kind interleaved-1f1b --stages 4 --microbatches 6 --chunks 2
-expect_in interleaved-bad-m-msg /tmp/troupe-cli.err "multiple of stages"
-[ "$(wc -l < /tmp/troupe-cli.err)" = 1 ] && echo "ok   one-line-error" || { echo "FAIL one-line-error"; fail=1; }
+expect_in interleaved-bad-m-msg "$err" "multiple of stages"
+[ "$(wc -l < "$err")" = 1 ] && echo "ok   one-line-error" || { echo "FAIL one-line-error"; fail=1; }
 check unknown-kind 2 "$troupe" schedule --kind zigzag
 check bad-number 2 "$troupe" schedule --stages many
 check train-bad-flag 2 "$troupe" train --steps ten
-expect_in train-bad-flag-msg /tmp/troupe-cli.err "train.steps = 'ten'"
+expect_in train-bad-flag-msg "$err" "train.steps = 'ten'"
 check train-contradiction 2 "$troupe" train --microbatches 5
 check train-missing-data 1 "$troupe" train --steps 1 --fortunes-dir /nonexistent
-expect_in train-missing-data-msg /tmp/troupe-cli.err "apt-get install fortunes"
+expect_in train-missing-data-msg "$err" "apt-get install fortunes"
 check train-missing-config 2 "$troupe" train --config /nonexistent.toml
-tmp=$(mktemp -d)
 check train-two-steps 0 "$troupe" train --steps 2 --threads 1 --metrics "$tmp/m.jsonl" --save "$tmp/model.pt"
-expect_in train-progress /tmp/troupe-cli.out "step 2/2 | loss"
+expect_in train-progress "$out" "step 2/2 | loss"
 /usr/bin/python3 - "$tmp" <<'PY' || fail=1
 import json, sys, torch
 lines = [json.loads(l) for l in open(sys.argv[1] + "/m.jsonl")]
@@ -55,6 +57,5 @@ assert "h.0.attn.c_attn.weight" in sd and "ln_f.weight" in sd
 print("ok   metrics-and-checkpoint")
 PY
 check train-bad-init 1 "$troupe" train --steps 1 --init "$tmp/m.jsonl"
-expect_in train-bad-init-msg /tmp/troupe-cli.err "not a readable PyTorch file"
-rm -rf "$tmp"
+expect_in train-bad-init-msg "$err" "not a readable PyTorch file"
 exit $fail

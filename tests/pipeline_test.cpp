@@ -43,6 +43,8 @@ std::string name_of(const layout& l) {
          std::to_string(l.v) + "_" + (std::string(l.schedule) == "interleaved-1f1b" ? "interleaved" : l.schedule);
 }
 
+void PrintTo(const layout& l, std::ostream* os) { *os << name_of(l); }
+
 class Equivalence : public ::testing::TestWithParam<layout> {};
 
 }  // namespace
