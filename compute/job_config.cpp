@@ -85,7 +85,7 @@ const std::vector<key_def>& key_defs() {
       string_key("train.workload", "gpt-tiny or fmnist-mlp", &job_config::workload),
       int_key("train.steps", "optimizer steps (also the lr schedule's length)", &job_config::steps, 1, 10000000),
       int_key("train.seed", "seed of initial weights and data sampling", &job_config::seed, 0, 0xffffffffLL),
-      int_key("train.threads", "LibTorch intra-op threads (0: LibTorch's default)", &job_config::threads, 0, 1024),
+      int_key("train.threads", "LibTorch intra-op threads (0: every hardware thread)", &job_config::threads, 0, 1024),
       int_key("train.eval_interval", "validation every N steps and at the end", &job_config::eval_interval, 0, 10000000),
       int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),

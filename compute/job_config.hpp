@@ -29,7 +29,7 @@ struct job_config {
   std::string workload = "gpt-tiny";  ///< gpt-tiny | fmnist-mlp
   int steps = 200;                    ///< also the lr schedule's length
   std::uint64_t seed = 1234;
-  int threads = 0;                    ///< LibTorch intra-op threads (0: its default)
+  int threads = 0;                    ///< LibTorch intra-op threads (0: all hardware threads)
   int eval_interval = 50;             ///< validation every N steps (and at the end)
   // [parallel]
   int pipeline = 1;

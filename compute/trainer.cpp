@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -207,7 +208,8 @@ std::string duration_text(double seconds) {
 }  // namespace
 
 int run_training(const job_config& cfg) {
-  if (cfg.threads > 0) torch::set_num_threads(cfg.threads);
+  // LibTorch's own default counts physical cores (1 on a 2-vCPU machine): use them all.
+  torch::set_num_threads(cfg.threads > 0 ? cfg.threads : int(std::max(1u, std::thread::hardware_concurrency())));
   spdlog::info("training {} for {} steps: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
                "{} threads", cfg.workload, cfg.steps, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
                cfg.microbatch_size(), cfg.schedule, torch::get_num_threads());
