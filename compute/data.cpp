@@ -18,10 +18,7 @@ namespace troupe {
 namespace {
 
 std::vector<std::uint8_t> read_fortunes(const std::string& dir) {
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec))
-    throw data_error("fortunes corpus not found: " + dir +
-                     " does not exist (install it: apt-get install fortunes)");
+  fortunes_corpus::require(dir);
   std::vector<std::string> names;
   for (const auto& entry : fs::directory_iterator(dir)) {
     const auto name = entry.path().filename().string();
@@ -43,6 +40,12 @@ std::vector<std::uint8_t> read_fortunes(const std::string& dir) {
 }
 
 }  // namespace
+
+void fortunes_corpus::require(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    throw data_error("fortunes corpus not found: " + dir + " does not exist (install it: apt-get install fortunes)");
+}
 
 fortunes_corpus::fortunes_corpus(const std::string& dir) : fortunes_corpus(read_fortunes(dir)) {}
 
@@ -99,11 +102,10 @@ std::uint32_t read_be32(gzFile f, const std::string& path) {
 }
 
 /// Reads an IDX file of unsigned bytes: magic 0x0803 (images) or 0x0801 (labels).
+constexpr const char* idx_files[] = {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                                     "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"};
+
 torch::Tensor read_idx(const std::string& path, int expected_dims) {
-  std::error_code ec;
-  if (!fs::exists(path, ec))
-    throw data_error("Fashion-MNIST file not found: " + path +
-                     " (install it: apt-get install dataset-fashion-mnist)");
   gzFile f = gzopen(path.c_str(), "rb");
   if (!f) throw data_error("cannot open " + path);
   std::unique_ptr<gzFile_s, int (*)(gzFile)> guard(f, gzclose);
@@ -130,7 +132,16 @@ torch::Tensor normalise(const torch::Tensor& images) {
 
 }  // namespace
 
+void fashion_mnist::require(const std::string& dir) {
+  std::error_code ec;
+  for (const char* f : idx_files)
+    if (!fs::exists(fs::path(dir) / f, ec))
+      throw data_error("Fashion-MNIST file not found: " + (fs::path(dir) / f).string() +
+                       " (install it: apt-get install dataset-fashion-mnist)");
+}
+
 fashion_mnist::fashion_mnist(const std::string& dir) {
+  require(dir);
   train_images_ = normalise(read_idx(dir + "/train-images-idx3-ubyte.gz", 3));
   train_labels_ = read_idx(dir + "/train-labels-idx1-ubyte.gz", 1).to(torch::kInt64);
   test_images_ = normalise(read_idx(dir + "/t10k-images-idx3-ubyte.gz", 3));

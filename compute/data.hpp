@@ -26,6 +26,9 @@ class fortunes_corpus {
  public:
   static constexpr const char* default_dir = "/usr/share/games/fortunes";
 
+  /// Throws data_error naming the package if `dir` does not exist.
+  static void require(const std::string& dir);
+
   /// Reads every regular file without extension in `dir`, in byte order of names.
   explicit fortunes_corpus(const std::string& dir = default_dir);
   /// A corpus from given bytes (for tests).
@@ -60,6 +63,8 @@ class fashion_mnist {
   static constexpr float stddev = 0.3530f;
 
   explicit fashion_mnist(const std::string& dir = default_dir);
+  /// Throws data_error naming the package if one of the four files is missing.
+  static void require(const std::string& dir);
 
   int train_size() const { return static_cast<int>(train_labels_.size(0)); }
   int test_size() const { return static_cast<int>(test_labels_.size(0)); }

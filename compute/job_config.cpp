@@ -87,11 +87,15 @@ const std::vector<key_def>& key_defs() {
       int_key("train.seed", "seed of initial weights and data sampling", &job_config::seed, 0, 0xffffffffLL),
       int_key("train.threads", "LibTorch intra-op threads (0: every hardware thread)", &job_config::threads, 0, 1024),
       int_key("train.eval_interval", "validation every N steps and at the end", &job_config::eval_interval, 0, 10000000),
+      string_key("train.runtime", "actors (the actor runtime) or local (the plain loop)", &job_config::runtime),
+      int_key("train.step_timeout", "seconds before an unfinished step is aborted", &job_config::step_timeout, 1, 1000000),
       int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
       int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
       int_key("parallel.chunks", "virtual chunks per stage (interleaved-1f1b)", &job_config::chunks, 1, 64),
-      string_key("parallel.schedule", "gpipe, 1f1b or interleaved-1f1b", &job_config::schedule),
+      string_key("parallel.schedule", "gpipe, 1f1b, interleaved-1f1b or dataflow", &job_config::schedule),
+      int_key("parallel.max_in_flight", "dataflow: micro-batches in flight per stage (0: stages)", &job_config::max_in_flight, 0, 1000000),
+      int_key("parallel.credit_window", "micro-batches a data loader sends ahead", &job_config::credit_window, 1, 1000000),
       {{"parallel.split", "explicit layers per virtual stage, e.g. 3,5"},
        [](job_config& c, const std::string& v) {
          c.split.clear();
@@ -125,6 +129,8 @@ const std::vector<key_def>& key_defs() {
       string_key("output.load", "checkpoint to resume from (written by --save)", &job_config::load),
       string_key("output.init", "initial weights: a PyTorch state_dict file", &job_config::init),
       int_key("output.checkpoint_interval", "also save every N steps (0: only at the end)", &job_config::checkpoint_interval, 0, 10000000),
+      string_key("output.trace", "Chrome trace JSON of every executed op (actors runtime)", &job_config::trace),
+      string_key("faults.throw_at", "replica:stage:step - that stage actor throws (testing)", &job_config::throw_at),
   };
   return defs;
 }
@@ -219,11 +225,19 @@ void job_config::validate() const {
     fail("global_batch " + std::to_string(global_batch) + " is not divisible by data_parallel (" +
          std::to_string(data_parallel) + ") x microbatches (" + std::to_string(microbatches) + ")");
   if (min_lr > lr) fail("min_lr " + fmt_double(min_lr) + " is above lr " + fmt_double(lr));
-  try {
-    make_schedule(parse_schedule_kind(schedule), pipeline, microbatches, chunks);
-  } catch (const schedule_error& e) {
-    fail(e.what());
+  if (runtime != "actors" && runtime != "local") fail("unknown runtime '" + runtime + "' (expected actors or local)");
+  if (schedule == "dataflow") {
+    if (chunks != 1) fail("dataflow takes no virtual chunks (got chunks " + std::to_string(chunks) + ")");
+    if (runtime != "actors") fail("the dataflow schedule needs the actors runtime");
+  } else {
+    try {
+      make_schedule(parse_schedule_kind(schedule), pipeline, microbatches, chunks);
+    } catch (const schedule_error& e) {
+      fail(e.what());
+    }
   }
+  if (runtime == "local" && !trace.empty()) fail("trace needs the actors runtime");
+  if (runtime == "actors" && !load.empty()) fail("resume (load) runs with runtime = local for now");
   const int layers = model().n_layers();
   if (split.empty() && layers < pipeline * chunks)
     fail(workload + " has " + std::to_string(layers) + " layers, too few for " +

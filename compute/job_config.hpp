@@ -1,11 +1,13 @@
 #pragma once
 // A training job's configuration: workload defaults, then a TOML file, then flags.
 //
-//   [train]     workload, steps, seed, threads, eval_interval
-//   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split
+//   [train]     workload, steps, seed, threads, eval_interval, runtime, step_timeout
+//   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split,
+//               max_in_flight, credit_window
 //   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
 //   [data]      global_batch, fortunes_dir, fmnist_dir
-//   [output]    metrics, save, load, init, checkpoint_interval
+//   [output]    metrics, save, load, init, checkpoint_interval, trace
+//   [faults]    throw_at
 //
 // Every key can also be given as a flag: the key's last part with '-' for '_'
 // (`--data-parallel 2`, `--lr 3e-4`).
@@ -31,12 +33,16 @@ struct job_config {
   std::uint64_t seed = 1234;
   int threads = 0;                    ///< LibTorch intra-op threads (0: all hardware threads)
   int eval_interval = 50;             ///< validation every N steps (and at the end)
+  std::string runtime = "actors";     ///< actors | local (the plain single-process loop)
+  int step_timeout = 300;             ///< seconds before an unfinished step is aborted
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;
   int microbatches = 8;               ///< per replica per step
   int chunks = 1;
-  std::string schedule = "1f1b";
+  std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | dataflow
+  int max_in_flight = 0;              ///< dataflow: micro-batches in flight per stage (0: p)
+  int credit_window = 2;              ///< micro-batches a loader sends ahead of consumption
   std::vector<int> split;             ///< explicit layers per virtual stage
   // [optimizer]
   double lr = 1e-3, min_lr = 1e-4;
@@ -50,6 +56,9 @@ struct job_config {
   // [output]
   std::string metrics, save, load, init;
   int checkpoint_interval = 0;        ///< also save every N steps (0: only at the end)
+  std::string trace;                  ///< Chrome trace JSON of every executed op
+  // [faults]
+  std::string throw_at;               ///< "replica:stage:step": that stage throws (tests)
 
   /// The defaults of a workload of WORKLOADS.md.
   static job_config defaults_for(const std::string& workload);

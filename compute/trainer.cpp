@@ -21,6 +21,13 @@ training_data::training_data(const job_config& cfg) : cfg_(cfg) {
     text_ = std::make_unique<fortunes_corpus>(cfg.fortunes_dir);
 }
 
+void training_data::check_available(const job_config& cfg) {
+  if (cfg.workload == "fmnist-mlp")
+    fashion_mnist::require(cfg.fmnist_dir);
+  else
+    fortunes_corpus::require(cfg.fortunes_dir);
+}
+
 batch training_data::samples(int step, int first, int count) {
   const std::int64_t B = cfg_.global_batch;
   if (text_) return text_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().gpt.seq_len);
@@ -48,6 +55,7 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
       sched_(make_schedule(parse_schedule_kind(cfg.schedule), cfg.pipeline, cfg.microbatches, cfg.chunks)),
       lrs_{cfg.lr, cfg.min_lr, cfg.warmup},
       data_(cfg) {
+  cfg_.runtime = "local";  // this is the plain loop, whatever the job asked for
   cfg_.validate();
   if (!init) init = cfg.init.empty() ? initial_state(spec_, cfg.seed) : load_state_dict(cfg.init);
   check_state(spec_, *init);
@@ -193,8 +201,6 @@ void local_trainer::load_checkpoint(const std::string& path) {
 
 // --- the training loop -------------------------------------------------------------------
 
-namespace {
-
 std::string duration_text(double seconds) {
   const auto s = static_cast<long>(std::lround(seconds));
   char buf[32];
@@ -205,7 +211,13 @@ std::string duration_text(double seconds) {
   return buf;
 }
 
-}  // namespace
+std::string progress_line(const step_stats& st, int total_steps, double eta_seconds, bool tokens) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "step %*d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f %s/s | ETA %s",
+                int(std::to_string(total_steps).size()), st.step + 1, total_steps, st.loss, st.lr, st.grad_norm,
+                st.tokens / st.seconds, tokens ? "tok" : "img", duration_text(eta_seconds).c_str());
+  return buf;
+}
 
 int run_training(const job_config& cfg) {
   // LibTorch's own default counts physical cores (1 on a 2-vCPU machine): use them all.
@@ -245,9 +257,7 @@ int run_training(const job_config& cfg) {
     ++timed;
     const double tps = st.tokens / st.seconds;
     const double eta = elapsed / timed * (cfg.steps - trainer.next_step());
-    std::printf("step %*d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f %s/s | ETA %s\n",
-                int(std::to_string(cfg.steps).size()), st.step + 1, cfg.steps, st.loss, st.lr,
-                st.grad_norm, tps, is_text ? "tok" : "img", duration_text(eta).c_str());
+    std::printf("%s\n", progress_line(st, cfg.steps, eta, is_text).c_str());
     std::fflush(stdout);
     nlohmann::json line{{"step", st.step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
                         {"tokens_per_s", tps}, {"step_seconds", st.seconds}};

@@ -29,6 +29,8 @@ struct step_stats {
 class training_data {
  public:
   explicit training_data(const job_config& cfg);
+  /// Throws data_error (naming the package) if the workload's data is not installed.
+  static void check_available(const job_config& cfg);
   /// Samples [first, first + count) of step `step`'s global batch.
   batch samples(int step, int first, int count);
   /// gpt: the validation windows; mlp: the test set.
@@ -86,6 +88,11 @@ class local_trainer {
   std::vector<shard> shards_;
   int next_step_ = 0;
 };
+
+/// "1m05s" / "2h03m".
+std::string duration_text(double seconds);
+/// The progress line of a step: "step  3/200 | loss ... | lr ... | ... | ETA 0m12s".
+std::string progress_line(const step_stats& st, int total_steps, double eta_seconds, bool tokens);
 
 /// `troupe train`: the training loop with progress lines, metrics, evaluation and
 /// checkpoints. Returns the process exit code.

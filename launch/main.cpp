@@ -7,6 +7,7 @@
 #include <deque>
 #include <iostream>
 
+#include "actors/runtime.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/data.hpp"
 #include "compute/job_config.hpp"
@@ -115,7 +116,10 @@ int main(int argc, char** argv) {
     return fail(exit_usage, e.what());
   }
   try {
-    return troupe::run_training(cfg);
+    if (cfg.runtime == "local") return troupe::run_training(cfg);
+    const auto result = troupe::run_actor_training(cfg);
+    if (result.exit_code != 0) return fail(result.exit_code, result.error);
+    return 0;
   } catch (const troupe::data_error& e) {
     return fail(1, e.what());
   } catch (const troupe::checkpoint_error& e) {

@@ -43,19 +43,25 @@ check train-contradiction 2 "$troupe" train --microbatches 5
 check train-missing-data 1 "$troupe" train --steps 1 --fortunes-dir /nonexistent
 expect_in train-missing-data-msg "$err" "apt-get install fortunes"
 check train-missing-config 2 "$troupe" train --config /nonexistent.toml
-check train-two-steps 0 "$troupe" train --steps 2 --threads 1 --metrics "$tmp/m.jsonl" --save "$tmp/model.pt"
+check train-two-steps 0 "$troupe" train --steps 2 --threads 1 --pipeline 2 --metrics "$tmp/m.jsonl" --save "$tmp/model.pt" --trace "$tmp/trace.json"
 expect_in train-progress "$out" "step 2/2 | loss"
 /usr/bin/python3 - "$tmp" <<'PY' || fail=1
 import json, sys, torch
 lines = [json.loads(l) for l in open(sys.argv[1] + "/m.jsonl")]
 assert [l["step"] for l in lines] == [0, 1], lines
-for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+for key in ("loss", "lr", "grad_norm", "tokens_per_s", "bubble", "stage_busy_s"):
     assert all(key in l for l in lines), key
 assert "val_loss" in lines[-1]
 sd = torch.load(sys.argv[1] + "/model.pt")
-assert "h.0.attn.c_attn.weight" in sd and "ln_f.weight" in sd
-print("ok   metrics-and-checkpoint")
+assert "h.0.attn.c_attn.weight" in sd and "ln_f.weight" in sd and len(sd) == 100, len(sd)
+trace = json.load(open(sys.argv[1] + "/trace.json"))["traceEvents"]
+ops = [e for e in trace if e.get("cat") == "compute"]
+assert len(ops) == 2 * 2 * 2 * 8, len(ops)
+assert set(ops[0]["args"]) >= {"step", "stage", "op", "mb", "chunk", "replica"}, ops[0]
+print("ok   metrics-checkpoint-trace")
 PY
+check train-local-runtime 0 "$troupe" train --steps 1 --runtime local
+check train-dataflow-chunks 2 "$troupe" train --schedule dataflow --chunks 2 --pipeline 2
 check train-bad-init 1 "$troupe" train --steps 1 --init "$tmp/m.jsonl"
 expect_in train-bad-init-msg "$err" "not a readable PyTorch file"
 exit $fail

@@ -1,0 +1,312 @@
+#include "actors/coordinator_actor.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <map>
+
+#include <caf/all.hpp>
+#include <nlohmann/json.hpp>
+
+#include "actors/supervisor_actor.hpp"
+#include "actors/trace.hpp"
+#include "compute/checkpoint.hpp"
+#include "compute/optimizer.hpp"
+#include "compute/pipeline.hpp"
+#include "compute/trainer.hpp"
+#include "messages/type_ids.hpp"
+
+namespace troupe {
+
+namespace {
+
+constexpr auto state_timeout = std::chrono::seconds(60);
+constexpr auto reset_check_timeout = std::chrono::seconds(60);
+
+struct coordinator_state {
+  std::shared_ptr<const runtime_context> ctx;
+  std::shared_ptr<job_wiring> wiring;
+  actor_run_options opts;
+  std::shared_ptr<actor_run_result> result;
+  caf::actor supervisor;
+  caf::response_promise done;
+  bool finished = false;
+  lr_schedule lrs;
+  std::unique_ptr<training_data> eval_data;
+  std::ofstream metrics;
+  // per step
+  std::int64_t step = 0;
+  step_stats stats;
+  double started_us = 0;
+  std::vector<double> losses, partials;
+  int n_losses = 0, n_partials = 0, n_stages = 0, n_shards = 0;
+  bool committed = false;
+  std::vector<trace_event> events;
+  std::vector<int> peaks;
+  double elapsed = 0;
+  int timed = 0;
+};
+
+using self_ptr = caf::stateful_actor<coordinator_state>*;
+
+void begin(self_ptr self);
+
+/// Stops everything and answers the run request.
+void finish(self_ptr self, int code, const std::string& error) {
+  auto& s = self->state;
+  if (s.finished) return;
+  s.finished = true;
+  s.result->exit_code = code;
+  s.result->error = error;
+  if (code != 0) spdlog::error("{}", error);
+  if (!s.opts.trace_path.empty()) {
+    write_chrome_trace(s.opts.trace_path, s.result->events, s.ctx->d, s.ctx->p);
+    spdlog::info("trace written to {}", s.opts.trace_path);
+  }
+  s.done.deliver(code);
+  self->send_exit(s.supervisor, caf::exit_reason::user_shutdown);
+  self->quit();
+}
+
+void fail(self_ptr self, const std::string& why) {
+  auto& s = self->state;
+  if (s.finished) return;
+  self->send(s.supervisor, abort_step{s.step, why});
+  finish(self, 1, "step " + std::to_string(s.step) + " aborted: " + why);
+}
+
+/// Fetches the full model from replica 0's stages, then calls `then`.
+void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
+  auto& s = self->state;
+  auto parts = std::make_shared<std::map<std::string, torch::Tensor>>();
+  auto pending = std::make_shared<int>(s.ctx->p);
+  for (const auto& stage : s.wiring->stages[0])
+    self->request(stage, state_timeout, state_atom_v)
+        .then(
+            [=](const state_reply& rep) {
+              for (std::size_t i = 0; i < rep.names.size(); ++i) parts->emplace(rep.names[i], tensor_of(rep.tensors[i]));
+              if (--*pending > 0) return;
+              state_dict state;
+              for (const auto& name : parameter_names(self->state.ctx->spec)) state.emplace_back(name, parts->at(name));
+              then(std::move(state));
+            },
+            [=](caf::error& err) { fail(self, "no parameters from a stage: " + self->system().render(err)); });
+}
+
+void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line) {
+  auto& s = self->state;
+  if (!s.eval_data) s.eval_data = std::make_unique<training_data>(s.ctx->cfg);
+  local_pipeline model(s.ctx->spec, state, 1);
+  const auto set = s.eval_data->evaluation_set();
+  const double loss = model.loss(set);
+  if (s.ctx->spec.type == model_spec::kind::gpt) {
+    line["val_loss"] = loss;
+    spdlog::info("step {}: validation loss {:.4f}", s.step + 1, loss);
+  } else {
+    torch::NoGradGuard g;
+    auto logits = model.slice(0).logits(model.forward(set.input));
+    const double acc = logits.argmax(-1).eq(set.target).to(torch::kFloat64).mean().item<double>();
+    line["test_loss"] = loss;
+    line["test_accuracy"] = acc;
+    spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", s.step + 1, loss, 100 * acc);
+  }
+}
+
+/// After a clean reset: evaluation / checkpoint when due, then the next step or the end.
+void after_reset(self_ptr self, nlohmann::json line) {
+  auto& s = self->state;
+  const auto& cfg = s.ctx->cfg;
+  const int done_steps = int(s.step) + 1;
+  const bool last = done_steps == cfg.steps;
+  const bool eval = last || (cfg.eval_interval > 0 && done_steps % cfg.eval_interval == 0);
+  const bool save = !cfg.save.empty() && (last || (cfg.checkpoint_interval > 0 && done_steps % cfg.checkpoint_interval == 0));
+  auto proceed = [self, last](state_dict state) {
+    auto& s = self->state;
+    if (last) {
+      s.result->final_state = std::move(state);
+      spdlog::info("done: {} steps in {}", s.timed, duration_text(s.elapsed));
+      return finish(self, 0, "");
+    }
+    ++s.step;
+    begin(self);
+  };
+  if (!eval && !save && !last) {
+    if (s.metrics.is_open()) s.metrics << line.dump() << '\n' << std::flush;
+    return proceed({});
+  }
+  fetch_state(self, [=](state_dict state) mutable {
+    auto& s = self->state;
+    if (eval && !s.opts.quiet) evaluate(self, state, line);
+    if (s.metrics.is_open()) s.metrics << line.dump() << '\n' << std::flush;
+    if (save) {
+      save_state_dict(s.ctx->cfg.save, state);
+      spdlog::info("step {}: model written to {}", s.step + 1, s.ctx->cfg.save);
+    }
+    proceed(std::move(state));
+  });
+}
+
+void commit(self_ptr self) {
+  auto& s = self->state;
+  const auto& ctx = *s.ctx;
+  s.committed = true;
+  s.stats.loss = 0;
+  const double weight = double(ctx.mbs) / ctx.cfg.global_batch;
+  for (double l : s.losses) s.stats.loss += l * weight;  // replica order, micro-batch order
+  s.stats.seconds = (ctx.now_us() - s.started_us) * 1e-6;
+  s.stats.tokens = std::int64_t(ctx.cfg.global_batch) *
+                   (ctx.spec.type == model_spec::kind::gpt ? ctx.spec.gpt.seq_len : 1);
+  if (!std::isfinite(s.stats.loss)) return fail(self, "loss is " + std::to_string(s.stats.loss));
+  s.elapsed += s.stats.seconds;
+  ++s.timed;
+  const auto timing = measure_step(s.events, ctx.d, ctx.p);
+  s.result->losses.push_back(s.stats.loss);
+  s.result->bubbles.push_back(timing.bubble);
+  s.result->events.insert(s.result->events.end(), s.events.begin(), s.events.end());
+  const bool text = ctx.spec.type == model_spec::kind::gpt;
+  if (!s.opts.quiet) {
+    const double eta = s.elapsed / s.timed * (ctx.cfg.steps - s.step - 1);
+    std::printf("%s | bubble %.2f\n", progress_line(s.stats, ctx.cfg.steps, eta, text).c_str(), timing.bubble);
+    std::fflush(stdout);
+  }
+  nlohmann::json line{{"step", s.step},
+                      {"loss", s.stats.loss},
+                      {"lr", s.stats.lr},
+                      {"grad_norm", s.stats.grad_norm},
+                      {"tokens_per_s", s.stats.tokens / s.stats.seconds},
+                      {"step_seconds", s.stats.seconds},
+                      {"bubble", timing.bubble},
+                      {"stage_busy_s", timing.busy_s},
+                      {"stage_idle_s", timing.idle_s},
+                      {"peak_in_flight", s.peaks}};
+  // Reset: the supervisor drops every actor's per-step state and reports leftovers.
+  self->request(s.supervisor, reset_check_timeout, check_atom_v, reset_step{s.step})
+      .then(
+          [=](const std::vector<reset_report>& reports) {
+            if (reports.empty()) return after_reset(self, line);
+            std::string msg = "per-step state left after reset:";
+            for (const auto& r : reports)
+              for (const auto& l : r.leftovers) msg += " " + r.actor + ": " + l + ";";
+            fail(self, msg);
+          },
+          [=](caf::error& err) { fail(self, "reset check failed: " + self->system().render(err)); });
+}
+
+void maybe_commit(self_ptr self) {
+  auto& s = self->state;
+  const auto& ctx = *s.ctx;
+  if (!s.committed && s.n_losses == ctx.d * ctx.m && s.n_stages == ctx.d * ctx.p && s.n_shards == ctx.p * ctx.d)
+    commit(self);
+}
+
+void begin(self_ptr self) {
+  auto& s = self->state;
+  const auto& ctx = *s.ctx;
+  s.stats = step_stats{};
+  s.stats.step = int(s.step);
+  s.stats.lr = s.lrs.at(int(s.step), ctx.cfg.steps);
+  s.losses.assign(std::size_t(ctx.d) * ctx.m, 0.0);
+  s.partials.assign(std::size_t(ctx.n_virtual) * ctx.d, 0.0);
+  s.n_losses = s.n_partials = s.n_stages = s.n_shards = 0;
+  s.committed = false;
+  s.events.clear();
+  s.peaks.assign(std::size_t(ctx.d) * ctx.p, 0);
+  s.started_us = ctx.now_us();
+  if (!s.opts.plant_leftover.empty()) {
+    int r = -1, k = -1, st = -1;
+    if (std::sscanf(s.opts.plant_leftover.c_str(), "%d:%d:%d", &r, &k, &st) == 3 && st == s.step)
+      self->send(s.supervisor, plant_atom_v, r, k);
+  }
+  const begin_step msg{s.step, s.stats.lr};
+  for (const auto& row : s.wiring->shards)
+    for (const auto& a : row) self->send(a, msg);
+  for (const auto& row : s.wiring->stages)
+    for (const auto& a : row) self->send(a, msg);
+  for (const auto& a : s.wiring->loaders) self->send(a, msg);
+  self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), timeout_atom_v, s.step);
+}
+
+
+caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_context> ctx,
+                                   std::shared_ptr<job_wiring> wiring, actor_run_options opts,
+                                   std::shared_ptr<actor_run_result> result) {
+  auto& st = self->state;
+  st.ctx = ctx;
+  st.wiring = wiring;
+  st.opts = opts;
+  st.result = result;
+  st.lrs = {ctx->cfg.lr, ctx->cfg.min_lr, ctx->cfg.warmup};
+  if (!ctx->cfg.metrics.empty()) {
+    st.metrics.open(ctx->cfg.metrics, std::ios::app);
+    if (!st.metrics) throw std::runtime_error("cannot open metrics file " + ctx->cfg.metrics);
+  }
+  wiring->coordinator = caf::actor_cast<caf::actor>(self);
+  st.supervisor = self->spawn<caf::monitored>(supervisor_actor, ctx, wiring);
+  self->set_down_handler([=](const caf::down_msg& msg) {
+    if (msg.source == self->state.supervisor.address())
+      fail(self, "the supervisor died: " + self->system().render(msg.reason));
+  });
+  return {
+      [=](run_atom) {
+        auto& s = self->state;
+        s.done = self->make_response_promise();
+        self->request(s.supervisor, std::chrono::seconds(60), run_atom_v)
+            .then([=](bool) { begin(self); },
+                  [=](caf::error& err) { fail(self, "the supervisor did not start: " + self->system().render(err)); });
+        return s.done;
+      },
+      [=](const loss_report& msg) {
+        auto& s = self->state;
+        if (msg.step != s.step) return;
+        s.losses.at(std::size_t(msg.replica) * s.ctx->m + msg.mb) = msg.loss;
+        ++s.n_losses;
+        maybe_commit(self);
+      },
+      [=](const grad_norm_partial& msg) {
+        auto& s = self->state;
+        if (msg.step != s.step) return;
+        s.partials.at(std::size_t(msg.virtual_stage) * s.ctx->d + msg.rank) = msg.sq_norm;
+        if (++s.n_partials < s.ctx->n_virtual * s.ctx->d) return;
+        double sq = 0;
+        for (double x : s.partials) sq += x;  // (virtual stage, rank) order, as the reference
+        s.stats.grad_norm = std::sqrt(sq);
+        const double factor = s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
+        for (const auto& row : s.wiring->shards)
+          for (const auto& a : row) self->send(a, clip_factor_msg{s.step, factor});
+      },
+      [=](stage_done& msg) {
+        auto& s = self->state;
+        if (msg.step != s.step) return;
+        s.peaks.at(std::size_t(msg.replica) * s.ctx->p + msg.stage) = msg.peak_in_flight;
+        s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
+        ++s.n_stages;
+        maybe_commit(self);
+      },
+      [=](shard_done& msg) {
+        auto& s = self->state;
+        if (msg.step != s.step) return;
+        for (auto& e : msg.events) e.replica = msg.rank;
+        s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
+        ++s.n_shards;
+        maybe_commit(self);
+      },
+      [=](const runtime_failure& msg) { fail(self, msg.actor + ": " + msg.what); },
+      [=](timeout_atom, std::int64_t step) {
+        auto& s = self->state;
+        if (step != s.step || s.committed) return;
+        fail(self, "step did not finish within " + std::to_string(s.ctx->cfg.step_timeout) + " s (losses " +
+                       std::to_string(s.n_losses) + "/" + std::to_string(s.ctx->d * s.ctx->m) + ", stages done " +
+                       std::to_string(s.n_stages) + "/" + std::to_string(s.ctx->d * s.ctx->p) + ", shards done " +
+                       std::to_string(s.n_shards) + "/" + std::to_string(s.ctx->p * s.ctx->d) + ")");
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_coordinator_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
+                                   std::shared_ptr<job_wiring> wiring, actor_run_options opts,
+                                   std::shared_ptr<actor_run_result> result) {
+  return sys.spawn(coordinator_behavior, std::move(ctx), std::move(wiring), std::move(opts), std::move(result));
+}
+
+}  // namespace troupe

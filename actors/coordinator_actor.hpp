@@ -1,0 +1,24 @@
+#pragma once
+// coordinator_actor: drives training step by step and ends the run.
+//
+//   run --> spawn supervisor --> begin_step(s) --> collect losses, partial norms
+//        --> clip_factor --> collect stage_done / shard_done --> commit(s): metrics,
+//        progress --> supervisor resets and checks every actor --> [evaluate, save]
+//        --> begin_step(s+1) ... --> final state --> reply exit code
+//   any runtime_failure, dead actor, leftover state or step timeout: abort the step,
+//   stop every actor, reply 1 with the reason.
+#include <memory>
+
+#include <caf/actor.hpp>
+#include <caf/actor_system.hpp>
+
+#include "actors/runtime.hpp"
+
+namespace troupe {
+
+/// Spawns the coordinator; send it `run_atom` to train; it answers with the exit code.
+caf::actor spawn_coordinator_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
+                                   std::shared_ptr<job_wiring> wiring, actor_run_options opts,
+                                   std::shared_ptr<actor_run_result> result);
+
+}  // namespace troupe

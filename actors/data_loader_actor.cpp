@@ -1,0 +1,72 @@
+#include "actors/data_loader_actor.hpp"
+
+#include <caf/all.hpp>
+
+#include "compute/trainer.hpp"
+#include "messages/type_ids.hpp"
+
+namespace troupe {
+
+namespace {
+
+struct loader_state {
+  std::shared_ptr<const runtime_context> ctx;
+  std::shared_ptr<const job_wiring> wiring;
+  int replica = 0;
+  std::unique_ptr<training_data> data;
+  std::int64_t step = -1;
+  int next_mb = 0;
+};
+
+void send_next(caf::stateful_actor<loader_state>* self) {
+  auto& s = self->state;
+  const auto& ctx = *s.ctx;
+  const int k = s.next_mb++;
+  // Replica r takes block [r B/d, (r+1) B/d) of the step's samples; micro-batch k the
+  // k-th contiguous block of that.
+  auto b = s.data->samples(int(s.step), s.replica * ctx.m * ctx.mbs + k * ctx.mbs, ctx.mbs);
+  const auto& row = s.wiring->stages[s.replica];
+  self->send(row.front(), microbatch_input{s.step, k, make_payload(b.input)});
+  self->send(row.back(), microbatch_target{s.step, k, make_payload(b.target)});
+}
+
+caf::behavior loader_behavior(caf::stateful_actor<loader_state>* self, std::shared_ptr<const runtime_context> ctx,
+                              std::shared_ptr<const job_wiring> wiring, int replica) {
+  self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
+  auto& st = self->state;
+  st.ctx = ctx;
+  st.wiring = wiring;
+  st.replica = replica;
+  st.data = std::make_unique<training_data>(ctx->cfg);
+  return {
+      [=](const begin_step& msg) {
+        auto& s = self->state;
+        s.step = msg.step;
+        s.next_mb = 0;
+        while (s.next_mb < s.ctx->m && s.next_mb < s.ctx->cfg.credit_window) send_next(self);
+      },
+      [=](const credit& msg) {
+        auto& s = self->state;
+        if (msg.step == s.step && s.next_mb < s.ctx->m) send_next(self);
+      },
+      [=](const reset_step&) -> reset_report {
+        reset_report rep{"loader[replica " + std::to_string(self->state.replica) + "]", {}};
+        if (self->state.next_mb != self->state.ctx->m)
+          rep.leftovers.push_back(std::to_string(self->state.ctx->m - self->state.next_mb) + " micro-batch(es) never sent");
+        return rep;
+      },
+      [=](const abort_step& msg) {
+        self->state.step = msg.step;
+        self->state.next_mb = self->state.ctx->m;
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_data_loader_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                                   std::shared_ptr<const job_wiring> wiring, int replica) {
+  return supervisor->spawn<caf::monitored>(loader_behavior, std::move(ctx), std::move(wiring), replica);
+}
+
+}  // namespace troupe

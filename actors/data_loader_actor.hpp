@@ -1,0 +1,21 @@
+#pragma once
+// data_loader_actor: one per data-parallel replica. Produces the replica's micro-batches
+// of each step deterministically (WORKLOADS.md) and sends inputs to the first stage and
+// targets to the last, at most `credit_window` micro-batches ahead of what the first
+// stage has consumed (each consumed micro-batch returns a credit).
+//
+//        begin_step (send window)        credit (send one more)
+//   idle -------------------------> feeding -----------------> feeding ... all sent
+#include <memory>
+
+#include <caf/actor.hpp>
+#include <caf/event_based_actor.hpp>
+
+#include "actors/runtime.hpp"
+
+namespace troupe {
+
+caf::actor spawn_data_loader_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                                   std::shared_ptr<const job_wiring> wiring, int replica);
+
+}  // namespace troupe

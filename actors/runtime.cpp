@@ -1,0 +1,90 @@
+#include "actors/runtime.hpp"
+
+#include <thread>
+
+#include <caf/all.hpp>
+
+#include "actors/coordinator_actor.hpp"
+#include "compute/checkpoint.hpp"
+#include "compute/trainer.hpp"
+#include "messages/type_ids.hpp"
+
+namespace troupe {
+
+runtime_context::runtime_context(const job_config& c)
+    : cfg(c),
+      spec(c.model()),
+      p(c.pipeline),
+      d(c.data_parallel),
+      m(c.microbatches),
+      v(c.chunks),
+      mbs(c.microbatch_size()),
+      n_virtual(c.pipeline * c.chunks),
+      dataflow(c.schedule == "dataflow"),
+      sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
+      ranges(partition_layers(spec.n_layers(), p, v, c.split)),
+      init(c.init.empty() ? initial_state(spec, c.seed) : load_state_dict(c.init)),
+      epoch(std::chrono::steady_clock::now()) {
+  check_state(spec, init);
+}
+
+std::vector<std::int64_t> runtime_context::activation_shape(int x) const {
+  if (spec.type == model_spec::kind::gpt) return {mbs, spec.gpt.seq_len, spec.gpt.d_model};
+  return {mbs, spec.mlp_widths.at(ranges.at(x).first)};
+}
+
+caf::error error_from_exception(std::exception_ptr& eptr) {
+  try {
+    std::rethrow_exception(eptr);
+  } catch (const std::exception& e) {
+    return caf::make_error(caf::sec::runtime_error, std::string(e.what()));
+  } catch (...) {
+    return caf::make_error(caf::sec::runtime_error, std::string("unknown exception"));
+  }
+}
+
+std::string runtime_context::stage_name(int replica, int stage) const {
+  return "stage[replica " + std::to_string(replica) + ", stage " + std::to_string(stage) + "]";
+}
+
+actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_options& opts_in) {
+  auto cfg = cfg_in;
+  cfg.validate();
+  if (cfg.threads == 0)  // share the cores between the stage actors
+    cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) / (cfg.pipeline * cfg.data_parallel));
+  auto opts = opts_in;
+  if (opts.trace_path.empty()) opts.trace_path = cfg.trace;
+  training_data::check_available(cfg);  // a clear error now rather than a dead loader later
+  auto ctx = std::make_shared<const runtime_context>(cfg);
+  auto wiring = std::make_shared<job_wiring>();
+  auto result = std::make_shared<actor_run_result>();
+  {
+    caf::actor_system_config acfg;
+    acfg.add_message_types<caf::id_block::troupe>();
+    acfg.set("scheduler.max-threads", std::max<std::size_t>(2, std::thread::hardware_concurrency()));
+    caf::actor_system sys{acfg};
+    if (!opts.quiet)
+      spdlog::info("training {} for {} steps with actors: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
+                   "{} intra-op thread(s) per stage", cfg.workload, cfg.steps, cfg.pipeline, cfg.data_parallel,
+                   cfg.microbatches, cfg.microbatch_size(), cfg.schedule, cfg.threads);
+    {
+      auto coordinator = spawn_coordinator_actor(sys, ctx, wiring, opts, result);
+      caf::scoped_actor self{sys};
+      // The run's own timeouts bound every step; this wait ends when the coordinator answers.
+      self->request(coordinator, caf::infinite, run_atom_v)
+          .receive([&](int code) { result->exit_code = code; },
+                   [&](caf::error& err) {
+                     result->exit_code = 1;
+                     if (result->error.empty()) result->error = "coordinator failed: " + sys.render(err);
+                   });
+    }
+    // Every actor has been told to exit; wait until all have terminated (detached stage
+    // threads may still finish an op), then break the handle cycles of the wiring so the
+    // actor objects (and the detached threads waiting for them) can go.
+    sys.await_all_actors_done();
+    wiring->clear();
+  }
+  return *result;
+}
+
+}  // namespace troupe

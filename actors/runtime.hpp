@@ -1,0 +1,88 @@
+#pragma once
+// The actor runtime in one process: a coordinator, a supervisor, and per replica a data
+// loader and p stage actors, per stage d optimizer shard actors.
+//
+//   coordinator --begin_step--> loaders, stages, shards
+//   loader --microbatch_input--> stage 0      loader --microbatch_target--> stage p-1
+//   stage k --forward_activation--> stage k+1 --...--> last: loss_report --> coordinator
+//   stage k <--backward_grad-- stage k+1;  first <--tied_grad--> last
+//   stage --grad_shard--> shards of its stage (reduce-scatter)
+//   shard --grad_norm_partial--> coordinator --clip_factor_msg--> shards
+//   shard --param_shard--> every replica's stage (all-gather) --stage_done--> coordinator
+//   coordinator commits, then supervisor resets every actor and checks what it still held
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <caf/actor.hpp>
+#include <caf/error.hpp>
+
+#include "compute/job_config.hpp"
+#include "compute/model.hpp"
+#include "compute/partition.hpp"
+#include "compute/schedule.hpp"
+#include "messages/step_messages.hpp"
+
+namespace troupe {
+
+/// What every actor of a job knows; immutable once the job starts.
+struct runtime_context {
+  explicit runtime_context(const job_config& c);
+
+  job_config cfg;
+  model_spec spec;
+  int p, d, m, v, mbs;
+  int n_virtual;
+  bool dataflow;                     ///< no fixed order (schedule = "dataflow")
+  schedule sched;                    ///< fixed-order kinds (for dataflow: 1f1b, unused)
+  std::vector<layer_range> ranges;   ///< by virtual stage
+  state_dict init;                   ///< initial full-model parameters
+  std::chrono::steady_clock::time_point epoch;  ///< time origin of trace events
+
+  double now_us() const {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - epoch).count();
+  }
+  /// Expected shape of the activation entering virtual stage `x` (> 0) and of the
+  /// gradient leaving it.
+  std::vector<std::int64_t> activation_shape(int x) const;
+  std::string stage_name(int replica, int stage) const;
+};
+
+/// Handles of all actors of the job, filled by the supervisor before the first step.
+struct job_wiring {
+  caf::actor coordinator;
+  std::vector<std::vector<caf::actor>> stages;  ///< [replica][stage]
+  std::vector<std::vector<caf::actor>> shards;  ///< [stage][rank]
+  std::vector<caf::actor> loaders;              ///< [replica]
+  void clear() {
+    coordinator = nullptr;
+    stages.clear();
+    shards.clear();
+    loaders.clear();
+  }
+};
+
+struct actor_run_options {
+  bool quiet = false;          ///< no progress lines (tests)
+  std::string trace_path;      ///< Chrome trace JSON (also cfg's trace key)
+  std::string plant_leftover;  ///< tests: "replica:stage:step" gets a stray buffered tensor
+};
+
+struct actor_run_result {
+  int exit_code = 0;
+  std::string error;                 ///< why the run failed
+  state_dict final_state;            ///< full model after the last step (replica 0)
+  std::vector<double> losses;        ///< per committed step
+  std::vector<trace_event> events;   ///< every compute event of the run
+  std::vector<double> bubbles;       ///< measured per step
+};
+
+/// An actor's exception as its exit reason, with the exception's message (install with
+/// set_exception_handler; the supervisor reports the reason to the coordinator).
+caf::error error_from_exception(std::exception_ptr& eptr);
+
+/// Runs `cfg` with the actor runtime in this process.
+actor_run_result run_actor_training(const job_config& cfg, const actor_run_options& opts = {});
+
+}  // namespace troupe

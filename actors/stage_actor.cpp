@@ -1,0 +1,375 @@
+#include "actors/stage_actor.hpp"
+
+#include <map>
+#include <set>
+
+#include <caf/all.hpp>
+#include <torch/torch.h>
+
+#include "compute/grad_buffer.hpp"
+#include "messages/type_ids.hpp"
+
+namespace troupe {
+
+namespace {
+
+using key = std::pair<int, int>;  // (micro-batch, chunk)
+
+struct stage_state {
+  std::shared_ptr<const runtime_context> ctx;
+  std::shared_ptr<const job_wiring> wiring;
+  int replica = 0, stage = 0;
+  std::string name;
+  std::vector<std::unique_ptr<model_slice>> chunks;  // chunk c: virtual stage c * p + stage
+  const std::vector<pipeline_op>* order = nullptr;   // fixed-order kinds
+  int throw_step = -1;                               // fault injection (tests)
+
+  // --- per-step state (all of it dropped by reset) ---
+  std::int64_t step = -1;
+  double lr = 0;
+  bool running = false;
+  std::size_t next_op = 0;
+  int ops_done = 0, total_ops = 0;
+  std::map<key, torch::Tensor> inputs;    // received inputs / activations
+  std::map<key, torch::Tensor> out_grads; // received gradients of outputs
+  std::map<int, torch::Tensor> targets;
+  struct saved_t {
+    torch::Tensor input, output;
+  };
+  std::map<key, saved_t> saved;           // forwarded, waiting for backward
+  std::set<key> forwarded;                // dataflow bookkeeping
+  int in_flight = 0, peak_in_flight = 0;
+  bool tied_pending = false;
+  torch::Tensor tied_in;
+  int params_received = 0;
+  std::vector<trace_event> events;
+  std::vector<caf::message> stash;        // messages of a later step
+
+  int virtual_of(int chunk) const { return chunk * ctx->p + stage; }
+  bool is_last_virtual(int chunk) const { return virtual_of(chunk) == ctx->n_virtual - 1; }
+  /// The (replica's) stage actor owning virtual stage x, and the chunk index there.
+  std::pair<caf::actor, int> owner(int x) const { return {wiring->stages[replica][x % ctx->p], x / ctx->p}; }
+  bool holds_tied_copy() const {
+    return ctx->spec.type == model_spec::kind::gpt && ctx->n_virtual > 1 &&
+           (virtual_of(0) == 0 || is_last_virtual(ctx->v - 1));
+  }
+};
+
+/// Megatron's deallocate_output_tensor: the output's data goes (the receiver holds its
+/// own reference), its autograd node stays for the backward.
+void deallocate(torch::Tensor& out) { out.set_data(torch::empty({1}, out.options())); }
+
+class stage_logic {
+ public:
+  stage_logic(caf::stateful_actor<stage_state>* self) : self_(self), s_(self->state) {}
+
+  bool ready(const pipeline_op& op) const {
+    const key k{op.mb, op.chunk};
+    if (op.kind == op_kind::forward) {
+      if (!s_.inputs.count(k)) return false;
+      return !s_.is_last_virtual(op.chunk) || s_.targets.count(op.mb);
+    }
+    if (!s_.saved.count(k)) return false;
+    return s_.is_last_virtual(op.chunk) || s_.out_grads.count(k);
+  }
+
+  /// Runs every op that can run now.
+  void run_ready() {
+    if (!s_.running) return;
+    if (s_.order) {
+      while (s_.next_op < s_.order->size() && ready((*s_.order)[s_.next_op])) execute((*s_.order)[s_.next_op++]);
+    } else {
+      while (auto op = next_dataflow_op()) execute(*op);
+    }
+    if (s_.ops_done == s_.total_ops && s_.running) after_backward();
+  }
+
+  std::optional<pipeline_op> next_dataflow_op() const {
+    // Backwards first (they free memory), lowest micro-batch first; then forwards if
+    // the in-flight bound allows.
+    for (const auto& [k, sv] : s_.saved) {
+      pipeline_op op{op_kind::backward, k.first, k.second};
+      if (ready(op)) return op;
+    }
+    const int bound = s_.ctx->cfg.max_in_flight > 0 ? s_.ctx->cfg.max_in_flight : s_.ctx->p;
+    if (s_.in_flight >= bound) return std::nullopt;
+    for (const auto& [k, t] : s_.inputs) {
+      pipeline_op op{op_kind::forward, k.first, k.second};
+      if (!s_.forwarded.count(k) && ready(op)) return op;
+    }
+    return std::nullopt;
+  }
+
+  void execute(const pipeline_op& op) {
+    const auto& ctx = *s_.ctx;
+    if (s_.throw_step == s_.step && s_.ops_done == 1)
+      throw std::runtime_error("injected fault: " + s_.name + " throws at step " + std::to_string(s_.step));
+    const key k{op.mb, op.chunk};
+    const int x = s_.virtual_of(op.chunk);
+    auto& slice = *s_.chunks[op.chunk];
+    trace_event ev{op.kind == op_kind::forward ? "F" : "B", s_.replica, s_.stage, op.mb, op.chunk, s_.step,
+                   ctx.now_us(), 0};
+    if (op.kind == op_kind::forward) {
+      auto in = std::move(s_.inputs[k]);
+      s_.inputs.erase(k);
+      if (x > 0) in = in.detach().requires_grad_(true);
+      auto out = slice.forward(in);
+      if (s_.is_last_virtual(op.chunk)) {
+        auto loss = slice.loss(out, s_.targets[op.mb]);
+        s_.targets.erase(op.mb);
+        self_->send(s_.wiring->coordinator, loss_report{s_.step, s_.replica, op.mb, loss.item<double>()});
+        out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
+      } else {
+        auto [next, chunk] = s_.owner(x + 1);
+        self_->send(next, forward_activation{s_.step, op.mb, chunk, make_payload(out.detach())});
+        deallocate(out);
+      }
+      if (x == 0) self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
+      s_.saved[k] = {in, out};
+      s_.forwarded.insert(k);
+      s_.peak_in_flight = std::max(s_.peak_in_flight, ++s_.in_flight);
+    } else {
+      auto sv = std::move(s_.saved[k]);
+      s_.saved.erase(k);
+      if (s_.is_last_virtual(op.chunk)) {
+        sv.output.backward();
+      } else {
+        auto g = std::move(s_.out_grads[k]);
+        s_.out_grads.erase(k);
+        torch::autograd::backward({sv.output}, {g});
+      }
+      if (x > 0) {
+        auto [prev, chunk] = s_.owner(x - 1);
+        self_->send(prev, backward_grad{s_.step, op.mb, chunk, make_payload(sv.input.grad())});
+      }
+      s_.forwarded.erase(k);
+      --s_.in_flight;
+    }
+    ev.end_us = ctx.now_us();
+    s_.events.push_back(std::move(ev));
+    ++s_.ops_done;
+  }
+
+  /// All ops ran: sum the tied embedding's gradients, then reduce-scatter.
+  void after_backward() {
+    s_.running = false;
+    if (s_.holds_tied_copy()) {
+      const auto& ctx = *s_.ctx;
+      if (ctx.p == 1) {  // both copies here (v > 1): sum locally, as the reference does
+        auto& first = s_.chunks.front()->param("wte.weight").mutable_grad();
+        auto& last = s_.chunks.back()->param("wte.weight").mutable_grad();
+        torch::NoGradGuard g;
+        first.add_(last);
+        last.copy_(first);
+      } else {
+        auto& mine = tied_slice().param("wte.weight").mutable_grad();
+        const auto peer = s_.stage == 0 ? ctx.p - 1 : 0;
+        self_->send(s_.wiring->stages[s_.replica][peer], tied_grad{s_.step, make_payload(mine.clone())});
+        s_.tied_pending = true;
+        if (s_.tied_in.defined()) on_tied(std::move(s_.tied_in));
+        return;
+      }
+    }
+    send_grad_shards();
+  }
+
+  model_slice& tied_slice() { return s_.stage == 0 ? *s_.chunks.front() : *s_.chunks.back(); }
+
+  void on_tied(torch::Tensor other) {
+    if (!s_.tied_pending) {  // our own backward is not done yet: keep it for later
+      s_.tied_in = std::move(other);
+      return;
+    }
+    torch::NoGradGuard g;
+    tied_slice().param("wte.weight").mutable_grad().add_(other);
+    s_.tied_pending = false;
+    s_.tied_in = torch::Tensor();
+    send_grad_shards();
+  }
+
+  void send_grad_shards() {
+    const auto& ctx = *s_.ctx;
+    for (int c = 0; c < ctx.v; ++c) {
+      const auto grads = s_.chunks[c]->flat_grads();
+      const auto ranges = shard_ranges(grads.numel(), ctx.d);
+      for (int r = 0; r < ctx.d; ++r)
+        self_->send(s_.wiring->shards[s_.stage][r],
+                    grad_shard{s_.step, c, s_.replica, make_payload(grads.narrow(0, ranges[r].begin, ranges[r].size()))});
+    }
+  }
+
+  void on_params(const param_shard& msg) {
+    auto flat = s_.chunks.at(msg.chunk)->flat_params();
+    const auto range = shard_ranges(flat.numel(), s_.ctx->d).at(msg.rank);
+    {
+      torch::NoGradGuard g;
+      flat.narrow(0, range.begin, range.size()).copy_(tensor_of(msg.data));
+    }
+    if (++s_.params_received == s_.ctx->d * s_.ctx->v)
+      self_->send(s_.wiring->coordinator,
+                  stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events)});
+  }
+
+  /// Drops per-step state; returns what was left over that should not have been.
+  reset_report reset() {
+    reset_report rep{s_.name, {}};
+    auto leftover = [&](std::size_t n, const char* what) {
+      if (n) rep.leftovers.push_back(std::to_string(n) + " " + what);
+    };
+    leftover(s_.inputs.size(), "buffered input(s)/activation(s)");
+    leftover(s_.out_grads.size(), "buffered output gradient(s)");
+    leftover(s_.targets.size(), "buffered target(s)");
+    leftover(s_.saved.size(), "activation(s) held for backward");
+    leftover(s_.stash.size(), "stashed message(s)");
+    leftover(s_.in_flight != 0, "nonzero in-flight count");
+    leftover(s_.tied_pending || s_.tied_in.defined(), "pending tied gradient");
+    s_.inputs.clear();
+    s_.out_grads.clear();
+    s_.targets.clear();
+    s_.saved.clear();
+    s_.forwarded.clear();
+    s_.stash.clear();
+    s_.tied_in = torch::Tensor();
+    s_.tied_pending = false;
+    s_.in_flight = s_.peak_in_flight = 0;
+    s_.events.clear();
+    s_.running = false;
+    for (auto& c : s_.chunks) {
+      c->zero_grads();
+      for (const auto& p : c->parameters())
+        if (static_cast<char*>(p.grad().data_ptr()) < static_cast<char*>(c->flat_grads().data_ptr()) ||
+            static_cast<char*>(p.grad().data_ptr()) >= static_cast<char*>(c->flat_grads().data_ptr()) + c->flat_grads().nbytes())
+          rep.leftovers.push_back("a gradient is no longer a view of the grad buffer");
+      if (c->flat_grads().abs().sum().item<double>() != 0.0) rep.leftovers.push_back("grad buffer not zero");
+    }
+    return rep;
+  }
+
+  /// True if a message of step `step` may be handled now; stashes later steps' messages.
+  bool accept(std::int64_t step) {
+    if (step == s_.step) return true;
+    if (step > s_.step) s_.stash.push_back(self_->current_mailbox_element()->move_content_to_message());
+    return false;
+  }
+
+  void fail(const std::string& what) {
+    self_->send(s_.wiring->coordinator, runtime_failure{s_.step, s_.name, what});
+  }
+
+ private:
+  caf::stateful_actor<stage_state>* self_;
+  stage_state& s_;
+};
+
+}  // namespace
+
+namespace {
+
+caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
+                             std::shared_ptr<const job_wiring> wiring, int replica, int stage) {
+  auto& st = self->state;
+  st.ctx = ctx;
+  st.wiring = wiring;
+  st.replica = replica;
+  st.stage = stage;
+  st.name = ctx->stage_name(replica, stage);
+  for (int c = 0; c < ctx->v; ++c)
+    st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d));
+  if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
+  st.total_ops = 2 * ctx->m * ctx->v;
+  if (!ctx->cfg.throw_at.empty()) {
+    int r = -1, k = -1, s = -1;
+    if (std::sscanf(ctx->cfg.throw_at.c_str(), "%d:%d:%d", &r, &k, &s) == 3 && r == replica && k == stage)
+      st.throw_step = s;
+  }
+  // An exception ends the actor with its message as the exit reason (the supervisor
+  // reports it to the coordinator, which aborts the step).
+  self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
+  auto logic = std::make_shared<stage_logic>(self);
+  const auto act_shape = [ctx](int x) { return ctx->activation_shape(x); };
+  return {
+      [=](const begin_step& msg) {
+        auto& s = self->state;
+        if (ctx->cfg.threads > 0) torch::set_num_threads(ctx->cfg.threads);
+        s.step = msg.step;
+        s.lr = msg.lr;
+        s.running = true;
+        s.next_op = 0;
+        s.ops_done = 0;
+        s.params_received = 0;
+        auto stash = std::move(s.stash);
+        s.stash.clear();
+        for (auto& m : stash) self->send(self, std::move(m));
+        logic->run_ready();
+      },
+      [=](microbatch_input& msg) {
+        if (!logic->accept(msg.step)) return;
+        auto& s = self->state;
+        const auto problem = check_payload(msg.data, {ctx->mbs, ctx->spec.type == model_spec::kind::gpt ? ctx->spec.gpt.seq_len : ctx->spec.mlp_widths[0]},
+                                           ctx->spec.type == model_spec::kind::gpt ? torch::kInt64 : torch::kFloat32);
+        if (!problem.empty()) return logic->fail("micro-batch input " + std::to_string(msg.mb) + ": " + problem);
+        s.inputs[{msg.mb, 0}] = tensor_of(msg.data);
+        logic->run_ready();
+      },
+      [=](microbatch_target& msg) {
+        if (!logic->accept(msg.step)) return;
+        self->state.targets[msg.mb] = tensor_of(msg.data);
+        logic->run_ready();
+      },
+      [=](forward_activation& msg) {
+        if (!logic->accept(msg.step)) return;
+        const int x = self->state.virtual_of(msg.chunk);
+        const auto problem = check_payload(msg.data, act_shape(x), torch::kFloat32);
+        if (!problem.empty())
+          return logic->fail("activation of micro-batch " + std::to_string(msg.mb) + ": " + problem);
+        self->state.inputs[{msg.mb, msg.chunk}] = tensor_of(msg.data);
+        logic->run_ready();
+      },
+      [=](backward_grad& msg) {
+        if (!logic->accept(msg.step)) return;
+        const int x = self->state.virtual_of(msg.chunk);
+        const auto problem = check_payload(msg.data, act_shape(x + 1), torch::kFloat32);
+        if (!problem.empty())
+          return logic->fail("gradient of micro-batch " + std::to_string(msg.mb) + ": " + problem);
+        self->state.out_grads[{msg.mb, msg.chunk}] = tensor_of(msg.data);
+        logic->run_ready();
+      },
+      [=](tied_grad& msg) {
+        if (!logic->accept(msg.step)) return;
+        logic->on_tied(tensor_of(msg.data));
+      },
+      [=](param_shard& msg) {
+        if (!logic->accept(msg.step)) return;
+        logic->on_params(msg);
+      },
+      [=](const reset_step&) -> reset_report { return logic->reset(); },
+      [=](const abort_step& msg) {
+        logic->reset();
+        self->state.step = msg.step;
+      },
+      [=](state_atom) -> state_reply {
+        state_reply rep;
+        for (auto& c : self->state.chunks)
+          for (auto& [name, t] : c->state()) {
+            rep.names.push_back(name);
+            rep.tensors.push_back(make_payload(t));
+          }
+        return rep;
+      },
+      [=](plant_atom) {  // tests: a stray buffered tensor the next reset must report
+        self->state.inputs[{-1, -1}] = torch::zeros({1});
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                             std::shared_ptr<const job_wiring> wiring, int replica, int stage) {
+  // Detached: a thread of its own, so its LibTorch intra-op thread count is its own
+  // and long compute never holds a scheduler thread other actors need.
+  return supervisor->spawn<caf::detached + caf::monitored>(stage_behavior, std::move(ctx), std::move(wiring),
+                                                          replica, stage);
+}
+
+}  // namespace troupe

@@ -1,0 +1,28 @@
+#pragma once
+// stage_actor: one pipeline stage of one data-parallel replica, owning its virtual chunks.
+//
+//        begin_step                 all ops run           all param shards in
+//   idle ----------> running ops ----------------> tied/grads sent ----------------> done
+//     ^              (F/B as inputs arrive)        (tied_grad, grad_shard)     (stage_done)
+//     +------------------------------- reset_step ----------------------------------+
+//
+// Each op runs as soon as its inputs are there: F(mb, c) needs its input (data or the
+// previous virtual stage's activation) and, on the last virtual stage, its target;
+// B(mb, c) needs its forward and, except on the last virtual stage, the gradient of its
+// output. Fixed-order kinds follow the schedule's list; `dataflow` runs any ready op
+// (backwards first) with at most max_in_flight micro-batches forwarded but not yet
+// backwarded. Messages of a later step are stashed and replayed; of an earlier one dropped.
+#include <memory>
+
+#include <caf/actor.hpp>
+#include <caf/event_based_actor.hpp>
+
+#include "actors/runtime.hpp"
+
+namespace troupe {
+
+/// Spawns the stage actor of (replica, stage), detached and monitored by `supervisor`.
+caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                             std::shared_ptr<const job_wiring> wiring, int replica, int stage);
+
+}  // namespace troupe

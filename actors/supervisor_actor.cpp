@@ -1,0 +1,82 @@
+#include "actors/supervisor_actor.hpp"
+
+#include <map>
+
+#include <caf/all.hpp>
+
+#include "actors/data_loader_actor.hpp"
+#include "actors/optimizer_shard_actor.hpp"
+#include "actors/stage_actor.hpp"
+#include "messages/type_ids.hpp"
+
+namespace troupe {
+
+namespace {
+constexpr auto reset_timeout = std::chrono::seconds(30);
+}
+
+caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<const runtime_context> ctx,
+                               std::shared_ptr<job_wiring> wiring) {
+  auto children = std::make_shared<std::vector<std::pair<caf::actor, std::string>>>();
+  auto add = [&](caf::actor a, std::string name) {
+    children->emplace_back(a, std::move(name));
+    return a;
+  };
+  wiring->stages.assign(ctx->d, {});
+  wiring->shards.assign(ctx->p, {});
+  for (int k = 0; k < ctx->p; ++k)
+    for (int r = 0; r < ctx->d; ++r)
+      wiring->shards[k].push_back(add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r),
+                                      "shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) + "]"));
+  for (int r = 0; r < ctx->d; ++r)
+    for (int k = 0; k < ctx->p; ++k)
+      wiring->stages[r].push_back(add(spawn_stage_actor(self, ctx, wiring, r, k), ctx->stage_name(r, k)));
+  for (int r = 0; r < ctx->d; ++r)
+    wiring->loaders.push_back(add(spawn_data_loader_actor(self, ctx, wiring, r), "loader[replica " + std::to_string(r) + "]"));
+  spdlog::debug("supervisor: spawned {} actors", children->size());
+
+  auto name_of = [children](const caf::actor_addr& a) {
+    for (auto& [h, n] : *children)
+      if (h.address() == a) return n;
+    return std::string("unknown actor");
+  };
+  self->set_down_handler([=](const caf::down_msg& msg) {
+    if (msg.reason == caf::exit_reason::user_shutdown || msg.reason == caf::exit_reason::normal) return;
+    auto coordinator = wiring->coordinator;
+    if (coordinator)
+      self->send(coordinator, runtime_failure{-1, name_of(msg.source), "actor died: " + self->system().render(msg.reason)});
+  });
+  self->set_exit_handler([=](const caf::exit_msg& msg) {
+    for (auto& [h, n] : *children) self->send_exit(h, msg.reason);
+    self->quit(msg.reason);
+  });
+  return {
+      [=](run_atom) { return true; },  // spawned and wired
+      [=](check_atom, const reset_step& msg) {
+        // Reset every actor and collect what each still held.
+        auto rp = self->make_response_promise<std::vector<reset_report>>();
+        auto reports = std::make_shared<std::vector<reset_report>>();
+        auto pending = std::make_shared<std::size_t>(children->size());
+        for (auto& [h, n] : *children) {
+          const std::string name = n;
+          self->request(h, reset_timeout, msg)
+              .then(
+                  [=](const reset_report& rep) mutable {
+                    if (!rep.leftovers.empty()) reports->push_back(rep);
+                    if (--*pending == 0) rp.deliver(*reports);
+                  },
+                  [=](caf::error& err) mutable {
+                    reports->push_back({name, {"no reset answer: " + self->system().render(err)}});
+                    if (--*pending == 0) rp.deliver(*reports);
+                  });
+        }
+        return rp;
+      },
+      [=](const abort_step& msg) {
+        for (auto& [h, n] : *children) self->send(h, msg);
+      },
+      [=](plant_atom, int replica, int stage) { self->send(wiring->stages.at(replica).at(stage), plant_atom_v); },
+  };
+}
+
+}  // namespace troupe

@@ -1,0 +1,83 @@
+#include "actors/trace.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <limits>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "compute/checkpoint.hpp"
+
+namespace troupe {
+
+namespace {
+bool is_compute(const trace_event& e) { return e.name == "F" || e.name == "B" || e.name == "W"; }
+}  // namespace
+
+step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages) {
+  step_timing t;
+  t.busy_s.assign(std::size_t(replicas) * stages, 0.0);
+  t.idle_s.assign(t.busy_s.size(), 0.0);
+  double first = std::numeric_limits<double>::max(), last = 0;
+  for (const auto& e : events) {
+    if (!is_compute(e)) continue;
+    first = std::min(first, e.start_us);
+    last = std::max(last, e.end_us);
+    t.busy_s.at(std::size_t(e.replica) * stages + e.stage) += (e.end_us - e.start_us) * 1e-6;
+  }
+  if (last <= first) return t;
+  t.window_s = (last - first) * 1e-6;
+  double busy = 0;
+  for (std::size_t i = 0; i < t.busy_s.size(); ++i) {
+    t.idle_s[i] = t.window_s - t.busy_s[i];
+    busy += t.busy_s[i];
+  }
+  t.bubble = 1.0 - busy / (double(t.busy_s.size()) * t.window_s);
+  return t;
+}
+
+void write_chrome_trace(const std::string& path, const std::vector<trace_event>& events, int replicas,
+                        int stages) {
+  using nlohmann::json;
+  json out = json::array();
+  const int optimizer_pid = replicas;
+  for (int r = 0; r < replicas; ++r) {
+    out.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", r}, {"args", {{"name", "replica " + std::to_string(r)}}}});
+    for (int k = 0; k < stages; ++k)
+      out.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", r}, {"tid", k}, {"args", {{"name", "stage " + std::to_string(k)}}}});
+  }
+  out.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", optimizer_pid}, {"args", {{"name", "optimizer shards"}}}});
+  // Idle gaps between consecutive compute ops of a stage within a step.
+  std::map<std::tuple<std::int64_t, int, int>, std::vector<const trace_event*>> by_track;
+  for (const auto& e : events) {
+    const bool compute = is_compute(e);
+    json args{{"step", e.step}, {"stage", e.stage}, {"replica", e.replica}};
+    if (compute) {
+      args["op"] = e.name;
+      args["mb"] = e.mb;
+      args["chunk"] = e.chunk;
+      by_track[{e.step, e.replica, e.stage}].push_back(&e);
+    }
+    out.push_back({{"ph", "X"},
+                   {"name", compute ? e.name + std::to_string(e.mb) : e.name},
+                   {"cat", compute ? "compute" : "optimizer"},
+                   {"pid", compute ? e.replica : optimizer_pid},
+                   {"tid", compute ? e.stage : e.stage * replicas + e.replica},
+                   {"ts", e.start_us},
+                   {"dur", e.end_us - e.start_us},
+                   {"args", args}});
+  }
+  for (auto& [key, evs] : by_track) {
+    std::sort(evs.begin(), evs.end(), [](auto* a, auto* b) { return a->start_us < b->start_us; });
+    for (std::size_t i = 1; i < evs.size(); ++i) {
+      const double gap = evs[i]->start_us - evs[i - 1]->end_us;
+      if (gap <= 0) continue;
+      out.push_back({{"ph", "X"}, {"name", "idle"}, {"cat", "idle"}, {"pid", std::get<1>(key)}, {"tid", std::get<2>(key)},
+                     {"ts", evs[i - 1]->end_us}, {"dur", gap}, {"args", {{"step", std::get<0>(key)}}}});
+    }
+  }
+  write_file_atomically(path, json{{"traceEvents", out}, {"displayTimeUnit", "ms"}}.dump());
+}
+
+}  // namespace troupe

@@ -1,0 +1,26 @@
+#pragma once
+// Measured pipeline timing from trace events, and the Chrome trace writer.
+#include <string>
+#include <vector>
+
+#include "messages/step_messages.hpp"
+
+namespace troupe {
+
+/// One step's measured timing of the stage tracks (replica x stage).
+struct step_timing {
+  double window_s = 0;              ///< first compute start to last compute end
+  double bubble = 0;                ///< 1 - busy / (tracks x window)
+  std::vector<double> busy_s;       ///< per track: replica * p + stage
+  std::vector<double> idle_s;
+};
+
+/// Timing of one step's compute events ("F", "B") over `replicas` x `stages` tracks.
+step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages);
+
+/// Writes `events` as Chrome trace JSON (chrome://tracing, Perfetto): one process per
+/// replica with one track per stage (compute and idle gaps), plus one optimizer process.
+void write_chrome_trace(const std::string& path, const std::vector<trace_event>& events, int replicas,
+                        int stages);
+
+}  // namespace troupe

@@ -1,0 +1,121 @@
+#pragma once
+// The step as a transaction: begin, per-actor completion, commit, reset, abort.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <caf/meta/type_name.hpp>
+
+#include "messages/tensor_payload.hpp"
+
+namespace troupe {
+
+/// Coordinator -> every actor: step `step` starts at learning rate `lr`.
+struct begin_step {
+  std::int64_t step = 0;
+  double lr = 0;
+};
+
+/// One executed operation, for the Chrome trace and the measured bubble.
+struct trace_event {
+  std::string name;        ///< "F", "B", "optimizer", "reduce", "allgather", "tied"
+  std::int32_t replica = 0;
+  std::int32_t stage = -1; ///< pipeline stage (track); -1 for non-stage actors
+  std::int32_t mb = -1;
+  std::int32_t chunk = -1;
+  std::int64_t step = 0;
+  double start_us = 0;     ///< microseconds since the run's epoch
+  double end_us = 0;
+};
+
+/// Stage -> coordinator: the stage ran all its ops and received its updated parameters.
+struct stage_done {
+  std::int64_t step = 0;
+  std::int32_t replica = 0;
+  std::int32_t stage = 0;
+  std::int32_t peak_in_flight = 0;  ///< max micro-batches forwarded, not yet backwarded
+  std::vector<trace_event> events;
+};
+
+/// Optimizer shard -> coordinator: update done and parameters sent.
+struct shard_done {
+  std::int64_t step = 0;
+  std::int32_t stage = 0;
+  std::int32_t rank = 0;
+  std::vector<trace_event> events;
+};
+
+/// Coordinator -> actors: drop all per-step state of `step`.
+struct reset_step {
+  std::int64_t step = 0;
+};
+
+/// Actor -> supervisor: what the actor still held after a reset (empty: nothing).
+struct reset_report {
+  std::string actor;
+  std::vector<std::string> leftovers;
+};
+
+/// Coordinator -> actors: step `step` is abandoned.
+struct abort_step {
+  std::int64_t step = 0;
+  std::string reason;
+};
+
+/// Any actor -> coordinator: something went wrong in `step` (bad payload, ...).
+struct runtime_failure {
+  std::int64_t step = 0;
+  std::string actor;
+  std::string what;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, begin_step& x) {
+  return f(caf::meta::type_name("begin_step"), x.step, x.lr);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, trace_event& x) {
+  return f(caf::meta::type_name("trace_event"), x.name, x.replica, x.stage, x.mb, x.chunk, x.step,
+           x.start_us, x.end_us);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, stage_done& x) {
+  return f(caf::meta::type_name("stage_done"), x.step, x.replica, x.stage, x.peak_in_flight, x.events);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, shard_done& x) {
+  return f(caf::meta::type_name("shard_done"), x.step, x.stage, x.rank, x.events);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, reset_step& x) {
+  return f(caf::meta::type_name("reset_step"), x.step);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, reset_report& x) {
+  return f(caf::meta::type_name("reset_report"), x.actor, x.leftovers);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, abort_step& x) {
+  return f(caf::meta::type_name("abort_step"), x.step, x.reason);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, runtime_failure& x) {
+  return f(caf::meta::type_name("runtime_failure"), x.step, x.actor, x.what);
+}
+
+}  // namespace troupe
+
+namespace troupe {
+
+/// Stage -> coordinator: the stage's parameters by name (for evaluation, checkpoints).
+struct state_reply {
+  std::vector<std::string> names;
+  std::vector<tensor_payload> tensors;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, state_reply& x) {
+  return f(caf::meta::type_name("state_reply"), x.names, x.tensors);
+}
+
+}  // namespace troupe

@@ -1,0 +1,51 @@
+#include "messages/tensor_payload.hpp"
+
+#include <zlib.h>
+
+#include <sstream>
+
+namespace troupe {
+
+std::uint32_t crc32_of(const torch::Tensor& t) {
+  auto c = t.contiguous();
+  const auto* bytes = static_cast<const Bytef*>(c.data_ptr());
+  std::size_t n = c.numel() * c.element_size();
+  uLong crc = crc32(0L, Z_NULL, 0);
+  while (n > 0) {
+    const auto chunk = static_cast<uInt>(std::min<std::size_t>(n, 1u << 30));
+    crc = crc32(crc, bytes, chunk);
+    bytes += chunk;
+    n -= chunk;
+  }
+  return static_cast<std::uint32_t>(crc);
+}
+
+tensor_payload make_payload(const torch::Tensor& t, bool with_checksum) {
+  tensor_payload p;
+  p.local = t.contiguous();
+  p.dtype = static_cast<std::int8_t>(p.local.scalar_type());
+  p.shape = p.local.sizes().vec();
+  if (with_checksum) {
+    p.checksum = crc32_of(p.local);
+    p.has_checksum = true;
+  }
+  return p;
+}
+
+std::string check_payload(const tensor_payload& p, c10::IntArrayRef expected_shape,
+                          torch::ScalarType expected_dtype) {
+  std::ostringstream why;
+  if (!p.local.defined()) return "payload carries no tensor data";
+  if (p.dtype != static_cast<std::int8_t>(expected_dtype) || p.local.scalar_type() != expected_dtype) {
+    why << "dtype " << c10::toString(p.local.scalar_type()) << ", expected " << c10::toString(expected_dtype);
+    return why.str();
+  }
+  if (p.local.sizes() != expected_shape || c10::IntArrayRef(p.shape) != expected_shape) {
+    why << "shape " << p.local.sizes() << ", expected " << expected_shape;
+    return why.str();
+  }
+  if (p.has_checksum && crc32_of(p.local) != p.checksum) return "checksum mismatch (corrupt tensor)";
+  return {};
+}
+
+}  // namespace troupe

@@ -1,0 +1,47 @@
+#pragma once
+// Every Troupe message type and atom in one CAF type-ID block. Load it with
+// `cfg.add_message_types<caf::id_block::troupe>()` before starting an actor system.
+#include <string>
+#include <vector>
+
+#include <caf/type_id.hpp>
+
+#include "messages/optimizer_messages.hpp"
+#include "messages/pipeline_messages.hpp"
+#include "messages/step_messages.hpp"
+#include "messages/tensor_payload.hpp"
+
+CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
+
+  CAF_ADD_TYPE_ID(troupe, (troupe::tensor_payload))
+  CAF_ADD_TYPE_ID(troupe, (troupe::begin_step))
+  CAF_ADD_TYPE_ID(troupe, (troupe::trace_event))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::trace_event>))
+  CAF_ADD_TYPE_ID(troupe, (troupe::stage_done))
+  CAF_ADD_TYPE_ID(troupe, (troupe::shard_done))
+  CAF_ADD_TYPE_ID(troupe, (troupe::reset_step))
+  CAF_ADD_TYPE_ID(troupe, (troupe::reset_report))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::reset_report>))
+  CAF_ADD_TYPE_ID(troupe, (troupe::abort_step))
+  CAF_ADD_TYPE_ID(troupe, (troupe::runtime_failure))
+  CAF_ADD_TYPE_ID(troupe, (troupe::state_reply))
+  CAF_ADD_TYPE_ID(troupe, (troupe::microbatch_input))
+  CAF_ADD_TYPE_ID(troupe, (troupe::microbatch_target))
+  CAF_ADD_TYPE_ID(troupe, (troupe::credit))
+  CAF_ADD_TYPE_ID(troupe, (troupe::forward_activation))
+  CAF_ADD_TYPE_ID(troupe, (troupe::backward_grad))
+  CAF_ADD_TYPE_ID(troupe, (troupe::loss_report))
+  CAF_ADD_TYPE_ID(troupe, (troupe::tied_grad))
+  CAF_ADD_TYPE_ID(troupe, (troupe::grad_shard))
+  CAF_ADD_TYPE_ID(troupe, (troupe::grad_norm_partial))
+  CAF_ADD_TYPE_ID(troupe, (troupe::clip_factor_msg))
+  CAF_ADD_TYPE_ID(troupe, (troupe::param_shard))
+
+  // Atoms (at most 10 characters).
+  CAF_ADD_ATOM(troupe, troupe, run_atom, "run")
+  CAF_ADD_ATOM(troupe, troupe, state_atom, "state")
+  CAF_ADD_ATOM(troupe, troupe, timeout_atom, "timeout")
+  CAF_ADD_ATOM(troupe, troupe, plant_atom, "plant")
+  CAF_ADD_ATOM(troupe, troupe, check_atom, "check")
+
+CAF_END_TYPE_ID_BLOCK(troupe)

@@ -1,0 +1,231 @@
+// The actor runtime against the single-process reference loop: same parameters and
+// losses for every layout and schedule kind; traces follow the schedules; reset checks;
+// failures end the run with a clear error instead of a hang.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "actors/runtime.hpp"
+#include "compute/trainer.hpp"
+#include "test_util.hpp"
+
+namespace troupe {
+
+namespace {
+
+constexpr int kSteps = 10;
+
+struct reference_run {
+  state_dict state;
+  std::vector<double> losses;
+};
+
+reference_run reference_of(job_config c) {
+  c.pipeline = c.data_parallel = c.chunks = 1;
+  c.schedule = "1f1b";
+  c.runtime = "local";
+  local_trainer t(c);
+  reference_run out;
+  for (int i = 0; i < kSteps; ++i) out.losses.push_back(t.step().loss);
+  out.state = t.state();
+  return out;
+}
+
+const reference_run& gpt_reference() {
+  static const reference_run ref = reference_of(test::gpt_config(200));
+  return ref;
+}
+
+actor_run_result run_actors(job_config c, actor_run_options opts = {}) {
+  opts.quiet = true;
+  c.steps = std::min(c.steps, kSteps);
+  return run_actor_training(c, opts);
+}
+
+struct layout {
+  int p, d, v;
+  const char* schedule;
+};
+
+std::string name_of(const layout& l) {
+  std::string k = l.schedule;
+  if (k == "interleaved-1f1b") k = "interleaved";
+  return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" + std::to_string(l.v) + "_" + k;
+}
+
+void PrintTo(const layout& l, std::ostream* os) { *os << name_of(l); }
+
+job_config gpt_layout(const layout& l) {
+  auto c = test::gpt_config(200);  // the lr schedule of a 200-step run; 10 steps run
+  c.pipeline = l.p;
+  c.data_parallel = l.d;
+  c.chunks = l.v;
+  c.schedule = l.schedule;
+  c.microbatches = l.d == 1 ? 8 : 4;
+  return c;
+}
+
+/// Per (replica, stage): the F/B ops of step `step` in the order they ran.
+std::map<std::pair<int, int>, std::vector<pipeline_op>> executed(const std::vector<trace_event>& events,
+                                                                 std::int64_t step) {
+  std::vector<const trace_event*> evs;
+  for (const auto& e : events)
+    if (e.step == step && (e.name == "F" || e.name == "B")) evs.push_back(&e);
+  std::stable_sort(evs.begin(), evs.end(), [](auto* a, auto* b) { return a->start_us < b->start_us; });
+  std::map<std::pair<int, int>, std::vector<pipeline_op>> out;
+  for (auto* e : evs)
+    out[{e->replica, e->stage}].push_back({e->name == "F" ? op_kind::forward : op_kind::backward, e->mb, e->chunk});
+  return out;
+}
+
+class ActorEquivalence : public ::testing::TestWithParam<layout> {};
+
+}  // namespace
+
+TEST_P(ActorEquivalence, SameParametersAndLossesAsTheReferenceLoop) {
+  const auto l = GetParam();
+  const auto c = gpt_layout(l);
+  const auto got = run_actors(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  const auto& ref = gpt_reference();
+  EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5) << name_of(l);
+  ASSERT_EQ(got.losses.size(), ref.losses.size());
+  for (std::size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i;
+
+  // Every stage ran exactly its schedule's order (fixed-order kinds), every step.
+  if (std::string(l.schedule) != "dataflow") {
+    const auto sched = make_schedule(parse_schedule_kind(l.schedule), c.pipeline, c.microbatches, c.chunks);
+    for (std::int64_t s : {0, kSteps - 1}) {
+      const auto ops = executed(got.events, s);
+      ASSERT_EQ(ops.size(), std::size_t(l.p * l.d));
+      for (const auto& [track, order] : ops) EXPECT_EQ(order, sched.ranks[track.second]) << "replica " << track.first << " stage " << track.second;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, ActorEquivalence,
+    ::testing::Values(layout{1, 1, 1, "1f1b"}, layout{2, 1, 1, "1f1b"}, layout{4, 1, 1, "1f1b"},
+                      layout{1, 2, 1, "1f1b"}, layout{2, 2, 1, "1f1b"}, layout{4, 2, 1, "1f1b"},
+                      layout{2, 1, 1, "gpipe"}, layout{4, 2, 1, "gpipe"},
+                      layout{2, 1, 2, "interleaved-1f1b"}, layout{4, 1, 2, "interleaved-1f1b"},
+                      layout{1, 2, 2, "interleaved-1f1b"}, layout{2, 2, 2, "interleaved-1f1b"},
+                      layout{2, 1, 1, "dataflow"}, layout{4, 2, 1, "dataflow"}),
+    [](const auto& info) { return name_of(info.param); });
+
+TEST(ActorRuntime, FmnistMlpEqualsTheReferenceLoop) {
+  auto c = job_config::defaults_for("fmnist-mlp");
+  c.steps = kSteps;
+  const auto ref = reference_of(c);
+  c.pipeline = 2;
+  c.data_parallel = 2;
+  c.microbatches = 2;
+  c.threads = 2;  // the reference's intra-op threads: BLAS sums in the same order
+  const auto got = run_actors(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5);
+  for (int i = 0; i < kSteps; ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5);
+}
+
+TEST(ActorRuntime, DataflowRespectsItsInFlightBound) {
+  auto c = gpt_layout({4, 1, 1, "dataflow"});
+  c.max_in_flight = 2;
+  c.steps = 3;
+  const auto got = run_actors(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  int worst = 0;
+  for (std::int64_t s = 0; s < 3; ++s)
+    for (const auto& [track, order] : executed(got.events, s)) {
+      int live = 0;
+      for (const auto& op : order) {
+        live += op.kind == op_kind::forward ? 1 : -1;
+        worst = std::max(worst, live);
+      }
+      EXPECT_EQ(live, 0);
+      EXPECT_EQ(order.size(), 2u * c.microbatches);
+    }
+  EXPECT_LE(worst, 2);
+  EXPECT_EQ(worst, 2) << "the bound should be reached with 8 micro-batches";
+}
+
+TEST(ActorRuntime, OneFOneBHoldsAtMostPMinusRActivations) {
+  auto c = gpt_layout({4, 1, 1, "1f1b"});
+  c.steps = 2;
+  const auto got = run_actors(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  for (const auto& [track, order] : executed(got.events, 1)) {
+    int live = 0, worst = 0;
+    for (const auto& op : order) worst = std::max(worst, live += op.kind == op_kind::forward ? 1 : -1);
+    EXPECT_EQ(worst, 4 - track.second);
+  }
+}
+
+TEST(ActorRuntime, LeftoverStateAfterResetIsReported) {
+  auto c = gpt_layout({2, 1, 1, "1f1b"});
+  c.steps = 4;
+  actor_run_options opts;
+  opts.plant_leftover = "0:1:1";  // a stray tensor in stage 1's buffers during step 1
+  const auto got = run_actors(c, opts);
+  EXPECT_EQ(got.exit_code, 1);
+  EXPECT_NE(got.error.find("stage[replica 0, stage 1]: 1 buffered input(s)"), std::string::npos) << got.error;
+  EXPECT_EQ(got.losses.size(), 2u) << "step 1 commits, then fails its reset check";
+}
+
+TEST(ActorRuntime, ActorThatThrowsAbortsTheStepWithinBoundedTime) {
+  auto c = gpt_layout({2, 1, 1, "1f1b"});
+  c.steps = 5;
+  c.throw_at = "0:1:2";
+  c.step_timeout = 30;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto got = run_actors(c);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(got.exit_code, 1);
+  EXPECT_NE(got.error.find("step 2 aborted"), std::string::npos) << got.error;
+  EXPECT_NE(got.error.find("stage[replica 0, stage 1]"), std::string::npos) << got.error;
+  EXPECT_NE(got.error.find("injected fault"), std::string::npos) << got.error;
+  EXPECT_EQ(got.losses.size(), 2u);
+  EXPECT_LT(seconds, 20.0);
+}
+
+TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
+  test::temp_dir dir;
+  auto c = gpt_layout({2, 2, 1, "1f1b"});
+  c.steps = 2;
+  c.trace = dir / "trace.json";
+  const auto got = run_actors(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  std::ifstream in(c.trace);
+  const auto trace = nlohmann::json::parse(in);
+  std::set<std::pair<int, int>> tracks;
+  int compute = 0, idle = 0;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    if (e["cat"] == "compute") {
+      ++compute;
+      const auto& a = e["args"];
+      for (const char* key : {"step", "stage", "op", "mb", "chunk", "replica"}) EXPECT_TRUE(a.contains(key)) << key;
+      EXPECT_TRUE(a["op"] == "F" || a["op"] == "B");
+      tracks.insert({e["pid"].get<int>(), e["tid"].get<int>()});
+    }
+    idle += e["cat"] == "idle";
+  }
+  EXPECT_EQ(compute, 2 * 2 * 2 * 2 * c.microbatches);  // steps x replicas x stages x (F + B)
+  EXPECT_EQ(tracks.size(), 4u);
+  EXPECT_GT(idle, 0);
+  for (double b : got.bubbles) {
+    EXPECT_GE(b, 0.0);
+    EXPECT_LT(b, 1.0);
+  }
+}
+
+TEST(ActorRuntime, BadInitialWeightsAreRefusedUpFront) {
+  test::temp_dir dir;
+  auto c = gpt_layout({2, 1, 1, "1f1b"});
+  c.init = dir / "missing.pt";
+  EXPECT_ANY_THROW(run_actors(c));
+}
+
+}  // namespace troupe
