@@ -94,6 +94,7 @@ void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
 
 void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line) {
   auto& s = self->state;
+  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   if (!s.eval_data) s.eval_data = std::make_unique<training_data>(s.ctx->cfg);
   local_pipeline model(s.ctx->spec, state, 1);
   const auto set = s.eval_data->evaluation_set();
@@ -161,6 +162,7 @@ void commit(self_ptr self) {
   const auto timing = measure_step(s.events, ctx.d, ctx.p);
   s.result->losses.push_back(s.stats.loss);
   s.result->bubbles.push_back(timing.bubble);
+  s.result->step_seconds.push_back(s.stats.seconds);
   s.result->events.insert(s.result->events.end(), s.events.begin(), s.events.end());
   const bool text = ctx.spec.type == model_spec::kind::gpt;
   if (!s.opts.quiet) {

@@ -1,6 +1,7 @@
 #include "actors/data_loader_actor.hpp"
 
 #include <caf/all.hpp>
+#include <torch/torch.h>
 
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
@@ -19,6 +20,7 @@ struct loader_state {
 };
 
 void send_next(caf::stateful_actor<loader_state>* self) {
+  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   auto& s = self->state;
   const auto& ctx = *s.ctx;
   const int k = s.next_mb++;

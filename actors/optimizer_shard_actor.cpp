@@ -84,6 +84,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       },
       [=](grad_shard& msg) {
         if (!accept(msg.step)) return;
+        torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
         auto& s = self->state;
         auto& c = s.chunks.at(msg.chunk);
         const auto problem = check_payload(msg.data, {c.range.size()}, torch::kFloat32);
@@ -108,6 +109,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       },
       [=](const clip_factor_msg& msg) {
         if (!accept(msg.step)) return;
+        torch::set_num_threads(1);
         auto& s = self->state;
         trace_event ev{"optimizer", 0, s.stage, -1, -1, s.step, s.ctx->now_us(), 0};
         for (int ci = 0; ci < s.ctx->v; ++ci) {

@@ -76,6 +76,7 @@ struct actor_run_result {
   std::vector<double> losses;        ///< per committed step
   std::vector<trace_event> events;   ///< every compute event of the run
   std::vector<double> bubbles;       ///< measured per step
+  std::vector<double> step_seconds;  ///< wall time of each step (begin to last completion)
 };
 
 /// An actor's exception as its exit reason, with the exception's message (install with

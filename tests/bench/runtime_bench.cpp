@@ -1,0 +1,138 @@
+// Actor-runtime benchmarks (a small driver; tests/bench/run runs it). Every figure is a
+// ratio or difference against a reference measured in the same run:
+//   overhead     p=1 d=1 actor step vs the plain single-process loop, same threads
+//   pipelining   p=2, 1 intra-op thread per stage vs p=1 with 1 thread; measured bubble
+//                vs the simulator's for the measured forward/backward costs
+//   messaging    runtime cost per micro-batch: fmnist-mlp with 1-sample micro-batches
+//                (almost no compute), actors vs plain loop, divided by micro-batches
+//   memory       bytes of fp32 main params + AdamW moments per optimizer shard, D = 1, 2, 4
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "actors/runtime.hpp"
+#include "compute/grad_buffer.hpp"
+#include "compute/trainer.hpp"
+
+namespace {
+
+using namespace troupe;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+/// Median step time of the plain loop (first step dropped: warm-up). It runs on a thread
+/// of its own: its OpenMP team goes with the thread and does not linger beside the actors'.
+double plain_step_seconds(job_config c, int steps) {
+  std::vector<double> times;
+  std::thread worker([&] {
+    c.runtime = "local";
+    torch::set_num_threads(c.threads);
+    local_trainer t(c);
+    for (int i = 0; i < steps; ++i) times.push_back(t.step().seconds);
+  });
+  worker.join();
+  times.erase(times.begin());
+  return median(times);
+}
+
+struct actor_figures {
+  double step_s, bubble;
+  std::vector<trace_event> events;
+};
+
+actor_figures actor_step_seconds(job_config c, int steps) {
+  c.runtime = "actors";
+  c.steps = std::max(c.steps, steps);
+  c.eval_interval = 0;
+  actor_run_options o;
+  o.quiet = true;
+  auto cfg = c;
+  cfg.steps = steps;
+  cfg.lr = c.lr;
+  auto r = run_actor_training(cfg, o);
+  if (r.exit_code != 0) {
+    std::fprintf(stderr, "actor run failed: %s\n", r.error.c_str());
+    std::exit(1);
+  }
+  r.step_seconds.erase(r.step_seconds.begin());
+  r.bubbles.erase(r.bubbles.begin());
+  return {median(r.step_seconds), median(r.bubbles), r.events};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int steps = argc > 1 ? std::atoi(argv[1]) : 12;
+  spdlog::set_level(spdlog::level::warn);
+  auto gpt = job_config::defaults_for("gpt-tiny");
+  gpt.steps = 200;
+
+  std::printf("| measure | value |\n| --- | --- |\n");
+  // Overhead: p = 1, d = 1, 2 threads, both runtimes.
+  {
+    auto c = gpt;
+    c.threads = 2;
+    // Alternate the two, twice, and keep the faster of each (the machine is shared).
+    double plain = 1e9, actors = 1e9;
+    for (int round = 0; round < 2; ++round) {
+      plain = std::min(plain, plain_step_seconds(c, steps));
+      actors = std::min(actors, actor_step_seconds(c, steps).step_s);
+    }
+    std::printf("| gpt-tiny step, p=1 d=1, 2 threads: plain loop / actors | %.1f ms / %.1f ms (actors %+.1f %%) |\n",
+                plain * 1e3, actors * 1e3, 100 * (actors / plain - 1));
+  }
+  // Pipelining: p = 2 with 1 thread per stage vs p = 1 with 1 thread.
+  {
+    auto c = gpt;
+    c.threads = 1;
+    const auto one = actor_step_seconds(c, steps);
+    c.pipeline = 2;
+    const auto two = actor_step_seconds(c, steps);
+    // Simulator with this run's measured mean forward and backward costs.
+    double f = 0, b = 0;
+    int nf = 0, nb = 0;
+    for (const auto& e : two.events)
+      if (e.name == "F") f += e.end_us - e.start_us, ++nf;
+      else if (e.name == "B") b += e.end_us - e.start_us, ++nb;
+    const auto sim = simulate(make_schedule(schedule_kind::one_f_one_b, 2, c.microbatches), f / nf, b / nb);
+    std::printf("| gpt-tiny, 1 thread per stage: p=1 / p=2 (1f1b, 8 micro-batches) | %.0f / %.0f tokens/s = %.2fx |\n",
+                4096 / one.step_s, 4096 / two.step_s, one.step_s / two.step_s);
+    std::printf("| p=2 bubble: measured / simulated (measured F %.1f ms, B %.1f ms) | %.3f / %.3f |\n", f / nf / 1e3,
+                b / nb / 1e3, two.bubble, sim.bubble);
+  }
+  // Messaging: fmnist-mlp, micro-batches of 1 sample, 1 thread.
+  {
+    auto c = job_config::defaults_for("fmnist-mlp");
+    c.threads = 1;
+    c.global_batch = 64;
+    c.microbatches = 64;
+    const double plain = plain_step_seconds(c, steps);
+    const auto actors = actor_step_seconds(c, steps);
+    c.pipeline = 2;
+    const double plain2 = plain_step_seconds(c, steps);
+    const auto actors2 = actor_step_seconds(c, steps);
+    std::printf("| runtime overhead per micro-batch, p=1 (64 one-sample micro-batches) | %.1f us |\n",
+                (actors.step_s - plain) / 64 * 1e6);
+    std::printf("| runtime overhead per micro-batch, p=2 (stages overlap, so this is a net figure) | %.1f us |\n",
+                (actors2.step_s - plain2) / 64 * 1e6);
+  }
+  // Memory per optimizer shard: fp32 main parameters + two AdamW moments.
+  {
+    const auto spec = model_spec::gpt_tiny();
+    const auto init = initial_state(spec, 1);
+    for (int d : {1, 2, 4}) {
+      auto slice = make_slice(spec, partition_layers(8, 1)[0], init, d);
+      const auto range = shard_ranges(slice->flat_params().numel(), d)[0];
+      std::printf("| optimizer shard state, gpt-tiny p=1, D=%d | %.2f MB (%lld elements x 3 x 4 B) |\n", d,
+                  range.size() * 12 / 1e6, static_cast<long long>(range.size()));
+    }
+  }
+  return 0;
+}
