@@ -92,6 +92,42 @@ void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
             [=](caf::error& err) { fail(self, "no parameters from a stage: " + self->system().render(err)); });
 }
 
+/// Fetches every optimizer shard's AdamW moments by parameter name, then calls `then`.
+void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
+  auto& s = self->state;
+  auto sum = std::make_shared<named_moments>();
+  auto pending = std::make_shared<int>(s.ctx->p * s.ctx->d);
+  for (const auto& row : s.wiring->shards)
+    for (const auto& shard : row)
+      self->request(shard, state_timeout, state_atom_v)
+          .then(
+              [=](const state_reply& rep) {
+                for (std::size_t i = 0; i < rep.names.size(); ++i) {
+                  const auto& name = rep.names[i];
+                  const bool first = name.rfind("exp_avg.", 0) == 0;
+                  auto& map = first ? sum->exp_avg : sum->exp_avg_sq;
+                  const auto key = name.substr(name.find('.') + 1);
+                  auto& dst = map[key];
+                  // Shards hold disjoint pieces (zeros elsewhere): adding assembles them.
+                  dst = dst.defined() ? dst.add(tensor_of(rep.tensors[i])) : tensor_of(rep.tensors[i]).clone();
+                }
+                if (--*pending == 0) then(std::move(*sum));
+              },
+              [=](caf::error& err) { fail(self, "no optimizer state from a shard: " + self->system().render(err)); });
+}
+
+/// Writes FILE.optim (from the shards) and then FILE (the model), as the plain loop does.
+void save_checkpoint(self_ptr self, state_dict state, std::function<void()> then) {
+  fetch_moments(self, [=](named_moments moments) {
+    auto& s = self->state;
+    const auto& path = s.ctx->cfg.save;
+    save_state_dict(path + ".optim", optimizer_state_dict(moments, state, s.step + 1));
+    save_state_dict(path, state);
+    spdlog::info("step {}: checkpoint written to {} (and {}.optim)", s.step + 1, path, path);
+    then();
+  });
+}
+
 void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line) {
   auto& s = self->state;
   torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
@@ -138,10 +174,7 @@ void after_reset(self_ptr self, nlohmann::json line) {
     auto& s = self->state;
     if (eval && !s.opts.quiet) evaluate(self, state, line);
     if (s.metrics.is_open()) s.metrics << line.dump() << '\n' << std::flush;
-    if (save) {
-      save_state_dict(s.ctx->cfg.save, state);
-      spdlog::info("step {}: model written to {}", s.step + 1, s.ctx->cfg.save);
-    }
+    if (save) return save_checkpoint(self, state, [=] { proceed(state); });
     proceed(std::move(state));
   });
 }
@@ -251,8 +284,17 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       [=](run_atom) {
         auto& s = self->state;
         s.done = self->make_response_promise();
+        s.step = s.ctx->start_step;
+        if (s.step > 0) spdlog::info("resumed from {} at step {}", s.ctx->cfg.load, s.step);
         self->request(s.supervisor, std::chrono::seconds(60), run_atom_v)
-            .then([=](bool) { begin(self); },
+            .then(
+                [=](bool) {
+                  if (self->state.step < self->state.ctx->cfg.steps) return begin(self);
+                  fetch_state(self, [=](state_dict state) {  // nothing left to run
+                    self->state.result->final_state = std::move(state);
+                    finish(self, 0, "");
+                  });
+                },
                   [=](caf::error& err) { fail(self, "the supervisor did not start: " + self->system().render(err)); });
         return s.done;
       },

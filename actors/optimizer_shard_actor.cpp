@@ -18,6 +18,7 @@ struct shard_state {
     torch::Tensor norm_mask;
     std::vector<torch::Tensor> received;  // per replica, this step
     torch::Tensor reduced;
+    std::vector<param_entry> entries;  // the chunk's layout (names and offsets)
   };
   std::shared_ptr<const runtime_context> ctx;
   std::shared_ptr<const job_wiring> wiring;
@@ -41,6 +42,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   st.rank = rank;
   st.name = "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
   const adamw_options opts{ctx->cfg.beta1, ctx->cfg.beta2, ctx->cfg.eps, ctx->cfg.weight_decay};
+  const std::map<std::string, torch::Tensor> init_by_name(ctx->init.begin(), ctx->init.end());
   for (int c = 0; c < ctx->v; ++c) {
     // A slice only to learn the layout and initial values of this range; dropped at once.
     auto layout = make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d);
@@ -48,7 +50,10 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     st.chunks.push_back({range,
                          adamw_shard(layout->flat_params().narrow(0, range.begin, range.size()),
                                      decay_mask(layout->entries(), range), opts),
-                         norm_mask(layout->entries(), range), std::vector<torch::Tensor>(ctx->d), {}});
+                         norm_mask(layout->entries(), range), std::vector<torch::Tensor>(ctx->d), {}, {}});
+    if (!ctx->resume_optim.empty())
+      restore_shard(layout->entries(), range, st.chunks.back().opt, init_by_name, ctx->resume_optim, ctx->start_step);
+    st.chunks.back().entries = layout->entries();
   }
   auto accept = [self](std::int64_t step) {
     if (step == self->state.step) return true;
@@ -126,6 +131,17 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         s.events.clear();
       },
       [=](const reset_step&) -> reset_report { return drop_step_state(); },
+      [=](state_atom) -> state_reply {  // AdamW moments by parameter name (checkpoints)
+        named_moments moments;
+        for (const auto& ch : self->state.chunks) gather_moments(ch.entries, ch.range, ch.opt, moments);
+        state_reply rep;
+        for (auto* m : {&moments.exp_avg, &moments.exp_avg_sq})
+          for (auto& [name, t] : *m) {
+            rep.names.push_back((m == &moments.exp_avg ? "exp_avg." : "exp_avg_sq.") + name);
+            rep.tensors.push_back(make_payload(t));
+          }
+        return rep;
+      },
       [=](const abort_step& msg) {
         drop_step_state();
         self->state.step = msg.step;

@@ -24,8 +24,15 @@ runtime_context::runtime_context(const job_config& c)
       dataflow(c.schedule == "dataflow"),
       sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
       ranges(partition_layers(spec.n_layers(), p, v, c.split)),
-      init(c.init.empty() ? initial_state(spec, c.seed) : load_state_dict(c.init)),
       epoch(std::chrono::steady_clock::now()) {
+  if (!c.load.empty()) {
+    auto ckpt = read_checkpoint(c.load, spec, c.steps);
+    init = std::move(ckpt.model);
+    resume_optim = std::move(ckpt.optim);
+    start_step = ckpt.step;
+  } else {
+    init = c.init.empty() ? initial_state(spec, c.seed) : load_state_dict(c.init);
+  }
   check_state(spec, init);
 }
 

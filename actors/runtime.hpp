@@ -11,6 +11,7 @@
 //   shard --param_shard--> every replica's stage (all-gather) --stage_done--> coordinator
 //   coordinator commits, then supervisor resets every actor and checks what it still held
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,7 +38,9 @@ struct runtime_context {
   bool dataflow;                     ///< no fixed order (schedule = "dataflow")
   schedule sched;                    ///< fixed-order kinds (for dataflow: 1f1b, unused)
   std::vector<layer_range> ranges;   ///< by virtual stage
-  state_dict init;                   ///< initial full-model parameters
+  state_dict init;                   ///< initial full-model parameters (or the resumed ones)
+  std::map<std::string, torch::Tensor> resume_optim;  ///< --load: AdamW moments by name
+  std::int64_t start_step = 0;       ///< --load: the checkpoint's next step
   std::chrono::steady_clock::time_point epoch;  ///< time origin of trace events
 
   double now_us() const {

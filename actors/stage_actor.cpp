@@ -121,7 +121,7 @@ class stage_logic {
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
       } else {
         auto [next, chunk] = s_.owner(x + 1);
-        self_->send(next, forward_activation{s_.step, op.mb, chunk, make_payload(out.detach())});
+        self_->send(next, forward_activation{s_.step, op.mb, chunk, make_payload(out.detach(), ctx.cfg.checksum)});
         deallocate(out);
       }
       if (x == 0) self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
@@ -140,7 +140,7 @@ class stage_logic {
       }
       if (x > 0) {
         auto [prev, chunk] = s_.owner(x - 1);
-        self_->send(prev, backward_grad{s_.step, op.mb, chunk, make_payload(sv.input.grad())});
+        self_->send(prev, backward_grad{s_.step, op.mb, chunk, make_payload(sv.input.grad(), ctx.cfg.checksum)});
       }
       s_.forwarded.erase(k);
       --s_.in_flight;

@@ -54,4 +54,38 @@ torch::Tensor norm_mask(const std::vector<param_entry>& entries, const flat_rang
   return mask_of(entries, shard, [](const param_entry& e) { return !e.shared_copy; });
 }
 
+void gather_moments(const std::vector<param_entry>& entries, const flat_range& range, const adamw_shard& shard,
+                    named_moments& out) {
+  for (const auto& piece : shard_pieces(entries, range)) {
+    const auto& e = entries[piece.entry];
+    if (e.shared_copy) continue;
+    for (auto [map, src] : {std::pair{&out.exp_avg, &shard.exp_avg()}, std::pair{&out.exp_avg_sq, &shard.exp_avg_sq()}}) {
+      auto& dst = (*map)[e.name];
+      if (!dst.defined()) dst = torch::zeros({e.numel}, torch::kFloat32);
+      dst.narrow(0, piece.in_param.begin, piece.in_param.size())
+          .add_(src->narrow(0, piece.in_shard.begin, piece.in_shard.size()));
+    }
+  }
+}
+
+void restore_shard(const std::vector<param_entry>& entries, const flat_range& range, adamw_shard& shard,
+                   const std::map<std::string, torch::Tensor>& params,
+                   const std::map<std::string, torch::Tensor>& optim, std::int64_t steps) {
+  auto get = [](const std::map<std::string, torch::Tensor>& m, const std::string& name) {
+    auto it = m.find(name);
+    if (it == m.end()) throw std::runtime_error("checkpoint has no entry " + name);
+    return it->second.reshape({-1}).to(torch::kFloat32);
+  };
+  torch::NoGradGuard no_grad;
+  for (const auto& piece : shard_pieces(entries, range)) {
+    const auto& name = entries[piece.entry].name;
+    auto src = [&](const torch::Tensor& t) { return t.narrow(0, piece.in_param.begin, piece.in_param.size()); };
+    auto dst = [&](const torch::Tensor& t) { return t.narrow(0, piece.in_shard.begin, piece.in_shard.size()); };
+    dst(shard.params()).copy_(src(get(params, name)));
+    dst(shard.exp_avg()).copy_(src(get(optim, "exp_avg." + name)));
+    dst(shard.exp_avg_sq()).copy_(src(get(optim, "exp_avg_sq." + name)));
+  }
+  shard.set_steps(steps);
+}
+
 }  // namespace troupe

@@ -12,7 +12,10 @@
 
 #include <torch/types.h>
 
+#include <map>
+
 #include "compute/model.hpp"
+#include "compute/optimizer.hpp"
 
 namespace troupe {
 
@@ -46,5 +49,23 @@ torch::Tensor decay_mask(const std::vector<param_entry>& entries, const flat_ran
 /// Per element of `shard`: 1 where the element counts in the global grad norm (not
 /// padding, not a shared copy of a tied parameter), else 0 (bool tensor).
 torch::Tensor norm_mask(const std::vector<param_entry>& entries, const flat_range& shard);
+
+/// Optimizer state by parameter name, the layout-free form checkpoints use.
+struct named_moments {
+  std::map<std::string, torch::Tensor> exp_avg, exp_avg_sq;  ///< flat, full parameter size
+};
+
+/// Adds shard `range`'s AdamW moments into `out` (per-parameter flat tensors, zero
+/// outside the shard; shared copies of tied parameters are left out). Summing the
+/// `named_moments` of all shards of a slice assembles the whole.
+void gather_moments(const std::vector<param_entry>& entries, const flat_range& range, const adamw_shard& shard,
+                    named_moments& out);
+
+/// Restores shard `range` from a checkpoint by name: main parameters from `params`,
+/// moments from `optim` ("exp_avg.<name>", "exp_avg_sq.<name>"), and the step count.
+/// Throws std::runtime_error naming a missing entry.
+void restore_shard(const std::vector<param_entry>& entries, const flat_range& range, adamw_shard& shard,
+                   const std::map<std::string, torch::Tensor>& params,
+                   const std::map<std::string, torch::Tensor>& optim, std::int64_t steps);
 
 }  // namespace troupe

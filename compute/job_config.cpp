@@ -89,6 +89,12 @@ const std::vector<key_def>& key_defs() {
       int_key("train.eval_interval", "validation every N steps and at the end", &job_config::eval_interval, 0, 10000000),
       string_key("train.runtime", "actors (the actor runtime) or local (the plain loop)", &job_config::runtime),
       int_key("train.step_timeout", "seconds before an unfinished step is aborted", &job_config::step_timeout, 1, 1000000),
+      {{"train.checksum", "CRC-32 on every activation and gradient payload (true/false)"},
+       [](job_config& c, const std::string& v) {
+         if (v != "true" && v != "false") bad("expected true or false");
+         c.checksum = v == "true";
+       },
+       [](const job_config& c) { return std::string(c.checksum ? "true" : "false"); }},
       int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
       int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
@@ -166,6 +172,8 @@ void flatten(const toml::table& table, const std::string& prefix, const std::str
         v += (v.empty() ? "" : ",") + std::to_string(ei->get());
       }
       out.emplace_back(key, v);
+    } else if (const auto* b = node.as_boolean()) {
+      out.emplace_back(key, b->get() ? "true" : "false");
     } else {
       throw config_error(path + ": " + key + ": unsupported value type");
     }
@@ -237,7 +245,6 @@ void job_config::validate() const {
     }
   }
   if (runtime == "local" && !trace.empty()) fail("trace needs the actors runtime");
-  if (runtime == "actors" && !load.empty()) fail("resume (load) runs with runtime = local for now");
   const int layers = model().n_layers();
   if (split.empty() && layers < pipeline * chunks)
     fail(workload + " has " + std::to_string(layers) + " layers, too few for " +

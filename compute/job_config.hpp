@@ -1,7 +1,7 @@
 #pragma once
 // A training job's configuration: workload defaults, then a TOML file, then flags.
 //
-//   [train]     workload, steps, seed, threads, eval_interval, runtime, step_timeout
+//   [train]     workload, steps, seed, threads, eval_interval, runtime, step_timeout, checksum
 //   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split,
 //               max_in_flight, credit_window
 //   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
@@ -35,6 +35,7 @@ struct job_config {
   int eval_interval = 50;             ///< validation every N steps (and at the end)
   std::string runtime = "actors";     ///< actors | local (the plain single-process loop)
   int step_timeout = 300;             ///< seconds before an unfinished step is aborted
+  bool checksum = false;              ///< CRC-32 on every activation / gradient payload
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;

@@ -133,31 +133,10 @@ double local_trainer::test_accuracy() {
 state_dict local_trainer::state() const { return replicas_[0]->state(); }
 
 state_dict local_trainer::optimizer_state() const {
-  std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> moments;
-  for (const auto& sh : shards_) {
-    const auto& entries = replicas_[0]->slice(sh.virtual_stage).entries();
-    for (const auto& piece : shard_pieces(entries, sh.range)) {
-      const auto& e = entries[piece.entry];
-      if (e.shared_copy) continue;
-      auto& [m, v] = moments[e.name];
-      if (!m.defined()) {
-        m = torch::zeros({e.numel}, torch::kFloat32);
-        v = torch::zeros({e.numel}, torch::kFloat32);
-      }
-      m.narrow(0, piece.in_param.begin, piece.in_param.size())
-          .copy_(sh.opt.exp_avg().narrow(0, piece.in_shard.begin, piece.in_shard.size()));
-      v.narrow(0, piece.in_param.begin, piece.in_param.size())
-          .copy_(sh.opt.exp_avg_sq().narrow(0, piece.in_shard.begin, piece.in_shard.size()));
-    }
-  }
-  state_dict out;
-  out.emplace_back("step", torch::tensor({std::int64_t(next_step_)}, torch::kInt64));
-  const auto shapes = replicas_[0]->state();
-  for (const auto& [name, p] : shapes) {
-    out.emplace_back("exp_avg." + name, moments.at(name).first.view(p.sizes()));
-    out.emplace_back("exp_avg_sq." + name, moments.at(name).second.view(p.sizes()));
-  }
-  return out;
+  named_moments moments;
+  for (const auto& sh : shards_)
+    gather_moments(replicas_[0]->slice(sh.virtual_stage).entries(), sh.range, sh.opt, moments);
+  return optimizer_state_dict(moments, replicas_[0]->state(), next_step_);
 }
 
 void local_trainer::save_checkpoint(const std::string& path) const {
@@ -167,36 +146,43 @@ void local_trainer::save_checkpoint(const std::string& path) const {
 }
 
 void local_trainer::load_checkpoint(const std::string& path) {
-  auto model = load_state_dict(path);
-  check_state(spec_, model);
-  auto optim = load_state_dict(path + ".optim");
-  std::map<std::string, torch::Tensor> by_name(optim.begin(), optim.end());
-  auto get = [&](const std::string& name) {
-    auto it = by_name.find(name);
-    if (it == by_name.end())
-      throw checkpoint_error("optimizer checkpoint " + path + ".optim has no entry " + name);
-    return it->second.reshape({-1}).to(torch::kFloat32);
-  };
-  const auto step = by_name.count("step") ? by_name.at("step").item<std::int64_t>() : -1;
-  if (step < 0 || step > cfg_.steps)
-    throw checkpoint_error("optimizer checkpoint " + path + ".optim has no valid step");
-  torch::NoGradGuard no_grad;
-  std::map<std::string, torch::Tensor> params(model.begin(), model.end());
+  const auto ckpt = read_checkpoint(path, spec_, cfg_.steps);
   for (auto& sh : shards_) {
-    const auto& entries = replicas_[0]->slice(sh.virtual_stage).entries();
-    for (const auto& piece : shard_pieces(entries, sh.range)) {
-      const auto& name = entries[piece.entry].name;
-      auto src = [&](torch::Tensor t) { return t.narrow(0, piece.in_param.begin, piece.in_param.size()); };
-      auto dst = [&](const torch::Tensor& t) { return t.narrow(0, piece.in_shard.begin, piece.in_shard.size()); };
-      dst(sh.opt.params()).copy_(src(params.at(name).reshape({-1}).to(torch::kFloat32)));
-      dst(sh.opt.exp_avg()).copy_(src(get("exp_avg." + name)));
-      dst(sh.opt.exp_avg_sq()).copy_(src(get("exp_avg_sq." + name)));
+    try {
+      restore_shard(replicas_[0]->slice(sh.virtual_stage).entries(), sh.range, sh.opt, ckpt.params, ckpt.optim, ckpt.step);
+    } catch (const std::runtime_error& e) {
+      throw checkpoint_error("optimizer checkpoint " + path + ".optim: " + e.what());
     }
-    sh.opt.set_steps(step);
+    torch::NoGradGuard no_grad;
     for (auto& rep : replicas_)
       rep->slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(sh.opt.params());
   }
-  next_step_ = int(step);
+  next_step_ = int(ckpt.step);
+}
+
+state_dict optimizer_state_dict(const named_moments& moments, const state_dict& model, std::int64_t next_step) {
+  state_dict out;
+  out.emplace_back("step", torch::tensor({next_step}, torch::kInt64));
+  for (const auto& [name, p] : model) {
+    out.emplace_back("exp_avg." + name, moments.exp_avg.at(name).view(p.sizes()));
+    out.emplace_back("exp_avg_sq." + name, moments.exp_avg_sq.at(name).view(p.sizes()));
+  }
+  return out;
+}
+
+checkpoint read_checkpoint(const std::string& path, const model_spec& spec, int total_steps) {
+  checkpoint c;
+  auto model = load_state_dict(path);
+  check_state(spec, model);
+  c.model = model;
+  c.params = {model.begin(), model.end()};
+  const auto optim = load_state_dict(path + ".optim");
+  c.optim = {optim.begin(), optim.end()};
+  c.step = c.optim.count("step") ? c.optim.at("step").item<std::int64_t>() : -1;
+  if (c.step < 0 || c.step > total_steps)
+    throw checkpoint_error("optimizer checkpoint " + path + ".optim has no valid step for a run of " +
+                           std::to_string(total_steps) + " steps");
+  return c;
 }
 
 // --- the training loop -------------------------------------------------------------------

@@ -4,6 +4,7 @@
 // of each stage's flat grad buffer, one AdamW shard per stage per replica, global-norm
 // clipping from per-shard partial norms, all-gather of the updated parameters).
 // It is the reference the actor runtime is checked against.
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -88,6 +89,18 @@ class local_trainer {
   std::vector<shard> shards_;
   int next_step_ = 0;
 };
+
+/// A checkpoint as written by --save: FILE (model state_dict) and FILE.optim (AdamW
+/// moments by parameter name and the next step).
+struct checkpoint {
+  state_dict model;
+  std::map<std::string, torch::Tensor> params, optim;
+  std::int64_t step = 0;
+};
+/// Reads both files and checks them against `spec` and the run's length.
+checkpoint read_checkpoint(const std::string& path, const model_spec& spec, int total_steps);
+/// FILE.optim's content from gathered moments (`model` gives names, order and shapes).
+state_dict optimizer_state_dict(const named_moments& moments, const state_dict& model, std::int64_t next_step);
 
 /// "1m05s" / "2h03m".
 std::string duration_text(double seconds);

@@ -106,6 +106,16 @@ TEST_P(ActorEquivalence, SameParametersAndLossesAsTheReferenceLoop) {
   }
 }
 
+TEST(ActorRuntime, ChecksummedPayloadsGiveTheSameResult) {
+  auto c = gpt_layout({2, 1, 1, "1f1b"});
+  c.steps = 2;
+  const auto plain = run_actors(c);
+  c.checksum = true;
+  const auto checked = run_actors(c);
+  ASSERT_EQ(checked.exit_code, 0) << checked.error;
+  EXPECT_EQ(test::max_abs_diff(checked.final_state, plain.final_state), 0.0);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Layouts, ActorEquivalence,
     ::testing::Values(layout{1, 1, 1, "1f1b"}, layout{2, 1, 1, "1f1b"}, layout{4, 1, 1, "1f1b"},
@@ -219,6 +229,37 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
     EXPECT_GE(b, 0.0);
     EXPECT_LT(b, 1.0);
   }
+}
+
+TEST(ActorRuntime, ResumeFromCheckpointIsBitIdentical) {
+  test::temp_dir dir;
+  auto c = gpt_layout({2, 2, 1, "1f1b"});
+  c.steps = 6;
+  const auto straight = run_actors(c);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+  // The same six-step run, checkpointed every 3 steps and cut by a fault inside step 3
+  // (0-based), right after the checkpoint of the first three steps was written.
+  auto first = c;
+  first.save = dir / "ckpt.pt";
+  first.checkpoint_interval = 3;
+  first.throw_at = "0:0:3";  // stops the run inside step 3, after the checkpoint of step 3
+  const auto cut = run_actors(first);
+  ASSERT_EQ(cut.exit_code, 1);
+  ASSERT_EQ(cut.losses.size(), 3u);
+  auto resumed_cfg = c;
+  resumed_cfg.load = dir / "ckpt.pt";
+  const auto resumed = run_actors(resumed_cfg);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
+  EXPECT_EQ(test::max_abs_diff(resumed.final_state, straight.final_state), 0.0);
+  ASSERT_EQ(resumed.losses.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(resumed.losses[i], straight.losses[3 + i]);
+  // The plain loop resumes the same checkpoint to within float reordering.
+  auto local = resumed_cfg;
+  local.runtime = "local";
+  local_trainer t(local);
+  EXPECT_EQ(t.next_step(), 3);
+  while (t.next_step() < 6) t.step();
+  EXPECT_LE(test::max_abs_diff(t.state(), straight.final_state), 1e-5);
 }
 
 TEST(ActorRuntime, BadInitialWeightsAreRefusedUpFront) {
