@@ -252,6 +252,16 @@ class stage_logic {
     return false;
   }
 
+  /// Buffers a received activation or gradient after checking it, then runs what is ready.
+  void receive(std::map<key, torch::Tensor>& into, std::int64_t step, int mb, int chunk, const tensor_payload& data,
+               const std::vector<std::int64_t>& shape, const char* what) {
+    if (!accept(step)) return;
+    const auto problem = check_payload(data, shape, torch::kFloat32);
+    if (!problem.empty()) return fail(std::string(what) + " of micro-batch " + std::to_string(mb) + ": " + problem);
+    into[{mb, chunk}] = tensor_of(data);
+    run_ready();
+  }
+
   void fail(const std::string& what) {
     self_->send(s_.wiring->coordinator, runtime_failure{s_.step, s_.name, what});
   }
@@ -317,22 +327,14 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         logic->run_ready();
       },
       [=](forward_activation& msg) {
-        if (!logic->accept(msg.step)) return;
+        // An activation entering virtual stage x has the shape of x's input.
         const int x = self->state.virtual_of(msg.chunk);
-        const auto problem = check_payload(msg.data, act_shape(x), torch::kFloat32);
-        if (!problem.empty())
-          return logic->fail("activation of micro-batch " + std::to_string(msg.mb) + ": " + problem);
-        self->state.inputs[{msg.mb, msg.chunk}] = tensor_of(msg.data);
-        logic->run_ready();
+        logic->receive(self->state.inputs, msg.step, msg.mb, msg.chunk, msg.data, act_shape(x), "activation");
       },
       [=](backward_grad& msg) {
-        if (!logic->accept(msg.step)) return;
+        // The gradient of x's output has the shape of x + 1's input.
         const int x = self->state.virtual_of(msg.chunk);
-        const auto problem = check_payload(msg.data, act_shape(x + 1), torch::kFloat32);
-        if (!problem.empty())
-          return logic->fail("gradient of micro-batch " + std::to_string(msg.mb) + ": " + problem);
-        self->state.out_grads[{msg.mb, msg.chunk}] = tensor_of(msg.data);
-        logic->run_ready();
+        logic->receive(self->state.out_grads, msg.step, msg.mb, msg.chunk, msg.data, act_shape(x + 1), "gradient");
       },
       [=](tied_grad& msg) {
         if (!logic->accept(msg.step)) return;
