@@ -133,19 +133,9 @@ void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line) {
   torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   if (!s.eval_data) s.eval_data = std::make_unique<training_data>(s.ctx->cfg);
   local_pipeline model(s.ctx->spec, state, 1);
-  const auto set = s.eval_data->evaluation_set();
-  const double loss = model.loss(set);
-  if (s.ctx->spec.type == model_spec::kind::gpt) {
-    line["val_loss"] = loss;
-    spdlog::info("step {}: validation loss {:.4f}", s.step + 1, loss);
-  } else {
-    torch::NoGradGuard g;
-    auto logits = model.slice(0).logits(model.forward(set.input));
-    const double acc = logits.argmax(-1).eq(set.target).to(torch::kFloat64).mean().item<double>();
-    line["test_loss"] = loss;
-    line["test_accuracy"] = acc;
-    spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", s.step + 1, loss, 100 * acc);
-  }
+  const auto e = evaluate_model(model, s.eval_data->evaluation_set(), s.ctx->spec.type == model_spec::kind::gpt,
+                                int(s.step) + 1);
+  for (const auto& [key, value] : e.fields()) line[key] = value;
 }
 
 /// After a clean reset: evaluation / checkpoint when due, then the next step or the end.
@@ -172,7 +162,7 @@ void after_reset(self_ptr self, nlohmann::json line) {
   }
   fetch_state(self, [=](state_dict state) mutable {
     auto& s = self->state;
-    if (eval && !s.opts.quiet) evaluate(self, state, line);
+    if (eval) evaluate(self, state, line);
     if (s.metrics.is_open()) s.metrics << line.dump() << '\n' << std::flush;
     if (save) return save_checkpoint(self, state, [=] { proceed(state); });
     proceed(std::move(state));

@@ -1,7 +1,6 @@
 #include "actors/stage_actor.hpp"
 
 #include <map>
-#include <set>
 
 #include <caf/all.hpp>
 #include <torch/torch.h>
@@ -26,7 +25,6 @@ struct stage_state {
 
   // --- per-step state (all of it dropped by reset) ---
   std::int64_t step = -1;
-  double lr = 0;
   bool running = false;
   std::size_t next_op = 0;
   int ops_done = 0, total_ops = 0;
@@ -37,7 +35,6 @@ struct stage_state {
     torch::Tensor input, output;
   };
   std::map<key, saved_t> saved;           // forwarded, waiting for backward
-  std::set<key> forwarded;                // dataflow bookkeeping
   int in_flight = 0, peak_in_flight = 0;
   bool tied_pending = false;
   torch::Tensor tied_in;
@@ -95,7 +92,7 @@ class stage_logic {
     if (s_.in_flight >= bound) return std::nullopt;
     for (const auto& [k, t] : s_.inputs) {
       pipeline_op op{op_kind::forward, k.first, k.second};
-      if (!s_.forwarded.count(k) && ready(op)) return op;
+      if (ready(op)) return op;  // inputs leave the buffer when forwarded
     }
     return std::nullopt;
   }
@@ -126,7 +123,6 @@ class stage_logic {
       }
       if (x == 0) self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
       s_.saved[k] = {in, out};
-      s_.forwarded.insert(k);
       s_.peak_in_flight = std::max(s_.peak_in_flight, ++s_.in_flight);
     } else {
       auto sv = std::move(s_.saved[k]);
@@ -142,7 +138,6 @@ class stage_logic {
         auto [prev, chunk] = s_.owner(x - 1);
         self_->send(prev, backward_grad{s_.step, op.mb, chunk, make_payload(sv.input.grad(), ctx.cfg.checksum)});
       }
-      s_.forwarded.erase(k);
       --s_.in_flight;
     }
     ev.end_us = ctx.now_us();
@@ -227,7 +222,6 @@ class stage_logic {
     s_.out_grads.clear();
     s_.targets.clear();
     s_.saved.clear();
-    s_.forwarded.clear();
     s_.stash.clear();
     s_.tied_in = torch::Tensor();
     s_.tied_pending = false;
@@ -302,7 +296,6 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         auto& s = self->state;
         if (ctx->cfg.threads > 0) torch::set_num_threads(ctx->cfg.threads);
         s.step = msg.step;
-        s.lr = msg.lr;
         s.running = true;
         s.next_op = 0;
         s.ops_done = 0;

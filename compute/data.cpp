@@ -101,10 +101,10 @@ std::uint32_t read_be32(gzFile f, const std::string& path) {
   return (std::uint32_t(b[0]) << 24) | (std::uint32_t(b[1]) << 16) | (std::uint32_t(b[2]) << 8) | b[3];
 }
 
-/// Reads an IDX file of unsigned bytes: magic 0x0803 (images) or 0x0801 (labels).
 constexpr const char* idx_files[] = {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                                      "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"};
 
+/// Reads an IDX file of unsigned bytes: magic 0x0803 (images) or 0x0801 (labels).
 torch::Tensor read_idx(const std::string& path, int expected_dims) {
   gzFile f = gzopen(path.c_str(), "rb");
   if (!f) throw data_error("cannot open " + path);
@@ -142,10 +142,11 @@ void fashion_mnist::require(const std::string& dir) {
 
 fashion_mnist::fashion_mnist(const std::string& dir) {
   require(dir);
-  train_images_ = normalise(read_idx(dir + "/train-images-idx3-ubyte.gz", 3));
-  train_labels_ = read_idx(dir + "/train-labels-idx1-ubyte.gz", 1).to(torch::kInt64);
-  test_images_ = normalise(read_idx(dir + "/t10k-images-idx3-ubyte.gz", 3));
-  test_labels_ = read_idx(dir + "/t10k-labels-idx1-ubyte.gz", 1).to(torch::kInt64);
+  const auto file = [&](int i) { return dir + "/" + idx_files[i]; };
+  train_images_ = normalise(read_idx(file(0), 3));
+  train_labels_ = read_idx(file(1), 1).to(torch::kInt64);
+  test_images_ = normalise(read_idx(file(2), 3));
+  test_labels_ = read_idx(file(3), 1).to(torch::kInt64);
   if (train_images_.size(0) != train_labels_.size(0) || test_images_.size(0) != test_labels_.size(0))
     throw data_error("Fashion-MNIST images and labels disagree in count in " + dir);
 }

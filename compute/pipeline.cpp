@@ -79,11 +79,6 @@ torch::Tensor local_pipeline::forward(const torch::Tensor& input) {
   return x;
 }
 
-double local_pipeline::loss(const batch& b) {
-  torch::NoGradGuard no_grad;
-  return slices_.back()->loss(forward(b.input), b.target).item<double>();
-}
-
 state_dict local_pipeline::state() const {
   std::map<std::string, torch::Tensor> all;
   for (const auto& s : slices_)

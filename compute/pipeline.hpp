@@ -40,8 +40,6 @@ class local_pipeline {
 
   /// Forward through every slice without autograd; returns the last slice's output.
   torch::Tensor forward(const torch::Tensor& input);
-  /// Mean loss of a batch (no autograd).
-  double loss(const batch& b);
 
   /// Full-model parameters (each once, canonical order), cloned.
   state_dict state() const;

@@ -120,14 +120,29 @@ step_stats local_trainer::step() {
   return st;
 }
 
-double local_trainer::evaluation_loss() { return replicas_[0]->loss(data_.evaluation_set()); }
+std::vector<std::pair<std::string, double>> evaluation::fields() const {
+  if (text) return {{"val_loss", loss}};
+  return {{"test_loss", loss}, {"test_accuracy", accuracy}};
+}
 
-double local_trainer::test_accuracy() {
-  const auto b = data_.evaluation_set();
-  auto& pipe = *replicas_[0];
+evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step) {
   torch::NoGradGuard no_grad;
-  auto logits = pipe.slice(pipe.virtual_stages() - 1).logits(pipe.forward(b.input));
-  return logits.argmax(-1).eq(b.target).to(torch::kFloat64).mean().item<double>();
+  evaluation e;
+  e.text = text;
+  auto& last = model.slice(model.virtual_stages() - 1);
+  const auto out = model.forward(set.input);
+  e.loss = last.loss(out, set.target).item<double>();
+  if (text) {
+    spdlog::info("step {}: validation loss {:.4f}", step, e.loss);
+  } else {
+    e.accuracy = last.logits(out).argmax(-1).eq(set.target).to(torch::kFloat64).mean().item<double>();
+    spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", step, e.loss, 100 * e.accuracy);
+  }
+  return e;
+}
+
+evaluation local_trainer::evaluate() {
+  return evaluate_model(*replicas_[0], data_.evaluation_set(), spec_.type == model_spec::kind::gpt, next_step_);
 }
 
 state_dict local_trainer::state() const { return replicas_[0]->state(); }
@@ -219,18 +234,6 @@ int run_training(const job_config& cfg) {
     if (!metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
   }
   const bool is_text = cfg.workload == "gpt-tiny";
-  auto evaluate = [&](nlohmann::json& line) {
-    const double l = trainer.evaluation_loss();
-    if (is_text) {
-      line["val_loss"] = l;
-      spdlog::info("step {}: validation loss {:.4f}", trainer.next_step(), l);
-    } else {
-      const double acc = trainer.test_accuracy();
-      line["test_loss"] = l;
-      line["test_accuracy"] = acc;
-      spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", trainer.next_step(), l, 100 * acc);
-    }
-  };
   double elapsed = 0;
   int timed = 0;
   while (trainer.next_step() < cfg.steps) {
@@ -248,7 +251,8 @@ int run_training(const job_config& cfg) {
     nlohmann::json line{{"step", st.step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
                         {"tokens_per_s", tps}, {"step_seconds", st.seconds}};
     const bool last = trainer.next_step() == cfg.steps;
-    if (last || (cfg.eval_interval > 0 && trainer.next_step() % cfg.eval_interval == 0)) evaluate(line);
+    if (last || (cfg.eval_interval > 0 && trainer.next_step() % cfg.eval_interval == 0))
+      for (const auto& [key, value] : trainer.evaluate().fields()) line[key] = value;
     if (metrics.is_open()) metrics << line.dump() << '\n' << std::flush;
     if (!cfg.save.empty() && (last || (cfg.checkpoint_interval > 0 && trainer.next_step() % cfg.checkpoint_interval == 0))) {
       trainer.save_checkpoint(cfg.save);

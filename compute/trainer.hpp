@@ -46,6 +46,18 @@ class training_data {
   std::vector<std::int64_t> order_;
 };
 
+/// Loss (and, for classifiers, accuracy) of a model on an evaluation set.
+struct evaluation {
+  bool text = true;     ///< gpt: validation windows; mlp: test set with accuracy
+  double loss = 0;
+  double accuracy = 0;  ///< fraction correct (mlp only)
+  /// Metrics fields: val_loss, or test_loss and test_accuracy.
+  std::vector<std::pair<std::string, double>> fields() const;
+};
+
+/// Evaluates `model` (no autograd) on `set`; logs one line naming `step` (1-based).
+evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step);
+
 class local_trainer {
  public:
   /// Initial weights: `init` if given, else the file cfg.init, else initial_state(seed).
@@ -55,8 +67,8 @@ class local_trainer {
   step_stats step();
   int next_step() const { return next_step_; }
 
-  double evaluation_loss();   ///< gpt: validation loss; mlp: test loss
-  double test_accuracy();     ///< fraction of correct predictions (mlp)
+  /// gpt: validation loss; mlp: test loss and accuracy (replica 0's parameters).
+  evaluation evaluate();
 
   /// Full-model parameters (replica 0), canonical order.
   state_dict state() const;
