@@ -1,0 +1,183 @@
+// transport/: the local backend in one process (threads), and the UCX backend over 2, 3
+// and 4 processes on shared memory and on TCP, checked against the ring-order reference
+// and c10d::ProcessGroupGloo by tests/transport_peer.cpp.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <thread>
+
+#include "test_util.hpp"
+#include "process_group.hpp"
+#include "transport/local/local_group.hpp"
+
+using namespace troupe;
+using namespace troupe::transport;
+
+namespace {
+
+std::vector<torch::Tensor> inputs(int n, std::int64_t size) {
+  std::vector<torch::Tensor> all;
+  for (int r = 0; r < n; ++r) all.push_back(torch::randn({size}));
+  return all;
+}
+
+/// Runs f(rank) on one thread per rank.
+template <class F>
+void on_threads(int n, F f) {
+  std::vector<std::thread> ts;
+  std::vector<std::string> errors(n);
+  for (int r = 0; r < n; ++r)
+    ts.emplace_back([&, r] {
+      try {
+        f(r);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+}  // namespace
+
+TEST(Transport, PiecesCoverUnevenSizes) {
+  for (std::int64_t n : {0, 1, 5, 7, 64})
+    for (int parts : {1, 2, 3, 4}) {
+      std::int64_t next = 0;
+      for (int i = 0; i < parts; ++i) {
+        auto [b, e] = piece(n, parts, i);
+        EXPECT_EQ(b, next);
+        EXPECT_LE(e - b, n / parts + 1);
+        EXPECT_GE(e - b, n / parts);
+        next = e;
+      }
+      EXPECT_EQ(next, n);
+    }
+}
+
+TEST(Transport, LocalCollectivesEqualSumsInRingOrder) {
+  for (int n : {1, 2, 3, 4})
+    for (std::int64_t size : {1, 7, 1000}) {
+      auto comms = make_local_group(n);
+      auto all = inputs(n, size);
+      auto plain = torch::stack(all).sum(0);
+      std::vector<torch::Tensor> reduced(n), scattered(n), gathered(n), bcast(n);
+      on_threads(n, [&](int r) {
+        auto& c = *comms[r];
+        reduced[r] = all[r].clone();
+        c.all_reduce(reduced[r])->wait_or_throw(std::chrono::seconds(10));
+        auto [b, e] = piece(size, n, r);
+        scattered[r] = torch::empty({e - b});
+        c.reduce_scatter(all[r], scattered[r])->wait_or_throw(std::chrono::seconds(10));
+        gathered[r] = torch::empty({size});
+        c.all_gather(all[r].narrow(0, b, e - b).clone(), gathered[r])->wait_or_throw(std::chrono::seconds(10));
+        bcast[r] = r == 0 ? all[0].clone() : torch::zeros({size});
+        c.broadcast(bcast[r], 0)->wait_or_throw(std::chrono::seconds(10));
+      });
+      for (int r = 0; r < n; ++r) {
+        EXPECT_TRUE(torch::allclose(reduced[r], plain, 1e-5, 1e-5));
+        auto [b, e] = piece(size, n, r);
+        EXPECT_TRUE(torch::equal(scattered[r], reduced[0].narrow(0, b, e - b)));
+        EXPECT_TRUE(torch::equal(gathered[r].narrow(0, b, e - b), all[r].narrow(0, b, e - b)));
+        EXPECT_TRUE(torch::equal(bcast[r], all[0]));
+        EXPECT_TRUE(torch::equal(reduced[r], reduced[0]));
+      }
+      // The fixed order, checked on piece 0 with 3 ranks: ((x1 + x2) + x0).
+      if (n == 3) {
+        auto [b, e] = piece(size, n, 0);
+        auto want = (all[1].narrow(0, b, e - b) + all[2].narrow(0, b, e - b)) + all[0].narrow(0, b, e - b);
+        EXPECT_TRUE(torch::equal(scattered[0], want));
+      }
+    }
+}
+
+TEST(Transport, LocalMismatchAndAbortAreErrors) {
+  auto comms = make_local_group(2);
+  auto a = torch::ones({4}), b = torch::ones({4});
+  auto w0 = comms[0]->all_reduce(a);
+  auto w1 = comms[1]->broadcast(b, 0);
+  EXPECT_THROW(w0->wait(std::chrono::seconds(1)), transport_error);
+  EXPECT_THROW(w1->wait(std::chrono::seconds(1)), transport_error);
+  try {
+    w0->wait(std::chrono::seconds(1));
+  } catch (const transport_error& e) {
+    EXPECT_NE(std::string(e.what()).find("collective order mismatch"), std::string::npos) << e.what();
+  }
+  // A pending collective fails on abort (a peer died) instead of waiting for ever.
+  auto w = comms[0]->all_reduce(a);
+  EXPECT_FALSE(w->wait(std::chrono::milliseconds(50)));
+  comms[1]->abort("rank 1 died");
+  EXPECT_THROW(w->wait(std::chrono::seconds(1)), transport_error);
+  EXPECT_NE(w->error().find("rank 1 died"), std::string::npos);
+  EXPECT_THROW(comms[0]->all_reduce(a)->wait(std::chrono::seconds(1)), transport_error);
+}
+
+TEST(Transport, LocalSendRecvAndCompletionCallbacks) {
+  auto comms = make_local_group(2);
+  auto out = torch::arange(10, torch::kFloat32), in = torch::empty({10});
+  std::string seen = "not called";
+  auto r = comms[1]->recv(in, 0, 3);
+  r->on_complete([&](const std::string& err) { seen = err; });
+  EXPECT_FALSE(r->done());
+  comms[0]->send(out, 1, 3)->wait_or_throw(std::chrono::seconds(1));
+  EXPECT_TRUE(r->done());
+  EXPECT_EQ(seen, "");
+  EXPECT_TRUE(torch::equal(in, out));
+  auto short_in = torch::empty({3});
+  auto r2 = comms[1]->recv(short_in, 0, 4);
+  comms[0]->send(out, 1, 4);
+  EXPECT_THROW(r2->wait(std::chrono::seconds(1)), transport_error);
+  EXPECT_THROW(comms[0]->all_reduce(torch::ones({2, 2}).t()), std::invalid_argument);  // not contiguous
+}
+
+namespace {
+
+std::vector<test::process_group::result> run_peers(const std::string& mode, int n, const std::string& tls,
+                                                   const test::temp_dir& dir, std::chrono::seconds deadline) {
+  test::process_group group(
+      n,
+      [&](int r) {
+        return std::vector<std::string>{TROUPE_TRANSPORT_PEER, mode, std::to_string(r), std::to_string(n),
+                                        dir.path.string()};
+      },
+      {"UCX_TLS=" + tls, "OMP_NUM_THREADS=1"}, dir.path.string());
+  return group.wait(deadline);
+}
+
+std::string transports_of(const std::string& name) { return name == "shm" ? "sm,self" : "tcp,self"; }
+
+}  // namespace
+
+class TransportProcesses : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+
+// Every collective (1 element .. 64 MiB, uneven sizes, float32 and int64) and send/recv
+// between 2, 3 and 4 processes equal the ring-order reference bit for bit and gloo within
+// float tolerance (bit for bit for int64).
+TEST_P(TransportProcesses, CollectivesMatchReferenceAndGloo) {
+  const auto [n, link] = GetParam();
+  test::temp_dir dir;
+  const auto results = run_peers("check", n, transports_of(link), dir, std::chrono::seconds(240));
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(results[r].status, 0) << "rank " << r << " (" << link << "):\n" << results[r].output;
+    EXPECT_NE(results[r].output.find("ok"), std::string::npos) << results[r].output;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ucx, TransportProcesses,
+                         ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("shm", "tcp")),
+                         [](const auto& info) {
+                           return std::get<1>(info.param) + "_" + std::to_string(std::get<0>(info.param)) + "ranks";
+                         });
+
+// Ranks that call different collectives at the same position get an error (naming the
+// mismatch) instead of hanging.
+TEST(TransportProcesses, MismatchedCollectivesFailOnEveryRank) {
+  test::temp_dir dir;
+  const auto results = run_peers("mismatch", 3, "sm,self", dir, std::chrono::seconds(60));
+  std::string all;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(results[r].status, 0) << results[r].output;
+    all += results[r].output;
+  }
+  EXPECT_NE(all.find("collective order mismatch"), std::string::npos) << all;
+}

@@ -1,0 +1,3 @@
+#pragma once
+// Precompiled for transport/ (LibTorch is the heavy header).
+#include <torch/torch.h>

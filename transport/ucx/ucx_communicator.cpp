@@ -1,0 +1,572 @@
+#include "transport/ucx/ucx_communicator.hpp"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <unordered_set>
+
+#include <torch/torch.h>
+#include <ucp/api/ucp.h>
+
+namespace troupe::transport {
+
+namespace {
+
+constexpr std::uint64_t collective_bit = 1ull << 63;
+constexpr int src_shift = 48, kind_shift = 40, seq_shift = 16;
+constexpr std::uint64_t src_mask = 0x7FFFull << src_shift;
+constexpr std::uint64_t kind_mask = 0xFFull << kind_shift;
+constexpr std::uint64_t full_mask = ~0ull;
+constexpr int max_ranks = 0x7FFF;
+
+std::uint64_t p2p_tag(int src, std::uint32_t tag) { return (std::uint64_t(src) << src_shift) | tag; }
+std::uint64_t coll_tag(int src, collective kind, std::uint64_t seq, int step) {
+  return collective_bit | (std::uint64_t(src) << src_shift) | (std::uint64_t(kind) << kind_shift) |
+         ((seq & 0xFFFFFF) << seq_shift) | std::uint64_t(step & 0xFFFF);
+}
+
+void check_status(ucs_status_t s, const char* what) {
+  if (s != UCS_OK) throw transport_error(std::string(what) + ": " + ucs_status_string(s));
+}
+
+struct pending_op;
+
+class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_comm> {
+ public:
+  ucx_comm(int rank, int size, ucx_options opts) : rank_(rank), size_(size), opts_(opts) {}
+  ~ucx_comm() override { shutdown(); }
+
+  void start(const address_exchange& exchange);
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "ucx"; }
+
+  work_ptr send(torch::Tensor t, int dst, std::uint32_t tag) override {
+    check_tensor(t, -1, "send");
+    check_rank(dst);
+    auto w = std::make_shared<work>("send to rank " + std::to_string(dst) + " tag " + std::to_string(tag));
+    post_send(w, t, dst, p2p_tag(rank_, tag));
+    return w;
+  }
+  work_ptr recv(torch::Tensor t, int src, std::uint32_t tag) override {
+    check_tensor(t, -1, "recv");
+    check_rank(src);
+    auto w = std::make_shared<work>("recv from rank " + std::to_string(src) + " tag " + std::to_string(tag));
+    post_recv(w, t, p2p_tag(src, tag), full_mask, 0);
+    return w;
+  }
+  work_ptr all_reduce(torch::Tensor t) override;
+  work_ptr reduce_scatter(torch::Tensor input, torch::Tensor output) override;
+  work_ptr all_gather(torch::Tensor input, torch::Tensor output) override;
+  work_ptr broadcast(torch::Tensor t, int root) override;
+  void abort(const std::string& why) override;
+
+  // Called on the progress thread by UCX callbacks.
+  void finish(pending_op* op, ucs_status_t status, const ucp_tag_recv_info_t* info);
+  void peer_failed(int peer, ucs_status_t status);
+
+ private:
+  void check_rank(int r) const {
+    if (r < 0 || r >= size_) throw std::invalid_argument("rank " + std::to_string(r) + " outside the communicator");
+  }
+  void post(std::function<void()> cmd);
+  void post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag);
+  void post_recv(const work_ptr& w, torch::Tensor t, std::uint64_t tag, std::uint64_t mask, std::uint64_t check_kind);
+  void posted(pending_op* op, ucs_status_ptr_t req);
+  void progress_loop();
+  void executor_loop();
+  work_ptr enqueue(collective kind, std::function<void(std::uint64_t seq)> body);
+  void shutdown();
+  std::string broken() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return broken_;
+  }
+
+  // Blocking helpers for the collective thread.
+  void await(const work_ptr& w);
+  void ring_exchange(collective kind, std::uint64_t seq, int step, torch::Tensor send_t, int dst, torch::Tensor recv_t,
+                     int src);
+
+  const int rank_, size_;
+  const ucx_options opts_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::vector<ucp_ep_h> eps_;
+  int epoll_fd_ = -1, wake_fd_ = -1, worker_fd_ = -1;
+
+  mutable std::mutex mu_;
+  std::deque<std::function<void()>> commands_;  // run on the progress thread
+  std::unordered_set<pending_op*> pending_;     // progress thread only
+  std::string broken_;
+  std::atomic<bool> stop_{false};
+  std::thread progress_;
+
+  std::mutex exec_mu_;
+  std::condition_variable exec_cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool exec_stop_ = false;
+  std::thread executor_;
+  std::uint64_t seq_ = 0;  // next collective number (caller side, under exec_mu_)
+  std::vector<std::pair<ucx_comm*, int>*> peers_args_;  // error-handler arguments
+};
+
+struct pending_op {
+  ucx_comm* comm;
+  work_ptr done;
+  torch::Tensor keep;          // the tensor stays alive until the transfer is over
+  std::size_t bytes = 0;       // receives: expected length
+  std::uint64_t check_kind = 0;  // receives of collectives: expected kind bits
+  void* request = nullptr;
+  bool posting = true;    // UCX may call the callback before ucp_tag_*_nbx returns
+  bool finished = false;  // ... then the poster frees the op
+};
+
+void send_cb(void* request, ucs_status_t status, void* user) {
+  auto* op = static_cast<pending_op*>(user);
+  op->comm->finish(op, status, nullptr);
+  ucp_request_free(request);
+}
+
+void recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
+  auto* op = static_cast<pending_op*>(user);
+  op->comm->finish(op, status, info);
+  ucp_request_free(request);
+}
+
+void ep_error_cb(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* peer = static_cast<std::pair<ucx_comm*, int>*>(arg);
+  peer->first->peer_failed(peer->second, status);
+}
+
+std::string kind_text(std::uint64_t tag) {
+  return collective_name(collective((tag & kind_mask) >> kind_shift));
+}
+
+void ucx_comm::finish(pending_op* op, ucs_status_t status, const ucp_tag_recv_info_t* info) {
+  pending_.erase(op);
+  std::string error;
+  if (status != UCS_OK) {
+    error = status == UCS_ERR_MESSAGE_TRUNCATED ? std::string("size mismatch: the peer sent more than ") +
+                                                      std::to_string(op->bytes) + " bytes"
+                                                : std::string(ucs_status_string(status));
+  } else if (info) {
+    if (op->check_kind && (info->sender_tag & kind_mask) != op->check_kind)
+      error = "collective order mismatch: rank " + std::to_string((info->sender_tag & src_mask) >> src_shift) +
+              " called " + kind_text(info->sender_tag) + " where this rank called " + kind_text(op->check_kind);
+    else if (info->length != op->bytes)
+      error = "size mismatch: received " + std::to_string(info->length) + " bytes, expected " +
+              std::to_string(op->bytes);
+  }
+  auto done = std::move(op->done);
+  if (op->posting)
+    op->finished = true;
+  else
+    delete op;
+  done->complete(error);
+}
+
+void ucx_comm::peer_failed(int peer, ucs_status_t status) {
+  const auto why = "rank " + std::to_string(peer) + " unreachable (" + ucs_status_string(status) + ")";
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_.empty()) broken_ = why;
+  }
+  for (auto* op : std::vector<pending_op*>(pending_.begin(), pending_.end()))
+    if (op->request) ucp_request_cancel(worker_, op->request);
+}
+
+void ucx_comm::start(const address_exchange& exchange) {
+  if (size_ < 1 || size_ > max_ranks || rank_ < 0 || rank_ >= size_)
+    throw std::invalid_argument("ucx communicator: rank " + std::to_string(rank_) + " of " + std::to_string(size_));
+  ucp_config_t* config = nullptr;
+  check_status(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  const auto st = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  check_status(st, "ucp_init");
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches the worker
+  check_status(ucp_worker_create(context_, &wp, &worker_), "ucp_worker_create");
+  ucp_address_t* addr = nullptr;
+  std::size_t len = 0;
+  check_status(ucp_worker_get_address(worker_, &addr, &len), "ucp_worker_get_address");
+  const std::string mine(reinterpret_cast<const char*>(addr), len);
+  ucp_worker_release_address(worker_, addr);
+
+  const auto all = exchange(mine);
+  if (int(all.size()) != size_)
+    throw transport_error("address exchange returned " + std::to_string(all.size()) + " addresses for " +
+                          std::to_string(size_) + " ranks");
+  eps_.assign(size_, nullptr);
+  for (int r = 0; r < size_; ++r) {
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(all[r].data());
+    // UCX 1.13's shared-memory transports have no peer-failure handling: a dead peer is
+    // noticed by the timeouts of the collectives and by the control plane (abort()).
+    ep.err_mode = opts_.peer_failure_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    ep.err_handler.cb = ep_error_cb;
+    ep.err_handler.arg = new std::pair<ucx_comm*, int>(this, r);  // freed in shutdown()
+    check_status(ucp_ep_create(worker_, &ep, &eps_[r]), "ucp_ep_create");
+    peers_args_.push_back(static_cast<std::pair<ucx_comm*, int>*>(ep.err_handler.arg));
+  }
+  check_status(ucp_worker_get_efd(worker_, &worker_fd_), "ucp_worker_get_efd");
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  for (int fd : {worker_fd_, wake_fd_}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) throw transport_error("epoll_ctl failed");
+  }
+  progress_ = std::thread([this] { progress_loop(); });
+  executor_ = std::thread([this] { executor_loop(); });
+}
+
+void ucx_comm::post(std::function<void()> cmd) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    commands_.push_back(std::move(cmd));
+  }
+  const std::uint64_t one = 1;
+  [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
+}
+
+void ucx_comm::post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag) {
+  if (auto b = broken(); !b.empty()) return w->complete("communicator aborted: " + b);
+  auto* op = new pending_op{this, w, std::move(t), 0, 0, nullptr};
+  post([this, op, dst, tag] {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.send = send_cb;
+    p.user_data = op;
+    pending_.insert(op);
+    auto req = ucp_tag_send_nbx(eps_[dst], op->keep.data_ptr(), op->keep.nbytes(), tag, &p);
+    posted(op, req);
+  });
+}
+
+void ucx_comm::post_recv(const work_ptr& w, torch::Tensor t, std::uint64_t tag, std::uint64_t mask,
+                         std::uint64_t check_kind) {
+  if (auto b = broken(); !b.empty()) return w->complete("communicator aborted: " + b);
+  const auto bytes = t.nbytes();
+  auto* op = new pending_op{this, w, std::move(t), bytes, check_kind, nullptr};
+  post([this, op, tag, mask] {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv = recv_cb;
+    p.user_data = op;
+    pending_.insert(op);
+    auto req = ucp_tag_recv_nbx(worker_, op->keep.data_ptr(), op->bytes, tag, mask, &p);
+    posted(op, req);
+  });
+}
+
+void ucx_comm::posted(pending_op* op, ucs_status_ptr_t req) {
+  op->posting = false;
+  if (UCS_PTR_IS_ERR(req)) return finish(op, UCS_PTR_STATUS(req), nullptr);
+  if (op->finished)
+    delete op;
+  else
+    op->request = req;
+}
+
+void ucx_comm::progress_loop() {
+  int idle = 0;
+  while (true) {
+    std::deque<std::function<void()>> cmds;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cmds.swap(commands_);
+    }
+    for (auto& c : cmds) c();
+    if (stop_ && pending_.empty()) break;
+    if (ucp_worker_progress(worker_) != 0 || !cmds.empty()) {
+      idle = 0;
+      continue;
+    }
+    if (++idle < opts_.spin) continue;
+    idle = 0;
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!commands_.empty()) continue;
+    }
+    epoll_event evs[2];
+    epoll_wait(epoll_fd_, evs, 2, stop_ ? 10 : 200);
+    std::uint64_t drained;
+    [[maybe_unused]] auto n = ::read(wake_fd_, &drained, sizeof drained);
+  }
+}
+
+void ucx_comm::executor_loop() {
+  while (true) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(exec_mu_);
+      exec_cv_.wait(lock, [this] { return exec_stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+  }
+}
+
+work_ptr ucx_comm::enqueue(collective kind, std::function<void(std::uint64_t)> body) {
+  std::lock_guard<std::mutex> lock(exec_mu_);
+  const auto seq = seq_++;
+  auto w = std::make_shared<work>(std::string(collective_name(kind)) + " #" + std::to_string(seq) + " (rank " +
+                                  std::to_string(rank_) + " of " + std::to_string(size_) + ")");
+  jobs_.push_back([this, w, seq, body = std::move(body)] {
+    if (auto b = broken(); !b.empty()) return w->complete("communicator aborted: " + b);
+    try {
+      body(seq);
+      w->complete();
+    } catch (const std::exception& e) {
+      w->complete(e.what());
+    }
+  });
+  exec_cv_.notify_one();
+  return w;
+}
+
+void ucx_comm::ring_exchange(collective kind, std::uint64_t seq, int step, torch::Tensor send_t, int dst,
+                             torch::Tensor recv_t, int src) {
+  const auto k = std::uint64_t(kind) << kind_shift;
+  work_ptr r, s;
+  if (recv_t.defined() && recv_t.numel() > 0) {
+    r = std::make_shared<work>(std::string(collective_name(kind)) + " #" + std::to_string(seq) + " step " +
+                               std::to_string(step) + ": receive from rank " + std::to_string(src));
+    post_recv(r, recv_t, coll_tag(src, kind, seq, step), full_mask & ~kind_mask, k);
+  }
+  if (send_t.defined() && send_t.numel() > 0) {
+    s = std::make_shared<work>(std::string(collective_name(kind)) + " #" + std::to_string(seq) + " step " +
+                               std::to_string(step) + ": send to rank " + std::to_string(dst));
+    post_send(s, send_t, dst, coll_tag(rank_, kind, seq, step));
+  }
+  for (auto& w : {r, s})
+    if (w) await(w);
+}
+
+void ucx_comm::await(const work_ptr& w) {
+  try {
+    w->wait_or_throw(opts_.timeout);
+  } catch (const transport_error& e) {
+    abort(e.what());  // the ranks are out of step now: the communicator is unusable
+    throw;
+  }
+}
+
+// Ring reduce-scatter over `acc` (modified): afterwards piece `rank` of acc is the sum.
+// Step s: send piece (r - s - 1), receive piece (r - s - 2) from the left and add it.
+static void ring_reduce_scatter(int rank, int n, collective kind, std::uint64_t seq, int step0,
+                                torch::Tensor acc,
+                                const std::function<void(collective, std::uint64_t, int, torch::Tensor, int,
+                                                         torch::Tensor, int)>& exchange) {
+  const auto total = acc.numel();
+  const int right = (rank + 1) % n, left = (rank + n - 1) % n;
+  torch::Tensor tmp;
+  for (int s = 0; s < n - 1; ++s) {
+    const int cs = ((rank - s - 1) % n + n) % n, cr = ((rank - s - 2) % n + n) % n;
+    auto [sb, se] = piece(total, n, cs);
+    auto [rb, re] = piece(total, n, cr);
+    if (!tmp.defined() || tmp.numel() < re - rb) tmp = torch::empty({std::max<std::int64_t>(re - rb, 1)}, acc.options());
+    auto in = tmp.narrow(0, 0, re - rb);
+    exchange(kind, seq, step0 + s, acc.narrow(0, sb, se - sb), right, in, left);
+    if (re > rb) {
+      // The received partial sum comes first in the ring's order.
+      auto mine = acc.narrow(0, rb, re - rb);
+      mine.add_(in);
+    }
+  }
+}
+
+// Ring all-gather in place over `out` whose piece `rank` is filled.
+static void ring_all_gather(int rank, int n, collective kind, std::uint64_t seq, int step0, torch::Tensor out,
+                            const std::function<void(collective, std::uint64_t, int, torch::Tensor, int,
+                                                     torch::Tensor, int)>& exchange) {
+  const auto total = out.numel();
+  const int right = (rank + 1) % n, left = (rank + n - 1) % n;
+  for (int s = 0; s < n - 1; ++s) {
+    const int cs = ((rank - s) % n + n) % n, cr = ((rank - s - 1) % n + n) % n;
+    auto [sb, se] = piece(total, n, cs);
+    auto [rb, re] = piece(total, n, cr);
+    exchange(kind, seq, step0 + s, out.narrow(0, sb, se - sb), right, out.narrow(0, rb, re - rb), left);
+  }
+}
+
+work_ptr ucx_comm::all_reduce(torch::Tensor t) {
+  check_tensor(t, -1, "all_reduce");
+  if (!summable(t.scalar_type())) throw std::invalid_argument("all_reduce: dtype cannot be summed");
+  return enqueue(collective::all_reduce, [this, t](std::uint64_t seq) {
+    auto flat = t.view({-1});
+    auto ex = [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor b, int src) {
+      ring_exchange(k, q, s, a, d, b, src);
+    };
+    ring_reduce_scatter(rank_, size_, collective::all_reduce, seq, 0, flat, ex);
+    ring_all_gather(rank_, size_, collective::all_reduce, seq, size_ - 1, flat, ex);
+  });
+}
+
+work_ptr ucx_comm::reduce_scatter(torch::Tensor input, torch::Tensor output) {
+  check_tensor(input, -1, "reduce_scatter input");
+  if (!summable(input.scalar_type())) throw std::invalid_argument("reduce_scatter: dtype cannot be summed");
+  auto [b, e] = piece(input.numel(), size_, rank_);
+  check_tensor(output, e - b, "reduce_scatter output");
+  return enqueue(collective::reduce_scatter, [this, input, output, b = b, e = e](std::uint64_t seq) {
+    auto acc = input.view({-1}).clone();
+    auto ex = [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor bb, int src) {
+      ring_exchange(k, q, s, a, d, bb, src);
+    };
+    ring_reduce_scatter(rank_, size_, collective::reduce_scatter, seq, 0, acc, ex);
+    output.view({-1}).copy_(acc.narrow(0, b, e - b));
+  });
+}
+
+work_ptr ucx_comm::all_gather(torch::Tensor input, torch::Tensor output) {
+  check_tensor(output, -1, "all_gather output");
+  auto [b, e] = piece(output.numel(), size_, rank_);
+  check_tensor(input, e - b, "all_gather input");
+  return enqueue(collective::all_gather, [this, input, output, b = b, e = e](std::uint64_t seq) {
+    auto flat = output.view({-1});
+    flat.narrow(0, b, e - b).copy_(input.view({-1}));
+    ring_all_gather(rank_, size_, collective::all_gather, seq, 0, flat,
+                    [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor bb, int src) {
+                      ring_exchange(k, q, s, a, d, bb, src);
+                    });
+  });
+}
+
+work_ptr ucx_comm::broadcast(torch::Tensor t, int root) {
+  check_tensor(t, -1, "broadcast");
+  check_rank(root);
+  // A chain root -> root+1 -> ... in segments, so that every link carries data at once.
+  return enqueue(collective::broadcast, [this, t, root](std::uint64_t seq) {
+    auto flat = t.view({-1});
+    const std::int64_t seg_bytes = std::max<std::int64_t>(1 << 20, std::int64_t(t.nbytes()) / 60000 + 1);
+    const std::int64_t seg = std::max<std::int64_t>(1, seg_bytes / std::max<std::int64_t>(1, t.element_size()));
+    const int pos = (rank_ - root + size_) % size_;
+    const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+    // Receive segment k, then forward it while segment k+1 arrives.
+    std::vector<work_ptr> sends;
+    int step = 0;
+    for (std::int64_t b = 0; b < flat.numel(); b += seg, ++step) {
+      auto part = flat.narrow(0, b, std::min(seg, flat.numel() - b));
+      if (pos > 0) ring_exchange(collective::broadcast, seq, step, torch::Tensor(), next, part, prev);
+      if (pos + 1 < size_) {
+        sends.push_back(std::make_shared<work>("broadcast #" + std::to_string(seq) + " step " + std::to_string(step) +
+                                               ": send to rank " + std::to_string(next)));
+        post_send(sends.back(), part, next, coll_tag(rank_, collective::broadcast, seq, step));
+      }
+    }
+    for (auto& w : sends) await(w);
+  });
+}
+
+void ucx_comm::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_.empty()) broken_ = why;
+  }
+  post([this] {
+    for (auto* op : std::vector<pending_op*>(pending_.begin(), pending_.end()))
+      if (op->request) ucp_request_cancel(worker_, op->request);
+  });
+}
+
+void ucx_comm::shutdown() {
+  if (progress_.joinable()) abort("communicator closed");
+  {
+    std::lock_guard<std::mutex> lock(exec_mu_);
+    exec_stop_ = true;
+  }
+  exec_cv_.notify_all();
+  if (executor_.joinable()) executor_.join();
+  if (progress_.joinable()) {
+    post([this] {
+      for (auto* op : std::vector<pending_op*>(pending_.begin(), pending_.end()))
+        if (op->request) ucp_request_cancel(worker_, op->request);
+    });
+    stop_ = true;
+    post([] {});
+    progress_.join();
+  }
+  for (auto& ep : eps_) {
+    if (!ep) continue;
+    // Flush first (sends that completed locally may still be on their way), bounded in
+    // time; a peer that is gone makes the flush fail, not hang.
+    ucp_request_param_t p{};
+    auto req = ucp_ep_close_nbx(ep, &p);
+    if (UCS_PTR_IS_PTR(req)) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
+        ucp_worker_progress(worker_);
+      if (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_request_cancel(worker_, req);
+      ucp_request_free(req);
+    }
+    ep = nullptr;
+  }
+  for (auto* a : peers_args_) delete a;
+  peers_args_.clear();
+  if (epoll_fd_ >= 0) ::close(epoll_fd_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  epoll_fd_ = wake_fd_ = -1;
+  if (worker_) ucp_worker_destroy(worker_);
+  if (context_) ucp_cleanup(context_);
+  worker_ = nullptr;
+  context_ = nullptr;
+}
+
+}  // namespace
+
+std::shared_ptr<communicator> make_ucx_communicator(int rank, int size, const address_exchange& exchange,
+                                                    ucx_options opts) {
+  auto c = std::make_shared<ucx_comm>(rank, size, opts);
+  c->start(exchange);
+  return c;
+}
+
+address_exchange folder_exchange(std::string dir, int rank, int size, std::chrono::milliseconds timeout) {
+  return [dir, rank, size, timeout](const std::string& mine) {
+    namespace fs = std::filesystem;
+    fs::create_directories(dir);
+    const auto tmp = fs::path(dir) / (std::to_string(rank) + ".tmp");
+    {
+      std::ofstream out(tmp, std::ios::binary);
+      out.write(mine.data(), std::streamsize(mine.size()));
+      if (!out) throw transport_error("cannot write " + tmp.string());
+    }
+    fs::rename(tmp, fs::path(dir) / std::to_string(rank));
+    std::vector<std::string> all(size);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (int r = 0; r < size; ++r) {
+      const auto path = fs::path(dir) / std::to_string(r);
+      while (!fs::exists(path)) {
+        if (std::chrono::steady_clock::now() > deadline)
+          throw transport_error("address exchange in " + dir + ": rank " + std::to_string(r) + " did not appear within " +
+                                std::to_string(timeout.count()) + " ms");
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      std::ifstream in(path, std::ios::binary);
+      std::ostringstream ss;
+      ss << in.rdbuf();
+      all[r] = ss.str();
+    }
+    return all;
+  };
+}
+
+}  // namespace troupe::transport

@@ -1,0 +1,46 @@
+#pragma once
+// ucx/: ranks in different processes or machines. Tensors travel as UCX tag messages
+// (UCX picks eager or rendezvous/zero-copy by size, and shared memory, cma, TCP or RDMA
+// by what the two ends share; UCX_TLS restricts it). One progress thread per
+// communicator owns the UCX worker: it sleeps on the worker's event fd and completes the
+// `work` handles (callers are never blocked). Collectives run as rings on a second
+// thread of the communicator, one at a time, in call order.
+//
+// Tags (64 bits): bit 63 collective, bits 48..62 source rank, for collectives bits
+// 40..47 the kind, 16..39 the collective's number, 0..15 its step; for point-to-point
+// bits 0..31 the user tag. A collective's receive matches everything but the kind, so a
+// rank that called another collective at the same number is reported, not waited for.
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/transport.hpp"
+
+namespace troupe::transport {
+
+struct ucx_options {
+  /// Every blocking step of a collective fails after this long (a peer died or froze).
+  std::chrono::milliseconds timeout{60000};
+  /// Progress-loop spins before sleeping on the event fd (latency vs CPU).
+  int spin = 2000;
+  /// UCX peer-failure handling (errors instead of timeouts when a peer dies); UCX 1.13
+  /// supports it on TCP and RDMA but not on shared memory, so it is off by default.
+  bool peer_failure_handling = false;
+};
+
+/// All-gathers one string per rank (rank order): the bootstrap that exchanges UCX worker
+/// addresses, supplied by the caller (the actors' control plane, or a rendezvous folder).
+using address_exchange = std::function<std::vector<std::string>(const std::string& mine)>;
+
+/// Creates rank `rank` of `size`: makes a UCX worker, exchanges addresses, connects.
+std::shared_ptr<communicator> make_ucx_communicator(int rank, int size, const address_exchange& exchange,
+                                                    ucx_options opts = {});
+
+/// A bootstrap for processes that share a folder (tests, benchmarks, one machine): each
+/// rank writes its address to `dir/<rank>` (atomically) and waits up to `timeout` for all.
+address_exchange folder_exchange(std::string dir, int rank, int size,
+                                 std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+}  // namespace troupe::transport
