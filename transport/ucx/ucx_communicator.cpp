@@ -116,6 +116,7 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
   std::thread executor_;
   std::uint64_t seq_ = 0;  // next collective number (caller side, under exec_mu_)
   std::vector<std::pair<ucx_comm*, int>*> peers_args_;  // error-handler arguments
+  std::vector<torch::Tensor> scratch_;                  // collective thread only
 };
 
 struct pending_op {
@@ -297,7 +298,12 @@ void ucx_comm::progress_loop() {
       idle = 0;
       continue;
     }
-    if (++idle < opts_.spin) continue;
+    // While transfers are pending a peer is about to answer: keep polling (yielding the
+    // core to the other processes of the machine) rather than pay a wake-up per message.
+    if (++idle < opts_.spin || (!pending_.empty() && idle < 64 * opts_.spin)) {
+      if (idle > 64) std::this_thread::yield();
+      continue;
+    }
     idle = 0;
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     {
@@ -370,28 +376,38 @@ void ucx_comm::await(const work_ptr& w) {
   }
 }
 
-// Ring reduce-scatter over `acc` (modified): afterwards piece `rank` of acc is the sum.
-// Step s: send piece (r - s - 1), receive piece (r - s - 2) from the left and add it.
-static void ring_reduce_scatter(int rank, int n, collective kind, std::uint64_t seq, int step0,
-                                torch::Tensor acc,
+// Ring reduce-scatter of `input` into `output` (piece `rank`). Step s sends the partial
+// sum of piece (r - s - 1) (at step 0 the rank's own input piece) and receives the partial
+// sum of piece (r - s - 2) from the left, adding its own input to it: only piece-sized
+// buffers, the input is not modified.
+static void ring_reduce_scatter(int rank, int n, collective kind, std::uint64_t seq, int step0, torch::Tensor input,
+                                torch::Tensor output, std::vector<torch::Tensor>& scratch,
                                 const std::function<void(collective, std::uint64_t, int, torch::Tensor, int,
                                                          torch::Tensor, int)>& exchange) {
-  const auto total = acc.numel();
+  const auto total = input.numel();
   const int right = (rank + 1) % n, left = (rank + n - 1) % n;
-  torch::Tensor tmp;
+  const auto longest = piece(total, n, 0);
+  const std::int64_t cap = std::max<std::int64_t>(1, longest.second - longest.first);
+  // Scratch kept by the communicator: fresh large buffers would page-fault on every call.
+  scratch.resize(3);
+  for (auto& t : scratch)
+    if (!t.defined() || t.nbytes() < std::size_t(cap) * input.element_size())
+      t = torch::empty({cap * input.element_size()}, torch::kUInt8);
+  auto view = [&](int i) { return scratch[i].narrow(0, 0, cap * input.element_size()).view(input.scalar_type()); };
+  torch::Tensor in = view(0), sums[2] = {view(1), view(2)};
+  torch::Tensor outgoing;
   for (int s = 0; s < n - 1; ++s) {
     const int cs = ((rank - s - 1) % n + n) % n, cr = ((rank - s - 2) % n + n) % n;
     auto [sb, se] = piece(total, n, cs);
     auto [rb, re] = piece(total, n, cr);
-    if (!tmp.defined() || tmp.numel() < re - rb) tmp = torch::empty({std::max<std::int64_t>(re - rb, 1)}, acc.options());
-    auto in = tmp.narrow(0, 0, re - rb);
-    exchange(kind, seq, step0 + s, acc.narrow(0, sb, se - sb), right, in, left);
-    if (re > rb) {
-      // The received partial sum comes first in the ring's order.
-      auto mine = acc.narrow(0, rb, re - rb);
-      mine.add_(in);
-    }
+    if (s == 0) outgoing = input.narrow(0, sb, se - sb);
+    auto incoming = in.narrow(0, 0, re - rb);
+    exchange(kind, seq, step0 + s, outgoing, right, incoming, left);
+    auto sum = s == n - 2 ? output : sums[s % 2].narrow(0, 0, re - rb);
+    torch::add_out(sum, input.narrow(0, rb, re - rb), incoming);
+    outgoing = sum;
   }
+  if (n == 1) output.copy_(input);
 }
 
 // Ring all-gather in place over `out` whose piece `rank` is filled.
@@ -416,7 +432,9 @@ work_ptr ucx_comm::all_reduce(torch::Tensor t) {
     auto ex = [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor b, int src) {
       ring_exchange(k, q, s, a, d, b, src);
     };
-    ring_reduce_scatter(rank_, size_, collective::all_reduce, seq, 0, flat, ex);
+    // The sum of piece `rank` can land in place: no step before the last reads it.
+    auto [b, e] = piece(flat.numel(), size_, rank_);
+    ring_reduce_scatter(rank_, size_, collective::all_reduce, seq, 0, flat, flat.narrow(0, b, e - b), scratch_, ex);
     ring_all_gather(rank_, size_, collective::all_reduce, seq, size_ - 1, flat, ex);
   });
 }
@@ -426,13 +444,12 @@ work_ptr ucx_comm::reduce_scatter(torch::Tensor input, torch::Tensor output) {
   if (!summable(input.scalar_type())) throw std::invalid_argument("reduce_scatter: dtype cannot be summed");
   auto [b, e] = piece(input.numel(), size_, rank_);
   check_tensor(output, e - b, "reduce_scatter output");
-  return enqueue(collective::reduce_scatter, [this, input, output, b = b, e = e](std::uint64_t seq) {
-    auto acc = input.view({-1}).clone();
+  return enqueue(collective::reduce_scatter, [this, input, output](std::uint64_t seq) {
     auto ex = [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor bb, int src) {
       ring_exchange(k, q, s, a, d, bb, src);
     };
-    ring_reduce_scatter(rank_, size_, collective::reduce_scatter, seq, 0, acc, ex);
-    output.view({-1}).copy_(acc.narrow(0, b, e - b));
+    ring_reduce_scatter(rank_, size_, collective::reduce_scatter, seq, 0, input.view({-1}), output.view({-1}), scratch_,
+                        ex);
   });
 }
 

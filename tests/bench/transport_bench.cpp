@@ -1,0 +1,176 @@
+// Transport benchmark (README "Performance"): point-to-point bandwidth between two
+// processes and collective bus bandwidth (nccl-tests' definition) of Troupe's UCX backend
+// and of LibTorch's c10d::ProcessGroupGloo, measured in the same processes.
+//
+//   troupe_transport_bench p2p  [TLS]        2 processes, 4 KiB .. 64 MiB, window of 16
+//   troupe_transport_bench coll N [TLS]      N processes, 1 MiB .. 64 MiB
+//   (TLS: UCX_TLS for the run, default sm,self; the gloo side always uses TCP loopback)
+//
+// The parent starts the ranks (same binary, "rank" mode) and prints rank 0's table.
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "../process_group.hpp"
+#include "../test_util.hpp"
+#include "transport/ucx/ucx_communicator.hpp"
+
+using namespace troupe::transport;
+using clk = std::chrono::steady_clock;
+
+namespace {
+
+const auto kTimeout = std::chrono::seconds(120);
+
+double seconds_since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
+
+void p2p(communicator& c) {
+  if (c.rank() == 0) std::printf("| bytes | troupe ucx send/recv MB/s |\n| --- | --- |\n");
+  for (std::int64_t bytes = 4096; bytes <= (64 << 20); bytes *= 4) {
+    const int window = 16;
+    const int iters = int(std::max<std::int64_t>(4, std::min<std::int64_t>(2000, (1ll << 30) / bytes)));
+    auto buf = torch::ones({bytes / 4});
+    auto ack = torch::zeros({1});
+    std::vector<torch::Tensor> bufs;
+    for (int i = 0; i < window; ++i) bufs.push_back(c.rank() == 0 ? buf : torch::empty({bytes / 4}));
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = clk::now();
+      for (int i = 0; i < iters; i += window) {
+        std::vector<work_ptr> ws;
+        for (int k = 0; k < window && i + k < iters; ++k)
+          ws.push_back(c.rank() == 0 ? c.send(bufs[k], 1, k) : c.recv(bufs[k], 0, k));
+        for (auto& w : ws) w->wait_or_throw(kTimeout);
+      }
+      // The receiver acknowledges the last message (as ucx_perftest's tag_bw does).
+      if (c.rank() == 0)
+        c.recv(ack, 1, 999)->wait_or_throw(kTimeout);
+      else
+        c.send(ack, 0, 999)->wait_or_throw(kTimeout);
+      best = std::max(best, double(bytes) * iters / seconds_since(t0) / 1e6);
+    }
+    if (c.rank() == 0) std::printf("| %lld | %.0f |\n", (long long)bytes, best);
+  }
+}
+
+template <class F>
+double time_best(int reps, F f) {
+  double best = 1e30;
+  f();  // warm-up
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = clk::now();
+    f();
+    best = std::min(best, seconds_since(t0));
+  }
+  return best;
+}
+
+void coll(communicator& c, c10d::ProcessGroupGloo& gloo) {
+  const int n = c.size(), r = c.rank();
+  if (r == 0)
+    std::printf("| collective | ranks | bytes | troupe ucx busbw GB/s | gloo busbw GB/s | ratio |\n"
+                "| --- | --- | --- | --- | --- | --- |\n");
+  for (std::int64_t bytes : {1ll << 20, 16ll << 20, 64ll << 20}) {
+    const std::int64_t count = bytes / 4 / n * n;  // equal pieces (gloo's allgather needs them)
+    const int reps = bytes >= (64 << 20) ? 3 : 5;
+    auto t = torch::ones({count});
+    auto piece_t = torch::ones({count / n});
+    const double ar_factor = 2.0 * (n - 1) / n, rs_factor = double(n - 1) / n;
+    struct row {
+      const char* name;
+      double factor, ucx, gloo;
+    };
+    std::vector<row> rows;
+    rows.push_back({"all_reduce", ar_factor,
+                    time_best(reps, [&] { c.all_reduce(t)->wait_or_throw(kTimeout); }),
+                    time_best(reps, [&] {
+                      std::vector<torch::Tensor> v{t};
+                      gloo.allreduce(v)->wait();
+                    })});
+    double gloo_rs = -1;
+    try {
+      gloo_rs = time_best(reps, [&] {
+        std::vector<torch::Tensor> out{piece_t};
+        std::vector<std::vector<torch::Tensor>> in(1);
+        for (int k = 0; k < n; ++k) in[0].push_back(t.narrow(0, k * (count / n), count / n));
+        gloo.reduce_scatter(out, in)->wait();
+      });
+    } catch (const std::exception&) {
+      // LibTorch 1.13's gloo has no reduce_scatter: reported as n/a.
+    }
+    rows.push_back({"reduce_scatter", rs_factor,
+                    time_best(reps, [&] { c.reduce_scatter(t, piece_t)->wait_or_throw(kTimeout); }), gloo_rs});
+    rows.push_back({"all_gather", rs_factor,
+                    time_best(reps, [&] { c.all_gather(piece_t, t)->wait_or_throw(kTimeout); }),
+                    time_best(reps, [&] {
+                      std::vector<std::vector<torch::Tensor>> outs(1);
+                      for (int k = 0; k < n; ++k) outs[0].push_back(t.narrow(0, k * (count / n), count / n));
+                      std::vector<torch::Tensor> in{piece_t};
+                      gloo.allgather(outs, in)->wait();
+                    })});
+    if (r == 0)
+      for (auto& x : rows) {
+        const double b = double(count) * 4;
+        const double u = b / x.ucx * x.factor / 1e9;
+        if (x.gloo > 0) {
+          const double g = b / x.gloo * x.factor / 1e9;
+          std::printf("| %s | %d | %lld | %.2f | %.2f | %.1fx |\n", x.name, n, (long long)b, u, g, u / g);
+        } else {
+          std::printf("| %s | %d | %lld | %.2f | n/a (not in LibTorch 1.13's gloo) | |\n", x.name, n, (long long)b, u);
+        }
+      }
+  }
+}
+
+int run_rank(const std::string& mode, int rank, int size, const std::string& dir) {
+  torch::set_num_threads(1);
+  auto comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size));
+  auto store = c10::make_intrusive<c10d::FileStore>(dir + "/gloo-store", size);
+  auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(120));
+  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  c10d::ProcessGroupGloo gloo(store, rank, size, opts);
+  if (mode == "p2p")
+    p2p(*comm);
+  else
+    coll(*comm, gloo);
+  std::fflush(stdout);
+  gloo.barrier()->wait();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const std::string mode = argc > 1 ? argv[1] : "";
+    if (mode == "rank") return run_rank(argv[2], std::stoi(argv[3]), std::stoi(argv[4]), argv[5]);
+    if (mode != "p2p" && mode != "coll") {
+      std::cerr << "usage: troupe_transport_bench p2p [TLS] | coll N [TLS]\n";
+      return 2;
+    }
+    const int n = mode == "p2p" ? 2 : std::stoi(argc > 2 ? argv[2] : "2");
+    const std::string tls = argc > (mode == "p2p" ? 2 : 3) ? argv[mode == "p2p" ? 2 : 3] : "sm,self";
+    troupe::test::temp_dir dir;
+    const std::string self = argv[0];
+    troupe::test::process_group group(
+        n,
+        [&](int r) {
+          return std::vector<std::string>{self, "rank", mode, std::to_string(r), std::to_string(n), dir.path.string()};
+        },
+        {"UCX_TLS=" + tls, "OMP_NUM_THREADS=1"}, dir.path.string());
+    auto results = group.wait(std::chrono::seconds(580));
+    std::cout << "UCX_TLS=" << tls << ", " << n << " processes\n" << results[0].output;
+    for (int r = 0; r < n; ++r)
+      if (results[r].status != 0) {
+        std::cerr << "rank " << r << " failed (" << results[r].status << "):\n" << results[r].output;
+        return 1;
+      }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "troupe_transport_bench: " << e.what() << "\n";
+    return 1;
+  }
+}
