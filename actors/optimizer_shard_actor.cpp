@@ -6,51 +6,67 @@
 #include "compute/grad_buffer.hpp"
 #include "compute/optimizer.hpp"
 #include "messages/type_ids.hpp"
+#include "transport/transport.hpp"
 
 namespace troupe {
 
 namespace {
+
+using transport::collective;
 
 struct shard_state {
   struct chunk_shard {
     flat_range range;
     adamw_shard opt;
     torch::Tensor norm_mask;
-    std::vector<torch::Tensor> received;  // per replica, this step
-    torch::Tensor reduced;
+    torch::Tensor grads;       // the stage's whole grad buffer of this step (hand-off)
+    torch::Tensor reduced;     // this rank's range of the summed gradients
+    torch::Tensor gathered;    // the whole updated parameter buffer (all-gather target)
     std::vector<param_entry> entries;  // the chunk's layout (names and offsets)
   };
   std::shared_ptr<const runtime_context> ctx;
   std::shared_ptr<const job_wiring> wiring;
+  std::shared_ptr<transport::communicator> comm;
   int stage = 0, rank = 0;
   std::string name;
   std::vector<chunk_shard> chunks;
   std::int64_t step = -1;
   double lr = 0;
-  int received = 0;
+  int received = 0;          // grad buffers of this step
+  int completed = 0;         // collectives of the current phase that finished
+  std::vector<transport::work_ptr> pending;
+  double phase_start_us = 0;
   std::vector<trace_event> events;
   std::vector<caf::message> stash;
 };
 
 caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared_ptr<const runtime_context> ctx,
-                             std::shared_ptr<const job_wiring> wiring, int stage, int rank) {
+                             std::shared_ptr<const job_wiring> wiring, int stage, int rank,
+                             std::shared_ptr<transport::communicator> comm) {
   self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
+  st.comm = comm;
   st.stage = stage;
   st.rank = rank;
   st.name = "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
+  if (comm->size() != ctx->d || comm->rank() != rank)
+    throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
+                           std::to_string(comm->size()));
   const adamw_options opts{ctx->cfg.beta1, ctx->cfg.beta2, ctx->cfg.eps, ctx->cfg.weight_decay};
   const std::map<std::string, torch::Tensor> init_by_name(ctx->init.begin(), ctx->init.end());
   for (int c = 0; c < ctx->v; ++c) {
     // A slice only to learn the layout and initial values of this range; dropped at once.
     auto layout = make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d);
-    const auto range = shard_ranges(layout->flat_params().numel(), ctx->d)[rank];
+    const auto n = layout->flat_params().numel();
+    const auto range = shard_ranges(n, ctx->d)[rank];
+    if (transport::piece(n, ctx->d, rank) != std::make_pair(range.begin, range.end))
+      throw std::logic_error("shard ranges differ from the transport's pieces");
     st.chunks.push_back({range,
                          adamw_shard(layout->flat_params().narrow(0, range.begin, range.size()),
                                      decay_mask(layout->entries(), range), opts),
-                         norm_mask(layout->entries(), range), std::vector<torch::Tensor>(ctx->d), {}, {}});
+                         norm_mask(layout->entries(), range), {}, torch::empty({range.size()}), torch::empty({n}), {}});
     if (!ctx->resume_optim.empty())
       restore_shard(layout->entries(), range, st.chunks.back().opt, init_by_name, ctx->resume_optim, ctx->start_step);
     st.chunks.back().entries = layout->entries();
@@ -61,21 +77,47 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       self->state.stash.push_back(self->current_mailbox_element()->move_content_to_message());
     return false;
   };
+  // Starts one collective per chunk; each reports to this actor as collective_done.
+  auto start_phase = [self](collective kind) {
+    auto& s = self->state;
+    s.completed = 0;
+    s.phase_start_us = s.ctx->now_us();
+    const auto me = caf::actor_cast<caf::actor>(self);
+    for (int ci = 0; ci < s.ctx->v; ++ci) {
+      auto& ch = s.chunks[ci];
+      auto w = kind == collective::reduce_scatter ? s.comm->reduce_scatter(ch.grads, ch.reduced)
+                                                  : s.comm->all_gather(ch.opt.params(), ch.gathered);
+      w->on_complete([me, step = s.step, kind, ci](const std::string& err) {
+        caf::anon_send(me, collective_done{step, std::int32_t(kind), ci, err});
+      });
+      s.pending.push_back(std::move(w));
+    }
+  };
   auto drop_step_state = [self] {
     reset_report rep{self->state.name, {}};
     int held = 0;
     for (auto& c : self->state.chunks) {
-      for (auto& t : c.received) held += t.defined();
-      c.received.assign(self->state.ctx->d, torch::Tensor());
-      c.reduced = torch::Tensor();
+      held += c.grads.defined();
+      c.grads = torch::Tensor();
     }
-    if (held) rep.leftovers.push_back(std::to_string(held) + " gradient range(s) held");
+    if (held) rep.leftovers.push_back(std::to_string(held) + " gradient buffer(s) held");
+    std::size_t running = 0;
+    for (auto& w : self->state.pending) running += !w->done();
+    if (running) {
+      rep.leftovers.push_back(std::to_string(running) + " collective(s) still running");
+      self->state.comm->abort(self->state.name + " reset with collectives running");
+    }
+    self->state.pending.clear();
     if (!self->state.stash.empty())
       rep.leftovers.push_back(std::to_string(self->state.stash.size()) + " stashed message(s)");
     self->state.stash.clear();
     self->state.received = 0;
     self->state.events.clear();
     return rep;
+  };
+  auto trace_phase = [self](const char* name) {
+    auto& s = self->state;
+    s.events.push_back({name, s.rank, s.stage, -1, -1, s.step, s.phase_start_us, s.ctx->now_us()});
   };
   return {
       [=](const begin_step& msg) {
@@ -89,46 +131,54 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       },
       [=](grad_shard& msg) {
         if (!accept(msg.step)) return;
-        torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
         auto& s = self->state;
         auto& c = s.chunks.at(msg.chunk);
-        const auto problem = check_payload(msg.data, {c.range.size()}, torch::kFloat32);
+        const auto problem = check_payload(msg.data, {c.gathered.numel()}, torch::kFloat32);
         if (!problem.empty()) {
-          self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient range: " + problem});
+          self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient buffer: " + problem});
           return;
         }
-        c.received.at(msg.replica) = tensor_of(msg.data);
-        if (++s.received < s.ctx->d * s.ctx->v) return;
-        // Reduce-scatter, in-process: sum the replicas' ranges in replica order.
-        trace_event ev{"reduce", 0, s.stage, -1, -1, s.step, s.ctx->now_us(), 0};
-        for (int ci = 0; ci < s.ctx->v; ++ci) {
-          auto& ch = s.chunks[ci];
-          ch.reduced = ch.received[0].clone();
-          for (int r = 1; r < s.ctx->d; ++r) ch.reduced.add_(ch.received[r]);
-          ch.received.assign(s.ctx->d, torch::Tensor());
+        c.grads = tensor_of(msg.data);
+        if (++s.received == s.ctx->v) start_phase(collective::reduce_scatter);
+      },
+      [=](const collective_done& msg) {
+        auto& s = self->state;
+        if (msg.step != s.step) return;  // a collective of an aborted step
+        if (!msg.error.empty()) {
           self->send(s.wiring->coordinator,
-                     grad_norm_partial{s.step, ci * s.ctx->p + s.stage, s.rank, partial_sq_norm(ch.reduced, ch.norm_mask)});
+                     runtime_failure{s.step, s.name, std::string(transport::collective_name(collective(msg.kind))) +
+                                                         " of chunk " + std::to_string(msg.chunk) + ": " + msg.error});
+          return;
         }
-        ev.end_us = s.ctx->now_us();
-        s.events.push_back(ev);
+        if (++s.completed < s.ctx->v) return;
+        s.pending.clear();
+        torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
+        if (collective(msg.kind) == collective::reduce_scatter) {
+          trace_phase("reduce-scatter");
+          for (int ci = 0; ci < s.ctx->v; ++ci) {
+            auto& ch = s.chunks[ci];
+            ch.grads = torch::Tensor();  // the stage's buffer is no longer read
+            self->send(s.wiring->coordinator, grad_norm_partial{s.step, ci * s.ctx->p + s.stage, s.rank,
+                                                                partial_sq_norm(ch.reduced, ch.norm_mask)});
+          }
+        } else {
+          trace_phase("all-gather");
+          for (int ci = 0; ci < s.ctx->v; ++ci)
+            self->send(s.wiring->stages[s.rank][s.stage],
+                       param_shard{s.step, ci, s.rank, make_payload(s.chunks[ci].gathered)});
+          self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
+          s.events.clear();
+        }
       },
       [=](const clip_factor_msg& msg) {
         if (!accept(msg.step)) return;
         torch::set_num_threads(1);
         auto& s = self->state;
-        trace_event ev{"optimizer", 0, s.stage, -1, -1, s.step, s.ctx->now_us(), 0};
-        for (int ci = 0; ci < s.ctx->v; ++ci) {
-          auto& ch = s.chunks[ci];
-          ch.opt.step(ch.reduced, s.lr, msg.factor);
-          ch.reduced = torch::Tensor();
-          // All-gather: every replica of this stage receives the updated range.
-          for (int r = 0; r < s.ctx->d; ++r)
-            self->send(s.wiring->stages[r][s.stage], param_shard{s.step, ci, s.rank, make_payload(ch.opt.params())});
-        }
+        trace_event ev{"optimizer", s.rank, s.stage, -1, -1, s.step, s.ctx->now_us(), 0};
+        for (auto& ch : s.chunks) ch.opt.step(ch.reduced, s.lr, msg.factor);
         ev.end_us = s.ctx->now_us();
         s.events.push_back(ev);
-        self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
-        s.events.clear();
+        start_phase(collective::all_gather);
       },
       [=](const reset_step&) -> reset_report { return drop_step_state(); },
       [=](state_atom) -> state_reply {  // AdamW moments by parameter name (checkpoints)
@@ -152,8 +202,10 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
 }  // namespace
 
 caf::actor spawn_optimizer_shard_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
-                                       std::shared_ptr<const job_wiring> wiring, int stage, int rank) {
-  return supervisor->spawn<caf::monitored>(shard_behavior, std::move(ctx), std::move(wiring), stage, rank);
+                                       std::shared_ptr<const job_wiring> wiring, int stage, int rank,
+                                       std::shared_ptr<transport::communicator> comm) {
+  return supervisor->spawn<caf::monitored>(shard_behavior, std::move(ctx), std::move(wiring), stage, rank,
+                                           std::move(comm));
 }
 
 }  // namespace troupe

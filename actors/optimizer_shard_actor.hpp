@@ -1,24 +1,31 @@
 #pragma once
-// optimizer_shard_actor: rank j of the d shards of one pipeline stage. Owns range j of
-// each of the stage's chunk buffers: fp32 main parameters and AdamW moments (1/d of the
-// stage's optimizer state).
+// optimizer_shard_actor: rank j of the d shards of one pipeline stage, in the process of
+// replica j's stage actor. Owns range j of each of the stage's chunk buffers: fp32 main
+// parameters and AdamW moments (1/d of the stage's optimizer state). The d shards of a
+// stage share a transport::communicator (local in one process, UCX across processes);
+// completions of its collectives come back to the actor as collective_done messages.
 //
-//        begin_step        d x v grad_shard          clip_factor_msg
-//   idle ----------> wait ------------------> reduced -------------> updated (param_shard
-//     ^           (sum replicas in order,   (partial norm sent)     to every replica,
-//     |            reduce-scatter)                                  shard_done)
-//     +------------------------------ reset_step ----------------------------+
+//        begin_step      v grad_shard            reduce-scatter done        clip_factor_msg
+//   idle ----------> wait -----------> reducing ------------------> reduced -------------->
+//     ^            (own stage's       (comm.reduce_scatter        (partial norm
+//     |             buffers)           per chunk)                  to coordinator)
+//     |   all-gather done: param_shard (whole buffer) to own stage, shard_done
+//     +<------------ gathering (update, comm.all_gather per chunk) <---------+
+//     reset_step: drops the step's state (a collective still running is a leftover)
 #include <memory>
 
 #include <caf/actor.hpp>
 #include <caf/event_based_actor.hpp>
 
 #include "actors/runtime.hpp"
+#include "transport/transport.hpp"
 
 namespace troupe {
 
-/// Spawns shard `rank` of `stage`, monitored by `supervisor`.
+/// Spawns shard `rank` of `stage`, monitored by `supervisor`; `comm` is rank `rank` of the
+/// stage's d shards.
 caf::actor spawn_optimizer_shard_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
-                                       std::shared_ptr<const job_wiring> wiring, int stage, int rank);
+                                       std::shared_ptr<const job_wiring> wiring, int stage, int rank,
+                                       std::shared_ptr<transport::communicator> comm);
 
 }  // namespace troupe

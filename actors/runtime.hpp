@@ -6,9 +6,11 @@
 //   loader --microbatch_input--> stage 0      loader --microbatch_target--> stage p-1
 //   stage k --forward_activation--> stage k+1 --...--> last: loss_report --> coordinator
 //   stage k <--backward_grad-- stage k+1;  first <--tied_grad--> last
-//   stage --grad_shard--> shards of its stage (reduce-scatter)
+//   stage --grad_shard (its grad buffer)--> its own shard; the stage's d shards
+//     reduce-scatter through their transport::communicator
 //   shard --grad_norm_partial--> coordinator --clip_factor_msg--> shards
-//   shard --param_shard--> every replica's stage (all-gather) --stage_done--> coordinator
+//   shards update, all-gather through the communicator; shard --param_shard--> its own
+//   stage --stage_done--> coordinator
 //   coordinator commits, then supervisor resets every actor and checks what it still held
 #include <chrono>
 #include <map>

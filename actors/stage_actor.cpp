@@ -182,25 +182,22 @@ class stage_logic {
     send_grad_shards();
   }
 
+  /// Hands each chunk's grad buffer to this replica's shard of the stage (same process).
   void send_grad_shards() {
-    const auto& ctx = *s_.ctx;
-    for (int c = 0; c < ctx.v; ++c) {
-      const auto grads = s_.chunks[c]->flat_grads();
-      const auto ranges = shard_ranges(grads.numel(), ctx.d);
-      for (int r = 0; r < ctx.d; ++r)
-        self_->send(s_.wiring->shards[s_.stage][r],
-                    grad_shard{s_.step, c, s_.replica, make_payload(grads.narrow(0, ranges[r].begin, ranges[r].size()))});
-    }
+    for (int c = 0; c < s_.ctx->v; ++c)
+      self_->send(s_.wiring->shards[s_.stage][s_.replica],
+                  grad_shard{s_.step, c, s_.replica, make_payload(s_.chunks[c]->flat_grads())});
   }
 
   void on_params(const param_shard& msg) {
     auto flat = s_.chunks.at(msg.chunk)->flat_params();
-    const auto range = shard_ranges(flat.numel(), s_.ctx->d).at(msg.rank);
+    const auto problem = check_payload(msg.data, {flat.numel()}, torch::kFloat32);
+    if (!problem.empty()) throw std::runtime_error(s_.name + ": parameters from the shard: " + problem);
     {
       torch::NoGradGuard g;
-      flat.narrow(0, range.begin, range.size()).copy_(tensor_of(msg.data));
+      flat.copy_(tensor_of(msg.data));
     }
-    if (++s_.params_received == s_.ctx->d * s_.ctx->v)
+    if (++s_.params_received == s_.ctx->v)
       self_->send(s_.wiring->coordinator,
                   stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events)});
   }

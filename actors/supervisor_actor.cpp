@@ -8,6 +8,7 @@
 #include "actors/optimizer_shard_actor.hpp"
 #include "actors/stage_actor.hpp"
 #include "messages/type_ids.hpp"
+#include "transport/local/local_group.hpp"
 
 namespace troupe {
 
@@ -24,10 +25,12 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   };
   wiring->stages.assign(ctx->d, {});
   wiring->shards.assign(ctx->p, {});
-  for (int k = 0; k < ctx->p; ++k)
+  for (int k = 0; k < ctx->p; ++k) {
+    auto group = transport::make_local_group(ctx->d);  // the stage's d shards, in this process
     for (int r = 0; r < ctx->d; ++r)
-      wiring->shards[k].push_back(add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r),
+      wiring->shards[k].push_back(add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, group[r]),
                                       "shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) + "]"));
+  }
   for (int r = 0; r < ctx->d; ++r)
     for (int k = 0; k < ctx->p; ++k)
       wiring->stages[r].push_back(add(spawn_stage_actor(self, ctx, wiring, r, k), ctx->stage_name(r, k)));

@@ -2,6 +2,7 @@
 // The sharded optimizer's exchange: reduce-scatter of gradient ranges, partial norms,
 // the global clip factor and the all-gather of updated parameter ranges.
 #include <cstdint>
+#include <string>
 
 #include <caf/meta/type_name.hpp>
 
@@ -9,8 +10,10 @@
 
 namespace troupe {
 
-/// Stage (replica r) -> optimizer shard `rank` of that stage: its range of chunk `chunk`'s
-/// grad buffer (the shard sums the d replicas' ranges: reduce-scatter).
+/// Stage (replica r) -> its own optimizer shard (rank r of that stage, same process):
+/// chunk `chunk`'s whole grad buffer, which the d shards of the stage reduce-scatter
+/// through their communicator (the stage leaves the buffer alone until its parameters
+/// come back).
 struct grad_shard {
   std::int64_t step = 0;
   std::int32_t chunk = 0;
@@ -32,7 +35,8 @@ struct clip_factor_msg {
   double factor = 1;
 };
 
-/// Shard -> every replica's stage: updated parameters of its range of chunk `chunk`.
+/// Shard -> its own stage: chunk `chunk`'s whole parameter buffer after the all-gather
+/// of the updated ranges of all shards.
 struct param_shard {
   std::int64_t step = 0;
   std::int32_t chunk = 0;
@@ -40,6 +44,19 @@ struct param_shard {
   tensor_payload data;
 };
 
+/// A collective of the shard's communicator completed (sent by the transport's completion
+/// callback to the shard itself). `error` is empty on success.
+struct collective_done {
+  std::int64_t step = 0;
+  std::int32_t kind = 0;  ///< transport::collective
+  std::int32_t chunk = 0;
+  std::string error;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, collective_done& x) {
+  return f(caf::meta::type_name("collective_done"), x.step, x.kind, x.chunk, x.error);
+}
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, grad_shard& x) {
   return f(caf::meta::type_name("grad_shard"), x.step, x.chunk, x.replica, x.data);

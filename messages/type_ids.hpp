@@ -36,6 +36,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (troupe::grad_norm_partial))
   CAF_ADD_TYPE_ID(troupe, (troupe::clip_factor_msg))
   CAF_ADD_TYPE_ID(troupe, (troupe::param_shard))
+  CAF_ADD_TYPE_ID(troupe, (troupe::collective_done))
 
   // Atoms (at most 10 characters).
   CAF_ADD_ATOM(troupe, troupe, run_atom, "run")
