@@ -27,7 +27,7 @@ struct coordinator_state {
   std::shared_ptr<job_wiring> wiring;
   actor_run_options opts;
   std::shared_ptr<actor_run_result> result;
-  caf::actor supervisor;
+  std::vector<caf::actor> supervisors;  // one per node
   caf::response_promise done;
   bool finished = false;
   lr_schedule lrs;
@@ -63,14 +63,14 @@ void finish(self_ptr self, int code, const std::string& error) {
     spdlog::info("trace written to {}", s.opts.trace_path);
   }
   s.done.deliver(code);
-  self->send_exit(s.supervisor, caf::exit_reason::user_shutdown);
+  for (auto& sup : s.supervisors) self->send_exit(sup, caf::exit_reason::user_shutdown);
   self->quit();
 }
 
 void fail(self_ptr self, const std::string& why) {
   auto& s = self->state;
   if (s.finished) return;
-  self->send(s.supervisor, abort_step{s.step, why});
+  for (auto& sup : s.supervisors) self->send(sup, abort_step{s.step, why});
   finish(self, 1, "step " + std::to_string(s.step) + " aborted: " + why);
 }
 
@@ -203,17 +203,22 @@ void commit(self_ptr self) {
                       {"stage_busy_s", timing.busy_s},
                       {"stage_idle_s", timing.idle_s},
                       {"peak_in_flight", s.peaks}};
-  // Reset: the supervisor drops every actor's per-step state and reports leftovers.
-  self->request(s.supervisor, reset_check_timeout, check_atom_v, reset_step{s.step})
-      .then(
-          [=](const std::vector<reset_report>& reports) {
-            if (reports.empty()) return after_reset(self, line);
-            std::string msg = "per-step state left after reset:";
-            for (const auto& r : reports)
-              for (const auto& l : r.leftovers) msg += " " + r.actor + ": " + l + ";";
-            fail(self, msg);
-          },
-          [=](caf::error& err) { fail(self, "reset check failed: " + self->system().render(err)); });
+  // Reset: the supervisors drop every actor's per-step state and report leftovers.
+  auto reports = std::make_shared<std::vector<reset_report>>();
+  auto pending = std::make_shared<std::size_t>(s.supervisors.size());
+  for (auto& sup : s.supervisors)
+    self->request(sup, reset_check_timeout, check_atom_v, reset_step{s.step})
+        .then(
+            [=](const std::vector<reset_report>& mine) {
+              reports->insert(reports->end(), mine.begin(), mine.end());
+              if (--*pending > 0) return;
+              if (reports->empty()) return after_reset(self, line);
+              std::string msg = "per-step state left after reset:";
+              for (const auto& r : *reports)
+                for (const auto& l : r.leftovers) msg += " " + r.actor + ": " + l + ";";
+              fail(self, msg);
+            },
+            [=](caf::error& err) { fail(self, "reset check failed: " + self->system().render(err)); });
 }
 
 void maybe_commit(self_ptr self) {
@@ -239,7 +244,7 @@ void begin(self_ptr self) {
   if (!s.opts.plant_leftover.empty()) {
     int r = -1, k = -1, st = -1;
     if (std::sscanf(s.opts.plant_leftover.c_str(), "%d:%d:%d", &r, &k, &st) == 3 && st == s.step)
-      self->send(s.supervisor, plant_atom_v, r, k);
+      self->send(s.supervisors.front(), plant_atom_v, r, k);
   }
   const begin_step msg{s.step, s.stats.lr};
   for (const auto& row : s.wiring->shards)
@@ -251,9 +256,55 @@ void begin(self_ptr self) {
 }
 
 
+/// Builds the job's wiring from every supervisor's node_actors and sends it to all of
+/// them; then starts the first step (or ends at once when nothing is left to run).
+void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nodes) {
+  auto& s = self->state;
+  const auto& ctx = *s.ctx;
+  wiring_msg w;
+  w.coordinator = caf::actor_cast<caf::actor>(self);
+  w.stages.resize(std::size_t(ctx.d) * ctx.p);
+  w.shards.resize(std::size_t(ctx.p) * ctx.d);
+  w.loaders.resize(ctx.d);
+  for (const auto& n : *nodes) {
+    const int local = n.replica_end - n.replica_begin;
+    for (int i = 0; i < local; ++i) {
+      const int r = n.replica_begin + i;
+      w.loaders[r] = n.loaders.at(i);
+      for (int k = 0; k < ctx.p; ++k) {
+        w.stages[std::size_t(r) * ctx.p + k] = n.stages.at(std::size_t(i) * ctx.p + k);
+        w.shards[std::size_t(k) * ctx.d + r] = n.shards.at(std::size_t(k) * local + i);
+      }
+    }
+  }
+  for (std::size_t i = 0; i < w.stages.size(); ++i)
+    if (!w.stages[i] || !w.shards[i]) return fail(self, "the nodes do not cover every replica");
+  s.wiring->coordinator = w.coordinator;
+  s.wiring->stages.assign(ctx.d, {});
+  s.wiring->shards.assign(ctx.p, {});
+  for (int r = 0; r < ctx.d; ++r)
+    s.wiring->stages[r].assign(w.stages.begin() + std::size_t(r) * ctx.p, w.stages.begin() + std::size_t(r + 1) * ctx.p);
+  for (int k = 0; k < ctx.p; ++k)
+    s.wiring->shards[k].assign(w.shards.begin() + std::size_t(k) * ctx.d, w.shards.begin() + std::size_t(k + 1) * ctx.d);
+  s.wiring->loaders = w.loaders;
+  auto pending = std::make_shared<std::size_t>(s.supervisors.size());
+  for (auto& sup : s.supervisors)
+    self->request(sup, std::chrono::seconds(60), w)
+        .then(
+            [=](bool) {
+              if (--*pending > 0) return;
+              if (self->state.step < self->state.ctx->cfg.steps) return begin(self);
+              fetch_state(self, [=](state_dict state) {  // nothing left to run
+                self->state.result->final_state = std::move(state);
+                finish(self, 0, "");
+              });
+            },
+            [=](caf::error& err) { fail(self, "a supervisor was not wired: " + self->system().render(err)); });
+}
+
 caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_context> ctx,
                                    std::shared_ptr<job_wiring> wiring, actor_run_options opts,
-                                   std::shared_ptr<actor_run_result> result) {
+                                   std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
@@ -265,10 +316,16 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
     if (!st.metrics) throw std::runtime_error("cannot open metrics file " + ctx->cfg.metrics);
   }
   wiring->coordinator = caf::actor_cast<caf::actor>(self);
-  st.supervisor = self->spawn<caf::monitored>(supervisor_actor, ctx, wiring);
+  if (supervisors.empty())  // one process: this node's supervisor hosts every replica
+    supervisors.push_back(self->spawn(supervisor_actor, ctx, wiring, local_node_plan(*ctx)));
+  st.supervisors = supervisors;
+  for (auto& sup : st.supervisors) self->monitor(sup);  // remote ones: the node's connection
   self->set_down_handler([=](const caf::down_msg& msg) {
-    if (msg.source == self->state.supervisor.address())
-      fail(self, "the supervisor died: " + self->system().render(msg.reason));
+    const auto& sups = self->state.supervisors;
+    for (std::size_t i = 0; i < sups.size(); ++i)
+      if (msg.source == sups[i].address())
+        fail(self, (sups.size() == 1 ? std::string("the supervisor") : "node " + std::to_string(i)) +
+                       " is gone: " + self->system().render(msg.reason));
   });
   return {
       [=](run_atom) {
@@ -276,16 +333,15 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         s.done = self->make_response_promise();
         s.step = s.ctx->start_step;
         if (s.step > 0) spdlog::info("resumed from {} at step {}", s.ctx->cfg.load, s.step);
-        self->request(s.supervisor, std::chrono::seconds(60), run_atom_v)
-            .then(
-                [=](bool) {
-                  if (self->state.step < self->state.ctx->cfg.steps) return begin(self);
-                  fetch_state(self, [=](state_dict state) {  // nothing left to run
-                    self->state.result->final_state = std::move(state);
-                    finish(self, 0, "");
-                  });
-                },
-                  [=](caf::error& err) { fail(self, "the supervisor did not start: " + self->system().render(err)); });
+        auto nodes = std::make_shared<std::vector<node_actors>>();
+        for (auto& sup : s.supervisors)
+          self->request(sup, std::chrono::seconds(60), run_atom_v)
+              .then(
+                  [=](const node_actors& n) {
+                    nodes->push_back(n);
+                    if (nodes->size() == self->state.supervisors.size()) wire_and_start(self, nodes);
+                  },
+                  [=](caf::error& err) { fail(self, "a supervisor did not start: " + self->system().render(err)); });
         return s.done;
       },
       [=](const loss_report& msg) {
@@ -339,8 +395,9 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
 
 caf::actor spawn_coordinator_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
                                    std::shared_ptr<job_wiring> wiring, actor_run_options opts,
-                                   std::shared_ptr<actor_run_result> result) {
-  return sys.spawn(coordinator_behavior, std::move(ctx), std::move(wiring), std::move(opts), std::move(result));
+                                   std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors) {
+  return sys.spawn(coordinator_behavior, std::move(ctx), std::move(wiring), std::move(opts), std::move(result),
+                   std::move(supervisors));
 }
 
 }  // namespace troupe

@@ -1,7 +1,8 @@
 #pragma once
 // coordinator_actor: drives training step by step and ends the run.
 //
-//   run --> spawn supervisor --> begin_step(s) --> collect losses, partial norms
+//   run --> supervisors (one per node) report their actors --> wiring to every
+//        supervisor --> begin_step(s) --> collect losses, partial norms
 //        --> clip_factor --> collect stage_done / shard_done --> commit(s): metrics,
 //        progress --> supervisor resets and checks every actor --> [evaluate, save]
 //        --> begin_step(s+1) ... --> final state --> reply exit code
@@ -17,8 +18,11 @@
 namespace troupe {
 
 /// Spawns the coordinator; send it `run_atom` to train; it answers with the exit code.
+/// `supervisors`: one per node (remote ones through the middleman); empty: the
+/// coordinator spawns one supervisor hosting the whole job in this process.
 caf::actor spawn_coordinator_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
                                    std::shared_ptr<job_wiring> wiring, actor_run_options opts,
-                                   std::shared_ptr<actor_run_result> result);
+                                   std::shared_ptr<actor_run_result> result,
+                                   std::vector<caf::actor> supervisors = {});
 
 }  // namespace troupe

@@ -16,27 +16,37 @@ namespace {
 constexpr auto reset_timeout = std::chrono::seconds(30);
 }
 
+node_plan local_node_plan(const runtime_context& ctx) {
+  node_plan plan{0, ctx.d, {}};
+  for (int k = 0; k < ctx.p; ++k) plan.comms.push_back(transport::make_local_group(ctx.d));
+  return plan;
+}
+
 caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<const runtime_context> ctx,
-                               std::shared_ptr<job_wiring> wiring) {
+                               std::shared_ptr<job_wiring> wiring, node_plan plan) {
   auto children = std::make_shared<std::vector<std::pair<caf::actor, std::string>>>();
   auto add = [&](caf::actor a, std::string name) {
     children->emplace_back(a, std::move(name));
     return a;
   };
-  wiring->stages.assign(ctx->d, {});
-  wiring->shards.assign(ctx->p, {});
-  for (int k = 0; k < ctx->p; ++k) {
-    auto group = transport::make_local_group(ctx->d);  // the stage's d shards, in this process
-    for (int r = 0; r < ctx->d; ++r)
-      wiring->shards[k].push_back(add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, group[r]),
-                                      "shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) + "]"));
-  }
-  for (int r = 0; r < ctx->d; ++r)
+  // The wiring covers the whole job; entries of other nodes arrive with wiring_msg.
+  wiring->stages.assign(ctx->d, std::vector<caf::actor>(ctx->p));
+  wiring->shards.assign(ctx->p, std::vector<caf::actor>(ctx->d));
+  wiring->loaders.assign(ctx->d, caf::actor());
+  node_actors mine{plan.replica_begin, plan.replica_end, {}, {}, {}};
+  for (int k = 0; k < ctx->p; ++k)
+    for (int r = plan.replica_begin; r < plan.replica_end; ++r)
+      mine.shards.push_back(wiring->shards[k][r] = add(
+                                spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan.comms.at(k).at(r - plan.replica_begin)),
+                                "shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) + "]"));
+  for (int r = plan.replica_begin; r < plan.replica_end; ++r)
     for (int k = 0; k < ctx->p; ++k)
-      wiring->stages[r].push_back(add(spawn_stage_actor(self, ctx, wiring, r, k), ctx->stage_name(r, k)));
-  for (int r = 0; r < ctx->d; ++r)
-    wiring->loaders.push_back(add(spawn_data_loader_actor(self, ctx, wiring, r), "loader[replica " + std::to_string(r) + "]"));
-  spdlog::debug("supervisor: spawned {} actors", children->size());
+      mine.stages.push_back(wiring->stages[r][k] = add(spawn_stage_actor(self, ctx, wiring, r, k), ctx->stage_name(r, k)));
+  for (int r = plan.replica_begin; r < plan.replica_end; ++r)
+    mine.loaders.push_back(wiring->loaders[r] = add(spawn_data_loader_actor(self, ctx, wiring, r),
+                                                    "loader[replica " + std::to_string(r) + "]"));
+  spdlog::debug("supervisor: spawned {} actors for replicas [{}, {})", children->size(), plan.replica_begin,
+                plan.replica_end);
 
   auto name_of = [children](const caf::actor_addr& a) {
     for (auto& [h, n] : *children)
@@ -54,7 +64,19 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
     self->quit(msg.reason);
   });
   return {
-      [=](run_atom) { return true; },  // spawned and wired
+      [=](run_atom) { return mine; },  // spawned: here are the handles
+      [=](const wiring_msg& msg) {
+        // Before the first step, while no actor reads the wiring.
+        wiring->coordinator = msg.coordinator;
+        for (int r = 0; r < ctx->d; ++r) {
+          wiring->loaders[r] = msg.loaders.at(r);
+          for (int k = 0; k < ctx->p; ++k) {
+            wiring->stages[r][k] = msg.stages.at(std::size_t(r) * ctx->p + k);
+            wiring->shards[k][r] = msg.shards.at(std::size_t(k) * ctx->d + r);
+          }
+        }
+        return true;
+      },
       [=](check_atom, const reset_step& msg) {
         // Reset every actor and collect what each still held.
         auto rp = self->make_response_promise<std::vector<reset_report>>();

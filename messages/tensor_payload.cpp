@@ -2,6 +2,7 @@
 
 #include <zlib.h>
 
+#include <cstring>
 #include <sstream>
 
 namespace troupe {
@@ -30,6 +31,21 @@ tensor_payload make_payload(const torch::Tensor& t, bool with_checksum) {
     p.has_checksum = true;
   }
   return p;
+}
+
+std::vector<char> bytes_of(const torch::Tensor& t) {
+  auto c = t.contiguous();
+  const auto* p = static_cast<const char*>(c.data_ptr());
+  return std::vector<char>(p, p + c.numel() * c.element_size());
+}
+
+torch::Tensor tensor_from_bytes(const std::vector<char>& bytes, std::int8_t dtype, const std::vector<std::int64_t>& shape) {
+  auto t = torch::empty(shape, torch::TensorOptions().dtype(static_cast<torch::ScalarType>(dtype)));
+  if (std::size_t(t.numel() * t.element_size()) != bytes.size())
+    throw std::runtime_error("tensor payload: " + std::to_string(bytes.size()) + " bytes for shape of " +
+                             std::to_string(t.numel()) + " elements");
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
 }
 
 std::string check_payload(const tensor_payload& p, c10::IntArrayRef expected_shape,

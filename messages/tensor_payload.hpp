@@ -1,13 +1,18 @@
 #pragma once
 // A tensor travelling beside a message: dtype, shape, and the data as an in-process
-// hand-off (the tensor itself, no copy). Bytes never go through CAF serialisation:
-// between processes a transport handle will take the place of `local` (transport/).
+// hand-off (the tensor itself, no copy). Training-step tensors never leave their process
+// in a message: across processes they move through transport/ (the shards'
+// collectives). Only the coordinator's state gathers (evaluation, checkpoints) carry
+// tensors from other nodes: CAF's serializer then writes the bytes after the metadata.
 // An optional CRC-32 of the bytes lets the receiver detect corruption.
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include <caf/deserializer.hpp>
+#include <caf/meta/load_callback.hpp>
 #include <caf/meta/type_name.hpp>
+#include <caf/serializer.hpp>
 #include <torch/types.h>
 
 namespace troupe {
@@ -33,10 +38,29 @@ inline const torch::Tensor& tensor_of(const tensor_payload& p) { return p.local;
 
 std::uint32_t crc32_of(const torch::Tensor& t);
 
-/// Metadata only: a local tensor cannot cross a process boundary.
+/// The bytes of `t` (serialisation between nodes).
+std::vector<char> bytes_of(const torch::Tensor& t);
+/// A tensor of `dtype` and `shape` from `bytes`; throws if the sizes disagree.
+torch::Tensor tensor_from_bytes(const std::vector<char>& bytes, std::int8_t dtype, const std::vector<std::int64_t>& shape);
+
+/// Metadata, and the bytes only for CAF's (de)serializer (between nodes); printing a
+/// message never shows tensor bytes.
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, tensor_payload& x) {
-  return f(caf::meta::type_name("tensor_payload"), x.dtype, x.shape, x.checksum, x.has_checksum);
+  constexpr bool wire = std::is_base_of<caf::serializer, Inspector>::value ||
+                        std::is_base_of<caf::deserializer, Inspector>::value;
+  if constexpr (!wire) {
+    return f(caf::meta::type_name("tensor_payload"), x.dtype, x.shape, x.checksum, x.has_checksum);
+  } else {
+    std::vector<char> bytes;
+    if constexpr (Inspector::reads_state)
+      if (x.local.defined()) bytes = bytes_of(x.local);
+    auto load = caf::meta::load_callback([&]() -> caf::error {
+      if (!bytes.empty()) x.local = tensor_from_bytes(bytes, x.dtype, x.shape);
+      return caf::none;
+    });
+    return f(caf::meta::type_name("tensor_payload"), x.dtype, x.shape, x.checksum, x.has_checksum, bytes, load);
+  }
 }
 
 }  // namespace troupe

@@ -6,6 +6,7 @@
 
 #include <caf/type_id.hpp>
 
+#include "messages/node_messages.hpp"
 #include "messages/optimizer_messages.hpp"
 #include "messages/pipeline_messages.hpp"
 #include "messages/step_messages.hpp"
@@ -37,6 +38,11 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (troupe::clip_factor_msg))
   CAF_ADD_TYPE_ID(troupe, (troupe::param_shard))
   CAF_ADD_TYPE_ID(troupe, (troupe::collective_done))
+  CAF_ADD_TYPE_ID(troupe, (troupe::node_hello))
+  CAF_ADD_TYPE_ID(troupe, (troupe::node_addresses))
+  CAF_ADD_TYPE_ID(troupe, (troupe::node_ready))
+  CAF_ADD_TYPE_ID(troupe, (troupe::node_actors))
+  CAF_ADD_TYPE_ID(troupe, (troupe::wiring_msg))
 
   // Atoms (at most 10 characters).
   CAF_ADD_ATOM(troupe, troupe, run_atom, "run")

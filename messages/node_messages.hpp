@@ -1,0 +1,79 @@
+#pragma once
+// Joining a job and wiring it across nodes (one actor system per node process).
+//
+//   node --node_hello{version, token}--> registrar (node 0): the job's config as TOML, or
+//        an error (wrong token or protocol version: refused and logged)
+//   node --node_addresses--> registrar: UCX worker addresses of the node's optimizer
+//        shards; answered with every node's (the table) once all nodes sent theirs
+//   node --node_ready{supervisor}--> registrar; the coordinator then asks every
+//        supervisor for its actors (node_actors) and sends every supervisor the whole
+//        job's handles (wiring_msg) before the first step.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <caf/actor.hpp>
+#include <caf/meta/type_name.hpp>
+
+namespace troupe {
+
+/// Bumped whenever a message of the job changes: nodes of other versions are refused.
+constexpr std::int32_t protocol_version = 1;
+
+struct node_hello {
+  std::int32_t version = 0;
+  std::string token;
+  std::int32_t node = 0;
+  std::int32_t nodes = 0;
+  std::string host;
+};
+
+/// UCX worker addresses of shards (stage, replica) hosted by one node, or, as the
+/// registrar's answer, of every shard of the job.
+struct node_addresses {
+  std::int32_t node = 0;
+  std::vector<std::int32_t> stages, replicas;
+  std::vector<std::string> addresses;
+};
+
+struct node_ready {
+  std::int32_t node = 0;
+  caf::actor supervisor;
+};
+
+/// Supervisor -> coordinator: the actors it spawned for replicas [replica_begin,
+/// replica_end): stages replica-major, shards stage-major, one loader per replica.
+struct node_actors {
+  std::int32_t replica_begin = 0, replica_end = 0;
+  std::vector<caf::actor> stages, shards, loaders;
+};
+
+/// Coordinator -> supervisors: every actor of the job (stages [replica][stage] and
+/// shards [stage][rank] flattened row-major, loaders by replica).
+struct wiring_msg {
+  caf::actor coordinator;
+  std::vector<caf::actor> stages, shards, loaders;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
+  return f(caf::meta::type_name("node_hello"), x.version, x.token, x.node, x.nodes, x.host);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, node_addresses& x) {
+  return f(caf::meta::type_name("node_addresses"), x.node, x.stages, x.replicas, x.addresses);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, node_ready& x) {
+  return f(caf::meta::type_name("node_ready"), x.node, x.supervisor);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, node_actors& x) {
+  return f(caf::meta::type_name("node_actors"), x.replica_begin, x.replica_end, x.stages, x.shards, x.loaders);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, wiring_msg& x) {
+  return f(caf::meta::type_name("wiring_msg"), x.coordinator, x.stages, x.shards, x.loaders);
+}
+
+}  // namespace troupe
