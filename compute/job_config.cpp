@@ -277,6 +277,31 @@ std::string job_config::to_toml() const {
   return out;
 }
 
+namespace {
+
+job_config from_settings(const std::vector<std::pair<std::string, std::string>>& from_file, const std::string& origin,
+                         const std::vector<std::pair<std::string, std::string>>& overrides) {
+  std::string workload = "gpt-tiny";
+  for (const auto& [k, v] : from_file)
+    if (find_key(k).key.name == "train.workload") workload = v;
+  for (const auto& [k, v] : overrides)
+    if (find_key(k).key.name == "train.workload") workload = v;
+  job_config c = job_config::defaults_for(workload);
+  for (const auto& [k, v] : from_file) c.set(k, v, origin);
+  for (const auto& [k, v] : overrides) c.set(k, v, "command line");
+  c.validate();
+  return c;
+}
+
+[[noreturn]] void throw_parse_error(const toml::parse_error& e, const std::string& origin) {
+  std::ostringstream msg;
+  msg << "cannot read config " << origin << ": " << e.description() << " (line " << e.source().begin.line
+      << ", column " << e.source().begin.column << ")";
+  throw config_error(msg.str());
+}
+
+}  // namespace
+
 job_config load_job_config(const std::string& toml_path,
                            const std::vector<std::pair<std::string, std::string>>& overrides) {
   std::vector<std::pair<std::string, std::string>> from_file;
@@ -285,22 +310,21 @@ job_config load_job_config(const std::string& toml_path,
       auto doc = toml::parse_file(toml_path);
       flatten(doc, "", toml_path, from_file);
     } catch (const toml::parse_error& e) {
-      std::ostringstream msg;
-      msg << "cannot read config " << toml_path << ": " << e.description() << " (line "
-          << e.source().begin.line << ", column " << e.source().begin.column << ")";
-      throw config_error(msg.str());
+      throw_parse_error(e, toml_path);
     }
   }
-  std::string workload = "gpt-tiny";
-  for (const auto& [k, v] : from_file)
-    if (find_key(k).key.name == "train.workload") workload = v;
-  for (const auto& [k, v] : overrides)
-    if (find_key(k).key.name == "train.workload") workload = v;
-  job_config c = job_config::defaults_for(workload);
-  for (const auto& [k, v] : from_file) c.set(k, v, toml_path);
-  for (const auto& [k, v] : overrides) c.set(k, v, "command line");
-  c.validate();
-  return c;
+  return from_settings(from_file, toml_path, overrides);
+}
+
+job_config job_config_from_toml(const std::string& text, const std::string& origin) {
+  std::vector<std::pair<std::string, std::string>> settings;
+  try {
+    auto doc = toml::parse(text, origin);
+    flatten(doc, "", origin, settings);
+  } catch (const toml::parse_error& e) {
+    throw_parse_error(e, origin);
+  }
+  return from_settings(settings, origin, {});
 }
 
 }  // namespace troupe

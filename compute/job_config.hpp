@@ -87,5 +87,7 @@ const std::vector<config_key>& config_keys();
 /// then `overrides` (key, value) in order; validated.
 job_config load_job_config(const std::string& toml_path,
                            const std::vector<std::pair<std::string, std::string>>& overrides);
+/// The configuration written by job_config::to_toml() (sent to the nodes of a job).
+job_config job_config_from_toml(const std::string& text, const std::string& origin);
 
 }  // namespace troupe

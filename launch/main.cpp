@@ -1,12 +1,16 @@
-// The troupe command: `troupe train` and `troupe schedule`.
+// The troupe command: `troupe train`, `troupe node` (also run as `troupe-node`: one node
+// of a multi-process job, started by launch/troupe) and `troupe schedule`.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <iostream>
 
+#include "actors/node.hpp"
 #include "actors/runtime.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/data.hpp"
@@ -54,6 +58,66 @@ void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, co
   std::printf("bubble %.4f, makespan %.1f\n", sim.bubble, sim.makespan);
 }
 
+/// One flag per configuration key on `cmd`, plus --config.
+struct config_flags {
+  std::string config_path;
+  std::deque<std::pair<CLI::Option*, std::string>> keys;  // stable addresses
+
+  void add_to(CLI::App* cmd) {
+    cmd->add_option("--config", config_path, "job config (TOML); flags override it")->check(CLI::ExistingFile);
+    for (const auto& key : troupe::config_keys()) {
+      keys.emplace_back(nullptr, "");
+      keys.back().first = cmd->add_option(key.flag(), keys.back().second, key.help + " [" + key.name + "]");
+    }
+  }
+  troupe::job_config load() const {
+    std::vector<std::pair<std::string, std::string>> overrides;
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (keys[i].first->count() > 0) overrides.emplace_back(troupe::config_keys()[i].name, keys[i].second);
+    return troupe::load_job_config(config_path, overrides);
+  }
+};
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+
+/// `troupe node`: the node's place in the job comes from the environment the launcher
+/// sets (TROUPE_NODE, TROUPE_NODES, TROUPE_COORDINATOR=host:port, TROUPE_JOB_TOKEN).
+int run_node_command(const config_flags& flags) {
+  troupe::node_options o;
+  try {
+    o.node = std::stoi(env_or("TROUPE_NODE", "0"));
+    o.nodes = std::stoi(env_or("TROUPE_NODES", "1"));
+    const auto coord = env_or("TROUPE_COORDINATOR", "127.0.0.1:0");
+    const auto colon = coord.rfind(':');
+    if (colon == std::string::npos) throw std::invalid_argument("TROUPE_COORDINATOR must be host:port");
+    o.host = coord.substr(0, colon);
+    o.port = static_cast<std::uint16_t>(std::stoi(coord.substr(colon + 1)));
+  } catch (const std::exception& e) {
+    return fail(exit_usage, std::string("bad node environment: ") + e.what());
+  }
+  o.token = env_or("TROUPE_JOB_TOKEN", "");
+  if (o.token.empty()) return fail(exit_usage, "TROUPE_JOB_TOKEN is not set (the launcher sets it: launch/troupe train --nodes N)");
+  if (o.node == 0) {
+    try {
+      o.cfg = flags.load();
+    } catch (const troupe::config_error& e) {
+      return fail(exit_usage, e.what());
+    }
+  }
+  try {
+    const auto result = troupe::run_node(o);
+    if (result.exit_code != 0) return fail(result.exit_code, result.error);
+    return 0;
+  } catch (const troupe::config_error& e) {
+    return fail(exit_usage, e.what());
+  } catch (const std::exception& e) {
+    return fail(1, e.what());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -66,13 +130,13 @@ int main(int argc, char** argv) {
 
   // troupe train
   auto* train = app.add_subcommand("train", "train a model (default: gpt-tiny on fortunes)");
-  std::string config_path;
-  train->add_option("--config", config_path, "job config (TOML); flags override it")->check(CLI::ExistingFile);
-  std::deque<std::pair<CLI::Option*, std::string>> key_options;  // stable addresses
-  for (const auto& key : troupe::config_keys()) {
-    key_options.emplace_back(nullptr, "");
-    key_options.back().first = train->add_option(key.flag(), key_options.back().second, key.help + " [" + key.name + "]");
-  }
+  config_flags train_flags;
+  train_flags.add_to(train);
+
+  // troupe node (troupe-node)
+  auto* node = app.add_subcommand("node", "one node of a multi-process job (started by launch/troupe train --nodes N)");
+  config_flags node_flags;
+  node_flags.add_to(node);
 
   // troupe schedule
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");
@@ -87,8 +151,14 @@ int main(int argc, char** argv) {
   sched->add_option("--forward-cost", f_cost, "simulated cost of one forward");
   sched->add_option("--backward-cost", b_cost, "simulated cost of one backward");
 
+  // Run as `troupe-node`: the node subcommand.
+  std::vector<std::string> args(argv + 1, argv + argc);
+  const std::string self_name = argv[0];
+  if (self_name.size() >= 11 && self_name.compare(self_name.size() - 11, 11, "troupe-node") == 0)
+    args.insert(args.begin(), "node");
+  std::reverse(args.begin(), args.end());  // CLI11 takes them in reverse order
   try {
-    app.parse(argc, argv);
+    app.parse(args);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
@@ -105,13 +175,11 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (*node) return run_node_command(node_flags);
+
   troupe::job_config cfg;
   try {
-    std::vector<std::pair<std::string, std::string>> overrides;
-    for (std::size_t i = 0; i < key_options.size(); ++i)
-      if (key_options[i].first->count() > 0)
-        overrides.emplace_back(troupe::config_keys()[i].name, key_options[i].second);
-    cfg = troupe::load_job_config(config_path, overrides);
+    cfg = train_flags.load();
   } catch (const troupe::config_error& e) {
     return fail(exit_usage, e.what());
   }

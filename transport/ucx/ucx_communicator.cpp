@@ -43,7 +43,10 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
   ucx_comm(int rank, int size, ucx_options opts) : rank_(rank), size_(size), opts_(opts) {}
   ~ucx_comm() override { shutdown(); }
 
-  void start(const address_exchange& exchange);
+  /// Phase 1: context, worker, own address.
+  std::string init();
+  /// Phase 2: endpoints to every rank, progress and collective threads.
+  void connect(const std::vector<std::string>& all);
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -184,7 +187,7 @@ void ucx_comm::peer_failed(int peer, ucs_status_t status) {
     if (op->request) ucp_request_cancel(worker_, op->request);
 }
 
-void ucx_comm::start(const address_exchange& exchange) {
+std::string ucx_comm::init() {
   if (size_ < 1 || size_ > max_ranks || rank_ < 0 || rank_ >= size_)
     throw std::invalid_argument("ucx communicator: rank " + std::to_string(rank_) + " of " + std::to_string(size_));
   ucp_config_t* config = nullptr;
@@ -204,8 +207,10 @@ void ucx_comm::start(const address_exchange& exchange) {
   check_status(ucp_worker_get_address(worker_, &addr, &len), "ucp_worker_get_address");
   const std::string mine(reinterpret_cast<const char*>(addr), len);
   ucp_worker_release_address(worker_, addr);
+  return mine;
+}
 
-  const auto all = exchange(mine);
+void ucx_comm::connect(const std::vector<std::string>& all) {
   if (int(all.size()) != size_)
     throw transport_error("address exchange returned " + std::to_string(all.size()) + " addresses for " +
                           std::to_string(size_) + " ranks");
@@ -549,11 +554,33 @@ void ucx_comm::shutdown() {
 
 }  // namespace
 
+namespace {
+class pending_impl : public ucx_pending {
+ public:
+  pending_impl(int rank, int size, ucx_options opts) : comm_(std::make_shared<ucx_comm>(rank, size, opts)) {
+    address_ = comm_->init();
+  }
+  const std::string& address() const override { return address_; }
+  std::shared_ptr<communicator> connect(const std::vector<std::string>& addresses) override {
+    if (!comm_) throw std::logic_error("ucx_pending::connect called twice");
+    comm_->connect(addresses);
+    return std::move(comm_);
+  }
+
+ private:
+  std::shared_ptr<ucx_comm> comm_;
+  std::string address_;
+};
+}  // namespace
+
+std::unique_ptr<ucx_pending> prepare_ucx_communicator(int rank, int size, ucx_options opts) {
+  return std::make_unique<pending_impl>(rank, size, opts);
+}
+
 std::shared_ptr<communicator> make_ucx_communicator(int rank, int size, const address_exchange& exchange,
                                                     ucx_options opts) {
-  auto c = std::make_shared<ucx_comm>(rank, size, opts);
-  c->start(exchange);
-  return c;
+  auto pending = prepare_ucx_communicator(rank, size, opts);
+  return pending->connect(exchange(pending->address()));
 }
 
 address_exchange folder_exchange(std::string dir, int rank, int size, std::chrono::milliseconds timeout) {

@@ -34,6 +34,17 @@ struct ucx_options {
 /// addresses, supplied by the caller (the actors' control plane, or a rendezvous folder).
 using address_exchange = std::function<std::vector<std::string>(const std::string& mine)>;
 
+/// A communicator in two phases, for callers whose address exchange is asynchronous (the
+/// actors' control plane): make the worker, publish `address()`, then `connect()` with
+/// every rank's address in rank order.
+class ucx_pending {
+ public:
+  virtual ~ucx_pending() = default;
+  virtual const std::string& address() const = 0;
+  virtual std::shared_ptr<communicator> connect(const std::vector<std::string>& addresses) = 0;
+};
+std::unique_ptr<ucx_pending> prepare_ucx_communicator(int rank, int size, ucx_options opts = {});
+
 /// Creates rank `rank` of `size`: makes a UCX worker, exchanges addresses, connects.
 std::shared_ptr<communicator> make_ucx_communicator(int rank, int size, const address_exchange& exchange,
                                                     ucx_options opts = {});

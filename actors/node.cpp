@@ -1,0 +1,292 @@
+#include "actors/node.hpp"
+
+#include <unistd.h>
+
+#include <set>
+#include <thread>
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+#include <torch/torch.h>
+
+#include "actors/coordinator_actor.hpp"
+#include "actors/supervisor_actor.hpp"
+#include "compute/trainer.hpp"
+#include "messages/type_ids.hpp"
+#include "transport/ucx/ucx_communicator.hpp"
+
+namespace troupe {
+
+std::pair<int, int> node_replicas(int d, int node, int nodes) {
+  if (nodes < 1 || d % nodes != 0)
+    throw config_error(std::to_string(nodes) + " nodes need data_parallel (" + std::to_string(d) +
+                       ") divisible by the node count: each node hosts whole replicas");
+  return {node * d / nodes, (node + 1) * d / nodes};
+}
+
+namespace {
+
+using namespace std::chrono_literals;
+
+// --- the registrar (node 0): admits nodes, exchanges addresses, collects supervisors ---
+
+struct registrar_state {
+  std::string token, config_toml;
+  int nodes = 0;
+  std::set<int> joined;
+  node_addresses table;
+  std::set<int> sent_addresses;
+  std::vector<caf::response_promise> table_waiters;
+  std::vector<caf::actor> supervisors;
+  int ready = 0;
+  std::vector<caf::response_promise> run_waiters;
+};
+
+caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string token, int nodes,
+                        std::string config_toml) {
+  self->state.token = std::move(token);
+  self->state.nodes = nodes;
+  self->state.config_toml = std::move(config_toml);
+  self->state.supervisors.resize(nodes);
+  return {
+      [=](const node_hello& h) -> caf::result<std::string> {
+        auto& s = self->state;
+        std::string why;
+        if (h.version != protocol_version)
+          why = "protocol version " + std::to_string(h.version) + ", this job speaks " + std::to_string(protocol_version);
+        else if (h.token != s.token)
+          why = "wrong job token";
+        else if (h.nodes != s.nodes || h.node < 0 || h.node >= s.nodes)
+          why = "node " + std::to_string(h.node) + " of " + std::to_string(h.nodes) + " does not fit a job of " +
+                std::to_string(s.nodes) + " nodes";
+        else if (s.joined.count(h.node))
+          why = "node " + std::to_string(h.node) + " has already joined";
+        if (!why.empty()) {
+          spdlog::warn("refused a node claiming to be node {} from {}: {}", h.node, h.host, why);
+          return caf::make_error(caf::sec::runtime_error, "join refused: " + why);
+        }
+        s.joined.insert(h.node);
+        spdlog::info("node {} of {} joined from {}", h.node, s.nodes, h.host);
+        return s.config_toml;
+      },
+      [=](const node_addresses& a) -> caf::result<node_addresses> {
+        auto& s = self->state;
+        if (!s.joined.count(a.node) || s.sent_addresses.count(a.node))
+          return caf::make_error(caf::sec::runtime_error, "addresses from a node that has not joined");
+        s.sent_addresses.insert(a.node);
+        s.table.stages.insert(s.table.stages.end(), a.stages.begin(), a.stages.end());
+        s.table.replicas.insert(s.table.replicas.end(), a.replicas.begin(), a.replicas.end());
+        s.table.addresses.insert(s.table.addresses.end(), a.addresses.begin(), a.addresses.end());
+        auto rp = self->make_response_promise<node_addresses>();
+        s.table_waiters.push_back(rp);
+        if (int(s.sent_addresses.size()) == s.nodes)
+          for (auto& w : s.table_waiters) w.deliver(s.table);
+        return rp;
+      },
+      [=](const node_ready& r) -> caf::result<bool> {
+        auto& s = self->state;
+        if (!s.joined.count(r.node) || s.supervisors.at(r.node))
+          return caf::make_error(caf::sec::runtime_error, "ready from a node that has not joined");
+        s.supervisors[r.node] = r.supervisor;
+        if (++s.ready == s.nodes)
+          for (auto& w : s.run_waiters) w.deliver(s.supervisors);
+        return true;
+      },
+      [=](run_atom) -> caf::result<std::vector<caf::actor>> {
+        auto& s = self->state;
+        if (s.ready == s.nodes) return s.supervisors;
+        auto rp = self->make_response_promise<std::vector<caf::actor>>();
+        s.run_waiters.push_back(rp);
+        return rp;
+      },
+  };
+}
+
+std::string hostname() {
+  char buf[256] = {0};
+  ::gethostname(buf, sizeof buf - 1);
+  return buf;
+}
+
+struct node_failure : std::runtime_error {
+  node_failure(int code, const std::string& what) : std::runtime_error(what), code(code) {}
+  int code;
+};
+
+/// Blocking request from the node's main thread.
+template <class Reply, class Msg>
+Reply ask(caf::scoped_actor& self, const caf::actor& dest, std::chrono::milliseconds timeout, Msg&& msg,
+          const std::string& what, int code = 1) {
+  Reply out{};
+  bool ok = false;
+  std::string err;
+  self->request(dest, timeout, std::forward<Msg>(msg))
+      .receive(
+          [&](Reply& r) {
+            out = std::move(r);
+            ok = true;
+          },
+          [&](caf::error& e) { err = self->system().render(e); });
+  if (!ok) throw node_failure(code, what + ": " + err);
+  return out;
+}
+
+caf::actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
+  const auto deadline = std::chrono::steady_clock::now() + o.join_timeout;
+  std::string last;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto r = sys.middleman().remote_actor(o.host, o.port);
+    if (r) return *r;
+    last = sys.render(r.error());
+    std::this_thread::sleep_for(200ms);
+  }
+  throw node_failure(1, "node " + std::to_string(o.node) + ": cannot reach the coordinator at " + o.host + ":" +
+                            std::to_string(o.port) + " within " + std::to_string(o.join_timeout.count() / 1000) +
+                            " s (" + last + ")");
+}
+
+}  // namespace
+
+actor_run_result run_node(const node_options& o) {
+  actor_run_result result;
+  const int caller_threads = torch::get_num_threads();
+  torch::set_num_threads(1);  // only stage actors use intra-op threads (see runtime.cpp)
+  struct restore_threads {
+    int n;
+    ~restore_threads() { torch::set_num_threads(n); }
+  } restore{caller_threads};
+  auto wiring = std::make_shared<job_wiring>();
+  auto shared_result = std::make_shared<actor_run_result>();
+  {
+    caf::actor_system_config acfg;
+    acfg.load<caf::io::middleman>();
+    acfg.add_message_types<caf::id_block::troupe>();
+    acfg.set("scheduler.policy", caf::atom("sharing"));
+    acfg.set("scheduler.max-threads", std::size_t{2});
+    // CAF's failure detection is off by default: a frozen or vanished node must be noticed.
+    acfg.set("middleman.heartbeat-interval", caf::timespan{o.heartbeat});
+    acfg.set("middleman.connection-timeout", caf::timespan{o.connection_timeout});
+    caf::actor_system sys{acfg};
+    caf::actor registrar_handle, supervisor;
+    try {
+      {
+        caf::scoped_actor self{sys};
+        job_config cfg;
+        if (o.node == 0) {
+          cfg = o.cfg;
+          cfg.validate();
+          node_replicas(cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
+          training_data::check_available(cfg);
+          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml());
+          auto port = sys.middleman().publish(registrar_handle, o.port, nullptr, true);
+          if (!port)
+            throw node_failure(1, "node 0: cannot listen on port " + std::to_string(o.port) + ": " +
+                                      sys.render(port.error()));
+          spdlog::info("node 0 of {}: coordinator listening on port {}", o.nodes, *port);
+        } else {
+          registrar_handle = connect_to_registrar(sys, o);
+        }
+        const std::string where = "node " + std::to_string(o.node);
+        const auto toml = ask<std::string>(self, registrar_handle, o.join_timeout,
+                                           node_hello{o.version ? o.version : protocol_version, o.token, o.node,
+                                                      o.nodes, hostname()},
+                                           where, 3);
+        if (o.node != 0) cfg = job_config_from_toml(toml, "the coordinator's job config");
+        const auto [first, last] = node_replicas(cfg.data_parallel, o.node, o.nodes);
+        if (cfg.threads == 0)  // share this node's cores between its stage actors
+          cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) / (cfg.pipeline * (last - first)));
+        auto ctx = std::make_shared<const runtime_context>(cfg);
+        // The shards' communicators: rank r of stage k's d shards, over UCX.
+        node_addresses mine{o.node, {}, {}, {}};
+        std::vector<std::vector<std::unique_ptr<transport::ucx_pending>>> pending(ctx->p);
+        for (int k = 0; k < ctx->p; ++k)
+          for (int r = first; r < last; ++r) {
+            pending[k].push_back(transport::prepare_ucx_communicator(r, ctx->d));
+            mine.stages.push_back(k);
+            mine.replicas.push_back(r);
+            mine.addresses.push_back(pending[k].back()->address());
+          }
+        const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, mine, where + ": address exchange");
+        node_plan plan{first, last, std::vector<std::vector<std::shared_ptr<transport::communicator>>>(ctx->p)};
+        for (int k = 0; k < ctx->p; ++k) {
+          std::vector<std::string> addrs(ctx->d);
+          for (std::size_t i = 0; i < table.stages.size(); ++i)
+            if (table.stages[i] == k) addrs.at(table.replicas[i]) = table.addresses[i];
+          for (auto& p : pending[k]) plan.comms[k].push_back(p->connect(addrs));
+        }
+        supervisor = sys.spawn(supervisor_actor, ctx, wiring, std::move(plan));
+        ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, supervisor}, where + ": ready");
+        spdlog::info("{} on {} (pid {}): replicas [{}, {}) of {}, {} stage(s) each", where, hostname(), ::getpid(),
+                     first, last, ctx->d, ctx->p);
+        if (o.node == 0) {
+          const auto supervisors = ask<std::vector<caf::actor>>(self, registrar_handle, o.join_timeout, run_atom_v,
+                                                                "node 0: waiting for the other nodes");
+          if (!o.run.quiet)
+            spdlog::info("training {} for {} steps on {} nodes: pipeline {} x data-parallel {}, {} micro-batches of {} "
+                         "({}), {} intra-op thread(s) per stage",
+                         cfg.workload, cfg.steps, o.nodes, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
+                         cfg.microbatch_size(), cfg.schedule, cfg.threads);
+          auto run_opts = o.run;
+          if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;
+          auto coordinator = spawn_coordinator_actor(sys, ctx, wiring, run_opts, shared_result, supervisors);
+          for (auto& sup : supervisors) self->monitor(sup);
+          self->request(coordinator, caf::infinite, run_atom_v)
+              .receive([&](int code) { shared_result->exit_code = code; },
+                       [&](caf::error& err) {
+                         shared_result->exit_code = 1;
+                         if (shared_result->error.empty()) shared_result->error = "coordinator failed: " + sys.render(err);
+                       });
+          // The coordinator told every supervisor to stop: wait until they have (so the
+          // other nodes get the word before this process closes its connections).
+          std::size_t down = 0;
+          bool waiting = true;
+          while (waiting && down < supervisors.size())
+            self->receive([&](const caf::down_msg&) { ++down; }, caf::after(10s) >> [&] { waiting = false; });
+          result = *shared_result;
+        } else {
+          // Serve until the coordinator stops our supervisor, or node 0 is gone.
+          self->monitor(supervisor);
+          self->monitor(registrar_handle);
+          bool running = true;
+          while (running) {
+            self->receive([&](const caf::down_msg& msg) {
+              if (msg.source == supervisor.address()) {
+                running = false;
+                const bool clean = msg.reason == caf::exit_reason::user_shutdown;
+                result.exit_code = clean ? 0 : 1;
+                if (!clean) result.error = where + ": supervisor stopped: " + sys.render(msg.reason);
+              } else {
+                // Node 0 gone: a clean end reaches our supervisor first; give it a moment.
+                self->receive([&](const caf::down_msg& m2) {
+                  if (m2.source == supervisor.address() && m2.reason == caf::exit_reason::user_shutdown) running = false;
+                }, caf::after(2s) >> [] {});
+                if (running) {
+                  running = false;
+                  result.exit_code = 1;
+                  result.error = where + ": lost the coordinator (node 0): " + sys.render(msg.reason);
+                  self->send_exit(supervisor, caf::exit_reason::user_shutdown);
+                }
+              }
+            });
+          }
+        }
+      }
+    } catch (const node_failure& e) {
+      result.exit_code = e.code;
+      result.error = e.what();
+      if (supervisor) caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
+    } catch (const std::exception& e) {
+      result.exit_code = 1;
+      result.error = "node " + std::to_string(o.node) + ": " + e.what();
+      if (supervisor) caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
+    }
+    if (registrar_handle && o.node == 0) caf::anon_send_exit(registrar_handle, caf::exit_reason::user_shutdown);
+    registrar_handle = nullptr;
+    supervisor = nullptr;
+    sys.await_all_actors_done();
+    wiring->clear();
+  }
+  return result;
+}
+
+}  // namespace troupe

@@ -1,0 +1,46 @@
+#pragma once
+// One node of a multi-process job: an actor system with CAF's middleman, a supervisor for
+// the node's replicas, and on node 0 the registrar (joins) and the coordinator.
+//
+//   node 0: publish registrar on the job's port; join itself like every node; when all
+//           nodes are ready, spawn the coordinator with every node's supervisor and run.
+//   node i: connect to the registrar (retrying until the join timeout); node_hello with
+//           the job token (from the environment) and protocol version -> the job's config;
+//           UCX addresses of its shards -> the table of all; connect the shards'
+//           communicators; spawn the supervisor; node_ready; then serve until the
+//           coordinator stops the supervisor (exit 0) or node 0 is gone (exit 1).
+//
+// Layout: node i hosts whole replicas [i d / N, (i + 1) d / N) (all p stages of each, their
+// optimizer shards and loaders), so activations stay in their process and only the shards'
+// collectives (UCX) and the control messages (CAF) cross processes.
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "actors/runtime.hpp"
+
+namespace troupe {
+
+struct node_options {
+  int node = 0;
+  int nodes = 1;
+  std::string host = "127.0.0.1";  ///< node 0's address (where the registrar listens)
+  std::uint16_t port = 0;          ///< the registrar's port
+  std::string token;               ///< the job's join token (TROUPE_JOB_TOKEN)
+  std::int32_t version = 0;        ///< protocol version presented (0: this build's); tests
+  job_config cfg;                  ///< node 0: the job (other nodes receive it)
+  actor_run_options run;           ///< node 0: progress, trace
+  std::chrono::milliseconds join_timeout{60000};
+  std::chrono::milliseconds heartbeat{500};           ///< CAF middleman heartbeats
+  std::chrono::milliseconds connection_timeout{5000};  ///< a silent peer is gone after this
+};
+
+/// Runs this node until the job ends. Node 0 returns the job's result; the others return
+/// exit_code 0 when the coordinator stopped them cleanly, else 1 (with `error`), 3 when
+/// their join was refused.
+actor_run_result run_node(const node_options& opts);
+
+/// The replicas node `node` of `nodes` hosts; throws config_error when d % nodes != 0.
+std::pair<int, int> node_replicas(int d, int node, int nodes);
+
+}  // namespace troupe
