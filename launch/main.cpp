@@ -99,6 +99,7 @@ int run_node_command(const config_flags& flags) {
     return fail(exit_usage, std::string("bad node environment: ") + e.what());
   }
   o.token = env_or("TROUPE_JOB_TOKEN", "");
+  o.version = std::stoi(env_or("TROUPE_PROTOCOL_VERSION", "0"));  // tests: present another version
   if (o.token.empty()) return fail(exit_usage, "TROUPE_JOB_TOKEN is not set (the launcher sets it: launch/troupe train --nodes N)");
   if (o.node == 0) {
     try {

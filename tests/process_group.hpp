@@ -30,14 +30,19 @@ class process_group {
   /// `argv_of(i)` gives process i's arguments (argv[0] = program path); `env` entries
   /// ("NAME=value") are added to this process's environment.
   template <class ArgvOf>
-  process_group(int n, ArgvOf argv_of, const std::vector<std::string>& env, const std::string& log_dir) {
-    std::vector<std::string> envs;
-    for (char** e = environ; *e; ++e) envs.emplace_back(*e);
-    for (const auto& e : env) envs.push_back(e);
-    std::vector<char*> envp;
-    for (auto& e : envs) envp.push_back(e.data());
-    envp.push_back(nullptr);
+  process_group(int n, ArgvOf argv_of, const std::vector<std::string>& env, const std::string& log_dir)
+      : process_group(n, argv_of, [&](int) { return env; }, log_dir, 0) {}
+
+  /// The same with an environment per process: `env_of(i)`.
+  template <class ArgvOf, class EnvOf>
+  process_group(int n, ArgvOf argv_of, EnvOf env_of, const std::string& log_dir, int /*per-process env*/) {
     for (int i = 0; i < n; ++i) {
+      std::vector<std::string> envs;
+      for (char** e = environ; *e; ++e) envs.emplace_back(*e);
+      for (const auto& e : env_of(i)) envs.push_back(e);
+      std::vector<char*> envp;
+      for (auto& e : envs) envp.push_back(e.data());
+      envp.push_back(nullptr);
       std::vector<std::string> args = argv_of(i);
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
@@ -64,6 +69,26 @@ class process_group {
     }
   }
   ~process_group() { kill_all(); }
+
+  /// Process i's output so far.
+  std::string log(int i) const {
+    std::ifstream in(logs_.at(i));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+  /// Sends `sig` to process i.
+  void signal(int i, int sig) { ::kill(pids_.at(i), sig); }
+  /// Waits up to `timeout` for `pred(log(i))` to hold.
+  template <class Pred>
+  bool wait_for_log(int i, Pred pred, std::chrono::seconds timeout) const {
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < until) {
+      if (pred(log(i))) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
 
   /// Waits for every process until `deadline`; then kills the group.
   std::vector<result> wait(std::chrono::seconds deadline) {

@@ -1,0 +1,146 @@
+// Multi-process jobs: node processes (troupe-node) on this machine give exactly the
+// parameters and optimizer state of the in-process actor run; joins without the job's
+// token or with another protocol version are refused; a node that dies is noticed.
+// Every test starts its processes through process_group: none is left behind.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <csignal>
+#include <filesystem>
+
+#include "actors/runtime.hpp"
+#include "compute/checkpoint.hpp"
+#include "process_group.hpp"
+#include "test_util.hpp"
+
+using namespace troupe;
+
+namespace {
+
+const std::string node_binary = std::filesystem::path(TROUPE_BINARY).parent_path() / "troupe-node";
+
+int free_port() {
+  static int next = 24000 + (getpid() % 4000) * 2;  // distinct per test process
+  return next++;
+}
+
+struct job {
+  job(int n, std::vector<std::string> a) : nodes(n), args(std::move(a)) {}
+  int nodes;
+  std::vector<std::string> args;  // node 0's flags
+  std::string token = "test-token";
+  std::vector<std::string> tokens;     // per node (empty: all `token`)
+  std::vector<std::string> extra_env;  // nodes other than 0
+};
+
+test::process_group start(const job& j, const test::temp_dir& dir, int port) {
+  return test::process_group(
+      j.nodes,
+      [&](int i) {
+        std::vector<std::string> argv{node_binary};
+        if (i == 0) argv.insert(argv.end(), j.args.begin(), j.args.end());
+        return argv;
+      },
+      [&](int i) {
+        std::vector<std::string> env{"TROUPE_JOB_TOKEN=" + (j.tokens.empty() ? j.token : j.tokens.at(i)),
+                                     "TROUPE_NODE=" + std::to_string(i), "TROUPE_NODES=" + std::to_string(j.nodes),
+                                     "TROUPE_COORDINATOR=127.0.0.1:" + std::to_string(port)};
+        if (i > 0) env.insert(env.end(), j.extra_env.begin(), j.extra_env.end());
+        return env;
+      },
+      dir.path.string(), 0);
+}
+
+struct layout {
+  int p, d, nodes;
+};
+
+std::string name_of(const ::testing::TestParamInfo<layout>& info) {
+  return "p" + std::to_string(info.param.p) + "_d" + std::to_string(info.param.d) + "_" +
+         std::to_string(info.param.nodes) + "nodes";
+}
+
+}  // namespace
+
+class MultiProcess : public ::testing::TestWithParam<layout> {};
+
+// 10 steps over node processes == the same job in one process, bit for bit: parameters
+// and AdamW moments (the checkpoint gathers both from every node).
+TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
+  const auto [p, d, nodes] = GetParam();
+  test::temp_dir dir;
+  const std::vector<std::string> flags{"--pipeline", std::to_string(p), "--data-parallel", std::to_string(d),
+                                       "--microbatches", "4", "--steps", "10", "--eval-interval", "0",
+                                       "--threads", "1"};
+  auto args = flags;
+  args.insert(args.end(), {"--save", dir / "multi.pt"});
+  auto group = start({nodes, args}, dir, free_port());
+  const auto results = group.wait(std::chrono::seconds(300));
+  for (int i = 0; i < nodes; ++i) ASSERT_EQ(results[i].status, 0) << "node " << i << ":\n" << results[i].output;
+  EXPECT_NE(results[0].output.find("step 10/10"), std::string::npos) << results[0].output;
+
+  auto cfg = test::gpt_config(10);
+  cfg.pipeline = p;
+  cfg.data_parallel = d;
+  cfg.microbatches = 4;
+  cfg.eval_interval = 0;
+  cfg.threads = 1;
+  cfg.save = dir / "single.pt";
+  actor_run_options quiet;
+  quiet.quiet = true;
+  const auto single = run_actor_training(cfg, quiet);
+  ASSERT_EQ(single.exit_code, 0) << single.error;
+  EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt"), load_state_dict(dir / "single.pt")), 0.0);
+  EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt.optim"), load_state_dict(dir / "single.pt.optim")),
+            0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, MultiProcess,
+                         ::testing::Values(layout{2, 2, 2}, layout{4, 2, 2}, layout{1, 4, 4}, layout{2, 4, 2}),
+                         name_of);
+
+// A node with another token, or another protocol version, is refused (and the refusal is
+// logged by the coordinator); the job does not start with it.
+TEST(MultiProcessJoin, WrongTokenOrVersionIsRefused) {
+  for (const bool version : {false, true}) {
+    test::temp_dir dir;
+    job j{2, {"--data-parallel", "2", "--steps", "2"}};
+    if (version)
+      j.extra_env = {"TROUPE_PROTOCOL_VERSION=99"};
+    else
+      j.tokens = {"right-token", "wrong-token"};
+    auto group = start(j, dir, free_port());
+    ASSERT_TRUE(group.wait_for_log(0, [](const std::string& s) { return s.find("refused") != std::string::npos; },
+                                   std::chrono::seconds(60)))
+        << group.log(0);
+    // Node 0 keeps waiting for a rightful node 1 (until its join timeout): killed here.
+    const auto results = group.wait(std::chrono::seconds(5));
+    EXPECT_EQ(results[1].status, 3) << results[1].output;
+    EXPECT_NE(results[1].output.find(version ? "protocol version 99" : "wrong job token"), std::string::npos)
+        << results[1].output;
+    EXPECT_NE(results[0].output.find(version ? "protocol version 99" : "wrong job token"), std::string::npos)
+        << results[0].output;
+    EXPECT_EQ(results[0].output.find("1/2 |"), std::string::npos) << "the job started without node 1";
+  }
+}
+
+// A node killed mid-run: the coordinator notices, aborts the step and ends the job with
+// an error naming the node, within seconds (no hang).
+TEST(MultiProcessFaults, KilledNodeIsNoticedWithinSeconds) {
+  test::temp_dir dir;
+  auto group = start({2, {"--pipeline", "2", "--data-parallel", "2", "--steps", "2000", "--eval-interval", "0"}}, dir,
+                     free_port());
+  ASSERT_TRUE(group.wait_for_log(0, [](const std::string& s) { return s.find("3/2000 |") != std::string::npos; },
+                                 std::chrono::seconds(120)))
+      << group.log(0);
+  group.signal(1, SIGKILL);
+  const auto killed_at = std::chrono::steady_clock::now();
+  const bool ended = group.wait_for_log(
+      0, [](const std::string& s) { return s.find("troupe: error") != std::string::npos; }, std::chrono::seconds(30));
+  const auto took = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  const auto results = group.wait(std::chrono::seconds(30));
+  ASSERT_TRUE(ended) << results[0].output;
+  EXPECT_LT(took, 20.0);
+  EXPECT_EQ(results[0].status, 1) << results[0].output;
+  EXPECT_NE(results[0].output.find("node 1 is gone"), std::string::npos) << results[0].output;
+}
