@@ -110,6 +110,7 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
   std::unordered_set<pending_op*> pending_;     // progress thread only
   std::string broken_;
   std::atomic<bool> stop_{false};
+  std::chrono::steady_clock::time_point stop_deadline_;  // set before stop_
   std::thread progress_;
 
   std::mutex exec_mu_;
@@ -298,7 +299,9 @@ void ucx_comm::progress_loop() {
       cmds.swap(commands_);
     }
     for (auto& c : cmds) c();
-    if (stop_ && pending_.empty()) break;
+    // Sends to a dead peer never complete (UCX cannot cancel them): stop waiting after a
+    // grace period; shutdown() fails what is left.
+    if (stop_ && (pending_.empty() || std::chrono::steady_clock::now() > stop_deadline_)) break;
     if (ucp_worker_progress(worker_) != 0 || !cmds.empty()) {
       idle = 0;
       continue;
@@ -510,6 +513,7 @@ void ucx_comm::abort(const std::string& why) {
 }
 
 void ucx_comm::shutdown() {
+  const bool failed_before = !broken().empty();
   if (progress_.joinable()) abort("communicator closed");
   {
     std::lock_guard<std::mutex> lock(exec_mu_);
@@ -522,15 +526,29 @@ void ucx_comm::shutdown() {
       for (auto* op : std::vector<pending_op*>(pending_.begin(), pending_.end()))
         if (op->request) ucp_request_cancel(worker_, op->request);
     });
+    stop_deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     stop_ = true;
     post([] {});
     progress_.join();
   }
+  // Whatever is still pending (sends to a peer that is gone) fails now; the requests go
+  // with the worker, the ops after it.
+  std::vector<pending_op*> leftover(pending_.begin(), pending_.end());
+  pending_.clear();
+  for (auto* op : leftover) {
+    auto done = std::move(op->done);
+    if (done) done->complete("communicator closed with the transfer pending");
+  }
+  const bool peers_gone = failed_before || !leftover.empty();
   for (auto& ep : eps_) {
     if (!ep) continue;
     // Flush first (sends that completed locally may still be on their way), bounded in
-    // time; a peer that is gone makes the flush fail, not hang.
+    // time; after a failure, force (a peer that is gone would never answer the flush).
     ucp_request_param_t p{};
+    if (peers_gone) {
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    }
     auto req = ucp_ep_close_nbx(ep, &p);
     if (UCS_PTR_IS_PTR(req)) {
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -547,6 +565,7 @@ void ucx_comm::shutdown() {
   if (wake_fd_ >= 0) ::close(wake_fd_);
   epoll_fd_ = wake_fd_ = -1;
   if (worker_) ucp_worker_destroy(worker_);
+  for (auto* op : leftover) delete op;
   if (context_) ucp_cleanup(context_);
   worker_ = nullptr;
   context_ = nullptr;
