@@ -32,6 +32,7 @@ using namespace std::chrono_literals;
 
 struct registrar_state {
   std::string token, config_toml;
+  std::int64_t epoch_ns = 0;
   int nodes = 0;
   std::set<int> joined;
   node_addresses table;
@@ -43,13 +44,14 @@ struct registrar_state {
 };
 
 caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string token, int nodes,
-                        std::string config_toml) {
+                        std::string config_toml, std::int64_t epoch_ns) {
+  self->state.epoch_ns = epoch_ns;
   self->state.token = std::move(token);
   self->state.nodes = nodes;
   self->state.config_toml = std::move(config_toml);
   self->state.supervisors.resize(nodes);
   return {
-      [=](const node_hello& h) -> caf::result<std::string> {
+      [=](const node_hello& h) -> caf::result<job_offer> {
         auto& s = self->state;
         std::string why;
         if (h.version != protocol_version)
@@ -67,7 +69,7 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
         }
         s.joined.insert(h.node);
         spdlog::info("node {} of {} joined from {}", h.node, s.nodes, h.host);
-        return s.config_toml;
+        return job_offer{s.config_toml, s.epoch_ns};
       },
       [=](const node_addresses& a) -> caf::result<node_addresses> {
         auto& s = self->state;
@@ -177,7 +179,10 @@ actor_run_result run_node(const node_options& o) {
           cfg.validate();
           node_replicas(cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
           training_data::check_available(cfg);
-          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml());
+          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(),
+                                       std::int64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                        std::chrono::steady_clock::now().time_since_epoch())
+                                                        .count()));
           auto port = sys.middleman().publish(registrar_handle, o.port, nullptr, true);
           if (!port)
             throw node_failure(1, "node 0: cannot listen on port " + std::to_string(o.port) + ": " +
@@ -187,15 +192,18 @@ actor_run_result run_node(const node_options& o) {
           registrar_handle = connect_to_registrar(sys, o);
         }
         const std::string where = "node " + std::to_string(o.node);
-        const auto toml = ask<std::string>(self, registrar_handle, o.join_timeout,
+        const auto offer = ask<job_offer>(self, registrar_handle, o.join_timeout,
                                            node_hello{o.version ? o.version : protocol_version, o.token, o.node,
                                                       o.nodes, hostname()},
                                            where, 3);
-        if (o.node != 0) cfg = job_config_from_toml(toml, "the coordinator's job config");
+        if (o.node != 0) cfg = job_config_from_toml(offer.config_toml, "the coordinator's job config");
         const auto [first, last] = node_replicas(cfg.data_parallel, o.node, o.nodes);
         if (cfg.threads == 0)  // share this node's cores between its stage actors
           cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) / (cfg.pipeline * (last - first)));
-        auto ctx = std::make_shared<const runtime_context>(cfg);
+        // The coordinator's clock origin: one timeline for the nodes of one machine (steady
+        // clocks of different machines are not comparable; their tracks are then offset).
+        const std::chrono::steady_clock::time_point epoch{std::chrono::nanoseconds(offer.epoch_ns)};
+        auto ctx = std::make_shared<const runtime_context>(cfg, epoch);
         // The shards' communicators: rank r of stage k's d shards, over UCX.
         node_addresses mine{o.node, {}, {}, {}};
         std::vector<std::vector<std::unique_ptr<transport::ucx_pending>>> pending(ctx->p);

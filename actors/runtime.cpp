@@ -12,7 +12,7 @@
 
 namespace troupe {
 
-runtime_context::runtime_context(const job_config& c)
+runtime_context::runtime_context(const job_config& c, std::chrono::steady_clock::time_point epoch_)
     : cfg(c),
       spec(c.model()),
       p(c.pipeline),
@@ -24,7 +24,7 @@ runtime_context::runtime_context(const job_config& c)
       dataflow(c.schedule == "dataflow"),
       sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
       ranges(partition_layers(spec.n_layers(), p, v, c.split)),
-      epoch(std::chrono::steady_clock::now()) {
+      epoch(epoch_) {
   if (!c.load.empty()) {
     auto ckpt = read_checkpoint(c.load, spec, c.steps);
     init = std::move(ckpt.model);

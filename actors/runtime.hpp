@@ -31,7 +31,9 @@ namespace troupe {
 
 /// What every actor of a job knows; immutable once the job starts.
 struct runtime_context {
-  explicit runtime_context(const job_config& c);
+  /// `epoch`: the time origin of trace events (nodes of a job use the coordinator's).
+  explicit runtime_context(const job_config& c,
+                           std::chrono::steady_clock::time_point epoch = std::chrono::steady_clock::now());
 
   job_config cfg;
   model_spec spec;

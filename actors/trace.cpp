@@ -16,24 +16,32 @@ bool is_compute(const trace_event& e) { return e.name == "F" || e.name == "B" ||
 }  // namespace
 
 step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages) {
+  // Per replica: its stages' busy time within its own window (first op to last op). In a
+  // multi-node job each node's events are on that node's clock; a replica never spans
+  // nodes, so the windows are right whatever the offsets between nodes.
   step_timing t;
   t.busy_s.assign(std::size_t(replicas) * stages, 0.0);
   t.idle_s.assign(t.busy_s.size(), 0.0);
-  double first = std::numeric_limits<double>::max(), last = 0;
+  std::vector<double> first(replicas, std::numeric_limits<double>::max()), last(replicas, 0);
   for (const auto& e : events) {
     if (!is_compute(e)) continue;
-    first = std::min(first, e.start_us);
-    last = std::max(last, e.end_us);
+    first.at(e.replica) = std::min(first[e.replica], e.start_us);
+    last.at(e.replica) = std::max(last[e.replica], e.end_us);
     t.busy_s.at(std::size_t(e.replica) * stages + e.stage) += (e.end_us - e.start_us) * 1e-6;
   }
-  if (last <= first) return t;
-  t.window_s = (last - first) * 1e-6;
-  double busy = 0;
-  for (std::size_t i = 0; i < t.busy_s.size(); ++i) {
-    t.idle_s[i] = t.window_s - t.busy_s[i];
-    busy += t.busy_s[i];
+  double busy = 0, capacity = 0;
+  for (int r = 0; r < replicas; ++r) {
+    if (last[r] <= first[r]) continue;
+    const double window = (last[r] - first[r]) * 1e-6;
+    t.window_s = std::max(t.window_s, window);
+    for (int k = 0; k < stages; ++k) {
+      const auto i = std::size_t(r) * stages + k;
+      t.idle_s[i] = window - t.busy_s[i];
+      busy += t.busy_s[i];
+      capacity += window;
+    }
   }
-  t.bubble = 1.0 - busy / (double(t.busy_s.size()) * t.window_s);
+  if (capacity > 0) t.bubble = 1.0 - busy / capacity;
   return t;
 }
 

@@ -9,8 +9,8 @@ namespace troupe {
 
 /// One step's measured timing of the stage tracks (replica x stage).
 struct step_timing {
-  double window_s = 0;              ///< first compute start to last compute end
-  double bubble = 0;                ///< 1 - busy / (tracks x window)
+  double window_s = 0;              ///< longest replica window: its first compute start to its last end
+  double bubble = 0;                ///< 1 - busy / (sum over replicas of stages x window)
   std::vector<double> busy_s;       ///< per track: replica * p + stage
   std::vector<double> idle_s;
 };

@@ -1,7 +1,7 @@
 #pragma once
 // Joining a job and wiring it across nodes (one actor system per node process).
 //
-//   node --node_hello{version, token}--> registrar (node 0): the job's config as TOML, or
+//   node --node_hello{version, token}--> registrar (node 0): job_offer (config, epoch), or
 //        an error (wrong token or protocol version: refused and logged)
 //   node --node_addresses--> registrar: UCX worker addresses of the node's optimizer
 //        shards; answered with every node's (the table) once all nodes sent theirs
@@ -30,6 +30,13 @@ struct node_hello {
 
 /// UCX worker addresses of shards (stage, replica) hosted by one node, or, as the
 /// registrar's answer, of every shard of the job.
+/// Registrar -> admitted node: the job's configuration and the coordinator's trace epoch
+/// (steady clock; nodes on one machine then share the timeline of the trace).
+struct job_offer {
+  std::string config_toml;
+  std::int64_t epoch_ns = 0;
+};
+
 struct node_addresses {
   std::int32_t node = 0;
   std::vector<std::int32_t> stages, replicas;
@@ -58,6 +65,10 @@ struct wiring_msg {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
   return f(caf::meta::type_name("node_hello"), x.version, x.token, x.node, x.nodes, x.host);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, job_offer& x) {
+  return f(caf::meta::type_name("job_offer"), x.config_toml, x.epoch_ns);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_addresses& x) {

@@ -73,3 +73,21 @@ TEST(JobConfig, BadInputGivesErrorsThatNameTheProblem) {
 }
 
 }  // namespace troupe
+
+// What node 0 sends to the other nodes of a job: to_toml() read back gives the same job.
+TEST(JobConfig, TomlTextRoundTripsEveryKey) {
+  auto c = troupe::load_job_config("", {{"pipeline", "2"},
+                                        {"data_parallel", "2"},
+                                        {"microbatches", "4"},
+                                        {"split", "5,3"},
+                                        {"lr", "0.00123"},
+                                        {"schedule", "gpipe"},
+                                        {"metrics", "/tmp/m s.jsonl"},
+                                        {"checksum", "true"}});
+  const auto back = troupe::job_config_from_toml(c.to_toml(), "test");
+  EXPECT_EQ(back.to_toml(), c.to_toml());
+  EXPECT_EQ(back.split, (std::vector<int>{5, 3}));
+  EXPECT_EQ(back.metrics, "/tmp/m s.jsonl");
+  EXPECT_DOUBLE_EQ(back.lr, 0.00123);
+  EXPECT_THROW(troupe::job_config_from_toml("pipeline = [", "test"), troupe::config_error);
+}
