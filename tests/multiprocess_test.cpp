@@ -54,6 +54,9 @@ test::process_group start(const job& j, const test::temp_dir& dir, int port) {
 struct layout {
   int p, d, nodes;
 };
+[[maybe_unused]] void PrintTo(const layout& l, std::ostream* os) {
+  *os << "p" << l.p << " d" << l.d << " on " << l.nodes << " nodes";
+}
 
 std::string name_of(const ::testing::TestParamInfo<layout>& info) {
   return "p" + std::to_string(info.param.p) + "_d" + std::to_string(info.param.d) + "_" +
