@@ -198,8 +198,11 @@ actor_run_result run_node(const node_options& o) {
                                            where, 3);
         if (o.node != 0) cfg = job_config_from_toml(offer.config_toml, "the coordinator's job config");
         const auto [first, last] = node_replicas(cfg.data_parallel, o.node, o.nodes);
-        if (cfg.threads == 0)  // share this node's cores between its stage actors
-          cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) / (cfg.pipeline * (last - first)));
+        // threads = 0: share the machine's cores between the stage actors of every node on
+        // it (more OpenMP threads than cores, in several processes, spin against each other).
+        if (cfg.threads == 0)
+          cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) /
+                                        (cfg.pipeline * (last - first) * std::max(1, o.nodes_per_host)));
         // The coordinator's clock origin: one timeline for the nodes of one machine (steady
         // clocks of different machines are not comparable; their tracks are then offset).
         const std::chrono::steady_clock::time_point epoch{std::chrono::nanoseconds(offer.epoch_ns)};
@@ -279,6 +282,10 @@ actor_run_result run_node(const node_options& o) {
           }
         }
       }
+    } catch (const config_error& e) {
+      result.exit_code = 2;
+      result.error = e.what();
+      if (supervisor) caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
     } catch (const node_failure& e) {
       result.exit_code = e.code;
       result.error = e.what();

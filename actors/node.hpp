@@ -30,14 +30,15 @@ struct node_options {
   std::int32_t version = 0;        ///< protocol version presented (0: this build's); tests
   job_config cfg;                  ///< node 0: the job (other nodes receive it)
   actor_run_options run;           ///< node 0: progress, trace
+  int nodes_per_host = 1;          ///< node processes sharing this machine's cores (threads = 0)
   std::chrono::milliseconds join_timeout{60000};
   std::chrono::milliseconds heartbeat{500};           ///< CAF middleman heartbeats
   std::chrono::milliseconds connection_timeout{5000};  ///< a silent peer is gone after this
 };
 
 /// Runs this node until the job ends. Node 0 returns the job's result; the others return
-/// exit_code 0 when the coordinator stopped them cleanly, else 1 (with `error`), 3 when
-/// their join was refused.
+/// exit_code 0 when the coordinator stopped them cleanly, else 1 (with `error`), 2 for a
+/// layout that does not fit the nodes, 3 when their join was refused.
 actor_run_result run_node(const node_options& opts);
 
 /// The replicas node `node` of `nodes` hosts; throws config_error when d % nodes != 0.

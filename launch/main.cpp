@@ -90,6 +90,7 @@ int run_node_command(const config_flags& flags) {
   try {
     o.node = std::stoi(env_or("TROUPE_NODE", "0"));
     o.nodes = std::stoi(env_or("TROUPE_NODES", "1"));
+    o.nodes_per_host = std::stoi(env_or("TROUPE_NODES_PER_HOST", "1"));
     const auto coord = env_or("TROUPE_COORDINATOR", "127.0.0.1:0");
     const auto colon = coord.rfind(':');
     if (colon == std::string::npos) throw std::invalid_argument("TROUPE_COORDINATOR must be host:port");

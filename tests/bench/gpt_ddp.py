@@ -26,7 +26,11 @@ def run(rank, steps, store_path, out_path):
     dist.init_process_group("gloo", init_method="file://" + store_path, rank=rank, world_size=WORLD)
     data, n_train = gpt_tiny.load_fortunes()
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(gpt_tiny.GPT())
+    net = gpt_tiny.GPT()
+    # The causal masks are constant bool buffers, which gloo cannot broadcast.
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        net, [name for name, b in net.named_buffers() if b.dtype == torch.bool])
+    model = torch.nn.parallel.DistributedDataParallel(net)
     opt = gpt_tiny.make_optimizer(model.module)
     per_rank = GLOBAL_BATCH // WORLD
     n_micro = per_rank // MICRO

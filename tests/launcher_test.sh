@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The launcher (launch/troupe train) with node processes on this machine: a short job
+# ends with node 0's status and no node left behind; bad layouts are one-line errors
+# (exit 2); Ctrl-C (SIGINT) stops every node and exits 130, leaving no process.
+#   tests/launcher_test.sh REPO_ROOT BUILD_DIR
+set -u
+root=$1
+export TROUPE_BUILD_DIR=$2 TROUPE_SETUP_LOG=$(mktemp)
+launcher=$root/launch/troupe
+tmp=$(mktemp -d)
+fail=0
+cleanup() { pkill -KILL -f "$TROUPE_BUILD_DIR/troupe-node" 2>/dev/null; rm -rf "$tmp" "$TROUPE_SETUP_LOG"; }
+trap cleanup EXIT
+ok() { echo "ok   $1"; }
+bad() { echo "FAIL $1"; shift; [ $# -gt 0 ] && tail -20 "$1"; fail=1; }
+nodes_left() { pgrep -f "$TROUPE_BUILD_DIR/troupe-node" | wc -l; }
+
+# A short job over 2 nodes: exit 0, node lines, progress, nothing left.
+"$launcher" train --nodes 2 --data-parallel 2 --steps 3 --eval-interval 0 >"$tmp/run.log" 2>&1
+rc=$?
+[ $rc = 0 ] && ok "2-node job exits 0" || bad "2-node job exit $rc" "$tmp/run.log"
+grep -q "node 1 of 2: localhost, pid" "$tmp/run.log" && ok "prints where each node runs" || bad "no node lines" "$tmp/run.log"
+grep -q "3/3 |" "$tmp/run.log" && ok "progress lines" || bad "no progress line" "$tmp/run.log"
+sleep 0.5
+[ "$(nodes_left)" = 0 ] && ok "no node left after the job" || bad "$(nodes_left) node(s) left after the job"
+
+# Layouts that do not fit the nodes: one-line error, exit 2, before anything runs.
+"$launcher" train --nodes 3 --data-parallel 2 --steps 1 >"$tmp/bad.log" 2>&1
+rc=$?
+[ $rc = 2 ] && grep -q "divisible by the node count" "$tmp/bad.log" && ok "--nodes 3 with d=2 refused (exit 2)" \
+  || bad "--nodes 3 with d=2: exit $rc" "$tmp/bad.log"
+"$launcher" train --nodes zero >"$tmp/bad2.log" 2>&1
+rc=$?
+[ $rc = 2 ] && ok "--nodes zero refused (exit 2)" || bad "--nodes zero: exit $rc" "$tmp/bad2.log"
+sleep 0.5
+[ "$(nodes_left)" = 0 ] && ok "no node left after refused jobs" || bad "$(nodes_left) node(s) left after refused jobs"
+
+# Ctrl-C: SIGINT to the launcher stops the whole job. (Job control on: a non-interactive
+# shell starts background commands with SIGINT ignored.)
+set -m
+"$launcher" train --nodes 2 --data-parallel 2 --steps 5000 --eval-interval 0 >"$tmp/int.log" 2>&1 &
+pid=$!
+for ((i = 0; i < 600; i++)); do grep -q "2/5000 |" "$tmp/int.log" 2>/dev/null && break; sleep 0.2; done
+grep -q "2/5000 |" "$tmp/int.log" || bad "the long job did not start" "$tmp/int.log"
+kill -INT $pid
+wait $pid
+rc=$?
+set +m
+[ $rc = 130 ] && ok "SIGINT: launcher exits 130" || bad "SIGINT: launcher exit $rc" "$tmp/int.log"
+sleep 0.5
+[ "$(nodes_left)" = 0 ] && ok "SIGINT: no node left" || bad "SIGINT: $(nodes_left) node(s) left"
+exit $fail
