@@ -266,19 +266,20 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
   w.stages.resize(std::size_t(ctx.d) * ctx.p);
   w.shards.resize(std::size_t(ctx.p) * ctx.d);
   w.loaders.resize(ctx.d);
+  w.nodes.assign(std::size_t(ctx.d) * ctx.p, -1);
   for (const auto& n : *nodes) {
-    const int local = n.replica_end - n.replica_begin;
-    for (int i = 0; i < local; ++i) {
-      const int r = n.replica_begin + i;
-      w.loaders[r] = n.loaders.at(i);
-      for (int k = 0; k < ctx.p; ++k) {
-        w.stages[std::size_t(r) * ctx.p + k] = n.stages.at(std::size_t(i) * ctx.p + k);
-        w.shards[std::size_t(k) * ctx.d + r] = n.shards.at(std::size_t(k) * local + i);
-      }
+    for (std::size_t i = 0; i < n.slot_replicas.size(); ++i) {
+      const int r = n.slot_replicas[i], k = n.slot_stages[i];
+      w.stages.at(std::size_t(r) * ctx.p + k) = n.stages.at(i);
+      w.shards.at(std::size_t(k) * ctx.d + r) = n.shards.at(i);
+      w.nodes.at(std::size_t(r) * ctx.p + k) = n.node;
     }
+    for (std::size_t i = 0; i < n.loader_replicas.size(); ++i) w.loaders.at(n.loader_replicas[i]) = n.loaders.at(i);
   }
   for (std::size_t i = 0; i < w.stages.size(); ++i)
-    if (!w.stages[i] || !w.shards[i]) return fail(self, "the nodes do not cover every replica");
+    if (!w.stages[i] || !w.shards[i]) return fail(self, "the nodes do not cover every stage");
+  for (const auto& l : w.loaders)
+    if (!l) return fail(self, "the nodes do not cover every data loader");
   s.wiring->coordinator = w.coordinator;
   s.wiring->stages.assign(ctx.d, {});
   s.wiring->shards.assign(ctx.p, {});

@@ -17,13 +17,6 @@
 
 namespace troupe {
 
-std::pair<int, int> node_replicas(int d, int node, int nodes) {
-  if (nodes < 1 || d % nodes != 0)
-    throw config_error(std::to_string(nodes) + " nodes need data_parallel (" + std::to_string(d) +
-                       ") divisible by the node count: each node hosts whole replicas");
-  return {node * d / nodes, (node + 1) * d / nodes};
-}
-
 namespace {
 
 using namespace std::chrono_literals;
@@ -177,7 +170,7 @@ actor_run_result run_node(const node_options& o) {
         if (o.node == 0) {
           cfg = o.cfg;
           cfg.validate();
-          node_replicas(cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
+          node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
           training_data::check_available(cfg);
           registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(),
                                        std::int64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -197,38 +190,51 @@ actor_run_result run_node(const node_options& o) {
                                                       o.nodes, hostname()},
                                            where, 3);
         if (o.node != 0) cfg = job_config_from_toml(offer.config_toml, "the coordinator's job config");
-        const auto [first, last] = node_replicas(cfg.data_parallel, o.node, o.nodes);
+        const auto slots = node_slots(cfg.pipeline, cfg.data_parallel, o.node, o.nodes);
         // threads = 0: share the machine's cores between the stage actors of every node on
         // it (more OpenMP threads than cores, in several processes, spin against each other).
         if (cfg.threads == 0)
           cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) /
-                                        (cfg.pipeline * (last - first) * std::max(1, o.nodes_per_host)));
+                                        (int(slots.size()) * std::max(1, o.nodes_per_host)));
         // The coordinator's clock origin: one timeline for the nodes of one machine (steady
         // clocks of different machines are not comparable; their tracks are then offset).
         const std::chrono::steady_clock::time_point epoch{std::chrono::nanoseconds(offer.epoch_ns)};
         auto ctx = std::make_shared<const runtime_context>(cfg, epoch);
-        // The shards' communicators: rank r of stage k's d shards, over UCX.
+        // UCX communicators: per slot (r, k) rank r of stage k's d shards; and the world
+        // of the nodes (rank = node), which carries activations between them. Addresses
+        // go through the registrar (stage -1: the world).
         node_addresses mine{o.node, {}, {}, {}};
-        std::vector<std::vector<std::unique_ptr<transport::ucx_pending>>> pending(ctx->p);
-        for (int k = 0; k < ctx->p; ++k)
-          for (int r = first; r < last; ++r) {
-            pending[k].push_back(transport::prepare_ucx_communicator(r, ctx->d));
-            mine.stages.push_back(k);
-            mine.replicas.push_back(r);
-            mine.addresses.push_back(pending[k].back()->address());
-          }
-        const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, mine, where + ": address exchange");
-        node_plan plan{first, last, std::vector<std::vector<std::shared_ptr<transport::communicator>>>(ctx->p)};
-        for (int k = 0; k < ctx->p; ++k) {
-          std::vector<std::string> addrs(ctx->d);
-          for (std::size_t i = 0; i < table.stages.size(); ++i)
-            if (table.stages[i] == k) addrs.at(table.replicas[i]) = table.addresses[i];
-          for (auto& p : pending[k]) plan.comms[k].push_back(p->connect(addrs));
+        std::vector<std::unique_ptr<transport::ucx_pending>> pending;
+        for (const auto& [r, k] : slots) {
+          pending.push_back(transport::prepare_ucx_communicator(r, ctx->d));
+          mine.stages.push_back(k);
+          mine.replicas.push_back(r);
+          mine.addresses.push_back(pending.back()->address());
         }
+        auto world_pending = transport::prepare_ucx_communicator(o.node, o.nodes);
+        mine.stages.push_back(-1);
+        mine.replicas.push_back(o.node);
+        mine.addresses.push_back(world_pending->address());
+        const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, mine, where + ": address exchange");
+        auto addresses_of = [&](int stage, int size) {
+          std::vector<std::string> addrs(size);
+          for (std::size_t i = 0; i < table.stages.size(); ++i)
+            if (table.stages[i] == stage) addrs.at(table.replicas[i]) = table.addresses[i];
+          return addrs;
+        };
+        node_plan plan;
+        plan.node = o.node;
+        plan.slots = slots;
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+          plan.comms.push_back(pending[i]->connect(addresses_of(slots[i].second, ctx->d)));
+          if (slots[i].second == 0) plan.loader_replicas.push_back(slots[i].first);
+        }
+        plan.world = world_pending->connect(addresses_of(-1, o.nodes));
+        std::string hosted;
+        for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";
         supervisor = sys.spawn(supervisor_actor, ctx, wiring, std::move(plan));
         ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, supervisor}, where + ": ready");
-        spdlog::info("{} on {} (pid {}): replicas [{}, {}) of {}, {} stage(s) each", where, hostname(), ::getpid(),
-                     first, last, ctx->d, ctx->p);
+        spdlog::info("{} on {} (pid {}): stages (replica,stage){}", where, hostname(), ::getpid(), hosted);
         if (o.node == 0) {
           const auto supervisors = ask<std::vector<caf::actor>>(self, registrar_handle, o.join_timeout, run_atom_v,
                                                                 "node 0: waiting for the other nodes");

@@ -10,9 +10,11 @@
 //           communicators; spawn the supervisor; node_ready; then serve until the
 //           coordinator stops the supervisor (exit 0) or node 0 is gone (exit 1).
 //
-// Layout: node i hosts whole replicas [i d / N, (i + 1) d / N) (all p stages of each, their
-// optimizer shards and loaders), so activations stay in their process and only the shards'
-// collectives (UCX) and the control messages (CAF) cross processes.
+// Layout: node i hosts an equal run of the replica-major (replica, stage) list (whole
+// replicas when N divides d): each stage with its optimizer shard, and the loader of each
+// replica whose first stage it hosts. Activations and gradients between stages on
+// different nodes travel over the nodes' world communicator (UCX); the shards'
+// collectives over their stage's communicator (UCX); control messages over CAF.
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -41,7 +43,5 @@ struct node_options {
 /// layout that does not fit the nodes, 3 when their join was refused.
 actor_run_result run_node(const node_options& opts);
 
-/// The replicas node `node` of `nodes` hosts; throws config_error when d % nodes != 0.
-std::pair<int, int> node_replicas(int d, int node, int nodes);
 
 }  // namespace troupe

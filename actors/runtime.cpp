@@ -51,6 +51,29 @@ caf::error error_from_exception(std::exception_ptr& eptr) {
   }
 }
 
+tensor_payload ship_payload(const job_wiring& w, const tensor_payload& p, int dst_node, const std::string& who) {
+  tensor_payload out = p;
+  out.local = torch::Tensor();
+  out.src_node = w.node;
+  out.tag = w.next_tag->fetch_add(1);
+  // A tensor of its own for the transfer: the sender may drop or reuse its tensor's data
+  // (deallocate_output_tensor) while the bytes are still on their way.
+  auto work = w.world->send(p.local.detach().view(-1), dst_node, out.tag);
+  work->on_complete([coordinator = w.coordinator, who, step = std::int64_t(-1)](const std::string& err) {
+    if (!err.empty()) caf::anon_send(coordinator, runtime_failure{step, who, "tensor send: " + err});
+  });
+  return out;
+}
+
+void fetch_payload(const job_wiring& w, const tensor_payload& p,
+                   std::function<void(tensor_payload, const std::string& error)> done) {
+  tensor_payload in = p;
+  in.local = torch::empty(p.shape, torch::TensorOptions().dtype(static_cast<torch::ScalarType>(p.dtype)));
+  in.src_node = -1;
+  auto work = w.world->recv(in.local.view(-1), p.src_node, p.tag);
+  work->on_complete([in, done = std::move(done)](const std::string& err) { done(in, err); });
+}
+
 std::string runtime_context::stage_name(int replica, int stage) const {
   return "stage[replica " + std::to_string(replica) + ", stage " + std::to_string(stage) + "]";
 }

@@ -12,7 +12,9 @@
 //   shards update, all-gather through the communicator; shard --param_shard--> its own
 //   stage --stage_done--> coordinator
 //   coordinator commits, then supervisor resets every actor and checks what it still held
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -26,6 +28,8 @@
 #include "compute/partition.hpp"
 #include "compute/schedule.hpp"
 #include "messages/step_messages.hpp"
+#include "messages/tensor_payload.hpp"
+#include "transport/transport.hpp"
 
 namespace troupe {
 
@@ -56,19 +60,40 @@ struct runtime_context {
   std::string stage_name(int replica, int stage) const;
 };
 
-/// Handles of all actors of the job, filled by the supervisor before the first step.
+/// Handles of all actors of the job, filled before the first step (the supervisor's own
+/// actors at spawn, the others by the coordinator's wiring_msg).
 struct job_wiring {
   caf::actor coordinator;
   std::vector<std::vector<caf::actor>> stages;  ///< [replica][stage]
   std::vector<std::vector<caf::actor>> shards;  ///< [stage][rank]
   std::vector<caf::actor> loaders;              ///< [replica]
+  /// Several nodes: the node of every stage ([replica][stage]), this node, and the
+  /// nodes' world communicator (rank = node) that carries tensors between them.
+  std::vector<std::vector<int>> nodes;
+  int node = 0;
+  std::shared_ptr<transport::communicator> world;
+  std::shared_ptr<std::atomic<std::uint32_t>> next_tag = std::make_shared<std::atomic<std::uint32_t>>(1);
+
+  /// True when stage (replica, stage) lives in another process.
+  bool remote(int replica, int stage) const { return !nodes.empty() && nodes[replica][stage] != node; }
   void clear() {
     coordinator = nullptr;
     stages.clear();
     shards.clear();
     loaders.clear();
+    world = nullptr;
   }
 };
+
+/// Sends `p`'s tensor to `dst_node` over the wiring's world communicator and returns the
+/// payload for the message: metadata and the transport handle, no tensor. A failed send
+/// is reported to the coordinator by `who`.
+tensor_payload ship_payload(const job_wiring& w, const tensor_payload& p, int dst_node, const std::string& who);
+
+/// Receives a shipped payload's bytes; `done(payload with the tensor, error)` runs on the
+/// transport's thread when they are in.
+void fetch_payload(const job_wiring& w, const tensor_payload& p,
+                   std::function<void(tensor_payload, const std::string& error)> done);
 
 struct actor_run_options {
   bool quiet = false;          ///< no progress lines (tests)

@@ -118,7 +118,8 @@ class stage_logic {
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
       } else {
         auto [next, chunk] = s_.owner(x + 1);
-        self_->send(next, forward_activation{s_.step, op.mb, chunk, make_payload(out.detach(), ctx.cfg.checksum)});
+        send_tensor((x + 1) % ctx.p, next,
+                    forward_activation{s_.step, op.mb, chunk, make_payload(out.detach(), ctx.cfg.checksum)});
         deallocate(out);
       }
       if (x == 0) self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
@@ -136,7 +137,8 @@ class stage_logic {
       }
       if (x > 0) {
         auto [prev, chunk] = s_.owner(x - 1);
-        self_->send(prev, backward_grad{s_.step, op.mb, chunk, make_payload(sv.input.grad(), ctx.cfg.checksum)});
+        send_tensor((x - 1) % ctx.p, prev,
+                    backward_grad{s_.step, op.mb, chunk, make_payload(sv.input.grad(), ctx.cfg.checksum)});
       }
       --s_.in_flight;
     }
@@ -159,7 +161,7 @@ class stage_logic {
       } else {
         auto& mine = tied_slice().param("wte.weight").mutable_grad();
         const auto peer = s_.stage == 0 ? ctx.p - 1 : 0;
-        self_->send(s_.wiring->stages[s_.replica][peer], tied_grad{s_.step, make_payload(mine.clone())});
+        send_tensor(peer, s_.wiring->stages[s_.replica][peer], tied_grad{s_.step, make_payload(mine.clone())});
         s_.tied_pending = true;
         if (s_.tied_in.defined()) on_tied(std::move(s_.tied_in));
         return;
@@ -257,6 +259,32 @@ class stage_logic {
     self_->send(s_.wiring->coordinator, runtime_failure{s_.step, s_.name, what});
   }
 
+  /// Sends a message with a tensor to stage `dest_stage` of this replica: in-process
+  /// hand-off, or over the world communicator when that stage is on another node.
+  template <class Msg>
+  void send_tensor(int dest_stage, const caf::actor& dest, Msg msg) {
+    const auto& w = *s_.wiring;
+    if (w.remote(s_.replica, dest_stage)) msg.data = ship_payload(w, msg.data, w.nodes[s_.replica][dest_stage], s_.name);
+    self_->send(dest, std::move(msg));
+  }
+
+  /// True when `msg`'s tensor is here; otherwise starts receiving its bytes and sends the
+  /// message (tensor in place) to this actor again once they are in.
+  template <class Msg>
+  bool fetched(const Msg& msg) {
+    if (msg.data.src_node < 0) return true;
+    auto me = caf::actor_cast<caf::actor>(self_);
+    fetch_payload(*s_.wiring, msg.data,
+                  [me, m = Msg(msg), coordinator = s_.wiring->coordinator, name = s_.name](
+                      tensor_payload p, const std::string& err) mutable {
+                    if (!err.empty())
+                      return caf::anon_send(coordinator, runtime_failure{m.step, name, "tensor receive: " + err});
+                    m.data = std::move(p);
+                    caf::anon_send(me, std::move(m));
+                  });
+    return false;
+  }
+
  private:
   caf::stateful_actor<stage_state>* self_;
   stage_state& s_;
@@ -317,16 +345,19 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         logic->run_ready();
       },
       [=](forward_activation& msg) {
+        if (!logic->fetched(msg)) return;
         // An activation entering virtual stage x has the shape of x's input.
         const int x = self->state.virtual_of(msg.chunk);
         logic->receive(self->state.inputs, msg.step, msg.mb, msg.chunk, msg.data, act_shape(x), "activation");
       },
       [=](backward_grad& msg) {
+        if (!logic->fetched(msg)) return;
         // The gradient of x's output has the shape of x + 1's input.
         const int x = self->state.virtual_of(msg.chunk);
         logic->receive(self->state.out_grads, msg.step, msg.mb, msg.chunk, msg.data, act_shape(x + 1), "gradient");
       },
       [=](tied_grad& msg) {
+        if (!logic->fetched(msg)) return;
         if (!logic->accept(msg.step)) return;
         logic->on_tied(tensor_of(msg.data));
       },

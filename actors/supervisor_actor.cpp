@@ -7,6 +7,7 @@
 #include "actors/data_loader_actor.hpp"
 #include "actors/optimizer_shard_actor.hpp"
 #include "actors/stage_actor.hpp"
+#include "compute/job_config.hpp"
 #include "messages/type_ids.hpp"
 #include "transport/local/local_group.hpp"
 
@@ -16,9 +17,23 @@ namespace {
 constexpr auto reset_timeout = std::chrono::seconds(30);
 }
 
+std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes) {
+  if (nodes < 1 || (p * d) % nodes != 0)
+    throw config_error(std::to_string(nodes) + " nodes need pipeline x data_parallel (" + std::to_string(p) + " x " +
+                       std::to_string(d) + ") divisible by the node count: each node hosts an equal share of the stages");
+  const int per = p * d / nodes;
+  std::vector<std::pair<int, int>> slots;
+  for (int i = node * per; i < (node + 1) * per; ++i) slots.emplace_back(i / p, i % p);
+  return slots;
+}
+
 node_plan local_node_plan(const runtime_context& ctx) {
-  node_plan plan{0, ctx.d, {}};
-  for (int k = 0; k < ctx.p; ++k) plan.comms.push_back(transport::make_local_group(ctx.d));
+  node_plan plan;
+  std::vector<std::vector<std::shared_ptr<transport::communicator>>> groups;
+  for (int k = 0; k < ctx.p; ++k) groups.push_back(transport::make_local_group(ctx.d));
+  plan.slots = node_slots(ctx.p, ctx.d, 0, 1);
+  for (const auto& [r, k] : plan.slots) plan.comms.push_back(groups[k][r]);
+  for (int r = 0; r < ctx.d; ++r) plan.loader_replicas.push_back(r);
   return plan;
 }
 
@@ -33,20 +48,24 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   wiring->stages.assign(ctx->d, std::vector<caf::actor>(ctx->p));
   wiring->shards.assign(ctx->p, std::vector<caf::actor>(ctx->d));
   wiring->loaders.assign(ctx->d, caf::actor());
-  node_actors mine{plan.replica_begin, plan.replica_end, {}, {}, {}};
-  for (int k = 0; k < ctx->p; ++k)
-    for (int r = plan.replica_begin; r < plan.replica_end; ++r)
-      mine.shards.push_back(wiring->shards[k][r] = add(
-                                spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan.comms.at(k).at(r - plan.replica_begin)),
-                                "shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) + "]"));
-  for (int r = plan.replica_begin; r < plan.replica_end; ++r)
-    for (int k = 0; k < ctx->p; ++k)
-      mine.stages.push_back(wiring->stages[r][k] = add(spawn_stage_actor(self, ctx, wiring, r, k), ctx->stage_name(r, k)));
-  for (int r = plan.replica_begin; r < plan.replica_end; ++r)
+  wiring->node = plan.node;
+  wiring->world = plan.world;
+  node_actors mine;
+  mine.node = plan.node;
+  for (std::size_t i = 0; i < plan.slots.size(); ++i) {
+    const auto [r, k] = plan.slots[i];
+    mine.slot_replicas.push_back(r);
+    mine.slot_stages.push_back(k);
+    mine.shards.push_back(wiring->shards[k][r] = add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan.comms.at(i)),
+                                                     "shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) + "]"));
+    mine.stages.push_back(wiring->stages[r][k] = add(spawn_stage_actor(self, ctx, wiring, r, k), ctx->stage_name(r, k)));
+  }
+  for (int r : plan.loader_replicas) {
+    mine.loader_replicas.push_back(r);
     mine.loaders.push_back(wiring->loaders[r] = add(spawn_data_loader_actor(self, ctx, wiring, r),
                                                     "loader[replica " + std::to_string(r) + "]"));
-  spdlog::debug("supervisor: spawned {} actors for replicas [{}, {})", children->size(), plan.replica_begin,
-                plan.replica_end);
+  }
+  spdlog::debug("supervisor of node {}: spawned {} actors", plan.node, children->size());
 
   auto name_of = [children](const caf::actor_addr& a) {
     for (auto& [h, n] : *children)
@@ -68,6 +87,9 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       [=](const wiring_msg& msg) {
         // Before the first step, while no actor reads the wiring.
         wiring->coordinator = msg.coordinator;
+        wiring->nodes.assign(ctx->d, std::vector<int>(ctx->p, 0));
+        for (int r = 0; r < ctx->d; ++r)
+          for (int k = 0; k < ctx->p; ++k) wiring->nodes[r][k] = msg.nodes.at(std::size_t(r) * ctx->p + k);
         for (int r = 0; r < ctx->d; ++r) {
           wiring->loaders[r] = msg.loaders.at(r);
           for (int k = 0; k < ctx->p; ++k) {

@@ -1,5 +1,5 @@
 #pragma once
-// supervisor_actor: spawns and monitors the actors of its node (the replicas of its
+// supervisor_actor: spawns and monitors the actors of its node (the slots of its
 // node_plan; in one process: all of them), reports their handles to the coordinator, takes
 // the whole job's handles (wiring_msg), and after every committed step resets each actor
 // and checks what it still held. An actor that dies is reported to the coordinator.
@@ -16,13 +16,21 @@
 
 namespace troupe {
 
-/// What one node hosts: whole replicas [replica_begin, replica_end) (all p stages, their
-/// optimizer shards and data loaders) and the shards' communicators.
+/// What one node hosts: slots (replica, stage), each a stage actor and the stage's
+/// optimizer shard of rank `replica` (with its communicator), and the data loaders of
+/// `loader_replicas` (each with its replica's first stage).
 struct node_plan {
-  int replica_begin = 0, replica_end = 0;
-  /// [stage][replica - replica_begin]: rank `replica` of the stage's d shards.
-  std::vector<std::vector<std::shared_ptr<transport::communicator>>> comms;
+  int node = 0;
+  std::vector<std::pair<int, int>> slots;
+  std::vector<std::shared_ptr<transport::communicator>> comms;  ///< per slot
+  std::vector<int> loader_replicas;
+  std::shared_ptr<transport::communicator> world;  ///< between nodes (rank = node); null: one process
 };
+
+/// Slots of node `node` of `nodes`: an equal run of the replica-major list of all p x d
+/// (replica, stage) pairs (whole replicas when nodes divides d); throws config_error when
+/// p x d is not divisible by the node count.
+std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes);
 
 /// Every replica in this process, shards on in-process communicators.
 node_plan local_node_plan(const runtime_context& ctx);

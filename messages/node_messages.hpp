@@ -18,7 +18,7 @@
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 1;
+constexpr std::int32_t protocol_version = 2;
 
 struct node_hello {
   std::int32_t version = 0;
@@ -48,18 +48,23 @@ struct node_ready {
   caf::actor supervisor;
 };
 
-/// Supervisor -> coordinator: the actors it spawned for replicas [replica_begin,
-/// replica_end): stages replica-major, shards stage-major, one loader per replica.
+/// Supervisor -> coordinator: the actors it spawned: per slot (replica, stage) the stage
+/// actor and the stage's optimizer shard of that rank; the loaders of `loader_replicas`.
 struct node_actors {
-  std::int32_t replica_begin = 0, replica_end = 0;
-  std::vector<caf::actor> stages, shards, loaders;
+  std::int32_t node = 0;
+  std::vector<std::int32_t> slot_replicas, slot_stages;
+  std::vector<caf::actor> stages, shards;
+  std::vector<std::int32_t> loader_replicas;
+  std::vector<caf::actor> loaders;
 };
 
 /// Coordinator -> supervisors: every actor of the job (stages [replica][stage] and
-/// shards [stage][rank] flattened row-major, loaders by replica).
+/// shards [stage][rank] flattened row-major, loaders by replica) and the node of every
+/// stage ([replica][stage] row-major).
 struct wiring_msg {
   caf::actor coordinator;
   std::vector<caf::actor> stages, shards, loaders;
+  std::vector<std::int32_t> nodes;
 };
 
 template <class Inspector>
@@ -80,11 +85,12 @@ typename Inspector::result_type inspect(Inspector& f, node_ready& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_actors& x) {
-  return f(caf::meta::type_name("node_actors"), x.replica_begin, x.replica_end, x.stages, x.shards, x.loaders);
+  return f(caf::meta::type_name("node_actors"), x.node, x.slot_replicas, x.slot_stages, x.stages, x.shards,
+           x.loader_replicas, x.loaders);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, wiring_msg& x) {
-  return f(caf::meta::type_name("wiring_msg"), x.coordinator, x.stages, x.shards, x.loaders);
+  return f(caf::meta::type_name("wiring_msg"), x.coordinator, x.stages, x.shards, x.loaders, x.nodes);
 }
 
 }  // namespace troupe

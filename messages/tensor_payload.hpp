@@ -1,9 +1,9 @@
 #pragma once
-// A tensor travelling beside a message: dtype, shape, and the data as an in-process
-// hand-off (the tensor itself, no copy). Training-step tensors never leave their process
-// in a message: across processes they move through transport/ (the shards'
-// collectives). Only the coordinator's state gathers (evaluation, checkpoints) carry
-// tensors from other nodes: CAF's serializer then writes the bytes after the metadata.
+// A tensor travelling beside a message: dtype, shape, and either the data as an
+// in-process hand-off (the tensor itself, no copy) or a transport handle (the sending node
+// and a tag: the bytes travel over UCX, never through CAF). Payloads without a handle
+// that do cross processes (the coordinator's state gathers for evaluation and checkpoints,
+// a loader's targets) have their bytes written by CAF's serializer after the metadata.
 // An optional CRC-32 of the bytes lets the receiver detect corruption.
 #include <cstdint>
 #include <string>
@@ -23,6 +23,10 @@ struct tensor_payload {
   torch::Tensor local;                ///< in-process hand-off
   std::uint32_t checksum = 0;
   bool has_checksum = false;
+  /// Transport handle: the bytes come separately over the job's world communicator
+  /// from rank (node) `src_node`, tagged `tag` (-1: no handle).
+  std::int32_t src_node = -1;
+  std::uint32_t tag = 0;
 };
 
 /// Wraps `t` (contiguous; shares its storage) with an optional checksum.
@@ -50,7 +54,7 @@ typename Inspector::result_type inspect(Inspector& f, tensor_payload& x) {
   constexpr bool wire = std::is_base_of<caf::serializer, Inspector>::value ||
                         std::is_base_of<caf::deserializer, Inspector>::value;
   if constexpr (!wire) {
-    return f(caf::meta::type_name("tensor_payload"), x.dtype, x.shape, x.checksum, x.has_checksum);
+    return f(caf::meta::type_name("tensor_payload"), x.dtype, x.shape, x.checksum, x.has_checksum, x.src_node, x.tag);
   } else {
     std::vector<char> bytes;
     if constexpr (Inspector::reads_state)
@@ -59,7 +63,8 @@ typename Inspector::result_type inspect(Inspector& f, tensor_payload& x) {
       if (!bytes.empty()) x.local = tensor_from_bytes(bytes, x.dtype, x.shape);
       return caf::none;
     });
-    return f(caf::meta::type_name("tensor_payload"), x.dtype, x.shape, x.checksum, x.has_checksum, bytes, load);
+    return f(caf::meta::type_name("tensor_payload"), x.dtype, x.shape, x.checksum, x.has_checksum, x.src_node, x.tag,
+             bytes, load);
   }
 }
 

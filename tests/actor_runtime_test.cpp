@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/runtime.hpp"
+#include "actors/supervisor_actor.hpp"
 #include "compute/trainer.hpp"
 #include "test_util.hpp"
 
@@ -270,3 +271,13 @@ TEST(ActorRuntime, BadInitialWeightsAreRefusedUpFront) {
 }
 
 }  // namespace troupe
+
+// Node layouts: equal runs of the replica-major (replica, stage) list.
+TEST(NodeLayout, SlotsAreEqualRunsOfReplicaMajorStages) {
+  using slots = std::vector<std::pair<int, int>>;
+  EXPECT_EQ(troupe::node_slots(2, 2, 1, 2), (slots{{1, 0}, {1, 1}}));  // whole replicas
+  EXPECT_EQ(troupe::node_slots(4, 1, 1, 2), (slots{{0, 2}, {0, 3}}));  // a pipeline split
+  EXPECT_EQ(troupe::node_slots(2, 2, 3, 4), (slots{{1, 1}}));
+  EXPECT_EQ(troupe::node_slots(1, 4, 0, 1).size(), 4u);
+  EXPECT_THROW(troupe::node_slots(1, 2, 0, 3), troupe::config_error);
+}

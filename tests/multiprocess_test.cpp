@@ -68,7 +68,9 @@ std::string name_of(const ::testing::TestParamInfo<layout>& info) {
 class MultiProcess : public ::testing::TestWithParam<layout> {};
 
 // 10 steps over node processes == the same job in one process, bit for bit: parameters
-// and AdamW moments (the checkpoint gathers both from every node).
+// and AdamW moments (the checkpoint gathers both from every node). Layouts with a
+// replica's stages on several nodes send activations and gradients over UCX; the others
+// only the shards' collectives.
 TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
   const auto [p, d, nodes] = GetParam();
   test::temp_dir dir;
@@ -99,7 +101,8 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MultiProcess,
-                         ::testing::Values(layout{2, 2, 2}, layout{4, 2, 2}, layout{1, 4, 4}, layout{2, 4, 2}),
+                         ::testing::Values(layout{2, 1, 2}, layout{4, 1, 4}, layout{2, 2, 2}, layout{4, 2, 4},
+                                           layout{1, 4, 4}, layout{2, 4, 2}),
                          name_of);
 
 // A node with another token, or another protocol version, is refused (and the refusal is
