@@ -7,6 +7,7 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <caf/openssl/all.hpp>
 #include <torch/torch.h>
 
 #include "actors/coordinator_actor.hpp"
@@ -126,11 +127,14 @@ Reply ask(caf::scoped_actor& self, const caf::actor& dest, std::chrono::millisec
   return out;
 }
 
+bool use_tls(const node_options& o) { return !o.tls_certificate.empty(); }
+
 caf::actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
   const auto deadline = std::chrono::steady_clock::now() + o.join_timeout;
   std::string last;
   while (std::chrono::steady_clock::now() < deadline) {
-    auto r = sys.middleman().remote_actor(o.host, o.port);
+    auto r = use_tls(o) ? caf::openssl::remote_actor<caf::actor>(sys, o.host, o.port)
+                        : sys.middleman().remote_actor(o.host, o.port);
     if (r) return *r;
     last = sys.render(r.error());
     std::this_thread::sleep_for(200ms);
@@ -161,6 +165,15 @@ actor_run_result run_node(const node_options& o) {
     // CAF's failure detection is off by default: a frozen or vanished node must be noticed.
     acfg.set("middleman.heartbeat-interval", caf::timespan{o.heartbeat});
     acfg.set("middleman.connection-timeout", caf::timespan{o.connection_timeout});
+    if (use_tls(o)) {
+      for (const auto* path : {&o.tls_certificate, &o.tls_key, &o.tls_cafile})
+        if (path->empty() || ::access(path->c_str(), R_OK) != 0)
+          throw config_error("TLS needs a readable certificate, key and CA file (got '" + *path + "')");
+      acfg.load<caf::openssl::manager>();
+      acfg.openssl_certificate = o.tls_certificate;
+      acfg.openssl_key = o.tls_key;
+      acfg.openssl_cafile = o.tls_cafile;
+    }
     caf::actor_system sys{acfg};
     caf::actor registrar_handle, supervisor;
     try {
@@ -176,11 +189,12 @@ actor_run_result run_node(const node_options& o) {
                                        std::int64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                                         std::chrono::steady_clock::now().time_since_epoch())
                                                         .count()));
-          auto port = sys.middleman().publish(registrar_handle, o.port, nullptr, true);
+          auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)
+                                 : sys.middleman().publish(registrar_handle, o.port, nullptr, true);
           if (!port)
             throw node_failure(1, "node 0: cannot listen on port " + std::to_string(o.port) + ": " +
                                       sys.render(port.error()));
-          spdlog::info("node 0 of {}: coordinator listening on port {}", o.nodes, *port);
+          spdlog::info("node 0 of {}: coordinator listening on port {}{}", o.nodes, *port, use_tls(o) ? " (TLS)" : "");
         } else {
           registrar_handle = connect_to_registrar(sys, o);
         }

@@ -33,6 +33,10 @@ struct node_options {
   job_config cfg;                  ///< node 0: the job (other nodes receive it)
   actor_run_options run;           ///< node 0: progress, trace
   int nodes_per_host = 1;          ///< node processes sharing this machine's cores (threads = 0)
+  /// TLS between the nodes' actor systems (CAF's openssl module): this node's certificate
+  /// and key (PEM) and the CA file that peers' certificates must chain to. Empty: plain
+  /// TCP. Every node of a job must agree (a TLS node and a plain one cannot talk).
+  std::string tls_certificate, tls_key, tls_cafile;
   std::chrono::milliseconds join_timeout{60000};
   std::chrono::milliseconds heartbeat{500};           ///< CAF middleman heartbeats
   std::chrono::milliseconds connection_timeout{5000};  ///< a silent peer is gone after this

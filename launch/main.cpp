@@ -91,6 +91,7 @@ int run_node_command(const config_flags& flags) {
     o.node = std::stoi(env_or("TROUPE_NODE", "0"));
     o.nodes = std::stoi(env_or("TROUPE_NODES", "1"));
     o.nodes_per_host = std::stoi(env_or("TROUPE_NODES_PER_HOST", "1"));
+    o.join_timeout = std::chrono::milliseconds(std::stoi(env_or("TROUPE_JOIN_TIMEOUT_MS", "60000")));
     const auto coord = env_or("TROUPE_COORDINATOR", "127.0.0.1:0");
     const auto colon = coord.rfind(':');
     if (colon == std::string::npos) throw std::invalid_argument("TROUPE_COORDINATOR must be host:port");
@@ -101,6 +102,9 @@ int run_node_command(const config_flags& flags) {
   }
   o.token = env_or("TROUPE_JOB_TOKEN", "");
   o.version = std::stoi(env_or("TROUPE_PROTOCOL_VERSION", "0"));  // tests: present another version
+  o.tls_certificate = env_or("TROUPE_TLS_CERT", "");
+  o.tls_key = env_or("TROUPE_TLS_KEY", "");
+  o.tls_cafile = env_or("TROUPE_TLS_CA", "");
   if (o.token.empty()) return fail(exit_usage, "TROUPE_JOB_TOKEN is not set (the launcher sets it: launch/troupe train --nodes N)");
   if (o.node == 0) {
     try {
