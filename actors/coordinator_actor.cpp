@@ -44,6 +44,8 @@ struct coordinator_state {
   std::vector<int> peaks;
   double elapsed = 0;
   int timed = 0;
+  int skipped = 0;           // updates skipped for NaN/inf gradients
+  bool skipping = false;     // this step's update is skipped
 };
 
 using self_ptr = caf::stateful_actor<coordinator_state>*;
@@ -179,7 +181,7 @@ void commit(self_ptr self) {
   s.stats.seconds = (ctx.now_us() - s.started_us) * 1e-6;
   s.stats.tokens = std::int64_t(ctx.cfg.global_batch) *
                    (ctx.spec.type == model_spec::kind::gpt ? ctx.spec.gpt.seq_len : 1);
-  if (!std::isfinite(s.stats.loss)) return fail(self, "loss is " + std::to_string(s.stats.loss));
+  if (!std::isfinite(s.stats.loss) && !s.skipping) return fail(self, "loss is " + std::to_string(s.stats.loss));
   s.elapsed += s.stats.seconds;
   ++s.timed;
   const auto timing = measure_step(s.events, ctx.d, ctx.p);
@@ -202,7 +204,8 @@ void commit(self_ptr self) {
                       {"bubble", timing.bubble},
                       {"stage_busy_s", timing.busy_s},
                       {"stage_idle_s", timing.idle_s},
-                      {"peak_in_flight", s.peaks}};
+                      {"peak_in_flight", s.peaks},
+                      {"skipped", s.skipping}};
   // Reset: the supervisors drop every actor's per-step state and report leftovers.
   auto reports = std::make_shared<std::vector<reset_report>>();
   auto pending = std::make_shared<std::size_t>(s.supervisors.size());
@@ -238,6 +241,7 @@ void begin(self_ptr self) {
   s.partials.assign(std::size_t(ctx.n_virtual) * ctx.d, 0.0);
   s.n_losses = s.n_partials = s.n_stages = s.n_shards = 0;
   s.committed = false;
+  s.skipping = false;
   s.events.clear();
   s.peaks.assign(std::size_t(ctx.d) * ctx.p, 0);
   s.started_us = ctx.now_us();
@@ -360,9 +364,20 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         double sq = 0;
         for (double x : s.partials) sq += x;  // (virtual stage, rank) order, as the reference
         s.stats.grad_norm = std::sqrt(sq);
-        const double factor = s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
+        // NaN/inf gradients (a NaN or inf loss): skip this step's update, as Megatron's
+        // loss scaler does, up to max_skipped_steps; the shards keep their state.
+        s.skipping = !std::isfinite(sq);
+        if (s.skipping) {
+          ++s.skipped;
+          spdlog::warn("step {}: gradient norm is {}: update skipped ({} skipped, at most {})", s.step + 1, std::sqrt(sq),
+                       s.skipped, s.ctx->cfg.max_skipped_steps);
+          if (s.skipped > s.ctx->cfg.max_skipped_steps)
+            return fail(self, "gradients not finite in " + std::to_string(s.skipped) + " steps (max_skipped_steps " +
+                                  std::to_string(s.ctx->cfg.max_skipped_steps) + ")");
+        }
+        const double factor = s.skipping ? 0.0 : s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
         for (const auto& row : s.wiring->shards)
-          for (const auto& a : row) self->send(a, clip_factor_msg{s.step, factor});
+          for (const auto& a : row) self->send(a, clip_factor_msg{s.step, factor, s.skipping});
       },
       [=](stage_done& msg) {
         auto& s = self->state;

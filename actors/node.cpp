@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <set>
 #include <thread>
 
@@ -318,6 +319,14 @@ actor_run_result run_node(const node_options& o) {
     if (registrar_handle && o.node == 0) caf::anon_send_exit(registrar_handle, caf::exit_reason::user_shutdown);
     registrar_handle = nullptr;
     supervisor = nullptr;
+    // The job is over (results and checkpoints written): a shutdown that does not finish
+    // (an actor object kept alive by a reference we do not know of) must not keep the
+    // process, and with it the launcher, waiting.
+    std::thread([code = result.exit_code, node = o.node] {
+      std::this_thread::sleep_for(30s);
+      spdlog::warn("node {}: shutdown did not finish within 30 s; exiting", node);
+      std::_Exit(code);
+    }).detach();
     sys.await_all_actors_done();
     wiring->clear();
   }

@@ -175,7 +175,8 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         torch::set_num_threads(1);
         auto& s = self->state;
         trace_event ev{"optimizer", s.rank, s.stage, -1, -1, s.step, s.ctx->now_us(), 0};
-        for (auto& ch : s.chunks) ch.opt.step(ch.reduced, s.lr, msg.factor);
+        if (!msg.skip)  // skipped: no update, no AdamW step count (Megatron's loss scaler)
+          for (auto& ch : s.chunks) ch.opt.step(ch.reduced, s.lr, msg.factor);
         ev.end_us = s.ctx->now_us();
         s.events.push_back(ev);
         start_phase(collective::all_gather);

@@ -82,6 +82,10 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
     for (auto& [h, n] : *children) self->send_exit(h, msg.reason);
     self->quit(msg.reason);
   });
+  // The handlers above live as long as this actor's object, which a remote node's proxy
+  // may keep after the actor is gone: drop the children's handles at termination, or a
+  // detached stage actor is never destroyed and the actor system waits for it forever.
+  self->attach_functor([children] { children->clear(); });
   return {
       [=](run_atom) { return mine; },  // spawned: here are the handles
       [=](const wiring_msg& msg) {

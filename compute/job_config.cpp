@@ -89,6 +89,8 @@ const std::vector<key_def>& key_defs() {
       int_key("train.eval_interval", "validation every N steps and at the end", &job_config::eval_interval, 0, 10000000),
       string_key("train.runtime", "actors (the actor runtime) or local (the plain loop)", &job_config::runtime),
       int_key("train.step_timeout", "seconds before an unfinished step is aborted", &job_config::step_timeout, 1, 1000000),
+      int_key("train.max_skipped_steps", "NaN/inf gradients: updates skipped (actors) before the run stops",
+              &job_config::max_skipped_steps, 0, 1000000),
       {{"train.checksum", "CRC-32 on every activation and gradient payload (true/false)"},
        [](job_config& c, const std::string& v) {
          if (v != "true" && v != "false") bad("expected true or false");
@@ -137,6 +139,8 @@ const std::vector<key_def>& key_defs() {
       int_key("output.checkpoint_interval", "also save every N steps (0: only at the end)", &job_config::checkpoint_interval, 0, 10000000),
       string_key("output.trace", "Chrome trace JSON of every executed op (actors runtime)", &job_config::trace),
       string_key("faults.throw_at", "replica:stage:step - that stage actor throws (testing)", &job_config::throw_at),
+      int_key("faults.nan_at", "step whose losses the last stages make NaN (testing; -1: none)", &job_config::nan_at, -1,
+              10000000),
   };
   return defs;
 }

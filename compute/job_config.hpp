@@ -36,6 +36,7 @@ struct job_config {
   std::string runtime = "actors";     ///< actors | local (the plain single-process loop)
   int step_timeout = 300;             ///< seconds before an unfinished step is aborted
   bool checksum = false;              ///< CRC-32 on every activation / gradient payload
+  int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;
@@ -60,6 +61,7 @@ struct job_config {
   std::string trace;                  ///< Chrome trace JSON of every executed op
   // [faults]
   std::string throw_at;               ///< "replica:stage:step": that stage throws (tests)
+  int nan_at = -1;                    ///< step whose losses are made NaN (tests; -1: none)
 
   /// The defaults of a workload of WORKLOADS.md.
   static job_config defaults_for(const std::string& workload);

@@ -29,10 +29,12 @@ struct grad_norm_partial {
   double sq_norm = 0;
 };
 
-/// Coordinator -> shards: scale all gradients by `factor` (global-norm clipping).
+/// Coordinator -> shards: scale all gradients by `factor` (global-norm clipping), or
+/// skip the update (`skip`: the gradients are not finite) and all-gather unchanged ranges.
 struct clip_factor_msg {
   std::int64_t step = 0;
   double factor = 1;
+  bool skip = false;
 };
 
 /// Shard -> its own stage: chunk `chunk`'s whole parameter buffer after the all-gather
@@ -67,7 +69,7 @@ typename Inspector::result_type inspect(Inspector& f, grad_norm_partial& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, clip_factor_msg& x) {
-  return f(caf::meta::type_name("clip_factor_msg"), x.step, x.factor);
+  return f(caf::meta::type_name("clip_factor_msg"), x.step, x.factor, x.skip);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, param_shard& x) {

@@ -281,3 +281,30 @@ TEST(NodeLayout, SlotsAreEqualRunsOfReplicaMajorStages) {
   EXPECT_EQ(troupe::node_slots(1, 4, 0, 1).size(), 4u);
   EXPECT_THROW(troupe::node_slots(1, 2, 0, 3), troupe::config_error);
 }
+
+// A NaN loss (injected at step 1): the update is skipped (no parameter or AdamW change),
+// the run goes on; beyond max_skipped_steps the run stops with a clear error.
+TEST(ActorRuntime, NanLossSkipsTheUpdateUpToALimit) {
+  auto cfg = troupe::test::gpt_config(2);
+  cfg.pipeline = 2;
+  cfg.data_parallel = 2;
+  cfg.microbatches = 4;
+  cfg.eval_interval = 0;
+  troupe::actor_run_options quiet;
+  quiet.quiet = true;
+  auto one = cfg;
+  one.steps = 1;  // warm-up lr does not depend on the run's length
+  const auto reference = troupe::run_actor_training(one, quiet);
+  ASSERT_EQ(reference.exit_code, 0) << reference.error;
+  cfg.nan_at = 1;
+  const auto skipped = troupe::run_actor_training(cfg, quiet);
+  ASSERT_EQ(skipped.exit_code, 0) << skipped.error;
+  ASSERT_EQ(skipped.losses.size(), 2u);
+  EXPECT_TRUE(std::isfinite(skipped.losses[0]));
+  EXPECT_TRUE(std::isnan(skipped.losses[1]));
+  EXPECT_EQ(troupe::test::max_abs_diff(skipped.final_state, reference.final_state), 0.0);
+  cfg.max_skipped_steps = 0;
+  const auto stopped = troupe::run_actor_training(cfg, quiet);
+  EXPECT_EQ(stopped.exit_code, 1);
+  EXPECT_NE(stopped.error.find("gradients not finite"), std::string::npos) << stopped.error;
+}
