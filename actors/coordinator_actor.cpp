@@ -390,7 +390,6 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       [=](shard_done& msg) {
         auto& s = self->state;
         if (msg.step != s.step) return;
-        for (auto& e : msg.events) e.replica = msg.rank;
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_shards;
         maybe_commit(self);

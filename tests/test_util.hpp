@@ -8,19 +8,9 @@
 
 #include "compute/job_config.hpp"
 #include "compute/model.hpp"
+#include "temp_dir.hpp"
 
 namespace troupe::test {
-
-/// A fresh temporary folder, removed with the object.
-struct temp_dir {
-  std::filesystem::path path;
-  temp_dir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "troupe-test-XXXXXX").string();
-    path = mkdtemp(tmpl.data());
-  }
-  ~temp_dir() { std::filesystem::remove_all(path); }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
 
 /// Max abs difference between two state_dicts of the same names (order may differ).
 inline double max_abs_diff(const state_dict& a, const state_dict& b) {

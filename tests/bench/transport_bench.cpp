@@ -15,7 +15,7 @@
 #include <iostream>
 
 #include "../process_group.hpp"
-#include "../test_util.hpp"
+#include "../temp_dir.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
 
 using namespace troupe::transport;

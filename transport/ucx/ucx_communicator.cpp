@@ -83,6 +83,9 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
   void post(std::function<void()> cmd);
   void post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag);
   void post_recv(const work_ptr& w, torch::Tensor t, std::uint64_t tag, std::uint64_t mask, std::uint64_t check_kind);
+  /// Queues a transfer for the progress thread; `start` fills the callback and posts it.
+  void submit(const work_ptr& w, torch::Tensor t, std::size_t bytes, std::uint64_t check_kind,
+              std::function<ucs_status_ptr_t(pending_op*, ucp_request_param_t&)> start);
   void posted(pending_op* op, ucs_status_ptr_t req);
   void progress_loop();
   void executor_loop();
@@ -251,33 +254,32 @@ void ucx_comm::post(std::function<void()> cmd) {
   [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
 }
 
-void ucx_comm::post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag) {
+void ucx_comm::submit(const work_ptr& w, torch::Tensor t, std::size_t bytes, std::uint64_t check_kind,
+                      std::function<ucs_status_ptr_t(pending_op*, ucp_request_param_t&)> start) {
   if (auto b = broken(); !b.empty()) return w->complete("communicator aborted: " + b);
-  auto* op = new pending_op{this, w, std::move(t), 0, 0, nullptr};
-  post([this, op, dst, tag] {
+  auto* op = new pending_op{this, w, std::move(t), bytes, check_kind, nullptr};
+  post([this, op, start = std::move(start)] {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-    p.cb.send = send_cb;
     p.user_data = op;
     pending_.insert(op);
-    auto req = ucp_tag_send_nbx(eps_[dst], op->keep.data_ptr(), op->keep.nbytes(), tag, &p);
-    posted(op, req);
+    posted(op, start(op, p));
+  });
+}
+
+void ucx_comm::post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag) {
+  submit(w, std::move(t), 0, 0, [this, dst, tag](pending_op* op, ucp_request_param_t& p) {
+    p.cb.send = send_cb;
+    return ucp_tag_send_nbx(eps_[dst], op->keep.data_ptr(), op->keep.nbytes(), tag, &p);
   });
 }
 
 void ucx_comm::post_recv(const work_ptr& w, torch::Tensor t, std::uint64_t tag, std::uint64_t mask,
                          std::uint64_t check_kind) {
-  if (auto b = broken(); !b.empty()) return w->complete("communicator aborted: " + b);
   const auto bytes = t.nbytes();
-  auto* op = new pending_op{this, w, std::move(t), bytes, check_kind, nullptr};
-  post([this, op, tag, mask] {
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  submit(w, std::move(t), bytes, check_kind, [this, tag, mask](pending_op* op, ucp_request_param_t& p) {
     p.cb.recv = recv_cb;
-    p.user_data = op;
-    pending_.insert(op);
-    auto req = ucp_tag_recv_nbx(worker_, op->keep.data_ptr(), op->bytes, tag, mask, &p);
-    posted(op, req);
+    return ucp_tag_recv_nbx(worker_, op->keep.data_ptr(), op->bytes, tag, mask, &p);
   });
 }
 
