@@ -1,6 +1,7 @@
 #include "actors/coordinator_actor.hpp"
 
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 
@@ -10,6 +11,7 @@
 #include "actors/supervisor_actor.hpp"
 #include "actors/trace.hpp"
 #include "compute/checkpoint.hpp"
+#include "compute/checkpoint_dir.hpp"
 #include "compute/optimizer.hpp"
 #include "compute/pipeline.hpp"
 #include "compute/trainer.hpp"
@@ -46,6 +48,8 @@ struct coordinator_state {
   int timed = 0;
   int skipped = 0;           // updates skipped for NaN/inf gradients
   bool skipping = false;     // this step's update is skipped
+  double checkpoint_seconds = 0;  // spent writing checkpoint folders
+  nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
 };
 
 using self_ptr = caf::stateful_actor<coordinator_state>*;
@@ -69,26 +73,39 @@ void finish(self_ptr self, int code, const std::string& error) {
   self->quit();
 }
 
-void fail(self_ptr self, const std::string& why) {
+/// Aborts the step and ends the run. `recoverable`: a restart from the last checkpoint
+/// can cure it (a node or actor lost, a step timed out; exit_recoverable) rather than a
+/// problem that would come back the same way (exit 1).
+void fail(self_ptr self, const std::string& why, bool recoverable = true) {
   auto& s = self->state;
   if (s.finished) return;
   for (auto& sup : s.supervisors) self->send(sup, abort_step{s.step, why});
-  finish(self, 1, "step " + std::to_string(s.step) + " aborted: " + why);
+  finish(self, recoverable ? exit_recoverable : 1, "step " + std::to_string(s.step) + " aborted: " + why);
 }
 
+/// The model as replica 0's stages hold it: the full state (model order) and per stage.
+struct model_state {
+  state_dict full;
+  std::vector<state_dict> stages;
+};
+
 /// Fetches the full model from replica 0's stages, then calls `then`.
-void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
+void fetch_state(self_ptr self, std::function<void(model_state)> then) {
   auto& s = self->state;
-  auto parts = std::make_shared<std::map<std::string, torch::Tensor>>();
+  auto parts = std::make_shared<std::vector<state_dict>>(s.ctx->p);
   auto pending = std::make_shared<int>(s.ctx->p);
-  for (const auto& stage : s.wiring->stages[0])
-    self->request(stage, state_timeout, state_atom_v)
+  for (int k = 0; k < s.ctx->p; ++k)
+    self->request(s.wiring->stages[0][k], state_timeout, state_atom_v)
         .then(
             [=](const state_reply& rep) {
-              for (std::size_t i = 0; i < rep.names.size(); ++i) parts->emplace(rep.names[i], tensor_of(rep.tensors[i]));
+              for (std::size_t i = 0; i < rep.names.size(); ++i)
+                (*parts)[k].emplace_back(rep.names[i], tensor_of(rep.tensors[i]));
               if (--*pending > 0) return;
-              state_dict state;
-              for (const auto& name : parameter_names(self->state.ctx->spec)) state.emplace_back(name, parts->at(name));
+              std::map<std::string, torch::Tensor> by_name;
+              for (const auto& stage : *parts) by_name.insert(stage.begin(), stage.end());
+              model_state state;
+              for (const auto& name : parameter_names(self->state.ctx->spec)) state.full.emplace_back(name, by_name.at(name));
+              state.stages = std::move(*parts);
               then(std::move(state));
             },
             [=](caf::error& err) { fail(self, "no parameters from a stage: " + self->system().render(err)); });
@@ -118,16 +135,75 @@ void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
               [=](caf::error& err) { fail(self, "no optimizer state from a shard: " + self->system().render(err)); });
 }
 
-/// Writes FILE.optim (from the shards) and then FILE (the model), as the plain loop does.
-void save_checkpoint(self_ptr self, state_dict state, std::function<void()> then) {
+/// Writes the checkpoints due now: FILE.optim and FILE (--save, as the plain loop does)
+/// and / or a checkpoint folder in checkpoint_dir.
+void save_checkpoint(self_ptr self, model_state state, bool file, bool folder, std::function<void()> then) {
   fetch_moments(self, [=](named_moments moments) {
     auto& s = self->state;
-    const auto& path = s.ctx->cfg.save;
-    save_state_dict(path + ".optim", optimizer_state_dict(moments, state, s.step + 1));
-    save_state_dict(path, state);
-    spdlog::info("step {}: checkpoint written to {} (and {}.optim)", s.step + 1, path, path);
+    const auto& cfg = s.ctx->cfg;
+    const auto next = s.step + 1;
+    try {
+      if (file) {
+        save_state_dict(cfg.save + ".optim", optimizer_state_dict(moments, state.full, next));
+        save_state_dict(cfg.save, state.full);
+        spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
+      }
+      if (folder) {
+        const auto t0 = s.ctx->now_us();
+        std::vector<state_dict> optim;
+        for (const auto& stage : state.stages) optim.push_back(optimizer_state_dict(moments, stage, next));
+        const auto where =
+            write_checkpoint_dir(cfg.checkpoint_dir, cfg, state.stages, optim, next, cfg.keep_checkpoints);
+        s.checkpoint_seconds += (s.ctx->now_us() - t0) * 1e-6;
+        spdlog::info("step {}: checkpoint written to {}", next, where);
+      }
+    } catch (const std::exception& e) {
+      return fail(self, std::string("cannot write a checkpoint: ") + e.what(), false);
+    }
     then();
   });
+}
+
+/// Appends a step's line to the metrics log (after a resumed run's "resume" line).
+void write_metrics(self_ptr self, const nlohmann::json& line) {
+  auto& s = self->state;
+  if (!s.metrics.is_open()) return;
+  if (!s.recovery.is_null()) {
+    if (const char* failed = std::getenv("TROUPE_FAILED_AT")) {  // set by the launcher
+      const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+      s.recovery["seconds_from_failure_to_step"] = now - std::atof(failed);
+    }
+    s.metrics << s.recovery.dump() << '\n';
+    s.recovery = nullptr;
+  }
+  s.metrics << line.dump() << '\n' << std::flush;
+}
+
+/// A resumed run continues the metrics log: lines of the steps it runs again go (they
+/// come back as the steps commit), a "resume" line says from where and how much replays.
+void open_metrics(self_ptr self) {
+  auto& s = self->state;
+  const auto& cfg = s.ctx->cfg;
+  if (cfg.metrics.empty()) return;
+  if (s.ctx->start_step > 0) {
+    std::ifstream in(cfg.metrics);
+    std::string kept, text;
+    std::int64_t last = -1;
+    while (std::getline(in, text)) {
+      const auto j = nlohmann::json::parse(text, nullptr, false);
+      const auto step = j.is_object() && j.contains("step") && j.at("step").is_number_integer() ? j.at("step").get<std::int64_t>() : -1;
+      last = std::max(last, step);
+      if (step < s.ctx->start_step) kept += text + "\n";
+    }
+    if (in.is_open()) write_file_atomically(cfg.metrics, kept);
+    s.recovery = {{"event", "resume"},
+                  {"step", s.ctx->start_step},
+                  {"checkpoint", cfg.resume.empty() ? cfg.load : cfg.resume},
+                  {"replayed_steps", std::max<std::int64_t>(0, last + 1 - s.ctx->start_step)},
+                  {"launch_attempt", s.ctx->launch_attempt}};
+  }
+  s.metrics.open(cfg.metrics, std::ios::app);
+  if (!s.metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
 }
 
 void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line) {
@@ -147,7 +223,9 @@ void after_reset(self_ptr self, nlohmann::json line) {
   const int done_steps = int(s.step) + 1;
   const bool last = done_steps == cfg.steps;
   const bool eval = last || (cfg.eval_interval > 0 && done_steps % cfg.eval_interval == 0);
-  const bool save = !cfg.save.empty() && (last || (cfg.checkpoint_interval > 0 && done_steps % cfg.checkpoint_interval == 0));
+  const bool due = last || (cfg.checkpoint_interval > 0 && done_steps % cfg.checkpoint_interval == 0);
+  const bool save = !cfg.save.empty() && due;
+  const bool folder = !cfg.checkpoint_dir.empty() && due;
   auto proceed = [self, last](state_dict state) {
     auto& s = self->state;
     if (last) {
@@ -158,16 +236,15 @@ void after_reset(self_ptr self, nlohmann::json line) {
     ++s.step;
     begin(self);
   };
-  if (!eval && !save && !last) {
-    if (s.metrics.is_open()) s.metrics << line.dump() << '\n' << std::flush;
+  if (!eval && !save && !folder && !last) {
+    write_metrics(self, line);
     return proceed({});
   }
-  fetch_state(self, [=](state_dict state) mutable {
-    auto& s = self->state;
-    if (eval) evaluate(self, state, line);
-    if (s.metrics.is_open()) s.metrics << line.dump() << '\n' << std::flush;
-    if (save) return save_checkpoint(self, state, [=] { proceed(state); });
-    proceed(std::move(state));
+  fetch_state(self, [=](model_state state) mutable {
+    if (eval) evaluate(self, state.full, line);
+    write_metrics(self, line);
+    if (save || folder) return save_checkpoint(self, state, save, folder, [=] { proceed(state.full); });
+    proceed(std::move(state.full));
   });
 }
 
@@ -181,7 +258,7 @@ void commit(self_ptr self) {
   s.stats.seconds = (ctx.now_us() - s.started_us) * 1e-6;
   s.stats.tokens = std::int64_t(ctx.cfg.global_batch) *
                    (ctx.spec.type == model_spec::kind::gpt ? ctx.spec.gpt.seq_len : 1);
-  if (!std::isfinite(s.stats.loss) && !s.skipping) return fail(self, "loss is " + std::to_string(s.stats.loss));
+  if (!std::isfinite(s.stats.loss) && !s.skipping) return fail(self, "loss is " + std::to_string(s.stats.loss), false);
   s.elapsed += s.stats.seconds;
   ++s.timed;
   const auto timing = measure_step(s.events, ctx.d, ctx.p);
@@ -219,7 +296,7 @@ void commit(self_ptr self) {
               std::string msg = "per-step state left after reset:";
               for (const auto& r : *reports)
                 for (const auto& l : r.leftovers) msg += " " + r.actor + ": " + l + ";";
-              fail(self, msg);
+              fail(self, msg, false);
             },
             [=](caf::error& err) { fail(self, "reset check failed: " + self->system().render(err)); });
 }
@@ -281,9 +358,9 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
     for (std::size_t i = 0; i < n.loader_replicas.size(); ++i) w.loaders.at(n.loader_replicas[i]) = n.loaders.at(i);
   }
   for (std::size_t i = 0; i < w.stages.size(); ++i)
-    if (!w.stages[i] || !w.shards[i]) return fail(self, "the nodes do not cover every stage");
+    if (!w.stages[i] || !w.shards[i]) return fail(self, "the nodes do not cover every stage", false);
   for (const auto& l : w.loaders)
-    if (!l) return fail(self, "the nodes do not cover every data loader");
+    if (!l) return fail(self, "the nodes do not cover every data loader", false);
   s.wiring->coordinator = w.coordinator;
   s.wiring->stages.assign(ctx.d, {});
   s.wiring->shards.assign(ctx.p, {});
@@ -299,8 +376,8 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
             [=](bool) {
               if (--*pending > 0) return;
               if (self->state.step < self->state.ctx->cfg.steps) return begin(self);
-              fetch_state(self, [=](state_dict state) {  // nothing left to run
-                self->state.result->final_state = std::move(state);
+              fetch_state(self, [=](model_state state) {  // nothing left to run
+                self->state.result->final_state = std::move(state.full);
                 finish(self, 0, "");
               });
             },
@@ -316,10 +393,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
   st.opts = opts;
   st.result = result;
   st.lrs = {ctx->cfg.lr, ctx->cfg.min_lr, ctx->cfg.warmup};
-  if (!ctx->cfg.metrics.empty()) {
-    st.metrics.open(ctx->cfg.metrics, std::ios::app);
-    if (!st.metrics) throw std::runtime_error("cannot open metrics file " + ctx->cfg.metrics);
-  }
+  open_metrics(self);
   wiring->coordinator = caf::actor_cast<caf::actor>(self);
   if (supervisors.empty())  // one process: this node's supervisor hosts every replica
     supervisors.push_back(self->spawn(supervisor_actor, ctx, wiring, local_node_plan(*ctx)));
@@ -337,7 +411,9 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         auto& s = self->state;
         s.done = self->make_response_promise();
         s.step = s.ctx->start_step;
-        if (s.step > 0) spdlog::info("resumed from {} at step {}", s.ctx->cfg.load, s.step);
+        if (s.step > 0)
+          spdlog::info("resumed from {}: continuing with step {}", s.ctx->cfg.resume.empty() ? s.ctx->cfg.load : s.ctx->cfg.resume,
+                       s.step + 1);
         auto nodes = std::make_shared<std::vector<node_actors>>();
         for (auto& sup : s.supervisors)
           self->request(sup, std::chrono::seconds(60), run_atom_v)
@@ -373,7 +449,8 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
                        s.skipped, s.ctx->cfg.max_skipped_steps);
           if (s.skipped > s.ctx->cfg.max_skipped_steps)
             return fail(self, "gradients not finite in " + std::to_string(s.skipped) + " steps (max_skipped_steps " +
-                                  std::to_string(s.ctx->cfg.max_skipped_steps) + ")");
+                                  std::to_string(s.ctx->cfg.max_skipped_steps) + ")",
+                        false);
         }
         const double factor = s.skipping ? 0.0 : s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
         for (const auto& row : s.wiring->shards)

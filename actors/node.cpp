@@ -1,5 +1,7 @@
 #include "actors/node.hpp"
 
+#include "compute/checkpoint_dir.hpp"
+
 #include <unistd.h>
 
 #include <cstdlib>
@@ -184,6 +186,7 @@ actor_run_result run_node(const node_options& o) {
         if (o.node == 0) {
           cfg = o.cfg;
           cfg.validate();
+          resolve_resume(cfg);  // one checkpoint folder for every node (they get this config)
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
           training_data::check_available(cfg);
           registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(),

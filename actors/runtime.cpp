@@ -1,5 +1,6 @@
 #include "actors/runtime.hpp"
 
+#include <cstdlib>
 #include <thread>
 
 #include <caf/all.hpp>
@@ -7,6 +8,7 @@
 
 #include "actors/coordinator_actor.hpp"
 #include "compute/checkpoint.hpp"
+#include "compute/checkpoint_dir.hpp"
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
 
@@ -25,7 +27,14 @@ runtime_context::runtime_context(const job_config& c, std::chrono::steady_clock:
       sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
       ranges(partition_layers(spec.n_layers(), p, v, c.split)),
       epoch(epoch_) {
-  if (!c.load.empty()) {
+  resolve_resume(cfg);
+  if (const char* a = std::getenv("TROUPE_LAUNCH_ATTEMPT")) launch_attempt = std::atoi(a);
+  if (!cfg.resume.empty()) {
+    auto ckpt = read_checkpoint_dir(cfg.resume, cfg);
+    init = std::move(ckpt.model);
+    resume_optim = std::move(ckpt.optim);
+    start_step = ckpt.step;
+  } else if (!c.load.empty()) {
     auto ckpt = read_checkpoint(c.load, spec, c.steps);
     init = std::move(ckpt.model);
     resume_optim = std::move(ckpt.optim);

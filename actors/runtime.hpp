@@ -48,7 +48,11 @@ struct runtime_context {
   std::vector<layer_range> ranges;   ///< by virtual stage
   state_dict init;                   ///< initial full-model parameters (or the resumed ones)
   std::map<std::string, torch::Tensor> resume_optim;  ///< --load: AdamW moments by name
-  std::int64_t start_step = 0;       ///< --load: the checkpoint's next step
+  std::int64_t start_step = 0;       ///< --load / --resume: the checkpoint's next step
+  /// How often the launcher has restarted this job (TROUPE_LAUNCH_ATTEMPT); injected
+  /// faults fire in the first launch only.
+  int launch_attempt = 0;
+  bool faults_armed() const { return launch_attempt == 0; }
   std::chrono::steady_clock::time_point epoch;  ///< time origin of trace events
 
   double now_us() const {
@@ -94,6 +98,11 @@ tensor_payload ship_payload(const job_wiring& w, const tensor_payload& p, int ds
 /// transport's thread when they are in.
 void fetch_payload(const job_wiring& w, const tensor_payload& p,
                    std::function<void(tensor_payload, const std::string& error)> done);
+
+/// Exit status of a run that failed in a way a restart from its last checkpoint can
+/// cure (a node or actor lost, a step aborted); the launcher restarts such jobs.
+/// (EX_TEMPFAIL of sysexits.h.)
+constexpr int exit_recoverable = 75;
 
 struct actor_run_options {
   bool quiet = false;          ///< no progress lines (tests)

@@ -1,5 +1,8 @@
 #include "actors/stage_actor.hpp"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <limits>
 #include <map>
 
@@ -23,6 +26,7 @@ struct stage_state {
   std::vector<std::unique_ptr<model_slice>> chunks;  // chunk c: virtual stage c * p + stage
   const std::vector<pipeline_op>* order = nullptr;   // fixed-order kinds
   int throw_step = -1;                               // fault injection (tests)
+  int kill_step = -1;                                // fault injection: SIGKILL this process
 
   // --- per-step state (all of it dropped by reset) ---
   std::int64_t step = -1;
@@ -100,8 +104,10 @@ class stage_logic {
 
   void execute(const pipeline_op& op) {
     const auto& ctx = *s_.ctx;
-    if (s_.throw_step == s_.step && s_.ops_done == 1)
+    if (s_.throw_step == s_.step && s_.ops_done == 1) {
+      spdlog::warn("fault injected: {} throws at step {}", s_.name, s_.step);
       throw std::runtime_error("injected fault: " + s_.name + " throws at step " + std::to_string(s_.step));
+    }
     const key k{op.mb, op.chunk};
     const int x = s_.virtual_of(op.chunk);
     auto& slice = *s_.chunks[op.chunk];
@@ -114,7 +120,7 @@ class stage_logic {
       auto out = slice.forward(in);
       if (s_.is_last_virtual(op.chunk)) {
         auto loss = slice.loss(out, s_.targets[op.mb]);
-        if (s_.step == ctx.cfg.nan_at) loss = loss * std::numeric_limits<double>::quiet_NaN();  // fault injection
+        if (s_.step == ctx.cfg.nan_at && ctx.faults_armed()) loss = loss * std::numeric_limits<double>::quiet_NaN();  // fault injection
         s_.targets.erase(op.mb);
         self_->send(s_.wiring->coordinator, loss_report{s_.step, s_.replica, op.mb, loss.item<double>()});
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
@@ -308,10 +314,14 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d));
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   st.total_ops = 2 * ctx->m * ctx->v;
-  if (!ctx->cfg.throw_at.empty()) {
+  if (!ctx->cfg.throw_at.empty() && ctx->faults_armed()) {
     int r = -1, k = -1, s = -1;
     if (std::sscanf(ctx->cfg.throw_at.c_str(), "%d:%d:%d", &r, &k, &s) == 3 && r == replica && k == stage)
       st.throw_step = s;
+  }
+  if (!ctx->cfg.kill_node.empty() && ctx->faults_armed()) {
+    int node = -1, s = -1;
+    if (std::sscanf(ctx->cfg.kill_node.c_str(), "%d:%d", &node, &s) == 2 && node == wiring->node) st.kill_step = s;
   }
   // An exception ends the actor with its message as the exit reason (the supervisor
   // reports it to the coordinator, which aborts the step).
@@ -321,6 +331,12 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   return {
       [=](const begin_step& msg) {
         auto& s = self->state;
+        if (msg.step == s.kill_step) {
+          spdlog::warn("fault injected: node {} kills its own process (SIGKILL) as step {} begins", wiring->node,
+                       msg.step);
+          spdlog::default_logger()->flush();
+          ::kill(::getpid(), SIGKILL);
+        }
         if (ctx->cfg.threads > 0) torch::set_num_threads(ctx->cfg.threads);
         s.step = msg.step;
         s.running = true;

@@ -1,6 +1,7 @@
 #include "compute/job_config.hpp"
 
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -137,10 +138,18 @@ const std::vector<key_def>& key_defs() {
       string_key("output.load", "checkpoint to resume from (written by --save)", &job_config::load),
       string_key("output.init", "initial weights: a PyTorch state_dict file", &job_config::init),
       int_key("output.checkpoint_interval", "also save every N steps (0: only at the end)", &job_config::checkpoint_interval, 0, 10000000),
+      string_key("output.checkpoint_dir", "write checkpoint folders here (every checkpoint_interval steps and at the end)",
+                 &job_config::checkpoint_dir),
+      int_key("output.keep_checkpoints", "newest checkpoint folders kept in checkpoint_dir", &job_config::keep_checkpoints,
+              1, 1000000),
+      string_key("output.resume", "continue from a checkpoint folder (or checkpoint_dir's newest: auto)",
+                 &job_config::resume),
       string_key("output.trace", "Chrome trace JSON of every executed op (actors runtime)", &job_config::trace),
       string_key("faults.throw_at", "replica:stage:step - that stage actor throws (testing)", &job_config::throw_at),
       int_key("faults.nan_at", "step whose losses the last stages make NaN (testing; -1: none)", &job_config::nan_at, -1,
               10000000),
+      string_key("faults.kill_node", "node:step - that node's process SIGKILLs itself when the step begins (testing)",
+                 &job_config::kill_node),
   };
   return defs;
 }
@@ -261,10 +270,27 @@ void job_config::validate() const {
            std::to_string(layers));
   }
   if (!load.empty() && !init.empty()) fail("give either load (resume) or init (initial weights), not both");
+  if (!resume.empty() && (!load.empty() || !init.empty()))
+    fail("give either resume (a checkpoint folder) or load / init, not both");
+  if (resume == "auto" && checkpoint_dir.empty()) fail("resume = \"auto\" needs checkpoint_dir");
+  if (runtime == "local" && (!checkpoint_dir.empty() || !resume.empty()))
+    fail("checkpoint_dir and resume need the actors runtime (the local loop has save and load)");
+  if (!kill_node.empty()) {
+    int node = -1, step = -1;
+    char extra = 0;
+    if (std::sscanf(kill_node.c_str(), "%d:%d%c", &node, &step, &extra) != 2 || node < 0 || step < 0)
+      fail("kill_node must be node:step, not '" + kill_node + "'");
+  }
 }
 
 model_spec job_config::model() const {
   return workload == "fmnist-mlp" ? model_spec::fmnist_mlp() : model_spec::gpt_tiny();
+}
+
+std::vector<std::pair<std::string, std::string>> job_config::values() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& d : key_defs()) out.emplace_back(d.key.name, d.get(*this));
+  return out;
 }
 
 std::string job_config::to_toml() const {

@@ -6,8 +6,9 @@
 //               max_in_flight, credit_window
 //   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
 //   [data]      global_batch, fortunes_dir, fmnist_dir
-//   [output]    metrics, save, load, init, checkpoint_interval, trace
-//   [faults]    throw_at
+//   [output]    metrics, save, load, init, checkpoint_interval, checkpoint_dir,
+//               keep_checkpoints, resume, trace
+//   [faults]    throw_at, nan_at, kill_node (also TROUPE_FAULTS="key=value,...")
 //
 // Every key can also be given as a flag: the key's last part with '-' for '_'
 // (`--data-parallel 2`, `--lr 3e-4`).
@@ -58,10 +59,14 @@ struct job_config {
   // [output]
   std::string metrics, save, load, init;
   int checkpoint_interval = 0;        ///< also save every N steps (0: only at the end)
+  std::string checkpoint_dir;         ///< checkpoint folders (every checkpoint_interval, end)
+  int keep_checkpoints = 3;           ///< newest step folders kept in checkpoint_dir
+  std::string resume;                 ///< checkpoint folder to continue from, or "auto"
   std::string trace;                  ///< Chrome trace JSON of every executed op
   // [faults]
   std::string throw_at;               ///< "replica:stage:step": that stage throws (tests)
   int nan_at = -1;                    ///< step whose losses are made NaN (tests; -1: none)
+  std::string kill_node;              ///< "node:step": that node's process SIGKILLs itself
 
   /// The defaults of a workload of WORKLOADS.md.
   static job_config defaults_for(const std::string& workload);
@@ -75,6 +80,8 @@ struct job_config {
   int microbatch_size() const { return global_batch / (data_parallel * microbatches); }
   /// The whole configuration as TOML (what a run actually used).
   std::string to_toml() const;
+  /// Every key with its value as text (TOML syntax), in to_toml()'s order.
+  std::vector<std::pair<std::string, std::string>> values() const;
 };
 
 /// One configurable key: its full dotted name and a one-line help text.

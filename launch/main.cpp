@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <deque>
 #include <iostream>
+#include <sstream>
 
 #include "actors/node.hpp"
 #include "actors/runtime.hpp"
@@ -72,6 +73,18 @@ struct config_flags {
   }
   troupe::job_config load() const {
     std::vector<std::pair<std::string, std::string>> overrides;
+    // TROUPE_FAULTS="kill_node=1:7,throw_at=0:1:3": [faults] keys from the environment.
+    if (const char* faults = std::getenv("TROUPE_FAULTS")) {
+      std::stringstream in(faults);
+      std::string item;
+      while (std::getline(in, item, ',')) {
+        if (item.empty()) continue;
+        const auto eq = item.find('=');
+        if (eq == std::string::npos)
+          throw troupe::config_error("TROUPE_FAULTS: '" + item + "' is not key=value (e.g. kill_node=1:7)");
+        overrides.emplace_back("faults." + item.substr(0, eq), item.substr(eq + 1));
+      }
+    }
     for (std::size_t i = 0; i < keys.size(); ++i)
       if (keys[i].first->count() > 0) overrides.emplace_back(troupe::config_keys()[i].name, keys[i].second);
     return troupe::load_job_config(config_path, overrides);

@@ -1,0 +1,235 @@
+#include "compute/checkpoint_dir.hpp"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "compute/checkpoint.hpp"
+
+namespace troupe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int manifest_version = 1;
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw checkpoint_error("cannot read " + path.string());
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::uint32_t crc_of(const std::string& bytes) {
+  return static_cast<std::uint32_t>(
+      crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
+}
+
+std::string step_folder_name(std::int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string hash_of(const std::vector<std::pair<std::string, std::string>>& identity) {
+  std::string text;
+  for (const auto& [k, v] : identity) text += k + "=" + v + "\n";
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", crc_of(text));
+  return buf;
+}
+
+/// The step folders of `root`, oldest first.
+std::vector<fs::path> step_folders(const fs::path& root) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec))
+    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) out.push_back(e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> training_identity(const job_config& cfg) {
+  static const std::set<std::string> keys = {"train.workload",        "train.steps",          "train.seed",
+                                             "optimizer.lr",          "optimizer.min_lr",     "optimizer.warmup",
+                                             "optimizer.weight_decay", "optimizer.beta1",     "optimizer.beta2",
+                                             "optimizer.eps",         "optimizer.clip",       "data.global_batch"};
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& kv : cfg.values())
+    if (keys.count(kv.first)) out.push_back(kv);
+  return out;
+}
+
+std::string write_checkpoint_dir(const std::string& root_path, const job_config& cfg,
+                                 const std::vector<state_dict>& stage_params,
+                                 const std::vector<state_dict>& stage_optim, std::int64_t next_step, int keep) {
+  const fs::path root(root_path);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) throw checkpoint_error("cannot create checkpoint folder " + root_path + ": " + ec.message());
+  const auto name = step_folder_name(next_step);
+  const fs::path tmp = root / ("." + name + ".tmp");
+  fs::remove_all(tmp, ec);
+  fs::create_directory(tmp, ec);
+  if (ec) throw checkpoint_error("cannot create " + tmp.string() + ": " + ec.message());
+
+  nlohmann::json files = nlohmann::json::array();
+  auto add = [&](const std::string& file, int stage, const char* kind, const state_dict& state) {
+    save_state_dict((tmp / file).string(), state);
+    const auto bytes = read_bytes(tmp / file);
+    files.push_back({{"name", file}, {"stage", stage}, {"kind", kind}, {"bytes", bytes.size()}, {"crc32", crc_of(bytes)}});
+  };
+  for (std::size_t k = 0; k < stage_params.size(); ++k) {
+    add("stage-" + std::to_string(k) + ".pt", int(k), "parameters", stage_params[k]);
+    add("optim-stage-" + std::to_string(k) + ".pt", int(k), "optimizer", stage_optim.at(k));
+  }
+  const auto identity = training_identity(cfg);
+  nlohmann::json config = nlohmann::json::object();
+  for (const auto& [k, v] : identity) config[k] = v;
+  const nlohmann::json manifest{
+      {"format", "troupe-checkpoint"},
+      {"version", manifest_version},
+      {"step", next_step},
+      {"samples_consumed", next_step * cfg.global_batch},
+      {"workload", cfg.workload},
+      {"layout",
+       {{"pipeline", cfg.pipeline},
+        {"data_parallel", cfg.data_parallel},
+        {"microbatches", cfg.microbatches},
+        {"chunks", cfg.chunks},
+        {"schedule", cfg.schedule}}},
+      {"config", config},
+      {"config_hash", hash_of(identity)},
+      {"files", files}};
+  write_file_atomically((tmp / "manifest.json").string(), manifest.dump(2) + "\n");
+
+  const fs::path final_path = root / name;
+  fs::remove_all(final_path, ec);
+  fs::rename(tmp, final_path, ec);
+  if (ec) throw checkpoint_error("cannot rename " + tmp.string() + " to " + final_path.string() + ": " + ec.message());
+  write_file_atomically((root / "latest").string(), name + "\n");
+  auto all = step_folders(root);
+  for (std::size_t i = 0; i + std::size_t(keep) < all.size(); ++i)
+    if (all[i] != final_path) fs::remove_all(all[i], ec);
+  return final_path.string();
+}
+
+std::string find_checkpoint(const std::string& path) {
+  const fs::path p(path);
+  if (fs::exists(p / "manifest.json")) return p.string();
+  if (fs::exists(p / "latest")) {
+    auto name = read_bytes(p / "latest");
+    name.erase(std::remove_if(name.begin(), name.end(), [](char c) { return c == '\n' || c == '\r' || c == ' '; }),
+               name.end());
+    if (!name.empty() && fs::exists(p / name / "manifest.json")) return (p / name).string();
+    throw checkpoint_error("checkpoint folder " + path + ": 'latest' names " + name + ", which has no manifest.json");
+  }
+  if (!fs::exists(p)) throw checkpoint_error("checkpoint folder " + path + " does not exist");
+  throw checkpoint_error(path + " is not a Troupe checkpoint (no manifest.json, no 'latest')");
+}
+
+checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg) {
+  const fs::path dir(folder);
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(read_bytes(dir / "manifest.json"));
+  } catch (const nlohmann::json::exception& e) {
+    throw checkpoint_error("checkpoint " + folder + ": manifest.json is not valid JSON (" + e.what() + ")");
+  }
+  try {
+    if (manifest.value("format", "") != "troupe-checkpoint" || manifest.value("version", 0) != manifest_version)
+      throw checkpoint_error("checkpoint " + folder + ": manifest.json is not a version " +
+                             std::to_string(manifest_version) + " Troupe manifest");
+    // The run must be the one that wrote the checkpoint: same model, data and optimizer.
+    std::string differ;
+    const auto& saved = manifest.at("config");
+    for (const auto& [k, v] : training_identity(cfg)) {
+      const std::string theirs = saved.contains(k) ? saved.at(k).get<std::string>() : "(absent)";
+      if (theirs != v) differ += (differ.empty() ? "" : ", ") + k + " " + theirs + " (checkpoint) vs " + v + " (this run)";
+    }
+    if (!differ.empty())
+      throw checkpoint_error("checkpoint " + folder + " was written by another training configuration: " + differ +
+                             "; it would not continue the same run");
+    const std::int64_t step = manifest.at("step").get<std::int64_t>();
+    if (step < 0 || step > cfg.steps)
+      throw checkpoint_error("checkpoint " + folder + " is at step " + std::to_string(step) + ", outside a run of " +
+                             std::to_string(cfg.steps) + " steps");
+    checkpoint c;
+    c.step = step;
+    for (const auto& f : manifest.at("files")) {
+      const auto file = f.at("name").get<std::string>();
+      std::string bytes;
+      try {
+        bytes = read_bytes(dir / file);
+      } catch (const checkpoint_error&) {
+        throw checkpoint_error("checkpoint " + folder + ": " + file + " is missing");
+      }
+      if (bytes.size() != f.at("bytes").get<std::size_t>() || crc_of(bytes) != f.at("crc32").get<std::uint32_t>())
+        throw checkpoint_error("checkpoint " + folder + ": " + file + " is truncated or corrupt (" +
+                               std::to_string(bytes.size()) + " bytes, manifest says " +
+                               std::to_string(f.at("bytes").get<std::size_t>()) + "; CRC-32 " +
+                               (crc_of(bytes) == f.at("crc32").get<std::uint32_t>() ? "matches" : "differs") + ")");
+      const auto state = load_state_dict((dir / file).string());
+      if (f.at("kind") == "parameters") {
+        for (const auto& [n, t] : state) c.params.emplace(n, t);
+      } else {
+        for (const auto& [n, t] : state) c.optim.emplace(n, t);
+      }
+    }
+    // Model order as the spec names it; check_state says what is missing or mis-shaped.
+    state_dict model;
+    for (const auto& n : parameter_names(cfg.model()))
+      if (c.params.count(n)) model.emplace_back(n, c.params.at(n));
+    if (model.size() != c.params.size())
+      throw checkpoint_error("checkpoint " + folder + " holds parameters the " + cfg.workload + " model does not have");
+    try {
+      check_state(cfg.model(), model);
+    } catch (const std::exception& e) {
+      throw checkpoint_error("checkpoint " + folder + ": " + e.what());
+    }
+    c.model = std::move(model);
+    c.optim["step"] = torch::tensor({step}, torch::kInt64);
+    const auto& layout = manifest.at("layout");
+    if (layout.at("pipeline") != cfg.pipeline || layout.at("data_parallel") != cfg.data_parallel)
+      spdlog::info("checkpoint {} was written by pipeline {} x data-parallel {}; resharding for {} x {} (parameters "
+                   "and optimizer state by name; results equal to the old layout's up to float summation order)",
+                   folder, layout.at("pipeline").get<int>(), layout.at("data_parallel").get<int>(), cfg.pipeline,
+                   cfg.data_parallel);
+    return c;
+  } catch (const nlohmann::json::exception& e) {
+    throw checkpoint_error("checkpoint " + folder + ": manifest.json lacks a field (" + e.what() + ")");
+  }
+}
+
+void resolve_resume(job_config& cfg) {
+  const char* env = std::getenv("TROUPE_RESUME_AUTO");
+  const bool auto_env = env && std::string(env) == "1";
+  if (auto_env && !cfg.checkpoint_dir.empty() && fs::exists(fs::path(cfg.checkpoint_dir) / "latest")) {
+    cfg.resume = find_checkpoint(cfg.checkpoint_dir);
+    return;
+  }
+  if (cfg.resume == "auto") {
+    if (fs::exists(fs::path(cfg.checkpoint_dir) / "latest")) {
+      cfg.resume = find_checkpoint(cfg.checkpoint_dir);
+    } else {
+      spdlog::info("resume = auto: no checkpoint in {} yet, starting from step 0", cfg.checkpoint_dir);
+      cfg.resume.clear();
+    }
+    return;
+  }
+  if (!cfg.resume.empty()) cfg.resume = find_checkpoint(cfg.resume);
+}
+
+}  // namespace troupe

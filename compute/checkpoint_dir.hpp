@@ -1,0 +1,49 @@
+#pragma once
+// Checkpoint folders: what a run writes every `checkpoint_interval` steps and at the end
+// (output.checkpoint_dir), and what `--resume` continues from.
+//
+//   DIR/step-00000010/manifest.json     step, data position, layout, the training config
+//                                       (and its hash), every file with its size and CRC-32
+//   DIR/step-00000010/stage-K.pt        stage K's parameters (PyTorch state_dict, GPT-2 names)
+//   DIR/step-00000010/optim-stage-K.pt  stage K's AdamW moments ("step", "exp_avg.NAME",
+//                                       "exp_avg_sq.NAME"), assembled from its shards
+//   DIR/latest                          the name of the newest complete step folder
+//
+// A step folder is written under a temporary name and renamed when complete (atomic);
+// `latest` is replaced atomically after it. The newest `keep` folders stay.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "compute/job_config.hpp"
+#include "compute/model.hpp"
+#include "compute/trainer.hpp"
+
+namespace troupe {
+
+/// Writes the checkpoint of a run that has finished `next_step` steps; returns the step
+/// folder. `stage_params[k]` / `stage_optim[k]`: stage k's parameters and optimizer state.
+std::string write_checkpoint_dir(const std::string& root, const job_config& cfg,
+                                 const std::vector<state_dict>& stage_params,
+                                 const std::vector<state_dict>& stage_optim, std::int64_t next_step, int keep);
+
+/// The step folder `path` names: a step folder itself (it holds manifest.json) or a
+/// checkpoint root (its `latest`). Throws checkpoint_error when there is none.
+std::string find_checkpoint(const std::string& path);
+
+/// Reads a step folder for a run of `cfg`: verifies every file's size and CRC-32, that
+/// the training configuration is the one that wrote it (the keys that differ are named)
+/// and that the parameters fit `cfg`'s model. Throws checkpoint_error.
+checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg);
+
+/// The keys whose values decide the numbers a run computes (model, data, optimizer, lr
+/// schedule), as (key, value) text; the layout (pipeline, data-parallel, ...) is not one.
+std::vector<std::pair<std::string, std::string>> training_identity(const job_config& cfg);
+
+/// Resolves `cfg.resume` in place: "auto" is the newest checkpoint of cfg.checkpoint_dir
+/// (none yet: "", a fresh start); a folder becomes its step folder. With
+/// TROUPE_RESUME_AUTO=1 in the environment (set by the launcher when it restarts a job)
+/// the newest checkpoint of checkpoint_dir wins over the configured one.
+void resolve_resume(job_config& cfg);
+
+}  // namespace troupe

@@ -1,0 +1,193 @@
+// Checkpoint folders and resuming: a run cut by a failure and resumed from its newest
+// checkpoint ends bit-identical to a run that never stopped; bad checkpoints are refused
+// with a clear message.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "actors/runtime.hpp"
+#include "compute/checkpoint.hpp"
+#include "compute/checkpoint_dir.hpp"
+#include "test_util.hpp"
+
+namespace troupe {
+
+namespace {
+
+job_config small_job() {
+  auto c = test::gpt_config(6);
+  c.pipeline = 2;
+  c.data_parallel = 2;
+  c.microbatches = 4;
+  c.eval_interval = 0;
+  return c;
+}
+
+actor_run_result run(const job_config& c) {
+  actor_run_options quiet;
+  quiet.quiet = true;
+  return run_actor_training(c, quiet);
+}
+
+std::vector<nlohmann::json> metrics_lines(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+/// (step, loss) of every step line of a metrics log.
+std::vector<std::pair<int, double>> losses_of(const std::vector<nlohmann::json>& lines) {
+  std::vector<std::pair<int, double>> out;
+  for (const auto& j : lines)
+    if (j.contains("loss")) out.emplace_back(j.at("step").get<int>(), j.at("loss").get<double>());
+  return out;
+}
+
+std::string error_of(const std::string& folder, const job_config& c) {
+  try {
+    read_checkpoint_dir(folder, c);
+  } catch (const checkpoint_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Recovery, ResumeFromTheNewestCheckpointFolderIsBitIdentical) {
+  test::temp_dir dir;
+  auto c = small_job();
+  c.metrics = dir / "straight.jsonl";
+  const auto straight = run(c);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+
+  // Checkpoints after steps 2 and 4 (1-based); a stage throws inside step index 3, so
+  // step index 2 ran and was logged after the newest checkpoint: it runs again.
+  auto faulty = c;
+  faulty.metrics = dir / "cut.jsonl";
+  faulty.checkpoint_dir = dir / "ckpt";
+  faulty.checkpoint_interval = 2;
+  faulty.throw_at = "0:1:3";
+  const auto cut = run(faulty);
+  ASSERT_EQ(cut.exit_code, exit_recoverable) << cut.error;
+  ASSERT_EQ(cut.losses.size(), 3u);
+  EXPECT_EQ(find_checkpoint(dir / "ckpt"), dir / "ckpt/step-00000002");
+
+  auto resumed_cfg = faulty;
+  resumed_cfg.throw_at.clear();
+  resumed_cfg.resume = "auto";
+  const auto resumed = run(resumed_cfg);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
+  EXPECT_EQ(test::max_abs_diff(resumed.final_state, straight.final_state), 0.0);
+  ASSERT_EQ(resumed.losses.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(resumed.losses[i], straight.losses[2 + i]) << i;
+
+  // The metrics log reads as one run: every step once, the same losses, and a line that
+  // says where the run resumed and how many steps it ran twice.
+  const auto lines = metrics_lines(dir / "cut.jsonl");
+  EXPECT_EQ(losses_of(lines), losses_of(metrics_lines(dir / "straight.jsonl")));
+  int resumes = 0;
+  for (const auto& j : lines)
+    if (j.value("event", "") == "resume") {
+      ++resumes;
+      EXPECT_EQ(j.at("step"), 2);
+      EXPECT_EQ(j.at("replayed_steps"), 1);
+    }
+  EXPECT_EQ(resumes, 1);
+
+  // The final checkpoint: per-stage files PyTorch reads, whose union is the model.
+  const auto last = find_checkpoint(dir / "ckpt");
+  EXPECT_EQ(last, dir / "ckpt/step-00000006");
+  const std::string cmd = "/usr/bin/python3 -c \"import torch, json, sys; d = sys.argv[1];"
+                          " m = json.load(open(d + '/manifest.json')); n = 0\n"
+                          "for f in m['files']:\n"
+                          "  sd = torch.load(d + '/' + f['name'])\n"
+                          "  n += len(sd) if f['kind'] == 'parameters' else 0\n"
+                          "print(m['step'], n)\" " + last + " > " + (dir / "out.txt");
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(dir / "out.txt");
+  int step = 0, n = 0;
+  in >> step >> n;
+  EXPECT_EQ(step, 6);
+  EXPECT_EQ(n, int(straight.final_state.size()));
+  // Older folders beyond keep_checkpoints (3) are gone; no temporary folder is left.
+  int folders = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "ckpt")) {
+    EXPECT_NE(e.path().filename().string().front(), '.') << e.path();
+    folders += e.is_directory();
+  }
+  EXPECT_EQ(folders, 3);
+}
+
+TEST(Recovery, ACheckpointResumesWithAnotherLayoutByParameterName) {
+  test::temp_dir dir;
+  auto c = small_job();
+  const auto straight = run(c);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+  auto first = c;
+  first.steps = 6;
+  first.checkpoint_dir = dir / "ckpt";
+  first.checkpoint_interval = 3;
+  first.throw_at = "0:0:4";
+  ASSERT_EQ(run(first).exit_code, exit_recoverable);
+  auto other = c;  // one stage, no data parallelism: the shards are re-cut by name
+  other.pipeline = 1;
+  other.data_parallel = 1;
+  other.resume = dir / "ckpt";
+  const auto resumed = run(other);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
+  EXPECT_LE(test::max_abs_diff(resumed.final_state, straight.final_state), 1e-5);
+}
+
+TEST(Recovery, WrongOrDamagedCheckpointsAreRefusedClearly) {
+  test::temp_dir dir;
+  auto c = small_job();
+  c.steps = 2;
+  c.checkpoint_dir = dir / "ckpt";
+  ASSERT_EQ(run(c).exit_code, 0);
+  const auto folder = find_checkpoint(dir / "ckpt");
+
+  auto other_lr = c;
+  other_lr.lr = 2e-3;
+  const auto lr_error = error_of(folder, other_lr);
+  EXPECT_NE(lr_error.find("another training configuration"), std::string::npos) << lr_error;
+  EXPECT_NE(lr_error.find("optimizer.lr"), std::string::npos) << lr_error;
+
+  auto mlp = job_config::defaults_for("fmnist-mlp");
+  mlp.steps = 2;
+  EXPECT_NE(error_of(folder, mlp).find("train.workload"), std::string::npos) << error_of(folder, mlp);
+
+  std::filesystem::create_directories(dir / "empty");
+  try {
+    find_checkpoint(dir / "empty");
+    ADD_FAILURE() << "an empty folder was taken for a checkpoint";
+  } catch (const checkpoint_error& e) {
+    EXPECT_NE(std::string(e.what()).find("not a Troupe checkpoint"), std::string::npos) << e.what();
+  }
+
+  // A truncated file: the manifest's size and CRC-32 catch it; the run refuses to start.
+  const auto file = folder + "/stage-1.pt";
+  std::filesystem::resize_file(file, std::filesystem::file_size(file) - 100);
+  const auto truncated = error_of(folder, c);
+  EXPECT_NE(truncated.find("stage-1.pt is truncated or corrupt"), std::string::npos) << truncated;
+  auto resume = c;
+  resume.steps = 2;
+  resume.checkpoint_dir.clear();
+  resume.resume = folder;
+  EXPECT_THROW(run(resume), checkpoint_error);
+
+  auto bad = c;
+  bad.runtime = "local";
+  EXPECT_THROW(bad.validate(), config_error);  // checkpoint folders need the actors runtime
+  auto conflict = c;
+  conflict.resume = folder;
+  conflict.init = folder + "/stage-0.pt";
+  EXPECT_THROW(conflict.validate(), config_error);
+}
+
+}  // namespace troupe
