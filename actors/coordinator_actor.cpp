@@ -80,7 +80,9 @@ void fail(self_ptr self, const std::string& why, bool recoverable = true) {
   auto& s = self->state;
   if (s.finished) return;
   for (auto& sup : s.supervisors) self->send(sup, abort_step{s.step, why});
-  finish(self, recoverable ? exit_recoverable : 1, "step " + std::to_string(s.step) + " aborted: " + why);
+  // Steps count from 1 in what people read (progress lines), from 0 in metrics and faults.
+  finish(self, recoverable ? exit_recoverable : 1,
+         "step " + std::to_string(s.step + 1) + "/" + std::to_string(s.ctx->cfg.steps) + " aborted: " + why);
 }
 
 /// The model as replica 0's stages hold it: the full state (model order) and per stage.

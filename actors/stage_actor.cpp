@@ -105,7 +105,7 @@ class stage_logic {
   void execute(const pipeline_op& op) {
     const auto& ctx = *s_.ctx;
     if (s_.throw_step == s_.step && s_.ops_done == 1) {
-      spdlog::warn("fault injected: {} throws at step {}", s_.name, s_.step);
+      spdlog::warn("fault injected: {} throws in step {} (index {})", s_.name, s_.step + 1, s_.step);
       throw std::runtime_error("injected fault: " + s_.name + " throws at step " + std::to_string(s_.step));
     }
     const key k{op.mb, op.chunk};
@@ -332,7 +332,8 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       [=](const begin_step& msg) {
         auto& s = self->state;
         if (msg.step == s.kill_step) {
-          spdlog::warn("fault injected: node {} kills its own process (SIGKILL) as step {} begins", wiring->node,
+          spdlog::warn("fault injected: node {} kills its own process (SIGKILL) as step {} (index {}) begins",
+                       wiring->node, msg.step + 1,
                        msg.step);
           spdlog::default_logger()->flush();
           ::kill(::getpid(), SIGKILL);

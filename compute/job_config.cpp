@@ -145,10 +145,10 @@ const std::vector<key_def>& key_defs() {
       string_key("output.resume", "continue from a checkpoint folder (or checkpoint_dir's newest: auto)",
                  &job_config::resume),
       string_key("output.trace", "Chrome trace JSON of every executed op (actors runtime)", &job_config::trace),
-      string_key("faults.throw_at", "replica:stage:step - that stage actor throws (testing)", &job_config::throw_at),
-      int_key("faults.nan_at", "step whose losses the last stages make NaN (testing; -1: none)", &job_config::nan_at, -1,
+      string_key("faults.throw_at", "replica:stage:step - that stage actor throws in that step (0-based index; testing)", &job_config::throw_at),
+      int_key("faults.nan_at", "step (0-based index) whose losses the last stages make NaN (testing; -1: none)", &job_config::nan_at, -1,
               10000000),
-      string_key("faults.kill_node", "node:step - that node's process SIGKILLs itself when the step begins (testing)",
+      string_key("faults.kill_node", "node:step - that node's process SIGKILLs itself as that step (0-based index) begins (testing)",
                  &job_config::kill_node),
   };
   return defs;

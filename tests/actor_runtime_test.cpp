@@ -194,7 +194,7 @@ TEST(ActorRuntime, ActorThatThrowsAbortsTheStepWithinBoundedTime) {
   const auto got = run_actors(c);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(got.exit_code, exit_recoverable);  // a restart from a checkpoint can cure it
-  EXPECT_NE(got.error.find("step 2 aborted"), std::string::npos) << got.error;
+  EXPECT_NE(got.error.find("step 3/5 aborted"), std::string::npos) << got.error;
   EXPECT_NE(got.error.find("stage[replica 0, stage 1]"), std::string::npos) << got.error;
   EXPECT_NE(got.error.find("injected fault"), std::string::npos) << got.error;
   EXPECT_EQ(got.losses.size(), 2u);
