@@ -80,6 +80,18 @@ void fail(self_ptr self, const std::string& why, bool recoverable = true) {
   auto& s = self->state;
   if (s.finished) return;
   for (auto& sup : s.supervisors) self->send(sup, abort_step{s.step, why});
+  if (s.metrics.is_open())  // when and why, for the time to detect and to recover
+    s.metrics << nlohmann::json{{"event", "abort"},
+                                {"step", s.step},
+                                {"reason", why},
+                                {"recoverable", recoverable},
+                                {"seconds_into_step", (s.ctx->now_us() - s.started_us) * 1e-6},
+                                {"unix_time", std::chrono::duration<double>(
+                                                  std::chrono::system_clock::now().time_since_epoch())
+                                                  .count()}}
+                         .dump()
+              << '\n'
+              << std::flush;
   // Steps count from 1 in what people read (progress lines), from 0 in metrics and faults.
   finish(self, recoverable ? exit_recoverable : 1,
          "step " + std::to_string(s.step + 1) + "/" + std::to_string(s.ctx->cfg.steps) + " aborted: " + why);
@@ -194,8 +206,9 @@ void open_metrics(self_ptr self) {
     while (std::getline(in, text)) {
       const auto j = nlohmann::json::parse(text, nullptr, false);
       const auto step = j.is_object() && j.contains("step") && j.at("step").is_number_integer() ? j.at("step").get<std::int64_t>() : -1;
-      last = std::max(last, step);
-      if (step < s.ctx->start_step) kept += text + "\n";
+      // Step lines of the steps this run does again go; events (aborts, resumes) stay.
+      if (step < s.ctx->start_step || !j.is_object() || !j.contains("loss")) kept += text + "\n";
+      else last = std::max(last, step);
     }
     if (in.is_open()) write_file_atomically(cfg.metrics, kept);
     s.recovery = {{"event", "resume"},

@@ -5,6 +5,7 @@
 
 #include <limits>
 #include <map>
+#include <set>
 
 #include <caf/all.hpp>
 #include <torch/torch.h>
@@ -27,6 +28,8 @@ struct stage_state {
   const std::vector<pipeline_op>* order = nullptr;   // fixed-order kinds
   int throw_step = -1;                               // fault injection (tests)
   int kill_step = -1;                                // fault injection: SIGKILL this process
+  std::string message_fault;                         // fault injection: drop|duplicate|corrupt|delay
+  int message_fault_step = -1;                       //   of the first tensor message of this step
 
   // --- per-step state (all of it dropped by reset) ---
   std::int64_t step = -1;
@@ -36,6 +39,7 @@ struct stage_state {
   std::map<key, torch::Tensor> inputs;    // received inputs / activations
   std::map<key, torch::Tensor> out_grads; // received gradients of outputs
   std::map<int, torch::Tensor> targets;
+  std::set<std::pair<int, key>> seen;     // (kind, key) of every tensor received this step
   struct saved_t {
     torch::Tensor input, output;
   };
@@ -106,7 +110,7 @@ class stage_logic {
     const auto& ctx = *s_.ctx;
     if (s_.throw_step == s_.step && s_.ops_done == 1) {
       spdlog::warn("fault injected: {} throws in step {} (index {})", s_.name, s_.step + 1, s_.step);
-      throw std::runtime_error("injected fault: " + s_.name + " throws at step " + std::to_string(s_.step));
+      throw std::runtime_error("injected fault: " + s_.name + " throws in step " + std::to_string(s_.step + 1));
     }
     const key k{op.mb, op.chunk};
     const int x = s_.virtual_of(op.chunk);
@@ -169,7 +173,8 @@ class stage_logic {
       } else {
         auto& mine = tied_slice().param("wte.weight").mutable_grad();
         const auto peer = s_.stage == 0 ? ctx.p - 1 : 0;
-        send_tensor(peer, s_.wiring->stages[s_.replica][peer], tied_grad{s_.step, make_payload(mine.clone())});
+        send_tensor(peer, s_.wiring->stages[s_.replica][peer],
+                    tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)});
         s_.tied_pending = true;
         if (s_.tied_in.defined()) on_tied(std::move(s_.tied_in));
         return;
@@ -225,6 +230,7 @@ class stage_logic {
     leftover(s_.stash.size(), "stashed message(s)");
     leftover(s_.in_flight != 0, "nonzero in-flight count");
     leftover(s_.tied_pending || s_.tied_in.defined(), "pending tied gradient");
+    s_.seen.clear();
     s_.inputs.clear();
     s_.out_grads.clear();
     s_.targets.clear();
@@ -257,10 +263,20 @@ class stage_logic {
   void receive(std::map<key, torch::Tensor>& into, std::int64_t step, int mb, int chunk, const tensor_payload& data,
                const std::vector<std::int64_t>& shape, const char* what) {
     if (!accept(step)) return;
+    if (!first_time(&into == &s_.inputs ? 0 : 1, {mb, chunk}, what)) return;
     const auto problem = check_payload(data, shape, torch::kFloat32);
     if (!problem.empty()) return fail(std::string(what) + " of micro-batch " + std::to_string(mb) + ": " + problem);
     into[{mb, chunk}] = tensor_of(data);
     run_ready();
+  }
+
+  /// False (and a warning) for a second copy of a tensor message of this step: a
+  /// duplicate is dropped, never applied twice.
+  bool first_time(int kind, key k, const char* what) {
+    if (s_.seen.insert({kind, k}).second) return true;
+    spdlog::warn("{}: duplicate {} of micro-batch {} (chunk {}) in step {} dropped", s_.name, what, k.first, k.second,
+                 s_.step + 1);
+    return false;
   }
 
   void fail(const std::string& what) {
@@ -272,6 +288,24 @@ class stage_logic {
   template <class Msg>
   void send_tensor(int dest_stage, const caf::actor& dest, Msg msg) {
     const auto& w = *s_.wiring;
+    if (s_.message_fault_step == s_.step) {  // fault injection: this message, once
+      s_.message_fault_step = -1;
+      const auto& action = s_.message_fault;
+      spdlog::warn("fault injected: {} {}s its first tensor message of step {} (index {})", s_.name, action,
+                   s_.step + 1, s_.step);
+      if (action == "drop") return;
+      if (action == "corrupt") {  // one value changes after the checksum was taken
+        msg.data.local = msg.data.local.clone();
+        msg.data.local.view(-1)[0].add_(1.0);
+      }
+      if (action == "duplicate") send_tensor(dest_stage, dest, msg);
+      if (action == "delay") {
+        if (w.remote(s_.replica, dest_stage))
+          msg.data = ship_payload(w, msg.data, w.nodes[s_.replica][dest_stage], s_.name);
+        self_->delayed_send(dest, std::chrono::milliseconds(300), std::move(msg));
+        return;
+      }
+    }
     if (w.remote(s_.replica, dest_stage)) msg.data = ship_payload(w, msg.data, w.nodes[s_.replica][dest_stage], s_.name);
     self_->send(dest, std::move(msg));
   }
@@ -319,6 +353,15 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     if (std::sscanf(ctx->cfg.throw_at.c_str(), "%d:%d:%d", &r, &k, &s) == 3 && r == replica && k == stage)
       st.throw_step = s;
   }
+  if (!ctx->cfg.message.empty() && ctx->faults_armed()) {
+    char action[16] = {0};
+    int r = -1, k = -1, s = -1;
+    if (std::sscanf(ctx->cfg.message.c_str(), "%15[a-z]@%d:%d:%d", action, &r, &k, &s) == 4 && r == replica &&
+        k == stage) {
+      st.message_fault = action;
+      st.message_fault_step = s;
+    }
+  }
   if (!ctx->cfg.kill_node.empty() && ctx->faults_armed()) {
     int node = -1, s = -1;
     if (std::sscanf(ctx->cfg.kill_node.c_str(), "%d:%d", &node, &s) == 2 && node == wiring->node) st.kill_step = s;
@@ -350,7 +393,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         logic->run_ready();
       },
       [=](microbatch_input& msg) {
-        if (!logic->accept(msg.step)) return;
+        if (!logic->accept(msg.step) || !logic->first_time(2, {msg.mb, 0}, "micro-batch input")) return;
         auto& s = self->state;
         const auto problem = check_payload(msg.data, {ctx->mbs, ctx->spec.type == model_spec::kind::gpt ? ctx->spec.gpt.seq_len : ctx->spec.mlp_widths[0]},
                                            ctx->spec.type == model_spec::kind::gpt ? torch::kInt64 : torch::kFloat32);
@@ -359,7 +402,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         logic->run_ready();
       },
       [=](microbatch_target& msg) {
-        if (!logic->accept(msg.step)) return;
+        if (!logic->accept(msg.step) || !logic->first_time(3, {msg.mb, 0}, "micro-batch target")) return;
         self->state.targets[msg.mb] = tensor_of(msg.data);
         logic->run_ready();
       },
@@ -377,11 +420,13 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       },
       [=](tied_grad& msg) {
         if (!logic->fetched(msg)) return;
-        if (!logic->accept(msg.step)) return;
+        if (!logic->accept(msg.step) || !logic->first_time(5, {0, 0}, "tied gradient")) return;
+        const auto problem = check_payload(msg.data, logic->tied_slice().param("wte.weight").sizes(), torch::kFloat32);
+        if (!problem.empty()) return logic->fail("tied embedding gradient: " + problem);
         logic->on_tied(tensor_of(msg.data));
       },
       [=](param_shard& msg) {
-        if (!logic->accept(msg.step)) return;
+        if (!logic->accept(msg.step) || !logic->first_time(4, {msg.chunk, 0}, "parameter buffer")) return;
         logic->on_params(msg);
       },
       [=](const reset_step&) -> reset_report { return logic->reset(); },

@@ -150,6 +150,10 @@ const std::vector<key_def>& key_defs() {
               10000000),
       string_key("faults.kill_node", "node:step - that node's process SIGKILLs itself as that step (0-based index) begins (testing)",
                  &job_config::kill_node),
+      string_key("faults.message",
+                 "ACTION@replica:stage:step - drop, duplicate, corrupt or delay that stage's first tensor message of "
+                 "that step (0-based; testing)",
+                 &job_config::message),
   };
   return defs;
 }
@@ -280,6 +284,14 @@ void job_config::validate() const {
     char extra = 0;
     if (std::sscanf(kill_node.c_str(), "%d:%d%c", &node, &step, &extra) != 2 || node < 0 || step < 0)
       fail("kill_node must be node:step, not '" + kill_node + "'");
+  }
+  if (!message.empty()) {
+    char action[16] = {0};
+    int r = -1, k = -1, step = -1;
+    if (std::sscanf(message.c_str(), "%15[a-z]@%d:%d:%d", action, &r, &k, &step) != 4 ||
+        (std::string(action) != "drop" && std::string(action) != "duplicate" && std::string(action) != "corrupt" &&
+         std::string(action) != "delay"))
+      fail("faults.message must be drop|duplicate|corrupt|delay@replica:stage:step, not '" + message + "'");
   }
 }
 

@@ -67,6 +67,10 @@ struct job_config {
   std::string throw_at;               ///< "replica:stage:step": that stage throws (tests)
   int nan_at = -1;                    ///< step whose losses are made NaN (tests; -1: none)
   std::string kill_node;              ///< "node:step": that node's process SIGKILLs itself
+  /// "ACTION@replica:stage:step": the first activation or gradient that stage sends in
+  /// that step is dropped, duplicated, corrupted (one value changed after its checksum)
+  /// or delayed (0.3 s); ACTION is drop | duplicate | corrupt | delay.
+  std::string message;
 
   /// The defaults of a workload of WORKLOADS.md.
   static job_config defaults_for(const std::string& workload);

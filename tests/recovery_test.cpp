@@ -190,4 +190,56 @@ TEST(Recovery, WrongOrDamagedCheckpointsAreRefusedClearly) {
   EXPECT_THROW(conflict.validate(), config_error);
 }
 
+// Duplicated and delayed tensor messages: the duplicate is recognised and dropped, the
+// late one simply waited for; the results do not change at all.
+TEST(Recovery, DuplicateAndDelayedMessagesChangeNothing) {
+  auto c = small_job();
+  c.steps = 3;
+  const auto straight = run(c);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+  for (const char* fault : {"duplicate@0:0:1", "duplicate@1:1:2", "delay@0:1:1", "delay@1:0:0"}) {
+    auto f = c;
+    f.message = fault;
+    const auto got = run(f);
+    ASSERT_EQ(got.exit_code, 0) << fault << ": " << got.error;
+    EXPECT_EQ(test::max_abs_diff(got.final_state, straight.final_state), 0.0) << fault;
+    EXPECT_EQ(got.losses, straight.losses) << fault;
+  }
+}
+
+// A corrupt tensor (caught by its checksum) or a lost one (caught by the step timeout)
+// aborts the step before anything is applied; resuming from the checkpoint repairs the
+// run bit for bit.
+TEST(Recovery, ACorruptOrLostMessageAbortsTheStepAndAResumeRepairsIt) {
+  test::temp_dir dir;
+  auto c = small_job();
+  c.steps = 4;
+  c.checksum = true;
+  const auto straight = run(c);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+  struct fault_case {
+    const char* fault;
+    const char* detected;
+  };
+  for (const auto& [fault, detected] : {fault_case{"corrupt@0:0:2", "checksum mismatch"},
+                                        fault_case{"corrupt@1:1:1", "checksum mismatch"},
+                                        fault_case{"drop@0:1:2", "did not finish within 2 s"}}) {
+    auto f = c;
+    f.checkpoint_dir = dir / (std::string("ckpt-") + fault);
+    f.checkpoint_interval = 1;
+    f.step_timeout = 2;
+    f.message = fault;
+    const auto cut = run(f);
+    ASSERT_EQ(cut.exit_code, exit_recoverable) << fault << ": " << cut.error;
+    EXPECT_NE(cut.error.find(detected), std::string::npos) << fault << ": " << cut.error;
+    const auto failed_step = std::size_t(fault[std::string(fault).size() - 1] - '0');
+    ASSERT_EQ(cut.losses.size(), failed_step) << fault << ": nothing of the failed step is committed";
+    f.message.clear();
+    f.resume = "auto";
+    const auto resumed = run(f);
+    ASSERT_EQ(resumed.exit_code, 0) << fault << ": " << resumed.error;
+    EXPECT_EQ(test::max_abs_diff(resumed.final_state, straight.final_state), 0.0) << fault;
+  }
+}
+
 }  // namespace troupe
