@@ -50,9 +50,9 @@ struct runtime_context {
   std::map<std::string, torch::Tensor> resume_optim;  ///< --load: AdamW moments by name
   std::int64_t start_step = 0;       ///< --load / --resume: the checkpoint's next step
   /// How often the launcher has restarted this job (TROUPE_LAUNCH_ATTEMPT); injected
-  /// faults fire in the first launch only.
+  /// faults fire in one launch only (faults.attempt, default the first).
   int launch_attempt = 0;
-  bool faults_armed() const { return launch_attempt == 0; }
+  bool faults_armed() const { return launch_attempt == cfg.fault_attempt; }
   std::chrono::steady_clock::time_point epoch;  ///< time origin of trace events
 
   double now_us() const {

@@ -154,6 +154,8 @@ const std::vector<key_def>& key_defs() {
                  "ACTION@replica:stage:step - drop, duplicate, corrupt or delay that stage's first tensor message of "
                  "that step (0-based; testing)",
                  &job_config::message),
+      int_key("faults.attempt", "the launch the faults fire in (0: the first; 1: the first restart; ...)",
+              &job_config::fault_attempt, 0, 1000000),
   };
   return defs;
 }

@@ -59,6 +59,11 @@ void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, co
   std::printf("bubble %.4f, makespan %.1f\n", sim.bubble, sim.makespan);
 }
 
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+
 /// One flag per configuration key on `cmd`, plus --config.
 struct config_flags {
   std::string config_path;
@@ -73,8 +78,15 @@ struct config_flags {
   }
   troupe::job_config load() const {
     std::vector<std::pair<std::string, std::string>> overrides;
-    // TROUPE_FAULTS="kill_node=1:7,throw_at=0:1:3": [faults] keys from the environment.
-    if (const char* faults = std::getenv("TROUPE_FAULTS")) {
+    // TROUPE_FAULTS="kill_node=1:7,throw_at=0:1:3": [faults] keys from the environment;
+    // TROUPE_FAULTS_<N>: faults of the launcher's N-th restart (faults.attempt = N).
+    const std::string attempt = env_or("TROUPE_LAUNCH_ATTEMPT", "0");
+    std::string faults = env_or(("TROUPE_FAULTS_" + attempt).c_str(), "");
+    if (!faults.empty())
+      overrides.emplace_back("faults.attempt", attempt);
+    else
+      faults = env_or("TROUPE_FAULTS", "");
+    {
       std::stringstream in(faults);
       std::string item;
       while (std::getline(in, item, ',')) {
@@ -90,11 +102,6 @@ struct config_flags {
     return troupe::load_job_config(config_path, overrides);
   }
 };
-
-std::string env_or(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : fallback;
-}
 
 /// `troupe node`: the node's place in the job comes from the environment the launcher
 /// sets (TROUPE_NODE, TROUPE_NODES, TROUPE_COORDINATOR=host:port, TROUPE_JOB_TOKEN).

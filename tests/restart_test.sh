@@ -17,27 +17,7 @@ bad() { echo "FAIL $1"; shift; [ $# -gt 0 ] && tail -30 "$1"; fail=1; }
 nodes_left() { pgrep -f "$TROUPE_BUILD_DIR/troupe-node" | wc -l; }
 job=(train --nodes 2 --pipeline 2 --data-parallel 2 --eval-interval 0)
 
-# Same parameters (torch.equal, every tensor) and the same loss per step; the faulty
-# run's log has one "resume" line with the steps it ran twice.
-same_run() {  # same_run NAME REPLAYED
-  /usr/bin/python3 - "$tmp/ref" "$tmp/$1" "$2" <<'PY'
-import json, sys, torch
-ref, got, replayed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-a, b = torch.load(ref + ".pt"), torch.load(got + ".pt")
-assert list(a) == list(b), "different parameter names"
-diff = [k for k in a if not torch.equal(a[k], b[k])]
-assert not diff, f"parameters differ: {diff[:3]}"
-def losses(path):
-    lines = [json.loads(l) for l in open(path)]
-    return {l["step"]: l["loss"] for l in lines if "loss" in l}, [l for l in lines if l.get("event") == "resume"]
-ra, _ = losses(ref + ".jsonl")
-rb, resumes = losses(got + ".jsonl")
-assert ra == rb and len(ra) == 20, f"loss logs differ: {sorted(set(ra.items()) ^ set(rb.items()))[:4]}"
-assert len(resumes) == 1 and resumes[0]["replayed_steps"] == replayed, resumes
-print(f"resumed at step index {resumes[0]['step']}, {replayed} step(s) replayed, "
-      f"{resumes[0].get('seconds_from_failure_to_step', -1):.1f} s from failure to the next step")
-PY
-}
+same_run() { /usr/bin/python3 "$root/tests/compare_runs.py" "$tmp/ref" "$tmp/$1" 1 "$2"; }
 
 "$launcher" "${job[@]}" --steps 20 --metrics "$tmp/ref.jsonl" --save "$tmp/ref.pt" >"$tmp/ref.log" 2>&1
 rc=$?

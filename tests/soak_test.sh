@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Soak: a 2-node job meets a random fault in each of its first launches: a node process
+# killed (SIGKILL, node 0 or 1), a stage actor that throws, a corrupt tensor (checksum)
+# or a lost one (step timeout). The launcher restarts it from its newest checkpoint each
+# time; it must end bit-identical to the fault-free run, with the same loss log and no
+# process left. Bounded: the whole test takes about a minute (timeout 300 s).
+#   tests/soak_test.sh REPO_ROOT BUILD_DIR   (SOAK_SEED=N repeats a run)
+set -u
+root=$1
+export TROUPE_BUILD_DIR=$2 TROUPE_SETUP_LOG=$(mktemp)
+launcher=$root/launch/troupe
+tmp=$(mktemp -d)
+fail=0
+cleanup() { pkill -KILL -f "$TROUPE_BUILD_DIR/troupe-node" 2>/dev/null; rm -rf "$tmp" "$TROUPE_SETUP_LOG"; }
+trap cleanup EXIT
+ok() { echo "ok   $1"; }
+bad() { echo "FAIL $1"; shift; [ $# -gt 0 ] && tail -40 "$1"; fail=1; }
+
+seed=${SOAK_SEED:-$(date +%s)}
+RANDOM=$seed
+faults=5 steps=36
+job=(train --nodes 2 --pipeline 2 --data-parallel 2 --steps $steps --eval-interval 0 --checksum true --step-timeout 3)
+echo "soak seed $seed (SOAK_SEED=$seed repeats it)"
+
+"$launcher" "${job[@]}" --metrics "$tmp/ref.jsonl" --save "$tmp/ref.pt" >"$tmp/ref.log" 2>&1
+rc=$?
+[ $rc = 0 ] && ok "fault-free run" || bad "fault-free run: exit $rc" "$tmp/ref.log"
+
+# One fault per launch, each later than the one before (launch a resumes from a
+# checkpoint at or before launch a-1's fault, so it reaches its own).
+for ((a = 0; a < faults; a++)); do
+  step=$((3 + a * 6 + RANDOM % 5))
+  r=$((RANDOM % 2)) k=$((RANDOM % 2))
+  case $((RANDOM % 5)) in
+    0 | 1) spec="kill_node=$((RANDOM % 2)):$step" ;;
+    2) spec="throw_at=$r:$k:$step" ;;
+    3) spec="message=corrupt@$r:$k:$step" ;;
+    4) spec="message=drop@$r:$k:$step" ;;
+  esac
+  export "TROUPE_FAULTS_$a=$spec"
+  echo "launch $a: $spec"
+done
+start=$(date +%s)
+"$launcher" "${job[@]}" --metrics "$tmp/soak.jsonl" --save "$tmp/soak.pt" --checkpoint-dir "$tmp/ckpt" \
+  --checkpoint-interval 3 --max-restarts $faults --restart-backoff 0 >"$tmp/soak.log" 2>&1
+rc=$?
+echo "faulty run: $(($(date +%s) - start)) s"
+injected=$(grep -c "fault injected" "$tmp/soak.log")
+[ $rc = 0 ] && [ "$injected" = $faults ] && ok "$faults faults injected, the job finished" \
+  || bad "soak: exit $rc, $injected fault(s) injected" "$tmp/soak.log"
+out=$(/usr/bin/python3 "$root/tests/compare_runs.py" "$tmp/ref" "$tmp/soak" $faults 2>&1) \
+  && ok "bit-identical to the fault-free run: $out" || { echo "$out"; bad "results differ" "$tmp/soak.log"; }
+sleep 0.5
+left=$(pgrep -f "$TROUPE_BUILD_DIR/troupe-node" | wc -l)
+[ "$left" = 0 ] && ok "no node left" || bad "$left node(s) left"
+exit $fail
