@@ -48,7 +48,8 @@ struct coordinator_state {
   int timed = 0;
   int skipped = 0;           // updates skipped for NaN/inf gradients
   bool skipping = false;     // this step's update is skipped
-  double checkpoint_seconds = 0;  // spent writing checkpoint folders
+  double checkpoint_seconds = 0;  // spent on checkpoint folders (gather + write), without evaluations
+  int checkpoints = 0;
   nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
 };
 
@@ -163,12 +164,10 @@ void save_checkpoint(self_ptr self, model_state state, bool file, bool folder, s
         spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
       }
       if (folder) {
-        const auto t0 = s.ctx->now_us();
         std::vector<state_dict> optim;
         for (const auto& stage : state.stages) optim.push_back(optimizer_state_dict(moments, stage, next));
         const auto where =
             write_checkpoint_dir(cfg.checkpoint_dir, cfg, state.stages, optim, next, cfg.keep_checkpoints);
-        s.checkpoint_seconds += (s.ctx->now_us() - t0) * 1e-6;
         spdlog::info("step {}: checkpoint written to {}", next, where);
       }
     } catch (const std::exception& e) {
@@ -246,6 +245,9 @@ void after_reset(self_ptr self, nlohmann::json line) {
     if (last) {
       s.result->final_state = std::move(state);
       spdlog::info("done: {} steps in {}", s.timed, duration_text(s.elapsed));
+      if (s.checkpoints > 0)
+        spdlog::info("checkpoint folders: {} written between steps in {:.2f} s ({:.0f} ms each, gather and write)",
+                     s.checkpoints, s.checkpoint_seconds, s.checkpoint_seconds / s.checkpoints * 1e3);
       return finish(self, 0, "");
     }
     ++s.step;
@@ -255,10 +257,19 @@ void after_reset(self_ptr self, nlohmann::json line) {
     write_metrics(self, line);
     return proceed({});
   }
+  const double t0 = s.ctx->now_us();
   fetch_state(self, [=](model_state state) mutable {
     if (eval) evaluate(self, state.full, line);
     write_metrics(self, line);
-    if (save || folder) return save_checkpoint(self, state, save, folder, [=] { proceed(state.full); });
+    if (save || folder)
+      return save_checkpoint(self, state, save, folder, [=] {
+        auto& s = self->state;
+        if (folder && !eval) {
+          s.checkpoint_seconds += (s.ctx->now_us() - t0) * 1e-6;
+          ++s.checkpoints;
+        }
+        proceed(state.full);
+      });
     proceed(std::move(state.full));
   });
 }
