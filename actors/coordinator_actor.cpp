@@ -192,13 +192,15 @@ void write_metrics(self_ptr self, const nlohmann::json& line) {
   s.metrics << line.dump() << '\n' << std::flush;
 }
 
-/// A resumed run continues the metrics log: lines of the steps it runs again go (they
-/// come back as the steps commit), a "resume" line says from where and how much replays.
+/// A resumed or restarted run continues the metrics log: lines of the steps it runs again
+/// go (they come back as the steps commit), a "resume" line says from where and how much
+/// runs again.
 void open_metrics(self_ptr self) {
   auto& s = self->state;
   const auto& cfg = s.ctx->cfg;
   if (cfg.metrics.empty()) return;
-  if (s.ctx->start_step > 0) {
+  // (A restarted job without a checkpoint starts at step 0 again: its old lines go too.)
+  if (s.ctx->start_step > 0 || s.ctx->launch_attempt > 0) {
     std::ifstream in(cfg.metrics);
     std::string kept, text;
     std::int64_t last = -1;
