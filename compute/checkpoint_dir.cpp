@@ -115,6 +115,8 @@ std::string write_checkpoint_dir(const std::string& root_path, const job_config&
       {"files", files}};
   write_file_atomically((tmp / "manifest.json").string(), manifest.dump(2) + "\n");
 
+  // A folder of the same step (from a launch that failed later) is replaced; 'latest'
+  // may name it meanwhile: find_checkpoint then takes the newest complete folder.
   const fs::path final_path = root / name;
   fs::remove_all(final_path, ec);
   fs::rename(tmp, final_path, ec);
@@ -129,15 +131,22 @@ std::string write_checkpoint_dir(const std::string& root_path, const job_config&
 std::string find_checkpoint(const std::string& path) {
   const fs::path p(path);
   if (fs::exists(p / "manifest.json")) return p.string();
+  if (!fs::exists(p)) throw checkpoint_error("checkpoint folder " + path + " does not exist");
   if (fs::exists(p / "latest")) {
     auto name = read_bytes(p / "latest");
     name.erase(std::remove_if(name.begin(), name.end(), [](char c) { return c == '\n' || c == '\r' || c == ' '; }),
                name.end());
     if (!name.empty() && fs::exists(p / name / "manifest.json")) return (p / name).string();
-    throw checkpoint_error("checkpoint folder " + path + ": 'latest' names " + name + ", which has no manifest.json");
+    spdlog::warn("checkpoint folder {}: 'latest' names {}, which has no manifest.json; taking the newest complete "
+                 "step folder",
+                 path, name);
   }
-  if (!fs::exists(p)) throw checkpoint_error("checkpoint folder " + path + " does not exist");
-  throw checkpoint_error(path + " is not a Troupe checkpoint (no manifest.json, no 'latest')");
+  // No usable 'latest' (a crash between writing a folder and 'latest'): the newest step
+  // folder with a manifest (folders get their final name only when complete).
+  auto all = step_folders(p);
+  for (auto it = all.rbegin(); it != all.rend(); ++it)
+    if (fs::exists(*it / "manifest.json")) return it->string();
+  throw checkpoint_error(path + " is not a Troupe checkpoint (no manifest.json, no complete step folder)");
 }
 
 checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg) {
@@ -216,12 +225,19 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg)
 void resolve_resume(job_config& cfg) {
   const char* env = std::getenv("TROUPE_RESUME_AUTO");
   const bool auto_env = env && std::string(env) == "1";
-  if (auto_env && !cfg.checkpoint_dir.empty() && fs::exists(fs::path(cfg.checkpoint_dir) / "latest")) {
+  auto has_checkpoint = [](const std::string& root) {
+    try {
+      return !root.empty() && !find_checkpoint(root).empty();
+    } catch (const checkpoint_error&) {
+      return false;
+    }
+  };
+  if (auto_env && has_checkpoint(cfg.checkpoint_dir)) {
     cfg.resume = find_checkpoint(cfg.checkpoint_dir);
     return;
   }
   if (cfg.resume == "auto") {
-    if (fs::exists(fs::path(cfg.checkpoint_dir) / "latest")) {
+    if (has_checkpoint(cfg.checkpoint_dir)) {
       cfg.resume = find_checkpoint(cfg.checkpoint_dir);
     } else {
       spdlog::info("resume = auto: no checkpoint in {} yet, starting from step 0", cfg.checkpoint_dir);

@@ -28,7 +28,8 @@ std::string write_checkpoint_dir(const std::string& root, const job_config& cfg,
                                  const std::vector<state_dict>& stage_optim, std::int64_t next_step, int keep);
 
 /// The step folder `path` names: a step folder itself (it holds manifest.json) or a
-/// checkpoint root (its `latest`). Throws checkpoint_error when there is none.
+/// checkpoint root (its `latest`, or without a usable one its newest complete step
+/// folder). Throws checkpoint_error when there is none.
 std::string find_checkpoint(const std::string& path);
 
 /// Reads a step folder for a run of `cfg`: verifies every file's size and CRC-32, that

@@ -115,6 +115,12 @@ TEST(Recovery, ResumeFromTheNewestCheckpointFolderIsBitIdentical) {
   in >> step >> n;
   EXPECT_EQ(step, 6);
   EXPECT_EQ(n, int(straight.final_state.size()));
+  // Without a usable 'latest' (a crash right after a folder was renamed into place) the
+  // newest complete folder is taken.
+  std::ofstream(dir / "ckpt/latest") << "step-00000099\n";
+  EXPECT_EQ(find_checkpoint(dir / "ckpt"), last);
+  std::filesystem::remove(dir / "ckpt/latest");
+  EXPECT_EQ(find_checkpoint(dir / "ckpt"), last);
   // Older folders beyond keep_checkpoints (3) are gone; no temporary folder is left.
   int folders = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir / "ckpt")) {
