@@ -51,6 +51,9 @@ struct coordinator_state {
   double checkpoint_seconds = 0;  // spent on checkpoint folders (gather + write), without evaluations
   int checkpoints = 0;
   nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
+  std::int32_t attempt = 0;  // of this step: > 0 after in-place retries
+  bool retrying = false;     // the supervisor is rebuilding the actors: ignore theirs
+  int skipped_before = 0;    // `skipped` when the step began (a retry counts again)
 };
 
 using self_ptr = caf::stateful_actor<coordinator_state>*;
@@ -77,15 +80,24 @@ void finish(self_ptr self, int code, const std::string& error) {
 /// Aborts the step and ends the run. `recoverable`: a restart from the last checkpoint
 /// can cure it (a node or actor lost, a step timed out; exit_recoverable) rather than a
 /// problem that would come back the same way (exit 1).
+void retry_in_place(self_ptr self);
+
 void fail(self_ptr self, const std::string& why, bool recoverable = true) {
   auto& s = self->state;
-  if (s.finished) return;
-  for (auto& sup : s.supervisors) self->send(sup, abort_step{s.step, why});
+  if (s.finished || s.retrying) return;
+  // One process, step not committed: rebuild the actors from the snapshots of the state
+  // before this step and run it again (bounded), instead of exiting for a restart.
+  const bool in_place = recoverable && !s.committed && s.supervisors.size() == 1 &&
+                        s.attempt < s.ctx->cfg.max_step_retries;
+  if (!in_place)
+    for (auto& sup : s.supervisors) self->send(sup, abort_step{s.step, why});
   if (s.metrics.is_open())  // when and why, for the time to detect and to recover
     s.metrics << nlohmann::json{{"event", "abort"},
                                 {"step", s.step},
+                                {"attempt", s.attempt},
                                 {"reason", why},
                                 {"recoverable", recoverable},
+                                {"retry_in_place", in_place},
                                 {"seconds_into_step", (s.ctx->now_us() - s.started_us) * 1e-6},
                                 {"unix_time", std::chrono::duration<double>(
                                                   std::chrono::system_clock::now().time_since_epoch())
@@ -94,8 +106,43 @@ void fail(self_ptr self, const std::string& why, bool recoverable = true) {
               << '\n'
               << std::flush;
   // Steps count from 1 in what people read (progress lines), from 0 in metrics and faults.
-  finish(self, recoverable ? exit_recoverable : 1,
-         "step " + std::to_string(s.step + 1) + "/" + std::to_string(s.ctx->cfg.steps) + " aborted: " + why);
+  const auto what = "step " + std::to_string(s.step + 1) + "/" + std::to_string(s.ctx->cfg.steps) + " aborted: " + why;
+  if (!in_place) return finish(self, recoverable ? exit_recoverable : 1, what);
+  spdlog::warn("{}; retrying it in place ({} of at most {})", what, s.attempt + 1, s.ctx->cfg.max_step_retries);
+  retry_in_place(self);
+}
+
+/// Has the supervisor rebuild every actor from the state before this step, then runs the
+/// step again. Messages of the old actors are dropped meanwhile (they are all gone when
+/// the supervisor answers; in one process nothing of theirs arrives later).
+void retry_in_place(self_ptr self) {
+  auto& s = self->state;
+  s.retrying = true;
+  const double t0 = s.ctx->now_us();
+  self->request(s.supervisors.front(), std::chrono::seconds(120), recover_atom_v, s.step)
+      .then(
+          [=](const node_actors&) {  // the supervisor updated the shared wiring
+            auto& s = self->state;
+            s.retrying = false;
+            ++s.attempt;
+            s.skipped = s.skipped_before;
+            const double took = (s.ctx->now_us() - t0) * 1e-6;
+            spdlog::info("step {}: actors rebuilt from the in-memory snapshots in {:.2f} s; running it again",
+                         s.step + 1, took);
+            if (s.metrics.is_open())
+              s.metrics << nlohmann::json{{"event", "retry"}, {"step", s.step}, {"attempt", s.attempt},
+                                          {"rebuild_seconds", took}}
+                               .dump()
+                        << '\n'
+                        << std::flush;
+            begin(self);
+          },
+          [=](caf::error& err) {
+            auto& s = self->state;
+            s.retrying = false;
+            s.attempt = s.ctx->cfg.max_step_retries;  // no further in-place attempt
+            fail(self, "rebuilding the actors failed: " + self->system().render(err));
+          });
 }
 
 /// The model as replica 0's stages hold it: the full state (model order) and per stage.
@@ -253,6 +300,7 @@ void after_reset(self_ptr self, nlohmann::json line) {
       return finish(self, 0, "");
     }
     ++s.step;
+    s.attempt = 0;
     begin(self);
   };
   if (!eval && !save && !folder && !last) {
@@ -274,6 +322,14 @@ void after_reset(self_ptr self, nlohmann::json line) {
       });
     proceed(std::move(state.full));
   });
+}
+
+/// Time the shards spent keeping their in-memory snapshots this step (summed).
+double snapshot_seconds(const std::vector<trace_event>& events) {
+  double us = 0;
+  for (const auto& e : events)
+    if (e.name == "snapshot") us += e.end_us - e.start_us;
+  return us * 1e-6;
 }
 
 void commit(self_ptr self) {
@@ -310,7 +366,8 @@ void commit(self_ptr self) {
                       {"stage_busy_s", timing.busy_s},
                       {"stage_idle_s", timing.idle_s},
                       {"peak_in_flight", s.peaks},
-                      {"skipped", s.skipping}};
+                      {"skipped", s.skipping},
+                      {"snapshot_s", snapshot_seconds(s.events)}};
   // Reset: the supervisors drop every actor's per-step state and report leftovers.
   auto reports = std::make_shared<std::vector<reset_report>>();
   auto pending = std::make_shared<std::size_t>(s.supervisors.size());
@@ -355,13 +412,14 @@ void begin(self_ptr self) {
     if (std::sscanf(s.opts.plant_leftover.c_str(), "%d:%d:%d", &r, &k, &st) == 3 && st == s.step)
       self->send(s.supervisors.front(), plant_atom_v, r, k);
   }
-  const begin_step msg{s.step, s.stats.lr};
+  s.skipped_before = s.skipped;
+  const begin_step msg{s.step, s.stats.lr, s.attempt};
   for (const auto& row : s.wiring->shards)
     for (const auto& a : row) self->send(a, msg);
   for (const auto& row : s.wiring->stages)
     for (const auto& a : row) self->send(a, msg);
   for (const auto& a : s.wiring->loaders) self->send(a, msg);
-  self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), timeout_atom_v, s.step);
+  self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), timeout_atom_v, s.step, s.attempt);
 }
 
 
@@ -455,14 +513,14 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       },
       [=](const loss_report& msg) {
         auto& s = self->state;
-        if (msg.step != s.step) return;
+        if (msg.step != s.step || s.retrying) return;
         s.losses.at(std::size_t(msg.replica) * s.ctx->m + msg.mb) = msg.loss;
         ++s.n_losses;
         maybe_commit(self);
       },
       [=](const grad_norm_partial& msg) {
         auto& s = self->state;
-        if (msg.step != s.step) return;
+        if (msg.step != s.step || s.retrying) return;
         s.partials.at(std::size_t(msg.virtual_stage) * s.ctx->d + msg.rank) = msg.sq_norm;
         if (++s.n_partials < s.ctx->n_virtual * s.ctx->d) return;
         double sq = 0;
@@ -486,7 +544,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       },
       [=](stage_done& msg) {
         auto& s = self->state;
-        if (msg.step != s.step) return;
+        if (msg.step != s.step || s.retrying) return;
         s.peaks.at(std::size_t(msg.replica) * s.ctx->p + msg.stage) = msg.peak_in_flight;
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_stages;
@@ -494,15 +552,15 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       },
       [=](shard_done& msg) {
         auto& s = self->state;
-        if (msg.step != s.step) return;
+        if (msg.step != s.step || s.retrying) return;
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_shards;
         maybe_commit(self);
       },
       [=](const runtime_failure& msg) { fail(self, msg.actor + ": " + msg.what); },
-      [=](timeout_atom, std::int64_t step) {
+      [=](timeout_atom, std::int64_t step, std::int32_t attempt) {
         auto& s = self->state;
-        if (step != s.step || s.committed) return;
+        if (step != s.step || attempt != s.attempt || s.committed || s.retrying) return;
         fail(self, "step did not finish within " + std::to_string(s.ctx->cfg.step_timeout) + " s (losses " +
                        std::to_string(s.n_losses) + "/" + std::to_string(s.ctx->d * s.ctx->m) + ", stages done " +
                        std::to_string(s.n_stages) + "/" + std::to_string(s.ctx->d * s.ctx->p) + ", shards done " +

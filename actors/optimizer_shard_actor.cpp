@@ -27,6 +27,7 @@ struct shard_state {
   std::shared_ptr<const runtime_context> ctx;
   std::shared_ptr<const job_wiring> wiring;
   std::shared_ptr<transport::communicator> comm;
+  std::shared_ptr<snapshot_store> store;
   int stage = 0, rank = 0;
   std::string name;
   std::vector<chunk_shard> chunks;
@@ -40,14 +41,30 @@ struct shard_state {
   std::vector<caf::message> stash;
 };
 
+/// Keeps the shard's state before step `step` in the node's snapshot store.
+void take_snapshot(shard_state& s, std::int64_t step) {
+  auto snap = std::make_shared<shard_snapshot>();
+  snap->step = step;
+  for (const auto& ch : s.chunks) {
+    snap->params.push_back(ch.opt.params().clone());
+    snap->exp_avg.push_back(ch.opt.exp_avg().clone());
+    snap->exp_avg_sq.push_back(ch.opt.exp_avg_sq().clone());
+    snap->stage_params.push_back(ch.gathered.clone());
+    snap->adam_steps.push_back(ch.opt.steps());
+  }
+  s.store->put(s.stage, s.rank, std::move(snap));
+}
+
 caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int stage, int rank,
-                             std::shared_ptr<transport::communicator> comm) {
+                             std::shared_ptr<transport::communicator> comm, std::shared_ptr<snapshot_store> store,
+                             std::shared_ptr<const shard_snapshot> from) {
   self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
   st.comm = comm;
+  st.store = store;
   st.stage = stage;
   st.rank = rank;
   st.name = "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
@@ -66,11 +83,22 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     st.chunks.push_back({range,
                          adamw_shard(layout->flat_params().narrow(0, range.begin, range.size()),
                                      decay_mask(layout->entries(), range), opts),
-                         norm_mask(layout->entries(), range), {}, torch::empty({range.size()}), torch::empty({n}), {}});
-    if (!ctx->resume_optim.empty())
-      restore_shard(layout->entries(), range, st.chunks.back().opt, init_by_name, ctx->resume_optim, ctx->start_step);
-    st.chunks.back().entries = layout->entries();
+                         norm_mask(layout->entries(), range), {}, torch::empty({range.size()}),
+                         layout->flat_params().clone(), {}});
+    auto& ch = st.chunks.back();
+    if (from) {  // restarted in place: the state before the step being retried
+      torch::NoGradGuard no_grad;
+      ch.opt.params().copy_(from->params.at(c));
+      ch.opt.exp_avg().copy_(from->exp_avg.at(c));
+      ch.opt.exp_avg_sq().copy_(from->exp_avg_sq.at(c));
+      ch.opt.set_steps(from->adam_steps.at(c));
+      ch.gathered.copy_(from->stage_params.at(c));
+    } else if (!ctx->resume_optim.empty()) {
+      restore_shard(layout->entries(), range, ch.opt, init_by_name, ctx->resume_optim, ctx->start_step);
+    }
+    ch.entries = layout->entries();
   }
+  if (!from) take_snapshot(st, ctx->start_step);
   auto accept = [self](std::int64_t step) {
     if (step == self->state.step) return true;
     if (step > self->state.step)
@@ -166,6 +194,11 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
           for (int ci = 0; ci < s.ctx->v; ++ci)
             self->send(s.wiring->stages[s.rank][s.stage],
                        param_shard{s.step, ci, s.rank, make_payload(s.chunks[ci].gathered)});
+          // The state before the next step, for in-place retries (while the stage copies
+          // its parameters: both only read `gathered`).
+          s.phase_start_us = s.ctx->now_us();
+          take_snapshot(s, s.step + 1);
+          trace_phase("snapshot");
           self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
           s.events.clear();
         }
@@ -204,9 +237,10 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
 
 caf::actor spawn_optimizer_shard_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                                        std::shared_ptr<const job_wiring> wiring, int stage, int rank,
-                                       std::shared_ptr<transport::communicator> comm) {
+                                       std::shared_ptr<transport::communicator> comm,
+                                       std::shared_ptr<snapshot_store> store, std::shared_ptr<const shard_snapshot> from) {
   return supervisor->spawn<caf::monitored>(shard_behavior, std::move(ctx), std::move(wiring), stage, rank,
-                                           std::move(comm));
+                                           std::move(comm), std::move(store), std::move(from));
 }
 
 }  // namespace troupe

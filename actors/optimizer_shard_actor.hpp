@@ -18,6 +18,7 @@
 #include <caf/event_based_actor.hpp>
 
 #include "actors/runtime.hpp"
+#include "actors/snapshot.hpp"
 #include "transport/transport.hpp"
 
 namespace troupe {
@@ -26,6 +27,8 @@ namespace troupe {
 /// stage's d shards.
 caf::actor spawn_optimizer_shard_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                                        std::shared_ptr<const job_wiring> wiring, int stage, int rank,
-                                       std::shared_ptr<transport::communicator> comm);
+                                       std::shared_ptr<transport::communicator> comm,
+                                       std::shared_ptr<snapshot_store> store,
+                                       std::shared_ptr<const shard_snapshot> from = nullptr);
 
 }  // namespace troupe

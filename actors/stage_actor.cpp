@@ -27,12 +27,14 @@ struct stage_state {
   std::vector<std::unique_ptr<model_slice>> chunks;  // chunk c: virtual stage c * p + stage
   const std::vector<pipeline_op>* order = nullptr;   // fixed-order kinds
   int throw_step = -1;                               // fault injection (tests)
+  bool throw_late = false;                           //   when the updated parameters arrive
   int kill_step = -1;                                // fault injection: SIGKILL this process
   std::string message_fault;                         // fault injection: drop|duplicate|corrupt|delay
   int message_fault_step = -1;                       //   of the first tensor message of this step
 
   // --- per-step state (all of it dropped by reset) ---
   std::int64_t step = -1;
+  std::int32_t attempt = 0;               // of this step (a step retried in place: > 0)
   bool running = false;
   std::size_t next_op = 0;
   int ops_done = 0, total_ops = 0;
@@ -108,7 +110,7 @@ class stage_logic {
 
   void execute(const pipeline_op& op) {
     const auto& ctx = *s_.ctx;
-    if (s_.throw_step == s_.step && s_.ops_done == 1) {
+    if (s_.throw_step == s_.step && !s_.throw_late && s_.ops_done == 1 && s_.attempt == 0) {
       spdlog::warn("fault injected: {} throws in step {} (index {})", s_.name, s_.step + 1, s_.step);
       throw std::runtime_error("injected fault: " + s_.name + " throws in step " + std::to_string(s_.step + 1));
     }
@@ -124,7 +126,7 @@ class stage_logic {
       auto out = slice.forward(in);
       if (s_.is_last_virtual(op.chunk)) {
         auto loss = slice.loss(out, s_.targets[op.mb]);
-        if (s_.step == ctx.cfg.nan_at && ctx.faults_armed()) loss = loss * std::numeric_limits<double>::quiet_NaN();  // fault injection
+        if (s_.step == ctx.cfg.nan_at && ctx.faults_armed() && s_.attempt == 0) loss = loss * std::numeric_limits<double>::quiet_NaN();  // fault injection
         s_.targets.erase(op.mb);
         self_->send(s_.wiring->coordinator, loss_report{s_.step, s_.replica, op.mb, loss.item<double>()});
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
@@ -205,6 +207,12 @@ class stage_logic {
   }
 
   void on_params(const param_shard& msg) {
+    if (s_.throw_step == s_.step && s_.throw_late && s_.attempt == 0) {
+      spdlog::warn("fault injected: {} throws in step {} (index {}) as its updated parameters arrive", s_.name,
+                   s_.step + 1, s_.step);
+      throw std::runtime_error("injected fault: " + s_.name + " throws after the update in step " +
+                               std::to_string(s_.step + 1));
+    }
     auto flat = s_.chunks.at(msg.chunk)->flat_params();
     const auto problem = check_payload(msg.data, {flat.numel()}, torch::kFloat32);
     if (!problem.empty()) throw std::runtime_error(s_.name + ": parameters from the shard: " + problem);
@@ -288,7 +296,7 @@ class stage_logic {
   template <class Msg>
   void send_tensor(int dest_stage, const caf::actor& dest, Msg msg) {
     const auto& w = *s_.wiring;
-    if (s_.message_fault_step == s_.step) {  // fault injection: this message, once
+    if (s_.message_fault_step == s_.step && s_.attempt == 0) {  // fault injection: this message, once
       s_.message_fault_step = -1;
       const auto& action = s_.message_fault;
       spdlog::warn("fault injected: {} {}s its first tensor message of step {} (index {})", s_.name, action,
@@ -337,7 +345,8 @@ class stage_logic {
 namespace {
 
 caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
-                             std::shared_ptr<const job_wiring> wiring, int replica, int stage) {
+                             std::shared_ptr<const job_wiring> wiring, int replica, int stage,
+                             std::shared_ptr<const shard_snapshot> from) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
@@ -346,12 +355,20 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   st.name = ctx->stage_name(replica, stage);
   for (int c = 0; c < ctx->v; ++c)
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d));
+  if (from) {  // restarted in place: the parameters before the step being retried
+    torch::NoGradGuard no_grad;
+    for (int c = 0; c < ctx->v; ++c) st.chunks[c]->flat_params().copy_(from->stage_params.at(c));
+  }
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   st.total_ops = 2 * ctx->m * ctx->v;
   if (!ctx->cfg.throw_at.empty() && ctx->faults_armed()) {
     int r = -1, k = -1, s = -1;
-    if (std::sscanf(ctx->cfg.throw_at.c_str(), "%d:%d:%d", &r, &k, &s) == 3 && r == replica && k == stage)
+    char when[8] = {0};
+    const int n = std::sscanf(ctx->cfg.throw_at.c_str(), "%d:%d:%d:%7s", &r, &k, &s, when);
+    if (n >= 3 && r == replica && k == stage) {
       st.throw_step = s;
+      st.throw_late = n == 4 && std::string(when) == "late";
+    }
   }
   if (!ctx->cfg.message.empty() && ctx->faults_armed()) {
     char action[16] = {0};
@@ -374,7 +391,8 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   return {
       [=](const begin_step& msg) {
         auto& s = self->state;
-        if (msg.step == s.kill_step) {
+        s.attempt = msg.attempt;
+        if (msg.step == s.kill_step && msg.attempt == 0) {
           spdlog::warn("fault injected: node {} kills its own process (SIGKILL) as step {} (index {}) begins",
                        wiring->node, msg.step + 1,
                        msg.step);
@@ -452,11 +470,12 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
 }  // namespace
 
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
-                             std::shared_ptr<const job_wiring> wiring, int replica, int stage) {
+                             std::shared_ptr<const job_wiring> wiring, int replica, int stage,
+                             std::shared_ptr<const shard_snapshot> from) {
   // Detached: a thread of its own, so its LibTorch intra-op thread count is its own
   // and long compute never holds a scheduler thread other actors need.
   return supervisor->spawn<caf::detached + caf::monitored>(stage_behavior, std::move(ctx), std::move(wiring),
-                                                          replica, stage);
+                                                          replica, stage, std::move(from));
 }
 
 }  // namespace troupe

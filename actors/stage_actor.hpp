@@ -18,11 +18,13 @@
 #include <caf/event_based_actor.hpp>
 
 #include "actors/runtime.hpp"
+#include "actors/snapshot.hpp"
 
 namespace troupe {
 
 /// Spawns the stage actor of (replica, stage), detached and monitored by `supervisor`.
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
-                             std::shared_ptr<const job_wiring> wiring, int replica, int stage);
+                             std::shared_ptr<const job_wiring> wiring, int replica, int stage,
+                             std::shared_ptr<const shard_snapshot> from = nullptr);
 
 }  // namespace troupe

@@ -92,6 +92,10 @@ const std::vector<key_def>& key_defs() {
       int_key("train.step_timeout", "seconds before an unfinished step is aborted", &job_config::step_timeout, 1, 1000000),
       int_key("train.max_skipped_steps", "NaN/inf gradients: updates skipped (actors) before the run stops",
               &job_config::max_skipped_steps, 0, 1000000),
+      int_key("train.max_step_retries",
+              "one-process jobs: a failed step is retried in place (actors rebuilt from in-memory snapshots) this "
+              "often before the run exits for a restart",
+              &job_config::max_step_retries, 0, 1000),
       {{"train.checksum", "CRC-32 on every activation and gradient payload (true/false)"},
        [](job_config& c, const std::string& v) {
          if (v != "true" && v != "false") bad("expected true or false");
@@ -145,7 +149,8 @@ const std::vector<key_def>& key_defs() {
       string_key("output.resume", "continue from a checkpoint folder (or checkpoint_dir's newest: auto)",
                  &job_config::resume),
       string_key("output.trace", "Chrome trace JSON of every executed op (actors runtime)", &job_config::trace),
-      string_key("faults.throw_at", "replica:stage:step - that stage actor throws in that step (0-based index; testing)", &job_config::throw_at),
+      string_key("faults.throw_at", "replica:stage:step[:late] - that stage actor throws in that step (0-based index; late: when its "
+                 "updated parameters arrive; testing)", &job_config::throw_at),
       int_key("faults.nan_at", "step (0-based index) whose losses the last stages make NaN (testing; -1: none)", &job_config::nan_at, -1,
               10000000),
       string_key("faults.kill_node", "node:step - that node's process SIGKILLs itself as that step (0-based index) begins (testing)",

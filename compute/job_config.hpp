@@ -38,6 +38,7 @@ struct job_config {
   int step_timeout = 300;             ///< seconds before an unfinished step is aborted
   bool checksum = false;              ///< CRC-32 on every activation / gradient payload
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
+  int max_step_retries = 2;           ///< one-process jobs: in-place retries of a failed step
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;

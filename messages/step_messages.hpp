@@ -14,6 +14,7 @@ namespace troupe {
 struct begin_step {
   std::int64_t step = 0;
   double lr = 0;
+  std::int32_t attempt = 0;  ///< 0, or how often this step was retried in place
 };
 
 /// One executed operation, for the Chrome trace and the measured bubble.
@@ -71,7 +72,7 @@ struct runtime_failure {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, begin_step& x) {
-  return f(caf::meta::type_name("begin_step"), x.step, x.lr);
+  return f(caf::meta::type_name("begin_step"), x.step, x.lr, x.attempt);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, trace_event& x) {

@@ -190,6 +190,7 @@ TEST(ActorRuntime, ActorThatThrowsAbortsTheStepWithinBoundedTime) {
   c.steps = 5;
   c.throw_at = "0:1:2";
   c.step_timeout = 30;
+  c.max_step_retries = 0;  // no in-place retry: the run ends (tests/recovery_test.cpp retries)
   const auto t0 = std::chrono::steady_clock::now();
   const auto got = run_actors(c);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -244,6 +245,7 @@ TEST(ActorRuntime, ResumeFromCheckpointIsBitIdentical) {
   first.save = dir / "ckpt.pt";
   first.checkpoint_interval = 3;
   first.throw_at = "0:0:3";  // stops the run inside step 3, after the checkpoint of step 3
+  first.max_step_retries = 0;
   const auto cut = run_actors(first);
   ASSERT_EQ(cut.exit_code, exit_recoverable);
   ASSERT_EQ(cut.losses.size(), 3u);

@@ -23,6 +23,7 @@ job_config small_job() {
   c.data_parallel = 2;
   c.microbatches = 4;
   c.eval_interval = 0;
+  c.max_step_retries = 0;  // failures end the run (exit 75), as in a multi-node job
   return c;
 }
 
@@ -245,6 +246,42 @@ TEST(Recovery, ACorruptOrLostMessageAbortsTheStepAndAResumeRepairsIt) {
     const auto resumed = run(f);
     ASSERT_EQ(resumed.exit_code, 0) << fault << ": " << resumed.error;
     EXPECT_EQ(test::max_abs_diff(resumed.final_state, straight.final_state), 0.0) << fault;
+  }
+}
+
+// One process: a failed step is retried in place. The supervisor kills every actor and
+// rebuilds them from the in-memory snapshots of the state before the step (fresh
+// in-process communicators); the step runs again and the run ends bit-identical, with one
+// abort and one retry line in the metrics log, without exiting.
+TEST(Recovery, AFailedStepIsRetriedInPlaceInOneProcess) {
+  test::temp_dir dir;
+  auto c = small_job();
+  c.steps = 4;
+  c.checksum = true;
+  c.step_timeout = 2;
+  c.max_step_retries = 2;
+  const auto straight = run(c);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+  for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{{"throw_at", "0:1:2"},
+                                                                                  {"throw_at", "1:0:0"},
+                                                                                  {"throw_at", "0:0:1:late"},
+                                                                                  {"throw_at", "1:1:3:late"},
+                                                                                  {"message", "corrupt@0:0:1"},
+                                                                                  {"message", "drop@1:1:3"}}) {
+    auto f = c;
+    f.set("faults." + key, value, "test");
+    f.metrics = dir / (key + value + ".jsonl");
+    const auto got = run(f);
+    ASSERT_EQ(got.exit_code, 0) << key << " " << value << ": " << got.error;
+    EXPECT_EQ(test::max_abs_diff(got.final_state, straight.final_state), 0.0) << value;
+    EXPECT_EQ(got.losses, straight.losses) << value;
+    int aborts = 0, retries = 0;
+    for (const auto& j : metrics_lines(f.metrics)) {
+      aborts += j.value("event", "") == "abort" && j.at("retry_in_place") == true;
+      retries += j.value("event", "") == "retry";
+    }
+    EXPECT_EQ(aborts, 1) << value;
+    EXPECT_EQ(retries, 1) << value;
   }
 }
 

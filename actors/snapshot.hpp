@@ -1,0 +1,53 @@
+#pragma once
+// In-memory copies of the optimizer shards' state before each step, kept by the node's
+// supervisor: what the actors of a step retried in place start from (a one-process job
+// rebuilds its actors from them instead of restarting from a checkpoint on disk). They
+// live in the node's process: they do not survive the process.
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include <torch/types.h>
+
+namespace troupe {
+
+/// Shard (stage, rank)'s state before step `step`, per chunk: its range of the fp32
+/// main parameters, the AdamW moments and step count, and the stage's whole parameter
+/// buffer (what the stage holds: the last all-gather's result).
+struct shard_snapshot {
+  std::int64_t step = 0;
+  std::vector<torch::Tensor> params, exp_avg, exp_avg_sq, stage_params;
+  std::vector<std::int64_t> adam_steps;
+};
+
+class snapshot_store {
+ public:
+  /// Keeps the two newest snapshots of each shard (a step that fails after its shards
+  /// updated still finds the one before it).
+  void put(int stage, int rank, std::shared_ptr<const shard_snapshot> s) {
+    std::lock_guard<std::mutex> lock(m_);
+    auto& q = slots_[{stage, rank}];
+    while (!q.empty() && q.back()->step >= s->step) q.pop_back();
+    q.push_back(std::move(s));
+    while (q.size() > 2) q.pop_front();
+  }
+  /// The state before `step`, or null.
+  std::shared_ptr<const shard_snapshot> get(int stage, int rank, std::int64_t step) const {
+    std::lock_guard<std::mutex> lock(m_);
+    auto it = slots_.find({stage, rank});
+    if (it == slots_.end()) return nullptr;
+    for (const auto& s : it->second)
+      if (s->step == step) return s;
+    return nullptr;
+  }
+
+ private:
+  mutable std::mutex m_;
+  std::map<std::pair<int, int>, std::deque<std::shared_ptr<const shard_snapshot>>> slots_;
+};
+
+}  // namespace troupe
