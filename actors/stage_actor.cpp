@@ -126,7 +126,8 @@ class stage_logic {
       auto out = slice.forward(in);
       if (s_.is_last_virtual(op.chunk)) {
         auto loss = slice.loss(out, s_.targets[op.mb]);
-        if (s_.step == ctx.cfg.nan_at && ctx.faults_armed() && s_.attempt == 0) loss = loss * std::numeric_limits<double>::quiet_NaN();  // fault injection
+        if (s_.step == ctx.cfg.nan_at && ctx.faults_armed() && s_.attempt == 0)  // fault injection
+          loss = loss * std::numeric_limits<double>::quiet_NaN();
         s_.targets.erase(op.mb);
         self_->send(s_.wiring->coordinator, loss_report{s_.step, s_.replica, op.mb, loss.item<double>()});
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
