@@ -1,5 +1,7 @@
 #include "actors/optimizer_shard_actor.hpp"
 
+#include <cstdio>
+
 #include <caf/all.hpp>
 #include <torch/torch.h>
 
@@ -32,7 +34,9 @@ struct shard_state {
   std::string name;
   std::vector<chunk_shard> chunks;
   std::int64_t step = -1;
+  std::int32_t attempt = 0;
   double lr = 0;
+  std::int64_t stall_step = -1;  // fault injection: no reduce-scatter in this step
   int received = 0;          // grad buffers of this step
   int completed = 0;         // collectives of the current phase that finished
   std::vector<transport::work_ptr> pending;
@@ -99,6 +103,11 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     ch.entries = layout->entries();
   }
   if (!from) take_snapshot(st, ctx->start_step);
+  if (!ctx->cfg.stall.empty() && ctx->faults_armed()) {
+    int k = -1, r = -1, step = -1;
+    if (std::sscanf(ctx->cfg.stall.c_str(), "%d:%d:%d", &k, &r, &step) == 3 && k == stage && r == rank)
+      st.stall_step = step;
+  }
   auto accept = [self](std::int64_t step) {
     if (step == self->state.step) return true;
     if (step > self->state.step)
@@ -151,6 +160,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       [=](const begin_step& msg) {
         auto& s = self->state;
         s.step = msg.step;
+        s.attempt = msg.attempt;
         s.lr = msg.lr;
         s.received = 0;
         auto stash = std::move(s.stash);
@@ -167,7 +177,12 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
           return;
         }
         c.grads = tensor_of(msg.data);
-        if (++s.received == s.ctx->v) start_phase(collective::reduce_scatter);
+        if (++s.received < s.ctx->v) return;
+        if (s.step == s.stall_step && s.attempt == 0) {
+          spdlog::warn("fault injected: {} stalls: no reduce-scatter in step {} (index {})", s.name, s.step + 1, s.step);
+          return;
+        }
+        start_phase(collective::reduce_scatter);
       },
       [=](const collective_done& msg) {
         auto& s = self->state;

@@ -159,6 +159,9 @@ const std::vector<key_def>& key_defs() {
                  "ACTION@replica:stage:step - drop, duplicate, corrupt or delay that stage's first tensor message of "
                  "that step (0-based; testing)",
                  &job_config::message),
+      string_key("faults.stall",
+                 "stage:rank:step - that optimizer shard never starts its reduce-scatter of that step (testing)",
+                 &job_config::stall),
       int_key("faults.attempt", "the launch the faults fire in (0: the first; 1: the first restart; ...)",
               &job_config::fault_attempt, 0, 1000000),
   };
@@ -291,6 +294,12 @@ void job_config::validate() const {
     char extra = 0;
     if (std::sscanf(kill_node.c_str(), "%d:%d%c", &node, &step, &extra) != 2 || node < 0 || step < 0)
       fail("kill_node must be node:step, not '" + kill_node + "'");
+  }
+  if (!stall.empty()) {
+    int k = -1, r = -1, step = -1;
+    char extra = 0;
+    if (std::sscanf(stall.c_str(), "%d:%d:%d%c", &k, &r, &step, &extra) != 3 || k < 0 || r < 0 || step < 0)
+      fail("stall must be stage:rank:step, not '" + stall + "'");
   }
   if (!message.empty()) {
     char action[16] = {0};

@@ -72,6 +72,7 @@ struct job_config {
   /// that step is dropped, duplicated, corrupted (one value changed after its checksum)
   /// or delayed (0.3 s); ACTION is drop | duplicate | corrupt | delay.
   std::string message;
+  std::string stall;                  ///< "stage:rank:step": that shard never starts its reduce-scatter
   int fault_attempt = 0;              ///< the launch (0: first, 1: first restart, ...) they fire in
 
   /// The defaults of a workload of WORKLOADS.md.

@@ -267,7 +267,8 @@ TEST(Recovery, AFailedStepIsRetriedInPlaceInOneProcess) {
                                                                                   {"throw_at", "0:0:1:late"},
                                                                                   {"throw_at", "1:1:3:late"},
                                                                                   {"message", "corrupt@0:0:1"},
-                                                                                  {"message", "drop@1:1:3"}}) {
+                                                                                  {"message", "drop@1:1:3"},
+                                                                                  {"stall", "1:0:2"}}) {
     auto f = c;
     f.set("faults." + key, value, "test");
     f.metrics = dir / (key + value + ".jsonl");

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Soak: a 2-node job meets a random fault in each of its first launches: a node process
-# killed (SIGKILL, node 0 or 1), a stage actor that throws, a corrupt tensor (checksum)
-# or a lost one (step timeout). The launcher restarts it from its newest checkpoint each
+# killed (SIGKILL, node 0 or 1), a stage actor that throws, a corrupt tensor (checksum),
+# a lost one or a stalled collective (step timeout). The launcher restarts it from its newest checkpoint each
 # time; it must end bit-identical to the fault-free run, with the same loss log and no
 # process left. Bounded: the whole test takes about a minute (timeout 300 s).
 #   tests/soak_test.sh REPO_ROOT BUILD_DIR   (SOAK_SEED=N repeats a run)
@@ -31,11 +31,12 @@ rc=$?
 for ((a = 0; a < faults; a++)); do
   step=$((3 + a * 6 + RANDOM % 5))
   r=$((RANDOM % 2)) k=$((RANDOM % 2))
-  case $((RANDOM % 5)) in
+  case $((RANDOM % 6)) in
     0 | 1) spec="kill_node=$((RANDOM % 2)):$step" ;;
     2) spec="throw_at=$r:$k:$step" ;;
     3) spec="message=corrupt@$r:$k:$step" ;;
     4) spec="message=drop@$r:$k:$step" ;;
+    5) spec="stall=$k:$r:$step" ;;
   esac
   export "TROUPE_FAULTS_$a=$spec"
   echo "launch $a: $spec"
