@@ -6,6 +6,9 @@
 //
 //   init (spawn) --run: node_actors--> --wiring_msg--> ready --check/reset_step--> resetting
 //        --all reports--> ready;  down_msg of a child --> runtime_failure to the coordinator
+//   ready --recover(step) (one process)--> kills every child --last down--> new children
+//        from the shards' in-memory snapshots (snapshot.hpp) of the state before `step`,
+//        fresh in-process communicators --node_actors--> ready
 #include <memory>
 
 #include <caf/actor.hpp>

@@ -3,17 +3,7 @@
 # ends with node 0's status and no node left behind; bad layouts are one-line errors
 # (exit 2); Ctrl-C (SIGINT) stops every node and exits 130, leaving no process.
 #   tests/launcher_test.sh REPO_ROOT BUILD_DIR
-set -u
-root=$1
-export TROUPE_BUILD_DIR=$2 TROUPE_SETUP_LOG=$(mktemp)
-launcher=$root/launch/troupe
-tmp=$(mktemp -d)
-fail=0
-cleanup() { pkill -KILL -f "$TROUPE_BUILD_DIR/troupe-node" 2>/dev/null; rm -rf "$tmp" "$TROUPE_SETUP_LOG"; }
-trap cleanup EXIT
-ok() { echo "ok   $1"; }
-bad() { echo "FAIL $1"; shift; [ $# -gt 0 ] && tail -20 "$1"; fail=1; }
-nodes_left() { pgrep -f "$TROUPE_BUILD_DIR/troupe-node" | wc -l; }
+source "$(dirname "$0")/launcher_lib.sh" "$@"
 
 # A short job over 2 nodes: exit 0, node lines, progress, nothing left.
 "$launcher" train --nodes 2 --data-parallel 2 --steps 3 --eval-interval 0 >"$tmp/run.log" 2>&1

@@ -4,17 +4,7 @@
 # fault-free run and the same loss for every step in the metrics log. Also: the restart
 # limit, a failure a restart cannot cure (no restart), and no process left behind.
 #   tests/restart_test.sh REPO_ROOT BUILD_DIR
-set -u
-root=$1
-export TROUPE_BUILD_DIR=$2 TROUPE_SETUP_LOG=$(mktemp)
-launcher=$root/launch/troupe
-tmp=$(mktemp -d)
-fail=0
-cleanup() { pkill -KILL -f "$TROUPE_BUILD_DIR/troupe-node" 2>/dev/null; rm -rf "$tmp" "$TROUPE_SETUP_LOG"; }
-trap cleanup EXIT
-ok() { echo "ok   $1"; }
-bad() { echo "FAIL $1"; shift; [ $# -gt 0 ] && tail -30 "$1"; fail=1; }
-nodes_left() { pgrep -f "$TROUPE_BUILD_DIR/troupe-node" | wc -l; }
+source "$(dirname "$0")/launcher_lib.sh" "$@"
 job=(train --nodes 2 --pipeline 2 --data-parallel 2 --eval-interval 0)
 
 same_run() { /usr/bin/python3 "$root/tests/compare_runs.py" "$tmp/ref" "$tmp/$1" 1 "$2"; }

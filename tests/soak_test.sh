@@ -1,20 +1,11 @@
 #!/usr/bin/env bash
 # Soak: a 2-node job meets a random fault in each of its first launches: a node process
 # killed (SIGKILL, node 0 or 1), a stage actor that throws, a corrupt tensor (checksum),
-# a lost one or a stalled collective (step timeout). The launcher restarts it from its newest checkpoint each
-# time; it must end bit-identical to the fault-free run, with the same loss log and no
-# process left. Bounded: the whole test takes about a minute (timeout 300 s).
+# a lost one or a stalled collective (step timeout). The launcher restarts it from its
+# newest checkpoint each time; it must end bit-identical to the fault-free run, with the
+# same loss log and no process left. Bounded: the whole test takes about a minute (timeout 300 s).
 #   tests/soak_test.sh REPO_ROOT BUILD_DIR   (SOAK_SEED=N repeats a run)
-set -u
-root=$1
-export TROUPE_BUILD_DIR=$2 TROUPE_SETUP_LOG=$(mktemp)
-launcher=$root/launch/troupe
-tmp=$(mktemp -d)
-fail=0
-cleanup() { pkill -KILL -f "$TROUPE_BUILD_DIR/troupe-node" 2>/dev/null; rm -rf "$tmp" "$TROUPE_SETUP_LOG"; }
-trap cleanup EXIT
-ok() { echo "ok   $1"; }
-bad() { echo "FAIL $1"; shift; [ $# -gt 0 ] && tail -40 "$1"; fail=1; }
+source "$(dirname "$0")/launcher_lib.sh" "$@"
 
 seed=${SOAK_SEED:-$(date +%s)}
 RANDOM=$seed
@@ -52,6 +43,5 @@ injected=$(grep -c "fault injected" "$tmp/soak.log")
 out=$(/usr/bin/python3 "$root/tests/compare_runs.py" "$tmp/ref" "$tmp/soak" $faults 2>&1) \
   && ok "bit-identical to the fault-free run: $out" || { echo "$out"; bad "results differ" "$tmp/soak.log"; }
 sleep 0.5
-left=$(pgrep -f "$TROUPE_BUILD_DIR/troupe-node" | wc -l)
-[ "$left" = 0 ] && ok "no node left" || bad "$left node(s) left"
+[ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"
 exit $fail
