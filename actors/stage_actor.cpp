@@ -393,7 +393,9 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       [=](const begin_step& msg) {
         auto& s = self->state;
         s.attempt = msg.attempt;
-        if (msg.step == s.kill_step && msg.attempt == 0) {
+        // Every stage of the node sees this begin_step; one of them logs and kills.
+        static std::atomic_flag killing = ATOMIC_FLAG_INIT;
+        if (msg.step == s.kill_step && msg.attempt == 0 && !killing.test_and_set()) {
           spdlog::warn("fault injected: node {} kills its own process (SIGKILL) as step {} (index {}) begins",
                        wiring->node, msg.step + 1,
                        msg.step);
