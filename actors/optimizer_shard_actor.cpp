@@ -79,15 +79,16 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   const std::map<std::string, torch::Tensor> init_by_name(ctx->init.begin(), ctx->init.end());
   for (int c = 0; c < ctx->v; ++c) {
     // A slice only to learn the layout and initial values of this range; dropped at once.
-    auto layout = make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d);
+    auto layout = make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device);
     const auto n = layout->flat_params().numel();
     const auto range = shard_ranges(n, ctx->d)[rank];
     if (transport::piece(n, ctx->d, rank) != std::make_pair(range.begin, range.end))
       throw std::logic_error("shard ranges differ from the transport's pieces");
     st.chunks.push_back({range,
                          adamw_shard(layout->flat_params().narrow(0, range.begin, range.size()),
-                                     decay_mask(layout->entries(), range), opts),
-                         norm_mask(layout->entries(), range), {}, torch::empty({range.size()}),
+                                     decay_mask(layout->entries(), range).to(ctx->device), opts),
+                         norm_mask(layout->entries(), range).to(ctx->device), {},
+                         torch::empty({range.size()}, layout->flat_params().options()),
                          layout->flat_params().clone(), {}});
     auto& ch = st.chunks.back();
     if (from) {  // restarted in place: the state before the step being retried

@@ -9,6 +9,7 @@
 #include "actors/coordinator_actor.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
+#include "compute/device.hpp"
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
 
@@ -27,6 +28,12 @@ runtime_context::runtime_context(const job_config& c, std::chrono::steady_clock:
       sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
       ranges(partition_layers(spec.n_layers(), p, v, c.split)),
       epoch(epoch_) {
+  try {
+    device = resolve_device(c.device);
+    compute_dtype = parse_precision(c.precision);
+  } catch (const std::invalid_argument& e) {
+    throw config_error(std::string("invalid configuration: ") + e.what());
+  }
   resolve_resume(cfg);
   if (const char* a = std::getenv("TROUPE_LAUNCH_ATTEMPT")) launch_attempt = std::atoi(a);
   if (!cfg.resume.empty()) {

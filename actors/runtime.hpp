@@ -46,6 +46,8 @@ struct runtime_context {
   bool dataflow;                     ///< no fixed order (schedule = "dataflow")
   schedule sched;                    ///< fixed-order kinds (for dataflow: 1f1b, unused)
   std::vector<layer_range> ranges;   ///< by virtual stage
+  torch::Device device{torch::kCPU}; ///< where stages and shards compute (train.device)
+  torch::ScalarType compute_dtype = torch::kFloat32;  ///< train.precision
   state_dict init;                   ///< initial full-model parameters (or the resumed ones)
   std::map<std::string, torch::Tensor> resume_optim;  ///< --load: AdamW moments by name
   std::int64_t start_step = 0;       ///< --load / --resume: the checkpoint's next step

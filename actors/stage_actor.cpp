@@ -10,6 +10,7 @@
 #include <caf/all.hpp>
 #include <torch/torch.h>
 
+#include "compute/device.hpp"
 #include "compute/grad_buffer.hpp"
 #include "messages/type_ids.hpp"
 
@@ -29,6 +30,7 @@ struct stage_state {
   int throw_step = -1;                               // fault injection (tests)
   bool throw_late = false;                           //   when the updated parameters arrive
   int kill_step = -1;                                // fault injection: SIGKILL this process
+  bool stream_set = false;                           // this actor's CUDA stream is its thread's
   std::string message_fault;                         // fault injection: drop|duplicate|corrupt|delay
   int message_fault_step = -1;                       //   of the first tensor message of this step
 
@@ -123,9 +125,13 @@ class stage_logic {
       auto in = std::move(s_.inputs[k]);
       s_.inputs.erase(k);
       if (x > 0) in = in.detach().requires_grad_(true);
-      auto out = slice.forward(in);
+      torch::Tensor out, loss;
+      {
+        precision_scope amp(ctx.device, ctx.compute_dtype);
+        out = slice.forward(in);
+        if (s_.is_last_virtual(op.chunk)) loss = slice.loss(out, s_.targets[op.mb]);
+      }
       if (s_.is_last_virtual(op.chunk)) {
-        auto loss = slice.loss(out, s_.targets[op.mb]);
         if (s_.step == ctx.cfg.nan_at && ctx.faults_armed() && s_.attempt == 0)  // fault injection
           loss = loss * std::numeric_limits<double>::quiet_NaN();
         s_.targets.erase(op.mb);
@@ -133,8 +139,10 @@ class stage_logic {
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
       } else {
         auto [next, chunk] = s_.owner(x + 1);
+        // Activations travel in fp32 (bf16 compute may end a slice in bf16).
         send_tensor((x + 1) % ctx.p, next,
-                    forward_activation{s_.step, op.mb, chunk, make_payload(out.detach(), ctx.cfg.checksum)});
+                    forward_activation{s_.step, op.mb, chunk,
+                                       make_payload(out.detach().to(torch::kFloat32), ctx.cfg.checksum)});
         deallocate(out);
       }
       if (x == 0) self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
@@ -148,7 +156,7 @@ class stage_logic {
       } else {
         auto g = std::move(s_.out_grads[k]);
         s_.out_grads.erase(k);
-        torch::autograd::backward({sv.output}, {g});
+        torch::autograd::backward({sv.output}, {g.to(sv.output.scalar_type())});
       }
       if (x > 0) {
         auto [prev, chunk] = s_.owner(x - 1);
@@ -355,7 +363,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   st.stage = stage;
   st.name = ctx->stage_name(replica, stage);
   for (int c = 0; c < ctx->v; ++c)
-    st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d));
+    st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device));
   if (from) {  // restarted in place: the parameters before the step being retried
     torch::NoGradGuard no_grad;
     for (int c = 0; c < ctx->v; ++c) st.chunks[c]->flat_params().copy_(from->stage_params.at(c));
@@ -403,6 +411,10 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
           ::kill(::getpid(), SIGKILL);
         }
         if (ctx->cfg.threads > 0) torch::set_num_threads(ctx->cfg.threads);
+        if (!s.stream_set) {  // a detached actor: this thread is its own from now on
+          use_own_stream(ctx->device);
+          s.stream_set = true;
+        }
         s.step = msg.step;
         s.running = true;
         s.next_op = 0;
@@ -419,12 +431,12 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         const auto problem = check_payload(msg.data, {ctx->mbs, ctx->spec.type == model_spec::kind::gpt ? ctx->spec.gpt.seq_len : ctx->spec.mlp_widths[0]},
                                            ctx->spec.type == model_spec::kind::gpt ? torch::kInt64 : torch::kFloat32);
         if (!problem.empty()) return logic->fail("micro-batch input " + std::to_string(msg.mb) + ": " + problem);
-        s.inputs[{msg.mb, 0}] = tensor_of(msg.data);
+        s.inputs[{msg.mb, 0}] = tensor_of(msg.data).to(ctx->device);
         logic->run_ready();
       },
       [=](microbatch_target& msg) {
         if (!logic->accept(msg.step) || !logic->first_time(3, {msg.mb, 0}, "micro-batch target")) return;
-        self->state.targets[msg.mb] = tensor_of(msg.data);
+        self->state.targets[msg.mb] = tensor_of(msg.data).to(ctx->device);
         logic->run_ready();
       },
       [=](forward_activation& msg) {

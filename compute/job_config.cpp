@@ -1,5 +1,7 @@
 #include "compute/job_config.hpp"
 
+#include "compute/device.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -83,7 +85,7 @@ key_def string_key(std::string name, std::string help, std::string job_config::*
 
 const std::vector<key_def>& key_defs() {
   static const std::vector<key_def> defs = {
-      string_key("train.workload", "gpt-tiny or fmnist-mlp", &job_config::workload),
+      string_key("train.workload", "gpt-tiny, gpt-small or fmnist-mlp", &job_config::workload),
       int_key("train.steps", "optimizer steps (also the lr schedule's length)", &job_config::steps, 1, 10000000),
       int_key("train.seed", "seed of initial weights and data sampling", &job_config::seed, 0, 0xffffffffLL),
       int_key("train.threads", "LibTorch intra-op threads (0: every hardware thread)", &job_config::threads, 0, 1024),
@@ -102,6 +104,10 @@ const std::vector<key_def>& key_defs() {
          c.checksum = v == "true";
        },
        [](const job_config& c) { return std::string(c.checksum ? "true" : "false"); }},
+      string_key("train.device", "auto, cpu, cuda or cuda:N (auto: the first GPU when one is usable)",
+                 &job_config::device),
+      string_key("train.precision", "fp32, or bf16 (bf16 compute under autocast; fp32 parameters and optimizer)",
+                 &job_config::precision),
       int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
       int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
@@ -227,6 +233,17 @@ const std::vector<config_key>& config_keys() {
 job_config job_config::defaults_for(const std::string& workload) {
   job_config c;
   if (workload == "gpt-tiny") return c;
+  if (workload == "gpt-small") {  // GPT-2 124M shape, for GPUs
+    c.workload = workload;
+    c.steps = 200;
+    c.global_batch = 16;
+    c.microbatches = 4;
+    c.lr = 6e-4;
+    c.min_lr = 6e-5;
+    c.warmup = 20;
+    c.eval_interval = 0;
+    return c;
+  }
   if (workload == "fmnist-mlp") {
     c.workload = workload;
     c.steps = 937;  // one epoch of 60 000 images in batches of 64 (partial batch dropped)
@@ -240,7 +257,7 @@ job_config job_config::defaults_for(const std::string& workload) {
     c.eval_interval = 0;
     return c;
   }
-  throw config_error("unknown workload '" + workload + "' (expected gpt-tiny or fmnist-mlp)");
+  throw config_error("unknown workload '" + workload + "' (expected gpt-tiny, gpt-small or fmnist-mlp)");
 }
 
 void job_config::set(const std::string& key, const std::string& value, const std::string& origin) {
@@ -254,8 +271,15 @@ void job_config::set(const std::string& key, const std::string& value, const std
 
 void job_config::validate() const {
   auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
-  if (workload != "gpt-tiny" && workload != "fmnist-mlp")
-    fail("unknown workload '" + workload + "' (expected gpt-tiny or fmnist-mlp)");
+  if (workload != "gpt-tiny" && workload != "gpt-small" && workload != "fmnist-mlp")
+    fail("unknown workload '" + workload + "' (expected gpt-tiny, gpt-small or fmnist-mlp)");
+  try {
+    parse_precision(precision);
+    if (device != "auto" && device != "cpu" && device != "cuda" && device.rfind("cuda:", 0) != 0)
+      resolve_device(device);  // throws: unknown name
+  } catch (const std::invalid_argument& e) {
+    fail(e.what());
+  }
   if (global_batch % (data_parallel * microbatches) != 0)
     fail("global_batch " + std::to_string(global_batch) + " is not divisible by data_parallel (" +
          std::to_string(data_parallel) + ") x microbatches (" + std::to_string(microbatches) + ")");
@@ -312,6 +336,7 @@ void job_config::validate() const {
 }
 
 model_spec job_config::model() const {
+  if (workload == "gpt-small") return model_spec::gpt_small();
   return workload == "fmnist-mlp" ? model_spec::fmnist_mlp() : model_spec::gpt_tiny();
 }
 

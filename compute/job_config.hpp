@@ -1,7 +1,8 @@
 #pragma once
 // A training job's configuration: workload defaults, then a TOML file, then flags.
 //
-//   [train]     workload, steps, seed, threads, eval_interval, runtime, step_timeout, checksum
+//   [train]     workload, steps, seed, threads, eval_interval, runtime, step_timeout, checksum,
+//               device, precision
 //   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split,
 //               max_in_flight, credit_window
 //   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
@@ -29,7 +30,7 @@ struct config_error : std::invalid_argument {
 
 struct job_config {
   // [train]
-  std::string workload = "gpt-tiny";  ///< gpt-tiny | fmnist-mlp
+  std::string workload = "gpt-tiny";  ///< gpt-tiny | gpt-small | fmnist-mlp
   int steps = 200;                    ///< also the lr schedule's length
   std::uint64_t seed = 1234;
   int threads = 0;                    ///< LibTorch intra-op threads (0: all hardware threads)
@@ -37,6 +38,8 @@ struct job_config {
   std::string runtime = "actors";     ///< actors | local (the plain single-process loop)
   int step_timeout = 300;             ///< seconds before an unfinished step is aborted
   bool checksum = false;              ///< CRC-32 on every activation / gradient payload
+  std::string device = "auto";        ///< auto | cpu | cuda | cuda:N (auto: a GPU if usable)
+  std::string precision = "fp32";     ///< fp32 | bf16 (autocast compute, fp32 params)
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
   int max_step_retries = 2;           ///< one-process jobs: in-place retries of a failed step
   // [parallel]

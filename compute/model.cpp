@@ -1,5 +1,7 @@
 #include "compute/model.hpp"
 
+#include <torch/version.h>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional.h>
 
@@ -156,12 +158,13 @@ state_dict model_slice::state(bool include_shared_copies) const {
   state_dict out;
   for (std::size_t i = 0; i < entries_.size(); ++i)
     if (include_shared_copies || !entries_[i].shared_copy)
-      out.emplace_back(entries_[i].name, params_[i].detach().clone());
+      out.emplace_back(entries_[i].name, params_[i].detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
   return out;
 }
 
 void model_slice::allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
-                           const std::vector<std::string>& shared_copies, std::int64_t pad_to) {
+                           const std::vector<std::string>& shared_copies, std::int64_t pad_to,
+                           torch::Device device) {
   std::map<std::string, torch::Tensor> given(state.begin(), state.end());
   entries_.clear();
   std::int64_t offset = 0;
@@ -182,8 +185,9 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, cons
   pad_to = std::max<std::int64_t>(pad_to, 1);
   const std::int64_t padded = (offset + pad_to - 1) / pad_to * pad_to;
   torch::NoGradGuard no_grad;
-  flat_params_ = torch::zeros({padded}, torch::kFloat32);
-  flat_grads_ = torch::zeros({padded}, torch::kFloat32);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  flat_params_ = torch::zeros({padded}, opts);
+  flat_grads_ = torch::zeros({padded}, opts);
   params_.clear();
   for (std::size_t i = 0; i < entries_.size(); ++i) {
     const auto& e = entries_[i];
@@ -203,7 +207,7 @@ namespace {
 class gpt_slice final : public model_slice {
  public:
   gpt_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
-            std::int64_t pad_to)
+            std::int64_t pad_to, torch::Device device)
       : cfg_(spec.gpt) {
     range_ = range;
     std::vector<std::string> names, shared;
@@ -217,15 +221,15 @@ class gpt_slice final : public model_slice {
       for (const auto& p : gpt_block_params(cfg_, i)) names.push_back(p.name);
     if (range.last_slice)
       for (const auto& p : gpt_head_params(cfg_)) names.push_back(p.name);
-    allocate(spec, state, names, shared, pad_to);
-    causal_ = torch::ones({cfg_.seq_len, cfg_.seq_len}, torch::kBool).tril();
+    allocate(spec, state, names, shared, pad_to, device);
+    causal_ = torch::ones({cfg_.seq_len, cfg_.seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril();
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {
     torch::Tensor x = input;
     if (is_first()) {
       const auto T = input.size(1);
-      auto pos = torch::arange(T, torch::kInt64);
+      auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(input.device()));
       x = torch::embedding(param("wte.weight"), input) + torch::embedding(param("wpe.weight"), pos);
     }
     for (int i = range_.first; i < range_.last; ++i) x = block(x, i);
@@ -259,11 +263,17 @@ class gpt_slice final : public model_slice {
     auto q = qkv[0].view({B, T, H, hd}).transpose(1, 2);
     auto k = qkv[1].view({B, T, H, hd}).transpose(1, 2);
     auto v = qkv[2].view({B, T, H, hd}).transpose(1, 2);
+#if TORCH_VERSION_MAJOR >= 2
+    // LibTorch 2.x: the fused kernel (flash / memory-efficient attention on GPUs).
+    auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#else
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
     att = att.masked_fill(causal_.slice(0, 0, T).slice(1, 0, T).logical_not(),
                           -std::numeric_limits<float>::infinity());
     att = torch::softmax(att, /*dim=*/-1);
-    auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, d});
+    auto y = torch::matmul(att, v);
+#endif
+    y = y.transpose(1, 2).contiguous().view({B, T, d});
     x = x + linear(y, p + "attn.c_proj");
     // mlp: c_fc, exact GELU, c_proj
     auto h = torch::gelu(linear(layer_norm(x, p + "ln_2"), p + "mlp.c_fc"));
@@ -279,13 +289,13 @@ class gpt_slice final : public model_slice {
 class mlp_slice final : public model_slice {
  public:
   mlp_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
-            std::int64_t pad_to)
+            std::int64_t pad_to, torch::Device device)
       : n_layers_(spec.n_layers()) {
     range_ = range;
     std::vector<std::string> names;
     for (int i = range.first; i < range.last; ++i)
       for (const auto& p : mlp_layer_params(spec.mlp_widths, i)) names.push_back(p.name);
-    allocate(spec, state, names, {}, pad_to);
+    allocate(spec, state, names, {}, pad_to, device);
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {
@@ -309,14 +319,14 @@ class mlp_slice final : public model_slice {
 }  // namespace
 
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
-                                        const state_dict& state, std::int64_t pad_to) {
+                                        const state_dict& state, std::int64_t pad_to, torch::Device device) {
   if (range.first < 0 || range.last > spec.n_layers() || range.first >= range.last)
     throw model_error("layer range [" + std::to_string(range.first) + ", " +
                       std::to_string(range.last) + ") does not fit " + spec.name() + " with " +
                       std::to_string(spec.n_layers()) + " layers");
   if (spec.type == model_spec::kind::gpt)
-    return std::make_unique<gpt_slice>(spec, range, state, pad_to);
-  return std::make_unique<mlp_slice>(spec, range, state, pad_to);
+    return std::make_unique<gpt_slice>(spec, range, state, pad_to, device);
+  return std::make_unique<mlp_slice>(spec, range, state, pad_to, device);
 }
 
 }  // namespace troupe

@@ -41,6 +41,12 @@ struct model_spec {
   std::vector<int> mlp_widths{784, 512, 512, 256, 10};  ///< fmnist-mlp
 
   static model_spec gpt_tiny() { return {}; }
+  /// GPT-2 124M's shape (12 layers, 12 heads, d_model 768, seq 1024) on 256 byte values.
+  static model_spec gpt_small() {
+    model_spec s;
+    s.gpt = {12, 12, 768, 3072, 1024, 256};
+    return s;
+  }
   static model_spec fmnist_mlp() {
     model_spec s;
     s.type = kind::mlp;
@@ -104,13 +110,13 @@ class model_slice {
   std::int64_t numel() const { return numel_; }  ///< without padding
   void zero_grads() { flat_grads_.zero_(); }
 
-  /// This slice's parameters (shared copies left out) as a state_dict (clones).
+  /// This slice's parameters (shared copies left out) as a state_dict (CPU copies).
   state_dict state(bool include_shared_copies = false) const;
 
  protected:
   /// Lays out `names` (taken from `state`) into the flat buffers.
   void allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
-                const std::vector<std::string>& shared_copies, std::int64_t pad_to);
+                const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device);
   layer_range range_;
 
  private:
@@ -122,8 +128,10 @@ class model_slice {
 };
 
 /// Builds the slice for `range`, taking its parameters from a full-model `state`.
-/// `pad_to`: flat buffers are padded to a multiple of this (the data-parallel width).
+/// `pad_to`: flat buffers are padded to a multiple of this (the data-parallel width);
+/// `device`: where the buffers (and the computation) live.
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
-                                        const state_dict& state, std::int64_t pad_to = 1);
+                                        const state_dict& state, std::int64_t pad_to = 1,
+                                        torch::Device device = torch::kCPU);
 
 }  // namespace troupe

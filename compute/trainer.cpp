@@ -233,7 +233,7 @@ int run_training(const job_config& cfg) {
     metrics.open(cfg.metrics, std::ios::app);
     if (!metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
   }
-  const bool is_text = cfg.workload == "gpt-tiny";
+  const bool is_text = cfg.workload != "fmnist-mlp";
   double elapsed = 0;
   int timed = 0;
   while (trainer.next_step() < cfg.steps) {

@@ -7,8 +7,18 @@
 
 namespace troupe {
 
+namespace {
+/// `t` in host memory (GPU tensors are copied: checksums and serialisation read bytes).
+torch::Tensor on_host(const torch::Tensor& t) { return t.device().is_cpu() ? t.contiguous() : t.to(torch::kCPU).contiguous(); }
+}  // namespace
+
+const torch::Tensor& tensor_of(const tensor_payload& p) {
+  wait_ready(p.ready, p.local);
+  return p.local;
+}
+
 std::uint32_t crc32_of(const torch::Tensor& t) {
-  auto c = t.contiguous();
+  auto c = on_host(t);
   const auto* bytes = static_cast<const Bytef*>(c.data_ptr());
   std::size_t n = c.numel() * c.element_size();
   uLong crc = crc32(0L, Z_NULL, 0);
@@ -26,6 +36,7 @@ tensor_payload make_payload(const torch::Tensor& t, bool with_checksum) {
   p.local = t.contiguous();
   p.dtype = static_cast<std::int8_t>(p.local.scalar_type());
   p.shape = p.local.sizes().vec();
+  p.ready = record_ready(p.local);
   if (with_checksum) {
     p.checksum = crc32_of(p.local);
     p.has_checksum = true;
@@ -34,7 +45,7 @@ tensor_payload make_payload(const torch::Tensor& t, bool with_checksum) {
 }
 
 std::vector<char> bytes_of(const torch::Tensor& t) {
-  auto c = t.contiguous();
+  auto c = on_host(t);
   const auto* p = static_cast<const char*>(c.data_ptr());
   return std::vector<char>(p, p + c.numel() * c.element_size());
 }
@@ -52,6 +63,7 @@ std::string check_payload(const tensor_payload& p, c10::IntArrayRef expected_sha
                           torch::ScalarType expected_dtype) {
   std::ostringstream why;
   if (!p.local.defined()) return "payload carries no tensor data";
+  wait_ready(p.ready, p.local);  // a checksum reads what the producer wrote
   if (p.dtype != static_cast<std::int8_t>(expected_dtype) || p.local.scalar_type() != expected_dtype) {
     why << "dtype " << c10::toString(p.local.scalar_type()) << ", expected " << c10::toString(expected_dtype);
     return why.str();

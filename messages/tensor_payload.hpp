@@ -15,6 +15,8 @@
 #include <caf/serializer.hpp>
 #include <torch/types.h>
 
+#include "compute/device.hpp"
+
 namespace troupe {
 
 struct tensor_payload {
@@ -27,9 +29,13 @@ struct tensor_payload {
   /// from rank (node) `src_node`, tagged `tag` (-1: no handle).
   std::int32_t src_node = -1;
   std::uint32_t tag = 0;
+  /// In-process hand-off of a GPU tensor: the event its producer recorded after the
+  /// kernels that write it (the consumer's stream waits on it; never serialised).
+  ready_event ready;
 };
 
-/// Wraps `t` (contiguous; shares its storage) with an optional checksum.
+/// Wraps `t` (contiguous; shares its storage) with an optional checksum; a GPU tensor
+/// gets a ready event on the calling thread's current stream.
 tensor_payload make_payload(const torch::Tensor& t, bool with_checksum = false);
 
 /// Checks a received payload against what the receiver expects (shape, dtype, bytes
@@ -37,8 +43,9 @@ tensor_payload make_payload(const torch::Tensor& t, bool with_checksum = false);
 std::string check_payload(const tensor_payload& p, c10::IntArrayRef expected_shape,
                           torch::ScalarType expected_dtype);
 
-/// The payload's tensor (no copy).
-inline const torch::Tensor& tensor_of(const tensor_payload& p) { return p.local; }
+/// The payload's tensor (no copy); for a GPU tensor the calling thread's current stream
+/// first waits for its producer's kernels.
+const torch::Tensor& tensor_of(const tensor_payload& p);
 
 std::uint32_t crc32_of(const torch::Tensor& t);
 

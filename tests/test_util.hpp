@@ -27,10 +27,12 @@ inline double max_abs_diff(const state_dict& a, const state_dict& b) {
   return a.size() == b.size() ? worst : INFINITY;
 }
 
-/// gpt-tiny's configuration with a short run.
+/// gpt-tiny's configuration with a short run, on the CPU (the reference loop's device,
+/// also on GPU machines; tests/gpu_test.cpp compares devices).
 inline job_config gpt_config(int steps) {
   auto c = job_config::defaults_for("gpt-tiny");
   c.steps = steps;
+  c.device = "cpu";
   return c;
 }
 

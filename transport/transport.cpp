@@ -83,9 +83,9 @@ const char* collective_name(collective c) {
   return "unknown collective";
 }
 
-void check_tensor(const torch::Tensor& t, std::int64_t numel, const char* what) {
+void check_tensor(const torch::Tensor& t, std::int64_t numel, const char* what, bool any_device) {
   if (!t.defined()) throw std::invalid_argument(std::string(what) + ": undefined tensor");
-  if (!t.device().is_cpu()) throw std::invalid_argument(std::string(what) + ": not a CPU tensor");
+  if (!any_device && !t.device().is_cpu()) throw std::invalid_argument(std::string(what) + ": not a CPU tensor");
   if (!t.is_contiguous()) throw std::invalid_argument(std::string(what) + ": not contiguous");
   if (numel >= 0 && t.numel() != numel)
     throw std::invalid_argument(std::string(what) + ": " + std::to_string(t.numel()) + " elements, expected " +

@@ -14,7 +14,7 @@
 //   (or another size) at the same position as an error on both sides instead of hanging.
 // - Collectives sum in one fixed order per piece (the ring's: piece i is summed starting at
 //   rank i+1 and ending at rank i), so every backend gives bit-identical results.
-// - Tensors are contiguous CPU tensors of one dtype (float32, float64, int32, int64 for
+// - Tensors are contiguous tensors (CPU; local/ takes any device) of one dtype (float32, float64, int32, int64 for
 //   sums; any dtype for send/recv/all_gather/broadcast); they must stay alive and unused
 //   until the work completes.
 #include <chrono>
@@ -107,8 +107,9 @@ class communicator {
   virtual void abort(const std::string& why) = 0;
 };
 
-/// Checks a tensor handed to a collective: contiguous, CPU, `numel` elements (-1: any).
-void check_tensor(const torch::Tensor& t, std::int64_t numel, const char* what);
+/// Checks a tensor handed to a collective: contiguous, `numel` elements (-1: any), and on
+/// the CPU unless `any_device` (the in-process backend works on any device).
+void check_tensor(const torch::Tensor& t, std::int64_t numel, const char* what, bool any_device = false);
 /// True for the dtypes collectives can sum.
 bool summable(torch::ScalarType t);
 /// `out` = sum of the ranks' tensors in the ring's order for piece `i`: rank i+1 first,

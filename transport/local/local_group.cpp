@@ -91,11 +91,11 @@ class local_member : public communicator {
   std::string backend() const override { return "local"; }
 
   work_ptr send(torch::Tensor t, int dst, std::uint32_t tag) override {
-    check_tensor(t, -1, "send");
+    check_tensor(t, -1, "send", true);
     return match(rank_, dst, tag, std::move(t), true);
   }
   work_ptr recv(torch::Tensor t, int src, std::uint32_t tag) override {
-    check_tensor(t, -1, "recv");
+    check_tensor(t, -1, "recv", true);
     return match(src, rank_, tag, std::move(t), false);
   }
   work_ptr all_reduce(torch::Tensor t) override {
@@ -105,18 +105,18 @@ class local_member : public communicator {
   work_ptr reduce_scatter(torch::Tensor input, torch::Tensor output) override {
     check_sum(input);
     auto [b, e] = piece(input.numel(), size(), rank_);
-    check_tensor(output, e - b, "reduce_scatter output");
+    check_tensor(output, e - b, "reduce_scatter output", true);
     return enter({collective::reduce_scatter, std::move(input), std::move(output), 0, nullptr});
   }
   work_ptr all_gather(torch::Tensor input, torch::Tensor output) override {
-    check_tensor(input, -1, "all_gather input");
-    check_tensor(output, -1, "all_gather output");
+    check_tensor(input, -1, "all_gather input", true);
+    check_tensor(output, -1, "all_gather output", true);
     auto [b, e] = piece(output.numel(), size(), rank_);
-    check_tensor(input, e - b, "all_gather input");
+    check_tensor(input, e - b, "all_gather input", true);
     return enter({collective::all_gather, std::move(input), std::move(output), 0, nullptr});
   }
   work_ptr broadcast(torch::Tensor t, int root) override {
-    check_tensor(t, -1, "broadcast");
+    check_tensor(t, -1, "broadcast", true);
     return enter({collective::broadcast, t, t, root, nullptr});
   }
   void abort(const std::string& why) override {
@@ -140,7 +140,7 @@ class local_member : public communicator {
 
  private:
   void check_sum(const torch::Tensor& t) {
-    check_tensor(t, -1, "collective");
+    check_tensor(t, -1, "collective", true);
     if (!summable(t.scalar_type())) throw std::invalid_argument("collective: dtype cannot be summed");
   }
 

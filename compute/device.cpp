@@ -1,0 +1,124 @@
+#include "compute/device.hpp"
+
+#include <stdexcept>
+
+#include <ATen/autocast_mode.h>
+#include <torch/cuda.h>
+#include <torch/version.h>
+
+#ifdef TROUPE_TORCH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace troupe {
+
+bool cuda_usable() {
+#ifdef TROUPE_TORCH_CUDA
+  return torch::cuda::is_available();
+#else
+  return false;
+#endif
+}
+
+torch::Device resolve_device(const std::string& name) {
+  if (name == "auto") return cuda_usable() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (name == "cpu") return torch::kCPU;
+  if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
+#ifndef TROUPE_TORCH_CUDA
+    throw std::invalid_argument("device '" + name + "': this build's LibTorch has no CUDA (build with launch/setup-gpu)");
+#else
+    if (!cuda_usable()) throw std::invalid_argument("device '" + name + "': no usable GPU");
+    const int index = name == "cuda" ? 0 : std::stoi(name.substr(5));
+    if (index < 0 || index >= int(torch::cuda::device_count()))
+      throw std::invalid_argument("device '" + name + "': there are " + std::to_string(torch::cuda::device_count()) +
+                                  " GPU(s)");
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+#endif
+  }
+  throw std::invalid_argument("unknown device '" + name + "' (expected auto, cpu, cuda or cuda:N)");
+}
+
+torch::ScalarType parse_precision(const std::string& name) {
+  if (name == "fp32") return torch::kFloat32;
+  if (name == "bf16") return torch::kBFloat16;
+  throw std::invalid_argument("unknown precision '" + name + "' (expected fp32 or bf16)");
+}
+
+// LibTorch 2.4 made autocast's switches per device type; 1.13 (Debian) has one switch
+// for CUDA and one for CPU.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+namespace {
+bool autocast_enabled(c10::DeviceType t) { return at::autocast::is_autocast_enabled(t); }
+void set_autocast(c10::DeviceType t, bool on) { at::autocast::set_autocast_enabled(t, on); }
+torch::ScalarType autocast_dtype(c10::DeviceType t) { return at::autocast::get_autocast_dtype(t); }
+void set_autocast_dtype(c10::DeviceType t, torch::ScalarType d) { at::autocast::set_autocast_dtype(t, d); }
+}  // namespace
+#else
+namespace {
+bool cpu(c10::DeviceType t) { return t == c10::DeviceType::CPU; }
+bool autocast_enabled(c10::DeviceType t) { return cpu(t) ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled(); }
+void set_autocast(c10::DeviceType t, bool on) { cpu(t) ? at::autocast::set_cpu_enabled(on) : at::autocast::set_enabled(on); }
+torch::ScalarType autocast_dtype(c10::DeviceType t) {
+  return cpu(t) ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+}
+void set_autocast_dtype(c10::DeviceType t, torch::ScalarType d) {
+  cpu(t) ? at::autocast::set_autocast_cpu_dtype(d) : at::autocast::set_autocast_gpu_dtype(d);
+}
+}  // namespace
+#endif
+
+precision_scope::precision_scope(torch::Device device, torch::ScalarType compute) {
+  if (compute == torch::kFloat32) return;
+  active_ = true;
+  type_ = device.type();
+  prev_enabled_ = autocast_enabled(type_);
+  prev_dtype_ = autocast_dtype(type_);
+  set_autocast(type_, true);
+  set_autocast_dtype(type_, compute);
+  at::autocast::increment_nesting();
+}
+
+precision_scope::~precision_scope() {
+  if (!active_) return;
+  // Casts of the parameters are cached inside the outermost scope only: parameters
+  // change between steps.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  set_autocast(type_, prev_enabled_);
+  set_autocast_dtype(type_, prev_dtype_);
+}
+
+#ifdef TROUPE_TORCH_CUDA
+ready_event record_ready(const torch::Tensor& t) {
+  if (!t.defined() || !t.is_cuda()) return nullptr;
+  auto ev = std::make_shared<at::cuda::CUDAEvent>();
+  ev->record(c10::cuda::getCurrentCUDAStream(t.device().index()));
+  return ev;
+}
+
+void wait_ready(const ready_event& ev, const torch::Tensor& t) {
+  if (!ev || !t.defined() || !t.is_cuda()) return;
+  auto stream = c10::cuda::getCurrentCUDAStream(t.device().index());
+  static_cast<at::cuda::CUDAEvent*>(ev.get())->block(stream);
+  c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+}
+
+void use_own_stream(torch::Device device) {
+  if (!device.is_cuda()) return;
+  c10::cuda::set_device(device.index());
+  c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(false, device.index()));
+}
+
+void synchronize(torch::Device device) {
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+}
+#else
+ready_event record_ready(const torch::Tensor&) { return nullptr; }
+void wait_ready(const ready_event&, const torch::Tensor&) {}
+void use_own_stream(torch::Device) {}
+void synchronize(torch::Device) {}
+#endif
+
+}  // namespace troupe

@@ -1,0 +1,64 @@
+#pragma once
+// Where and in what precision compute runs (no CAF).
+//
+// - Devices: "cpu", "cuda", "cuda:N" or "auto" (cuda:0 where a GPU is usable, else cpu).
+//   The CUDA parts need a LibTorch built with CUDA (TROUPE_TORCH_CUDA, set by CMake);
+//   with Debian's CPU-only LibTorch asking for "cuda" is a clear error.
+// - Precision: "fp32" or "bf16". bf16 runs each forward under autocast (matrix products
+//   in bf16, reductions and the loss in fp32); parameters, gradients and the optimizer
+//   shards' main parameters and moments stay fp32 (Megatron keeps fp32 main params for
+//   bf16 models; here the model's own parameters are those fp32 params).
+// - Streams and events: each stage actor computes on a CUDA stream of its own; a tensor
+//   handed to another actor carries an event recorded on the producer's stream, and the
+//   consumer's stream waits on it (no host synchronisation, no copy). On CPU these are
+//   no-ops.
+#include <memory>
+#include <string>
+
+#include <torch/types.h>
+
+namespace troupe {
+
+/// Parses a device name; "auto" picks cuda:0 when a GPU is usable. Throws
+/// std::invalid_argument for an unknown name or for cuda without a usable GPU.
+torch::Device resolve_device(const std::string& name);
+/// True when this build has CUDA support and at least one GPU is usable.
+bool cuda_usable();
+/// "fp32" -> kFloat32, "bf16" -> kBFloat16; throws std::invalid_argument otherwise.
+torch::ScalarType parse_precision(const std::string& name);
+
+/// Runs the enclosed forward computation in `compute` precision (autocast on `device`'s
+/// type) when that is not fp32; a no-op for fp32.
+class precision_scope {
+ public:
+  precision_scope(torch::Device device, torch::ScalarType compute);
+  ~precision_scope();
+  precision_scope(const precision_scope&) = delete;
+  precision_scope& operator=(const precision_scope&) = delete;
+
+ private:
+  bool active_ = false;
+  c10::DeviceType type_ = c10::DeviceType::CPU;
+  bool prev_enabled_ = false;
+  torch::ScalarType prev_dtype_ = torch::kFloat32;
+};
+
+/// An opaque "ready" marker for a tensor handed between actors: a CUDA event recorded
+/// on the producing thread's current stream (empty on CPU).
+using ready_event = std::shared_ptr<void>;
+
+/// Records an event on the current stream of `t`'s device (nullptr for CPU tensors).
+ready_event record_ready(const torch::Tensor& t);
+/// Makes the current stream wait for `ev` and tells the caching allocator that `t` is
+/// used on it (no-op for nullptr).
+void wait_ready(const ready_event& ev, const torch::Tensor& t);
+
+/// Gives the calling thread a CUDA stream of its own for `device` (from LibTorch's pool)
+/// as its current stream; no-op for CPU. Call from the thread that computes (a detached
+/// actor's own thread).
+void use_own_stream(torch::Device device);
+
+/// Blocks until every kernel queued on `device` is done (no-op for CPU).
+void synchronize(torch::Device device);
+
+}  // namespace troupe

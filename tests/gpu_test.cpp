@@ -1,0 +1,125 @@
+// Devices and precision. On a machine with a usable GPU (and a CUDA LibTorch: build with
+// launch/setup-gpu) the actor runtime on cuda gives the CPU run's parameters; stages
+// sharing one GPU hand tensors over with stream events; bf16 follows fp32. Without a GPU
+// the GPU tests skip (GTEST_SKIP, reported as skipped, never as passed); the bf16 and
+// device-name checks run everywhere.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "actors/runtime.hpp"
+#include "compute/device.hpp"
+#include "test_util.hpp"
+
+namespace troupe {
+
+namespace {
+
+actor_run_result run(job_config c, int steps) {
+  c.steps = std::max(c.steps, steps);  // keep the lr schedule of the longer run
+  actor_run_options opts;
+  opts.quiet = true;
+  auto cfg = c;
+  cfg.steps = steps;
+  return run_actor_training(cfg, opts);
+}
+
+job_config tiny(int p, int d, int v, const char* schedule, const char* device, const char* precision = "fp32") {
+  auto c = test::gpt_config(200);
+  c.pipeline = p;
+  c.data_parallel = d;
+  c.chunks = v;
+  c.schedule = schedule;
+  c.microbatches = d == 1 ? 8 : 4;
+  c.device = device;
+  c.precision = precision;
+  return c;
+}
+
+double mean_of_last(const std::vector<double>& xs, std::size_t n) {
+  double s = 0;
+  for (std::size_t i = xs.size() - n; i < xs.size(); ++i) s += xs[i];
+  return s / double(n);
+}
+
+struct gpu_layout {
+  int p, d, v;
+  const char* schedule;
+};
+
+class GpuEquivalence : public ::testing::TestWithParam<gpu_layout> {};
+
+}  // namespace
+
+TEST(Device, NamesAreParsedAndCudaWithoutAGpuIsRefused) {
+  EXPECT_TRUE(resolve_device("cpu").is_cpu());
+  EXPECT_EQ(resolve_device("auto").is_cuda(), cuda_usable());
+  EXPECT_THROW(resolve_device("tpu"), std::invalid_argument);
+  EXPECT_THROW(parse_precision("fp8"), std::invalid_argument);
+  if (!cuda_usable()) {
+    EXPECT_THROW(resolve_device("cuda"), std::invalid_argument);
+    // The run refuses it up front, as a configuration error.
+    auto c = tiny(1, 1, 1, "1f1b", "cuda");
+    EXPECT_THROW(runtime_context{c}, config_error);
+  }
+  auto bad = tiny(1, 1, 1, "1f1b", "cpu", "fp16");
+  EXPECT_THROW(bad.validate(), config_error);
+}
+
+// bf16 compute under autocast (on the CPU here, so CI runs it): every step's loss within
+// 2 % of fp32's, and the parameters do differ (bf16 did run).
+TEST(Precision, Bf16FollowsFp32OnTheCpu) {
+  const int steps = 6;
+  const auto fp32 = run(tiny(2, 1, 1, "1f1b", "cpu"), steps);
+  const auto bf16 = run(tiny(2, 1, 1, "1f1b", "cpu", "bf16"), steps);
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.error;
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.error;
+  ASSERT_EQ(bf16.losses.size(), std::size_t(steps));
+  for (int i = 0; i < steps; ++i) EXPECT_NEAR(bf16.losses[i] / fp32.losses[i], 1.0, 0.02) << "step " << i;
+  EXPECT_GT(test::max_abs_diff(bf16.final_state, fp32.final_state), 0.0);
+  for (const auto& [name, t] : bf16.final_state) EXPECT_EQ(t.scalar_type(), torch::kFloat32) << name;
+}
+
+// fp32 on the GPU: the same parameters as the same layout on the CPU (<= 1e-4 after 10
+// steps), for stages sharing one GPU (each on its own stream) and data-parallel shards.
+TEST_P(GpuEquivalence, Fp32OnTheGpuGivesTheCpuParameters) {
+  if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
+  const auto l = GetParam();
+  const auto cpu = run(tiny(l.p, l.d, l.v, l.schedule, "cpu"), 10);
+  const auto gpu = run(tiny(l.p, l.d, l.v, l.schedule, "cuda"), 10);
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.error;
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.error;
+  EXPECT_LE(test::max_abs_diff(gpu.final_state, cpu.final_state), 1e-4);
+  ASSERT_EQ(gpu.losses.size(), cpu.losses.size());
+  for (std::size_t i = 0; i < cpu.losses.size(); ++i) EXPECT_NEAR(gpu.losses[i], cpu.losses[i], 1e-4) << "step " << i;
+  for (const auto& [name, t] : gpu.final_state) EXPECT_TRUE(t.device().is_cpu()) << name << ": saved state on the CPU";
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GpuEquivalence,
+                         ::testing::Values(gpu_layout{1, 1, 1, "1f1b"}, gpu_layout{2, 2, 1, "1f1b"},
+                                           gpu_layout{4, 1, 1, "gpipe"}, gpu_layout{2, 1, 2, "interleaved-1f1b"},
+                                           gpu_layout{4, 2, 1, "dataflow"}),
+                         [](const auto& info) {
+                           const auto& l = info.param;
+                           std::string k = l.schedule;
+                           for (auto& ch : k)
+                             if (ch == '-') ch = '_';
+                           return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" +
+                                  std::to_string(l.v) + "_" + k;
+                         });
+
+// bf16 on the GPU: after 200 steps the loss curve is within 2 % of fp32's (mean of the
+// last 10 steps), and every 20th step's loss within 5 %.
+TEST(Gpu, Bf16LossCurveFollowsFp32For200Steps) {
+  if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
+  const auto fp32 = run(tiny(2, 1, 1, "1f1b", "cuda"), 200);
+  const auto bf16 = run(tiny(2, 1, 1, "1f1b", "cuda", "bf16"), 200);
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.error;
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.error;
+  ASSERT_EQ(bf16.losses.size(), 200u);
+  EXPECT_NEAR(mean_of_last(bf16.losses, 10) / mean_of_last(fp32.losses, 10), 1.0, 0.02);
+  for (int i = 0; i < 200; i += 20) EXPECT_NEAR(bf16.losses[i] / fp32.losses[i], 1.0, 0.05) << "step " << i;
+  EXPECT_LT(mean_of_last(bf16.losses, 10), bf16.losses[0] * 0.8) << "bf16 learns";
+}
+
+}  // namespace troupe
