@@ -43,6 +43,7 @@ struct stage_state {
   std::map<key, torch::Tensor> inputs;    // received inputs / activations
   std::map<key, torch::Tensor> out_grads; // received gradients of outputs
   std::map<int, torch::Tensor> targets;
+  std::vector<std::pair<int, torch::Tensor>> losses;  // (micro-batch, loss) until the step's ops are done
   std::set<std::pair<int, key>> seen;     // (kind, key) of every tensor received this step
   struct saved_t {
     torch::Tensor input, output;
@@ -91,7 +92,17 @@ class stage_logic {
     } else {
       while (auto op = next_dataflow_op()) execute(*op);
     }
-    if (s_.ops_done == s_.total_ops && s_.running) after_backward();
+    if (s_.ops_done == s_.total_ops && s_.running) {
+      report_losses();
+      after_backward();
+    }
+  }
+
+  /// The last stage's losses of this step, read from the device once (one host sync).
+  void report_losses() {
+    for (auto& [mb, loss] : s_.losses)
+      self_->send(s_.wiring->coordinator, loss_report{s_.step, s_.replica, mb, loss.item<double>()});
+    s_.losses.clear();
   }
 
   std::optional<pipeline_op> next_dataflow_op() const {
@@ -135,7 +146,7 @@ class stage_logic {
         if (s_.step == ctx.cfg.nan_at && ctx.faults_armed() && s_.attempt == 0)  // fault injection
           loss = loss * std::numeric_limits<double>::quiet_NaN();
         s_.targets.erase(op.mb);
-        self_->send(s_.wiring->coordinator, loss_report{s_.step, s_.replica, op.mb, loss.item<double>()});
+        s_.losses.emplace_back(op.mb, loss.detach());  // reported after the last op: no sync now
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
       } else {
         auto [next, chunk] = s_.owner(x + 1);
@@ -251,6 +262,7 @@ class stage_logic {
     s_.inputs.clear();
     s_.out_grads.clear();
     s_.targets.clear();
+    s_.losses.clear();
     s_.saved.clear();
     s_.stash.clear();
     s_.tied_in = torch::Tensor();
