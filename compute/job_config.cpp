@@ -275,8 +275,7 @@ void job_config::validate() const {
     fail("unknown workload '" + workload + "' (expected gpt-tiny, gpt-small or fmnist-mlp)");
   try {
     parse_precision(precision);
-    if (device != "auto" && device != "cpu" && device != "cuda" && device.rfind("cuda:", 0) != 0)
-      resolve_device(device);  // throws: unknown name
+    if (device != "auto") resolve_device(device);  // throws: unknown name, or no usable GPU
   } catch (const std::invalid_argument& e) {
     fail(e.what());
   }

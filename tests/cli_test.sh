@@ -43,6 +43,14 @@ check train-contradiction 2 "$troupe" train --microbatches 5
 check train-missing-data 1 "$troupe" train --steps 1 --fortunes-dir /nonexistent
 expect_in train-missing-data-msg "$err" "apt-get install fortunes"
 check train-missing-config 2 "$troupe" train --config /nonexistent.toml
+check train-bad-precision 2 "$troupe" train --precision fp16
+expect_in train-bad-precision-msg "$err" "unknown precision 'fp16' (expected fp32 or bf16)"
+check train-bad-device 2 "$troupe" train --device tpu
+expect_in train-bad-device-msg "$err" "unknown device 'tpu'"
+if ! command -v nvidia-smi >/dev/null; then  # no GPU here: asking for one is a clear error
+  check train-cuda-without-gpu 2 "$troupe" train --steps 1 --device cuda
+  expect_in train-cuda-without-gpu-msg "$err" "device 'cuda'"
+fi
 check train-two-steps 0 "$troupe" train --steps 2 --threads 1 --pipeline 2 --metrics "$tmp/m.jsonl" --save "$tmp/model.pt" --trace "$tmp/trace.json"
 expect_in train-progress "$out" "step 2/2 | loss"
 /usr/bin/python3 - "$tmp" <<'PY' || fail=1

@@ -47,6 +47,14 @@ struct gpu_layout {
   const char* schedule;
 };
 
+std::string name_of(const gpu_layout& l) {
+  std::string k = l.schedule;
+  for (auto& ch : k)
+    if (ch == '-') ch = '_';
+  return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" + std::to_string(l.v) + "_" + k;
+}
+void PrintTo(const gpu_layout& l, std::ostream* os) { *os << name_of(l); }
+
 class GpuEquivalence : public ::testing::TestWithParam<gpu_layout> {};
 
 }  // namespace
@@ -99,14 +107,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GpuEquivalence,
                          ::testing::Values(gpu_layout{1, 1, 1, "1f1b"}, gpu_layout{2, 2, 1, "1f1b"},
                                            gpu_layout{4, 1, 1, "gpipe"}, gpu_layout{2, 1, 2, "interleaved-1f1b"},
                                            gpu_layout{4, 2, 1, "dataflow"}),
-                         [](const auto& info) {
-                           const auto& l = info.param;
-                           std::string k = l.schedule;
-                           for (auto& ch : k)
-                             if (ch == '-') ch = '_';
-                           return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" +
-                                  std::to_string(l.v) + "_" + k;
-                         });
+                         [](const auto& info) { return name_of(info.param); });
 
 // bf16 on the GPU: after 200 steps the loss curve is within 2 % of fp32's (mean of the
 // last 10 steps), and every 20th step's loss within 5 %.

@@ -1,0 +1,80 @@
+// The NCCL backend of transport/. Its collectives need a GPU per rank: with one GPU
+// (the machines this project is tested on) one rank runs every collective for real, and
+// a communicator whose second rank never joins must time out and abort, not hang.
+// Without a GPU (CI) these tests skip; a build without NCCL says so clearly.
+#include <gtest/gtest.h>
+
+#include "compute/device.hpp"
+#include "transport/nccl/nccl_communicator.hpp"
+
+namespace troupe::transport {
+
+namespace {
+bool gpu_with_nccl() { return nccl_built() && cuda_usable(); }
+}  // namespace
+
+TEST(NcclBackend, ABuildWithoutNcclSaysSo) {
+  if (nccl_built()) GTEST_SKIP() << "this build has the NCCL backend";
+  try {
+    nccl_unique_id();
+    FAIL() << "expected an error";
+  } catch (const transport_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no NCCL backend"), std::string::npos) << e.what();
+  }
+}
+
+TEST(NcclBackend, OneRankRunsEveryCollectiveOnTheGpu) {
+  if (!gpu_with_nccl()) GTEST_SKIP() << "needs a GPU and the NCCL backend";
+  auto comm = make_nccl_communicator(nccl_unique_id(), 0, 1, 0);
+  EXPECT_EQ(comm->backend(), "nccl");
+  const auto gpu = torch::TensorOptions().device(torch::kCUDA, 0);
+  const auto timeout = std::chrono::seconds(30);
+
+  auto a = torch::arange(1000, gpu.dtype(torch::kFloat32));
+  comm->all_reduce(a)->wait_or_throw(timeout);
+  EXPECT_TRUE(torch::equal(a.cpu(), torch::arange(1000, torch::kFloat32)));
+
+  auto b = torch::ones({4096}, gpu.dtype(torch::kBFloat16));
+  comm->all_reduce(b)->wait_or_throw(timeout);
+  EXPECT_TRUE(torch::equal(b.cpu(), torch::ones({4096}, torch::kBFloat16)));
+
+  auto in = torch::randn({512}, gpu), out = torch::empty({512}, gpu);
+  comm->reduce_scatter(in, out)->wait_or_throw(timeout);
+  EXPECT_TRUE(torch::equal(in.cpu(), out.cpu()));
+
+  auto gathered = torch::zeros({512}, gpu);
+  comm->all_gather(in, gathered)->wait_or_throw(timeout);
+  EXPECT_TRUE(torch::equal(in.cpu(), gathered.cpu()));
+
+  auto ids = torch::arange(7, gpu.dtype(torch::kInt64));
+  comm->broadcast(ids, 0)->wait_or_throw(timeout);
+  EXPECT_TRUE(torch::equal(ids.cpu(), torch::arange(7, torch::kInt64)));
+
+  // Bad input is refused before anything is queued.
+  EXPECT_THROW(comm->all_reduce(torch::ones({3})), std::invalid_argument);            // CPU tensor
+  EXPECT_THROW(comm->all_reduce(torch::ones({3}, gpu.dtype(torch::kBool))), std::invalid_argument);
+  EXPECT_THROW(comm->reduce_scatter(in, torch::empty({3}, gpu)), std::invalid_argument);
+  EXPECT_THROW(comm->broadcast(ids, 1), std::invalid_argument);
+
+  // After an abort every operation fails with the reason.
+  comm->abort("step 3 aborted");
+  auto w = comm->all_reduce(a);
+  EXPECT_THROW(w->wait_or_throw(timeout), transport_error);
+  EXPECT_NE(w->error().find("step 3 aborted"), std::string::npos) << w->error();
+}
+
+TEST(NcclBackend, ARankThatNeverJoinsTimesOutAndAborts) {
+  if (!gpu_with_nccl()) GTEST_SKIP() << "needs a GPU and the NCCL backend";
+  nccl_options opts;
+  opts.timeout = std::chrono::seconds(3);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    make_nccl_communicator(nccl_unique_id(), 0, 2, 0, opts);  // rank 1 never comes
+    FAIL() << "expected a timeout";
+  } catch (const transport_error& e) {
+    EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
+}  // namespace troupe::transport

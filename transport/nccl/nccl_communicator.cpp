@@ -1,0 +1,319 @@
+#include "transport/nccl/nccl_communicator.hpp"
+
+#ifdef TROUPE_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#ifdef TROUPE_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+#endif
+
+namespace troupe::transport {
+
+#ifndef TROUPE_HAVE_NCCL
+
+bool nccl_built() { return false; }
+std::vector<char> nccl_unique_id() {
+  throw transport_error("this build has no NCCL backend (no CUDA toolkit with NCCL was found)");
+}
+std::shared_ptr<communicator> make_nccl_communicator(const std::vector<char>&, int, int, int, nccl_options) {
+  throw transport_error("this build has no NCCL backend (no CUDA toolkit with NCCL was found)");
+}
+
+#else
+
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+std::string cuda_text(cudaError_t e) { return cudaGetErrorString(e); }
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw transport_error(std::string("nccl backend: ") + what + ": " + cuda_text(e));
+}
+
+/// NCCL's type for summing `t`'s dtype; throws for dtypes NCCL cannot sum.
+ncclDataType_t sum_type(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat32: return ncclFloat32;
+    case torch::kFloat64: return ncclFloat64;
+    case torch::kBFloat16: return ncclBfloat16;
+    case torch::kHalf: return ncclFloat16;
+    case torch::kInt32: return ncclInt32;
+    case torch::kInt64: return ncclInt64;
+    default: throw std::invalid_argument(std::string("nccl: cannot sum dtype ") + c10::toString(t));
+  }
+}
+
+class nccl_communicator final : public communicator {
+ public:
+  nccl_communicator(const std::vector<char>& id, int rank, int size, int device, nccl_options opts)
+      : rank_(rank), size_(size), device_(device), opts_(opts) {
+    if (id.size() != sizeof(ncclUniqueId))
+      throw transport_error("nccl: a unique id has " + std::to_string(sizeof(ncclUniqueId)) + " bytes, not " +
+                            std::to_string(id.size()));
+    ncclUniqueId uid;
+    std::memcpy(&uid, id.data(), sizeof uid);
+    check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;  // creation and operations return at once: they can be timed out
+    const auto r = ncclCommInitRankConfig(&comm_, size, uid, rank, &cfg);
+    std::string err = r == ncclSuccess || r == ncclInProgress ? settle() : ncclGetErrorString(r);
+    if (!err.empty()) {
+      if (comm_) ncclCommAbort(comm_);
+      cudaStreamDestroy(stream_);
+      throw transport_error("nccl: rank " + std::to_string(rank) + " of " + std::to_string(size) + " on GPU " +
+                            std::to_string(device) + ": creating the communicator: " + err);
+    }
+    poller_ = std::thread([this] { poll(); });
+  }
+
+  ~nccl_communicator() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    poller_.join();
+    fail_all("communicator closed");  // aborts it (frees NCCL's resources) if still healthy
+    cudaStreamDestroy(stream_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "nccl"; }
+
+  work_ptr send(torch::Tensor t, int dst, std::uint32_t) override {
+    check(t, -1, "send");
+    peer(dst, "send");
+    return enqueue("nccl send", {t}, [&](cudaStream_t s) {
+      return ncclSend(t.data_ptr(), t.nbytes(), ncclInt8, dst, comm_, s);
+    });
+  }
+  work_ptr recv(torch::Tensor t, int src, std::uint32_t) override {
+    check(t, -1, "recv");
+    peer(src, "recv");
+    return enqueue("nccl recv", {t}, [&](cudaStream_t s) {
+      return ncclRecv(t.data_ptr(), t.nbytes(), ncclInt8, src, comm_, s);
+    });
+  }
+  work_ptr all_reduce(torch::Tensor t) override {
+    check(t, -1, "all_reduce");
+    const auto type = sum_type(t.scalar_type());
+    return enqueue("nccl all_reduce", {t}, [&](cudaStream_t s) {
+      return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), type, ncclSum, comm_, s);
+    });
+  }
+  work_ptr reduce_scatter(torch::Tensor input, torch::Tensor output) override {
+    check(input, -1, "reduce_scatter input");
+    equal_pieces(input.numel(), "reduce_scatter");
+    check(output, input.numel() / size_, "reduce_scatter output");
+    const auto type = sum_type(input.scalar_type());
+    if (output.scalar_type() != input.scalar_type()) throw std::invalid_argument("nccl reduce_scatter: dtypes differ");
+    return enqueue("nccl reduce_scatter", {input, output}, [&](cudaStream_t s) {
+      return ncclReduceScatter(input.data_ptr(), output.data_ptr(), output.numel(), type, ncclSum, comm_, s);
+    });
+  }
+  work_ptr all_gather(torch::Tensor input, torch::Tensor output) override {
+    check(output, -1, "all_gather output");
+    equal_pieces(output.numel(), "all_gather");
+    check(input, output.numel() / size_, "all_gather input");
+    if (output.scalar_type() != input.scalar_type()) throw std::invalid_argument("nccl all_gather: dtypes differ");
+    return enqueue("nccl all_gather", {input, output}, [&](cudaStream_t s) {
+      return ncclAllGather(input.data_ptr(), output.data_ptr(), input.nbytes(), ncclInt8, comm_, s);
+    });
+  }
+  work_ptr broadcast(torch::Tensor t, int root) override {
+    check(t, -1, "broadcast");
+    peer(root, "broadcast");
+    return enqueue("nccl broadcast", {t}, [&](cudaStream_t s) {
+      return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.nbytes(), ncclInt8, root, comm_, s);
+    });
+  }
+
+  void abort(const std::string& why) override { fail_all(why); }
+
+ private:
+  struct pending_op {
+    work_ptr w;
+    cudaEvent_t done;
+    std::vector<torch::Tensor> keep;  // alive until the GPU is done with them
+    clock::time_point start;
+  };
+
+  void check(const torch::Tensor& t, std::int64_t numel, const char* what) const {
+    check_tensor(t, numel, what, /*any_device=*/true);
+    if (!t.is_cuda() || t.device().index() != device_)
+      throw std::invalid_argument(std::string("nccl ") + what + ": not a tensor on GPU " + std::to_string(device_));
+  }
+  void peer(int r, const char* what) const {
+    if (r < 0 || r >= size_) throw std::invalid_argument(std::string("nccl ") + what + ": no rank " + std::to_string(r));
+  }
+  void equal_pieces(std::int64_t n, const char* what) const {
+    if (n % size_ != 0)
+      throw std::invalid_argument(std::string("nccl ") + what + ": " + std::to_string(n) +
+                                  " elements do not split evenly over " + std::to_string(size_) + " ranks");
+  }
+
+  /// Waits while the non-blocking communicator reports ncclInProgress (bounded by the
+  /// timeout); empty on success, else the error.
+  std::string settle() {
+    const auto deadline = clock::now() + opts_.timeout;
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      const auto r = ncclCommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) return ncclGetErrorString(r);
+      if (state == ncclSuccess) return {};
+      if (state != ncclInProgress) return ncclGetErrorString(state);
+      if (clock::now() > deadline)
+        return "timed out after " + std::to_string(opts_.timeout.count()) + " ms (a rank did not join or answer)";
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+  static cudaStream_t caller_stream(int device) {
+#ifdef TROUPE_TORCH_CUDA
+    return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+#else
+    (void)device;
+    return nullptr;  // legacy default stream (a CPU LibTorch has no CUDA tensors anyway)
+#endif
+  }
+
+  template <class Call>
+  work_ptr enqueue(const char* what, std::vector<torch::Tensor> keep, Call&& call) {
+    auto w = std::make_shared<work>(what);
+    std::unique_lock<std::mutex> lk(mu_);  // one NCCL call at a time on this communicator
+    if (!broken_.empty()) {
+      lk.unlock();
+      w->complete(broken_);
+      return w;
+    }
+    cudaSetDevice(device_);
+    const auto caller = caller_stream(device_);
+    // The operation starts after what the caller queued so far ...
+    cudaEvent_t ready = nullptr, done = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+    cudaEventRecord(ready, caller);
+    cudaStreamWaitEvent(stream_, ready, 0);
+    cudaEventDestroy(ready);
+    auto r = call(stream_);
+    std::string err = r == ncclSuccess ? "" : r == ncclInProgress ? settle() : ncclGetErrorString(r);
+    if (!err.empty()) {
+      lk.unlock();
+      fail_all(std::string(what) + ": " + err);
+      w->complete(std::string(what) + ": " + err);
+      return w;
+    }
+    // ... and what the caller queues next runs after it.
+    check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+    cudaEventRecord(done, stream_);
+    cudaStreamWaitEvent(caller, done, 0);
+#ifdef TROUPE_TORCH_CUDA
+    for (auto& t : keep)  // the caching allocator must not reuse them before our stream is done
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
+                                                    c10::cuda::getStreamFromExternal(stream_, device_));
+#endif
+    pending_.push_back({w, done, std::move(keep), clock::now()});
+    lk.unlock();
+    cv_.notify_all();
+    w->set_abort_hook([this] { fail_all("operation aborted"); });
+    return w;
+  }
+
+  /// Completes finished operations; a NCCL error or an operation past the timeout
+  /// aborts the communicator.
+  void poll() {
+    std::unique_lock<std::mutex> lk(mu_);
+    while (!stop_) {
+      cv_.wait_for(lk, std::chrono::milliseconds(pending_.empty() ? 50 : 0), [&] { return stop_; });
+      if (pending_.empty()) continue;
+      std::vector<work_ptr> finished;
+      std::string err;
+      while (!pending_.empty()) {
+        auto& op = pending_.front();
+        const auto q = cudaEventQuery(op.done);
+        if (q == cudaErrorNotReady) {
+          if (clock::now() - op.start > opts_.timeout)
+            err = std::string(op.w->what()) + ": timed out after " + std::to_string(opts_.timeout.count()) + " ms";
+          break;
+        }
+        if (q != cudaSuccess) {
+          err = std::string(op.w->what()) + ": " + cuda_text(q);
+          break;
+        }
+        cudaEventDestroy(op.done);
+        finished.push_back(std::move(op.w));
+        pending_.pop_front();
+      }
+      ncclResult_t state = ncclSuccess;
+      if (err.empty() && ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&
+          state != ncclInProgress)
+        err = std::string("nccl: ") + ncclGetErrorString(state);
+      lk.unlock();
+      for (auto& w : finished) w->complete();
+      if (!err.empty()) fail_all(err);
+      if (pending_.empty() || !err.empty()) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(50));
+      lk.lock();
+    }
+  }
+
+  /// Aborts the communicator (once) and fails every pending operation with `why`.
+  void fail_all(const std::string& why) {
+    std::deque<pending_op> failed;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (broken_.empty()) {
+        broken_ = why;
+        ncclCommAbort(comm_);  // stops kernels waiting for peers; frees the communicator
+      }
+      failed.swap(pending_);
+    }
+    for (auto& op : failed) {
+      cudaEventDestroy(op.done);
+      op.w->complete(why);
+    }
+  }
+
+  const int rank_, size_, device_;
+  const nccl_options opts_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<pending_op> pending_;
+  std::string broken_;  // why the communicator was aborted (empty: healthy)
+  bool stop_ = false;
+  std::thread poller_;
+};
+
+}  // namespace
+
+bool nccl_built() { return true; }
+
+std::vector<char> nccl_unique_id() {
+  ncclUniqueId id;
+  const auto r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess) throw transport_error(std::string("ncclGetUniqueId: ") + ncclGetErrorString(r));
+  const char* p = reinterpret_cast<const char*>(&id);
+  return std::vector<char>(p, p + sizeof id);
+}
+
+std::shared_ptr<communicator> make_nccl_communicator(const std::vector<char>& unique_id, int rank, int size,
+                                                     int device, nccl_options opts) {
+  return std::make_shared<nccl_communicator>(unique_id, rank, size, device, opts);
+}
+
+#endif
+
+}  // namespace troupe::transport
