@@ -105,14 +105,19 @@ def eager_tokens_per_s(data, n_train, steps):
     return GLOBAL_BATCH * T / times[len(times) // 2]
 
 
-def troupe_tokens_per_s(build, steps, pipeline, micro, extra=()):
+def troupe_tokens_per_s(build, steps, pipeline, micro, extra=(), timeout=150):
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         cmd = [os.path.join(build, "troupe"), "train", "--workload", "gpt-small", "--device", "cuda",
                "--precision", "bf16", "--steps", str(steps), "--pipeline", str(pipeline),
                "--microbatches", str(micro), "--eval-interval", "0", "--threads", "1",
                "--metrics", metrics, *extra]
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        start = time.perf_counter()
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(" ".join(cmd) + f" did not finish in {timeout} s:\n" + (e.stderr or b"")[-3000:].decode())
+        print(f"  ({' '.join(cmd[1:])}: {time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         if run.returncode != 0:
             raise RuntimeError(" ".join(cmd) + " failed:\n" + run.stderr[-3000:])
         rows = [json.loads(line) for line in open(metrics) if '"tokens_per_s"' in line]
@@ -125,7 +130,9 @@ def main():
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 15
     data, n_train = gpt_tiny.load_fortunes()
     peak = bf16_peak()
+    start = time.perf_counter()
     eager = eager_tokens_per_s(data, n_train, steps)
+    print(f"  (eager: {time.perf_counter() - start:.0f} s, {eager:,.0f} tokens/s)", file=sys.stderr, flush=True)
     runs = [("PyTorch eager (Python), bf16 autocast, 4 micro-batches", eager)]
     for p, m in ((1, 4), (4, 4), (4, 8)):
         runs.append((f"Troupe actors p={p} (stage actors share the GPU, own streams), {m} micro-batches, bf16",
