@@ -5,11 +5,12 @@
 namespace troupe {
 
 local_pipeline::local_pipeline(const model_spec& spec, const state_dict& init, int stages,
-                               int chunks, const std::vector<int>& split, std::int64_t pad_to)
+                               int chunks, const std::vector<int>& split, std::int64_t pad_to,
+                               torch::Device device)
     : spec_(spec), stages_(stages), chunks_(chunks) {
   check_state(spec, init);
   for (const auto& range : partition_layers(spec.n_layers(), stages, chunks, split))
-    slices_.push_back(make_slice(spec, range, init, pad_to));
+    slices_.push_back(make_slice(spec, range, init, pad_to, device));
 }
 
 std::vector<double> local_pipeline::run_step(const schedule& sched,

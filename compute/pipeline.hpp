@@ -16,7 +16,8 @@ class local_pipeline {
   /// `split`: explicit layer counts per virtual stage (empty: even split);
   /// `pad_to`: flat buffers padded to a multiple of this (data-parallel width).
   local_pipeline(const model_spec& spec, const state_dict& init, int stages, int chunks = 1,
-                 const std::vector<int>& split = {}, std::int64_t pad_to = 1);
+                 const std::vector<int>& split = {}, std::int64_t pad_to = 1,
+                 torch::Device device = torch::kCPU);
 
   int stages() const { return stages_; }
   int chunks() const { return chunks_; }

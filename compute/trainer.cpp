@@ -130,12 +130,14 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
   evaluation e;
   e.text = text;
   auto& last = model.slice(model.virtual_stages() - 1);
-  const auto out = model.forward(set.input);
-  e.loss = last.loss(out, set.target).item<double>();
+  const auto device = last.flat_params().device();  // fp32, on the model's device
+  const auto target = set.target.to(device);
+  const auto out = model.forward(set.input.to(device));
+  e.loss = last.loss(out, target).item<double>();
   if (text) {
     spdlog::info("step {}: validation loss {:.4f}", step, e.loss);
   } else {
-    e.accuracy = last.logits(out).argmax(-1).eq(set.target).to(torch::kFloat64).mean().item<double>();
+    e.accuracy = last.logits(out).argmax(-1).eq(target).to(torch::kFloat64).mean().item<double>();
     spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", step, e.loss, 100 * e.accuracy);
   }
   return e;
