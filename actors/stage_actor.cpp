@@ -153,7 +153,8 @@ class stage_logic {
         // Activations travel in fp32 (bf16 compute may end a slice in bf16).
         send_tensor((x + 1) % ctx.p, next,
                     forward_activation{s_.step, op.mb, chunk,
-                                       make_payload(out.detach().to(torch::kFloat32), ctx.cfg.checksum)});
+                                       make_payload(out.detach().to(torch::kFloat32), ctx.cfg.checksum)},
+                    "activation", op.mb, op.chunk);
         deallocate(out);
       }
       if (x == 0) self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
@@ -172,7 +173,8 @@ class stage_logic {
       if (x > 0) {
         auto [prev, chunk] = s_.owner(x - 1);
         send_tensor((x - 1) % ctx.p, prev,
-                    backward_grad{s_.step, op.mb, chunk, make_payload(sv.input.grad(), ctx.cfg.checksum)});
+                    backward_grad{s_.step, op.mb, chunk, make_payload(sv.input.grad(), ctx.cfg.checksum)}, "gradient",
+                    op.mb, op.chunk);
       }
       --s_.in_flight;
     }
@@ -196,7 +198,7 @@ class stage_logic {
         auto& mine = tied_slice().param("wte.weight").mutable_grad();
         const auto peer = s_.stage == 0 ? ctx.p - 1 : 0;
         send_tensor(peer, s_.wiring->stages[s_.replica][peer],
-                    tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)});
+                    tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)}, "tied gradient", -1, -1);
         s_.tied_pending = true;
         if (s_.tied_in.defined()) on_tied(std::move(s_.tied_in));
         return;
@@ -296,7 +298,15 @@ class stage_logic {
     const auto problem = check_payload(data, shape, torch::kFloat32);
     if (!problem.empty()) return fail(std::string(what) + " of micro-batch " + std::to_string(mb) + ": " + problem);
     into[{mb, chunk}] = tensor_of(data);
+    trace_comm("recv", what, mb, chunk, s_.ctx->now_us());
     run_ready();
+  }
+
+  /// A send ("send <what>": the time the send took on this actor, the hand-off or the
+  /// start of a transfer) or receive ("recv <what>": when it was accepted) trace event.
+  void trace_comm(const char* dir, const char* what, int mb, int chunk, double start_us) {
+    s_.events.push_back({std::string(dir) + " " + what, s_.replica, s_.stage, mb, chunk, s_.step, start_us,
+                         s_.ctx->now_us()});
   }
 
   /// False (and a warning) for a second copy of a tensor message of this step: a
@@ -312,10 +322,18 @@ class stage_logic {
     self_->send(s_.wiring->coordinator, runtime_failure{s_.step, s_.name, what});
   }
 
-  /// Sends a message with a tensor to stage `dest_stage` of this replica: in-process
-  /// hand-off, or over the world communicator when that stage is on another node.
+  /// Sends a message with a tensor to stage `dest_stage` of this replica and traces it
+  /// (`what`, and this stage's micro-batch and chunk).
   template <class Msg>
-  void send_tensor(int dest_stage, const caf::actor& dest, Msg msg) {
+  void send_tensor(int dest_stage, const caf::actor& dest, Msg msg, const char* what, int mb, int chunk) {
+    const double start = s_.ctx->now_us();
+    deliver(dest_stage, dest, std::move(msg));
+    trace_comm("send", what, mb, chunk, start);
+  }
+
+  /// In-process hand-off, or over the world communicator when that stage is on another node.
+  template <class Msg>
+  void deliver(int dest_stage, const caf::actor& dest, Msg msg) {
     const auto& w = *s_.wiring;
     if (s_.message_fault_step == s_.step && s_.attempt == 0) {  // fault injection: this message, once
       s_.message_fault_step = -1;
@@ -327,7 +345,7 @@ class stage_logic {
         msg.data.local = msg.data.local.clone();
         msg.data.local.view(-1)[0].add_(1.0);
       }
-      if (action == "duplicate") send_tensor(dest_stage, dest, msg);
+      if (action == "duplicate") deliver(dest_stage, dest, msg);
       if (action == "delay") {
         if (w.remote(s_.replica, dest_stage))
           msg.data = ship_payload(w, msg.data, w.nodes[s_.replica][dest_stage], s_.name);
@@ -468,7 +486,9 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         if (!logic->accept(msg.step) || !logic->first_time(5, {0, 0}, "tied gradient")) return;
         const auto problem = check_payload(msg.data, logic->tied_slice().param("wte.weight").sizes(), torch::kFloat32);
         if (!problem.empty()) return logic->fail("tied embedding gradient: " + problem);
-        logic->on_tied(tensor_of(msg.data));
+        auto tied = tensor_of(msg.data);
+        logic->trace_comm("recv", "tied gradient", -1, -1, ctx->now_us());
+        logic->on_tied(std::move(tied));
       },
       [=](param_shard& msg) {
         if (!logic->accept(msg.step) || !logic->first_time(4, {msg.chunk, 0}, "parameter buffer")) return;

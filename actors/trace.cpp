@@ -13,6 +13,8 @@ namespace troupe {
 
 namespace {
 bool is_compute(const trace_event& e) { return e.name == "F" || e.name == "B" || e.name == "W"; }
+/// A stage's tensor message: "send <what>" or "recv <what>".
+bool is_comm(const trace_event& e) { return e.name.rfind("send ", 0) == 0 || e.name.rfind("recv ", 0) == 0; }
 }  // namespace
 
 step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages) {
@@ -61,11 +63,25 @@ void write_chrome_trace(const std::string& path, const std::vector<trace_event>&
   for (const auto& e : events) {
     const bool compute = is_compute(e);
     json args{{"step", e.step}, {"stage", e.stage}, {"replica", e.replica}};
-    if (compute) {
-      args["op"] = e.name;
+    if (compute || is_comm(e)) {
       args["mb"] = e.mb;
       args["chunk"] = e.chunk;
+    }
+    if (compute) {
+      args["op"] = e.name;
       by_track[{e.step, e.replica, e.stage}].push_back(&e);
+    }
+    if (is_comm(e)) {  // on the stage's track: sends as slices, receives as instants
+      json ev{{"name", e.name}, {"cat", "comm"}, {"pid", e.replica}, {"tid", e.stage}, {"ts", e.start_us}, {"args", args}};
+      if (e.name[0] == 's') {
+        ev["ph"] = "X";
+        ev["dur"] = e.end_us - e.start_us;
+      } else {
+        ev["ph"] = "i";
+        ev["s"] = "t";
+      }
+      out.push_back(std::move(ev));
+      continue;
     }
     out.push_back({{"ph", "X"},
                    {"name", compute ? e.name + std::to_string(e.mb) : e.name},

@@ -19,7 +19,8 @@ struct step_timing {
 step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages);
 
 /// Writes `events` as Chrome trace JSON (chrome://tracing, Perfetto): one process per
-/// replica with one track per stage (compute and idle gaps), plus one optimizer process.
+/// replica with one track per stage (compute, idle gaps, tensor sends as slices and
+/// receives as instants), plus one optimizer process.
 void write_chrome_trace(const std::string& path, const std::vector<trace_event>& events, int replicas,
                         int stages);
 

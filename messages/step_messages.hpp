@@ -19,7 +19,7 @@ struct begin_step {
 
 /// One executed operation, for the Chrome trace and the measured bubble.
 struct trace_event {
-  std::string name;        ///< "F", "B", "optimizer", "reduce", "allgather", "tied"
+  std::string name;        ///< "F", "B", "send activation", "recv gradient", ..., "reduce-scatter", ...
   std::int32_t replica = 0;
   std::int32_t stage = -1; ///< pipeline stage (track); -1 for non-stage actors
   std::int32_t mb = -1;

@@ -212,8 +212,20 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
   std::ifstream in(c.trace);
   const auto trace = nlohmann::json::parse(in);
   std::set<std::pair<int, int>> tracks;
-  int compute = 0, idle = 0;
+  int compute = 0, idle = 0, sends = 0, recvs = 0;
   for (const auto& e : trace["traceEvents"]) {
+    if (e.value("cat", "") == "comm") {  // tensor messages between stages, on the stage tracks
+      const std::string name = e["name"];
+      (name.rfind("send ", 0) == 0 ? sends : recvs) += 1;
+      EXPECT_EQ(e["ph"], name.rfind("send ", 0) == 0 ? "X" : "i") << name;
+      for (const char* key : {"step", "stage", "mb", "chunk", "replica"}) EXPECT_TRUE(e["args"].contains(key)) << key;
+      if (name == "send activation") {
+        EXPECT_EQ(e["tid"], 0) << "activations leave stage 0 only (p = 2)";
+      }
+      if (name == "recv activation") {
+        EXPECT_EQ(e["tid"], 1);
+      }
+    }
     if (e["ph"] != "X") continue;
     if (e["cat"] == "compute") {
       ++compute;
@@ -225,6 +237,9 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
     idle += e["cat"] == "idle";
   }
   EXPECT_EQ(compute, 2 * 2 * 2 * 2 * c.microbatches);  // steps x replicas x stages x (F + B)
+  // Per step and replica: m activations, m gradients and the two tied-embedding gradients.
+  EXPECT_EQ(sends, 2 * 2 * (2 * c.microbatches + 2));
+  EXPECT_EQ(recvs, sends);
   EXPECT_EQ(tracks.size(), 4u);
   EXPECT_GT(idle, 0);
   for (double b : got.bubbles) {
