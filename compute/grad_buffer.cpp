@@ -63,7 +63,7 @@ void gather_moments(const std::vector<param_entry>& entries, const flat_range& r
       auto& dst = (*map)[e.name];
       if (!dst.defined()) dst = torch::zeros({e.numel}, torch::kFloat32);
       dst.narrow(0, piece.in_param.begin, piece.in_param.size())
-          .add_(src->narrow(0, piece.in_shard.begin, piece.in_shard.size()));
+          .add_(src->narrow(0, piece.in_shard.begin, piece.in_shard.size()).to(torch::kCPU));  // shards may be on a GPU
     }
   }
 }

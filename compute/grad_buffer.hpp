@@ -55,7 +55,7 @@ struct named_moments {
   std::map<std::string, torch::Tensor> exp_avg, exp_avg_sq;  ///< flat, full parameter size
 };
 
-/// Adds shard `range`'s AdamW moments into `out` (per-parameter flat tensors, zero
+/// Adds shard `range`'s AdamW moments into `out` (per-parameter flat CPU tensors, zero
 /// outside the shard; shared copies of tied parameters are left out). Summing the
 /// `named_moments` of all shards of a slice assembles the whole.
 void gather_moments(const std::vector<param_entry>& entries, const flat_range& range, const adamw_shard& shard,

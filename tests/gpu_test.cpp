@@ -123,4 +123,22 @@ TEST(Gpu, Bf16LossCurveFollowsFp32For200Steps) {
   EXPECT_LT(mean_of_last(bf16.losses, 10), bf16.losses[0] * 0.8) << "bf16 learns";
 }
 
+// A checkpoint folder written by a GPU run (parameters and AdamW moments gathered from
+// the GPU) resumes on the CPU; the resumed run ends within 1e-4 of the GPU run's end.
+TEST(Gpu, CheckpointOfAGpuRunResumesOnTheCpu) {
+  if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
+  test::temp_dir dir;
+  auto gpu = tiny(2, 2, 1, "1f1b", "cuda");
+  gpu.checkpoint_dir = dir / "ckpt";
+  gpu.checkpoint_interval = 3;
+  const auto straight = run(gpu, 6);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+  auto cpu = tiny(2, 2, 1, "1f1b", "cpu");
+  cpu.resume = dir / "ckpt/step-00000003";
+  const auto resumed = run(cpu, 6);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
+  ASSERT_EQ(resumed.losses.size(), 3u);
+  EXPECT_LE(test::max_abs_diff(resumed.final_state, straight.final_state), 1e-4);
+}
+
 }  // namespace troupe
