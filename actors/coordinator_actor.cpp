@@ -41,6 +41,8 @@ struct coordinator_state {
   double started_us = 0;
   std::vector<double> losses, partials;
   int n_losses = 0, n_partials = 0, n_stages = 0, n_shards = 0;
+  // Which reports of this step arrived (a duplicate is dropped, never counted twice).
+  std::vector<bool> seen_losses, seen_partials, seen_stages, seen_shards;
   bool committed = false;
   std::vector<trace_event> events;
   std::vector<int> peaks;
@@ -57,6 +59,17 @@ struct coordinator_state {
 };
 
 using self_ptr = caf::stateful_actor<coordinator_state>*;
+
+/// True the first time report `index` of this step arrives; a duplicate (a resent or
+/// duplicated control message) is logged and dropped.
+bool first_report(std::vector<bool>& seen, std::size_t index, const char* what, std::int64_t step) {
+  if (index >= seen.size() || !seen[index]) {
+    if (index < seen.size()) seen[index] = true;
+    return true;
+  }
+  spdlog::warn("step {}: duplicate {} {} dropped", step + 1, what, index);
+  return false;
+}
 
 void begin(self_ptr self);
 
@@ -402,6 +415,10 @@ void begin(self_ptr self) {
   s.losses.assign(std::size_t(ctx.d) * ctx.m, 0.0);
   s.partials.assign(std::size_t(ctx.n_virtual) * ctx.d, 0.0);
   s.n_losses = s.n_partials = s.n_stages = s.n_shards = 0;
+  s.seen_losses.assign(s.losses.size(), false);
+  s.seen_partials.assign(s.partials.size(), false);
+  s.seen_stages.assign(std::size_t(ctx.d) * ctx.p, false);
+  s.seen_shards.assign(std::size_t(ctx.p) * ctx.d, false);
   s.committed = false;
   s.skipping = false;
   s.events.clear();
@@ -514,14 +531,18 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       [=](const loss_report& msg) {
         auto& s = self->state;
         if (msg.step != s.step || s.retrying) return;
-        s.losses.at(std::size_t(msg.replica) * s.ctx->m + msg.mb) = msg.loss;
+        const auto i = std::size_t(msg.replica) * s.ctx->m + msg.mb;
+        if (!first_report(s.seen_losses, i, "loss report", s.step)) return;
+        s.losses.at(i) = msg.loss;
         ++s.n_losses;
         maybe_commit(self);
       },
       [=](const grad_norm_partial& msg) {
         auto& s = self->state;
         if (msg.step != s.step || s.retrying) return;
-        s.partials.at(std::size_t(msg.virtual_stage) * s.ctx->d + msg.rank) = msg.sq_norm;
+        const auto i = std::size_t(msg.virtual_stage) * s.ctx->d + msg.rank;
+        if (!first_report(s.seen_partials, i, "grad-norm partial", s.step)) return;
+        s.partials.at(i) = msg.sq_norm;
         if (++s.n_partials < s.ctx->n_virtual * s.ctx->d) return;
         double sq = 0;
         for (double x : s.partials) sq += x;  // (virtual stage, rank) order, as the reference
@@ -545,6 +566,8 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       [=](stage_done& msg) {
         auto& s = self->state;
         if (msg.step != s.step || s.retrying) return;
+        if (!first_report(s.seen_stages, std::size_t(msg.replica) * s.ctx->p + msg.stage, "stage-done report", s.step))
+          return;
         s.peaks.at(std::size_t(msg.replica) * s.ctx->p + msg.stage) = msg.peak_in_flight;
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_stages;
@@ -553,6 +576,8 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       [=](shard_done& msg) {
         auto& s = self->state;
         if (msg.step != s.step || s.retrying) return;
+        if (!first_report(s.seen_shards, std::size_t(msg.stage) * s.ctx->d + msg.rank, "shard-done report", s.step))
+          return;
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_shards;
         maybe_commit(self);

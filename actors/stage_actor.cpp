@@ -32,7 +32,8 @@ struct stage_state {
   int kill_step = -1;                                // fault injection: SIGKILL this process
   bool stream_set = false;                           // this actor's CUDA stream is its thread's
   std::string message_fault;                         // fault injection: drop|duplicate|corrupt|delay
-  int message_fault_step = -1;                       //   of the first tensor message of this step
+  int message_fault_step = -1;                       //   of the first tensor message of this step,
+  bool message_fault_loss = false;                   //   or of its first loss report (":loss")
 
   // --- per-step state (all of it dropped by reset) ---
   std::int64_t step = -1;
@@ -100,8 +101,22 @@ class stage_logic {
 
   /// The last stage's losses of this step, read from the device once (one host sync).
   void report_losses() {
-    for (auto& [mb, loss] : s_.losses)
-      self_->send(s_.wiring->coordinator, loss_report{s_.step, s_.replica, mb, loss.item<double>()});
+    for (auto& [mb, loss] : s_.losses) {
+      loss_report rep{s_.step, s_.replica, mb, loss.item<double>()};
+      if (s_.message_fault_loss && s_.message_fault_step == s_.step && s_.attempt == 0) {  // fault injection, once
+        s_.message_fault_step = -1;
+        const auto& action = s_.message_fault;
+        spdlog::warn("fault injected: {} {}s its first loss report of step {} (index {})", s_.name, action,
+                     s_.step + 1, s_.step);
+        if (action == "drop") continue;
+        if (action == "duplicate") self_->send(s_.wiring->coordinator, rep);
+        if (action == "delay") {
+          self_->delayed_send(s_.wiring->coordinator, std::chrono::milliseconds(300), rep);
+          continue;
+        }
+      }
+      self_->send(s_.wiring->coordinator, rep);
+    }
     s_.losses.clear();
   }
 
@@ -335,7 +350,7 @@ class stage_logic {
   template <class Msg>
   void deliver(int dest_stage, const caf::actor& dest, Msg msg) {
     const auto& w = *s_.wiring;
-    if (s_.message_fault_step == s_.step && s_.attempt == 0) {  // fault injection: this message, once
+    if (!s_.message_fault_loss && s_.message_fault_step == s_.step && s_.attempt == 0) {  // fault injection, once
       s_.message_fault_step = -1;
       const auto& action = s_.message_fault;
       spdlog::warn("fault injected: {} {}s its first tensor message of step {} (index {})", s_.name, action,
@@ -410,12 +425,13 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     }
   }
   if (!ctx->cfg.message.empty() && ctx->faults_armed()) {
-    char action[16] = {0};
+    char action[16] = {0}, kind[8] = {0};
     int r = -1, k = -1, s = -1;
-    if (std::sscanf(ctx->cfg.message.c_str(), "%15[a-z]@%d:%d:%d", action, &r, &k, &s) == 4 && r == replica &&
-        k == stage) {
+    const int n = std::sscanf(ctx->cfg.message.c_str(), "%15[a-z]@%d:%d:%d:%7s", action, &r, &k, &s, kind);
+    if (n >= 4 && r == replica && k == stage) {
       st.message_fault = action;
       st.message_fault_step = s;
+      st.message_fault_loss = n == 5 && std::string(kind) == "loss";
     }
   }
   if (!ctx->cfg.kill_node.empty() && ctx->faults_armed()) {

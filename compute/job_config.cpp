@@ -162,8 +162,8 @@ const std::vector<key_def>& key_defs() {
       string_key("faults.kill_node", "node:step - that node's process SIGKILLs itself as that step (0-based index) begins (testing)",
                  &job_config::kill_node),
       string_key("faults.message",
-                 "ACTION@replica:stage:step - drop, duplicate, corrupt or delay that stage's first tensor message of "
-                 "that step (0-based; testing)",
+                 "ACTION@replica:stage:step[:loss] - drop, duplicate, corrupt or delay that stage's first tensor "
+                 "message of that step, or (:loss) the last stage's first loss report (0-based; testing)",
                  &job_config::message),
       string_key("faults.stall",
                  "stage:rank:step - that optimizer shard never starts its reduce-scatter of that step (testing)",
@@ -325,12 +325,17 @@ void job_config::validate() const {
       fail("stall must be stage:rank:step, not '" + stall + "'");
   }
   if (!message.empty()) {
-    char action[16] = {0};
+    char action[16] = {0}, kind[8] = {0}, extra = 0;
     int r = -1, k = -1, step = -1;
-    if (std::sscanf(message.c_str(), "%15[a-z]@%d:%d:%d", action, &r, &k, &step) != 4 ||
-        (std::string(action) != "drop" && std::string(action) != "duplicate" && std::string(action) != "corrupt" &&
-         std::string(action) != "delay"))
-      fail("faults.message must be drop|duplicate|corrupt|delay@replica:stage:step, not '" + message + "'");
+    const int n = std::sscanf(message.c_str(), "%15[a-z]@%d:%d:%d:%7[a-z]%c", action, &r, &k, &step, kind, &extra);
+    const std::string a = action;
+    if ((n != 4 && n != 5) || (a != "drop" && a != "duplicate" && a != "corrupt" && a != "delay") ||
+        (n == 5 && std::string(kind) != "loss"))
+      fail("faults.message must be drop|duplicate|corrupt|delay@replica:stage:step[:loss], not '" + message + "'");
+    if (n == 5 && a == "corrupt") fail("faults.message: a loss report carries no checksum to corrupt (" + message + ")");
+    if (n == 5 && k != pipeline - 1)
+      fail("faults.message: loss reports come from the last stage (" + std::to_string(pipeline - 1) + "), not " +
+           std::to_string(k));
   }
 }
 

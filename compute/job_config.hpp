@@ -73,7 +73,9 @@ struct job_config {
   std::string kill_node;              ///< "node:step": that node's process SIGKILLs itself
   /// "ACTION@replica:stage:step": the first activation or gradient that stage sends in
   /// that step is dropped, duplicated, corrupted (one value changed after its checksum)
-  /// or delayed (0.3 s); ACTION is drop | duplicate | corrupt | delay.
+  /// or delayed (0.3 s); ACTION is drop | duplicate | corrupt | delay. With ":loss" at
+  /// the end, the last stage's first loss report to the coordinator instead (a control
+  /// message: drop | duplicate | delay).
   std::string message;
   std::string stall;                  ///< "stage:rank:step": that shard never starts its reduce-scatter
   int fault_attempt = 0;              ///< the launch (0: first, 1: first restart, ...) they fire in

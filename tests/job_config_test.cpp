@@ -91,3 +91,17 @@ TEST(JobConfig, TomlTextRoundTripsEveryKey) {
   EXPECT_DOUBLE_EQ(back.lr, 0.00123);
   EXPECT_THROW(troupe::job_config_from_toml("pipeline = [", "test"), troupe::config_error);
 }
+
+// Message faults: tensor messages, or (":loss") the last stage's loss reports; what cannot
+// apply is refused up front.
+TEST(JobConfig, MessageFaultsAreCheckedUpFront) {
+  auto with = [](const std::string& fault) {
+    return troupe::load_job_config("", {{"pipeline", "2"}, {"message", fault}});
+  };
+  EXPECT_NO_THROW(with("drop@0:0:3"));
+  EXPECT_NO_THROW(with("duplicate@1:1:2:loss"));
+  EXPECT_THROW(with("corrupt@0:1:2:loss"), troupe::config_error);  // a loss report has no checksum
+  EXPECT_THROW(with("drop@0:0:2:loss"), troupe::config_error);     // stage 0 reports no loss
+  EXPECT_THROW(with("drop@0:1:2:grad"), troupe::config_error);
+  EXPECT_THROW(with("lose@0:1:2"), troupe::config_error);
+}

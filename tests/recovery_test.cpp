@@ -197,14 +197,16 @@ TEST(Recovery, WrongOrDamagedCheckpointsAreRefusedClearly) {
   EXPECT_THROW(conflict.validate(), config_error);
 }
 
-// Duplicated and delayed tensor messages: the duplicate is recognised and dropped, the
-// late one simply waited for; the results do not change at all.
+// Duplicated and delayed tensor messages and loss reports (control messages to the
+// coordinator): the duplicate is recognised and dropped, the late one simply waited for;
+// the results do not change at all.
 TEST(Recovery, DuplicateAndDelayedMessagesChangeNothing) {
   auto c = small_job();
   c.steps = 3;
   const auto straight = run(c);
   ASSERT_EQ(straight.exit_code, 0) << straight.error;
-  for (const char* fault : {"duplicate@0:0:1", "duplicate@1:1:2", "delay@0:1:1", "delay@1:0:0"}) {
+  for (const char* fault : {"duplicate@0:0:1", "duplicate@1:1:2", "delay@0:1:1", "delay@1:0:0",
+                            "duplicate@1:1:1:loss", "delay@0:1:2:loss"}) {
     auto f = c;
     f.message = fault;
     const auto got = run(f);
@@ -268,6 +270,7 @@ TEST(Recovery, AFailedStepIsRetriedInPlaceInOneProcess) {
                                                                                   {"throw_at", "1:1:3:late"},
                                                                                   {"message", "corrupt@0:0:1"},
                                                                                   {"message", "drop@1:1:3"},
+                                                                                  {"message", "drop@0:1:2:loss"},
                                                                                   {"stall", "1:0:2"}}) {
     auto f = c;
     f.set("faults." + key, value, "test");
