@@ -337,14 +337,6 @@ void after_reset(self_ptr self, nlohmann::json line) {
   });
 }
 
-/// Time the shards spent keeping their in-memory snapshots this step (summed).
-double snapshot_seconds(const std::vector<trace_event>& events) {
-  double us = 0;
-  for (const auto& e : events)
-    if (e.name == "snapshot") us += e.end_us - e.start_us;
-  return us * 1e-6;
-}
-
 void commit(self_ptr self) {
   auto& s = self->state;
   const auto& ctx = *s.ctx;
@@ -379,8 +371,7 @@ void commit(self_ptr self) {
                       {"stage_busy_s", timing.busy_s},
                       {"stage_idle_s", timing.idle_s},
                       {"peak_in_flight", s.peaks},
-                      {"skipped", s.skipping},
-                      {"snapshot_s", snapshot_seconds(s.events)}};
+                      {"skipped", s.skipping}};
   // Reset: the supervisors drop every actor's per-step state and report leftovers.
   auto reports = std::make_shared<std::vector<reset_report>>();
   auto pending = std::make_shared<std::size_t>(s.supervisors.size());

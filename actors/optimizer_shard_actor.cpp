@@ -45,17 +45,12 @@ struct shard_state {
   std::vector<caf::message> stash;
 };
 
-/// Keeps the shard's state before step `step` in the node's snapshot store.
+/// Keeps the shard's state before step `step` in the node's snapshot store (shared with
+/// the double-buffered optimizer state, not copied: see snapshot.hpp).
 void take_snapshot(shard_state& s, std::int64_t step) {
   auto snap = std::make_shared<shard_snapshot>();
   snap->step = step;
-  for (const auto& ch : s.chunks) {
-    snap->params.push_back(ch.opt.params().clone());
-    snap->exp_avg.push_back(ch.opt.exp_avg().clone());
-    snap->exp_avg_sq.push_back(ch.opt.exp_avg_sq().clone());
-    snap->stage_params.push_back(ch.gathered.clone());
-    snap->adam_steps.push_back(ch.opt.steps());
-  }
+  for (const auto& ch : s.chunks) snap->chunks.push_back(ch.opt.current());
   s.store->put(s.stage, s.rank, std::move(snap));
 }
 
@@ -86,18 +81,14 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       throw std::logic_error("shard ranges differ from the transport's pieces");
     st.chunks.push_back({range,
                          adamw_shard(layout->flat_params().narrow(0, range.begin, range.size()),
-                                     decay_mask(layout->entries(), range).to(ctx->device), opts),
+                                     decay_mask(layout->entries(), range).to(ctx->device), opts,
+                                     /*double_buffered=*/true),
                          norm_mask(layout->entries(), range).to(ctx->device), {},
                          torch::empty({range.size()}, layout->flat_params().options()),
                          layout->flat_params().clone(), {}});
     auto& ch = st.chunks.back();
     if (from) {  // restarted in place: the state before the step being retried
-      torch::NoGradGuard no_grad;
-      ch.opt.params().copy_(from->params.at(c));
-      ch.opt.exp_avg().copy_(from->exp_avg.at(c));
-      ch.opt.exp_avg_sq().copy_(from->exp_avg_sq.at(c));
-      ch.opt.set_steps(from->adam_steps.at(c));
-      ch.gathered.copy_(from->stage_params.at(c));
+      ch.opt.assign(from->chunks.at(c));
     } else if (!ctx->resume_optim.empty()) {
       restore_shard(layout->entries(), range, ch.opt, init_by_name, ctx->resume_optim, ctx->start_step);
     }
@@ -210,11 +201,6 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
           for (int ci = 0; ci < s.ctx->v; ++ci)
             self->send(s.wiring->stages[s.rank][s.stage],
                        param_shard{s.step, ci, s.rank, make_payload(s.chunks[ci].gathered)});
-          // The state before the next step, for in-place retries (while the stage copies
-          // its parameters: both only read `gathered`).
-          s.phase_start_us = s.ctx->now_us();
-          take_snapshot(s, s.step + 1);
-          trace_phase("snapshot");
           self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
           s.events.clear();
         }
@@ -225,7 +211,10 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         auto& s = self->state;
         trace_event ev{"optimizer", s.rank, s.stage, -1, -1, s.step, s.ctx->now_us(), 0};
         if (!msg.skip)  // skipped: no update, no AdamW step count (Megatron's loss scaler)
-          for (auto& ch : s.chunks) ch.opt.step(ch.reduced, s.lr, msg.factor);
+          for (auto& ch : s.chunks) ch.opt.step(ch.reduced, s.lr, msg.factor, s.ctx->cfg.threads);
+        // The state before the next step, for in-place retries (no copy: the update wrote
+        // the other half of the double-buffered state).
+        take_snapshot(s, s.step + 1);
         ev.end_us = s.ctx->now_us();
         s.events.push_back(ev);
         start_phase(collective::all_gather);

@@ -11,17 +11,20 @@
 #include <utility>
 #include <vector>
 
-#include <torch/types.h>
+#include "compute/optimizer.hpp"
 
 namespace troupe {
 
 /// Shard (stage, rank)'s state before step `step`, per chunk: its range of the fp32
-/// main parameters, the AdamW moments and step count, and the stage's whole parameter
-/// buffer (what the stage holds: the last all-gather's result).
+/// main parameters, the AdamW moments and step count. Not a copy: the tensors are the
+/// shard's own double-buffered state (adamw_shard), which its next update leaves alone
+/// and the update after that overwrites, by which time the store has dropped the
+/// snapshot (it keeps the two newest, and a shard puts one after every update). A
+/// stage's parameters before the step are its shards' parameter ranges in rank order
+/// (the all-gather's result).
 struct shard_snapshot {
   std::int64_t step = 0;
-  std::vector<torch::Tensor> params, exp_avg, exp_avg_sq, stage_params;
-  std::vector<std::int64_t> adam_steps;
+  std::vector<adamw_shard::state> chunks;
 };
 
 class snapshot_store {

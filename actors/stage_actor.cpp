@@ -400,7 +400,7 @@ namespace {
 
 caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
-                             std::shared_ptr<const shard_snapshot> from) {
+                             std::vector<torch::Tensor> params) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
@@ -409,9 +409,9 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   st.name = ctx->stage_name(replica, stage);
   for (int c = 0; c < ctx->v; ++c)
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device));
-  if (from) {  // restarted in place: the parameters before the step being retried
+  if (!params.empty()) {  // restarted in place: the parameters before the step being retried
     torch::NoGradGuard no_grad;
-    for (int c = 0; c < ctx->v; ++c) st.chunks[c]->flat_params().copy_(from->stage_params.at(c));
+    for (int c = 0; c < ctx->v; ++c) st.chunks[c]->flat_params().copy_(params.at(c));
   }
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   st.total_ops = 2 * ctx->m * ctx->v;
@@ -534,11 +534,11 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
 
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
-                             std::shared_ptr<const shard_snapshot> from) {
+                             std::vector<torch::Tensor> params) {
   // Detached: a thread of its own, so its LibTorch intra-op thread count is its own
   // and long compute never holds a scheduler thread other actors need.
   return supervisor->spawn<caf::detached + caf::monitored>(stage_behavior, std::move(ctx), std::move(wiring),
-                                                          replica, stage, std::move(from));
+                                                          replica, stage, std::move(params));
 }
 
 }  // namespace troupe

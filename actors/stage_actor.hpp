@@ -17,14 +17,19 @@
 #include <caf/actor.hpp>
 #include <caf/event_based_actor.hpp>
 
+#include <vector>
+
+#include <torch/types.h>
+
 #include "actors/runtime.hpp"
-#include "actors/snapshot.hpp"
 
 namespace troupe {
 
 /// Spawns the stage actor of (replica, stage), detached and monitored by `supervisor`.
+/// `params` (one flat buffer per chunk; empty: the job's initial parameters) is what a
+/// stage restarted in place starts from.
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
-                             std::shared_ptr<const shard_snapshot> from = nullptr);
+                             std::vector<torch::Tensor> params = {});
 
 }  // namespace troupe

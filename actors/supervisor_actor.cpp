@@ -57,6 +57,23 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       children->emplace_back(a, std::move(name));
       return a;
     };
+    // A stage's parameters before `step`: its shards' ranges in rank order (in one
+    // process every shard of the stage is in this node's store).
+    auto stage_params = [&](int k, std::int64_t step) {
+      std::vector<torch::Tensor> flat;
+      for (int c = 0; c < ctx->v; ++c) {
+        std::vector<torch::Tensor> pieces;
+        for (int r = 0; r < ctx->d; ++r) {
+          auto snap = store->get(k, r, step);
+          if (!snap)
+            throw std::runtime_error("no snapshot of shard[stage " + std::to_string(k) + ", rank " +
+                                     std::to_string(r) + "] before step " + std::to_string(step + 1));
+          pieces.push_back(snap->chunks.at(c).params);
+        }
+        flat.push_back(torch::cat(pieces));
+      }
+      return flat;
+    };
     node_actors mine;
     mine.node = plan.node;
     for (std::size_t i = 0; i < plan.slots.size(); ++i) {
@@ -71,7 +88,9 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
                                 add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan.comms.at(i), store, from),
                                     "shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) + "]"));
       mine.stages.push_back(wiring->stages[r][k] =
-                                add(spawn_stage_actor(self, ctx, wiring, r, k, from), ctx->stage_name(r, k)));
+                                add(spawn_stage_actor(self, ctx, wiring, r, k, step >= 0 ? stage_params(k, step)
+                                                                                         : std::vector<torch::Tensor>{}),
+                                    ctx->stage_name(r, k)));
     }
     for (int r : plan.loader_replicas) {
       mine.loader_replicas.push_back(r);

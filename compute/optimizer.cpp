@@ -1,35 +1,100 @@
 #include "compute/optimizer.hpp"
 
 #include <cmath>
+#include <thread>
+#include <vector>
 
 namespace troupe {
 
-adamw_shard::adamw_shard(const torch::Tensor& main_params, const torch::Tensor& decay,
-                         adamw_options opts)
-    : opts_(opts),
-      params_(main_params.detach().to(torch::kFloat32).clone()),
-      exp_avg_(torch::zeros_like(params_)),
-      exp_avg_sq_(torch::zeros_like(params_)),
-      decay_(decay.to(torch::kBool)) {}
+namespace {
 
-void adamw_shard::step(const torch::Tensor& grad_in, double lr, double grad_scale) {
+bool cpu_float(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous();
+}
+
+/// Runs fn(begin, end) over [0, n) split into `threads` contiguous pieces, the first on
+/// the calling thread.
+template <class F>
+void split_range(std::int64_t n, int threads, F fn) {
+  threads = int(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, n / 65536)));
+  std::vector<std::thread> helpers;
+  const std::int64_t piece = (n + threads - 1) / threads;
+  for (int t = 1; t < threads; ++t)
+    helpers.emplace_back([=] { fn(std::min(n, t * piece), std::min(n, (t + 1) * piece)); });
+  fn(0, std::min(n, piece));
+  for (auto& h : helpers) h.join();
+}
+
+}  // namespace
+
+adamw_shard::adamw_shard(const torch::Tensor& main_params, const torch::Tensor& decay, adamw_options opts,
+                         bool double_buffered)
+    : opts_(opts), double_buffered_(double_buffered), decay_(decay.to(torch::kBool).contiguous()) {
+  auto& b = banks_[0];
+  b.params = main_params.detach().to(torch::kFloat32).clone().contiguous();
+  b.exp_avg = torch::zeros_like(b.params);
+  b.exp_avg_sq = torch::zeros_like(b.params);
+  if (decay_.device().is_cpu()) decay_runs_ = kernels::decay_runs(decay_.data_ptr<bool>(), decay_.numel());
+  if (double_buffered_)
+    banks_[1] = {torch::empty_like(b.params), torch::empty_like(b.params), torch::empty_like(b.params), 0};
+}
+
+void adamw_shard::assign(const state& from) {
   torch::NoGradGuard no_grad;
-  ++steps_;
-  torch::Tensor grad = grad_scale == 1.0 ? grad_in : grad_in * grad_scale;
-  // Decoupled weight decay only where the mask says so: p *= 1 - lr * wd.
-  if (opts_.weight_decay != 0.0) {
-    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-    const auto factor = torch::where(decay_, torch::scalar_tensor(1.0 - lr * opts_.weight_decay, f32),
-                                     torch::scalar_tensor(1.0, f32));
-    params_.mul_(factor);
-  }
-  exp_avg_.mul_(opts_.beta1).add_(grad, 1.0 - opts_.beta1);
-  exp_avg_sq_.mul_(opts_.beta2).addcmul_(grad, grad, 1.0 - opts_.beta2);
-  const double bias_correction1 = 1.0 - std::pow(opts_.beta1, double(steps_));
-  const double bias_correction2 = 1.0 - std::pow(opts_.beta2, double(steps_));
+  auto& c = banks_[cur_];
+  c.params.copy_(from.params);
+  c.exp_avg.copy_(from.exp_avg);
+  c.exp_avg_sq.copy_(from.exp_avg_sq);
+  c.steps = from.steps;
+  prev_ = cur_;
+}
+
+void adamw_shard::step(const torch::Tensor& grad_in, double lr, double grad_scale, int threads) {
+  torch::NoGradGuard no_grad;
+  const int from = cur_, to = double_buffered_ ? 1 - cur_ : cur_;
+  const state& in = banks_[from];
+  state& out = banks_[to];
+  out.steps = in.steps + 1;
+  const double bias_correction1 = 1.0 - std::pow(opts_.beta1, double(out.steps));
+  const double bias_correction2 = 1.0 - std::pow(opts_.beta2, double(out.steps));
   const double step_size = lr / bias_correction1;
-  auto denom = (exp_avg_sq_.sqrt() / std::sqrt(bias_correction2)).add_(opts_.eps);
-  params_.addcdiv_(exp_avg_, denom, -step_size);
+  const double decay_factor = 1.0 - lr * opts_.weight_decay;
+  if (cpu_float(in.params) && cpu_float(grad_in) && decay_.device().is_cpu()) {
+    const kernels::adamw_constants k{float(grad_scale),
+                                     float(decay_factor),
+                                     float(opts_.beta1),
+                                     float(1.0 - opts_.beta1),
+                                     float(opts_.beta2),
+                                     float(1.0 - opts_.beta2),
+                                     float(std::sqrt(bias_correction2)),
+                                     float(opts_.eps),
+                                     float(-step_size)};
+    const float *p = in.params.data_ptr<float>(), *m = in.exp_avg.data_ptr<float>(),
+                *v = in.exp_avg_sq.data_ptr<float>(), *g = grad_in.data_ptr<float>();
+    float *po = out.params.data_ptr<float>(), *mo = out.exp_avg.data_ptr<float>(),
+          *vo = out.exp_avg_sq.data_ptr<float>();
+    split_range(in.params.numel(), threads, [&](std::int64_t b, std::int64_t e) {
+      kernels::adamw(p, m, v, g, decay_runs_, po, mo, vo, b, e, k);
+    });
+  } else {  // another device: the same update as LibTorch ops
+    if (to != from) {
+      out.params.copy_(in.params);
+      out.exp_avg.copy_(in.exp_avg);
+      out.exp_avg_sq.copy_(in.exp_avg_sq);
+    }
+    const torch::Tensor grad = grad_scale == 1.0 ? grad_in : grad_in * grad_scale;
+    if (opts_.weight_decay != 0.0) {  // decoupled weight decay only where the mask says so
+      const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(out.params.device());
+      out.params.mul_(
+          torch::where(decay_, torch::scalar_tensor(decay_factor, f32), torch::scalar_tensor(1.0, f32)));
+    }
+    out.exp_avg.mul_(opts_.beta1).add_(grad, 1.0 - opts_.beta1);
+    out.exp_avg_sq.mul_(opts_.beta2).addcmul_(grad, grad, 1.0 - opts_.beta2);
+    auto denom = (out.exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(opts_.eps);
+    out.params.addcdiv_(out.exp_avg, denom, -step_size);
+  }
+  prev_ = from;
+  cur_ = to;
 }
 
 double lr_schedule::at(int t, int total) const {
@@ -39,6 +104,8 @@ double lr_schedule::at(int t, int total) const {
 }
 
 double partial_sq_norm(const torch::Tensor& grad, const torch::Tensor& mask) {
+  if (cpu_float(grad) && mask.device().is_cpu() && mask.scalar_type() == torch::kBool && mask.is_contiguous())
+    return kernels::masked_sq_norm(grad.data_ptr<float>(), mask.data_ptr<bool>(), grad.numel());
   auto g = grad.masked_select(mask).to(torch::kFloat64);
   return g.dot(g).item<double>();
 }

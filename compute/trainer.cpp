@@ -109,7 +109,7 @@ step_stats local_trainer::step() {
   // Update each shard, then all-gather: every replica copies every updated range.
   for (std::size_t i = 0; i < shards_.size(); ++i) {
     auto& sh = shards_[i];
-    sh.opt.step(reduced[i], st.lr, scale);
+    sh.opt.step(reduced[i], st.lr, scale, torch::get_num_threads());
     for (auto& rep : replicas_)
       rep->slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(sh.opt.params());
   }

@@ -50,6 +50,71 @@ TEST(Optimizer, GradScaleIsAppliedBeforeTheMoments) {
   EXPECT_TRUE(torch::equal(a.params(), b.params()));
 }
 
+// Double buffering (what the shard actors' snapshots rely on) and the split over threads
+// change no bit of the update; the state before the last update stays readable.
+TEST(Optimizer, DoubleBufferedAndThreadedUpdatesAreBitIdentical) {
+  torch::manual_seed(5);
+  const std::int64_t n = 300001;  // several pieces of the thread split, odd tail
+  auto p = torch::randn({n});
+  auto mask = torch::rand({n}) > 0.3;
+  adamw_shard plain(p, mask, {}), buffered(p, mask, {}, /*double_buffered=*/true);
+  for (int step = 0; step < 3; ++step) {
+    auto g = torch::randn({n});
+    const auto before = buffered.current();
+    const auto before_params = before.params.clone();
+    plain.step(g, 1e-3 * (step + 1), 0.5);
+    buffered.step(g, 1e-3 * (step + 1), 0.5, /*threads=*/4);
+    EXPECT_TRUE(torch::equal(plain.params(), buffered.params()));
+    EXPECT_TRUE(torch::equal(plain.exp_avg(), buffered.exp_avg()));
+    EXPECT_TRUE(torch::equal(plain.exp_avg_sq(), buffered.exp_avg_sq()));
+    EXPECT_EQ(buffered.steps(), step + 1);
+    // The previous state is the one before this update, untouched by it.
+    EXPECT_EQ(buffered.previous().params.data_ptr(), before.params.data_ptr());
+    EXPECT_NE(buffered.params().data_ptr(), before.params.data_ptr());
+    EXPECT_TRUE(torch::equal(buffered.previous().params, before_params));
+    EXPECT_EQ(buffered.previous().steps, step);
+  }
+  // Restoring a state (an in-place retry) and updating again gives the same result.
+  adamw_shard restored(p, mask, {}, true);
+  restored.assign(buffered.previous());
+  auto g = torch::randn({n});
+  buffered.assign(buffered.previous());  // back to the state before the last update
+  buffered.step(g, 1e-3);
+  restored.step(g, 1e-3);
+  EXPECT_TRUE(torch::equal(restored.params(), buffered.params()));
+  EXPECT_EQ(restored.steps(), buffered.steps());
+}
+
+// The fused CPU kernel against the same update as LibTorch ops (taken for tensors that
+// are not contiguous, as on a GPU).
+TEST(Optimizer, FusedKernelMatchesTorchOps) {
+  torch::manual_seed(6);
+  const std::int64_t n = 1000;
+  auto p = torch::randn({n});
+  auto mask = torch::rand({n}) > 0.5;
+  adamw_shard fused(p, mask, {}), ops(p, mask, {});
+  for (int step = 0; step < 4; ++step) {
+    auto g2 = torch::randn({n, 2});
+    auto strided = g2.select(1, 0);  // not contiguous: the LibTorch-ops path
+    ASSERT_FALSE(strided.is_contiguous());
+    fused.step(strided.contiguous(), 1e-2, 0.7);
+    ops.step(strided, 1e-2, 0.7);
+  }
+  // Equal up to rounding (LibTorch's vectorised kernels may fuse a multiply-add).
+  EXPECT_TRUE(torch::allclose(fused.params(), ops.params(), 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(fused.exp_avg(), ops.exp_avg(), 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(fused.exp_avg_sq(), ops.exp_avg_sq(), 1e-6, 1e-7));
+}
+
+TEST(Optimizer, MaskedNormOfManyElements) {
+  torch::manual_seed(7);
+  auto g = torch::randn({100003});
+  auto mask = torch::rand({100003}) > 0.25;
+  const auto ref = g.to(torch::kFloat64).masked_select(mask).pow(2).sum().item<double>();
+  EXPECT_NEAR(partial_sq_norm(g, mask), ref, 1e-12 * ref);
+  EXPECT_EQ(partial_sq_norm(g, mask), partial_sq_norm(g.clone(), mask.clone()));  // fixed order
+}
+
 TEST(Optimizer, LearningRateScheduleOfWorkloads) {
   lr_schedule s;  // 1e-3 peak, 1e-4 floor, 20 warm-up steps
   EXPECT_DOUBLE_EQ(s.at(0, 200), 1e-3 / 20);
