@@ -54,7 +54,9 @@ struct coordinator_state {
   int checkpoints = 0;
   nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
   std::int32_t attempt = 0;  // of this step: > 0 after in-place retries
-  bool retrying = false;     // the supervisor is rebuilding the actors: ignore theirs
+  bool retrying = false;     // the supervisors are rebuilding the actors: ignore theirs
+  std::int32_t rounds = 0;   // in-place recoveries so far (the actors' generation)
+  bool node_lost = false;    // a node process (its supervisor) is gone: no in-place retry
   int skipped_before = 0;    // `skipped` when the step began (a retry counts again)
 };
 
@@ -98,10 +100,11 @@ void retry_in_place(self_ptr self);
 void fail(self_ptr self, const std::string& why, bool recoverable = true) {
   auto& s = self->state;
   if (s.finished || s.retrying) return;
-  // One process, step not committed: rebuild the actors from the snapshots of the state
-  // before this step and run it again (bounded), instead of exiting for a restart.
-  const bool in_place = recoverable && !s.committed && s.supervisors.size() == 1 &&
-                        s.attempt < s.ctx->cfg.max_step_retries;
+  // Step not committed, every node process alive: rebuild the actors from the snapshots
+  // of the state before this step and run it again (bounded), instead of exiting for a
+  // restart of the whole job.
+  const bool in_place =
+      recoverable && !s.committed && !s.node_lost && s.attempt < s.ctx->cfg.max_step_retries;
   if (!in_place)
     for (auto& sup : s.supervisors) self->send(sup, abort_step{s.step, why});
   if (s.metrics.is_open())  // when and why, for the time to detect and to recover
@@ -125,37 +128,48 @@ void fail(self_ptr self, const std::string& why, bool recoverable = true) {
   retry_in_place(self);
 }
 
-/// Has the supervisor rebuild every actor from the state before this step, then runs the
-/// step again. Messages of the old actors are dropped meanwhile (they are all gone when
-/// the supervisor answers; in one process nothing of theirs arrives later).
+void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nodes);
+
+/// Has every supervisor rebuild its node's actors from the state before this step (with
+/// fresh communicators), sends every node the new handles, then runs the step again.
+/// Messages of the old actors are dropped meanwhile: they are all gone when their
+/// supervisor answers, what they sent came before that answer over the same connection,
+/// and failures their transfers report later carry the old generation.
 void retry_in_place(self_ptr self) {
   auto& s = self->state;
   s.retrying = true;
+  const auto round = ++s.rounds;
   const double t0 = s.ctx->now_us();
-  self->request(s.supervisors.front(), std::chrono::seconds(120), recover_atom_v, s.step)
-      .then(
-          [=](const node_actors&) {  // the supervisor updated the shared wiring
-            auto& s = self->state;
-            s.retrying = false;
-            ++s.attempt;
-            s.skipped = s.skipped_before;
-            const double took = (s.ctx->now_us() - t0) * 1e-6;
-            spdlog::info("step {}: actors rebuilt from the in-memory snapshots in {:.2f} s; running it again",
-                         s.step + 1, took);
-            if (s.metrics.is_open())
-              s.metrics << nlohmann::json{{"event", "retry"}, {"step", s.step}, {"attempt", s.attempt},
-                                          {"rebuild_seconds", took}}
-                               .dump()
-                        << '\n'
-                        << std::flush;
-            begin(self);
-          },
-          [=](caf::error& err) {
-            auto& s = self->state;
-            s.retrying = false;
-            s.attempt = s.ctx->cfg.max_step_retries;  // no further in-place attempt
-            fail(self, "rebuilding the actors failed: " + self->system().render(err));
-          });
+  auto nodes = std::make_shared<std::vector<node_actors>>();
+  for (auto& sup : s.supervisors)
+    self->request(sup, std::chrono::seconds(120), recover_atom_v, s.step, round)
+        .then(
+            [=](const node_actors& n) {
+              auto& s = self->state;
+              if (!s.retrying || s.rounds != round) return;
+              nodes->push_back(n);
+              if (nodes->size() < s.supervisors.size()) return;
+              s.retrying = false;
+              ++s.attempt;
+              s.skipped = s.skipped_before;
+              const double took = (s.ctx->now_us() - t0) * 1e-6;
+              spdlog::info("step {}: actors rebuilt from the in-memory snapshots in {:.2f} s; running it again",
+                           s.step + 1, took);
+              if (s.metrics.is_open())
+                s.metrics << nlohmann::json{{"event", "retry"}, {"step", s.step}, {"attempt", s.attempt},
+                                            {"rebuild_seconds", took}}
+                                 .dump()
+                          << '\n'
+                          << std::flush;
+              wire_and_start(self, nodes);  // the new handles to every node, then begin
+            },
+            [=](caf::error& err) {
+              auto& s = self->state;
+              if (!s.retrying || s.rounds != round) return;
+              s.retrying = false;
+              s.attempt = s.ctx->cfg.max_step_retries;  // no further in-place attempt
+              fail(self, "rebuilding the actors failed: " + self->system().render(err));
+            });
 }
 
 /// The model as replica 0's stages hold it: the full state (model order) and per stage.
@@ -496,9 +510,13 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
   self->set_down_handler([=](const caf::down_msg& msg) {
     const auto& sups = self->state.supervisors;
     for (std::size_t i = 0; i < sups.size(); ++i)
-      if (msg.source == sups[i].address())
+      if (msg.source == sups[i].address()) {
+        // Its actors and snapshots went with it: a restart from the newest checkpoint.
+        self->state.node_lost = true;
+        self->state.retrying = false;  // an in-place retry under way cannot finish
         fail(self, (sups.size() == 1 ? std::string("the supervisor") : "node " + std::to_string(i)) +
                        " is gone: " + self->system().render(msg.reason));
+      }
   });
   return {
       [=](run_atom) {
@@ -573,7 +591,13 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         ++s.n_shards;
         maybe_commit(self);
       },
-      [=](const runtime_failure& msg) { fail(self, msg.actor + ": " + msg.what); },
+      [=](const runtime_failure& msg) {
+        if (msg.generation != self->state.rounds) {  // from actors replaced since
+          spdlog::debug("stale failure report dropped: {}: {}", msg.actor, msg.what);
+          return;
+        }
+        fail(self, msg.actor + ": " + msg.what);
+      },
       [=](timeout_atom, std::int64_t step, std::int32_t attempt) {
         auto& s = self->state;
         if (step != s.step || attempt != s.attempt || s.committed || s.retrying) return;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -32,9 +33,13 @@ struct registrar_state {
   std::int64_t epoch_ns = 0;
   int nodes = 0;
   std::set<int> joined;
-  node_addresses table;
-  std::set<int> sent_addresses;
-  std::vector<caf::response_promise> table_waiters;
+  // Address exchanges: round 0 as the nodes join, round n for the n-th in-place recovery.
+  struct address_round {
+    node_addresses table;
+    std::set<int> sent;
+    std::vector<caf::response_promise> waiters;
+  };
+  std::map<int, address_round> rounds;
   std::vector<caf::actor> supervisors;
   int ready = 0;
   std::vector<caf::response_promise> run_waiters;
@@ -70,16 +75,24 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
       },
       [=](const node_addresses& a) -> caf::result<node_addresses> {
         auto& s = self->state;
-        if (!s.joined.count(a.node) || s.sent_addresses.count(a.node))
+        if (!s.joined.count(a.node))
           return caf::make_error(caf::sec::runtime_error, "addresses from a node that has not joined");
-        s.sent_addresses.insert(a.node);
-        s.table.stages.insert(s.table.stages.end(), a.stages.begin(), a.stages.end());
-        s.table.replicas.insert(s.table.replicas.end(), a.replicas.begin(), a.replicas.end());
-        s.table.addresses.insert(s.table.addresses.end(), a.addresses.begin(), a.addresses.end());
+        auto& round = s.rounds[a.round];
+        if (!round.sent.insert(a.node).second)
+          return caf::make_error(caf::sec::runtime_error, "node " + std::to_string(a.node) +
+                                                              " sent its addresses twice in round " +
+                                                              std::to_string(a.round));
+        auto& t = round.table;
+        t.round = a.round;
+        t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
+        t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
+        t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
         auto rp = self->make_response_promise<node_addresses>();
-        s.table_waiters.push_back(rp);
-        if (int(s.sent_addresses.size()) == s.nodes)
-          for (auto& w : s.table_waiters) w.deliver(s.table);
+        round.waiters.push_back(rp);
+        if (int(round.sent.size()) == s.nodes) {
+          for (auto& w : round.waiters) w.deliver(t);
+          s.rounds.erase(a.round);
+        }
         return rp;
       },
       [=](const node_ready& r) -> caf::result<bool> {
@@ -106,6 +119,52 @@ std::string hostname() {
   ::gethostname(buf, sizeof buf - 1);
   return buf;
 }
+
+/// A node's UCX communicators: per slot (r, k) rank r of stage k's d shards, and the
+/// world of the nodes (rank = node), which carries activations between them. Made at
+/// join and again for every in-place recovery; addresses go through the registrar
+/// (stage -1: the world).
+class ucx_renewal : public comm_renewal {
+ public:
+  ucx_renewal(int node, int nodes, int d, std::vector<std::pair<int, int>> slots)
+      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)) {
+    mine_.node = node;
+    for (const auto& [r, k] : slots_) {
+      pending_.push_back(transport::prepare_ucx_communicator(r, d));
+      mine_.stages.push_back(k);
+      mine_.replicas.push_back(r);
+      mine_.addresses.push_back(pending_.back()->address());
+    }
+    pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
+    mine_.stages.push_back(-1);
+    mine_.replicas.push_back(node);
+    mine_.addresses.push_back(pending_.back()->address());
+  }
+  node_addresses addresses() const override { return mine_; }
+  node_plan connect(const node_addresses& table) override {
+    auto addresses_of = [&](int stage, int size) {
+      std::vector<std::string> addrs(size);
+      for (std::size_t i = 0; i < table.stages.size(); ++i)
+        if (table.stages[i] == stage) addrs.at(table.replicas[i]) = table.addresses[i];
+      return addrs;
+    };
+    node_plan plan;
+    plan.node = node_;
+    plan.slots = slots_;
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      plan.comms.push_back(pending_[i]->connect(addresses_of(slots_[i].second, d_)));
+      if (slots_[i].second == 0) plan.loader_replicas.push_back(slots_[i].first);
+    }
+    plan.world = pending_.back()->connect(addresses_of(-1, nodes_));
+    return plan;
+  }
+
+ private:
+  int node_, nodes_, d_;
+  std::vector<std::pair<int, int>> slots_;
+  std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
+  node_addresses mine_;
+};
 
 struct node_failure : std::runtime_error {
   node_failure(int code, const std::string& what) : std::runtime_error(what), code(code) {}
@@ -218,36 +277,15 @@ actor_run_result run_node(const node_options& o) {
         // clocks of different machines are not comparable; their tracks are then offset).
         const std::chrono::steady_clock::time_point epoch{std::chrono::nanoseconds(offer.epoch_ns)};
         auto ctx = std::make_shared<const runtime_context>(cfg, epoch);
-        // UCX communicators: per slot (r, k) rank r of stage k's d shards; and the world
-        // of the nodes (rank = node), which carries activations between them. Addresses
-        // go through the registrar (stage -1: the world).
-        node_addresses mine{o.node, {}, {}, {}};
-        std::vector<std::unique_ptr<transport::ucx_pending>> pending;
-        for (const auto& [r, k] : slots) {
-          pending.push_back(transport::prepare_ucx_communicator(r, ctx->d));
-          mine.stages.push_back(k);
-          mine.replicas.push_back(r);
-          mine.addresses.push_back(pending.back()->address());
-        }
-        auto world_pending = transport::prepare_ucx_communicator(o.node, o.nodes);
-        mine.stages.push_back(-1);
-        mine.replicas.push_back(o.node);
-        mine.addresses.push_back(world_pending->address());
-        const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, mine, where + ": address exchange");
-        auto addresses_of = [&](int stage, int size) {
-          std::vector<std::string> addrs(size);
-          for (std::size_t i = 0; i < table.stages.size(); ++i)
-            if (table.stages[i] == stage) addrs.at(table.replicas[i]) = table.addresses[i];
-          return addrs;
+        // UCX communicators (round 0 of the address exchange).
+        ucx_renewal comms(o.node, o.nodes, ctx->d, slots);
+        const auto table =
+            ask<node_addresses>(self, registrar_handle, o.join_timeout, comms.addresses(), where + ": address exchange");
+        node_plan plan = comms.connect(table);
+        plan.registrar = registrar_handle;
+        plan.renew = [node = o.node, nodes = o.nodes, d = ctx->d, slots]() -> std::unique_ptr<comm_renewal> {
+          return std::make_unique<ucx_renewal>(node, nodes, d, slots);
         };
-        node_plan plan;
-        plan.node = o.node;
-        plan.slots = slots;
-        for (std::size_t i = 0; i < slots.size(); ++i) {
-          plan.comms.push_back(pending[i]->connect(addresses_of(slots[i].second, ctx->d)));
-          if (slots[i].second == 0) plan.loader_replicas.push_back(slots[i].first);
-        }
-        plan.world = world_pending->connect(addresses_of(-1, o.nodes));
         std::string hosted;
         for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";
         supervisor = sys.spawn(supervisor_actor, ctx, wiring, std::move(plan));

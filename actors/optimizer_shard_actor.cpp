@@ -50,7 +50,10 @@ struct shard_state {
 void take_snapshot(shard_state& s, std::int64_t step) {
   auto snap = std::make_shared<shard_snapshot>();
   snap->step = step;
-  for (const auto& ch : s.chunks) snap->chunks.push_back(ch.opt.current());
+  for (const auto& ch : s.chunks) {
+    snap->chunks.push_back(ch.opt.current());
+    snap->stage_numel.push_back(ch.gathered.numel());
+  }
   s.store->put(s.stage, s.rank, std::move(snap));
 }
 
@@ -165,7 +168,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         auto& c = s.chunks.at(msg.chunk);
         const auto problem = check_payload(msg.data, {c.gathered.numel()}, torch::kFloat32);
         if (!problem.empty()) {
-          self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient buffer: " + problem});
+          self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient buffer: " + problem, s.wiring->generation});
           return;
         }
         c.grads = tensor_of(msg.data);
@@ -182,7 +185,8 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         if (!msg.error.empty()) {
           self->send(s.wiring->coordinator,
                      runtime_failure{s.step, s.name, std::string(transport::collective_name(collective(msg.kind))) +
-                                                         " of chunk " + std::to_string(msg.chunk) + ": " + msg.error});
+                                                         " of chunk " + std::to_string(msg.chunk) + ": " + msg.error,
+                                     s.wiring->generation});
           return;
         }
         if (++s.completed < s.ctx->v) return;

@@ -75,8 +75,8 @@ tensor_payload ship_payload(const job_wiring& w, const tensor_payload& p, int ds
   // A tensor of its own for the transfer: the sender may drop or reuse its tensor's data
   // (deallocate_output_tensor) while the bytes are still on their way.
   auto work = w.world->send(p.local.detach().view(-1), dst_node, out.tag);
-  work->on_complete([coordinator = w.coordinator, who, step = std::int64_t(-1)](const std::string& err) {
-    if (!err.empty()) caf::anon_send(coordinator, runtime_failure{step, who, "tensor send: " + err});
+  work->on_complete([coordinator = w.coordinator, who, generation = w.generation](const std::string& err) {
+    if (!err.empty()) caf::anon_send(coordinator, runtime_failure{-1, who, "tensor send: " + err, generation});
   });
   return out;
 }

@@ -79,6 +79,9 @@ struct job_wiring {
   int node = 0;
   std::shared_ptr<transport::communicator> world;
   std::shared_ptr<std::atomic<std::uint32_t>> next_tag = std::make_shared<std::atomic<std::uint32_t>>(1);
+  /// In-place recoveries so far (set by the supervisor before it spawns new actors):
+  /// failures reported by actors of an older generation are stale.
+  std::int32_t generation = 0;
 
   /// True when stage (replica, stage) lives in another process.
   bool remote(int replica, int stage) const { return !nodes.empty() && nodes[replica][stage] != node; }

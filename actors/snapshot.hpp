@@ -25,6 +25,7 @@ namespace troupe {
 struct shard_snapshot {
   std::int64_t step = 0;
   std::vector<adamw_shard::state> chunks;
+  std::vector<std::int64_t> stage_numel;  ///< per chunk: elements of the stage's whole buffer
 };
 
 class snapshot_store {

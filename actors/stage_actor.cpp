@@ -334,7 +334,7 @@ class stage_logic {
   }
 
   void fail(const std::string& what) {
-    self_->send(s_.wiring->coordinator, runtime_failure{s_.step, s_.name, what});
+    self_->send(s_.wiring->coordinator, runtime_failure{s_.step, s_.name, what, s_.wiring->generation});
   }
 
   /// Sends a message with a tensor to stage `dest_stage` of this replica and traces it
@@ -379,10 +379,11 @@ class stage_logic {
     if (msg.data.src_node < 0) return true;
     auto me = caf::actor_cast<caf::actor>(self_);
     fetch_payload(*s_.wiring, msg.data,
-                  [me, m = Msg(msg), coordinator = s_.wiring->coordinator, name = s_.name](
-                      tensor_payload p, const std::string& err) mutable {
+                  [me, m = Msg(msg), coordinator = s_.wiring->coordinator, name = s_.name,
+                   generation = s_.wiring->generation](tensor_payload p, const std::string& err) mutable {
                     if (!err.empty())
-                      return caf::anon_send(coordinator, runtime_failure{m.step, name, "tensor receive: " + err});
+                      return caf::anon_send(coordinator,
+                                            runtime_failure{m.step, name, "tensor receive: " + err, generation});
                     m.data = std::move(p);
                     caf::anon_send(me, std::move(m));
                   });

@@ -39,87 +39,134 @@ node_plan local_node_plan(const runtime_context& ctx) {
 }
 
 caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<const runtime_context> ctx,
-                               std::shared_ptr<job_wiring> wiring, node_plan plan) {
+                               std::shared_ptr<job_wiring> wiring, node_plan initial_plan) {
   using child_list = std::vector<std::pair<caf::actor, std::string>>;
   auto children = std::make_shared<child_list>();
   auto store = std::make_shared<snapshot_store>();
+  auto plan = std::make_shared<node_plan>(std::move(initial_plan));
   // The wiring covers the whole job; entries of other nodes arrive with wiring_msg.
   wiring->stages.assign(ctx->d, std::vector<caf::actor>(ctx->p));
   wiring->shards.assign(ctx->p, std::vector<caf::actor>(ctx->d));
   wiring->loaders.assign(ctx->d, caf::actor());
-  wiring->node = plan.node;
-  wiring->world = plan.world;
-  // Spawns this node's actors; `step` >= 0: restarted in place, from the snapshots of
-  // the state before that step.
-  auto spawn_all = [self, ctx, wiring, store, children](const node_plan& plan, std::int64_t step) {
+  wiring->node = plan->node;
+  wiring->world = plan->world;
+  // Spawns this node's actors on the plan's communicators; `step` >= 0: restarted in
+  // place (the job's `round`-th recovery), from the snapshots of the state before that
+  // step, each stage with `params` (per slot, per chunk: its parameters before the step).
+  auto spawn_all = [self, ctx, wiring, store, children, plan](std::int64_t step, std::int32_t round,
+                                                              std::vector<std::vector<torch::Tensor>> params) {
     children->clear();
     auto add = [&](caf::actor a, std::string name) {
       children->emplace_back(a, std::move(name));
       return a;
     };
-    // A stage's parameters before `step`: its shards' ranges in rank order (in one
-    // process every shard of the stage is in this node's store).
-    auto stage_params = [&](int k, std::int64_t step) {
-      std::vector<torch::Tensor> flat;
-      for (int c = 0; c < ctx->v; ++c) {
-        std::vector<torch::Tensor> pieces;
-        for (int r = 0; r < ctx->d; ++r) {
-          auto snap = store->get(k, r, step);
-          if (!snap)
-            throw std::runtime_error("no snapshot of shard[stage " + std::to_string(k) + ", rank " +
-                                     std::to_string(r) + "] before step " + std::to_string(step + 1));
-          pieces.push_back(snap->chunks.at(c).params);
-        }
-        flat.push_back(torch::cat(pieces));
-      }
-      return flat;
-    };
     node_actors mine;
-    mine.node = plan.node;
-    for (std::size_t i = 0; i < plan.slots.size(); ++i) {
-      const auto [r, k] = plan.slots[i];
+    mine.node = plan->node;
+    if (step >= 0) wiring->generation = round;  // what the replaced actors still report is stale
+    for (std::size_t i = 0; i < plan->slots.size(); ++i) {
+      const auto [r, k] = plan->slots[i];
       auto from = step >= 0 ? store->get(k, r, step) : nullptr;
-      if (step >= 0 && !from)
-        throw std::runtime_error("no snapshot of shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) +
-                                 "] before step " + std::to_string(step + 1));
       mine.slot_replicas.push_back(r);
       mine.slot_stages.push_back(k);
       mine.shards.push_back(wiring->shards[k][r] =
-                                add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan.comms.at(i), store, from),
+                                add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan->comms.at(i), store, from),
                                     "shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) + "]"));
       mine.stages.push_back(wiring->stages[r][k] =
-                                add(spawn_stage_actor(self, ctx, wiring, r, k, step >= 0 ? stage_params(k, step)
-                                                                                         : std::vector<torch::Tensor>{}),
+                                add(spawn_stage_actor(self, ctx, wiring, r, k,
+                                                      params.empty() ? std::vector<torch::Tensor>{} : params.at(i)),
                                     ctx->stage_name(r, k)));
     }
-    for (int r : plan.loader_replicas) {
+    for (int r : plan->loader_replicas) {
       mine.loader_replicas.push_back(r);
       mine.loaders.push_back(wiring->loaders[r] = add(spawn_data_loader_actor(self, ctx, wiring, r),
                                                       "loader[replica " + std::to_string(r) + "]"));
     }
-    spdlog::debug("supervisor of node {}: spawned {} actors", plan.node, children->size());
+    spdlog::debug("supervisor of node {}: spawned {} actors", plan->node, children->size());
     return mine;
   };
-  auto mine = std::make_shared<node_actors>(spawn_all(plan, -1));
-  // A step retried in place (one process): the old actors are killed; when the last
-  // one is down, new ones start from the snapshots and the coordinator gets them.
+  auto mine = std::make_shared<node_actors>(spawn_all(-1, 0, {}));
+
+  // A step retried in place: the old actors are killed; when the last one is down the
+  // node gets fresh communicators, every stage's parameters before the step are
+  // all-gathered from its shards' snapshots over them (the shards of a stage may live on
+  // other nodes), and new actors start from the snapshots.
   struct recovery {
     std::int64_t step = -1;
+    std::int32_t round = 0;
     caf::typed_response_promise<node_actors> promise;
+    std::vector<std::vector<torch::Tensor>> params;  // per slot, per chunk (all-gather outputs)
+    std::vector<std::shared_ptr<const shard_snapshot>> from;  // kept alive while gathering
+    int pending = 0;
+    std::string error;
   };
   auto recovering = std::make_shared<std::optional<recovery>>();
-
-  // Rebuilds this node's actors once the old ones are all gone.
-  auto rebuild = [=] {
-    auto& rec = **recovering;
-    try {
-      // Fresh in-process communicators: the old ones may be in the middle of a collective.
-      *mine = spawn_all(local_node_plan(*ctx), rec.step);
-      rec.promise.deliver(*mine);
-    } catch (const std::exception& e) {
-      rec.promise.deliver(caf::make_error(caf::sec::runtime_error, std::string(e.what())));
-    }
+  auto give_up = [=](const std::string& why) {
+    if (!*recovering) return;
+    (*recovering)->promise.deliver(caf::make_error(caf::sec::runtime_error, "node " + std::to_string(plan->node) +
+                                                                                  ": " + why));
     recovering->reset();
+  };
+  // Starts the all-gather of every stage's parameters; each completion comes back as
+  // (gathered, round, error).
+  auto gather = [=] {
+    auto& rec = **recovering;
+    const auto me = caf::actor_cast<caf::actor>(self);
+    std::vector<transport::work_ptr> works;
+    for (std::size_t i = 0; i < plan->slots.size(); ++i) {
+      const auto [r, k] = plan->slots[i];
+      auto snap = store->get(k, r, rec.step);
+      if (!snap)
+        return give_up("no snapshot of shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) +
+                       "] before step " + std::to_string(rec.step + 1));
+      rec.from.push_back(snap);
+      rec.params.emplace_back();
+      for (std::size_t c = 0; c < snap->chunks.size(); ++c) {
+        const auto& piece = snap->chunks[c].params;
+        rec.params.back().push_back(torch::empty({snap->stage_numel.at(c)}, piece.options()));
+        works.push_back(plan->comms.at(i)->all_gather(piece, rec.params.back().back()));
+      }
+    }
+    rec.pending = int(works.size());
+    if (works.empty()) {
+      *mine = spawn_all(rec.step, rec.round, {});
+      rec.promise.deliver(*mine);
+      return recovering->reset();
+    }
+    for (auto& w : works)
+      w->on_complete([me, round = rec.round](const std::string& err) { caf::anon_send(me, gathered_atom_v, round, err); });
+  };
+  // Replaces the communicators (the old ones may be in the middle of a collective, with
+  // messages of the aborted step on their way), then gathers.
+  auto renew = [=] {
+    for (auto& c : plan->comms) c->abort("replaced: the step is retried in place");
+    if (plan->world) plan->world->abort("replaced: the step is retried in place");
+    try {
+      if (!plan->renew) {  // one process: in-process communicators
+        *plan = local_node_plan(*ctx);
+        return gather();
+      }
+      std::shared_ptr<comm_renewal> fresh = plan->renew();
+      auto addrs = fresh->addresses();
+      addrs.round = (*recovering)->round;
+      self->request(plan->registrar, std::chrono::seconds(60), addrs)
+          .then(
+              [=](const node_addresses& table) {
+                if (!*recovering) return;
+                try {
+                  auto next = fresh->connect(table);
+                  next.registrar = plan->registrar;
+                  next.renew = plan->renew;
+                  *plan = std::move(next);
+                  wiring->world = plan->world;
+                } catch (const std::exception& e) {
+                  return give_up(std::string("fresh communicators: ") + e.what());
+                }
+                gather();
+              },
+              [=](caf::error& err) { give_up("address exchange: " + self->system().render(err)); });
+    } catch (const std::exception& e) {
+      give_up(std::string("fresh communicators: ") + e.what());
+    }
   };
   self->set_down_handler([=](const caf::down_msg& msg) {
     // A child that is gone leaves the list (a recovery waits only for the living).
@@ -131,13 +178,14 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         break;
       }
     if (*recovering) {
-      if (children->empty()) rebuild();
+      if (children->empty()) renew();
       return;
     }
     if (msg.reason == caf::exit_reason::user_shutdown || msg.reason == caf::exit_reason::normal) return;
     auto coordinator = wiring->coordinator;
     if (coordinator)
-      self->send(coordinator, runtime_failure{-1, name, "actor died: " + self->system().render(msg.reason)});
+      self->send(coordinator,
+                 runtime_failure{-1, name, "actor died: " + self->system().render(msg.reason), wiring->generation});
   });
   self->set_exit_handler([=](const caf::exit_msg& msg) {
     for (auto& [h, n] : *children) self->send_exit(h, msg.reason);
@@ -149,20 +197,33 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   self->attach_functor([children] { children->clear(); });
   return {
       [=](run_atom) { return *mine; },  // spawned: here are the handles
-      [=](recover_atom, std::int64_t step) -> caf::result<node_actors> {
-        // Only a one-process job (in-process communicators) is rebuilt in place.
-        if (wiring->world) return caf::make_error(caf::sec::runtime_error, std::string("multi-node jobs restart instead"));
+      [=](recover_atom, std::int64_t step, std::int32_t round) -> caf::result<node_actors> {
+        if (*recovering) return caf::make_error(caf::sec::runtime_error, std::string("already recovering"));
         auto rp = self->make_response_promise<node_actors>();
-        *recovering = recovery{step, rp};
+        *recovering = recovery{step, round, rp, {}, {}, 0, {}};
         if (children->empty()) {
-          rebuild();
+          renew();
         } else {
           for (auto& [h, n] : *children) self->send_exit(h, caf::exit_reason::kill);
         }
         return rp;
       },
+      [=](gathered_atom, std::int32_t round, const std::string& err) {
+        if (!*recovering || (*recovering)->round != round) return;
+        auto& rec = **recovering;
+        if (!err.empty() && rec.error.empty()) rec.error = err;
+        if (--rec.pending > 0) return;
+        if (!rec.error.empty()) return give_up("gathering the stages' parameters: " + rec.error);
+        try {
+          *mine = spawn_all(rec.step, rec.round, std::move(rec.params));
+          rec.promise.deliver(*mine);
+        } catch (const std::exception& e) {
+          rec.promise.deliver(caf::make_error(caf::sec::runtime_error, std::string(e.what())));
+        }
+        recovering->reset();
+      },
       [=](const wiring_msg& msg) {
-        // Before the first step, while no actor reads the wiring.
+        // Before the first step or a retried one, while no actor reads the wiring.
         wiring->coordinator = msg.coordinator;
         wiring->nodes.assign(ctx->d, std::vector<int>(ctx->p, 0));
         for (int r = 0; r < ctx->d; ++r)

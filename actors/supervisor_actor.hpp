@@ -6,15 +6,20 @@
 //
 //   init (spawn) --run: node_actors--> --wiring_msg--> ready --check/reset_step--> resetting
 //        --all reports--> ready;  down_msg of a child --> runtime_failure to the coordinator
-//   ready --recover(step) (one process)--> kills every child --last down--> new children
-//        from the shards' in-memory snapshots (snapshot.hpp) of the state before `step`,
-//        fresh in-process communicators --node_actors--> ready
+//   ready --recover(step, round)--> kills every child --last down--> fresh communicators
+//        (one process: in-process ones; several nodes: new UCX workers whose addresses go
+//        through the registrar as round `round`) --> each stage's parameters before `step`
+//        all-gathered from its shards' in-memory snapshots (snapshot.hpp) over the fresh
+//        communicators --> new children from the snapshots --node_actors--> ready
+//        (the coordinator then sends every node the new handles: wiring_msg)
+#include <functional>
 #include <memory>
 
 #include <caf/actor.hpp>
 #include <caf/event_based_actor.hpp>
 
 #include "actors/runtime.hpp"
+#include "messages/node_messages.hpp"
 #include "transport/transport.hpp"
 
 namespace troupe {
@@ -22,12 +27,29 @@ namespace troupe {
 /// What one node hosts: slots (replica, stage), each a stage actor and the stage's
 /// optimizer shard of rank `replica` (with its communicator), and the data loaders of
 /// `loader_replicas` (each with its replica's first stage).
+struct node_plan;
+
+/// A node's fresh communicators for a step retried in place (several nodes), in two
+/// phases: made (their addresses, sent to the registrar), then connected to every
+/// node's addresses of the same round.
+class comm_renewal {
+ public:
+  virtual ~comm_renewal() = default;
+  /// This node's addresses (node_addresses::round is left to the caller).
+  virtual node_addresses addresses() const = 0;
+  /// The plan with the connected communicators (slots and loaders as before).
+  virtual node_plan connect(const node_addresses& table) = 0;
+};
+
 struct node_plan {
   int node = 0;
   std::vector<std::pair<int, int>> slots;
   std::vector<std::shared_ptr<transport::communicator>> comms;  ///< per slot
   std::vector<int> loader_replicas;
   std::shared_ptr<transport::communicator> world;  ///< between nodes (rank = node); null: one process
+  /// Several nodes: where addresses are exchanged, and how to make fresh communicators.
+  caf::actor registrar;
+  std::function<std::unique_ptr<comm_renewal>()> renew;
 };
 
 /// Slots of node `node` of `nodes`: an equal run of the replica-major list of all p x d

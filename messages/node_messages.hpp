@@ -3,8 +3,11 @@
 //
 //   node --node_hello{version, token}--> registrar (node 0): job_offer (config, epoch), or
 //        an error (wrong token or protocol version: refused and logged)
-//   node --node_addresses--> registrar: UCX worker addresses of the node's optimizer
-//        shards; answered with every node's (the table) once all nodes sent theirs
+//   node --node_addresses{round 0}--> registrar: UCX worker addresses of the node's
+//        optimizer shards; answered with every node's (the table) once all nodes sent theirs
+//   supervisor --node_addresses{round n > 0}--> registrar: addresses of the fresh
+//        communicators of a step retried in place (n-th in-place recovery of the job);
+//        answered with every node's addresses of that round
 //   node --node_ready{supervisor}--> registrar; the coordinator then asks every
 //        supervisor for its actors (node_actors) and sends every supervisor the whole
 //        job's handles (wiring_msg) before the first step.
@@ -18,7 +21,7 @@
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 2;
+constexpr std::int32_t protocol_version = 3;
 
 struct node_hello {
   std::int32_t version = 0;
@@ -39,6 +42,7 @@ struct job_offer {
 
 struct node_addresses {
   std::int32_t node = 0;
+  std::int32_t round = 0;  ///< 0: joining; n > 0: the job's n-th in-place recovery
   std::vector<std::int32_t> stages, replicas;
   std::vector<std::string> addresses;
 };
@@ -77,7 +81,7 @@ typename Inspector::result_type inspect(Inspector& f, job_offer& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_addresses& x) {
-  return f(caf::meta::type_name("node_addresses"), x.node, x.stages, x.replicas, x.addresses);
+  return f(caf::meta::type_name("node_addresses"), x.node, x.round, x.stages, x.replicas, x.addresses);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_ready& x) {

@@ -68,6 +68,9 @@ struct runtime_failure {
   std::int64_t step = 0;
   std::string actor;
   std::string what;
+  /// The sender's actor generation (job_wiring::generation): the coordinator drops
+  /// failures of actors that an in-place recovery has replaced since.
+  std::int32_t generation = 0;
 };
 
 template <class Inspector>
@@ -101,7 +104,7 @@ typename Inspector::result_type inspect(Inspector& f, abort_step& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, runtime_failure& x) {
-  return f(caf::meta::type_name("runtime_failure"), x.step, x.actor, x.what);
+  return f(caf::meta::type_name("runtime_failure"), x.step, x.actor, x.what, x.generation);
 }
 
 }  // namespace troupe

@@ -52,5 +52,6 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, plant_atom, "plant")
   CAF_ADD_ATOM(troupe, troupe, check_atom, "check")
   CAF_ADD_ATOM(troupe, troupe, recover_atom, "recover")
+  CAF_ADD_ATOM(troupe, troupe, gathered_atom, "gathered")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
