@@ -1,8 +1,9 @@
 #pragma once
 // In-memory copies of the optimizer shards' state before each step, kept by the node's
-// supervisor: what the actors of a step retried in place start from (a one-process job
-// rebuilds its actors from them instead of restarting from a checkpoint on disk). They
-// live in the node's process: they do not survive the process.
+// supervisor: what the actors of a step retried in place start from (the nodes rebuild
+// their actors from them instead of restarting the job from a checkpoint on disk; a
+// stage's parameters are all-gathered from its shards' snapshots, on whichever nodes
+// they are). They live in the node's process: they do not survive the process.
 #include <cstdint>
 #include <deque>
 #include <map>

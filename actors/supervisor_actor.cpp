@@ -1,5 +1,7 @@
 #include "actors/supervisor_actor.hpp"
 
+#include <future>
+#include <list>
 #include <map>
 #include <optional>
 
@@ -100,6 +102,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
     std::string error;
   };
   auto recovering = std::make_shared<std::optional<recovery>>();
+  auto retired = std::make_shared<std::list<std::future<void>>>();  // closing old communicators
   auto give_up = [=](const std::string& why) {
     if (!*recovering) return;
     (*recovering)->promise.deliver(caf::make_error(caf::sec::runtime_error, "node " + std::to_string(plan->node) +
@@ -136,10 +139,18 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       w->on_complete([me, round = rec.round](const std::string& err) { caf::anon_send(me, gathered_atom_v, round, err); });
   };
   // Replaces the communicators (the old ones may be in the middle of a collective, with
-  // messages of the aborted step on their way), then gathers.
+  // messages of the aborted step on their way), then gathers. The old ones are closed on
+  // a thread of their own: closing waits up to seconds for transfers UCX cannot cancel
+  // (a send whose receiver was killed).
   auto renew = [=] {
-    for (auto& c : plan->comms) c->abort("replaced: the step is retried in place");
-    if (plan->world) plan->world->abort("replaced: the step is retried in place");
+    std::vector<std::shared_ptr<transport::communicator>> old = std::move(plan->comms);
+    if (plan->world) old.push_back(std::move(plan->world));
+    plan->comms.clear();
+    plan->world = nullptr;
+    wiring->world = nullptr;
+    for (auto& c : old) c->abort("replaced: the step is retried in place");
+    retired->remove_if([](std::future<void>& f) { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
+    retired->push_back(std::async(std::launch::async, [old = std::move(old)]() mutable { old.clear(); }));
     try {
       if (!plan->renew) {  // one process: in-process communicators
         *plan = local_node_plan(*ctx);
@@ -194,7 +205,10 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   // The handlers above live as long as this actor's object, which a remote node's proxy
   // may keep after the actor is gone: drop the children's handles at termination, or a
   // detached stage actor is never destroyed and the actor system waits for it forever.
-  self->attach_functor([children] { children->clear(); });
+  self->attach_functor([children, retired] {
+    children->clear();
+    retired->clear();  // waits until the old communicators are closed
+  });
   return {
       [=](run_atom) { return *mine; },  // spawned: here are the handles
       [=](recover_atom, std::int64_t step, std::int32_t round) -> caf::result<node_actors> {

@@ -95,8 +95,8 @@ const std::vector<key_def>& key_defs() {
       int_key("train.max_skipped_steps", "NaN/inf gradients: updates skipped (actors) before the run stops",
               &job_config::max_skipped_steps, 0, 1000000),
       int_key("train.max_step_retries",
-              "one-process jobs: a failed step is retried in place (actors rebuilt from in-memory snapshots) this "
-              "often before the run exits for a restart",
+              "a failed step is retried in place (actors rebuilt from in-memory snapshots, every node process "
+              "alive) this often before the run exits for a restart from its newest checkpoint",
               &job_config::max_step_retries, 0, 1000),
       {{"train.checksum", "CRC-32 on every activation and gradient payload (true/false)"},
        [](job_config& c, const std::string& v) {

@@ -41,7 +41,7 @@ struct job_config {
   std::string device = "auto";        ///< auto | cpu | cuda | cuda:N (auto: a GPU if usable)
   std::string precision = "fp32";     ///< fp32 | bf16 (autocast compute, fp32 params)
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
-  int max_step_retries = 2;           ///< one-process jobs: in-place retries of a failed step
+  int max_step_retries = 2;           ///< in-place retries of a failed step (no node process lost)
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Soak: a 2-node job meets a random fault in each of its first launches: a node process
-# killed (SIGKILL, node 0 or 1), a stage actor that throws, a corrupt tensor (checksum),
-# a lost one or a stalled collective (step timeout). The launcher restarts it from its
-# newest checkpoint each time; it must end bit-identical to the fault-free run, with the
-# same loss log and no process left. Bounded: the whole test takes about a minute (timeout 300 s).
+# Soak: a 2-node job meets two random faults in each of its first launches: first one the
+# nodes survive (a stage actor that throws before or after the update, a corrupt tensor
+# (checksum), a lost one or a stalled collective (step timeout)), retried in place; then
+# a node process killed (SIGKILL, node 0 or 1), after which the launcher restarts the job
+# from its newest checkpoint. It must end bit-identical to the fault-free run, with the
+# same loss log and no process left. Bounded: about two minutes (timeout 300 s).
 #   tests/soak_test.sh REPO_ROOT BUILD_DIR   (SOAK_SEED=N repeats a run)
 source "$(dirname "$0")/launcher_lib.sh" "$@"
 
 seed=${SOAK_SEED:-$(date +%s)}
 RANDOM=$seed
-faults=5 steps=36
+faults=5 steps=40  # launches that meet faults (two each)
 job=(train --nodes 2 --pipeline 2 --data-parallel 2 --steps $steps --eval-interval 0 --checksum true --step-timeout 3)
 echo "soak seed $seed (SOAK_SEED=$seed repeats it)"
 
@@ -17,18 +18,19 @@ echo "soak seed $seed (SOAK_SEED=$seed repeats it)"
 rc=$?
 [ $rc = 0 ] && ok "fault-free run" || bad "fault-free run: exit $rc" "$tmp/ref.log"
 
-# One fault per launch, each later than the one before (launch a resumes from a
-# checkpoint at or before launch a-1's fault, so it reaches its own).
+# Two faults per launch, each later than the one before (launch a resumes from a
+# checkpoint at or before launch a-1's kill, so it reaches its own faults).
 for ((a = 0; a < faults; a++)); do
-  step=$((3 + a * 6 + RANDOM % 5))
+  step=$((3 + a * 7 + RANDOM % 3)) kill=$((step + 1 + RANDOM % 3))
   r=$((RANDOM % 2)) k=$((RANDOM % 2))
-  case $((RANDOM % 6)) in
-    0 | 1) spec="kill_node=$((RANDOM % 2)):$step" ;;
-    2) spec="throw_at=$r:$k:$step" ;;
-    3) spec="message=corrupt@$r:$k:$step" ;;
-    4) spec="message=drop@$r:$k:$step" ;;
-    5) spec="stall=$k:$r:$step" ;;
+  case $((RANDOM % 5)) in
+    0) spec="throw_at=$r:$k:$step" ;;
+    1) spec="throw_at=$r:$k:$step:late" ;;
+    2) spec="message=corrupt@$r:$k:$step" ;;
+    3) spec="message=drop@$r:$k:$step" ;;
+    4) spec="stall=$k:$r:$step" ;;
   esac
+  spec="$spec,kill_node=$((RANDOM % 2)):$kill"
   export "TROUPE_FAULTS_$a=$spec"
   echo "launch $a: $spec"
 done
@@ -38,8 +40,10 @@ start=$(date +%s)
 rc=$?
 echo "faulty run: $(($(date +%s) - start)) s"
 injected=$(grep -c "fault injected" "$tmp/soak.log")
-[ $rc = 0 ] && [ "$injected" = $faults ] && ok "$faults faults injected, the job finished" \
-  || bad "soak: exit $rc, $injected fault(s) injected" "$tmp/soak.log"
+in_place=$(grep -c "actors rebuilt from the in-memory snapshots" "$tmp/soak.log")
+[ $rc = 0 ] && [ "$injected" = $((2 * faults)) ] && [ "$in_place" = $faults ] \
+  && ok "$((2 * faults)) faults injected, $in_place retried in place, the job finished" \
+  || bad "soak: exit $rc, $injected fault(s) injected, $in_place retried in place" "$tmp/soak.log"
 out=$(/usr/bin/python3 "$root/tests/compare_runs.py" "$tmp/ref" "$tmp/soak" $faults 2>&1) \
   && ok "bit-identical to the fault-free run: $out" || { echo "$out"; bad "results differ" "$tmp/soak.log"; }
 sleep 0.5
