@@ -129,12 +129,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         works.push_back(plan->comms.at(i)->all_gather(piece, rec.params.back().back()));
       }
     }
-    rec.pending = int(works.size());
-    if (works.empty()) {
-      *mine = spawn_all(rec.step, rec.round, {});
-      rec.promise.deliver(*mine);
-      return recovering->reset();
-    }
+    rec.pending = int(works.size());  // every node hosts at least one slot
     for (auto& w : works)
       w->on_complete([me, round = rec.round](const std::string& err) { caf::anon_send(me, gathered_atom_v, round, err); });
   };
@@ -230,10 +225,10 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         if (!rec.error.empty()) return give_up("gathering the stages' parameters: " + rec.error);
         try {
           *mine = spawn_all(rec.step, rec.round, std::move(rec.params));
-          rec.promise.deliver(*mine);
         } catch (const std::exception& e) {
-          rec.promise.deliver(caf::make_error(caf::sec::runtime_error, std::string(e.what())));
+          return give_up(e.what());
         }
+        rec.promise.deliver(*mine);
         recovering->reset();
       },
       [=](const wiring_msg& msg) {
