@@ -56,7 +56,10 @@ struct coordinator_state {
   std::int32_t attempt = 0;  // of this step: > 0 after in-place retries
   bool retrying = false;     // the supervisors are rebuilding the actors: ignore theirs
   std::int32_t rounds = 0;   // in-place recoveries so far (the actors' generation)
-  bool node_lost = false;    // a node process (its supervisor) is gone: no in-place retry
+  bool node_lost = false;    // a node process that cannot rejoin is gone: no in-place retry
+  caf::actor registrar;      // several nodes: where a lost node's restarted process rejoins
+  std::map<int, caf::actor> lost;  // lost nodes awaiting a restarted process: their old supervisor
+  int rejoins = 0;           // node processes the launcher restarted so far (opts.node_restarts)
   int skipped_before = 0;    // `skipped` when the step began (a retry counts again)
 };
 
@@ -141,35 +144,69 @@ void retry_in_place(self_ptr self) {
   const auto round = ++s.rounds;
   const double t0 = s.ctx->now_us();
   auto nodes = std::make_shared<std::vector<node_actors>>();
-  for (auto& sup : s.supervisors)
-    self->request(sup, std::chrono::seconds(120), recover_atom_v, s.step, round)
+  auto rejoined = std::make_shared<std::vector<int>>();
+  auto collect = [=](const node_actors& n) {
+    auto& s = self->state;
+    if (!s.retrying || s.rounds != round) return;
+    nodes->push_back(n);
+    if (nodes->size() < s.supervisors.size()) return;
+    s.retrying = false;
+    ++s.attempt;
+    s.skipped = s.skipped_before;
+    const double took = (s.ctx->now_us() - t0) * 1e-6;
+    spdlog::info("step {}: actors rebuilt from the in-memory snapshots in {:.2f} s; running it again", s.step + 1,
+                 took);
+    if (s.metrics.is_open())
+      s.metrics << nlohmann::json{{"event", "retry"},
+                                  {"step", s.step},
+                                  {"attempt", s.attempt},
+                                  {"rebuild_seconds", took},
+                                  {"rejoined_nodes", *rejoined}}
+                       .dump()
+                << '\n'
+                << std::flush;
+    wire_and_start(self, nodes);  // the new handles to every node, then begin
+  };
+  auto failed = [=](const std::string& why) {
+    auto& s = self->state;
+    if (!s.retrying || s.rounds != round) return;
+    s.retrying = false;
+    s.attempt = s.ctx->cfg.max_step_retries;  // no further in-place attempt
+    fail(self, why);
+  };
+  const auto rebuild_failed = [=](caf::error& err) {
+    failed("rebuilding the actors failed: " + self->system().render(err));
+  };
+  const auto wait = std::chrono::seconds(120 + s.ctx->cfg.rejoin_timeout);
+  for (std::size_t i = 0; i < s.supervisors.size(); ++i) {
+    if (!s.lost.count(int(i))) {
+      self->request(s.supervisors[i], wait, recover_atom_v, s.step, round).then(collect, rebuild_failed);
+      continue;
+    }
+    // A lost node: wait for the process the launcher starts in its place, then have it
+    // rebuild from the copies of its shards on the next node (its buddy).
+    self->request(s.registrar, std::chrono::seconds(s.ctx->cfg.rejoin_timeout), rejoin_atom_v, std::int32_t(i),
+                  s.lost.at(int(i)))
         .then(
-            [=](const node_actors& n) {
+            [=](const caf::actor& sup) {
               auto& s = self->state;
               if (!s.retrying || s.rounds != round) return;
-              nodes->push_back(n);
-              if (nodes->size() < s.supervisors.size()) return;
-              s.retrying = false;
-              ++s.attempt;
-              s.skipped = s.skipped_before;
-              const double took = (s.ctx->now_us() - t0) * 1e-6;
-              spdlog::info("step {}: actors rebuilt from the in-memory snapshots in {:.2f} s; running it again",
-                           s.step + 1, took);
-              if (s.metrics.is_open())
-                s.metrics << nlohmann::json{{"event", "retry"}, {"step", s.step}, {"attempt", s.attempt},
-                                            {"rebuild_seconds", took}}
-                                 .dump()
-                          << '\n'
-                          << std::flush;
-              wire_and_start(self, nodes);  // the new handles to every node, then begin
+              const auto buddy = (i + 1) % s.supervisors.size();
+              spdlog::info("node {} rejoined {:.2f} s after the abort: rebuilding its actors from the copies on node {}",
+                           i, (s.ctx->now_us() - t0) * 1e-6, buddy);
+              s.lost.erase(int(i));
+              s.supervisors[i] = sup;
+              self->monitor(sup);
+              rejoined->push_back(int(i));
+              self->request(sup, wait, recover_atom_v, s.step, round, s.supervisors[buddy]).then(collect, rebuild_failed);
             },
             [=](caf::error& err) {
-              auto& s = self->state;
-              if (!s.retrying || s.rounds != round) return;
-              s.retrying = false;
-              s.attempt = s.ctx->cfg.max_step_retries;  // no further in-place attempt
-              fail(self, "rebuilding the actors failed: " + self->system().render(err));
+              if (!self->state.retrying || self->state.rounds != round) return;
+              self->state.node_lost = true;
+              failed("node " + std::to_string(i) + " did not rejoin within " +
+                     std::to_string(self->state.ctx->cfg.rejoin_timeout) + " s (" + self->system().render(err) + ")");
             });
+  }
 }
 
 /// The model as replica 0's stages hold it: the full state (model order) and per stage.
@@ -456,6 +493,8 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
   w.shards.resize(std::size_t(ctx.p) * ctx.d);
   w.loaders.resize(ctx.d);
   w.nodes.assign(std::size_t(ctx.d) * ctx.p, -1);
+  // Buddy copies of the shards only where a lost node can come back (they cost time).
+  if (s.opts.node_restarts > 0 && ctx.cfg.rejoin_timeout > 0) w.supervisors = s.supervisors;
   for (const auto& n : *nodes) {
     for (std::size_t i = 0; i < n.slot_replicas.size(); ++i) {
       const int r = n.slot_replicas[i], k = n.slot_stages[i];
@@ -494,8 +533,10 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
 
 caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_context> ctx,
                                    std::shared_ptr<job_wiring> wiring, actor_run_options opts,
-                                   std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors) {
+                                   std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors,
+                                   caf::actor registrar) {
   auto& st = self->state;
+  st.registrar = std::move(registrar);
   st.ctx = ctx;
   st.wiring = wiring;
   st.opts = opts;
@@ -508,15 +549,24 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
   st.supervisors = supervisors;
   for (auto& sup : st.supervisors) self->monitor(sup);  // remote ones: the node's connection
   self->set_down_handler([=](const caf::down_msg& msg) {
-    const auto& sups = self->state.supervisors;
-    for (std::size_t i = 0; i < sups.size(); ++i)
-      if (msg.source == sups[i].address()) {
-        // Its actors and snapshots went with it: a restart from the newest checkpoint.
-        self->state.node_lost = true;
-        self->state.retrying = false;  // an in-place retry under way cannot finish
-        fail(self, (sups.size() == 1 ? std::string("the supervisor") : "node " + std::to_string(i)) +
-                       " is gone: " + self->system().render(msg.reason));
+    auto& s = self->state;
+    for (std::size_t i = 0; i < s.supervisors.size(); ++i) {
+      if (msg.source != s.supervisors[i].address()) continue;
+      // Its actors and snapshots went with it. A node other than 0 whose process the
+      // launcher restarts rejoins (its shards' state is on its buddy); otherwise the run
+      // exits for a restart from the newest checkpoint.
+      const bool rejoinable =
+          i > 0 && s.registrar && s.rejoins < s.opts.node_restarts && s.ctx->cfg.rejoin_timeout > 0;
+      if (rejoinable) {
+        s.lost[int(i)] = s.supervisors[i];
+        ++s.rejoins;
+      } else {
+        s.node_lost = true;
       }
+      s.retrying = false;  // an in-place retry under way cannot finish: a new round
+      return fail(self, (s.supervisors.size() == 1 ? std::string("the supervisor") : "node " + std::to_string(i)) +
+                            " is gone: " + self->system().render(msg.reason));
+    }
   });
   return {
       [=](run_atom) {
@@ -613,9 +663,10 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
 
 caf::actor spawn_coordinator_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
                                    std::shared_ptr<job_wiring> wiring, actor_run_options opts,
-                                   std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors) {
+                                   std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors,
+                                   caf::actor registrar) {
   return sys.spawn(coordinator_behavior, std::move(ctx), std::move(wiring), std::move(opts), std::move(result),
-                   std::move(supervisors));
+                   std::move(supervisors), std::move(registrar));
 }
 
 }  // namespace troupe

@@ -43,6 +43,10 @@ struct registrar_state {
   std::vector<caf::actor> supervisors;
   int ready = 0;
   std::vector<caf::response_promise> run_waiters;
+  // Nodes whose supervisor is gone: a restarted process may take the place (rejoin).
+  std::set<int> lost;
+  std::map<int, caf::response_promise> early_rejoins;  // hellos that came before the loss was seen
+  std::map<int, std::vector<caf::response_promise>> rejoin_waiters;  // the coordinator's, per node
 };
 
 caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string token, int nodes,
@@ -52,6 +56,30 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
   self->state.nodes = nodes;
   self->state.config_toml = std::move(config_toml);
   self->state.supervisors.resize(nodes);
+  auto offer = [self] { return job_offer{self->state.config_toml, self->state.epoch_ns}; };
+  auto admit_rejoin = [self](int node, const std::string& host) {
+    auto& s = self->state;
+    s.lost.erase(node);
+    s.joined.insert(node);
+    spdlog::info("node {} of {} rejoined from {}", node, s.nodes, host);
+  };
+  // A node's supervisor is gone (its process lost): another process may rejoin as it.
+  self->set_down_handler([=](const caf::down_msg& msg) {
+    auto& s = self->state;
+    if (msg.reason == caf::exit_reason::user_shutdown) return;  // the job's end
+    for (int i = 0; i < s.nodes; ++i)
+      if (s.supervisors[i] && s.supervisors[i].address() == msg.source) {
+        s.supervisors[i] = nullptr;
+        s.joined.erase(i);
+        s.lost.insert(i);
+        --s.ready;
+        if (auto it = s.early_rejoins.find(i); it != s.early_rejoins.end()) {
+          admit_rejoin(i, "a process restarted by the launcher");
+          it->second.deliver(offer());
+          s.early_rejoins.erase(it);
+        }
+      }
+  });
   return {
       [=](const node_hello& h) -> caf::result<job_offer> {
         auto& s = self->state;
@@ -63,15 +91,28 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
         else if (h.nodes != s.nodes || h.node < 0 || h.node >= s.nodes)
           why = "node " + std::to_string(h.node) + " of " + std::to_string(h.nodes) + " does not fit a job of " +
                 std::to_string(s.nodes) + " nodes";
-        else if (s.joined.count(h.node))
+        else if (h.rejoin && h.node == 0)
+          why = "node 0 cannot rejoin (the coordinator's node)";
+        else if (h.rejoin && s.joined.count(h.node) && !s.early_rejoins.count(h.node)) {
+          // The old process's connection is not seen closed yet: answer once it is.
+          auto rp = self->make_response_promise<job_offer>();
+          s.early_rejoins.emplace(h.node, rp);
+          return rp;
+        } else if (h.rejoin && !s.lost.count(h.node))
+          why = "node " + std::to_string(h.node) + " is not a lost node: it cannot rejoin";
+        else if (!h.rejoin && (s.joined.count(h.node) || s.lost.count(h.node)))
           why = "node " + std::to_string(h.node) + " has already joined";
         if (!why.empty()) {
           spdlog::warn("refused a node claiming to be node {} from {}: {}", h.node, h.host, why);
           return caf::make_error(caf::sec::runtime_error, "join refused: " + why);
         }
-        s.joined.insert(h.node);
-        spdlog::info("node {} of {} joined from {}", h.node, s.nodes, h.host);
-        return job_offer{s.config_toml, s.epoch_ns};
+        if (h.rejoin) {
+          admit_rejoin(h.node, h.host);
+        } else {
+          s.joined.insert(h.node);
+          spdlog::info("node {} of {} joined from {}", h.node, s.nodes, h.host);
+        }
+        return offer();
       },
       [=](const node_addresses& a) -> caf::result<node_addresses> {
         auto& s = self->state;
@@ -100,9 +141,24 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
         if (!s.joined.count(r.node) || s.supervisors.at(r.node))
           return caf::make_error(caf::sec::runtime_error, "ready from a node that has not joined");
         s.supervisors[r.node] = r.supervisor;
-        if (++s.ready == s.nodes)
+        self->monitor(r.supervisor);
+        if (++s.ready == s.nodes) {
           for (auto& w : s.run_waiters) w.deliver(s.supervisors);
+          s.run_waiters.clear();
+        }
+        for (auto& w : s.rejoin_waiters[r.node]) w.deliver(r.supervisor);
+        s.rejoin_waiters.erase(r.node);
         return true;
+      },
+      // The coordinator: the supervisor of the process that takes the place of node
+      // `node`, whose supervisor `gone` was lost (answered once it is ready).
+      [=](rejoin_atom, std::int32_t node, const caf::actor& gone) -> caf::result<caf::actor> {
+        auto& s = self->state;
+        if (node <= 0 || node >= s.nodes) return caf::make_error(caf::sec::runtime_error, "no node " + std::to_string(node));
+        if (s.supervisors[node] && s.supervisors[node] != gone) return s.supervisors[node];
+        auto rp = self->make_response_promise<caf::actor>();
+        s.rejoin_waiters[node].push_back(rp);
+        return rp;
       },
       [=](run_atom) -> caf::result<std::vector<caf::actor>> {
         auto& s = self->state;
@@ -264,9 +320,10 @@ actor_run_result run_node(const node_options& o) {
         const std::string where = "node " + std::to_string(o.node);
         const auto offer = ask<job_offer>(self, registrar_handle, o.join_timeout,
                                            node_hello{o.version ? o.version : protocol_version, o.token, o.node,
-                                                      o.nodes, hostname()},
+                                                      o.nodes, hostname(), o.rejoin},
                                            where, 3);
         if (o.node != 0) cfg = job_config_from_toml(offer.config_toml, "the coordinator's job config");
+        if (o.rejoin) cfg.fault_attempt = -1;  // the faults of this launch were the old process's
         const auto slots = node_slots(cfg.pipeline, cfg.data_parallel, o.node, o.nodes);
         // threads = 0: share the machine's cores between the stage actors of every node on
         // it (more OpenMP threads than cores, in several processes, spin against each other).
@@ -277,11 +334,17 @@ actor_run_result run_node(const node_options& o) {
         // clocks of different machines are not comparable; their tracks are then offset).
         const std::chrono::steady_clock::time_point epoch{std::chrono::nanoseconds(offer.epoch_ns)};
         auto ctx = std::make_shared<const runtime_context>(cfg, epoch);
-        // UCX communicators (round 0 of the address exchange).
-        ucx_renewal comms(o.node, o.nodes, ctx->d, slots);
-        const auto table =
-            ask<node_addresses>(self, registrar_handle, o.join_timeout, comms.addresses(), where + ": address exchange");
-        node_plan plan = comms.connect(table);
+        node_plan plan;
+        if (o.rejoin) {  // communicators come with the coordinator's recovery round
+          plan.node = o.node;
+          plan.slots = slots;
+          plan.rejoining = true;
+        } else {  // UCX communicators (round 0 of the address exchange)
+          ucx_renewal comms(o.node, o.nodes, ctx->d, slots);
+          const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, comms.addresses(),
+                                                 where + ": address exchange");
+          plan = comms.connect(table);
+        }
         plan.registrar = registrar_handle;
         plan.renew = [node = o.node, nodes = o.nodes, d = ctx->d, slots]() -> std::unique_ptr<comm_renewal> {
           return std::make_unique<ucx_renewal>(node, nodes, d, slots);
@@ -290,7 +353,8 @@ actor_run_result run_node(const node_options& o) {
         for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";
         supervisor = sys.spawn(supervisor_actor, ctx, wiring, std::move(plan));
         ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, supervisor}, where + ": ready");
-        spdlog::info("{} on {} (pid {}): stages (replica,stage){}", where, hostname(), ::getpid(), hosted);
+        spdlog::info("{} on {} (pid {}): stages (replica,stage){}{}", where, hostname(), ::getpid(), hosted,
+                     o.rejoin ? ": rejoined the job, waiting for the coordinator's recovery" : "");
         if (o.node == 0) {
           const auto supervisors = ask<std::vector<caf::actor>>(self, registrar_handle, o.join_timeout, run_atom_v,
                                                                 "node 0: waiting for the other nodes");
@@ -301,7 +365,8 @@ actor_run_result run_node(const node_options& o) {
                          cfg.microbatch_size(), cfg.schedule, cfg.threads);
           auto run_opts = o.run;
           if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;
-          auto coordinator = spawn_coordinator_actor(sys, ctx, wiring, run_opts, shared_result, supervisors);
+          auto coordinator =
+              spawn_coordinator_actor(sys, ctx, wiring, run_opts, shared_result, supervisors, registrar_handle);
           for (auto& sup : supervisors) self->monitor(sup);
           self->request(coordinator, caf::infinite, run_atom_v)
               .receive([&](int code) { shared_result->exit_code = code; },

@@ -9,6 +9,9 @@
 //           UCX addresses of its shards -> the table of all; connect the shards'
 //           communicators; spawn the supervisor; node_ready; then serve until the
 //           coordinator stops the supervisor (exit 0) or node 0 is gone (exit 1).
+//   node i restarted (rejoin): once node 0 saw the old process go, node_hello{rejoin} ->
+//           the config; a supervisor without actors; node_ready -> the coordinator, which
+//           has every node rebuild its actors (this one from its buddy's shard copies).
 //
 // Layout: node i hosts an equal run of the replica-major (replica, stage) list (whole
 // replicas when N divides d): each stage with its optimizer shard, and the loader of each
@@ -37,6 +40,9 @@ struct node_options {
   /// and key (PEM) and the CA file that peers' certificates must chain to. Empty: plain
   /// TCP. Every node of a job must agree (a TLS node and a plain one cannot talk).
   std::string tls_certificate, tls_key, tls_cafile;
+  /// A process the launcher started in place of a lost node (TROUPE_REJOIN=1): it joins
+  /// the running job, which rebuilds its actors from its buddy's copies.
+  bool rejoin = false;
   std::chrono::milliseconds join_timeout{60000};
   std::chrono::milliseconds heartbeat{500};           ///< CAF middleman heartbeats
   std::chrono::milliseconds connection_timeout{5000};  ///< a silent peer is gone after this

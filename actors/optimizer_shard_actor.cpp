@@ -5,6 +5,7 @@
 #include <caf/all.hpp>
 #include <torch/torch.h>
 
+#include "actors/snapshot.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/optimizer.hpp"
 #include "messages/type_ids.hpp"
@@ -43,6 +44,12 @@ struct shard_state {
   double phase_start_us = 0;
   std::vector<trace_event> events;
   std::vector<caf::message> stash;
+  // Buddy copies (several nodes, node > 0): the step of the newest copy sent, copies not
+  // yet acknowledged, and whether this step's all-gather finished: shard_done waits for
+  // both, so a committed step always has the state before the next one on the buddy.
+  std::int64_t copied = -1;
+  int copies_pending = 0;
+  bool gathered = false;
 };
 
 /// Keeps the shard's state before step `step` in the node's snapshot store (shared with
@@ -125,6 +132,39 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       s.pending.push_back(std::move(w));
     }
   };
+  // Reports the step done once its all-gather finished and the buddy holds its copies.
+  auto maybe_done = [self] {
+    auto& s = self->state;
+    if (!s.gathered || s.copies_pending > 0) return;
+    s.gathered = false;
+    self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
+    s.events.clear();
+  };
+  // Sends the state before step `before` (in the store) to the buddy's supervisor.
+  auto send_copy = [self, maybe_done](std::int64_t before) {
+    auto& s = self->state;
+    const auto snap = s.store->get(s.stage, s.rank, before);
+    if (!s.wiring->buddy || !snap) return;
+    s.copied = before;
+    ++s.copies_pending;
+    const double t0 = s.ctx->now_us();
+    self->request(s.wiring->buddy, std::chrono::seconds(s.ctx->cfg.step_timeout), copy_of(s.stage, s.rank, *snap))
+        .then(
+            [self, maybe_done, step = s.step, t0](bool) {
+              auto& s = self->state;
+              if (step != s.step) return;
+              s.events.push_back({"buddy-copy", s.rank, s.stage, -1, -1, s.step, t0, s.ctx->now_us()});
+              --s.copies_pending;
+              maybe_done();
+            },
+            [self, step = s.step](caf::error& err) {
+              auto& s = self->state;
+              if (step != s.step) return;
+              self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "copy to its buddy node: " +
+                                                                                    self->system().render(err),
+                                                                s.wiring->generation});
+            });
+  };
   auto drop_step_state = [self] {
     reset_report rep{self->state.name, {}};
     int held = 0;
@@ -158,6 +198,9 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         s.attempt = msg.attempt;
         s.lr = msg.lr;
         s.received = 0;
+        s.gathered = false;
+        // A new or rebuilt shard: the buddy gets the state it starts from.
+        if (s.copied < s.step) send_copy(s.step);
         auto stash = std::move(s.stash);
         s.stash.clear();
         for (auto& m : stash) self->send(self, std::move(m));
@@ -205,8 +248,8 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
           for (int ci = 0; ci < s.ctx->v; ++ci)
             self->send(s.wiring->stages[s.rank][s.stage],
                        param_shard{s.step, ci, s.rank, make_payload(s.chunks[ci].gathered)});
-          self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
-          s.events.clear();
+          s.gathered = true;
+          maybe_done();
         }
       },
       [=](const clip_factor_msg& msg) {
@@ -222,6 +265,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         ev.end_us = s.ctx->now_us();
         s.events.push_back(ev);
         start_phase(collective::all_gather);
+        send_copy(s.step + 1);
       },
       [=](const reset_step&) -> reset_report { return drop_step_state(); },
       [=](state_atom) -> state_reply {  // AdamW moments by parameter name (checkpoints)

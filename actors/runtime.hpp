@@ -82,6 +82,9 @@ struct job_wiring {
   /// In-place recoveries so far (set by the supervisor before it spawns new actors):
   /// failures reported by actors of an older generation are stale.
   std::int32_t generation = 0;
+  /// Several nodes, node > 0: the supervisor of the next node, which keeps copies of this
+  /// node's optimizer shards (null: no copies).
+  caf::actor buddy;
 
   /// True when stage (replica, stage) lives in another process.
   bool remote(int replica, int stage) const { return !nodes.empty() && nodes[replica][stage] != node; }
@@ -91,6 +94,7 @@ struct job_wiring {
     shards.clear();
     loaders.clear();
     world = nullptr;
+    buddy = nullptr;
   }
 };
 
@@ -113,6 +117,10 @@ struct actor_run_options {
   bool quiet = false;          ///< no progress lines (tests)
   std::string trace_path;      ///< Chrome trace JSON (also cfg's trace key)
   std::string plant_leftover;  ///< tests: "replica:stage:step" gets a stray buffered tensor
+  /// Several nodes: how often the launcher starts a lost node process (not node 0) again
+  /// (TROUPE_NODE_RESTARTS); so often the coordinator waits for one to rejoin (up to
+  /// train.rejoin_timeout each time).
+  int node_restarts = 0;
 };
 
 struct actor_run_result {

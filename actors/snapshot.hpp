@@ -3,7 +3,9 @@
 // supervisor: what the actors of a step retried in place start from (the nodes rebuild
 // their actors from them instead of restarting the job from a checkpoint on disk; a
 // stage's parameters are all-gathered from its shards' snapshots, on whichever nodes
-// they are). They live in the node's process: they do not survive the process.
+// they are). They live in the node's process; a shard of node i > 0 also sends each one
+// to the supervisor of node i + 1 (mod N), its buddy, which keeps them in a store of its
+// own: a node process that is lost and restarted takes its shards' state from there.
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "compute/optimizer.hpp"
+#include "messages/node_messages.hpp"
 
 namespace troupe {
 
@@ -49,10 +52,24 @@ class snapshot_store {
       if (s->step == step) return s;
     return nullptr;
   }
+  /// Every shard's state before `step`, by (stage, rank).
+  std::vector<std::pair<std::pair<int, int>, std::shared_ptr<const shard_snapshot>>> all_before(std::int64_t step) const {
+    std::lock_guard<std::mutex> lock(m_);
+    std::vector<std::pair<std::pair<int, int>, std::shared_ptr<const shard_snapshot>>> out;
+    for (const auto& [key, q] : slots_)
+      for (const auto& s : q)
+        if (s->step == step) out.emplace_back(key, s);
+    return out;
+  }
 
  private:
   mutable std::mutex m_;
   std::map<std::pair<int, int>, std::deque<std::shared_ptr<const shard_snapshot>>> slots_;
 };
+
+/// The buddy copy of `snap` (shares its tensors until serialised).
+shard_copy copy_of(int stage, int rank, const shard_snapshot& snap);
+/// A snapshot holding a received copy's tensors; throws when the copy is malformed.
+std::shared_ptr<const shard_snapshot> snapshot_of(const shard_copy& copy);
 
 }  // namespace troupe

@@ -45,6 +45,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   using child_list = std::vector<std::pair<caf::actor, std::string>>;
   auto children = std::make_shared<child_list>();
   auto store = std::make_shared<snapshot_store>();
+  auto buddies = std::make_shared<snapshot_store>();  // copies of the previous node's shards
   auto plan = std::make_shared<node_plan>(std::move(initial_plan));
   // The wiring covers the whole job; entries of other nodes arrive with wiring_msg.
   wiring->stages.assign(ctx->d, std::vector<caf::actor>(ctx->p));
@@ -86,7 +87,11 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
     spdlog::debug("supervisor of node {}: spawned {} actors", plan->node, children->size());
     return mine;
   };
-  auto mine = std::make_shared<node_actors>(spawn_all(-1, 0, {}));
+  // A node process restarted after a loss starts without actors: the coordinator's
+  // recover (with the buddy that holds its shards' state) spawns them.
+  auto mine = std::make_shared<node_actors>();
+  mine->node = plan->node;
+  if (!plan->rejoining) *mine = spawn_all(-1, 0, {});
 
   // A step retried in place: the old actors are killed; when the last one is down the
   // node gets fresh communicators, every stage's parameters before the step are
@@ -103,6 +108,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   };
   auto recovering = std::make_shared<std::optional<recovery>>();
   auto retired = std::make_shared<std::list<std::future<void>>>();  // closing old communicators
+  auto current = [=](std::int32_t round) { return *recovering && (*recovering)->round == round; };
   auto give_up = [=](const std::string& why) {
     if (!*recovering) return;
     (*recovering)->promise.deliver(caf::make_error(caf::sec::runtime_error, "node " + std::to_string(plan->node) +
@@ -153,11 +159,13 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       }
       std::shared_ptr<comm_renewal> fresh = plan->renew();
       auto addrs = fresh->addresses();
-      addrs.round = (*recovering)->round;
-      self->request(plan->registrar, std::chrono::seconds(60), addrs)
+      const auto round = addrs.round = (*recovering)->round;
+      // Every node's addresses of this round: a node process that rejoins may take a while.
+      const auto wait = std::chrono::seconds(60 + ctx->cfg.rejoin_timeout);
+      self->request(plan->registrar, wait, addrs)
           .then(
               [=](const node_addresses& table) {
-                if (!*recovering) return;
+                if (!current(round)) return;
                 try {
                   auto next = fresh->connect(table);
                   next.registrar = plan->registrar;
@@ -169,7 +177,9 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
                 }
                 gather();
               },
-              [=](caf::error& err) { give_up("address exchange: " + self->system().render(err)); });
+              [=](caf::error& err) {
+                if (current(round)) give_up("address exchange: " + self->system().render(err));
+              });
     } catch (const std::exception& e) {
       give_up(std::string("fresh communicators: ") + e.what());
     }
@@ -204,18 +214,70 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
     children->clear();
     retired->clear();  // waits until the old communicators are closed
   });
+  // Starts recovery `round` (a newer one replaces one under way: a node was lost during
+  // it); false: `round` is not newer.
+  auto start_recovery = [=](std::int64_t step, std::int32_t round) -> std::optional<caf::typed_response_promise<node_actors>> {
+    if (*recovering) {
+      if ((*recovering)->round >= round) return std::nullopt;
+      give_up("recovery round " + std::to_string((*recovering)->round) + " replaced by round " + std::to_string(round));
+    }
+    auto rp = self->make_response_promise<node_actors>();
+    *recovering = recovery{step, round, rp, {}, {}, 0, {}};
+    return rp;
+  };
+  auto stale_round = [](std::int32_t round) {
+    return caf::make_error(caf::sec::runtime_error, "recovery round " + std::to_string(round) + " is not the newest");
+  };
   return {
       [=](run_atom) { return *mine; },  // spawned: here are the handles
       [=](recover_atom, std::int64_t step, std::int32_t round) -> caf::result<node_actors> {
-        if (*recovering) return caf::make_error(caf::sec::runtime_error, std::string("already recovering"));
-        auto rp = self->make_response_promise<node_actors>();
-        *recovering = recovery{step, round, rp, {}, {}, 0, {}};
+        auto rp = start_recovery(step, round);
+        if (!rp) return stale_round(round);
         if (children->empty()) {
           renew();
         } else {
           for (auto& [h, n] : *children) self->send_exit(h, caf::exit_reason::kill);
         }
-        return rp;
+        return *rp;
+      },
+      // This node process was lost and restarted: its shards' state before `step` comes
+      // from `buddy` (the next node's supervisor), then the recovery goes on as above.
+      [=](recover_atom, std::int64_t step, std::int32_t round, const caf::actor& buddy) -> caf::result<node_actors> {
+        if (!children->empty()) return caf::make_error(caf::sec::runtime_error, std::string("not a rejoined node"));
+        auto rp = start_recovery(step, round);
+        if (!rp) return stale_round(round);
+        self->request(buddy, std::chrono::seconds(60), buddy_atom_v, step)
+            .then(
+                [=](const std::vector<shard_copy>& copies) {
+                  if (!current(round)) return;
+                  try {
+                    for (const auto& c : copies) store->put(c.stage, c.rank, snapshot_of(c));
+                  } catch (const std::exception& e) {
+                    return give_up(std::string("copies from the buddy node: ") + e.what());
+                  }
+                  spdlog::info("node {}: state of {} optimizer shard(s) before step {} taken from the buddy node",
+                               plan->node, copies.size(), step + 1);
+                  renew();
+                },
+                [=](caf::error& err) {
+                  if (current(round)) give_up("copies from the buddy node: " + self->system().render(err));
+                });
+        return *rp;
+      },
+      // Buddy copies of the previous node's shards: kept (the two newest of each) ...
+      [=](const shard_copy& copy) -> caf::result<bool> {
+        try {
+          buddies->put(copy.stage, copy.rank, snapshot_of(copy));
+        } catch (const std::exception& e) {
+          return caf::make_error(caf::sec::runtime_error, e.what());
+        }
+        return true;
+      },
+      // ... and handed to that node's restarted process.
+      [=](buddy_atom, std::int64_t step) {
+        std::vector<shard_copy> out;
+        for (const auto& [key, snap] : buddies->all_before(step)) out.push_back(copy_of(key.first, key.second, *snap));
+        return out;
       },
       [=](gathered_atom, std::int32_t round, const std::string& err) {
         if (!*recovering || (*recovering)->round != round) return;
@@ -234,6 +296,8 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       [=](const wiring_msg& msg) {
         // Before the first step or a retried one, while no actor reads the wiring.
         wiring->coordinator = msg.coordinator;
+        const int nodes = int(msg.supervisors.size());
+        wiring->buddy = nodes > 1 && plan->node > 0 ? msg.supervisors.at((plan->node + 1) % nodes) : caf::actor();
         wiring->nodes.assign(ctx->d, std::vector<int>(ctx->p, 0));
         for (int r = 0; r < ctx->d; ++r)
           for (int k = 0; k < ctx->p; ++k) wiring->nodes[r][k] = msg.nodes.at(std::size_t(r) * ctx->p + k);

@@ -12,6 +12,10 @@
 //        all-gathered from its shards' in-memory snapshots (snapshot.hpp) over the fresh
 //        communicators --> new children from the snapshots --node_actors--> ready
 //        (the coordinator then sends every node the new handles: wiring_msg)
+//   a node process restarted after a loss: no children until recover(step, round, buddy):
+//        its shards' state before `step` from the buddy (buddy_atom), then as above
+//   shard_copy (from a shard of the previous node) --> kept, the two newest per shard;
+//        buddy_atom(step) --> the copies of the state before `step`
 #include <functional>
 #include <memory>
 
@@ -50,6 +54,9 @@ struct node_plan {
   /// Several nodes: where addresses are exchanged, and how to make fresh communicators.
   caf::actor registrar;
   std::function<std::unique_ptr<comm_renewal>()> renew;
+  /// A node process restarted after a loss: no actors (nor communicators) until the
+  /// coordinator's recover names the buddy holding its shards' state.
+  bool rejoining = false;
 };
 
 /// Slots of node `node` of `nodes`: an equal run of the replica-major list of all p x d

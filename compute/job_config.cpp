@@ -98,6 +98,10 @@ const std::vector<key_def>& key_defs() {
               "a failed step is retried in place (actors rebuilt from in-memory snapshots, every node process "
               "alive) this often before the run exits for a restart from its newest checkpoint",
               &job_config::max_step_retries, 0, 1000),
+      int_key("train.rejoin_timeout",
+              "several nodes: seconds the coordinator waits for a lost node process (not node 0) that the "
+              "launcher restarts to rejoin before the run exits for a restart (0: it does not wait)",
+              &job_config::rejoin_timeout, 0, 100000),
       {{"train.checksum", "CRC-32 on every activation and gradient payload (true/false)"},
        [](job_config& c, const std::string& v) {
          if (v != "true" && v != "false") bad("expected true or false");

@@ -42,6 +42,7 @@ struct job_config {
   std::string precision = "fp32";     ///< fp32 | bf16 (autocast compute, fp32 params)
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
   int max_step_retries = 2;           ///< in-place retries of a failed step (no node process lost)
+  int rejoin_timeout = 60;            ///< seconds to wait for a restarted node process to rejoin
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;

@@ -121,6 +121,8 @@ int run_node_command(const config_flags& flags) {
     return fail(exit_usage, std::string("bad node environment: ") + e.what());
   }
   o.token = env_or("TROUPE_JOB_TOKEN", "");
+  o.rejoin = env_or("TROUPE_REJOIN", "0") == "1";  // the launcher restarted this lost node
+  o.run.node_restarts = std::max(0, std::atoi(env_or("TROUPE_NODE_RESTARTS", "0").c_str()));
   o.version = std::stoi(env_or("TROUPE_PROTOCOL_VERSION", "0"));  // tests: present another version
   o.tls_certificate = env_or("TROUPE_TLS_CERT", "");
   o.tls_key = env_or("TROUPE_TLS_KEY", "");

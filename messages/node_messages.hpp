@@ -11,6 +11,11 @@
 //   node --node_ready{supervisor}--> registrar; the coordinator then asks every
 //        supervisor for its actors (node_actors) and sends every supervisor the whole
 //        job's handles (wiring_msg) before the first step.
+//   shard (node i > 0) --shard_copy--> supervisor of node (i + 1) mod N (its buddy):
+//        the shard's state before the next step, kept in memory there; acknowledged
+//   a lost node i > 0, restarted by the launcher: node_hello{rejoin} once node 0 saw it
+//        go --> a supervisor without actors --node_ready--> registrar --> coordinator
+//        (rejoin_atom); its recover takes its shards' copies from the buddy (buddy_atom)
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -18,10 +23,12 @@
 #include <caf/actor.hpp>
 #include <caf/meta/type_name.hpp>
 
+#include "messages/tensor_payload.hpp"
+
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 3;
+constexpr std::int32_t protocol_version = 4;
 
 struct node_hello {
   std::int32_t version = 0;
@@ -29,6 +36,7 @@ struct node_hello {
   std::int32_t node = 0;
   std::int32_t nodes = 0;
   std::string host;
+  bool rejoin = false;  ///< a node process restarted after the job lost it
 };
 
 /// UCX worker addresses of shards (stage, replica) hosted by one node, or, as the
@@ -64,16 +72,27 @@ struct node_actors {
 
 /// Coordinator -> supervisors: every actor of the job (stages [replica][stage] and
 /// shards [stage][rank] flattened row-major, loaders by replica) and the node of every
-/// stage ([replica][stage] row-major).
+/// stage ([replica][stage] row-major), and every node's supervisor (by node; empty when
+/// lost nodes are not restarted: then no node keeps buddy copies).
 struct wiring_msg {
   caf::actor coordinator;
   std::vector<caf::actor> stages, shards, loaders;
   std::vector<std::int32_t> nodes;
+  std::vector<caf::actor> supervisors;
+};
+
+/// An optimizer shard's state before step `step`, per chunk (a buddy copy: kept by the
+/// supervisor of the next node, so that the shard survives the loss of its node).
+struct shard_copy {
+  std::int32_t stage = 0, rank = 0;
+  std::int64_t step = 0;
+  std::vector<tensor_payload> params, exp_avg, exp_avg_sq;
+  std::vector<std::int64_t> steps, stage_numel;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
-  return f(caf::meta::type_name("node_hello"), x.version, x.token, x.node, x.nodes, x.host);
+  return f(caf::meta::type_name("node_hello"), x.version, x.token, x.node, x.nodes, x.host, x.rejoin);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, job_offer& x) {
@@ -94,7 +113,13 @@ typename Inspector::result_type inspect(Inspector& f, node_actors& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, wiring_msg& x) {
-  return f(caf::meta::type_name("wiring_msg"), x.coordinator, x.stages, x.shards, x.loaders, x.nodes);
+  return f(caf::meta::type_name("wiring_msg"), x.coordinator, x.stages, x.shards, x.loaders, x.nodes,
+           x.supervisors);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, shard_copy& x) {
+  return f(caf::meta::type_name("shard_copy"), x.stage, x.rank, x.step, x.params, x.exp_avg, x.exp_avg_sq, x.steps,
+           x.stage_numel);
 }
 
 }  // namespace troupe

@@ -44,6 +44,8 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (troupe::node_ready))
   CAF_ADD_TYPE_ID(troupe, (troupe::node_actors))
   CAF_ADD_TYPE_ID(troupe, (troupe::wiring_msg))
+  CAF_ADD_TYPE_ID(troupe, (troupe::shard_copy))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::shard_copy>))
 
   // Atoms (at most 10 characters).
   CAF_ADD_ATOM(troupe, troupe, run_atom, "run")
@@ -53,5 +55,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, check_atom, "check")
   CAF_ADD_ATOM(troupe, troupe, recover_atom, "recover")
   CAF_ADD_ATOM(troupe, troupe, gathered_atom, "gathered")
+  CAF_ADD_ATOM(troupe, troupe, rejoin_atom, "rejoin")
+  CAF_ADD_ATOM(troupe, troupe, buddy_atom, "buddy")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
