@@ -557,15 +557,25 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       // exits for a restart from the newest checkpoint.
       const bool rejoinable =
           i > 0 && s.registrar && s.rejoins < s.opts.node_restarts && s.ctx->cfg.rejoin_timeout > 0;
+      std::string why = (s.supervisors.size() == 1 ? std::string("the supervisor") : "node " + std::to_string(i)) +
+                        " is gone: " + self->system().render(msg.reason);
       if (rejoinable) {
         s.lost[int(i)] = s.supervisors[i];
         ++s.rejoins;
       } else {
         s.node_lost = true;
       }
+      // A lost node whose buddy (the next node) is lost too: its shards' copies are gone.
+      const int n = int(s.supervisors.size());
+      for (const auto& [j, gone] : s.lost)
+        if (s.lost.count((j + 1) % n)) {
+          s.node_lost = true;
+          why += " (node " + std::to_string(j) + " and node " + std::to_string((j + 1) % n) + ", which kept node " +
+                 std::to_string(j) + "'s optimizer shard copies, are both lost)";
+          break;
+        }
       s.retrying = false;  // an in-place retry under way cannot finish: a new round
-      return fail(self, (s.supervisors.size() == 1 ? std::string("the supervisor") : "node " + std::to_string(i)) +
-                            " is gone: " + self->system().render(msg.reason));
+      return fail(self, why);
     }
   });
   return {

@@ -436,8 +436,8 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     }
   }
   if (!ctx->cfg.kill_node.empty() && ctx->faults_armed()) {
-    int node = -1, s = -1;
-    if (std::sscanf(ctx->cfg.kill_node.c_str(), "%d:%d", &node, &s) == 2 && node == wiring->node) st.kill_step = s;
+    const auto kills = ctx->cfg.kill_steps();
+    if (auto it = kills.find(wiring->node); it != kills.end()) st.kill_step = it->second;
   }
   // An exception ends the actor with its message as the exit reason (the supervisor
   // reports it to the coordinator, which aborts the step).

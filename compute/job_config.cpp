@@ -2,6 +2,7 @@
 
 #include "compute/device.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -163,7 +164,8 @@ const std::vector<key_def>& key_defs() {
                  "updated parameters arrive; testing)", &job_config::throw_at),
       int_key("faults.nan_at", "step (0-based index) whose losses the last stages make NaN (testing; -1: none)", &job_config::nan_at, -1,
               10000000),
-      string_key("faults.kill_node", "node:step - that node's process SIGKILLs itself as that step (0-based index) begins (testing)",
+      string_key("faults.kill_node", "node:step[+node:step...] - that node's process SIGKILLs itself as that step (0-based index) "
+                 "begins (testing)",
                  &job_config::kill_node),
       string_key("faults.message",
                  "ACTION@replica:stage:step[:loss] - drop, duplicate, corrupt or delay that stage's first tensor "
@@ -316,12 +318,7 @@ void job_config::validate() const {
   if (resume == "auto" && checkpoint_dir.empty()) fail("resume = \"auto\" needs checkpoint_dir");
   if (runtime == "local" && (!checkpoint_dir.empty() || !resume.empty()))
     fail("checkpoint_dir and resume need the actors runtime (the local loop has save and load)");
-  if (!kill_node.empty()) {
-    int node = -1, step = -1;
-    char extra = 0;
-    if (std::sscanf(kill_node.c_str(), "%d:%d%c", &node, &step, &extra) != 2 || node < 0 || step < 0)
-      fail("kill_node must be node:step, not '" + kill_node + "'");
-  }
+  kill_steps();  // kill_node parses
   if (!stall.empty()) {
     int k = -1, r = -1, step = -1;
     char extra = 0;
@@ -416,6 +413,22 @@ job_config job_config_from_toml(const std::string& text, const std::string& orig
     throw_parse_error(e, origin);
   }
   return from_settings(settings, origin, {});
+}
+
+std::map<int, int> job_config::kill_steps() const {
+  std::map<int, int> out;
+  std::stringstream in(kill_node);
+  std::string item;
+  while (std::getline(in, item, '+')) {
+    int node = -1, step = -1;
+    char extra = 0;
+    if (std::sscanf(item.c_str(), "%d:%d%c", &node, &step, &extra) != 2 || node < 0 || step < 0 ||
+        !out.emplace(node, step).second)
+      throw config_error("kill_node must be node:step or several joined by '+' (one per node), not '" + kill_node + "'");
+  }
+  if (!kill_node.empty() && out.size() != std::size_t(std::count(kill_node.begin(), kill_node.end(), '+')) + 1)
+    throw config_error("kill_node must be node:step or several joined by '+' (one per node), not '" + kill_node + "'");
+  return out;
 }
 
 }  // namespace troupe

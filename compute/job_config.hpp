@@ -14,6 +14,7 @@
 // Every key can also be given as a flag: the key's last part with '-' for '_'
 // (`--data-parallel 2`, `--lr 3e-4`).
 #include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -71,7 +72,7 @@ struct job_config {
   // [faults]
   std::string throw_at;               ///< "replica:stage:step": that stage throws (tests)
   int nan_at = -1;                    ///< step whose losses are made NaN (tests; -1: none)
-  std::string kill_node;              ///< "node:step": that node's process SIGKILLs itself
+  std::string kill_node;              ///< "node:step[+node:step]": that node's process SIGKILLs itself
   /// "ACTION@replica:stage:step": the first activation or gradient that stage sends in
   /// that step is dropped, duplicated, corrupted (one value changed after its checksum)
   /// or delayed (0.3 s); ACTION is drop | duplicate | corrupt | delay. With ":loss" at
@@ -88,6 +89,8 @@ struct job_config {
   void set(const std::string& key, const std::string& value, const std::string& origin);
   /// Throws config_error for contradictions (batch not divisible, bad schedule, ...).
   void validate() const;
+  /// kill_node by node: the step (0-based) whose beginning kills that node's process.
+  std::map<int, int> kill_steps() const;
 
   model_spec model() const;
   int microbatch_size() const { return global_batch / (data_parallel * microbatches); }

@@ -72,7 +72,7 @@ TEST(JobConfig, BadInputGivesErrorsThatNameTheProblem) {
   EXPECT_EQ(error_of("", {{"split", "3,5"}, {"pipeline", "2"}}), "");
 }
 
-}  // namespace troupe
+
 
 // What node 0 sends to the other nodes of a job: to_toml() read back gives the same job.
 TEST(JobConfig, TomlTextRoundTripsEveryKey) {
@@ -105,3 +105,17 @@ TEST(JobConfig, MessageFaultsAreCheckedUpFront) {
   EXPECT_THROW(with("drop@0:1:2:grad"), troupe::config_error);
   EXPECT_THROW(with("lose@0:1:2"), troupe::config_error);
 }
+
+// kill_node: one node:step, or several joined by '+' (one per node: a node 1 that rejoins,
+// then node 0 killed later in the same launch).
+TEST(JobConfig, KillNodeTakesOneStepPerNode) {
+  auto kills = [](const std::string& fault) { return troupe::load_job_config("", {{"kill_node", fault}}).kill_steps(); };
+  EXPECT_EQ(kills("1:7"), (std::map<int, int>{{1, 7}}));
+  EXPECT_EQ(kills("1:5+0:9"), (std::map<int, int>{{0, 9}, {1, 5}}));
+  EXPECT_TRUE(troupe::load_job_config("", {}).kill_steps().empty());
+  EXPECT_THROW(kills("1:5+1:6"), troupe::config_error);  // one per node
+  EXPECT_THROW(kills("1:5+"), troupe::config_error);
+  EXPECT_THROW(kills("1"), troupe::config_error);
+  EXPECT_THROW(kills("1:-2"), troupe::config_error);
+}
+}  // namespace troupe

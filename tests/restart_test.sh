@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Node processes killed (SIGKILL) in the middle of a 2-node job: the launcher restarts the
-# job from its newest checkpoint and the run ends with parameters bit-identical to the
+# Node processes killed (SIGKILL) in the middle of a 2-node job that cannot go on without
+# them (node 0, or another node with --max-node-restarts 0; tests/rejoin_test.sh covers a
+# node that rejoins): the launcher restarts the job from its newest checkpoint and the run ends with parameters bit-identical to the
 # fault-free run and the same loss for every step in the metrics log. Also: the restart
 # limit, a failure a restart cannot cure (no restart), and no process left behind.
 #   tests/restart_test.sh REPO_ROOT BUILD_DIR
@@ -13,9 +14,10 @@ same_run() { /usr/bin/python3 "$root/tests/compare_runs.py" "$tmp/ref" "$tmp/$1"
 rc=$?
 [ $rc = 0 ] && ok "fault-free run" || bad "fault-free run: exit $rc" "$tmp/ref.log"
 
-# Node 1 dies as step index 7 begins; checkpoints every 5 steps: steps 5 and 6 run again.
+# Node 1 dies as step index 7 begins and is not started again; checkpoints every 5 steps:
+# steps 5 and 6 run again.
 "$launcher" "${job[@]}" --steps 20 --metrics "$tmp/k1.jsonl" --save "$tmp/k1.pt" --checkpoint-dir "$tmp/ck1" \
-  --checkpoint-interval 5 --kill-node 1:7 >"$tmp/k1.log" 2>&1
+  --checkpoint-interval 5 --kill-node 1:7 --max-node-restarts 0 >"$tmp/k1.log" 2>&1
 rc=$?
 [ $rc = 0 ] && grep -q "fault injected: node 1 kills" "$tmp/k1.log" && grep -q "restart 1 of at most 3" "$tmp/k1.log" \
   && ok "node 1 killed: the job restarted and finished" || bad "node 1 killed: exit $rc" "$tmp/k1.log"
@@ -30,7 +32,7 @@ rc=$?
 out=$(same_run k0 2 2>&1) && ok "node 0 killed: bit-identical to the fault-free run ($out)" || { echo "$out"; bad "node 0 killed: results differ" "$tmp/k0.log"; }
 
 # No restarts allowed: the job ends with the recoverable status and says so.
-"$launcher" "${job[@]}" --steps 4 --max-restarts 0 --kill-node 1:2 >"$tmp/nr.log" 2>&1
+"$launcher" "${job[@]}" --steps 4 --max-restarts 0 --max-node-restarts 0 --kill-node 1:2 >"$tmp/nr.log" 2>&1
 rc=$?
 [ $rc = 75 ] && grep -q "giving up" "$tmp/nr.log" && ok "--max-restarts 0: exit 75, no restart" \
   || bad "--max-restarts 0: exit $rc" "$tmp/nr.log"
