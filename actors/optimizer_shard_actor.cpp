@@ -148,7 +148,12 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     s.copied = before;
     ++s.copies_pending;
     const double t0 = s.ctx->now_us();
-    self->request(s.wiring->buddy, std::chrono::seconds(s.ctx->cfg.step_timeout), copy_of(s.stage, s.rank, *snap))
+    // The tensors go over the nodes' world communicator (UCX), the message carries their
+    // handles; they stay untouched until acknowledged (double-buffered: see snapshot.hpp).
+    auto copy = copy_of(s.stage, s.rank, *snap);
+    for (auto* v : {&copy.params, &copy.exp_avg, &copy.exp_avg_sq})
+      for (auto& p : *v) p = ship_payload(*s.wiring, p, s.wiring->buddy_node, s.name);
+    self->request(s.wiring->buddy, std::chrono::seconds(s.ctx->cfg.step_timeout), std::move(copy))
         .then(
             [self, maybe_done, step = s.step, t0](bool) {
               auto& s = self->state;

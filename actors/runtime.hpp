@@ -82,9 +82,10 @@ struct job_wiring {
   /// In-place recoveries so far (set by the supervisor before it spawns new actors):
   /// failures reported by actors of an older generation are stale.
   std::int32_t generation = 0;
-  /// Several nodes, node > 0: the supervisor of the next node, which keeps copies of this
-  /// node's optimizer shards (null: no copies).
+  /// Several nodes, node > 0: the supervisor of the next node (buddy_node), which keeps
+  /// copies of this node's optimizer shards (null: no copies).
   caf::actor buddy;
+  int buddy_node = -1;
 
   /// True when stage (replica, stage) lives in another process.
   bool remote(int replica, int stage) const { return !nodes.empty() && nodes[replica][stage] != node; }

@@ -1,8 +1,10 @@
 #include "actors/supervisor_actor.hpp"
 
+#include <atomic>
 #include <future>
 #include <list>
 #include <map>
+#include <mutex>
 #include <optional>
 
 #include <caf/all.hpp>
@@ -46,6 +48,16 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   auto children = std::make_shared<child_list>();
   auto store = std::make_shared<snapshot_store>();
   auto buddies = std::make_shared<snapshot_store>();  // copies of the previous node's shards
+  // Copies whose tensors are still arriving (by id).
+  struct incoming_copy {
+    shard_copy copy;
+    std::mutex m;
+    std::string error;
+    std::atomic<int> left{0};
+    caf::response_promise promise;
+  };
+  auto incoming = std::make_shared<std::map<std::uint64_t, std::shared_ptr<incoming_copy>>>();
+  auto next_copy = std::make_shared<std::uint64_t>(0);
   auto plan = std::make_shared<node_plan>(std::move(initial_plan));
   // The wiring covers the whole job; entries of other nodes arrive with wiring_msg.
   wiring->stages.assign(ctx->d, std::vector<caf::actor>(ctx->p));
@@ -215,7 +227,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
     retired->clear();  // waits until the old communicators are closed
   });
   // Starts recovery `round` (a newer one replaces one under way: a node was lost during
-  // it); false: `round` is not newer.
+  // it); nothing when `round` is not newer than the one under way.
   auto start_recovery = [=](std::int64_t step, std::int32_t round) -> std::optional<caf::typed_response_promise<node_actors>> {
     if (*recovering) {
       if ((*recovering)->round >= round) return std::nullopt;
@@ -264,14 +276,51 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
                 });
         return *rp;
       },
-      // Buddy copies of the previous node's shards: kept (the two newest of each) ...
-      [=](const shard_copy& copy) -> caf::result<bool> {
+      // Buddy copies of the previous node's shards: their tensors come over the nodes'
+      // world communicator (UCX); once all are in, the copy is kept (the two newest of
+      // each shard) and acknowledged ...
+      [=](shard_copy& copy) -> caf::result<bool> {
+        auto in = std::make_shared<incoming_copy>();
+        in->copy = std::move(copy);
+        std::vector<tensor_payload*> remote;
+        for (auto* v : {&in->copy.params, &in->copy.exp_avg, &in->copy.exp_avg_sq})
+          for (auto& p : *v)
+            if (p.src_node >= 0) remote.push_back(&p);
+        if (!remote.empty() && !wiring->world)
+          return caf::make_error(caf::sec::runtime_error, std::string("no world communicator for a shard copy"));
+        const auto id = ++*next_copy;
+        in->promise = self->make_response_promise<bool>();
+        in->left = int(remote.size()) + 1;
+        (*incoming)[id] = in;
+        const auto me = caf::actor_cast<caf::actor>(self);
+        auto arrived = [in, me, id] {
+          if (--in->left == 0) caf::anon_send(me, copied_atom_v, id);
+        };
+        for (auto* p : remote)
+          fetch_payload(*wiring, *p, [in, p, arrived](tensor_payload got, const std::string& err) {
+            {
+              std::lock_guard<std::mutex> lock(in->m);
+              if (!err.empty()) in->error = err;
+              else *p = std::move(got);
+            }
+            arrived();
+          });
+        arrived();
+        return in->promise;
+      },
+      [=](copied_atom, std::uint64_t id) {
+        auto it = incoming->find(id);
+        if (it == incoming->end()) return;
+        auto in = it->second;
+        incoming->erase(it);
+        std::lock_guard<std::mutex> lock(in->m);
         try {
-          buddies->put(copy.stage, copy.rank, snapshot_of(copy));
+          if (!in->error.empty()) throw std::runtime_error("shard copy: " + in->error);
+          buddies->put(in->copy.stage, in->copy.rank, snapshot_of(in->copy));
+          in->promise.deliver(true);
         } catch (const std::exception& e) {
-          return caf::make_error(caf::sec::runtime_error, e.what());
+          in->promise.deliver(caf::make_error(caf::sec::runtime_error, e.what()));
         }
-        return true;
       },
       // ... and handed to that node's restarted process.
       [=](buddy_atom, std::int64_t step) {
@@ -280,7 +329,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         return out;
       },
       [=](gathered_atom, std::int32_t round, const std::string& err) {
-        if (!*recovering || (*recovering)->round != round) return;
+        if (!current(round)) return;
         auto& rec = **recovering;
         if (!err.empty() && rec.error.empty()) rec.error = err;
         if (--rec.pending > 0) return;
@@ -297,7 +346,8 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         // Before the first step or a retried one, while no actor reads the wiring.
         wiring->coordinator = msg.coordinator;
         const int nodes = int(msg.supervisors.size());
-        wiring->buddy = nodes > 1 && plan->node > 0 ? msg.supervisors.at((plan->node + 1) % nodes) : caf::actor();
+        wiring->buddy_node = nodes > 1 && plan->node > 0 ? (plan->node + 1) % nodes : -1;
+        wiring->buddy = wiring->buddy_node >= 0 ? msg.supervisors.at(wiring->buddy_node) : caf::actor();
         wiring->nodes.assign(ctx->d, std::vector<int>(ctx->p, 0));
         for (int r = 0; r < ctx->d; ++r)
           for (int k = 0; k < ctx->p; ++k) wiring->nodes[r][k] = msg.nodes.at(std::size_t(r) * ctx->p + k);
