@@ -367,7 +367,6 @@ actor_run_result run_node(const node_options& o) {
           if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;
           auto coordinator =
               spawn_coordinator_actor(sys, ctx, wiring, run_opts, shared_result, supervisors, registrar_handle);
-          for (auto& sup : supervisors) self->monitor(sup);
           self->request(coordinator, caf::infinite, run_atom_v)
               .receive([&](int code) { shared_result->exit_code = code; },
                        [&](caf::error& err) {
@@ -375,10 +374,16 @@ actor_run_result run_node(const node_options& o) {
                          if (shared_result->error.empty()) shared_result->error = "coordinator failed: " + sys.render(err);
                        });
           // The coordinator told every supervisor to stop: wait until they have (so the
-          // other nodes get the word before this process closes its connections).
+          // other nodes get the word before this process closes its connections). The
+          // registrar knows the current ones (a rejoined node's replaces the lost one's);
+          // a node lost for good leaves its old, dead one (its down comes at once).
+          auto current = supervisors;
+          self->request(registrar_handle, 1s, run_atom_v)
+              .receive([&](std::vector<caf::actor>& now) { current = std::move(now); }, [](caf::error&) {});
+          for (auto& sup : current) self->monitor(sup);
           std::size_t down = 0;
           bool waiting = true;
-          while (waiting && down < supervisors.size())
+          while (waiting && down < current.size())
             self->receive([&](const caf::down_msg&) { ++down; }, caf::after(10s) >> [&] { waiting = false; });
           result = *shared_result;
         } else {
