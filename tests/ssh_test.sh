@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The launcher's --hostfile path over a real ssh: an sshd on a free port of this machine
+# (the system's, or Debian's openssh-server unpacked into the build folder: nothing is
+# installed, no service started) and a hostfile naming 127.0.0.1 and localhost. Checks:
+# a short job runs in the launcher's folder (relative paths, an argument with a space);
+# the token is in the nodes' environment and on no command line; TROUPE_* and UCX_*
+# variables reach the nodes; a node killed in the middle of a job is started again over
+# ssh and rejoins, bit-identical to a fault-free run on this machine; SIGINT stops every
+# node (exit 130); a launcher killed with SIGKILL leaves no node behind (the nodes' ssh
+# input ends, a watcher on the host stops them).
+#   tests/ssh_test.sh REPO_ROOT BUILD_DIR      (exit 77: no sshd to be had, or not root)
+source "$(dirname "$0")/launcher_lib.sh" "$@"
+skip() { echo "skip: $*"; exit 77; }
+[ "$(id -u)" = 0 ] || skip "needs root (an sshd that logs in as this user)"
+command -v ssh >/dev/null && command -v ssh-keygen >/dev/null || skip "no ssh client"
+
+# --- an sshd --------------------------------------------------------------------------
+sshd=/usr/sbin/sshd libs=""
+if [ ! -x $sshd ]; then
+  deps=$TROUPE_BUILD_DIR/test-deps/openssh
+  if [ ! -x "$deps/usr/sbin/sshd" ]; then
+    mkdir -p "$deps/debs"
+    get() { (cd "$deps/debs" && apt-get download -q openssh-server libwrap0) >"$tmp/apt.log" 2>&1; }
+    get || { apt-get update -q >>"$tmp/apt.log" 2>&1 && get; } || skip "no sshd, and apt-get download openssh-server failed"
+    for d in "$deps"/debs/*.deb; do dpkg -x "$d" "$deps"; done
+  fi
+  sshd=$deps/usr/sbin/sshd libs=$deps/usr/lib/x86_64-linux-gnu:$deps/lib/x86_64-linux-gnu
+fi
+free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+s=$tmp/ssh port=$(free_port)
+mkdir -p "$s" /run/sshd
+ssh-keygen -q -t ed25519 -N '' -f "$s/host" && ssh-keygen -q -t ed25519 -N '' -f "$s/user" && cp "$s/user.pub" "$s/auth"
+cat >"$s/sshd_config" <<EOF
+Port $port
+ListenAddress 127.0.0.1
+HostKey $s/host
+AuthorizedKeysFile $s/auth
+PidFile $s/sshd.pid
+StrictModes no
+UsePAM no
+PasswordAuthentication no
+PermitRootLogin prohibit-password
+EOF
+cat >"$s/config" <<EOF
+Host 127.0.0.1 localhost
+  Port $port
+  IdentityFile $s/user
+  StrictHostKeyChecking no
+  UserKnownHostsFile /dev/null
+  LogLevel ERROR
+EOF
+# sshd wants its privilege separation user; where there is none (the package was not
+# installed), it sees a passwd with one in a mount namespace of its own.
+if id sshd >/dev/null 2>&1; then
+  env LD_LIBRARY_PATH="$libs" "$sshd" -f "$s/sshd_config" -D -e 2>"$tmp/sshd.log" &
+else
+  cp /etc/passwd "$s/passwd" && echo 'sshd:x:65534:65534:sshd:/run/sshd:/usr/sbin/nologin' >>"$s/passwd"
+  unshare --mount sh -c "mount --bind '$s/passwd' /etc/passwd && exec env LD_LIBRARY_PATH='$libs' '$sshd' -f '$s/sshd_config' -D -e" \
+    2>"$tmp/sshd.log" &
+fi
+sshd_pid=$!
+trap 'kill $sshd_pid 2>/dev/null; cleanup' EXIT
+export TROUPE_SSH="ssh -F $s/config"
+for ((i = 0; i < 50; i++)); do $TROUPE_SSH -o BatchMode=yes localhost true 2>/dev/null && break; sleep 0.2; done
+$TROUPE_SSH -o BatchMode=yes localhost true 2>"$tmp/ssh.err" || { cat "$tmp/ssh.err" "$tmp/sshd.log"; skip "the test's sshd does not let us in"; }
+ok "sshd on port $port"
+
+work=$tmp/work
+mkdir -p "$work"
+printf '# the job'"'"'s hosts\n127.0.0.1\nlocalhost   # node 1\n' >"$work/hosts"
+cd "$work"
+
+# --- a short job in the launcher's folder ----------------------------------------------
+"$launcher" train --hostfile hosts --data-parallel 2 --steps 3 --eval-interval 0 --checkpoint-dir ckpt \
+  --trace "t r.json" >short.log 2>&1
+rc=$?
+[ $rc = 0 ] && ok "2 nodes over ssh: exit 0" || bad "2 nodes over ssh: exit $rc" short.log
+grep -q "node 0 of 2: 127.0.0.1 (ssh pid" short.log && grep -q "node 1 of 2: localhost (ssh pid" short.log \
+  && ok "prints where each node runs" || bad "no node lines" short.log
+grep -q "3/3 |" short.log && ok "progress lines" || bad "no progress line" short.log
+ls ckpt/*/ >/dev/null 2>&1 && [ -s "t r.json" ] && ok "relative paths (and a space) are the launcher's folder's" \
+  || bad "no checkpoint in ./ckpt or no './t r.json'" short.log
+sleep 0.5
+[ "$(nodes_left)" = 0 ] && ok "no node left after the job" || bad "$(nodes_left) node(s) left after the job"
+
+# --- a long job: environment and command lines; SIGINT --------------------------------
+node_pid() { pgrep -f "$TROUPE_BUILD_DIR/troupe-node" | while read -r p; do
+  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "TROUPE_NODE=$1" && echo "$p"; done | head -1; }
+long() {  # log: a long job started in the background (job control: SIGINT reaches it)
+  UCX_TLS=tcp,sm,self TROUPE_TEST_MARK=a\ b "$launcher" train --hostfile hosts --data-parallel 2 --steps 5000 \
+    --eval-interval 0 >"$1" 2>&1 &
+  pid=$!
+  for ((i = 0; i < 600; i++)); do grep -q "2/5000 |" "$1" 2>/dev/null && break; sleep 0.2; done
+  grep -q "2/5000 |" "$1" || bad "the long job did not start" "$1"
+}
+set -m
+long int.log
+p1=$(node_pid 1)
+env1=$(tr '\0' '\n' <"/proc/${p1:-0}/environ" 2>/dev/null)
+token=$(echo "$env1" | sed -n 's/^TROUPE_JOB_TOKEN=//p')
+[ ${#token} = 32 ] && ok "node 1 has the job's token in its environment" || bad "node 1 (pid ${p1:-none}): no token"
+found=$(for c in /proc/[0-9]*/cmdline; do tr '\0' ' ' <"$c" 2>/dev/null | grep -l -F -- "${token:-none}" >/dev/null && echo "$c"; done)
+[ -z "$found" ] && ok "the token is on no command line" || bad "the token is on a command line: $found"
+echo "$env1" | grep -qx "UCX_TLS=tcp,sm,self" && echo "$env1" | grep -qx "TROUPE_TEST_MARK=a b" \
+  && ok "UCX_* and TROUPE_* variables reach the nodes" || bad "UCX_TLS or TROUPE_TEST_MARK not on node 1"
+kill -INT $pid
+wait $pid
+rc=$?
+[ $rc = 130 ] && ok "SIGINT: launcher exits 130" || bad "SIGINT: launcher exit $rc" int.log
+sleep 1
+[ "$(nodes_left)" = 0 ] && ok "SIGINT: no node left" || bad "SIGINT: $(nodes_left) node(s) left"
+
+# --- the launcher killed (SIGKILL): its nodes' ssh input ends, they stop ----------------
+long kill.log
+kill -KILL $pid
+wait $pid 2>/dev/null
+for ((i = 0; i < 50; i++)); do [ "$(nodes_left)" = 0 ] && break; sleep 0.2; done
+[ "$(nodes_left)" = 0 ] && ok "launcher SIGKILLed: every node stopped within $((i / 5)) s" \
+  || bad "launcher SIGKILLed: $(nodes_left) node(s) left after 10 s"
+pkill -KILL -f "ssh -F $s/config" 2>/dev/null
+set +m
+
+# --- node 1 lost: started again over ssh, rejoins; the same result as on this machine --
+job=(train --pipeline 2 --data-parallel 2 --steps 10 --eval-interval 0)
+"$launcher" "${job[@]}" --nodes 2 --metrics ref.jsonl --save ref.pt >ref.log 2>&1 \
+  && ok "fault-free reference (local node processes)" || bad "fault-free reference" ref.log
+"$launcher" "${job[@]}" --hostfile hosts --kill-node 1:4 --metrics got.jsonl --save got.pt >got.log 2>&1
+rc=$?
+[ $rc = 0 ] && grep -q "node 1 ended (status 137); starting it again" got.log && grep -q "node 1 of 2: localhost (ssh pid .*), rejoining" got.log \
+  && grep -q "node 1 rejoined .* rebuilding its actors" got.log && ! grep -q "the job failed" got.log \
+  && ok "node 1 killed: started again over ssh, rejoined, no job restart" || bad "node 1 killed: exit $rc, no rejoin" got.log
+out=$(/usr/bin/python3 "$root/tests/compare_runs.py" "$work/ref" "$work/got" 0 2>&1) \
+  && ok "ssh run with a rejoin bit-identical to the local run ($out)" || { echo "$out"; bad "results differ" got.log; }
+sleep 0.5
+[ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"
+exit $fail
