@@ -53,13 +53,13 @@ std::shared_ptr<c10d::ProcessGroupGloo> make_gloo(const std::string& dir, int ra
   return std::make_shared<c10d::ProcessGroupGloo>(store, rank, size, opts);
 }
 
-void run_check(communicator& comm, c10d::ProcessGroupGloo& gloo) {
+void run_check(communicator& comm, c10d::ProcessGroupGloo& gloo, std::int64_t max_size) {
   const int rank = comm.rank(), n = comm.size();
   const auto timeout = std::chrono::seconds(120);
   const std::vector<std::int64_t> sizes{1, 2, 3, 5, 1000, 4099, 262147, 16 << 20};  // up to 64 MiB of float32
   for (auto dt : {torch::kFloat32, torch::kInt64}) {
     for (auto size : sizes) {
-      if (dt == torch::kInt64 && size > (1 << 20)) continue;
+      if (size > max_size || (dt == torch::kInt64 && size > (1 << 20))) continue;
       const auto tag = std::string(dt == torch::kFloat32 ? "float32" : "int64") + " n=" + std::to_string(size);
       std::vector<torch::Tensor> all;
       for (int r = 0; r < n; ++r) all.push_back(input_of(r, size, dt));
@@ -145,9 +145,18 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   try {
     if (mode == "check") {
-      auto comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size));
       auto gloo = make_gloo(dir, rank, size);
-      run_check(*comm, *gloo);
+      // The ring for every size (3 ranks and more: the sizes up to 1 MiB go by direct
+      // exchange below).
+      if (size >= 3) {
+        ucx_options ring;
+        ring.direct_max_bytes = 0;
+        auto ring_comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx-ring", rank, size), ring);
+        run_check(*ring_comm, *gloo, 1 << 20);
+        gloo->barrier()->wait();
+      }
+      auto comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size));
+      run_check(*comm, *gloo, 1 << 30);
       gloo->barrier()->wait();  // nobody closes while others still talk
     } else if (mode == "mismatch") {
       ucx_options opts;

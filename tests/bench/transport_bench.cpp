@@ -73,7 +73,7 @@ void coll(communicator& c, c10d::ProcessGroupGloo& gloo) {
   if (r == 0)
     std::printf("| collective | ranks | bytes | troupe ucx busbw GB/s | gloo busbw GB/s | ratio |\n"
                 "| --- | --- | --- | --- | --- | --- |\n");
-  for (std::int64_t bytes : {1ll << 20, 16ll << 20, 64ll << 20}) {
+  for (std::int64_t bytes : {1ll << 20, 4ll << 20, 16ll << 20, 64ll << 20}) {
     const std::int64_t count = bytes / 4 / n * n;  // equal pieces (gloo's allgather needs them)
     const int reps = bytes >= (64 << 20) ? 3 : 5;
     auto t = torch::ones({count});
@@ -127,7 +127,10 @@ void coll(communicator& c, c10d::ProcessGroupGloo& gloo) {
 
 int run_rank(const std::string& mode, int rank, int size, const std::string& dir) {
   torch::set_num_threads(1);
-  auto comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size));
+  ucx_options uo;  // TROUPE_BENCH_DIRECT_MAX_BYTES: another direct-exchange threshold (0: ring only)
+  if (const char* d = std::getenv("TROUPE_BENCH_DIRECT_MAX_BYTES")) uo.direct_max_bytes = std::stoll(d);
+  if (const char* d = std::getenv("TROUPE_BENCH_SPIN")) uo.spin = std::stoi(d);
+  auto comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size), uo);
   auto store = c10::make_intrusive<c10d::FileStore>(dir + "/gloo-store", size);
   auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(120));
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));

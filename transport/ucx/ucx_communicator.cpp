@@ -100,6 +100,17 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
   void await(const work_ptr& w);
   void ring_exchange(collective kind, std::uint64_t seq, int step, torch::Tensor send_t, int dst, torch::Tensor recv_t,
                      int src);
+  /// Sends to[p] to every other rank p and receives from[p] from it, all at once.
+  void direct_exchange(collective kind, std::uint64_t seq, int step, const std::vector<torch::Tensor>& to,
+                       const std::vector<torch::Tensor>& from);
+  bool direct(const torch::Tensor& t) const {
+    return size_ >= 3 && std::int64_t(t.nbytes()) <= opts_.direct_max_bytes;
+  }
+  /// Reduce-scatter by direct exchange: this rank's piece of the sum in `output`, which
+  /// may alias the input's piece.
+  void direct_reduce_scatter(collective kind, std::uint64_t seq, torch::Tensor input, torch::Tensor output);
+  /// All-gather by direct exchange in place over `out`, whose piece `rank` is filled.
+  void direct_all_gather(collective kind, std::uint64_t seq, int step, torch::Tensor out);
 
   const int rank_, size_;
   const ucx_options opts_;
@@ -377,6 +388,59 @@ void ucx_comm::ring_exchange(collective kind, std::uint64_t seq, int step, torch
     if (w) await(w);
 }
 
+void ucx_comm::direct_exchange(collective kind, std::uint64_t seq, int step, const std::vector<torch::Tensor>& to,
+                               const std::vector<torch::Tensor>& from) {
+  const auto k = std::uint64_t(kind) << kind_shift;
+  const auto name = std::string(collective_name(kind)) + " #" + std::to_string(seq) + " step " + std::to_string(step);
+  std::vector<work_ptr> ws;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || !from[p].defined() || from[p].numel() == 0) continue;
+    ws.push_back(std::make_shared<work>(name + ": receive from rank " + std::to_string(p)));
+    post_recv(ws.back(), from[p], coll_tag(p, kind, seq, step), full_mask & ~kind_mask, k);
+  }
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || !to[p].defined() || to[p].numel() == 0) continue;
+    ws.push_back(std::make_shared<work>(name + ": send to rank " + std::to_string(p)));
+    post_send(ws.back(), to[p], p, coll_tag(rank_, kind, seq, step));
+  }
+  for (auto& w : ws) await(w);
+}
+
+void ucx_comm::direct_reduce_scatter(collective kind, std::uint64_t seq, torch::Tensor input, torch::Tensor output) {
+  const auto total = input.numel();
+  auto [b, e] = piece(total, size_, rank_);
+  const std::int64_t mine = e - b;
+  const std::size_t bytes = std::size_t(mine) * input.element_size();
+  // Scratch kept by the communicator: one piece per other rank, and the sum.
+  scratch_.resize(std::max<std::size_t>(scratch_.size(), std::size_t(size_) + 1));
+  auto buffer = [&](int i) {
+    auto& t = scratch_[std::size_t(i)];
+    if (!t.defined() || t.nbytes() < bytes) t = torch::empty({std::int64_t(std::max<std::size_t>(bytes, 1))}, torch::kUInt8);
+    return t.narrow(0, 0, std::int64_t(bytes)).view(input.scalar_type());
+  };
+  std::vector<torch::Tensor> to(static_cast<std::size_t>(size_)), parts(static_cast<std::size_t>(size_));
+  for (int p = 0; p < size_; ++p) {
+    auto [pb, pe] = piece(total, size_, p);
+    to[p] = input.narrow(0, pb, pe - pb);
+    parts[p] = p == rank_ ? input.narrow(0, b, mine) : buffer(p);
+  }
+  direct_exchange(kind, seq, 0, to, parts);
+  auto sum = buffer(size_);  // not `output`: it may be one of the parts
+  ring_order_sum(sum, parts, rank_);
+  output.copy_(sum);
+}
+
+void ucx_comm::direct_all_gather(collective kind, std::uint64_t seq, int step, torch::Tensor out) {
+  std::vector<torch::Tensor> to(static_cast<std::size_t>(size_)), from(static_cast<std::size_t>(size_));
+  auto [b, e] = piece(out.numel(), size_, rank_);
+  for (int p = 0; p < size_; ++p) {
+    auto [pb, pe] = piece(out.numel(), size_, p);
+    to[p] = out.narrow(0, b, e - b);
+    from[p] = out.narrow(0, pb, pe - pb);
+  }
+  direct_exchange(kind, seq, step, to, from);
+}
+
 void ucx_comm::await(const work_ptr& w) {
   try {
     w->wait_or_throw(opts_.timeout);
@@ -442,8 +506,12 @@ work_ptr ucx_comm::all_reduce(torch::Tensor t) {
     auto ex = [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor b, int src) {
       ring_exchange(k, q, s, a, d, b, src);
     };
-    // The sum of piece `rank` can land in place: no step before the last reads it.
     auto [b, e] = piece(flat.numel(), size_, rank_);
+    if (direct(flat)) {
+      direct_reduce_scatter(collective::all_reduce, seq, flat, flat.narrow(0, b, e - b));
+      return direct_all_gather(collective::all_reduce, seq, 1, flat);
+    }
+    // The sum of piece `rank` can land in place: no step before the last reads it.
     ring_reduce_scatter(rank_, size_, collective::all_reduce, seq, 0, flat, flat.narrow(0, b, e - b), scratch_, ex);
     ring_all_gather(rank_, size_, collective::all_reduce, seq, size_ - 1, flat, ex);
   });
@@ -455,6 +523,7 @@ work_ptr ucx_comm::reduce_scatter(torch::Tensor input, torch::Tensor output) {
   auto [b, e] = piece(input.numel(), size_, rank_);
   check_tensor(output, e - b, "reduce_scatter output");
   return enqueue(collective::reduce_scatter, [this, input, output](std::uint64_t seq) {
+    if (direct(input)) return direct_reduce_scatter(collective::reduce_scatter, seq, input.view({-1}), output.view({-1}));
     auto ex = [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor bb, int src) {
       ring_exchange(k, q, s, a, d, bb, src);
     };
@@ -470,6 +539,7 @@ work_ptr ucx_comm::all_gather(torch::Tensor input, torch::Tensor output) {
   return enqueue(collective::all_gather, [this, input, output, b = b, e = e](std::uint64_t seq) {
     auto flat = output.view({-1});
     flat.narrow(0, b, e - b).copy_(input.view({-1}));
+    if (direct(flat)) return direct_all_gather(collective::all_gather, seq, 0, flat);
     ring_all_gather(rank_, size_, collective::all_gather, seq, 0, flat,
                     [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor bb, int src) {
                       ring_exchange(k, q, s, a, d, bb, src);

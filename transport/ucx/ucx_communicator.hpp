@@ -28,6 +28,11 @@ struct ucx_options {
   /// UCX peer-failure handling (errors instead of timeouts when a peer dies); UCX 1.13
   /// supports it on TCP and RDMA but not on shared memory, so it is off by default.
   bool peer_failure_handling = false;
+  /// Collectives of at most this many bytes (3 ranks or more) exchange every piece
+  /// directly (one round of n-1 transfers each way) instead of n-1 ring steps: fewer
+  /// latencies, the same bytes per rank, the same sums bit for bit (each piece is still
+  /// added in the ring's order, by its owner); scratch of n-1 pieces. 0: always the ring.
+  std::int64_t direct_max_bytes = 4 << 20;
 };
 
 /// All-gathers one string per rank (rank order): the bootstrap that exchanges UCX worker
