@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <optional>
 #include <thread>
 
 #include "test_util.hpp"
 #include "process_group.hpp"
 #include "transport/local/local_group.hpp"
+#include "transport/ucx/ucx_communicator.hpp"
 
 using namespace troupe;
 using namespace troupe::transport;
@@ -110,6 +112,35 @@ TEST(Transport, LocalMismatchAndAbortAreErrors) {
   EXPECT_THROW(w->wait(std::chrono::seconds(1)), transport_error);
   EXPECT_NE(w->error().find("rank 1 died"), std::string::npos);
   EXPECT_THROW(comms[0]->all_reduce(a)->wait(std::chrono::seconds(1)), transport_error);
+}
+
+// The UCX progress loop sleeps at once where UCX_TLS allows TCP only, spins otherwise;
+// TROUPE_UCX_SPIN or an explicit option wins.
+TEST(Transport, UcxSpinFollowsTheTransports) {
+  struct env_guard {
+    std::string name;
+    std::optional<std::string> old;
+    env_guard(const char* n) : name(n) {
+      if (const char* v = std::getenv(n)) old = v;
+    }
+    ~env_guard() { old ? setenv(name.c_str(), old->c_str(), 1) : unsetenv(name.c_str()); }
+  } tls("UCX_TLS"), spin("TROUPE_UCX_SPIN");
+  unsetenv("TROUPE_UCX_SPIN");
+  const std::vector<std::pair<std::string, int>> cases{
+      {"tcp", 0}, {"tcp,self", 0}, {"self,tcp", 0}, {"sm,self", 2000}, {"tcp,sm,self", 2000},
+      {"rc,tcp", 2000}, {"^sm", 2000}, {"all", 2000}};
+  for (const auto& [value, want] : cases) {
+    setenv("UCX_TLS", value.c_str(), 1);
+    EXPECT_EQ(resolve_spin(-1), want) << value;
+  }
+  unsetenv("UCX_TLS");
+  EXPECT_EQ(resolve_spin(-1), 2000);
+  setenv("UCX_TLS", "tcp", 1);
+  EXPECT_EQ(resolve_spin(7), 7);
+  setenv("TROUPE_UCX_SPIN", "300", 1);
+  EXPECT_EQ(resolve_spin(-1), 300);
+  setenv("TROUPE_UCX_SPIN", "many", 1);
+  EXPECT_THROW(resolve_spin(-1), std::invalid_argument);
 }
 
 TEST(Transport, LocalSendRecvAndCompletionCallbacks) {

@@ -38,9 +38,14 @@ void check_status(ucs_status_t s, const char* what) {
 
 struct pending_op;
 
+ucx_options with_spin(ucx_options o) {
+  o.spin = resolve_spin(o.spin);
+  return o;
+}
+
 class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_comm> {
  public:
-  ucx_comm(int rank, int size, ucx_options opts) : rank_(rank), size_(size), opts_(opts) {}
+  ucx_comm(int rank, int size, ucx_options opts) : rank_(rank), size_(size), opts_(with_spin(opts)) {}
   ~ucx_comm() override { shutdown(); }
 
   /// Phase 1: context, worker, own address.
@@ -663,6 +668,24 @@ class pending_impl : public ucx_pending {
   std::string address_;
 };
 }  // namespace
+
+int resolve_spin(int requested) {
+  if (requested >= 0) return requested;
+  if (const char* e = std::getenv("TROUPE_UCX_SPIN"); e && *e) {
+    try {
+      return std::max(0, std::stoi(e));
+    } catch (const std::exception&) {
+      throw std::invalid_argument(std::string("TROUPE_UCX_SPIN must be a count, not '") + e + "'");
+    }
+  }
+  // UCX_TLS naming tcp and nothing else but self (or "^..." exclusions: not TCP-only).
+  const char* tls = std::getenv("UCX_TLS");
+  if (!tls || *tls == '^') return 2000;
+  bool tcp = false, other = false;
+  std::stringstream in(tls);
+  for (std::string t; std::getline(in, t, ',');) (t == "tcp" ? tcp : other) |= t != "self";
+  return tcp && !other ? 0 : 2000;
+}
 
 std::unique_ptr<ucx_pending> prepare_ucx_communicator(int rank, int size, ucx_options opts) {
   return std::make_unique<pending_impl>(rank, size, opts);
