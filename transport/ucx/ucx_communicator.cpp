@@ -411,18 +411,23 @@ void ucx_comm::direct_exchange(collective kind, std::uint64_t seq, int step, con
   for (auto& w : ws) await(w);
 }
 
+// Buffer i of the scratch kept by the communicator (fresh large buffers would page-fault
+// on every call), viewed as `count` elements of `dtype`; grows, never shrinks.
+static torch::Tensor scratch_view(std::vector<torch::Tensor>& scratch, std::size_t i, std::int64_t count,
+                                  torch::ScalarType dtype) {
+  if (scratch.size() <= i) scratch.resize(i + 1);
+  const auto bytes = std::max<std::int64_t>(1, count) * std::int64_t(c10::elementSize(dtype));
+  auto& t = scratch[i];
+  if (!t.defined() || std::int64_t(t.nbytes()) < bytes) t = torch::empty({bytes}, torch::kUInt8);
+  return t.narrow(0, 0, count * std::int64_t(c10::elementSize(dtype))).view(dtype);
+}
+
 void ucx_comm::direct_reduce_scatter(collective kind, std::uint64_t seq, torch::Tensor input, torch::Tensor output) {
   const auto total = input.numel();
   auto [b, e] = piece(total, size_, rank_);
   const std::int64_t mine = e - b;
-  const std::size_t bytes = std::size_t(mine) * input.element_size();
-  // Scratch kept by the communicator: one piece per other rank, and the sum.
-  scratch_.resize(std::max<std::size_t>(scratch_.size(), std::size_t(size_) + 1));
-  auto buffer = [&](int i) {
-    auto& t = scratch_[std::size_t(i)];
-    if (!t.defined() || t.nbytes() < bytes) t = torch::empty({std::int64_t(std::max<std::size_t>(bytes, 1))}, torch::kUInt8);
-    return t.narrow(0, 0, std::int64_t(bytes)).view(input.scalar_type());
-  };
+  // Scratch: one piece per other rank, and the sum.
+  auto buffer = [&](int i) { return scratch_view(scratch_, std::size_t(i), mine, input.scalar_type()); };
   std::vector<torch::Tensor> to(static_cast<std::size_t>(size_)), parts(static_cast<std::size_t>(size_));
   for (int p = 0; p < size_; ++p) {
     auto [pb, pe] = piece(total, size_, p);
@@ -467,12 +472,7 @@ static void ring_reduce_scatter(int rank, int n, collective kind, std::uint64_t 
   const int right = (rank + 1) % n, left = (rank + n - 1) % n;
   const auto longest = piece(total, n, 0);
   const std::int64_t cap = std::max<std::int64_t>(1, longest.second - longest.first);
-  // Scratch kept by the communicator: fresh large buffers would page-fault on every call.
-  scratch.resize(3);
-  for (auto& t : scratch)
-    if (!t.defined() || t.nbytes() < std::size_t(cap) * input.element_size())
-      t = torch::empty({cap * input.element_size()}, torch::kUInt8);
-  auto view = [&](int i) { return scratch[i].narrow(0, 0, cap * input.element_size()).view(input.scalar_type()); };
+  auto view = [&](int i) { return scratch_view(scratch, std::size_t(i), cap, input.scalar_type()); };
   torch::Tensor in = view(0), sums[2] = {view(1), view(2)};
   torch::Tensor outgoing;
   for (int s = 0; s < n - 1; ++s) {
