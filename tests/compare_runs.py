@@ -34,4 +34,4 @@ if replayed_expected is not None:
 replayed = sum(r["replayed_steps"] for r in resumes)
 to_step = [r.get("seconds_from_failure_to_step", -1) for r in resumes]
 print(f"{len(ra)} steps, {len(resumes)} resume(s), {len(aborts)} abort line(s), {replayed} step(s) replayed, "
-      f"failure to next step {', '.join(f'{t:.1f}' for t in to_step)} s")
+      f"failure to next step {', '.join(f'{t:.1f}' for t in to_step) or '-'} s")

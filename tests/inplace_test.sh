@@ -35,6 +35,9 @@ retried ref corrupt "${two[@]}" --message corrupt@0:0:4     # activation node 0 
 retried ref lost "${two[@]}" --message drop@1:0:6           # lost activation: the step timeout
 retried ref stall "${two[@]}" --stall 1:0:2                 # shard (stage 1, rank 0) never starts its reduce-scatter
 retried ref lost-loss "${two[@]}" --message drop@0:1:7:loss # a lost control message
+# Over TCP only (what nodes on different machines use): the stalled collective's transfers
+# are aborted and the retry makes fresh UCX workers that connect over TCP again.
+UCX_TLS=tcp,self retried ref stall-tcp "${two[@]}" --stall 1:0:2
 # Four nodes, one slot each, two virtual chunks per stage: every stage's parameters are
 # gathered (per chunk) from its shards on two nodes.
 four=(--nodes 4 --chunks 2 --schedule interleaved-1f1b)

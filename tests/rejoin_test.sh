@@ -48,6 +48,9 @@ restarted() {  # reference, name, what must be in the log, then the flags
 two=(--nodes 2)
 reference ref "${two[@]}"
 rejoined ref kill-node-1 1 "${two[@]}" --kill-node 1:4
+# Over TCP only (nodes on different machines): the rejoined process's workers connect to
+# the others' fresh ones over TCP, the buddy copies travel over TCP.
+UCX_TLS=tcp,self rejoined ref kill-node-1-tcp 1 "${two[@]}" --kill-node 1:4
 # Four nodes, one slot each, two chunks per stage; node 3's buddy is node 0.
 four=(--nodes 4 --chunks 2 --schedule interleaved-1f1b)
 reference ref4 "${four[@]}"

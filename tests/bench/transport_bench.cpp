@@ -3,7 +3,8 @@
 // and of LibTorch's c10d::ProcessGroupGloo, measured in the same processes.
 //
 //   troupe_transport_bench p2p  [TLS]        2 processes, 4 KiB .. 64 MiB, window of 16
-//   troupe_transport_bench coll N [TLS]      N processes, 1 MiB .. 64 MiB
+//   troupe_transport_bench coll N [TLS]      N processes, 1 MiB .. 64 MiB (and lat's figure)
+//   troupe_transport_bench lat N [TLS]       N processes, a one-element all-reduce's latency
 //   (TLS: UCX_TLS for the run, default sm,self; the gloo side always uses TCP loopback)
 //
 // The parent starts the ranks (same binary, "rank" mode) and prints rank 0's table.
@@ -11,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
@@ -56,6 +58,32 @@ void p2p(communicator& c) {
   }
 }
 
+// Ping-pong: rank 0 sends, rank 1 answers with the same size; the median round trip / 2
+// (as ucx_perftest's tag_lat reports it). What a message costs beyond the wire: the
+// caller's hand-off to the progress thread and the completion back.
+void p2p_latency(communicator& c) {
+  if (c.rank() == 0) std::printf("\n| bytes | troupe ucx one-way latency us (median of ping-pongs) |\n| --- | --- |\n");
+  for (std::int64_t bytes : {8ll, 4096ll, 65536ll, 524288ll}) {
+    const int iters = bytes >= 65536 ? 300 : 1000;
+    auto out = torch::ones({bytes / 4}), in = torch::empty({bytes / 4});
+    std::vector<double> rtt;
+    for (int i = 0; i < iters + 20; ++i) {
+      const auto t0 = clk::now();
+      if (c.rank() == 0) {
+        auto r = c.recv(in, 1, 5);
+        c.send(out, 1, 5)->wait_or_throw(kTimeout);
+        r->wait_or_throw(kTimeout);
+      } else {
+        c.recv(in, 0, 5)->wait_or_throw(kTimeout);
+        c.send(out, 0, 5)->wait_or_throw(kTimeout);
+      }
+      if (i >= 20) rtt.push_back(seconds_since(t0));
+    }
+    std::nth_element(rtt.begin(), rtt.begin() + rtt.size() / 2, rtt.end());
+    if (c.rank() == 0) std::printf("| %lld | %.1f |\n", (long long)bytes, rtt[rtt.size() / 2] / 2 * 1e6);
+  }
+}
+
 template <class F>
 double time_best(int reps, F f) {
   double best = 1e30;
@@ -68,10 +96,35 @@ double time_best(int reps, F f) {
   return best;
 }
 
+double time_median(int reps, const std::function<void()>& f) {
+  std::vector<double> ts;
+  f();
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = clk::now();
+    f();
+    ts.push_back(seconds_since(t0));
+  }
+  std::nth_element(ts.begin(), ts.begin() + ts.size() / 2, ts.end());
+  return ts[ts.size() / 2];
+}
+
+// Latency: a one-element all-reduce, median of 300 calls, troupe and gloo.
+void coll_latency(communicator& c, c10d::ProcessGroupGloo& gloo) {
+  auto one = torch::ones({1});
+  const double u = time_median(300, [&] { c.all_reduce(one)->wait_or_throw(kTimeout); });
+  const double g = time_median(300, [&] {
+    std::vector<torch::Tensor> v{one};
+    gloo.allreduce(v)->wait();
+  });
+  if (c.rank() == 0)
+    std::printf("one-element all_reduce, median of 300: troupe %.1f us, gloo %.1f us\n", u * 1e6, g * 1e6);
+}
+
 void coll(communicator& c, c10d::ProcessGroupGloo& gloo) {
   const int n = c.size(), r = c.rank();
+  coll_latency(c, gloo);
   if (r == 0)
-    std::printf("| collective | ranks | bytes | troupe ucx busbw GB/s | gloo busbw GB/s | ratio |\n"
+    std::printf("\n| collective | ranks | bytes | troupe ucx busbw GB/s | gloo busbw GB/s | ratio |\n"
                 "| --- | --- | --- | --- | --- | --- |\n");
   for (std::int64_t bytes : {1ll << 20, 4ll << 20, 16ll << 20, 64ll << 20}) {
     const std::int64_t count = bytes / 4 / n * n;  // equal pieces (gloo's allgather needs them)
@@ -130,15 +183,20 @@ int run_rank(const std::string& mode, int rank, int size, const std::string& dir
   torch::set_num_threads(1);
   ucx_options uo;  // TROUPE_BENCH_DIRECT_MAX_BYTES: another direct-exchange threshold (0: ring only)
   if (const char* d = std::getenv("TROUPE_BENCH_DIRECT_MAX_BYTES")) uo.direct_max_bytes = std::stoll(d);
+  if (const char* d = std::getenv("TROUPE_BENCH_DRIVE")) uo.drive = std::string(d) != "0";  // 0: A/B of ucx_options::drive
   auto comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size), uo);
   auto store = c10::make_intrusive<c10d::FileStore>(dir + "/gloo-store", size);
   auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(120));
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
   c10d::ProcessGroupGloo gloo(store, rank, size, opts);
-  if (mode == "p2p")
+  if (mode == "p2p") {
     p2p(*comm);
-  else
+    p2p_latency(*comm);
+  } else if (mode == "lat") {
+    coll_latency(*comm, gloo);
+  } else {
     coll(*comm, gloo);
+  }
   std::fflush(stdout);
   gloo.barrier()->wait();
   return 0;
@@ -150,8 +208,8 @@ int main(int argc, char** argv) {
   try {
     const std::string mode = argc > 1 ? argv[1] : "";
     if (mode == "rank") return run_rank(argv[2], std::stoi(argv[3]), std::stoi(argv[4]), argv[5]);
-    if (mode != "p2p" && mode != "coll") {
-      std::cerr << "usage: troupe_transport_bench p2p [TLS] | coll N [TLS]\n";
+    if (mode != "p2p" && mode != "coll" && mode != "lat") {
+      std::cerr << "usage: troupe_transport_bench p2p [TLS] | coll N [TLS] | lat N [TLS]\n";
       return 2;
     }
     const int n = mode == "p2p" ? 2 : std::stoi(argc > 2 ? argv[2] : "2");

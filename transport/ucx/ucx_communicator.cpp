@@ -32,6 +32,10 @@ std::uint64_t coll_tag(int src, collective kind, std::uint64_t seq, int step) {
          ((seq & 0xFFFFFF) << seq_shift) | std::uint64_t(step & 0xFFFF);
 }
 
+// The communicator whose collective thread is driving its worker right now (set on that
+// thread only, cleared while it is inside UCX: callbacks must not post directly).
+thread_local const void* t_driver = nullptr;
+
 void check_status(ucs_status_t s, const char* what) {
   if (s != UCS_OK) throw transport_error(std::string(what) + ": " + ucs_status_string(s));
 }
@@ -86,6 +90,14 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
     if (r < 0 || r >= size_) throw std::invalid_argument("rank " + std::to_string(r) + " outside the communicator");
   }
   void post(std::function<void()> cmd);
+  /// Runs the queued commands (the caller holds worker_mu_); true if there were any.
+  bool run_commands();
+  /// The collective thread progresses the worker itself while a collective runs (where the
+  /// progress loop spins anyway): its transfers start, and their completions are seen,
+  /// without a hand-off to the progress thread and back (two thread wake-ups per step).
+  bool drives() const { return opts_.drive && opts_.spin > 0; }  // TCP only: sleeping is cheaper
+  void begin_drive();
+  void end_drive();
   void post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag);
   void post_recv(const work_ptr& w, torch::Tensor t, std::uint64_t tag, std::uint64_t mask, std::uint64_t check_kind);
   /// Queues a transfer for the progress thread; `start` fills the callback and posts it.
@@ -125,8 +137,12 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
   int epoll_fd_ = -1, wake_fd_ = -1, worker_fd_ = -1;
 
   mutable std::mutex mu_;
-  std::deque<std::function<void()>> commands_;  // run on the progress thread
-  std::unordered_set<pending_op*> pending_;     // progress thread only
+  std::deque<std::function<void()>> commands_;  // run by whoever holds worker_mu_
+  std::mutex worker_mu_;                        // every call on the worker, and pending_
+  std::unordered_set<pending_op*> pending_;
+  std::atomic<bool> driving_{false};  // the collective thread holds the worker: the progress thread parks
+  std::mutex park_mu_;
+  std::condition_variable park_cv_;
   std::string broken_;
   std::atomic<bool> stop_{false};
   std::chrono::steady_clock::time_point stop_deadline_;  // set before stop_
@@ -220,7 +236,8 @@ std::string ucx_comm::init() {
   check_status(st, "ucp_init");
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches the worker
+  // The progress thread, and the collective thread where it drives (under worker_mu_).
+  wp.thread_mode = drives() ? UCS_THREAD_MODE_SERIALIZED : UCS_THREAD_MODE_SINGLE;
   check_status(ucp_worker_create(context_, &wp, &worker_), "ucp_worker_create");
   ucp_address_t* addr = nullptr;
   std::size_t len = 0;
@@ -274,13 +291,45 @@ void ucx_comm::submit(const work_ptr& w, torch::Tensor t, std::size_t bytes, std
                       std::function<ucs_status_ptr_t(pending_op*, ucp_request_param_t&)> start) {
   if (auto b = broken(); !b.empty()) return w->complete("communicator aborted: " + b);
   auto* op = new pending_op{this, w, std::move(t), bytes, check_kind, nullptr};
-  post([this, op, start = std::move(start)] {
+  auto begin = [this, op, start = std::move(start)] {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.user_data = op;
     pending_.insert(op);
     posted(op, start(op, p));
-  });
+  };
+  if (t_driver != this) return post(std::move(begin));
+  std::lock_guard<std::mutex> wl(worker_mu_);
+  t_driver = nullptr;
+  begin();
+  t_driver = this;
+}
+
+bool ucx_comm::run_commands() {
+  std::deque<std::function<void()>> cmds;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cmds.swap(commands_);
+  }
+  for (auto& c : cmds) c();
+  return !cmds.empty();
+}
+
+void ucx_comm::begin_drive() {
+  if (!drives()) return;
+  driving_ = true;
+  t_driver = this;
+}
+
+void ucx_comm::end_drive() {
+  if (t_driver != this) return;
+  t_driver = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(park_mu_);
+    driving_ = false;
+  }
+  park_cv_.notify_one();
+  post([] {});  // and out of epoll_wait, if it slept there when the drive began
 }
 
 void ucx_comm::post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag) {
@@ -311,22 +360,25 @@ void ucx_comm::posted(pending_op* op, ucs_status_ptr_t req) {
 void ucx_comm::progress_loop() {
   int idle = 0;
   while (true) {
-    std::deque<std::function<void()>> cmds;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cmds.swap(commands_);
+    if (driving_) {
+      std::unique_lock<std::mutex> lock(park_mu_);
+      park_cv_.wait_for(lock, std::chrono::milliseconds(100), [this] { return !driving_ || stop_; });
+      idle = 0;
+      continue;
     }
-    for (auto& c : cmds) c();
+    std::unique_lock<std::mutex> wl(worker_mu_);
+    const bool ran = run_commands();
     // Sends to a dead peer never complete (UCX cannot cancel them): stop waiting after a
     // grace period; shutdown() fails what is left.
     if (stop_ && (pending_.empty() || std::chrono::steady_clock::now() > stop_deadline_)) break;
-    if (ucp_worker_progress(worker_) != 0 || !cmds.empty()) {
+    if (ucp_worker_progress(worker_) != 0 || ran) {
       idle = 0;
       continue;
     }
     // While transfers are pending a peer is about to answer: keep polling (yielding the
     // core to the other processes of the machine) rather than pay a wake-up per message.
     if (++idle < opts_.spin || (!pending_.empty() && idle < 64 * opts_.spin)) {
+      wl.unlock();
       if (idle > 64) std::this_thread::yield();
       continue;
     }
@@ -336,6 +388,7 @@ void ucx_comm::progress_loop() {
       std::lock_guard<std::mutex> lock(mu_);
       if (!commands_.empty()) continue;
     }
+    wl.unlock();
     epoll_event evs[2];
     epoll_wait(epoll_fd_, evs, 2, stop_ ? 10 : 200);
     std::uint64_t drained;
@@ -364,10 +417,13 @@ work_ptr ucx_comm::enqueue(collective kind, std::function<void(std::uint64_t)> b
                                   std::to_string(rank_) + " of " + std::to_string(size_) + ")");
   jobs_.push_back([this, w, seq, body = std::move(body)] {
     if (auto b = broken(); !b.empty()) return w->complete("communicator aborted: " + b);
+    begin_drive();
     try {
       body(seq);
+      end_drive();
       w->complete();
     } catch (const std::exception& e) {
+      end_drive();
       w->complete(e.what());
     }
   });
@@ -452,6 +508,24 @@ void ucx_comm::direct_all_gather(collective kind, std::uint64_t seq, int step, t
 }
 
 void ucx_comm::await(const work_ptr& w) {
+  // Driving: progress here until the transfer is done, with the progress loop's patience
+  // (then hand the worker back and sleep on the work like any other waiter).
+  for (int idle = 0; t_driver == this && !w->done();) {
+    bool moved;
+    {
+      std::lock_guard<std::mutex> wl(worker_mu_);
+      t_driver = nullptr;
+      moved = run_commands();
+      moved = ucp_worker_progress(worker_) != 0 || moved;
+      t_driver = this;
+    }
+    if (moved)
+      idle = 0;
+    else if (++idle >= 64 * opts_.spin)
+      end_drive();
+    else if (idle > 64)
+      std::this_thread::yield();
+  }
   try {
     w->wait_or_throw(opts_.timeout);
   } catch (const transport_error& e) {

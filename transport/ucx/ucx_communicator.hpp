@@ -2,9 +2,10 @@
 // ucx/: ranks in different processes or machines. Tensors travel as UCX tag messages
 // (UCX picks eager or rendezvous/zero-copy by size, and shared memory, cma, TCP or RDMA
 // by what the two ends share; UCX_TLS restricts it). One progress thread per
-// communicator owns the UCX worker: it sleeps on the worker's event fd and completes the
-// `work` handles (callers are never blocked). Collectives run as rings on a second
-// thread of the communicator, one at a time, in call order.
+// communicator progresses the UCX worker: it sleeps on the worker's event fd and
+// completes the `work` handles (callers are never blocked). Collectives run on a second
+// thread of the communicator, one at a time, in call order; while one runs, that thread
+// progresses the worker itself (ucx_options::drive; a mutex serialises the two).
 //
 // Tags (64 bits): bit 63 collective, bits 48..62 source rank, for collectives bits
 // 40..47 the kind, 16..39 the collective's number, 0..15 its step; for point-to-point
@@ -36,6 +37,10 @@ struct ucx_options {
   /// latencies, the same bytes per rank, the same sums bit for bit (each piece is still
   /// added in the ring's order, by its owner); scratch of n-1 pieces. 0: always the ring.
   std::int64_t direct_max_bytes = 4 << 20;
+  /// While a collective runs, its thread progresses the worker itself (the progress thread
+  /// parks): a step's transfers start and their completions are seen without two thread
+  /// wake-ups. Only where the progress loop spins (spin > 0): over TCP only, both sleep.
+  bool drive = true;
 };
 
 /// The progress loop's spin count for `requested` (see ucx_options::spin).
