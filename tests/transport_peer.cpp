@@ -93,6 +93,11 @@ void run_check(communicator& comm, c10d::ProcessGroupGloo& gloo, std::int64_t ma
         pieces.push_back(all[r].narrow(0, rb, re - rb));
       }
       check_equal(gathered, torch::cat(pieces), "all_gather " + tag);
+      // in place: the input is the output's own piece
+      auto in_place = torch::zeros({size}, dt);
+      in_place.narrow(0, b, e - b).copy_(all[rank].narrow(0, b, e - b));
+      comm.all_gather(in_place.narrow(0, b, e - b), in_place)->wait_or_throw(timeout);
+      check_equal(in_place, torch::cat(pieces), "all_gather in place " + tag);
       if (size % n == 0) {  // gloo's allgather needs equal pieces
         std::vector<std::vector<torch::Tensor>> outs(1);
         for (int r = 0; r < n; ++r) outs[0].push_back(torch::empty({size / n}, dt));

@@ -36,6 +36,11 @@ std::uint64_t coll_tag(int src, collective kind, std::uint64_t seq, int step) {
 // thread only, cleared while it is inside UCX: callbacks must not post directly).
 thread_local const void* t_driver = nullptr;
 
+// One step of a ring: send to the right, receive from the left, `meanwhile` between
+// posting and waiting (ucx_comm::ring_exchange).
+using exchange_fn = std::function<void(collective, std::uint64_t, int, torch::Tensor, int, torch::Tensor, int,
+                                       const std::function<void()>&)>;
+
 void check_status(ucs_status_t s, const char* what) {
   if (s != UCS_OK) throw transport_error(std::string(what) + ": " + ucs_status_string(s));
 }
@@ -115,19 +120,26 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
 
   // Blocking helpers for the collective thread.
   void await(const work_ptr& w);
+  /// `meanwhile` runs once the transfers are under way (work that overlaps them).
   void ring_exchange(collective kind, std::uint64_t seq, int step, torch::Tensor send_t, int dst, torch::Tensor recv_t,
-                     int src);
+                     int src, const std::function<void()>& meanwhile = {});
   /// Sends to[p] to every other rank p and receives from[p] from it, all at once.
   void direct_exchange(collective kind, std::uint64_t seq, int step, const std::vector<torch::Tensor>& to,
-                       const std::vector<torch::Tensor>& from);
+                       const std::vector<torch::Tensor>& from, const std::function<void()>& meanwhile = {});
   bool direct(const torch::Tensor& t) const {
     return size_ >= 3 && std::int64_t(t.nbytes()) <= opts_.direct_max_bytes;
   }
   /// Reduce-scatter by direct exchange: this rank's piece of the sum in `output`, which
   /// may alias the input's piece.
   void direct_reduce_scatter(collective kind, std::uint64_t seq, torch::Tensor input, torch::Tensor output);
-  /// All-gather by direct exchange in place over `out`, whose piece `rank` is filled.
-  void direct_all_gather(collective kind, std::uint64_t seq, int step, torch::Tensor out);
+  exchange_fn ring_step() {
+    return [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor b, int src,
+                  const std::function<void()>& meanwhile) { ring_exchange(k, q, s, a, d, b, src, meanwhile); };
+  }
+  /// All-gather by direct exchange in place over `out`, whose piece `rank` is filled, or
+  /// is `mine` (sent from there and copied in while the transfers run) where defined.
+  void direct_all_gather(collective kind, std::uint64_t seq, int step, torch::Tensor out,
+                         torch::Tensor mine = torch::Tensor());
 
   const int rank_, size_;
   const ucx_options opts_;
@@ -432,7 +444,7 @@ work_ptr ucx_comm::enqueue(collective kind, std::function<void(std::uint64_t)> b
 }
 
 void ucx_comm::ring_exchange(collective kind, std::uint64_t seq, int step, torch::Tensor send_t, int dst,
-                             torch::Tensor recv_t, int src) {
+                             torch::Tensor recv_t, int src, const std::function<void()>& meanwhile) {
   const auto k = std::uint64_t(kind) << kind_shift;
   work_ptr r, s;
   if (recv_t.defined() && recv_t.numel() > 0) {
@@ -445,12 +457,13 @@ void ucx_comm::ring_exchange(collective kind, std::uint64_t seq, int step, torch
                                std::to_string(step) + ": send to rank " + std::to_string(dst));
     post_send(s, send_t, dst, coll_tag(rank_, kind, seq, step));
   }
+  if (meanwhile) meanwhile();
   for (auto& w : {r, s})
     if (w) await(w);
 }
 
 void ucx_comm::direct_exchange(collective kind, std::uint64_t seq, int step, const std::vector<torch::Tensor>& to,
-                               const std::vector<torch::Tensor>& from) {
+                               const std::vector<torch::Tensor>& from, const std::function<void()>& meanwhile) {
   const auto k = std::uint64_t(kind) << kind_shift;
   const auto name = std::string(collective_name(kind)) + " #" + std::to_string(seq) + " step " + std::to_string(step);
   std::vector<work_ptr> ws;
@@ -464,6 +477,7 @@ void ucx_comm::direct_exchange(collective kind, std::uint64_t seq, int step, con
     ws.push_back(std::make_shared<work>(name + ": send to rank " + std::to_string(p)));
     post_send(ws.back(), to[p], p, coll_tag(rank_, kind, seq, step));
   }
+  if (meanwhile) meanwhile();
   for (auto& w : ws) await(w);
 }
 
@@ -496,15 +510,18 @@ void ucx_comm::direct_reduce_scatter(collective kind, std::uint64_t seq, torch::
   output.copy_(sum);
 }
 
-void ucx_comm::direct_all_gather(collective kind, std::uint64_t seq, int step, torch::Tensor out) {
+void ucx_comm::direct_all_gather(collective kind, std::uint64_t seq, int step, torch::Tensor out, torch::Tensor mine) {
   std::vector<torch::Tensor> to(static_cast<std::size_t>(size_)), from(static_cast<std::size_t>(size_));
   auto [b, e] = piece(out.numel(), size_, rank_);
+  auto slot = out.narrow(0, b, e - b);
   for (int p = 0; p < size_; ++p) {
     auto [pb, pe] = piece(out.numel(), size_, p);
-    to[p] = out.narrow(0, b, e - b);
+    to[p] = mine.defined() ? mine : slot;
     from[p] = out.narrow(0, pb, pe - pb);
   }
-  direct_exchange(kind, seq, step, to, from);
+  direct_exchange(kind, seq, step, to, from, [&] {
+    if (mine.defined()) slot.copy_(mine);
+  });
 }
 
 void ucx_comm::await(const work_ptr& w) {
@@ -540,8 +557,7 @@ void ucx_comm::await(const work_ptr& w) {
 // buffers, the input is not modified.
 static void ring_reduce_scatter(int rank, int n, collective kind, std::uint64_t seq, int step0, torch::Tensor input,
                                 torch::Tensor output, std::vector<torch::Tensor>& scratch,
-                                const std::function<void(collective, std::uint64_t, int, torch::Tensor, int,
-                                                         torch::Tensor, int)>& exchange) {
+                                const exchange_fn& exchange) {
   const auto total = input.numel();
   const int right = (rank + 1) % n, left = (rank + n - 1) % n;
   const auto longest = piece(total, n, 0);
@@ -555,7 +571,7 @@ static void ring_reduce_scatter(int rank, int n, collective kind, std::uint64_t 
     auto [rb, re] = piece(total, n, cr);
     if (s == 0) outgoing = input.narrow(0, sb, se - sb);
     auto incoming = in.narrow(0, 0, re - rb);
-    exchange(kind, seq, step0 + s, outgoing, right, incoming, left);
+    exchange(kind, seq, step0 + s, outgoing, right, incoming, left, {});
     auto sum = s == n - 2 ? output : sums[s % 2].narrow(0, 0, re - rb);
     torch::add_out(sum, input.narrow(0, rb, re - rb), incoming);
     outgoing = sum;
@@ -563,18 +579,23 @@ static void ring_reduce_scatter(int rank, int n, collective kind, std::uint64_t 
   if (n == 1) output.copy_(input);
 }
 
-// Ring all-gather in place over `out` whose piece `rank` is filled.
+// Ring all-gather in place over `out` whose piece `rank` is filled, or is `mine`: then
+// step 0 sends from `mine` and copies it in while its transfers run.
 static void ring_all_gather(int rank, int n, collective kind, std::uint64_t seq, int step0, torch::Tensor out,
-                            const std::function<void(collective, std::uint64_t, int, torch::Tensor, int,
-                                                     torch::Tensor, int)>& exchange) {
+                            torch::Tensor mine, const exchange_fn& exchange) {
   const auto total = out.numel();
   const int right = (rank + 1) % n, left = (rank + n - 1) % n;
   for (int s = 0; s < n - 1; ++s) {
     const int cs = ((rank - s) % n + n) % n, cr = ((rank - s - 1) % n + n) % n;
     auto [sb, se] = piece(total, n, cs);
     auto [rb, re] = piece(total, n, cr);
-    exchange(kind, seq, step0 + s, out.narrow(0, sb, se - sb), right, out.narrow(0, rb, re - rb), left);
+    auto slot = out.narrow(0, sb, se - sb);
+    const bool first = s == 0 && mine.defined();
+    exchange(kind, seq, step0 + s, first ? mine : slot, right, out.narrow(0, rb, re - rb), left, [&] {
+      if (first) slot.copy_(mine);
+    });
   }
+  if (n == 1 && mine.defined()) out.copy_(mine);
 }
 
 work_ptr ucx_comm::all_reduce(torch::Tensor t) {
@@ -582,17 +603,15 @@ work_ptr ucx_comm::all_reduce(torch::Tensor t) {
   if (!summable(t.scalar_type())) throw std::invalid_argument("all_reduce: dtype cannot be summed");
   return enqueue(collective::all_reduce, [this, t](std::uint64_t seq) {
     auto flat = t.view({-1});
-    auto ex = [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor b, int src) {
-      ring_exchange(k, q, s, a, d, b, src);
-    };
     auto [b, e] = piece(flat.numel(), size_, rank_);
     if (direct(flat)) {
       direct_reduce_scatter(collective::all_reduce, seq, flat, flat.narrow(0, b, e - b));
       return direct_all_gather(collective::all_reduce, seq, 1, flat);
     }
     // The sum of piece `rank` can land in place: no step before the last reads it.
-    ring_reduce_scatter(rank_, size_, collective::all_reduce, seq, 0, flat, flat.narrow(0, b, e - b), scratch_, ex);
-    ring_all_gather(rank_, size_, collective::all_reduce, seq, size_ - 1, flat, ex);
+    ring_reduce_scatter(rank_, size_, collective::all_reduce, seq, 0, flat, flat.narrow(0, b, e - b), scratch_,
+                        ring_step());
+    ring_all_gather(rank_, size_, collective::all_reduce, seq, size_ - 1, flat, torch::Tensor(), ring_step());
   });
 }
 
@@ -603,11 +622,8 @@ work_ptr ucx_comm::reduce_scatter(torch::Tensor input, torch::Tensor output) {
   check_tensor(output, e - b, "reduce_scatter output");
   return enqueue(collective::reduce_scatter, [this, input, output](std::uint64_t seq) {
     if (direct(input)) return direct_reduce_scatter(collective::reduce_scatter, seq, input.view({-1}), output.view({-1}));
-    auto ex = [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor bb, int src) {
-      ring_exchange(k, q, s, a, d, bb, src);
-    };
     ring_reduce_scatter(rank_, size_, collective::reduce_scatter, seq, 0, input.view({-1}), output.view({-1}), scratch_,
-                        ex);
+                        ring_step());
   });
 }
 
@@ -617,12 +633,17 @@ work_ptr ucx_comm::all_gather(torch::Tensor input, torch::Tensor output) {
   check_tensor(input, e - b, "all_gather input");
   return enqueue(collective::all_gather, [this, input, output, b = b, e = e](std::uint64_t seq) {
     auto flat = output.view({-1});
-    flat.narrow(0, b, e - b).copy_(input.view({-1}));
-    if (direct(flat)) return direct_all_gather(collective::all_gather, seq, 0, flat);
-    ring_all_gather(rank_, size_, collective::all_gather, seq, 0, flat,
-                    [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor bb, int src) {
-                      ring_exchange(k, q, s, a, d, bb, src);
-                    });
+    // The own piece is sent from the input and copied into place while the first
+    // transfers run, unless the input lies elsewhere in the output (received into).
+    auto mine = input.view({-1});
+    const auto* lo = static_cast<const char*>(flat.data_ptr());
+    const auto* at = static_cast<const char*>(mine.data_ptr());
+    if (at >= lo && at < lo + flat.nbytes() && mine.data_ptr() != flat.narrow(0, b, e - b).data_ptr()) {
+      flat.narrow(0, b, e - b).copy_(mine);
+      mine = torch::Tensor();
+    }
+    if (direct(flat)) return direct_all_gather(collective::all_gather, seq, 0, flat, mine);
+    ring_all_gather(rank_, size_, collective::all_gather, seq, 0, flat, mine, ring_step());
   });
 }
 
