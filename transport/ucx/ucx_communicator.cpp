@@ -47,14 +47,27 @@ void check_status(ucs_status_t s, const char* what) {
 
 struct pending_op;
 
-ucx_options with_spin(ucx_options o) {
-  o.spin = resolve_spin(o.spin);
-  return o;
+// A published address: the worker's UCX address, then this machine's name and its length
+// (one byte), so that every rank can count the ranks that share its machine.
+std::string machine_name() {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  return std::string(host).substr(0, 255);
+}
+std::string with_machine(const std::string& ucx_address) {
+  const auto host = machine_name();
+  return ucx_address + host + char(static_cast<unsigned char>(host.size()));
+}
+std::pair<std::string, std::string> split_address(const std::string& published) {
+  const std::size_t len = published.empty() ? 0 : static_cast<unsigned char>(published.back());
+  if (published.size() < len + 2) throw transport_error("malformed UCX address (" + std::to_string(published.size()) + " bytes)");
+  const auto cut = published.size() - 1 - len;
+  return {published.substr(0, cut), published.substr(cut, len)};
 }
 
 class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_comm> {
  public:
-  ucx_comm(int rank, int size, ucx_options opts) : rank_(rank), size_(size), opts_(with_spin(opts)) {}
+  ucx_comm(int rank, int size, ucx_options opts) : rank_(rank), size_(size), opts_(opts) {}
   ~ucx_comm() override { shutdown(); }
 
   /// Phase 1: context, worker, own address.
@@ -100,7 +113,7 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
   /// The collective thread progresses the worker itself while a collective runs (where the
   /// progress loop spins anyway): its transfers start, and their completions are seen,
   /// without a hand-off to the progress thread and back (two thread wake-ups per step).
-  bool drives() const { return opts_.drive && opts_.spin > 0; }  // TCP only: sleeping is cheaper
+  bool drives() const { return opts_.drive && spin_ > 0; }  // where the loop sleeps at once, so does this
   void begin_drive();
   void end_drive();
   void post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag);
@@ -143,6 +156,7 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
 
   const int rank_, size_;
   const ucx_options opts_;
+  int spin_ = 0;  // resolve_spin(opts_.spin, ranks on this machine), set by connect()
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::vector<ucp_ep_h> eps_;
@@ -249,12 +263,12 @@ std::string ucx_comm::init() {
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   // The progress thread, and the collective thread where it drives (under worker_mu_).
-  wp.thread_mode = drives() ? UCS_THREAD_MODE_SERIALIZED : UCS_THREAD_MODE_SINGLE;
+  wp.thread_mode = opts_.drive ? UCS_THREAD_MODE_SERIALIZED : UCS_THREAD_MODE_SINGLE;
   check_status(ucp_worker_create(context_, &wp, &worker_), "ucp_worker_create");
   ucp_address_t* addr = nullptr;
   std::size_t len = 0;
   check_status(ucp_worker_get_address(worker_, &addr, &len), "ucp_worker_get_address");
-  const std::string mine(reinterpret_cast<const char*>(addr), len);
+  const auto mine = with_machine(std::string(reinterpret_cast<const char*>(addr), len));
   ucp_worker_release_address(worker_, addr);
   return mine;
 }
@@ -263,12 +277,21 @@ void ucx_comm::connect(const std::vector<std::string>& all) {
   if (int(all.size()) != size_)
     throw transport_error("address exchange returned " + std::to_string(all.size()) + " addresses for " +
                           std::to_string(size_) + " ranks");
+  std::vector<std::string> ucx_addresses;
+  int local = 0;
+  const auto here = machine_name();
+  for (const auto& a : all) {
+    auto [ucx_address, machine] = split_address(a);
+    ucx_addresses.push_back(std::move(ucx_address));
+    local += machine == here;
+  }
+  spin_ = resolve_spin(opts_.spin, local);
   eps_.assign(size_, nullptr);
   for (int r = 0; r < size_; ++r) {
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(all[r].data());
+    ep.address = reinterpret_cast<const ucp_address_t*>(ucx_addresses[r].data());
     // UCX 1.13's shared-memory transports have no peer-failure handling: a dead peer is
     // noticed by the timeouts of the collectives and by the control plane (abort()).
     ep.err_mode = opts_.peer_failure_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
@@ -389,7 +412,7 @@ void ucx_comm::progress_loop() {
     }
     // While transfers are pending a peer is about to answer: keep polling (yielding the
     // core to the other processes of the machine) rather than pay a wake-up per message.
-    if (++idle < opts_.spin || (!pending_.empty() && idle < 64 * opts_.spin)) {
+    if (++idle < spin_ || (!pending_.empty() && idle < 64 * spin_)) {
       wl.unlock();
       if (idle > 64) std::this_thread::yield();
       continue;
@@ -538,7 +561,7 @@ void ucx_comm::await(const work_ptr& w) {
     }
     if (moved)
       idle = 0;
-    else if (++idle >= 64 * opts_.spin)
+    else if (++idle >= 64 * spin_)
       end_drive();
     else if (idle > 64)
       std::this_thread::yield();
@@ -764,7 +787,7 @@ class pending_impl : public ucx_pending {
 };
 }  // namespace
 
-int resolve_spin(int requested) {
+int resolve_spin(int requested, int local_ranks) {
   if (requested >= 0) return requested;
   if (const char* e = std::getenv("TROUPE_UCX_SPIN"); e && *e) {
     try {
@@ -779,7 +802,9 @@ int resolve_spin(int requested) {
   bool tcp = false, other = false;
   std::stringstream in(tls);
   for (std::string t; std::getline(in, t, ',');) (t == "tcp" ? tcp : other) |= t != "self";
-  return tcp && !other ? 0 : 2000;
+  if (!tcp || other) return 2000;
+  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  return local_ranks > cores ? 0 : 2000;
 }
 
 std::unique_ptr<ucx_pending> prepare_ucx_communicator(int rank, int size, ucx_options opts) {

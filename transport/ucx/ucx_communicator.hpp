@@ -25,9 +25,12 @@ struct ucx_options {
   /// Every blocking step of a collective fails after this long (a peer died or froze).
   std::chrono::milliseconds timeout{60000};
   /// Progress-loop spins before sleeping on the event fd (latency vs CPU). -1: the
-  /// environment's TROUPE_UCX_SPIN, else 0 where UCX_TLS allows TCP only (the kernel
-  /// moves the bytes; spinning only takes cores from it: 4 ranks on 2 cores, 1 MiB
-  /// all-reduce 0.4 -> 0.6 GB/s), else 2000 (shared memory and RDMA are polled).
+  /// environment's TROUPE_UCX_SPIN, else 0 where UCX_TLS allows TCP only and more ranks
+  /// of the communicator share this machine than it has cores (the kernel moves the
+  /// bytes; spinning only takes cores from it: 4 ranks on 2 cores, one-element all-reduce
+  /// 320-500 us sleeping, 800-940 spinning), else 2000 (polling pays: shared memory and
+  /// RDMA, and TCP with a core per rank: 2 ranks on 2 cores, 47-76 us spinning, 127-222
+  /// sleeping).
   int spin = -1;
   /// UCX peer-failure handling (errors instead of timeouts when a peer dies); UCX 1.13
   /// supports it on TCP and RDMA but not on shared memory, so it is off by default.
@@ -43,8 +46,9 @@ struct ucx_options {
   bool drive = true;
 };
 
-/// The progress loop's spin count for `requested` (see ucx_options::spin).
-int resolve_spin(int requested);
+/// The progress loop's spin count for `requested` (see ucx_options::spin), with
+/// `local_ranks` ranks of the communicator on this machine.
+int resolve_spin(int requested, int local_ranks = 1);
 
 /// All-gathers one string per rank (rank order): the bootstrap that exchanges UCX worker
 /// addresses, supplied by the caller (the actors' control plane, or a rendezvous folder).
