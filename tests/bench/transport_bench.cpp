@@ -183,7 +183,8 @@ int run_rank(const std::string& mode, int rank, int size, const std::string& dir
   torch::set_num_threads(1);
   ucx_options uo;  // TROUPE_BENCH_DIRECT_MAX_BYTES: another direct-exchange threshold (0: ring only)
   if (const char* d = std::getenv("TROUPE_BENCH_DIRECT_MAX_BYTES")) uo.direct_max_bytes = std::stoll(d);
-  if (const char* d = std::getenv("TROUPE_BENCH_DRIVE")) uo.drive = std::string(d) != "0";  // 0: A/B of ucx_options::drive
+  // TROUPE_BENCH_DRIVE=0: collectives without ucx_options::drive (A/B)
+  if (const char* d = std::getenv("TROUPE_BENCH_DRIVE")) uo.drive = std::string(d) != "0";
   auto comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size), uo);
   auto store = c10::make_intrusive<c10d::FileStore>(dir + "/gloo-store", size);
   auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(120));

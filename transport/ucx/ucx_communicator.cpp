@@ -60,7 +60,8 @@ std::string with_machine(const std::string& ucx_address) {
 }
 std::pair<std::string, std::string> split_address(const std::string& published) {
   const std::size_t len = published.empty() ? 0 : static_cast<unsigned char>(published.back());
-  if (published.size() < len + 2) throw transport_error("malformed UCX address (" + std::to_string(published.size()) + " bytes)");
+  if (published.size() < len + 2)
+    throw transport_error("malformed UCX address (" + std::to_string(published.size()) + " bytes)");
   const auto cut = published.size() - 1 - len;
   return {published.substr(0, cut), published.substr(cut, len)};
 }
@@ -113,7 +114,7 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
   /// The collective thread progresses the worker itself while a collective runs (where the
   /// progress loop spins anyway): its transfers start, and their completions are seen,
   /// without a hand-off to the progress thread and back (two thread wake-ups per step).
-  bool drives() const { return opts_.drive && spin_ > 0; }  // where the loop sleeps at once, so does this
+  bool drives() const { return opts_.drive && spin_ > 0; }  // only where the progress loop spins
   void begin_drive();
   void end_drive();
   void post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag);
@@ -657,12 +658,14 @@ work_ptr ucx_comm::all_gather(torch::Tensor input, torch::Tensor output) {
   return enqueue(collective::all_gather, [this, input, output, b = b, e = e](std::uint64_t seq) {
     auto flat = output.view({-1});
     // The own piece is sent from the input and copied into place while the first
-    // transfers run, unless the input lies elsewhere in the output (received into).
+    // transfers run; an input inside the output is copied first (or not at all: it is
+    // the own piece already), since the other pieces are received into the output.
     auto mine = input.view({-1});
+    auto slot = flat.narrow(0, b, e - b);
     const auto* lo = static_cast<const char*>(flat.data_ptr());
     const auto* at = static_cast<const char*>(mine.data_ptr());
-    if (at >= lo && at < lo + flat.nbytes() && mine.data_ptr() != flat.narrow(0, b, e - b).data_ptr()) {
-      flat.narrow(0, b, e - b).copy_(mine);
+    if (at >= lo && at < lo + flat.nbytes()) {
+      if (mine.data_ptr() != slot.data_ptr()) slot.copy_(mine);
       mine = torch::Tensor();
     }
     if (direct(flat)) return direct_all_gather(collective::all_gather, seq, 0, flat, mine);
