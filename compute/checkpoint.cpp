@@ -10,7 +10,10 @@
 #include <fstream>
 #include <iterator>
 
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 
 namespace troupe {
 
@@ -59,8 +62,23 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
 void save_state_dict(const std::string& path, const state_dict& state) {
   c10::Dict<std::string, torch::Tensor> dict;
   for (const auto& [name, t] : state) dict.insert(name, t.detach().contiguous());
-  const auto bytes = torch::jit::pickle_save(c10::IValue(dict));
-  write_file_atomically(path, std::string(bytes.begin(), bytes.end()));
+  // What torch::jit::pickle_save writes (torch.save's zip format), but with the dict
+  // pickled as a plain dict: pickle_save tags it with torch.jit._pickle.restore_type_tag,
+  // which torch.load's default weights_only=True (PyTorch >= 2.6) refuses to unpickle.
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler([&](const char* p, std::size_t n) { pickled.insert(pickled.end(), p, p + n); },
+                              nullptr, nullptr, nullptr, nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(c10::IValue(dict));
+  pickler.stop();
+  std::string bytes;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) {
+    bytes.append(static_cast<const char*>(p), n);
+    return n;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
+  writer.writeEndOfFile();
+  write_file_atomically(path, bytes);
 }
 
 state_dict load_state_dict(const std::string& path) {

@@ -15,6 +15,7 @@
 #include <spdlog/spdlog.h>
 
 #include "compute/checkpoint.hpp"
+#include "compute/remove_tree.hpp"
 
 namespace troupe {
 
@@ -81,7 +82,7 @@ std::string write_checkpoint_dir(const std::string& root_path, const job_config&
   if (ec) throw checkpoint_error("cannot create checkpoint folder " + root_path + ": " + ec.message());
   const auto name = step_folder_name(next_step);
   const fs::path tmp = root / ("." + name + ".tmp");
-  fs::remove_all(tmp, ec);
+  remove_tree(tmp.string());
   fs::create_directory(tmp, ec);
   if (ec) throw checkpoint_error("cannot create " + tmp.string() + ": " + ec.message());
 
@@ -118,13 +119,13 @@ std::string write_checkpoint_dir(const std::string& root_path, const job_config&
   // A folder of the same step (from a launch that failed later) is replaced; 'latest'
   // may name it meanwhile: find_checkpoint then takes the newest complete folder.
   const fs::path final_path = root / name;
-  fs::remove_all(final_path, ec);
+  remove_tree(final_path.string());
   fs::rename(tmp, final_path, ec);
   if (ec) throw checkpoint_error("cannot rename " + tmp.string() + " to " + final_path.string() + ": " + ec.message());
   write_file_atomically((root / "latest").string(), name + "\n");
   auto all = step_folders(root);
   for (std::size_t i = 0; i + std::size_t(keep) < all.size(); ++i)
-    if (all[i] != final_path) fs::remove_all(all[i], ec);
+    if (all[i] != final_path) remove_tree(all[i].string());
   return final_path.string();
 }
 

@@ -4,9 +4,28 @@
 #include <fstream>
 
 #include "compute/checkpoint.hpp"
+#include "compute/remove_tree.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
+
+// remove_tree replaces std::filesystem::remove_all (see compute/remove_tree.hpp): nested
+// folders go, a symbolic link goes without what it points to, a missing path is no error.
+TEST(Checkpoint, RemoveTreeRemovesFoldersButNotWhatLinksPointTo) {
+  test::temp_dir dir;
+  std::filesystem::create_directories(dir / "a/b/c");
+  std::ofstream(dir / "a/b/c/f") << "x";
+  std::ofstream(dir / "a/g") << "y";
+  std::ofstream(dir / "kept") << "z";
+  std::filesystem::create_symlink(dir / "kept", dir / "a/b/link");
+  std::filesystem::create_directory_symlink(dir.path, dir / "a/loop");
+  EXPECT_TRUE(remove_tree(dir / "a"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "a"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "kept"));
+  EXPECT_TRUE(remove_tree(dir / "a"));  // gone already
+  EXPECT_TRUE(remove_tree(dir / "kept"));  // a plain file
+  EXPECT_FALSE(std::filesystem::exists(dir / "kept"));
+}
 
 TEST(Checkpoint, RoundTripKeepsNamesOrderAndValues) {
   test::temp_dir dir;
@@ -24,11 +43,12 @@ TEST(Checkpoint, RoundTripKeepsNamesOrderAndValues) {
   EXPECT_EQ(files, 1);
 }
 
+// weights_only=True: PyTorch >= 2.6's default; it refuses files with TorchScript type tags.
 TEST(Checkpoint, PythonTorchLoadReadsItWithGpt2Names) {
   test::temp_dir dir;
   save_state_dict(dir / "model.pt", initial_state(model_spec::gpt_tiny(), 1234));
   const std::string cmd = "/usr/bin/python3 -c \"import torch; sd = torch.load('" + (dir / "model.pt") +
-                          "'); assert list(sd)[:3] == ['wte.weight', 'wpe.weight', 'h.0.ln_1.weight'], list(sd)[:3];"
+                          "', weights_only=True); assert list(sd)[:3] == ['wte.weight', 'wpe.weight', 'h.0.ln_1.weight'], list(sd)[:3];"
                           " assert tuple(sd['h.7.mlp.c_fc.weight'].shape) == (512, 128); print(len(sd))\" > " +
                           (dir / "out.txt");
   ASSERT_EQ(std::system(cmd.c_str()), 0);

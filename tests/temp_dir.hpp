@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <string>
 
+#include "compute/remove_tree.hpp"
+
 namespace troupe::test {
 
 /// A fresh temporary folder, removed with the object.
@@ -13,7 +15,7 @@ struct temp_dir {
     std::string tmpl = (std::filesystem::temp_directory_path() / "troupe-test-XXXXXX").string();
     path = mkdtemp(tmpl.data());
   }
-  ~temp_dir() { std::filesystem::remove_all(path); }
+  ~temp_dir() { remove_tree(path.string()); }
   std::string operator/(const std::string& name) const { return (path / name).string(); }
 };
 
