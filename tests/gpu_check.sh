@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Validation on a machine with an NVIDIA GPU (not part of CI, which has none): everything
+# the GPU path promises, in one command, after `eval "$(launch/setup-gpu)"`.
+#
+#   tests/gpu_check.sh [BUILD_DIR] [OUT_DIR]     (default build-gpu/, a temporary folder)
+#
+# 1. the GPU gtests (devices, bf16, the GpuEquivalence layouts vs the CPU, a GPU run's
+#    checkpoint resumed on the CPU, NCCL) and the checkpoint tests (but the one that runs
+#    /usr/bin/python3: step 3 reads the files with this machine's python instead);
+# 2. in-place retries on the GPU (a stage that throws, one that throws after its update):
+#    bit-identical to the fault-free GPU run (tests/compare_runs.py);
+# 3. checkpoint folders rotated on the GPU build (keep 2 of 8; PyTorch 2.x's libtorch.so
+#    once crashed removing them), every file read by this python's torch.load with
+#    weights_only=True.
+# Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
+# TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
+set -uo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${1:-$root/build-gpu}
+out=${2:-$(mktemp -d /tmp/troupe-gpu-check-XXXXXX)}
+mkdir -p "$out"
+if [ -n "$(ls -A "$out")" ]; then  # metrics files are appended to: start clean
+  echo "gpu_check: $out is not empty" >&2
+  exit 1
+fi
+python=${PYTHON:-python3}
+device=${TROUPE_CHECK_DEVICE:-cuda}
+if [ "$device" = cuda ] && ! "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_check: no usable GPU for $python's torch: nothing checked" >&2
+  exit 77
+fi
+[ -x "$build/troupe_tests" ] || { echo "gpu_check: no $build/troupe_tests (run launch/setup-gpu first)" >&2; exit 1; }
+failed=0
+step() {  # step NAME CMD...: runs CMD, logs to OUT/NAME.log, prints the verdict
+  local name=$1
+  shift
+  local t0=$SECONDS
+  if "$@" >"$out/$name.log" 2>&1; then
+    echo "PASS $name ($((SECONDS - t0)) s)"
+  else
+    echo "FAIL $name ($((SECONDS - t0)) s): see $out/$name.log"
+    tail -5 "$out/$name.log" | sed 's/^/    /'
+    failed=1
+  fi
+}
+
+gtests() {  # on the GPU a skipped GPU test is a failure (a build without CUDA or NCCL)
+  "$build/troupe_tests" --gtest_filter='Device*:Precision*:*Gpu*:*Nccl*:Checkpoint*:-Checkpoint.PythonTorch*' || return 1
+  [ "$device" = cpu ] && return 0
+  ! grep -E '^\[  SKIPPED \] [A-Za-z/_0-9.]+ \(' "$out/gtests.log" | grep -v ABuildWithoutNcclSaysSo
+}
+step gtests gtests
+
+job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps 14 --eval-interval 0)
+run_job() { "$build/troupe" "${job[@]}" --metrics "$out/$1.jsonl" --save "$out/$1.pt" "${@:2}"; }
+inplace() {  # inplace NAME FAULT...: the fault is retried in place (no resume), bit-identical to ref
+  run_job "$@" >"$out/$1.run" 2>&1 || { cat "$out/$1.run"; return 1; }
+  grep "retrying it in place" "$out/$1.run" || { echo "no in-place retry in $out/$1.run"; return 1; }
+  "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/$1" 0
+}
+step ref run_job ref
+step inplace-throw inplace throw --throw-at 1:1:10
+step inplace-throw-after-update inplace late --throw-at 0:0:5:late
+
+rotate() {
+  "$build/troupe" train --device "$device" --steps 8 --eval-interval 0 --checkpoint-dir "$out/ckpt" \
+    --checkpoint-interval 1 --keep-checkpoints 2 || return 1
+  "$python" - "$out/ckpt" <<'PY'
+import os, sys, torch
+root = sys.argv[1]
+folders = sorted(d for d in os.listdir(root) if d.startswith("step-"))
+assert folders == ["step-00000007", "step-00000008"], folders
+for d in folders:
+    for f in os.listdir(os.path.join(root, d)):
+        if f.endswith(".pt"):
+            sd = torch.load(os.path.join(root, d, f), weights_only=True)
+            assert all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in sd.values()), f
+print("kept", folders)
+PY
+}
+step checkpoint-rotation rotate
+
+[ $failed = 0 ] && echo "gpu_check: all passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
+exit $failed
