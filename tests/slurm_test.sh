@@ -49,4 +49,87 @@ if ! command -v scontrol >/dev/null; then
   grep -q "coordinator vm07:$TROUPE_PORT" list.log && ok "'vm[07-09,12],cpu1': node 0 on vm07" \
     || bad "compressed node list" list.log
 fi
+
+# --- a real SLURM: slurmctld and slurmd of Debian's packages (unpacked, not installed) ---
+# One node (this machine), auth/none, ports of their own; `srun -n 2` starts the tasks.
+real_slurm() {
+  local deps=$TROUPE_BUILD_DIR/test-deps/slurm
+  if [ ! -x "$deps/usr/bin/srun" ]; then
+    mkdir -p "$deps/debs"
+    local pkgs=(slurmctld slurmd slurm-client slurm-wlm-basic-plugins libmunge2 munge liblua5.1-0)
+    get() { (cd "$deps/debs" && apt-get download -q "${pkgs[@]}") >"$tmp/apt-slurm.log" 2>&1; }
+    get || { apt-get update -q >>"$tmp/apt-slurm.log" 2>&1 && get; } || return 1
+    for d in "$deps"/debs/*.deb; do dpkg -x "$d" "$deps"; done
+  fi
+  local lib=$deps/usr/lib/x86_64-linux-gnu s=$tmp/slurm host
+  host=$(hostname)
+  mkdir -p "$s/state" "$s/spool"
+  cat >"$s/slurm.conf" <<CONF
+ClusterName=troupe-test
+SlurmctldHost=$host
+SlurmctldPort=$(free_port)
+SlurmdPort=$(free_port)
+AuthType=auth/none
+CredType=cred/none
+PluginDir=$lib/slurm-wlm
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation=$s/state
+SlurmdSpoolDir=$s/spool
+SlurmctldPidFile=$s/slurmctld.pid
+SlurmdPidFile=$s/slurmd.pid
+SlurmctldLogFile=$s/slurmctld.log
+SlurmdLogFile=$s/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+MpiDefault=none
+KillWait=5
+ReturnToService=2
+NodeName=$host CPUs=$(nproc) State=UNKNOWN
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+CONF
+  export SLURM_CONF=$s/slurm.conf LD_LIBRARY_PATH=$lib:$lib/slurm-wlm${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PATH=$deps/usr/bin:$PATH
+  "$deps/usr/sbin/slurmctld-wlm" -i && "$deps/usr/sbin/slurmd-wlm" -d "$deps/usr/sbin/slurmstepd-wlm" || return 2
+  for ((i = 0; i < 100; i++)); do sinfo -h -o %t 2>/dev/null | grep -q idle && return 0; sleep 0.1; done
+  return 3
+}
+stop_slurm() {  # the daemons, then what launcher_lib.sh cleans up
+  local pids=() f
+  for f in "$tmp"/slurm/slurmd.pid "$tmp"/slurm/slurmctld.pid; do [ -f "$f" ] && pids+=("$(cat "$f")"); done
+  [ ${#pids[@]} -gt 0 ] && kill "${pids[@]}" 2>/dev/null
+  for ((i = 0; i < 50; i++)); do kill -0 "${pids[@]}" 2>/dev/null || break; sleep 0.1; done
+  cleanup
+}
+trap stop_slurm EXIT
+if [ "$(id -u)" != 0 ]; then
+  echo "SKIP real srun: slurmd must run as root here"
+elif real_slurm; then
+  ok "slurmctld and slurmd up ($(sinfo -h -o '%P %t %N'))"
+  srun -n 2 "$launcher" "${job[@]}" --metrics srun.jsonl --save srun.pt >srun.log 2>&1 \
+    && ok "srun -n 2 launch/troupe train: exit 0" || bad "srun: exit $?" srun.log
+  grep -q "SLURM task 1 of 2: node 1 on $(hostname), coordinator $(hostname):" srun.log \
+    && ok "srun's task 1 joins node 0 (scontrol's first host)" || bad "no task line" srun.log
+  out=$(/usr/bin/python3 "$root/tests/compare_runs.py" ref srun 0 2>&1) \
+    && ok "under srun bit-identical to the launcher's own run ($out)" || { echo "$out"; bad "srun results differ" srun.log; }
+  # scancel stops the whole job: srun ends, no node process is left.
+  srun -n 2 "$launcher" train --data-parallel 2 --steps 500 --eval-interval 0 >scancel.log 2>&1 &
+  srun_pid=$!
+  for ((i = 0; i < 300; i++)); do grep -q "^step 1/" scancel.log 2>/dev/null && break; sleep 0.1; done
+  scancel "$(squeue -h -o %i | head -1)"
+  for ((i = 0; i < 100; i++)); do kill -0 $srun_pid 2>/dev/null || break; sleep 0.1; done
+  kill -0 $srun_pid 2>/dev/null && bad "srun still running 10 s after scancel" scancel.log
+  wait $srun_pid
+  rc=$?
+  sleep 0.5
+  [ $rc != 0 ] && [ "$(nodes_left)" = 0 ] && ok "scancel: srun exits $rc, no node left" \
+    || bad "scancel: srun exit $rc, $(nodes_left) node(s) left" scancel.log
+else
+  echo "SKIP real srun: no slurmctld/slurmd to be had (real_slurm returned $?; see $tmp/apt-slurm.log)"
+fi
 exit $fail
