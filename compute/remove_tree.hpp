@@ -1,9 +1,10 @@
 #pragma once
 // Recursive removal without std::filesystem::remove_all. PyTorch 2.x's libtorch.so exports
-// its own copy of remove_all (from the static libstdc++ parts of its toolchain); the
-// dynamic linker binds our calls to it and that copy crashes (a call through a null
-// pointer, seen with PyTorch 2.11 on the GPU machine). Header-only, no LibTorch: tests and
-// benchmarks of every layer use it.
+// its own copy of remove_all (statically linked libstdc++ parts of its toolchain, among
+// them recursive_directory_iterator: pytorch/pytorch#133437); the dynamic linker binds
+// our calls to it and that copy crashes (a call through a null pointer, seen with PyTorch
+// 2.11 on the GPU machine). Header-only, no LibTorch: tests and benchmarks of every layer
+// use it.
 #include <ftw.h>
 #include <sys/stat.h>
 
