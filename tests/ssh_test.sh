@@ -7,7 +7,9 @@
 # variables reach the nodes; a node killed in the middle of a job is started again over
 # ssh and rejoins, bit-identical to a fault-free run on this machine; SIGINT stops every
 # node (exit 130); a launcher killed with SIGKILL leaves no node behind (the nodes' ssh
-# input ends, a watcher on the host stops them).
+# input ends, a watcher on the host stops them). Then a second network host: node 1 in a
+# network namespace of its own (own address, a veth link, an sshd there), UCX over TCP
+# between the two: bit-identical to the local run (skipped where no namespace can be made).
 #   tests/ssh_test.sh REPO_ROOT BUILD_DIR      (exit 77: no sshd to be had, or not root)
 source "$(dirname "$0")/launcher_lib.sh" "$@"
 skip() { echo "skip: $*"; exit 77; }
@@ -51,15 +53,27 @@ Host 127.0.0.1 localhost
 EOF
 # sshd wants its privilege separation user; where there is none (the package was not
 # installed), it sees a passwd with one in a mount namespace of its own.
-if id sshd >/dev/null 2>&1; then
-  env LD_LIBRARY_PATH="$libs" "$sshd" -f "$s/sshd_config" -D -e 2>"$tmp/sshd.log" &
-else
-  cp /etc/passwd "$s/passwd" && echo 'sshd:x:65534:65534:sshd:/run/sshd:/usr/sbin/nologin' >>"$s/passwd"
-  unshare --mount sh -c "mount --bind '$s/passwd' /etc/passwd && exec env LD_LIBRARY_PATH='$libs' '$sshd' -f '$s/sshd_config' -D -e" \
-    2>"$tmp/sshd.log" &
-fi
-sshd_pid=$!
-trap 'kill $sshd_pid 2>/dev/null; cleanup' EXIT
+[ -n "$(id -u sshd 2>/dev/null)" ] || { cp /etc/passwd "$s/passwd" && echo 'sshd:x:65534:65534:sshd:/run/sshd:/usr/sbin/nologin' >>"$s/passwd"; }
+sshd_pids=()
+start_sshd() {  # start_sshd CONFIG LOG [PREFIX...]: PREFIX e.g. `ip netns exec NS`
+  local config=$1 log=$2
+  shift 2
+  if [ ! -f "$s/passwd" ]; then
+    "$@" env LD_LIBRARY_PATH="$libs" "$sshd" -f "$config" -D -e 2>"$log" &
+  else
+    "$@" unshare --mount sh -c "mount --bind '$s/passwd' /etc/passwd && exec env LD_LIBRARY_PATH='$libs' '$sshd' -f '$config' -D -e" \
+      2>"$log" &
+  fi
+  sshd_pids+=($!)
+}
+ns=""
+stop_all() {
+  [ ${#sshd_pids[@]} -gt 0 ] && kill "${sshd_pids[@]}" 2>/dev/null
+  [ -n "$ns" ] && ip netns del "$ns" 2>/dev/null
+  cleanup
+}
+trap stop_all EXIT
+start_sshd "$s/sshd_config" "$tmp/sshd.log"
 export TROUPE_SSH="ssh -F $s/config"
 for ((i = 0; i < 50; i++)); do $TROUPE_SSH -o BatchMode=yes localhost true 2>/dev/null && break; sleep 0.2; done
 $TROUPE_SSH -o BatchMode=yes localhost true 2>"$tmp/ssh.err" || { cat "$tmp/ssh.err" "$tmp/sshd.log"; skip "the test's sshd does not let us in"; }
@@ -99,7 +113,7 @@ p1=$(node_pid 1)
 env1=$(tr '\0' '\n' <"/proc/${p1:-0}/environ" 2>/dev/null)
 token=$(echo "$env1" | sed -n 's/^TROUPE_JOB_TOKEN=//p')
 [ ${#token} = 32 ] && ok "node 1 has the job's token in its environment" || bad "node 1 (pid ${p1:-none}): no token"
-found=$(for c in /proc/[0-9]*/cmdline; do tr '\0' ' ' <"$c" 2>/dev/null | grep -l -F -- "${token:-none}" >/dev/null && echo "$c"; done)
+found=$(for c in /proc/[0-9]*/cmdline; do tr '\0' ' ' 2>/dev/null <"$c" | grep -l -F -- "${token:-none}" >/dev/null && echo "$c"; done)
 [ -z "$found" ] && ok "the token is on no command line" || bad "the token is on a command line: $found"
 echo "$env1" | grep -qx "UCX_TLS=tcp,sm,self" && echo "$env1" | grep -qx "TROUPE_TEST_MARK=a b" \
   && ok "UCX_* and TROUPE_* variables reach the nodes" || bad "UCX_TLS or TROUPE_TEST_MARK not on node 1"
@@ -133,4 +147,39 @@ out=$(/usr/bin/python3 "$root/tests/compare_runs.py" "$work/ref" "$work/got" 0 2
   && ok "ssh run with a rejoin bit-identical to the local run ($out)" || { echo "$out"; bad "results differ" got.log; }
 sleep 0.5
 [ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"
+
+# --- a second network host: node 1 in a network namespace of its own (its own address,
+# a veth link to this one, an sshd there), reached over ssh; UCX over TCP between them --
+tag=$$
+ns=troupe-ssh-$tag va=tsa$((tag % 100000)) vb=tsb$((tag % 100000)) net=10.78.$((tag % 200 + 1))
+if ! command -v ip >/dev/null || ! ip netns add "$ns" 2>"$tmp/netns.err"; then
+  echo "SKIP second network host: cannot create a network namespace ($(cat "$tmp/netns.err" 2>/dev/null))"
+  ns=""
+else
+  ip link add "$va" type veth peer name "$vb" && ip link set "$vb" netns "$ns" \
+    && ip addr add "$net.1/24" dev "$va" && ip link set "$va" up \
+    && ip -n "$ns" addr add "$net.2/24" dev "$vb" && ip -n "$ns" link set "$vb" up && ip -n "$ns" link set lo up \
+    || bad "veth link to the namespace"
+  for end in 1 2; do
+    sed "s/^ListenAddress .*/ListenAddress $net.$end/; s|^PidFile .*|PidFile $s/sshd$end.pid|" "$s/sshd_config" >"$s/sshd_config$end"
+  done
+  start_sshd "$s/sshd_config1" "$tmp/sshd1.log"
+  start_sshd "$s/sshd_config2" "$tmp/sshd2.log" ip netns exec "$ns"
+  printf 'Host %s %s\n  Port %s\n  IdentityFile %s\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n' \
+    "$net.1" "$net.2" "$port" "$s/user" >>"$s/config"
+  for ((i = 0; i < 50; i++)); do $TROUPE_SSH -o BatchMode=yes "$net.2" true 2>/dev/null && break; sleep 0.2; done
+  inside=$($TROUPE_SSH -o BatchMode=yes "$net.2" ip -o -4 addr show dev "$vb" 2>"$tmp/ssh2.err")
+  echo "$inside" | grep -q "$net.2/24" && ok "ssh to $net.2 lands in the namespace" || bad "ssh to $net.2: '$inside'" "$tmp/ssh2.err"
+  printf '%s\n%s\n' "$net.1" "$net.2" >hosts2
+  # Each node has one of the two veth ends: UCX over TCP on it, nothing shared in memory.
+  UCX_TLS=tcp,self UCX_NET_DEVICES="$va,$vb" "$launcher" "${job[@]}" --hostfile hosts2 --metrics net.jsonl \
+    --save net.pt >net.log 2>&1
+  rc=$?
+  [ $rc = 0 ] && grep -q "node 1 of 2: $net.2 (ssh pid" net.log \
+    && ok "node 0 on $net.1, node 1 on $net.2 (another network namespace): exit 0" || bad "second network host: exit $rc" net.log
+  out=$(/usr/bin/python3 "$root/tests/compare_runs.py" "$work/ref" "$work/net" 0 2>&1) \
+    && ok "across the two network hosts bit-identical to the local run ($out)" || { echo "$out"; bad "results differ" net.log; }
+  sleep 0.5
+  [ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"
+fi
 exit $fail
