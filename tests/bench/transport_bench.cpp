@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 
 #include "../process_group.hpp"
@@ -58,6 +59,19 @@ void p2p(communicator& c) {
   }
 }
 
+// Median seconds of `reps` calls of f, after `warmup` calls.
+double time_median(int reps, const std::function<void()>& f, int warmup = 1) {
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<double> ts;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = clk::now();
+    f();
+    ts.push_back(seconds_since(t0));
+  }
+  std::nth_element(ts.begin(), ts.begin() + ts.size() / 2, ts.end());
+  return ts[ts.size() / 2];
+}
+
 // Ping-pong: rank 0 sends, rank 1 answers with the same size; the median round trip / 2
 // (as ucx_perftest's tag_lat reports it). What a message costs beyond the wire: the
 // caller's hand-off to the progress thread and the completion back.
@@ -66,21 +80,20 @@ void p2p_latency(communicator& c) {
   for (std::int64_t bytes : {8ll, 4096ll, 65536ll, 524288ll}) {
     const int iters = bytes >= 65536 ? 300 : 1000;
     auto out = torch::ones({bytes / 4}), in = torch::empty({bytes / 4});
-    std::vector<double> rtt;
-    for (int i = 0; i < iters + 20; ++i) {
-      const auto t0 = clk::now();
-      if (c.rank() == 0) {
-        auto r = c.recv(in, 1, 5);
-        c.send(out, 1, 5)->wait_or_throw(kTimeout);
-        r->wait_or_throw(kTimeout);
-      } else {
-        c.recv(in, 0, 5)->wait_or_throw(kTimeout);
-        c.send(out, 0, 5)->wait_or_throw(kTimeout);
-      }
-      if (i >= 20) rtt.push_back(seconds_since(t0));
-    }
-    std::nth_element(rtt.begin(), rtt.begin() + rtt.size() / 2, rtt.end());
-    if (c.rank() == 0) std::printf("| %lld | %.1f |\n", (long long)bytes, rtt[rtt.size() / 2] / 2 * 1e6);
+    const double rtt = time_median(
+        iters,
+        [&] {
+          if (c.rank() == 0) {
+            auto r = c.recv(in, 1, 5);
+            c.send(out, 1, 5)->wait_or_throw(kTimeout);
+            r->wait_or_throw(kTimeout);
+          } else {
+            c.recv(in, 0, 5)->wait_or_throw(kTimeout);
+            c.send(out, 0, 5)->wait_or_throw(kTimeout);
+          }
+        },
+        20);
+    if (c.rank() == 0) std::printf("| %lld | %.1f |\n", (long long)bytes, rtt / 2 * 1e6);
   }
 }
 
@@ -94,18 +107,6 @@ double time_best(int reps, F f) {
     best = std::min(best, seconds_since(t0));
   }
   return best;
-}
-
-double time_median(int reps, const std::function<void()>& f) {
-  std::vector<double> ts;
-  f();
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = clk::now();
-    f();
-    ts.push_back(seconds_since(t0));
-  }
-  std::nth_element(ts.begin(), ts.begin() + ts.size() / 2, ts.end());
-  return ts[ts.size() / 2];
 }
 
 // Latency: a one-element all-reduce, median of 300 calls, troupe and gloo.

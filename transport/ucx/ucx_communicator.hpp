@@ -42,7 +42,8 @@ struct ucx_options {
   std::int64_t direct_max_bytes = 4 << 20;
   /// While a collective runs, its thread progresses the worker itself (the progress thread
   /// parks): a step's transfers start and their completions are seen without two thread
-  /// wake-ups. Only where the progress loop spins (spin > 0): over TCP only, both sleep.
+  /// wake-ups. Only where the progress loop spins (spin > 0); where it sleeps (TCP only,
+  /// more ranks than cores) both threads sleep.
   bool drive = true;
 };
 
