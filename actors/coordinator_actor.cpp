@@ -225,7 +225,7 @@ void fetch_state(self_ptr self, std::function<void(model_state)> then) {
         .then(
             [=](const state_reply& rep) {
               for (std::size_t i = 0; i < rep.names.size(); ++i)
-                (*parts)[k].emplace_back(rep.names[i], tensor_of(rep.tensors[i]));
+                (*parts)[k].emplace_back(rep.names[i], tensor_of(rep.tensors[i]).to(self->state.ctx->device));
               if (--*pending > 0) return;
               std::map<std::string, torch::Tensor> by_name;
               for (const auto& stage : *parts) by_name.insert(stage.begin(), stage.end());
@@ -254,7 +254,9 @@ void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
                   const auto key = name.substr(name.find('.') + 1);
                   auto& dst = map[key];
                   // Shards hold disjoint pieces (zeros elsewhere): adding assembles them.
-                  dst = dst.defined() ? dst.add(tensor_of(rep.tensors[i])) : tensor_of(rep.tensors[i]).clone();
+                  // Tensors of other nodes arrive in host memory.
+                  const auto t = tensor_of(rep.tensors[i]).to(self->state.ctx->device);
+                  dst = dst.defined() ? dst.add(t) : t.clone();
                 }
                 if (--*pending == 0) then(std::move(*sum));
               },

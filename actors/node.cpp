@@ -18,6 +18,7 @@
 #include "actors/supervisor_actor.hpp"
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
+#include "transport/host_staging.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
 
 namespace troupe {
@@ -176,14 +177,17 @@ std::string hostname() {
   return buf;
 }
 
+enum class staging { off, device_tensors, all_tensors };
+
 /// A node's UCX communicators: per slot (r, k) rank r of stage k's d shards, and the
 /// world of the nodes (rank = node), which carries activations between them. Made at
 /// join and again for every in-place recovery; addresses go through the registrar
-/// (stage -1: the world).
+/// (stage -1: the world). Staged: every communicator takes GPU tensors through host
+/// copies (transport/host_staging.hpp).
 class ucx_renewal : public comm_renewal {
  public:
-  ucx_renewal(int node, int nodes, int d, std::vector<std::pair<int, int>> slots)
-      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)) {
+  ucx_renewal(int node, int nodes, int d, std::vector<std::pair<int, int>> slots, staging staged)
+      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), staged_(staged) {
     mine_.node = node;
     for (const auto& [r, k] : slots_) {
       pending_.push_back(transport::prepare_ucx_communicator(r, d));
@@ -204,23 +208,47 @@ class ucx_renewal : public comm_renewal {
         if (table.stages[i] == stage) addrs.at(table.replicas[i]) = table.addresses[i];
       return addrs;
     };
+    auto staged = [this](std::shared_ptr<transport::communicator> c) {
+      if (staged_ == staging::off) return c;
+      return transport::stage_through_host(std::move(c), /*always=*/staged_ == staging::all_tensors);
+    };
     node_plan plan;
     plan.node = node_;
     plan.slots = slots_;
     for (std::size_t i = 0; i < slots_.size(); ++i) {
-      plan.comms.push_back(pending_[i]->connect(addresses_of(slots_[i].second, d_)));
+      plan.comms.push_back(staged(pending_[i]->connect(addresses_of(slots_[i].second, d_))));
       if (slots_[i].second == 0) plan.loader_replicas.push_back(slots_[i].first);
     }
-    plan.world = pending_.back()->connect(addresses_of(-1, nodes_));
+    plan.world = staged(pending_.back()->connect(addresses_of(-1, nodes_)));
     return plan;
   }
 
  private:
   int node_, nodes_, d_;
   std::vector<std::pair<int, int>> slots_;
+  staging staged_;
   std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
   node_addresses mine_;
 };
+
+/// What this node's communicators stage through host memory, with the reason logged: on
+/// a GPU, its tensors, because the UCX backend moves host memory only (even where UCX
+/// itself could move CUDA memory); TROUPE_STAGE_THROUGH_HOST=1 stages CPU tensors too
+/// (tests of the staging path on machines without a GPU).
+staging staging_for(const runtime_context& ctx, const std::string& where) {
+  const char* env = std::getenv("TROUPE_STAGE_THROUGH_HOST");
+  if (env && std::string(env) == "1") {
+    spdlog::info("{}: TROUPE_STAGE_THROUGH_HOST=1: every tensor between nodes goes through a host copy", where);
+    return staging::all_tensors;
+  }
+  if (ctx.device.is_cpu()) return staging::off;
+  std::string types;
+  for (const auto& t : transport::ucx_memory_types()) types += (types.empty() ? "" : ", ") + t;
+  spdlog::info("{}: {} tensors between nodes are staged through host memory (copied out before sending, in after "
+               "receiving): Troupe's UCX backend moves host memory (memory types this UCX can move: {})",
+               where, ctx.device.str(), types);
+  return staging::device_tensors;
+}
 
 struct node_failure : std::runtime_error {
   node_failure(int code, const std::string& what) : std::runtime_error(what), code(code) {}
@@ -334,20 +362,21 @@ actor_run_result run_node(const node_options& o) {
         // clocks of different machines are not comparable; their tracks are then offset).
         const std::chrono::steady_clock::time_point epoch{std::chrono::nanoseconds(offer.epoch_ns)};
         auto ctx = std::make_shared<const runtime_context>(cfg, epoch);
+        const auto staged = staging_for(*ctx, where);
         node_plan plan;
         if (o.rejoin) {  // communicators come with the coordinator's recovery round
           plan.node = o.node;
           plan.slots = slots;
           plan.rejoining = true;
         } else {  // UCX communicators (round 0 of the address exchange)
-          ucx_renewal comms(o.node, o.nodes, ctx->d, slots);
+          ucx_renewal comms(o.node, o.nodes, ctx->d, slots, staged);
           const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, comms.addresses(),
                                                  where + ": address exchange");
           plan = comms.connect(table);
         }
         plan.registrar = registrar_handle;
-        plan.renew = [node = o.node, nodes = o.nodes, d = ctx->d, slots]() -> std::unique_ptr<comm_renewal> {
-          return std::make_unique<ucx_renewal>(node, nodes, d, slots);
+        plan.renew = [node = o.node, nodes = o.nodes, d = ctx->d, slots, staged]() -> std::unique_ptr<comm_renewal> {
+          return std::make_unique<ucx_renewal>(node, nodes, d, slots, staged);
         };
         std::string hosted;
         for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";

@@ -134,16 +134,10 @@ int run_node_command(const config_flags& flags) {
     } catch (const troupe::config_error& e) {
       return fail(exit_usage, e.what());
     }
-    // GPU tensors between node processes would need the NCCL backend in the runtime,
-    // which it does not use yet: several nodes compute on the CPU.
-    if (o.nodes > 1 && o.cfg.device == "auto") {
-      o.cfg.device = "cpu";
-    } else if (o.nodes > 1 && o.cfg.device != "cpu") {
-      return fail(exit_usage, "device " + o.cfg.device + " with " + std::to_string(o.nodes) +
-                                  " nodes: jobs of several node processes run on the CPU for now (GPU tensors "
-                                  "between nodes need the NCCL backend, not yet used by the runtime); use "
-                                  "--nodes 1 for one GPU, or --device cpu");
-    }
+    // Several nodes stage GPU tensors through host memory (UCX moves host memory): that
+    // path waits for its first GPU run, so "auto" keeps such jobs on the CPU and a GPU
+    // must be asked for (--device cuda).
+    if (o.nodes > 1 && o.cfg.device == "auto") o.cfg.device = "cpu";
   }
   try {
     const auto result = troupe::run_node(o);

@@ -12,6 +12,10 @@
 # 3. checkpoint folders rotated on the GPU build (keep 2 of 8; PyTorch 2.x's libtorch.so
 #    once crashed removing them), every file read by this python's torch.load with
 #    weights_only=True.
+# 4. the same job as 4 node processes (launch/troupe --nodes 4: every stage, shard group
+#    and tied gradient crosses processes, GPU tensors staged through host memory over
+#    UCX), and with node 3 killed and rejoining: bit-identical to the one-process run.
+#    On the CPU, TROUPE_STAGE_THROUGH_HOST=1 sends the CPU tensors through the staging.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 set -uo pipefail
@@ -80,6 +84,18 @@ print("kept", folders)
 PY
 }
 step checkpoint-rotation rotate
+
+nodes() {  # nodes NAME FLAGS...: 4 node processes, bit-identical to ref
+  local staging=()
+  [ "$device" = cpu ] && staging=(TROUPE_STAGE_THROUGH_HOST=1)
+  env "${staging[@]}" TROUPE_BUILD_DIR="$build" TROUPE_SKIP_SETUP=1 "$root/launch/troupe" "${job[@]}" --nodes 4 \
+    --metrics "$out/$1.jsonl" --save "$out/$1.pt" "${@:2}" >"$out/$1.run" 2>&1 || { cat "$out/$1.run"; return 1; }
+  grep -E "staged through host memory|every tensor between nodes goes through a host copy" "$out/$1.run" ||
+    { echo "no staging line in $out/$1.run"; return 1; }
+  "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/$1" 0
+}
+step nodes-4 nodes nodes-4
+step nodes-4-rejoin nodes nodes-4-rejoin --kill-node 3:5
 
 [ $failed = 0 ] && echo "gpu_check: all passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
 exit $failed

@@ -850,4 +850,25 @@ address_exchange folder_exchange(std::string dir, int rank, int size, std::chron
   };
 }
 
+std::vector<std::string> ucx_memory_types() {
+  ucp_config_t* config = nullptr;
+  check_status(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG;
+  ucp_context_h context = nullptr;
+  const auto st = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  check_status(st, "ucp_init");
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  const auto q = ucp_context_query(context, &attr);
+  ucp_cleanup(context);
+  check_status(q, "ucp_context_query");
+  std::vector<std::string> names;
+  for (int t = 0; t < UCS_MEMORY_TYPE_LAST; ++t)
+    if (attr.memory_types & UCS_BIT(t)) names.emplace_back(ucs_memory_type_names[t]);
+  return names;
+}
+
 }  // namespace troupe::transport

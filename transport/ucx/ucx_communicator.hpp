@@ -70,6 +70,10 @@ std::unique_ptr<ucx_pending> prepare_ucx_communicator(int rank, int size, ucx_op
 std::shared_ptr<communicator> make_ucx_communicator(int rank, int size, const address_exchange& exchange,
                                                     ucx_options opts = {});
 
+/// The memory types this machine's UCX can move (ucp_context_query): "host" always, "cuda"
+/// and others where its build has the modules (Debian's UCX 1.13 has none).
+std::vector<std::string> ucx_memory_types();
+
 /// A bootstrap for processes that share a folder (tests, benchmarks, one machine): each
 /// rank writes its address to `dir/<rank>` (atomically) and waits up to `timeout` for all.
 address_exchange folder_exchange(std::string dir, int rank, int size,

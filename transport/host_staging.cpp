@@ -1,0 +1,118 @@
+#include "transport/host_staging.hpp"
+
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace troupe::transport {
+
+namespace {
+
+class host_staged final : public communicator {
+ public:
+  host_staged(std::shared_ptr<communicator> inner, bool always) : inner_(std::move(inner)), always_(always) {}
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return inner_->backend() + " (staged through host memory)"; }
+
+  work_ptr send(torch::Tensor t, int dst, std::uint32_t tag) override {
+    if (!staged(t, "send")) return inner_->send(std::move(t), dst, tag);
+    auto host = host_copy(t);
+    return outer(inner_->send(host, dst, tag), {}, {host});
+  }
+  work_ptr recv(torch::Tensor t, int src, std::uint32_t tag) override {
+    if (!staged(t, "recv")) return inner_->recv(std::move(t), src, tag);
+    auto host = host_buffer(t);
+    return outer(inner_->recv(host, src, tag), {{t, host}}, {});
+  }
+  work_ptr all_reduce(torch::Tensor t) override {
+    if (!staged(t, "all_reduce")) return inner_->all_reduce(std::move(t));
+    auto host = host_copy(t);
+    return outer(inner_->all_reduce(host), {{t, host}}, {});
+  }
+  work_ptr reduce_scatter(torch::Tensor input, torch::Tensor output) override {
+    const bool in = staged(input, "reduce_scatter input"), out = staged(output, "reduce_scatter output");
+    if (!in && !out) return inner_->reduce_scatter(std::move(input), std::move(output));
+    auto hin = in ? host_copy(input) : input, hout = out ? host_buffer(output) : output;
+    return outer(inner_->reduce_scatter(hin, hout), out ? copies{{output, hout}} : copies{}, {hin});
+  }
+  work_ptr all_gather(torch::Tensor input, torch::Tensor output) override {
+    // An input inside the output (in place) is copied out before anything is written.
+    const bool in = staged(input, "all_gather input"), out = staged(output, "all_gather output");
+    if (!in && !out) return inner_->all_gather(std::move(input), std::move(output));
+    auto hin = in ? host_copy(input) : input, hout = out ? host_buffer(output) : output;
+    return outer(inner_->all_gather(hin, hout), out ? copies{{output, hout}} : copies{}, {hin});
+  }
+  work_ptr broadcast(torch::Tensor t, int root) override {
+    if (!staged(t, "broadcast")) return inner_->broadcast(std::move(t), root);
+    auto host = host_copy(t);
+    return outer(inner_->broadcast(host, root), rank() == root ? copies{} : copies{{t, host}}, {});
+  }
+  void abort(const std::string& why) override { inner_->abort(why); }
+
+ private:
+  using copies = std::vector<std::pair<torch::Tensor, torch::Tensor>>;  // (caller's tensor, host buffer)
+
+  /// True when `t` goes through a host copy (checked first: a bad tensor is the caller's
+  /// error before anything is copied).
+  bool staged(const torch::Tensor& t, const char* what) const {
+    check_tensor(t, -1, what, /*any_device=*/true);
+    return always_ || !t.device().is_cpu();
+  }
+  static torch::Tensor host_copy(const torch::Tensor& t) {
+    return t.device().is_cpu() ? t.clone() : t.to(torch::kCPU);  // blocking: waits for the current stream
+  }
+  static torch::Tensor host_buffer(const torch::Tensor& t) {
+    return torch::empty(t.sizes(), t.options().device(torch::kCPU));
+  }
+
+  /// The caller's work for `inner`: completes after the host buffers are copied back into
+  /// the caller's tensors; keeps `keep` (host inputs) alive until the transfers are done.
+  static work_ptr outer(const work_ptr& inner, copies back, std::vector<torch::Tensor> keep) {
+    auto w = std::make_shared<work>(inner->what());
+    struct guard {
+      std::mutex mu;
+      bool aborted = false;
+    };
+    auto g = std::make_shared<guard>();
+    // Aborted by its caller: no copy back after abort() returns, and the caller's reason
+    // is the error (the inner work fails with its own, which is not passed on).
+    w->set_abort_hook([g, inner] {
+      {
+        std::lock_guard<std::mutex> lock(g->mu);
+        g->aborted = true;
+      }
+      inner->abort("its caller aborted the host-staged work");
+    });
+    inner->on_complete([w, g, back = std::move(back), keep = std::move(keep)](const std::string& err) {
+      std::string error = err;
+      {
+        std::lock_guard<std::mutex> lock(g->mu);
+        if (g->aborted) return;
+        if (error.empty()) {
+          try {
+            for (const auto& [dst, host] : back) dst.copy_(host);  // blocking host-to-device copy
+          } catch (const std::exception& e) {
+            error = std::string("copying the result back from host memory: ") + e.what();
+          }
+        }
+      }
+      w->complete(error);
+    });
+    return w;
+  }
+
+  std::shared_ptr<communicator> inner_;
+  bool always_;
+};
+
+}  // namespace
+
+std::shared_ptr<communicator> stage_through_host(std::shared_ptr<communicator> inner, bool always) {
+  return std::make_shared<host_staged>(std::move(inner), always);
+}
+
+}  // namespace troupe::transport
