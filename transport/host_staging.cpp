@@ -62,11 +62,16 @@ class host_staged final : public communicator {
     check_tensor(t, -1, what, /*any_device=*/true);
     return always_ || !t.device().is_cpu();
   }
-  static torch::Tensor host_copy(const torch::Tensor& t) {
-    return t.device().is_cpu() ? t.clone() : t.to(torch::kCPU);  // blocking: waits for the current stream
-  }
+  /// Host memory for `t`'s bytes: page-locked for a GPU tensor (copies at the bus's
+  /// speed, from LibTorch's caching host allocator; as gloo stages CUDA tensors).
   static torch::Tensor host_buffer(const torch::Tensor& t) {
-    return torch::empty(t.sizes(), t.options().device(torch::kCPU));
+    return torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(t.is_cuda()));
+  }
+  static torch::Tensor host_copy(const torch::Tensor& t) {
+    if (t.device().is_cpu()) return t.clone();
+    auto h = host_buffer(t);
+    h.copy_(t);  // blocking: after the kernels queued on the current stream
+    return h;
   }
 
   /// The caller's work for `inner`: completes after the host buffers are copied back into

@@ -6,7 +6,8 @@
 //
 //   call:        a host copy of each input (blocking device-to-host copy on the calling
 //                thread's current stream, so it follows the kernels queued there that
-//                wrote the tensor), a host buffer for each output
+//                wrote the tensor), a host buffer for each output (page-locked memory
+//                for CUDA tensors)
 //   inner work:  runs on the host tensors
 //   completion:  each output copied back into the caller's tensor (blocking
 //                host-to-device copy on the completing thread), then the work completes

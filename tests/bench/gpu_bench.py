@@ -6,6 +6,9 @@ utilisation against the GPU's bf16 matrix-product peak measured in the same run.
 usage: python3 tests/bench/gpu_bench.py BUILD_DIR [STEPS]
   (BUILD_DIR from launch/setup-gpu; run on a machine with a GPU and the fortunes corpus)
 
+Also runs p=4 as 2 node processes on the GPU (the host-staged path between nodes) and
+BUILD_DIR/troupe_staging_bench cuda (staged transfers vs a device-to-device copy).
+
 Prints a Markdown table. MFU = model FLOPs per second / measured peak, with model FLOPs
 per token = 6 N + 12 L T d (N parameters, L layers, T sequence length, d model width;
 PaLM's formula: forward + backward, attention scores and values counted in full).
@@ -105,16 +108,25 @@ def eager_tokens_per_s(data, n_train, steps):
     return GLOBAL_BATCH * T / times[len(times) // 2]
 
 
-def troupe_tokens_per_s(build, steps, pipeline, micro, extra=(), timeout=150):
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def troupe_tokens_per_s(build, steps, pipeline, micro, extra=(), timeout=150, nodes=1):
+    """nodes > 1: that many node processes on this machine (launch/troupe), sharing the GPU;
+    tensors between them go through host memory over UCX."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
-        cmd = [os.path.join(build, "troupe"), "train", "--workload", "gpt-small", "--device", "cuda",
+        exe = [os.path.join(build, "troupe")] if nodes == 1 else [os.path.join(ROOT, "launch", "troupe")]
+        if nodes > 1:
+            extra = (*extra, "--nodes", str(nodes))
+        cmd = [*exe, "train", "--workload", "gpt-small", "--device", "cuda",
                "--precision", "bf16", "--steps", str(steps), "--pipeline", str(pipeline),
                "--microbatches", str(micro), "--eval-interval", "0", "--threads", "1",
                "--metrics", metrics, *extra]
         start = time.perf_counter()
         try:
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            env = dict(os.environ, TROUPE_BUILD_DIR=build, TROUPE_SKIP_SETUP="1")
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(" ".join(cmd) + f" did not finish in {timeout} s:\n" + (e.stderr or b"")[-3000:].decode())
         print(f"  ({' '.join(cmd[1:])}: {time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
@@ -137,6 +149,8 @@ def main():
     for p, m in ((1, 4), (4, 4), (4, 8)):
         runs.append((f"Troupe actors p={p} (stage actors share the GPU, own streams), {m} micro-batches, bf16",
                      troupe_tokens_per_s(build, steps, p, m)))
+    runs.append(("Troupe p=4 as 2 node processes sharing the GPU (tensors between them staged through host "
+                 "memory over UCX), 4 micro-batches, bf16", troupe_tokens_per_s(build, steps, 4, 4, nodes=2)))
     fpt = flops_per_token()
     print(f"GPU: {torch.cuda.get_device_name()}; measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; "
           f"gpt-small {n_params() / 1e6:.1f} M parameters, {fpt / 1e9:.2f} GFLOP per token; "
@@ -145,6 +159,11 @@ def main():
     print("| --- | ---: | ---: | ---: |")
     for name, tps in runs:
         print(f"| {name} | {tps:,.0f} | {tps / eager:.2f} | {tps * fpt / peak:.1%} |")
+    # What a tensor between node processes costs on the host-staged path, against a
+    # device-to-device copy in the same run.
+    print()
+    sys.stdout.flush()
+    subprocess.run([os.path.join(build, "troupe_staging_bench"), "cuda"], check=True)
 
 
 if __name__ == "__main__":

@@ -18,58 +18,22 @@
 #include <iostream>
 
 #include "../process_group.hpp"
+#include "bench_util.hpp"
 #include "../temp_dir.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
 
 using namespace troupe::transport;
-using clk = std::chrono::steady_clock;
-
 namespace {
 
-const auto kTimeout = std::chrono::seconds(120);
-
-double seconds_since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
+using namespace troupe::bench;
 
 void p2p(communicator& c) {
   if (c.rank() == 0) std::printf("| bytes | troupe ucx send/recv MB/s |\n| --- | --- |\n");
   for (std::int64_t bytes = 4096; bytes <= (64 << 20); bytes *= 4) {
-    const int window = 16;
     const int iters = int(std::max<std::int64_t>(4, std::min<std::int64_t>(2000, (1ll << 30) / bytes)));
-    auto buf = torch::ones({bytes / 4});
-    auto ack = torch::zeros({1});
-    std::vector<torch::Tensor> bufs;
-    for (int i = 0; i < window; ++i) bufs.push_back(c.rank() == 0 ? buf : torch::empty({bytes / 4}));
-    double best = 0;
-    for (int rep = 0; rep < 3; ++rep) {
-      const auto t0 = clk::now();
-      for (int i = 0; i < iters; i += window) {
-        std::vector<work_ptr> ws;
-        for (int k = 0; k < window && i + k < iters; ++k)
-          ws.push_back(c.rank() == 0 ? c.send(bufs[k], 1, k) : c.recv(bufs[k], 0, k));
-        for (auto& w : ws) w->wait_or_throw(kTimeout);
-      }
-      // The receiver acknowledges the last message (as ucx_perftest's tag_bw does).
-      if (c.rank() == 0)
-        c.recv(ack, 1, 999)->wait_or_throw(kTimeout);
-      else
-        c.send(ack, 0, 999)->wait_or_throw(kTimeout);
-      best = std::max(best, double(bytes) * iters / seconds_since(t0) / 1e6);
-    }
+    const double best = stream_mb_per_s(c, torch::ones({bytes / 4}), 16, iters);
     if (c.rank() == 0) std::printf("| %lld | %.0f |\n", (long long)bytes, best);
   }
-}
-
-// Median seconds of `reps` calls of f, after `warmup` calls.
-double time_median(int reps, const std::function<void()>& f, int warmup = 1) {
-  for (int i = 0; i < warmup; ++i) f();
-  std::vector<double> ts;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = clk::now();
-    f();
-    ts.push_back(seconds_since(t0));
-  }
-  std::nth_element(ts.begin(), ts.begin() + ts.size() / 2, ts.end());
-  return ts[ts.size() / 2];
 }
 
 // Ping-pong: rank 0 sends, rank 1 answers with the same size; the median round trip / 2
@@ -95,18 +59,6 @@ void p2p_latency(communicator& c) {
         20);
     if (c.rank() == 0) std::printf("| %lld | %.1f |\n", (long long)bytes, rtt / 2 * 1e6);
   }
-}
-
-template <class F>
-double time_best(int reps, F f) {
-  double best = 1e30;
-  f();  // warm-up
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = clk::now();
-    f();
-    best = std::min(best, seconds_since(t0));
-  }
-  return best;
 }
 
 // Latency: a one-element all-reduce, median of 300 calls, troupe and gloo.
