@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <optional>
 #include <thread>
 
@@ -242,6 +243,13 @@ TEST(HostStaging, EveryOperationEqualsTheUnstagedBackend) { check_staged_operati
 TEST(HostStaging, CudaTensorsGiveTheCpuResultsOnTheGpu) {
   if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
   check_staged_operations(torch::Device(torch::kCUDA, 0), false);
+}
+
+// What the nodes log before staging GPU tensors: the memory types this UCX can move
+// (host always; cuda only with UCX's CUDA module, which Debian's UCX lacks).
+TEST(HostStaging, UcxReportsTheMemoryTypesItCanMove) {
+  const auto types = ucx_memory_types();
+  EXPECT_NE(std::find(types.begin(), types.end(), "host"), types.end());
 }
 
 // An aborted work leaves the caller's tensor as it was and fails with the caller's
