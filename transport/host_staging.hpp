@@ -12,8 +12,8 @@
 //   completion:  each output copied back into the caller's tensor (blocking
 //                host-to-device copy on the completing thread), then the work completes
 //
-// The caller's tensors are written only before its work completes: an aborted work
-// (abort(), or the inner one failing) leaves them as they were.
+// The caller's tensors are written only before its work completes and never after its
+// abort() returns; a failed inner work writes nothing.
 //
 // Host tensors pass straight to the inner communicator (no copy) unless `always` is set,
 // which stages them too (tests run the staging path on machines without a GPU).
