@@ -22,6 +22,19 @@ rc=$?
 "$launcher" train --nodes zero >"$tmp/bad2.log" 2>&1
 rc=$?
 [ $rc = 2 ] && ok "--nodes zero refused (exit 2)" || bad "--nodes zero: exit $rc" "$tmp/bad2.log"
+# A GPU asked for where the build has none (CI's): the nodes start, node 0 refuses the
+# job with the reason, every node ends.
+if "$TROUPE_BUILD_DIR/troupe" train --device cuda --steps 1 --eval-interval 0 2>&1 | grep -q "has no CUDA"; then
+  "$launcher" train --nodes 2 --device cuda --steps 2 >"$tmp/cuda.log" 2>&1
+  rc=$?
+  [ $rc = 2 ] && grep -q "device 'cuda': this build's LibTorch has no CUDA" "$tmp/cuda.log" \
+    && ok "--device cuda with 2 nodes on a build without CUDA refused (exit 2)" || bad "--device cuda: exit $rc" "$tmp/cuda.log"
+fi
+# TROUPE_SKIP_SETUP=1 (launch/setup-gpu's builds) without a build: a one-line error.
+TROUPE_SKIP_SETUP=1 TROUPE_BUILD_DIR="$tmp/no-build" "$launcher" train --nodes 2 >"$tmp/skip.log" 2>&1
+rc=$?
+[ $rc = 2 ] && grep -q "TROUPE_SKIP_SETUP=1 but no $tmp/no-build/troupe-node" "$tmp/skip.log" \
+  && ok "TROUPE_SKIP_SETUP=1 without a build refused (exit 2)" || bad "TROUPE_SKIP_SETUP=1: exit $rc" "$tmp/skip.log"
 sleep 0.5
 [ "$(nodes_left)" = 0 ] && ok "no node left after refused jobs" || bad "$(nodes_left) node(s) left after refused jobs"
 
