@@ -5,8 +5,12 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <iostream>
+#include <string>
 #include <vector>
 
+#include "../process_group.hpp"
+#include "../temp_dir.hpp"
 #include "transport/transport.hpp"
 
 namespace troupe::bench {
@@ -65,6 +69,31 @@ inline double stream_mb_per_s(transport::communicator& c, const torch::Tensor& l
     best = std::max(best, bytes * iters / seconds_since(t0) / 1e6);
   }
   return best;
+}
+
+/// Runs `n` ranks, each this binary (`self`) with "rank", `args`, its rank, `n` and a
+/// scratch folder, under UCX_TLS=`tls`; prints `title` and rank 0's output. 1 when a rank
+/// failed (its output on stderr), else 0.
+inline int run_ranks(const std::string& self, int n, const std::vector<std::string>& args, const std::string& tls,
+                     const std::string& title) {
+  test::temp_dir dir;
+  test::process_group group(
+      n,
+      [&](int r) {
+        std::vector<std::string> argv{self, "rank"};
+        argv.insert(argv.end(), args.begin(), args.end());
+        for (const auto& a : {std::to_string(r), std::to_string(n), dir.path.string()}) argv.push_back(a);
+        return argv;
+      },
+      {"UCX_TLS=" + tls, "OMP_NUM_THREADS=1"}, dir.path.string());
+  auto results = group.wait(std::chrono::seconds(580));
+  std::cout << title << "\n" << results[0].output;
+  for (int r = 0; r < n; ++r)
+    if (results[r].status != 0) {
+      std::cerr << "rank " << r << " failed (" << results[r].status << "):\n" << results[r].output;
+      return 1;
+    }
+  return 0;
 }
 
 }  // namespace troupe::bench

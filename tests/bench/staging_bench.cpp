@@ -14,8 +14,6 @@
 #include <cstdio>
 #include <iostream>
 
-#include "../process_group.hpp"
-#include "../temp_dir.hpp"
 #include "bench_util.hpp"
 #include "compute/device.hpp"
 #include "transport/host_staging.hpp"
@@ -71,7 +69,7 @@ int run_rank(const std::string& device_name, int rank, const std::string& dir) {
 int main(int argc, char** argv) {
   try {
     const std::string mode = argc > 1 ? argv[1] : "";
-    if (mode == "rank") return run_rank(argv[2], std::stoi(argv[3]), argv[4]);
+    if (mode == "rank") return run_rank(argv[2], std::stoi(argv[3]), argv[5]);  // mode, rank, size, folder
     if (mode != "cuda" && mode != "cpu") {
       std::cerr << "usage: troupe_staging_bench cuda|cpu [TLS]\n";
       return 2;
@@ -81,19 +79,7 @@ int main(int argc, char** argv) {
       return 77;
     }
     const std::string tls = argc > 2 ? argv[2] : "sm,self";
-    troupe::test::temp_dir dir;
-    const std::string self = argv[0];
-    troupe::test::process_group group(
-        2, [&](int r) { return std::vector<std::string>{self, "rank", mode, std::to_string(r), dir.path.string()}; },
-        {"UCX_TLS=" + tls, "OMP_NUM_THREADS=1"}, dir.path.string());
-    auto results = group.wait(std::chrono::seconds(580));
-    std::cout << "UCX_TLS=" << tls << ", 2 processes, tensors on " << mode << "\n" << results[0].output;
-    for (int r = 0; r < 2; ++r)
-      if (results[r].status != 0) {
-        std::cerr << "rank " << r << " failed (" << results[r].status << "):\n" << results[r].output;
-        return 1;
-      }
-    return 0;
+    return run_ranks(argv[0], 2, {mode}, tls, "UCX_TLS=" + tls + ", 2 processes, tensors on " + mode);
   } catch (const std::exception& e) {
     std::cerr << "troupe_staging_bench: " << e.what() << "\n";
     return 1;

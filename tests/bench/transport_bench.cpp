@@ -17,9 +17,7 @@
 #include <functional>
 #include <iostream>
 
-#include "../process_group.hpp"
 #include "bench_util.hpp"
-#include "../temp_dir.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
 
 using namespace troupe::transport;
@@ -168,22 +166,7 @@ int main(int argc, char** argv) {
     }
     const int n = mode == "p2p" ? 2 : std::stoi(argc > 2 ? argv[2] : "2");
     const std::string tls = argc > (mode == "p2p" ? 2 : 3) ? argv[mode == "p2p" ? 2 : 3] : "sm,self";
-    troupe::test::temp_dir dir;
-    const std::string self = argv[0];
-    troupe::test::process_group group(
-        n,
-        [&](int r) {
-          return std::vector<std::string>{self, "rank", mode, std::to_string(r), std::to_string(n), dir.path.string()};
-        },
-        {"UCX_TLS=" + tls, "OMP_NUM_THREADS=1"}, dir.path.string());
-    auto results = group.wait(std::chrono::seconds(580));
-    std::cout << "UCX_TLS=" << tls << ", " << n << " processes\n" << results[0].output;
-    for (int r = 0; r < n; ++r)
-      if (results[r].status != 0) {
-        std::cerr << "rank " << r << " failed (" << results[r].status << "):\n" << results[r].output;
-        return 1;
-      }
-    return 0;
+    return run_ranks(argv[0], n, {mode}, tls, "UCX_TLS=" + tls + ", " + std::to_string(n) + " processes");
   } catch (const std::exception& e) {
     std::cerr << "troupe_transport_bench: " << e.what() << "\n";
     return 1;
