@@ -55,11 +55,8 @@ fi
 real_slurm() {
   local deps=$TROUPE_BUILD_DIR/test-deps/slurm
   if [ ! -x "$deps/usr/bin/srun" ]; then
-    mkdir -p "$deps/debs"
-    local pkgs=(slurmctld slurmd slurm-client slurm-wlm-basic-plugins libmunge2 munge liblua5.1-0)
-    get() { (cd "$deps/debs" && apt-get download -q "${pkgs[@]}") >"$tmp/apt-slurm.log" 2>&1; }
-    get || { apt-get update -q >>"$tmp/apt-slurm.log" 2>&1 && get; } || return 1
-    for d in "$deps"/debs/*.deb; do dpkg -x "$d" "$deps"; done
+    unpack_debs "$deps" "$tmp/apt-slurm.log" slurmctld slurmd slurm-client slurm-wlm-basic-plugins libmunge2 munge \
+      liblua5.1-0 || return 1
   fi
   local lib=$deps/usr/lib/x86_64-linux-gnu s=$tmp/slurm host
   host=$(hostname)

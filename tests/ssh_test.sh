@@ -21,10 +21,8 @@ sshd=/usr/sbin/sshd libs=""
 if [ ! -x $sshd ]; then
   deps=$TROUPE_BUILD_DIR/test-deps/openssh
   if [ ! -x "$deps/usr/sbin/sshd" ]; then
-    mkdir -p "$deps/debs"
-    get() { (cd "$deps/debs" && apt-get download -q openssh-server libwrap0) >"$tmp/apt.log" 2>&1; }
-    get || { apt-get update -q >>"$tmp/apt.log" 2>&1 && get; } || skip "no sshd, and apt-get download openssh-server failed"
-    for d in "$deps"/debs/*.deb; do dpkg -x "$d" "$deps"; done
+    unpack_debs "$deps" "$tmp/apt.log" openssh-server libwrap0 ||
+      skip "no sshd, and apt-get download openssh-server failed"
   fi
   sshd=$deps/usr/sbin/sshd libs=$deps/usr/lib/x86_64-linux-gnu:$deps/lib/x86_64-linux-gnu
 fi
