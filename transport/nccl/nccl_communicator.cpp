@@ -10,10 +10,7 @@
 #include <mutex>
 #include <thread>
 
-#ifdef TROUPE_TORCH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
+#include "transport/cuda_stream.hpp"
 #endif
 
 namespace troupe::transport {
@@ -180,15 +177,6 @@ class nccl_communicator final : public communicator {
     }
   }
 
-  static cudaStream_t caller_stream(int device) {
-#ifdef TROUPE_TORCH_CUDA
-    return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-#else
-    (void)device;
-    return nullptr;  // legacy default stream (a CPU LibTorch has no CUDA tensors anyway)
-#endif
-  }
-
   template <class Call>
   work_ptr enqueue(const char* what, std::vector<torch::Tensor> keep, Call&& call) {
     auto w = std::make_shared<work>(what);
@@ -199,7 +187,7 @@ class nccl_communicator final : public communicator {
       return w;
     }
     cudaSetDevice(device_);
-    const auto caller = caller_stream(device_);
+    const auto caller = cuda::caller_stream(device_);
     // The operation starts after what the caller queued so far ...
     cudaEvent_t ready = nullptr, done = nullptr;
     check_cuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
@@ -218,11 +206,7 @@ class nccl_communicator final : public communicator {
     check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     cudaEventRecord(done, stream_);
     cudaStreamWaitEvent(caller, done, 0);
-#ifdef TROUPE_TORCH_CUDA
-    for (auto& t : keep)  // the caching allocator must not reuse them before our stream is done
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
-                                                    c10::cuda::getStreamFromExternal(stream_, device_));
-#endif
+    for (auto& t : keep) cuda::used_on(t, stream_, device_);
     pending_.push_back({w, done, std::move(keep), clock::now()});
     lk.unlock();
     cv_.notify_all();
