@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <set>
@@ -19,6 +20,7 @@
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
 #include "transport/host_staging.hpp"
+#include "transport/ipc/ipc.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
 
 namespace troupe {
@@ -129,6 +131,7 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
         t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
         t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
         t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
+        t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
         auto rp = self->make_response_promise<node_addresses>();
         round.waiters.push_back(rp);
         if (int(round.sent.size()) == s.nodes) {
@@ -177,28 +180,40 @@ std::string hostname() {
   return buf;
 }
 
-enum class staging { off, device_tensors, all_tensors };
+/// How a node's tensors travel to other nodes: through host copies (`staged`:
+/// transport/host_staging.hpp; GPU tensors over the UCX backend) and, between node
+/// processes of one machine, point-to-point through shared buffers (`ipc`:
+/// transport/ipc/ipc.hpp; CUDA IPC on a GPU).
+struct node_transport {
+  enum class staging { off, device_tensors, all_tensors } staged = staging::off;
+  enum class ipc_memory { off, host, cuda } ipc = ipc_memory::off;
+  int device = 0;  ///< the GPU of the CUDA IPC buffers
+};
 
 /// A node's UCX communicators: per slot (r, k) rank r of stage k's d shards, and the
 /// world of the nodes (rank = node), which carries activations between them. Made at
-/// join and again for every in-place recovery; addresses go through the registrar
-/// (stage -1: the world). Staged: every communicator takes GPU tensors through host
-/// copies (transport/host_staging.hpp).
+/// join and again for every in-place recovery; addresses (and machine keys) go through
+/// the registrar (stage -1: the world). The shard groups only run collectives; the
+/// world's point-to-point to nodes of this machine goes through shared buffers where
+/// `transport.ipc` says so.
 class ucx_renewal : public comm_renewal {
  public:
-  ucx_renewal(int node, int nodes, int d, std::vector<std::pair<int, int>> slots, staging staged)
-      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), staged_(staged) {
+  ucx_renewal(int node, int nodes, int d, std::vector<std::pair<int, int>> slots, node_transport transport)
+      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), transport_(transport) {
     mine_.node = node;
+    const auto machine = transport::machine_key();
     for (const auto& [r, k] : slots_) {
       pending_.push_back(transport::prepare_ucx_communicator(r, d));
       mine_.stages.push_back(k);
       mine_.replicas.push_back(r);
       mine_.addresses.push_back(pending_.back()->address());
+      mine_.machines.push_back(machine);
     }
     pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
     mine_.stages.push_back(-1);
     mine_.replicas.push_back(node);
     mine_.addresses.push_back(pending_.back()->address());
+    mine_.machines.push_back(machine);
   }
   node_addresses addresses() const override { return mine_; }
   node_plan connect(const node_addresses& table) override {
@@ -208,9 +223,10 @@ class ucx_renewal : public comm_renewal {
         if (table.stages[i] == stage) addrs.at(table.replicas[i]) = table.addresses[i];
       return addrs;
     };
+    using staging = node_transport::staging;
     auto staged = [this](std::shared_ptr<transport::communicator> c) {
-      if (staged_ == staging::off) return c;
-      return transport::stage_through_host(std::move(c), /*always=*/staged_ == staging::all_tensors);
+      if (transport_.staged == staging::off) return c;
+      return transport::stage_through_host(std::move(c), /*always=*/transport_.staged == staging::all_tensors);
     };
     node_plan plan;
     plan.node = node_;
@@ -220,34 +236,79 @@ class ucx_renewal : public comm_renewal {
       if (slots_[i].second == 0) plan.loader_replicas.push_back(slots_[i].first);
     }
     plan.world = staged(pending_.back()->connect(addresses_of(-1, nodes_)));
+    if (transport_.ipc != node_transport::ipc_memory::off) {
+      std::vector<bool> same(nodes_, false);
+      const auto machine = transport::machine_key();
+      for (std::size_t i = 0; i < table.stages.size() && i < table.machines.size(); ++i)
+        if (table.stages[i] == -1 && table.replicas[i] != node_) same.at(table.replicas[i]) = table.machines[i] == machine;
+      std::string peers;
+      for (int n = 0; n < nodes_; ++n)
+        if (same[n]) peers += (peers.empty() ? "" : ", ") + std::to_string(n);
+      if (!peers.empty()) {
+        plan.world = transport::ipc_p2p(plan.world, transport_.ipc == node_transport::ipc_memory::cuda
+                                                        ? transport::cuda_ipc_memory(transport_.device)
+                                                        : transport::host_ipc_memory(),
+                                        same);
+        spdlog::info("node {}: tensors to node(s) {} (this machine): {}", node_, peers, plan.world->backend());
+      }
+    }
     return plan;
   }
 
  private:
   int node_, nodes_, d_;
   std::vector<std::pair<int, int>> slots_;
-  staging staged_;
+  node_transport transport_;
   std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
   node_addresses mine_;
 };
 
-/// What this node's communicators stage through host memory, with the reason logged: on
-/// a GPU, its tensors, because the UCX backend moves host memory only (even where UCX
-/// itself could move CUDA memory); TROUPE_STAGE_THROUGH_HOST=1 stages CPU tensors too
-/// (tests of the staging path on machines without a GPU).
-staging staging_for(const runtime_context& ctx, const std::string& where) {
-  const char* env = std::getenv("TROUPE_STAGE_THROUGH_HOST");
-  if (env && std::string(env) == "1") {
+/// How this node's tensors travel, with the reasons logged. On a GPU: tensors staged
+/// through host memory, because the UCX backend moves host memory only (even where UCX
+/// itself could move CUDA memory), and point-to-point to node processes of this machine
+/// through CUDA IPC buffers (where the build has the CUDA runtime). On the CPU: plain UCX
+/// (its shared-memory transports already map host memory). For tests of these paths
+/// without a GPU: TROUPE_STAGE_THROUGH_HOST=1 stages CPU tensors too, TROUPE_IPC=host
+/// moves point-to-point through POSIX shared memory; TROUPE_IPC=0 turns the buffers off.
+node_transport transport_for(const runtime_context& ctx, const std::string& where) {
+  using staging = node_transport::staging;
+  using ipc_memory = node_transport::ipc_memory;
+  node_transport t;
+  const char* stage_env = std::getenv("TROUPE_STAGE_THROUGH_HOST");
+  const char* ipc_env = std::getenv("TROUPE_IPC");
+  const std::string ipc = ipc_env ? ipc_env : "";
+  if (stage_env && std::string(stage_env) == "1") {
     spdlog::info("{}: TROUPE_STAGE_THROUGH_HOST=1: every tensor between nodes goes through a host copy", where);
-    return staging::all_tensors;
+    t.staged = staging::all_tensors;
+  } else if (!ctx.device.is_cpu()) {
+    std::string types;
+    for (const auto& m : transport::ucx_memory_types()) types += (types.empty() ? "" : ", ") + m;
+    spdlog::info("{}: {} tensors between nodes are staged through host memory (copied out before sending, in after "
+                 "receiving): Troupe's UCX backend moves host memory (memory types this UCX can move: {})",
+                 where, ctx.device.str(), types);
+    t.staged = staging::device_tensors;
   }
-  if (ctx.device.is_cpu()) return staging::off;
-  std::string types;
-  for (const auto& t : transport::ucx_memory_types()) types += (types.empty() ? "" : ", ") + t;
-  spdlog::info("{}: {} tensors between nodes are staged through host memory (copied out before sending, in after "
-               "receiving): Troupe's UCX backend moves host memory (memory types this UCX can move: {})",
-               where, ctx.device.str(), types);
-  return staging::device_tensors;
+  if (ipc == "host") {
+    spdlog::info("{}: TROUPE_IPC=host: tensors to node processes of this machine go through POSIX shared memory", where);
+    t.ipc = ipc_memory::host;
+  } else if (ipc == "0" || ipc == "off") {
+    spdlog::info("{}: TROUPE_IPC={}: no shared buffers between node processes of this machine", where, ipc);
+  } else if (!ipc.empty() && ipc != "cuda") {
+    throw std::invalid_argument("TROUPE_IPC=" + ipc + ": expected host, cuda, 0 or off");
+  } else if (ctx.device.is_cuda()) {
+    if (transport::cuda_ipc_built()) {
+      t.ipc = ipc_memory::cuda;
+      t.device = ctx.device.has_index() ? ctx.device.index() : 0;
+      spdlog::info("{}: {} tensors to node processes of this machine go through CUDA IPC buffers (to other machines "
+                   "over UCX)", where, ctx.device.str());
+    } else {
+      spdlog::warn("{}: this build has no CUDA runtime: tensors to node processes of this machine are staged through "
+                   "host memory too", where);
+    }
+  } else if (ipc == "cuda") {
+    throw std::invalid_argument("TROUPE_IPC=cuda: the job does not run on a GPU");
+  }
+  return t;
 }
 
 struct node_failure : std::runtime_error {
@@ -362,21 +423,21 @@ actor_run_result run_node(const node_options& o) {
         // clocks of different machines are not comparable; their tracks are then offset).
         const std::chrono::steady_clock::time_point epoch{std::chrono::nanoseconds(offer.epoch_ns)};
         auto ctx = std::make_shared<const runtime_context>(cfg, epoch);
-        const auto staged = staging_for(*ctx, where);
+        const auto how = transport_for(*ctx, where);
         node_plan plan;
         if (o.rejoin) {  // communicators come with the coordinator's recovery round
           plan.node = o.node;
           plan.slots = slots;
           plan.rejoining = true;
         } else {  // UCX communicators (round 0 of the address exchange)
-          ucx_renewal comms(o.node, o.nodes, ctx->d, slots, staged);
+          ucx_renewal comms(o.node, o.nodes, ctx->d, slots, how);
           const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, comms.addresses(),
                                                  where + ": address exchange");
           plan = comms.connect(table);
         }
         plan.registrar = registrar_handle;
-        plan.renew = [node = o.node, nodes = o.nodes, d = ctx->d, slots, staged]() -> std::unique_ptr<comm_renewal> {
-          return std::make_unique<ucx_renewal>(node, nodes, d, slots, staged);
+        plan.renew = [node = o.node, nodes = o.nodes, d = ctx->d, slots, how]() -> std::unique_ptr<comm_renewal> {
+          return std::make_unique<ucx_renewal>(node, nodes, d, slots, how);
         };
         std::string hosted;
         for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";

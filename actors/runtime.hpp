@@ -104,10 +104,11 @@ struct job_wiring {
 /// is reported to the coordinator by `who`.
 tensor_payload ship_payload(const job_wiring& w, const tensor_payload& p, int dst_node, const std::string& who);
 
-/// Receives a shipped payload's bytes; `done(payload with the tensor, error)` runs on the
-/// transport's thread when they are in.
+/// Receives a shipped payload's bytes into a tensor on `device`; `done(payload with the
+/// tensor, error)` runs on the transport's thread when they are in.
 void fetch_payload(const job_wiring& w, const tensor_payload& p,
-                   std::function<void(tensor_payload, const std::string& error)> done);
+                   std::function<void(tensor_payload, const std::string& error)> done,
+                   torch::Device device = torch::kCPU);
 
 /// Exit status of a run that failed in a way a restart from its last checkpoint can
 /// cure (a node or actor lost, a step aborted); the launcher restarts such jobs.

@@ -312,7 +312,7 @@ class stage_logic {
     if (!first_time(&into == &s_.inputs ? 0 : 1, {mb, chunk}, what)) return;
     const auto problem = check_payload(data, shape, torch::kFloat32);
     if (!problem.empty()) return fail(std::string(what) + " of micro-batch " + std::to_string(mb) + ": " + problem);
-    into[{mb, chunk}] = tensor_of(data).to(s_.ctx->device);  // from another node: in host memory
+    into[{mb, chunk}] = tensor_of(data).to(s_.ctx->device);
     trace_comm("recv", what, mb, chunk, s_.ctx->now_us());
     run_ready();
   }
@@ -386,7 +386,8 @@ class stage_logic {
                                             runtime_failure{m.step, name, "tensor receive: " + err, generation});
                     m.data = std::move(p);
                     caf::anon_send(me, std::move(m));
-                  });
+                  },
+                  s_.ctx->device);  // on the GPU: a device-to-device copy where the bytes come through CUDA IPC
     return false;
   }
 
@@ -503,7 +504,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         if (!logic->accept(msg.step) || !logic->first_time(5, {0, 0}, "tied gradient")) return;
         const auto problem = check_payload(msg.data, logic->tied_slice().param("wte.weight").sizes(), torch::kFloat32);
         if (!problem.empty()) return logic->fail("tied embedding gradient: " + problem);
-        auto tied = tensor_of(msg.data).to(ctx->device);  // from another node: in host memory
+        auto tied = tensor_of(msg.data).to(ctx->device);
         logic->trace_comm("recv", "tied gradient", -1, -1, ctx->now_us());
         logic->on_tied(std::move(tied));
       },

@@ -53,6 +53,7 @@ struct node_addresses {
   std::int32_t round = 0;  ///< 0: joining; n > 0: the job's n-th in-place recovery
   std::vector<std::int32_t> stages, replicas;
   std::vector<std::string> addresses;
+  std::vector<std::string> machines;  ///< per entry: its node's transport::machine_key()
 };
 
 struct node_ready {
@@ -100,7 +101,8 @@ typename Inspector::result_type inspect(Inspector& f, job_offer& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_addresses& x) {
-  return f(caf::meta::type_name("node_addresses"), x.node, x.round, x.stages, x.replicas, x.addresses);
+  return f(caf::meta::type_name("node_addresses"), x.node, x.round, x.stages, x.replicas, x.addresses,
+                           x.machines);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_ready& x) {

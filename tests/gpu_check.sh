@@ -13,9 +13,11 @@
 #    once crashed removing them), every file read by this python's torch.load with
 #    weights_only=True.
 # 4. the same job as 4 node processes (launch/troupe --nodes 4: every stage, shard group
-#    and tied gradient crosses processes, GPU tensors staged through host memory over
-#    UCX), and with node 3 killed and rejoining: bit-identical to the one-process run.
-#    On the CPU, TROUPE_STAGE_THROUGH_HOST=1 sends the CPU tensors through the staging.
+#    and tied gradient crosses processes; activations through CUDA IPC buffers, the rest
+#    staged through host memory over UCX), with node 3 killed and rejoining, and with
+#    TROUPE_IPC=0 (everything staged): bit-identical to the one-process run. On the CPU,
+#    TROUPE_STAGE_THROUGH_HOST=1 stages the CPU tensors and TROUPE_IPC=host takes POSIX
+#    shared memory for the buffers.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 set -uo pipefail
@@ -85,17 +87,25 @@ PY
 }
 step checkpoint-rotation rotate
 
-nodes() {  # nodes NAME FLAGS...: 4 node processes, bit-identical to ref
-  local staging=()
-  [ "$device" = cpu ] && staging=(TROUPE_STAGE_THROUGH_HOST=1)
-  env "${staging[@]}" TROUPE_BUILD_DIR="$build" TROUPE_SKIP_SETUP=1 "$root/launch/troupe" "${job[@]}" --nodes 4 \
-    --metrics "$out/$1.jsonl" --save "$out/$1.pt" "${@:2}" >"$out/$1.run" 2>&1 || { cat "$out/$1.run"; return 1; }
+nodes() {  # nodes NAME ipc|staged FLAGS...: 4 node processes, bit-identical to ref
+  local env=(TROUPE_BUILD_DIR="$build" TROUPE_SKIP_SETUP=1) want="go through CUDA IPC buffers"
+  [ "$device" = cpu ] && env+=(TROUPE_STAGE_THROUGH_HOST=1) && want="TROUPE_IPC=host"
+  [ "$device" = cpu ] && [ "$2" = ipc ] && env+=(TROUPE_IPC=host)
+  [ "$2" = staged ] && env+=(TROUPE_IPC=0) && want="no shared buffers"
+  env "${env[@]}" "$root/launch/troupe" "${job[@]}" --nodes 4 \
+    --metrics "$out/$1.jsonl" --save "$out/$1.pt" "${@:3}" >"$out/$1.run" 2>&1 || { cat "$out/$1.run"; return 1; }
   grep -E "staged through host memory|every tensor between nodes goes through a host copy" "$out/$1.run" ||
     { echo "no staging line in $out/$1.run"; return 1; }
+  grep -F "$want" "$out/$1.run" || { echo "no '$want' in $out/$1.run"; return 1; }
+  if [ "$2" = ipc ]; then
+    grep -E "tensors to node\(s\) .* \(this machine\): .*point-to-point on this machine through" "$out/$1.run" ||
+      { echo "no node put shared buffers under its world communicator in $out/$1.run"; return 1; }
+  fi
   "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/$1" 0
 }
-step nodes-4 nodes nodes-4
-step nodes-4-rejoin nodes nodes-4-rejoin --kill-node 3:5
+step nodes-4 nodes nodes-4 ipc
+step nodes-4-rejoin nodes nodes-4-rejoin ipc --kill-node 3:5
+step nodes-4-staged nodes nodes-4-staged staged
 
 [ $failed = 0 ] && echo "gpu_check: all passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
 exit $failed
