@@ -7,6 +7,9 @@
 //   local/  ranks in one process: hand-off without copy, collectives computed in place
 //   ucx/    ranks in processes or on machines: UCX tag messages (shared memory, cma, TCP,
 //           RDMA), one progress thread per communicator, ring collectives
+//   nccl/   ranks on GPUs (one per rank): NCCL
+// and communicators over another one: host_staging.hpp (tensors on any device through
+// host copies), ipc/ (point-to-point on one machine through shared buffers, CUDA IPC).
 //
 // Rules every backend keeps (and checks where it can):
 // - Every rank calls the collectives of a communicator in the same order with the same

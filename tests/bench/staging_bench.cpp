@@ -6,9 +6,10 @@
 //   troupe_staging_bench cpu [TLS]    CPU tensors staged anyway (the copies' cost alone)
 //
 // Per size: rank 0 streaming to rank 1 (4 in flight) and a 2-rank all-reduce, each with
-// the tensors staged and with plain host tensors over the same UCX communicator; for
-// cuda also a device-to-device copy of the same size in one process. (TLS: UCX_TLS for
-// the run, default sm,self.)
+// the tensors staged and with plain host tensors over the same UCX communicator; the
+// stream again through shared buffers (transport/ipc: CUDA IPC for cuda, POSIX shared
+// memory for cpu); for cuda also a device-to-device copy of the same size in one process.
+// (TLS: UCX_TLS for the run, default sm,self.)
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include "bench_util.hpp"
 #include "compute/device.hpp"
 #include "transport/host_staging.hpp"
+#include "transport/ipc/ipc.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
 
 using namespace troupe::transport;
@@ -29,9 +31,11 @@ int run_rank(const std::string& device_name, int rank, const std::string& dir) {
   const auto device = troupe::resolve_device(device_name);
   auto host = make_ucx_communicator(rank, 2, folder_exchange(dir + "/ucx", rank, 2));
   auto staged = stage_through_host(host, /*always=*/true);
+  auto ipc = ipc_p2p(staged, device.is_cuda() ? cuda_ipc_memory(0) : host_ipc_memory(), {true, true});
   if (rank == 0)
-    std::printf("| bytes | send/recv staged MB/s | host MB/s | all_reduce staged GB/s | host GB/s |%s\n"
-                "| --- | --- | --- | --- | --- |%s\n",
+    std::printf("| bytes | send/recv staged MB/s | host MB/s | %s MB/s | all_reduce staged GB/s | host GB/s |%s\n"
+                "| --- | --- | --- | --- | --- | --- |%s\n",
+                device.is_cuda() ? "CUDA IPC" : "shared memory (ipc)",
                 device.is_cuda() ? " device-to-device copy GB/s |" : "", device.is_cuda() ? " --- |" : "");
   for (std::int64_t bytes : {64ll << 10, 1ll << 20, 16ll << 20, 64ll << 20}) {
     const std::int64_t n = bytes / 4;
@@ -41,6 +45,7 @@ int run_rank(const std::string& device_name, int rank, const std::string& dir) {
     auto on_host = torch::ones({n});
     const double p2p_staged = stream_mb_per_s(*staged, on_device, 4, iters);
     const double p2p_host = stream_mb_per_s(*host, on_host, 4, iters);
+    const double p2p_ipc = stream_mb_per_s(*ipc, on_device, 4, iters);
     auto all_reduce_gbps = [&](communicator& c, torch::Tensor t) {  // 2 ranks: bus bandwidth = bytes / time
       return double(bytes) / time_best(reps, [&] { c.all_reduce(t)->wait_or_throw(kTimeout); }) / 1e9;
     };
@@ -55,7 +60,8 @@ int run_rank(const std::string& device_name, int rank, const std::string& dir) {
             }) / 1e9;
     }
     if (rank == 0) {
-      std::printf("| %lld | %.0f | %.0f | %.2f | %.2f |", (long long)bytes, p2p_staged, p2p_host, ar_staged, ar_host);
+      std::printf("| %lld | %.0f | %.0f | %.0f | %.2f | %.2f |", (long long)bytes, p2p_staged, p2p_host, p2p_ipc,
+                  ar_staged, ar_host);
       if (device.is_cuda()) std::printf(" %.1f |", d2d);
       std::printf("\n");
     }
