@@ -9,10 +9,10 @@
 // buffers it exported and mapped; exit 1 on a wrong element or an error.
 #include <torch/torch.h>
 
-#include <atomic>
 #include <cstdio>
 #include <iostream>
 
+#include "counting_memory.hpp"
 #include "transport/host_staging.hpp"
 #include "transport/ipc/ipc.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
@@ -20,26 +20,6 @@
 using namespace troupe::transport;
 
 namespace {
-
-/// The memory, counting what it exported and mapped.
-class counted final : public ipc_memory {
- public:
-  explicit counted(std::shared_ptr<ipc_memory> m) : m_(std::move(m)) {}
-  std::string name() const override { return m_->name(); }
-  std::shared_ptr<ipc_fence> fence(const torch::Tensor& t) override { return m_->fence(t); }
-  std::unique_ptr<ipc_export> allocate(std::size_t bytes) override {
-    ++allocated;
-    return m_->allocate(bytes);
-  }
-  std::unique_ptr<ipc_import> open(const std::string& handle) override {
-    ++opened;
-    return m_->open(handle);
-  }
-  std::atomic<int> allocated{0}, opened{0};
-
- private:
-  std::shared_ptr<ipc_memory> m_;
-};
 
 torch::Tensor expected(std::int64_t n, int src, int round, int k, const torch::TensorOptions& o) {
   return torch::arange(n, o.dtype(torch::kFloat32)) + float(1000 * src + 7 * round + k);
@@ -59,7 +39,7 @@ int main(int argc, char** argv) {
     torch::set_num_threads(1);
     const bool cuda = kind == "cuda";
     const auto device = cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-    auto memory = std::make_shared<counted>(cuda ? cuda_ipc_memory(0) : host_ipc_memory());
+    auto memory = std::make_shared<troupe::test::counting_memory>(cuda ? cuda_ipc_memory(0) : host_ipc_memory());
     auto inner = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size));
     auto comm = ipc_p2p(cuda ? stage_through_host(inner) : inner, memory, std::vector<bool>(size, true));
     const int next = (rank + 1) % size, prev = (rank + size - 1) % size;

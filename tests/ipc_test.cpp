@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "compute/device.hpp"
+#include "counting_memory.hpp"
 #include "process_group.hpp"
 #include "temp_dir.hpp"
 #include "transport/ipc/ipc.hpp"
@@ -23,25 +24,6 @@ using namespace troupe::transport;
 namespace {
 
 const auto kWait = std::chrono::seconds(10);
-
-/// Host shared memory, counting what it exported and mapped.
-class counting_memory final : public ipc_memory {
- public:
-  std::string name() const override { return m_->name(); }
-  std::shared_ptr<ipc_fence> fence(const torch::Tensor& t) override { return m_->fence(t); }
-  std::unique_ptr<ipc_export> allocate(std::size_t bytes) override {
-    ++allocated;
-    return m_->allocate(bytes);
-  }
-  std::unique_ptr<ipc_import> open(const std::string& handle) override {
-    ++opened;
-    return m_->open(handle);
-  }
-  std::atomic<int> allocated{0}, opened{0};
-
- private:
-  std::shared_ptr<ipc_memory> m_ = host_ipc_memory();
-};
 
 /// Names this process left in /dev/shm.
 int shm_left() {
@@ -62,11 +44,11 @@ struct ipc_group {
     for (std::size_t r = 0; r < machine.size(); ++r) {
       std::vector<bool> same;
       for (int m : machine) same.push_back(m == machine[r]);
-      memory.push_back(std::make_shared<counting_memory>());
+      memory.push_back(std::make_shared<test::counting_memory>(host_ipc_memory()));
       comms.push_back(ipc_p2p(inner[r], memory.back(), same, opts));
     }
   }
-  std::vector<std::shared_ptr<counting_memory>> memory;
+  std::vector<std::shared_ptr<test::counting_memory>> memory;
   std::vector<std::shared_ptr<communicator>> comms;
 };
 
@@ -156,8 +138,9 @@ TEST(Ipc, SizeMismatchFailsBothSides) {
   EXPECT_EQ(g.memory[0]->allocated, 1);  // the refused message's buffer was reused
 }
 
-// An aborted receive fails with its caller's reason and leaves the tensor as it was; a communicator's abort fails pending sends and
-// receives; bad tags and tensors are the caller's error before anything moves.
+// An aborted receive fails with its caller's reason and leaves the tensor as it was; a
+// communicator's abort fails pending sends and receives; bad tags, ranks and tensors are
+// the caller's error before anything moves.
 TEST(Ipc, AbortsAndBadCallsAreErrors) {
   ipc_group g({0, 0});
   auto dst = torch::full({10000}, 5.0f);
@@ -189,8 +172,8 @@ TEST(Ipc, AbortsAndBadCallsAreErrors) {
   EXPECT_EQ(h.memory[0]->allocated, 0);
 }
 
-// Two processes sharing a machine key see the same one; it names the boot and the IPC
-// namespace.
+// The key nodes compare to find the nodes of their machine names the boot and the IPC
+// namespace, and stays the same.
 TEST(Ipc, MachineKeyNamesTheBootAndTheIpcNamespace) {
   const auto key = machine_key();
   EXPECT_NE(key.find("/ipc:["), std::string::npos) << key;

@@ -6,8 +6,8 @@ utilisation against the GPU's bf16 matrix-product peak measured in the same run.
 usage: python3 tests/bench/gpu_bench.py BUILD_DIR [STEPS]
   (BUILD_DIR from launch/setup-gpu; run on a machine with a GPU and the fortunes corpus)
 
-Also runs p=4 as 2 node processes on the GPU (the host-staged path between nodes) and
-BUILD_DIR/troupe_staging_bench cuda (staged transfers vs a device-to-device copy).
+Also runs p=4 as 2 node processes on the GPU (CUDA IPC buffers for activations, host staging for the rest) and
+BUILD_DIR/troupe_staging_bench cuda (staged and CUDA IPC transfers between two processes vs a device-to-device copy).
 
 Prints a Markdown table. MFU = model FLOPs per second / measured peak, with model FLOPs
 per token = 6 N + 12 L T d (N parameters, L layers, T sequence length, d model width;
