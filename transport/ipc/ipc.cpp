@@ -65,8 +65,10 @@ struct recv_op {
   std::atomic<bool> acknowledged{false};
 };
 
-/// What the communicator's callbacks share (they may outlive it by a little).
-struct core {
+/// The communicator's state. Its callbacks hold it weakly: only the communicator owns it
+/// (and with it `inner`), so it goes on the communicator's thread, not on one of
+/// `inner`'s threads from inside a callback.
+struct core : std::enable_shared_from_this<core> {
   std::shared_ptr<communicator> inner;
   std::shared_ptr<ipc_memory> memory;
   std::vector<bool> same;
@@ -77,6 +79,7 @@ struct core {
   std::vector<std::map<std::uint32_t, std::shared_ptr<ipc_import>>> in;  // by peer, by buffer id
   std::vector<std::uint32_t> next_id;
   std::deque<std::shared_ptr<recv_op>> copying;  // copies not finished when started (polled)
+  int acks_in_flight = 0;
   std::condition_variable cv;
   bool stop = false;
   std::thread poller;
@@ -106,7 +109,26 @@ struct core {
   void acknowledge(int src, std::uint32_t buffer, const std::string& problem) {
     auto ack = message();
     std::memcpy(ack.data_ptr(), problem.data(), std::min<std::size_t>(problem.size(), kMessageBytes - 1));
-    inner->send(ack, src, kAckBit | buffer)->on_complete([ack](const std::string&) {});
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++acks_in_flight;
+    }
+    inner->send(ack, src, kAckBit | buffer)->on_complete([me = weak_from_this(), ack](const std::string&) {
+      if (auto c = me.lock()) {  // (gone: failed by `inner` going with the core)
+        {
+          std::lock_guard<std::mutex> lock(c->mu);
+          --c->acks_in_flight;
+        }
+        c->cv.notify_all();
+      }
+    });
+  }
+
+  /// Waits (up to `grace`) for the acknowledgements on their way: a peer's send completes
+  /// only with its acknowledgement.
+  void drain(std::chrono::milliseconds grace) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, grace, [&] { return acks_in_flight == 0; });
   }
 
   /// The copy of `op` is done: acknowledge once, complete its work.
@@ -246,8 +268,13 @@ class ipc_communicator final : public communicator {
     c_->next_id.assign(n, 1);
   }
   ~ipc_communicator() override {
+    // Acknowledgements already sent may finish; what still waits for a peer fails.
+    c_->drain(std::chrono::seconds(2));
     c_->inner->abort("communicator closed");
     c_->close("communicator closed");
+    // A callback running now holds the core for a moment: let it go before the core (and
+    // `inner`, whose threads run the callbacks) is destroyed here.
+    for (int i = 0; i < 10000 && c_.use_count() > 1; ++i) std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 
   int rank() const override { return c_->inner->rank(); }
@@ -282,11 +309,11 @@ class ipc_communicator final : public communicator {
       if (!err.empty() && !*aborted) w->complete("control message: " + err);
     });
     // The peer may still read a buffer whose acknowledgement never came: it stays busy.
-    ack_work->on_complete([w, ack, buf, aborted, c = c_, keep = t](const std::string& err) {
+    ack_work->on_complete([w, ack, buf, aborted, me = std::weak_ptr<core>(c_), keep = t](const std::string& err) {
       if (*aborted) return;
       if (!err.empty()) return w->complete(err);
       const auto problem = ack_text(ack);
-      {
+      if (auto c = me.lock()) {
         std::lock_guard<std::mutex> lock(c->mu);
         buf->busy = false;
       }
@@ -319,7 +346,10 @@ class ipc_communicator final : public communicator {
       op->control_work->abort("its caller aborted the ipc recv");
       if (copying) copying->wait_copy();  // nothing written after abort() returns
     });
-    op->control_work->on_complete([c = c_, op](const std::string& err) { c->on_control(op, err); });
+    op->control_work->on_complete([me = std::weak_ptr<core>(c_), op](const std::string& err) {
+      if (auto c = me.lock()) return c->on_control(op, err);
+      op->w->complete("communicator closed");
+    });
     return op->w;
   }
 
