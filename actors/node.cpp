@@ -244,11 +244,16 @@ class ucx_renewal : public comm_renewal {
       std::string peers;
       for (int n = 0; n < nodes_; ++n)
         if (same[n]) peers += (peers.empty() ? "" : ", ") + std::to_string(n);
-      if (!peers.empty()) {
-        plan.world = transport::ipc_p2p(plan.world, transport_.ipc == node_transport::ipc_memory::cuda
-                                                        ? transport::cuda_ipc_memory(transport_.device)
-                                                        : transport::host_ipc_memory(),
-                                        same);
+      std::shared_ptr<transport::ipc_memory> memory;
+      if (!peers.empty()) try {
+          memory = transport_.ipc == node_transport::ipc_memory::cuda ? transport::cuda_ipc_memory(transport_.device)
+                                                                       : transport::host_ipc_memory();
+        } catch (const std::exception& e) {
+          spdlog::warn("node {}: no shared buffers for node(s) {} (this machine), their tensors go over UCX: {}", node_,
+                       peers, e.what());
+        }
+      if (memory) {
+        plan.world = transport::ipc_p2p(plan.world, std::move(memory), same);
         spdlog::info("node {}: tensors to node(s) {} (this machine): {}", node_, peers, plan.world->backend());
       }
     }

@@ -180,6 +180,18 @@ TEST(Ipc, MachineKeyNamesTheBootAndTheIpcNamespace) {
   EXPECT_EQ(key, machine_key());
 }
 
+// Without a GPU, CUDA IPC memory is a clear error (the nodes then log it and keep UCX).
+TEST(Ipc, CudaMemoryWithoutAGpuIsAClearError) {
+  if (cuda_usable()) GTEST_SKIP() << "a GPU is here";
+  try {
+    cuda_ipc_memory(0);
+    FAIL() << "cuda_ipc_memory(0) without a GPU";
+  } catch (const transport_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(cuda_ipc_built() ? "cuda ipc: " : "no CUDA IPC"), std::string::npos) << what;
+  }
+}
+
 namespace {
 
 void run_ipc_peers(const std::string& kind) {
