@@ -71,7 +71,7 @@ tensor_payload ship_payload(const job_wiring& w, const tensor_payload& p, int ds
   tensor_payload out = p;
   out.local = torch::Tensor();
   out.src_node = w.node;
-  out.tag = w.next_tag->fetch_add(1);
+  out.tag = w.next_tag->fetch_add(1) & 0x7fffffffu;  // below 2^31: the ipc transport's acks use the upper half
   // A tensor of its own for the transfer: the sender may drop or reuse its tensor's data
   // (deallocate_output_tensor) while the bytes are still on their way.
   auto work = w.world->send(p.local.detach().view(-1), dst_node, out.tag);
