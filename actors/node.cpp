@@ -199,21 +199,21 @@ struct node_transport {
 class ucx_renewal : public comm_renewal {
  public:
   ucx_renewal(int node, int nodes, int d, std::vector<std::pair<int, int>> slots, node_transport transport)
-      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), transport_(transport) {
+      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), transport_(transport),
+        machine_(transport::machine_key()) {
     mine_.node = node;
-    const auto machine = transport::machine_key();
     for (const auto& [r, k] : slots_) {
       pending_.push_back(transport::prepare_ucx_communicator(r, d));
       mine_.stages.push_back(k);
       mine_.replicas.push_back(r);
       mine_.addresses.push_back(pending_.back()->address());
-      mine_.machines.push_back(machine);
+      mine_.machines.push_back(machine_);
     }
     pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
     mine_.stages.push_back(-1);
     mine_.replicas.push_back(node);
     mine_.addresses.push_back(pending_.back()->address());
-    mine_.machines.push_back(machine);
+    mine_.machines.push_back(machine_);
   }
   node_addresses addresses() const override { return mine_; }
   node_plan connect(const node_addresses& table) override {
@@ -238,9 +238,8 @@ class ucx_renewal : public comm_renewal {
     plan.world = staged(pending_.back()->connect(addresses_of(-1, nodes_)));
     if (transport_.ipc != node_transport::ipc_memory::off) {
       std::vector<bool> same(nodes_, false);
-      const auto machine = transport::machine_key();
       for (std::size_t i = 0; i < table.stages.size() && i < table.machines.size(); ++i)
-        if (table.stages[i] == -1 && table.replicas[i] != node_) same.at(table.replicas[i]) = table.machines[i] == machine;
+        if (table.stages[i] == -1 && table.replicas[i] != node_) same.at(table.replicas[i]) = table.machines[i] == machine_;
       std::string peers;
       for (int n = 0; n < nodes_; ++n)
         if (same[n]) peers += (peers.empty() ? "" : ", ") + std::to_string(n);
@@ -264,6 +263,7 @@ class ucx_renewal : public comm_renewal {
   int node_, nodes_, d_;
   std::vector<std::pair<int, int>> slots_;
   node_transport transport_;
+  std::string machine_;  // transport::machine_key(), sent with the addresses
   std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
   node_addresses mine_;
 };

@@ -50,6 +50,15 @@ struct ipc_group {
   }
   std::vector<std::shared_ptr<test::counting_memory>> memory;
   std::vector<std::shared_ptr<communicator>> comms;
+
+  /// Sends `n` ones from rank 0 to rank 1 with `tag`: true when they arrived.
+  bool delivers(std::int64_t n, std::uint32_t tag) {
+    auto dst = torch::zeros({n});
+    auto r = comms[1]->recv(dst, 0, tag);
+    comms[0]->send(torch::ones({n}), 1, tag)->wait_or_throw(kWait);
+    r->wait_or_throw(kWait);
+    return torch::equal(dst, torch::ones({n}));
+  }
 };
 
 }  // namespace
@@ -64,43 +73,33 @@ TEST(Ipc, SendRecvThroughSharedBuffersEqualsTheBackend) {
     EXPECT_NE(g.comms[0]->backend().find("through shared host memory"), std::string::npos) << g.comms[0]->backend();
     for (std::int64_t n : {std::int64_t(3), std::int64_t(5000), std::int64_t(300000)})
       for (int round = 0; round < 3; ++round) {
-        std::vector<std::vector<torch::Tensor>> got(3);
-        std::vector<torch::Tensor> sent;
+        struct message {
+          int src, dst, k;
+        };
+        std::vector<message> messages;  // two in flight per ordered pair
+        for (int src = 0; src < 3; ++src)
+          for (int dst = 0; dst < 3; ++dst)
+            for (int k = 0; k < 2 && src != dst; ++k) messages.push_back({src, dst, k});
+        auto expected = [&](const message& m) {
+          return torch::arange(n, torch::kFloat32) + float(100 * m.src + 10 * m.dst + m.k + round);
+        };
+        std::vector<torch::Tensor> got, sent;
         std::vector<work_ptr> works;
-        for (int dst = 0; dst < 3; ++dst)
-          for (int src = 0; src < 3; ++src) {
-            if (src == dst) continue;
-            for (int k = 0; k < 2; ++k) {  // two in flight per pair
-              got[dst].push_back(torch::full({n}, -1.0f));
-              works.push_back(g.comms[dst]->recv(got[dst].back(), src, std::uint32_t(k)));
-            }
-          }
-        for (int src = 0; src < 3; ++src)
-          for (int dst = 0; dst < 3; ++dst) {
-            if (src == dst) continue;
-            for (int k = 0; k < 2; ++k) {
-              sent.push_back(torch::arange(n, torch::kFloat32) + float(100 * src + 10 * dst + k + round));
-              works.push_back(g.comms[src]->send(sent.back(), dst, std::uint32_t(k)));
-            }
-          }
-        for (auto& w : works) w->wait_or_throw(kWait);
-        for (int dst = 0; dst < 3; ++dst) {
-          int i = 0;
-          for (int src = 0; src < 3; ++src) {
-            if (src == dst) continue;
-            for (int k = 0; k < 2; ++k, ++i)
-              EXPECT_TRUE(torch::equal(got[dst][i], torch::arange(n, torch::kFloat32) +
-                                                        float(100 * src + 10 * dst + k + round)))
-                  << n << " elements from " << src << " to " << dst << " message " << k;
-          }
+        for (const auto& m : messages) {  // every receive posted before any send
+          got.push_back(torch::full({n}, -1.0f));
+          works.push_back(g.comms[m.dst]->recv(got.back(), m.src, std::uint32_t(m.k)));
         }
-        int s = 0;
-        for (int src = 0; src < 3; ++src)
-          for (int dst = 0; dst < 3; ++dst) {
-            if (src == dst) continue;
-            for (int k = 0; k < 2; ++k, ++s)
-              EXPECT_TRUE(torch::equal(sent[s], torch::arange(n, torch::kFloat32) + float(100 * src + 10 * dst + k + round)));
-          }
+        for (const auto& m : messages) {
+          sent.push_back(expected(m));
+          works.push_back(g.comms[m.src]->send(sent.back(), m.dst, std::uint32_t(m.k)));
+        }
+        for (auto& w : works) w->wait_or_throw(kWait);
+        for (std::size_t i = 0; i < messages.size(); ++i) {
+          const auto& m = messages[i];
+          EXPECT_TRUE(torch::equal(got[i], expected(m)))
+              << n << " elements from " << m.src << " to " << m.dst << " message " << m.k;
+          EXPECT_TRUE(torch::equal(sent[i], expected(m)));  // inputs untouched
+        }
       }
     // Between 0 and 1 only: for each of the 2 sizes above the inline one, a buffer per
     // message in flight at most (2), reused over the rounds (without reuse: 6 per size).
@@ -130,11 +129,7 @@ TEST(Ipc, SizeMismatchFailsBothSides) {
   EXPECT_THROW(s->wait(kWait), transport_error);
   EXPECT_NE(r->error().find("sent 20 bytes, the receive takes 24"), std::string::npos) << r->error();
   EXPECT_NE(s->error().find("sent 20 bytes, the receive takes 24"), std::string::npos) << s->error();
-  auto dst = torch::zeros({5});
-  auto r2 = g.comms[1]->recv(dst, 0, 4);
-  g.comms[0]->send(torch::ones({5}), 1, 4)->wait_or_throw(kWait);
-  r2->wait_or_throw(kWait);
-  EXPECT_TRUE(torch::equal(dst, torch::ones({5})));
+  EXPECT_TRUE(g.delivers(5, 4));
   EXPECT_EQ(g.memory[0]->allocated, 1);  // the refused message's buffer was reused
 }
 
@@ -149,11 +144,7 @@ TEST(Ipc, AbortsAndBadCallsAreErrors) {
   w->abort("the step was aborted");
   EXPECT_THROW(w->wait(kWait), transport_error);
   EXPECT_NE(w->error().find("the step was aborted"), std::string::npos) << w->error();
-  auto next = torch::zeros({10000});
-  auto r2 = g.comms[1]->recv(next, 0, 10);
-  g.comms[0]->send(torch::ones({10000}), 1, 10)->wait_or_throw(kWait);
-  r2->wait_or_throw(kWait);
-  EXPECT_TRUE(torch::equal(next, torch::ones({10000})));
+  EXPECT_TRUE(g.delivers(10000, 10));
   EXPECT_TRUE(torch::equal(dst, torch::full({10000}, 5.0f)));
 
   auto s = g.comms[0]->send(torch::ones({10000}), 1, 11);  // never received
