@@ -1,6 +1,7 @@
 #include "actors/node.hpp"
 
 #include "compute/checkpoint_dir.hpp"
+#include "compute/device.hpp"
 
 #include <unistd.h>
 
@@ -427,6 +428,13 @@ actor_run_result run_node(const node_options& o) {
         // The coordinator's clock origin: one timeline for the nodes of one machine (steady
         // clocks of different machines are not comparable; their tracks are then offset).
         const std::chrono::steady_clock::time_point epoch{std::chrono::nanoseconds(offer.epoch_ns)};
+        if (cfg.device == "cuda") {  // one GPU per node process of this machine, while there are enough
+          const int gpus = cuda_device_count();
+          cfg.device = node_device(cfg.device, o.local_node, gpus);
+          spdlog::info("{}: computes on {} (this machine has {} GPU(s))", where, cfg.device, gpus);
+          if (o.nodes_per_host > gpus && gpus > 0 && o.local_node == 0)
+            spdlog::warn("{}: {} node processes share this machine's {} GPU(s)", where, o.nodes_per_host, gpus);
+        }
         auto ctx = std::make_shared<const runtime_context>(cfg, epoch);
         const auto how = transport_for(*ctx, where);
         node_plan plan;
@@ -448,7 +456,10 @@ actor_run_result run_node(const node_options& o) {
         for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";
         supervisor = sys.spawn(supervisor_actor, ctx, wiring, std::move(plan));
         ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, supervisor}, where + ": ready");
-        spdlog::info("{} on {} (pid {}): stages (replica,stage){}{}", where, hostname(), ::getpid(), hosted,
+        const std::string here = o.nodes_per_host > 1 ? ", node process " + std::to_string(o.local_node + 1) + " of " +
+                                                             std::to_string(o.nodes_per_host) + " on this machine"
+                                                       : "";
+        spdlog::info("{} on {} (pid {}{}): stages (replica,stage){}{}", where, hostname(), ::getpid(), here, hosted,
                      o.rejoin ? ": rejoined the job, waiting for the coordinator's recovery" : "");
         if (o.node == 0) {
           const auto supervisors = ask<std::vector<caf::actor>>(self, registrar_handle, o.join_timeout, run_atom_v,

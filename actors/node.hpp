@@ -36,6 +36,9 @@ struct node_options {
   job_config cfg;                  ///< node 0: the job (other nodes receive it)
   actor_run_options run;           ///< node 0: progress, trace
   int nodes_per_host = 1;          ///< node processes sharing this machine's cores (threads = 0)
+  /// This node's number among the node processes of its machine (from 0): with
+  /// `device = "cuda"` it computes on GPU local_node % (the machine's GPUs).
+  int local_node = 0;
   /// TLS between the nodes' actor systems (CAF's openssl module): this node's certificate
   /// and key (PEM) and the CA file that peers' certificates must chain to. Empty: plain
   /// TCP. Every node of a job must agree (a TLS node and a plain one cannot talk).

@@ -1,5 +1,6 @@
 #include "compute/device.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include <ATen/autocast_mode.h>
@@ -21,6 +22,13 @@ bool cuda_usable() {
 #else
   return false;
 #endif
+}
+
+int cuda_device_count() { return cuda_usable() ? int(torch::cuda::device_count()) : 0; }
+
+std::string node_device(const std::string& name, int local_index, int gpus) {
+  if (name != "cuda" || gpus <= 0) return name;
+  return "cuda:" + std::to_string(std::max(0, local_index) % gpus);
 }
 
 torch::Device resolve_device(const std::string& name) {

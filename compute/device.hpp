@@ -24,6 +24,15 @@ namespace troupe {
 torch::Device resolve_device(const std::string& name);
 /// True when this build has CUDA support and at least one GPU is usable.
 bool cuda_usable();
+/// The GPUs this process can use (0 without CUDA support).
+int cuda_device_count();
+/// The device of a node process that is number `local_index` (from 0) of the node
+/// processes on its machine, for a job on `name`: "cuda" (no index) becomes
+/// "cuda:<local_index % gpus>", so that the node processes of a machine with several GPUs
+/// each get one of their own (torchrun's LOCAL_RANK); with more node processes than GPUs
+/// they share. Any other name (cpu, cuda:N, auto) is kept, as is "cuda" when gpus is 0
+/// (resolve_device then gives its error).
+std::string node_device(const std::string& name, int local_index, int gpus);
 /// "fp32" -> kFloat32, "bf16" -> kBFloat16; throws std::invalid_argument otherwise.
 torch::ScalarType parse_precision(const std::string& name);
 

@@ -111,6 +111,8 @@ int run_node_command(const config_flags& flags) {
     o.node = std::stoi(env_or("TROUPE_NODE", "0"));
     o.nodes = std::stoi(env_or("TROUPE_NODES", "1"));
     o.nodes_per_host = std::stoi(env_or("TROUPE_NODES_PER_HOST", "1"));
+    o.local_node = std::stoi(env_or("TROUPE_LOCAL_NODE", "0"));
+    if (o.local_node < 0) throw std::invalid_argument("TROUPE_LOCAL_NODE must be 0 or more");
     o.join_timeout = std::chrono::milliseconds(std::stoi(env_or("TROUPE_JOIN_TIMEOUT_MS", "60000")));
     const auto coord = env_or("TROUPE_COORDINATOR", "127.0.0.1:0");
     const auto colon = coord.rfind(':');

@@ -74,6 +74,20 @@ TEST(Device, NamesAreParsedAndCudaWithoutAGpuIsRefused) {
   EXPECT_THROW(bad.validate(), config_error);
 }
 
+// Node processes of one machine: "cuda" gives each its own GPU while there are enough,
+// then they share; explicit devices and the CPU are kept.
+TEST(Device, NodeProcessesOfAMachineTakeAGpuEach) {
+  EXPECT_EQ(node_device("cuda", 0, 8), "cuda:0");
+  EXPECT_EQ(node_device("cuda", 3, 8), "cuda:3");
+  EXPECT_EQ(node_device("cuda", 9, 8), "cuda:1");
+  EXPECT_EQ(node_device("cuda", 2, 1), "cuda:0");
+  EXPECT_EQ(node_device("cuda", 2, 0), "cuda");  // no GPU: resolve_device says so
+  EXPECT_EQ(node_device("cuda:5", 1, 8), "cuda:5");
+  EXPECT_EQ(node_device("cpu", 1, 8), "cpu");
+  EXPECT_EQ(node_device("auto", 1, 8), "auto");
+  EXPECT_EQ(cuda_device_count() > 0, cuda_usable());
+}
+
 // bf16 compute under autocast (on the CPU here, so CI runs it): every step's loss within
 // 2 % of fp32's, and the parameters do differ (bf16 did run).
 TEST(Precision, Bf16FollowsFp32OnTheCpu) {

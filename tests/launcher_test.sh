@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The launcher (launch/troupe train) with node processes on this machine: a short job
-# ends with node 0's status and no node left behind; bad layouts are one-line errors
+# ends with node 0's status and no node left behind, each node knowing its number on
+# the machine; bad layouts are one-line errors
 # (exit 2); Ctrl-C (SIGINT) stops every node and exits 130, leaving no process.
 #   tests/launcher_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/launcher_lib.sh" "$@"
@@ -10,6 +11,9 @@ source "$(dirname "$0")/launcher_lib.sh" "$@"
 rc=$?
 [ $rc = 0 ] && ok "2-node job exits 0" || bad "2-node job exit $rc" "$tmp/run.log"
 grep -q "node 1 of 2: localhost, pid" "$tmp/run.log" && ok "prints where each node runs" || bad "no node lines" "$tmp/run.log"
+grep -q "node 1 on .*(pid [0-9]*, node process 2 of 2 on this machine)" "$tmp/run.log" \
+  && ok "node 1 knows it is the machine's second node process (its GPU with --device cuda)" \
+  || bad "no 'node process 2 of 2' line" "$tmp/run.log"
 grep -q "3/3 |" "$tmp/run.log" && ok "progress lines" || bad "no progress line" "$tmp/run.log"
 sleep 0.5
 [ "$(nodes_left)" = 0 ] && ok "no node left after the job" || bad "$(nodes_left) node(s) left after the job"

@@ -2,7 +2,8 @@
 # The launcher under SLURM, as srun starts it: one launcher per task with SLURM_PROCID,
 # SLURM_NTASKS, SLURM_NNODES, SLURM_NODELIST and SLURM_JOB_ID in its environment (srun
 # itself is not here: the test starts the tasks the way it would). Checks: two tasks make
-# one 2-node job (node 0 on the list's first host) that ends bit-identical to the same
+# one 2-node job (node 0 on the list's first host; each task's number on its machine from
+# SLURM_LOCALID) that ends bit-identical to the same
 # job started by the launcher itself; no token exported: a one-line error (exit 2);
 # without scontrol, the first host of a compressed list ("vm[07-09,12]" -> vm07).
 #   tests/slurm_test.sh REPO_ROOT BUILD_DIR
@@ -18,7 +19,7 @@ slurm=(SLURM_NTASKS=2 SLURM_NNODES=1 SLURM_NODELIST=localhost SLURM_JOB_ID=4242)
 # Two srun tasks (the job's flags on every task, as `srun -n 2 launch/troupe train ...`).
 export TROUPE_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n') TROUPE_PORT=$(free_port)
 for t in 0 1; do
-  env "${slurm[@]}" SLURM_PROCID=$t "$launcher" "${job[@]}" --metrics got.jsonl --save got.pt >task$t.log 2>&1 &
+  env "${slurm[@]}" SLURM_PROCID=$t SLURM_LOCALID=$t "$launcher" "${job[@]}" --metrics got.jsonl --save got.pt >task$t.log 2>&1 &
   task[$t]=$!
 done
 wait ${task[0]}; rc0=$?
@@ -27,6 +28,8 @@ wait ${task[1]}; rc1=$?
 grep -q "SLURM task 1 of 2: node 1 on .*, coordinator localhost:$TROUPE_PORT" task1.log \
   && ok "task 1 joins node 0 on the list's first host" || bad "no task line" task1.log
 grep -q "4/4 |" task0.log && ok "progress on task 0" || bad "no progress line" task0.log
+grep -q "node 1 on .*(pid [0-9]*, node process 2 of 2 on this machine)" task0.log task1.log \
+  && ok "task 1 is the machine's second node process (SLURM_LOCALID)" || bad "no 'node process 2 of 2' line" task1.log
 out=$(/usr/bin/python3 "$root/tests/compare_runs.py" ref got 0 2>&1) \
   && ok "bit-identical to the launcher's own run ($out)" || { echo "$out"; bad "results differ" task0.log; }
 sleep 0.5
@@ -112,6 +115,8 @@ elif real_slurm; then
     && ok "srun -n 2 launch/troupe train: exit 0" || bad "srun: exit $?" srun.log
   grep -q "SLURM task 1 of 2: node 1 on $(hostname), coordinator $(hostname):" srun.log \
     && ok "srun's task 1 joins node 0 (scontrol's first host)" || bad "no task line" srun.log
+  grep -q "node 1 on .*(pid [0-9]*, node process 2 of 2 on this machine)" srun.log \
+    && ok "srun's task 1 is the machine's second node process" || bad "no 'node process 2 of 2' line" srun.log
   out=$(/usr/bin/python3 "$root/tests/compare_runs.py" ref srun 0 2>&1) \
     && ok "under srun bit-identical to the launcher's own run ($out)" || { echo "$out"; bad "srun results differ" srun.log; }
   # scancel stops the whole job: srun ends, no node process is left.

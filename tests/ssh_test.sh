@@ -115,6 +115,9 @@ found=$(for c in /proc/[0-9]*/cmdline; do tr '\0' ' ' 2>/dev/null <"$c" | grep -
 [ -z "$found" ] && ok "the token is on no command line" || bad "the token is on a command line: $found"
 echo "$env1" | grep -qx "UCX_TLS=tcp,sm,self" && echo "$env1" | grep -qx "TROUPE_TEST_MARK=a b" \
   && ok "UCX_* and TROUPE_* variables reach the nodes" || bad "UCX_TLS or TROUPE_TEST_MARK not on node 1"
+# 127.0.0.1 and localhost are two host names: node 1 is the first node process of its host.
+echo "$env1" | grep -qx "TROUPE_LOCAL_NODE=0" && echo "$env1" | grep -qx "TROUPE_NODES_PER_HOST=1" \
+  && ok "node 1 is its host's only node process" || bad "TROUPE_LOCAL_NODE / TROUPE_NODES_PER_HOST on node 1"
 kill -INT $pid
 wait $pid
 rc=$?
