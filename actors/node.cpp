@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <numeric>
 #include <set>
 #include <thread>
 
@@ -22,6 +23,7 @@
 #include "messages/type_ids.hpp"
 #include "transport/host_staging.hpp"
 #include "transport/ipc/ipc.hpp"
+#include "transport/nccl/nccl_communicator.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
 
 namespace troupe {
@@ -133,6 +135,8 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
         t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
         t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
         t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
+        t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
+        t.nccl_ids.insert(t.nccl_ids.end(), a.nccl_ids.begin(), a.nccl_ids.end());
         auto rp = self->make_response_promise<node_addresses>();
         round.waiters.push_back(rp);
         if (int(round.sent.size()) == s.nodes) {
@@ -188,41 +192,62 @@ std::string hostname() {
 struct node_transport {
   enum class staging { off, device_tensors, all_tensors } staged = staging::off;
   enum class ipc_memory { off, host, cuda } ipc = ipc_memory::off;
-  int device = 0;  ///< the GPU of the CUDA IPC buffers
+  int device = 0;  ///< the node's GPU (CUDA IPC buffers, NCCL)
+  /// The shard groups' collectives over NCCL where every member has a GPU of its own
+  /// (TROUPE_NCCL=1).
+  bool nccl = false;
 };
 
-/// A node's UCX communicators: per slot (r, k) rank r of stage k's d shards, and the
-/// world of the nodes (rank = node), which carries activations between them. Made at
-/// join and again for every in-place recovery; addresses (and machine keys) go through
-/// the registrar (stage -1: the world). The shard groups only run collectives; the
-/// world's point-to-point to nodes of this machine goes through shared buffers where
-/// `transport.ipc` says so.
+/// A node's communicators: per slot (r, k) rank r of stage k's d shards, and the world of
+/// the nodes (rank = node), which carries activations between them. Made at join and
+/// again for every in-place recovery; addresses (and machine keys, GPU keys, NCCL ids) go
+/// through the registrar (stage -1: the world). The shard groups only run collectives:
+/// over NCCL where `transport.nccl` asks and every member has a GPU of its own
+/// (nccl_refusal), else over UCX. The world is UCX; its point-to-point to nodes of this
+/// machine goes through shared buffers where `transport.ipc` says so.
 class ucx_renewal : public comm_renewal {
  public:
   ucx_renewal(int node, int nodes, int d, std::vector<std::pair<int, int>> slots, node_transport transport)
       : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), transport_(transport),
         machine_(transport::machine_key()) {
     mine_.node = node;
+    std::string gpu;  // asks for NCCL: names its GPU
+    if (transport_.nccl) try {
+        gpu = transport::gpu_key(transport_.device);
+      } catch (const std::exception& e) {
+        spdlog::warn("node {}: the shard groups' collectives stay on UCX: {}", node_, e.what());
+      }
+    auto add = [this](int stage, int rank, const std::string& address, const std::string& gpu, std::string id) {
+      mine_.stages.push_back(stage);
+      mine_.replicas.push_back(rank);
+      mine_.addresses.push_back(address);
+      mine_.machines.push_back(machine_);
+      mine_.gpus.push_back(gpu);
+      mine_.nccl_ids.push_back(std::move(id));
+    };
     for (const auto& [r, k] : slots_) {
       pending_.push_back(transport::prepare_ucx_communicator(r, d));
-      mine_.stages.push_back(k);
-      mine_.replicas.push_back(r);
-      mine_.addresses.push_back(pending_.back()->address());
-      mine_.machines.push_back(machine_);
+      std::string id, slot_gpu = gpu;
+      if (!gpu.empty() && r == 0) try {  // the group's rank 0 makes its NCCL id
+          const auto bytes = transport::nccl_unique_id();
+          id.assign(bytes.begin(), bytes.end());
+        } catch (const std::exception& e) {
+          spdlog::warn("node {}: stage {}'s collectives stay on UCX: {}", node_, k, e.what());
+          slot_gpu.clear();
+        }
+      add(k, r, pending_.back()->address(), slot_gpu, std::move(id));
     }
     pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
-    mine_.stages.push_back(-1);
-    mine_.replicas.push_back(node);
-    mine_.addresses.push_back(pending_.back()->address());
-    mine_.machines.push_back(machine_);
+    add(-1, node, pending_.back()->address(), "", "");
   }
   node_addresses addresses() const override { return mine_; }
   node_plan connect(const node_addresses& table) override {
-    auto addresses_of = [&](int stage, int size) {
-      std::vector<std::string> addrs(size);
-      for (std::size_t i = 0; i < table.stages.size(); ++i)
-        if (table.stages[i] == stage) addrs.at(table.replicas[i]) = table.addresses[i];
-      return addrs;
+    // One field of the table for the ranks of `stage` (-1: the world), by rank.
+    auto column = [&](int stage, int size, const std::vector<std::string>& field) {
+      std::vector<std::string> out(size);
+      for (std::size_t i = 0; i < table.stages.size() && i < field.size(); ++i)
+        if (table.stages[i] == stage) out.at(table.replicas[i]) = field[i];
+      return out;
     };
     using staging = node_transport::staging;
     auto staged = [this](std::shared_ptr<transport::communicator> c) {
@@ -232,11 +257,31 @@ class ucx_renewal : public comm_renewal {
     node_plan plan;
     plan.node = node_;
     plan.slots = slots_;
-    for (std::size_t i = 0; i < slots_.size(); ++i) {
-      plan.comms.push_back(staged(pending_[i]->connect(addresses_of(slots_[i].second, d_))));
-      if (slots_[i].second == 0) plan.loader_replicas.push_back(slots_[i].first);
+    // NCCL communicators are made in the order of the stages on every node (making one
+    // waits for its other ranks: no node may wait on a group another node makes later).
+    std::vector<std::size_t> order(slots_.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return slots_[a].second < slots_[b].second; });
+    plan.comms.resize(slots_.size());
+    for (const auto i : order) {
+      const auto [r, k] = slots_[i];
+      const auto refusal = transport_.nccl ? nccl_refusal(column(k, d_, table.gpus)) : "not asked for";
+      if (refusal.empty()) {
+        const auto id = column(k, d_, table.nccl_ids).at(0);
+        const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(transport_.device));
+        // Staged: a rejoined node's shard state (buddy copies) is in host memory.
+        plan.comms[i] = transport::stage_through_device(
+            transport::make_nccl_communicator(std::vector<char>(id.begin(), id.end()), r, d_, transport_.device), gpu);
+        spdlog::info("node {}: stage {}'s shard collectives (rank {} of {}) over NCCL on {}", node_, k, r, d_,
+                     gpu.str());
+      } else {
+        if (transport_.nccl) spdlog::info("node {}: stage {}'s shard collectives stay on UCX: {}", node_, k, refusal);
+        plan.comms[i] = staged(pending_[i]->connect(column(k, d_, table.addresses)));
+      }
     }
-    plan.world = staged(pending_.back()->connect(addresses_of(-1, nodes_)));
+    for (const auto& [r, k] : slots_)
+      if (k == 0) plan.loader_replicas.push_back(r);
+    plan.world = staged(pending_.back()->connect(column(-1, nodes_, table.addresses)));
     if (transport_.ipc != node_transport::ipc_memory::off) {
       std::vector<bool> same(nodes_, false);
       for (std::size_t i = 0; i < table.stages.size() && i < table.machines.size(); ++i)
@@ -294,17 +339,28 @@ node_transport transport_for(const runtime_context& ctx, const std::string& wher
                  where, ctx.device.str(), types);
     t.staged = staging::device_tensors;
   }
+  if (ctx.device.is_cuda()) t.device = ctx.device.has_index() ? ctx.device.index() : 0;
+  const char* nccl_env = std::getenv("TROUPE_NCCL");
+  const std::string nccl = nccl_env ? nccl_env : "";
+  if (nccl == "1") {
+    if (!ctx.device.is_cuda()) throw config_error("TROUPE_NCCL=1: the job does not run on a GPU (--device cuda)");
+    if (!transport::nccl_built()) throw config_error("TROUPE_NCCL=1: this build has no NCCL backend");
+    spdlog::info("{}: TROUPE_NCCL=1: the optimizer shards' collectives go over NCCL in shard groups whose members each "
+                 "have a GPU of their own (not yet run on GPUs: see README)", where);
+    t.nccl = true;
+  } else if (!nccl.empty() && nccl != "0") {
+    throw config_error("TROUPE_NCCL=" + nccl + ": expected 1 or 0");
+  }
   if (ipc == "host") {
     spdlog::info("{}: TROUPE_IPC=host: tensors to node processes of this machine go through POSIX shared memory", where);
     t.ipc = ipc_memory::host;
   } else if (ipc == "0" || ipc == "off") {
     spdlog::info("{}: TROUPE_IPC={}: no shared buffers between node processes of this machine", where, ipc);
   } else if (!ipc.empty() && ipc != "cuda") {
-    throw std::invalid_argument("TROUPE_IPC=" + ipc + ": expected host, cuda, 0 or off");
+    throw config_error("TROUPE_IPC=" + ipc + ": expected host, cuda, 0 or off");
   } else if (ctx.device.is_cuda()) {
     if (transport::cuda_ipc_built()) {
       t.ipc = ipc_memory::cuda;
-      t.device = ctx.device.has_index() ? ctx.device.index() : 0;
       spdlog::info("{}: {} tensors to node processes of this machine go through CUDA IPC buffers (to other machines "
                    "over UCX)", where, ctx.device.str());
     } else {
@@ -312,7 +368,7 @@ node_transport transport_for(const runtime_context& ctx, const std::string& wher
                    "host memory too", where);
     }
   } else if (ipc == "cuda") {
-    throw std::invalid_argument("TROUPE_IPC=cuda: the job does not run on a GPU");
+    throw config_error("TROUPE_IPC=cuda: the job does not run on a GPU (--device cuda)");
   }
   return t;
 }
@@ -358,6 +414,20 @@ caf::actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
 }
 
 }  // namespace
+
+std::string nccl_refusal(const std::vector<std::string>& member_gpus) {
+  if (member_gpus.size() < 2) return "a group of one rank";
+  std::string absent;
+  for (std::size_t r = 0; r < member_gpus.size(); ++r)
+    if (member_gpus[r].empty()) absent += (absent.empty() ? "" : ", ") + std::to_string(r);
+  if (!absent.empty()) return "rank(s) " + absent + " did not ask for NCCL or have no GPU for it";
+  for (std::size_t a = 0; a < member_gpus.size(); ++a)
+    for (std::size_t b = a + 1; b < member_gpus.size(); ++b)
+      if (member_gpus[a] == member_gpus[b])
+        return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " share a GPU (" + member_gpus[a] +
+               "), and NCCL puts one rank per GPU";
+  return "";
+}
 
 actor_run_result run_node(const node_options& o) {
   actor_run_result result;

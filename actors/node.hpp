@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "actors/runtime.hpp"
 
@@ -50,6 +51,12 @@ struct node_options {
   std::chrono::milliseconds heartbeat{500};           ///< CAF middleman heartbeats
   std::chrono::milliseconds connection_timeout{5000};  ///< a silent peer is gone after this
 };
+
+/// Why a group of node processes' ranks cannot run its collectives over NCCL, given each
+/// member's GPU key by rank (transport::gpu_key(); empty for a member that does not ask
+/// for NCCL); empty when it can: every member asks and each has a GPU of its own (NCCL
+/// puts one rank of a communicator per GPU). A group of one rank has nothing to gain.
+std::string nccl_refusal(const std::vector<std::string>& member_gpus);
 
 /// Runs this node until the job ends. Node 0 returns the job's result; the others return
 /// exit_code 0 when the coordinator stopped them cleanly, else 1 (with `error`), 2 for a

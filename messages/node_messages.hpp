@@ -4,7 +4,9 @@
 //   node --node_hello{version, token}--> registrar (node 0): job_offer (config, epoch), or
 //        an error (wrong token or protocol version: refused and logged)
 //   node --node_addresses{round 0}--> registrar: UCX worker addresses of the node's
-//        optimizer shards; answered with every node's (the table) once all nodes sent theirs
+//        optimizer shards (with machine and GPU keys, and a NCCL unique id from the rank 0
+//        of a group that asks for NCCL); answered with every node's (the table) once all
+//        nodes sent theirs
 //   supervisor --node_addresses{round n > 0}--> registrar: addresses of the fresh
 //        communicators of a step retried in place (n-th in-place recovery of the job);
 //        answered with every node's addresses of that round
@@ -28,7 +30,7 @@
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 4;
+constexpr std::int32_t protocol_version = 5;
 
 struct node_hello {
   std::int32_t version = 0;
@@ -54,6 +56,10 @@ struct node_addresses {
   std::vector<std::int32_t> stages, replicas;
   std::vector<std::string> addresses;
   std::vector<std::string> machines;  ///< per entry: its node's transport::machine_key()
+  /// Per entry, for a NCCL group: the node's transport::gpu_key() when it would run that
+  /// group's collectives over NCCL (else empty), and, from the group's rank 0, the NCCL
+  /// unique id's bytes (else empty).
+  std::vector<std::string> gpus, nccl_ids;
 };
 
 struct node_ready {
@@ -102,7 +108,7 @@ typename Inspector::result_type inspect(Inspector& f, job_offer& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_addresses& x) {
   return f(caf::meta::type_name("node_addresses"), x.node, x.round, x.stages, x.replicas, x.addresses,
-                           x.machines);
+                           x.machines, x.gpus, x.nccl_ids);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_ready& x) {

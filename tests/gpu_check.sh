@@ -18,6 +18,9 @@
 #    TROUPE_IPC=0 (everything staged): bit-identical to the one-process run. On the CPU,
 #    TROUPE_STAGE_THROUGH_HOST=1 stages the CPU tensors and TROUPE_IPC=host takes POSIX
 #    shared memory for the buffers.
+# 5. TROUPE_NCCL=1 as 4 node processes on the one GPU: every shard group's members share
+#    it, so the nodes keep those collectives on UCX (bit-identical again); on the CPU the
+#    setting is refused (exit 2). A group over NCCL needs a GPU per member: not here.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 set -uo pipefail
@@ -106,6 +109,26 @@ nodes() {  # nodes NAME ipc|staged FLAGS...: 4 node processes, bit-identical to 
 step nodes-4 nodes nodes-4 ipc
 step nodes-4-rejoin nodes nodes-4-rejoin ipc --kill-node 3:5
 step nodes-4-staged nodes nodes-4-staged staged
+
+# TROUPE_NCCL=1 on one GPU: the nodes each take GPU 0 (the machine's only one), see that
+# the members of every shard group share it (NCCL puts one rank per GPU) and keep those
+# collectives on UCX: bit-identical to the one-process run. On the CPU: refused (exit 2).
+nccl_fallback() {
+  local env=(TROUPE_BUILD_DIR="$build" TROUPE_SKIP_SETUP=1 TROUPE_NCCL=1) rc=0
+  env "${env[@]}" "$root/launch/troupe" "${job[@]}" --nodes 4 \
+    --metrics "$out/nodes-4-nccl.jsonl" --save "$out/nodes-4-nccl.pt" >"$out/nodes-4-nccl.run" 2>&1 || rc=$?
+  if [ "$device" = cpu ]; then
+    [ $rc = 2 ] && grep -F "TROUPE_NCCL=1: the job does not run on a GPU" "$out/nodes-4-nccl.run"
+    return
+  fi
+  [ $rc = 0 ] || { cat "$out/nodes-4-nccl.run"; return 1; }
+  [ "$(grep -c "computes on cuda:0 (this machine has 1 GPU(s))" "$out/nodes-4-nccl.run")" = 4 ] ||
+    { echo "not every node computes on cuda:0"; return 1; }
+  [ "$(grep -c "shard collectives stay on UCX: ranks 0 and 1 share a GPU" "$out/nodes-4-nccl.run")" = 4 ] ||
+    { echo "not every node kept its shard group on UCX"; return 1; }
+  "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/nodes-4-nccl" 0
+}
+step nodes-4-nccl nccl_fallback
 
 [ $failed = 0 ] && echo "gpu_check: all passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
 exit $failed

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The launcher (launch/troupe train) with node processes on this machine: a short job
 # ends with node 0's status and no node left behind, each node knowing its number on
-# the machine; bad layouts are one-line errors
-# (exit 2); Ctrl-C (SIGINT) stops every node and exits 130, leaving no process.
+# the machine; bad layouts and transport settings are one-line errors (exit 2); Ctrl-C
+# (SIGINT) stops every node and exits 130, leaving no process.
 #   tests/launcher_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/launcher_lib.sh" "$@"
 
@@ -34,6 +34,15 @@ if "$TROUPE_BUILD_DIR/troupe" train --device cuda --steps 1 --eval-interval 0 2>
   [ $rc = 2 ] && grep -q "device 'cuda': this build's LibTorch has no CUDA" "$tmp/cuda.log" \
     && ok "--device cuda with 2 nodes on a build without CUDA refused (exit 2)" || bad "--device cuda: exit $rc" "$tmp/cuda.log"
 fi
+# Transport settings that cannot hold: the nodes refuse them with the reason (exit 2).
+for setting in "TROUPE_NCCL=1|TROUPE_NCCL=1: the job does not run on a GPU" \
+               "TROUPE_NCCL=yes|TROUPE_NCCL=yes: expected 1 or 0" \
+               "TROUPE_IPC=shm|TROUPE_IPC=shm: expected host, cuda, 0 or off"; do
+  env "${setting%%|*}" "$launcher" train --nodes 2 --data-parallel 2 --steps 2 >"$tmp/setting.log" 2>&1
+  rc=$?
+  [ $rc = 2 ] && grep -qF "${setting#*|}" "$tmp/setting.log" && ok "${setting%%|*} on a CPU job refused (exit 2)" \
+    || bad "${setting%%|*}: exit $rc" "$tmp/setting.log"
+done
 # TROUPE_SKIP_SETUP=1 (launch/setup-gpu's builds) without a build: a one-line error.
 TROUPE_SKIP_SETUP=1 TROUPE_BUILD_DIR="$tmp/no-build" "$launcher" train --nodes 2 >"$tmp/skip.log" 2>&1
 rc=$?

@@ -8,6 +8,7 @@
 #include <csignal>
 #include <filesystem>
 
+#include "actors/node.hpp"
 #include "actors/runtime.hpp"
 #include "compute/checkpoint.hpp"
 #include "process_group.hpp"
@@ -107,6 +108,19 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MultiProcess,
 
 // A node with another token, or another protocol version, is refused (and the refusal is
 // logged by the coordinator); the job does not start with it.
+// A shard group runs its collectives over NCCL only when every member asked for it (named
+// its GPU) and no two members share a GPU; the reason otherwise names the ranks.
+TEST(MultiProcessNccl, GroupsNeedEveryMemberOnAGpuOfItsOwn) {
+  EXPECT_EQ(nccl_refusal({"m1/gpu 0000:18:00.0", "m2/gpu 0000:18:00.0"}), "");  // two machines
+  EXPECT_EQ(nccl_refusal({"m1/gpu 0000:18:00.0", "m1/gpu 0000:2a:00.0", "m1/gpu 0000:3a:00.0"}), "");
+  const auto shared = nccl_refusal({"m1/gpu 0000:18:00.0", "m1/gpu 0000:2a:00.0", "m1/gpu 0000:18:00.0"});
+  EXPECT_NE(shared.find("ranks 0 and 2 share a GPU (m1/gpu 0000:18:00.0)"), std::string::npos) << shared;
+  const auto absent = nccl_refusal({"m1/gpu 0000:18:00.0", "", "m2/gpu 0000:18:00.0", ""});
+  EXPECT_NE(absent.find("rank(s) 1, 3 did not ask for NCCL"), std::string::npos) << absent;
+  EXPECT_NE(nccl_refusal({"m1/gpu 0000:18:00.0"}), "");
+  EXPECT_NE(nccl_refusal({}), "");
+}
+
 TEST(MultiProcessJoin, WrongTokenOrVersionIsRefused) {
   for (const bool version : {false, true}) {
     test::temp_dir dir;

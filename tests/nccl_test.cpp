@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include "compute/device.hpp"
+#include "transport/host_staging.hpp"
+#include "transport/ipc/ipc.hpp"
 #include "transport/nccl/nccl_communicator.hpp"
 
 namespace troupe::transport {
@@ -61,6 +63,30 @@ TEST(NcclBackend, OneRankRunsEveryCollectiveOnTheGpu) {
   auto w = comm->all_reduce(a);
   EXPECT_THROW(w->wait_or_throw(timeout), transport_error);
   EXPECT_NE(w->error().find("step 3 aborted"), std::string::npos) << w->error();
+}
+
+// What a node's shard group over NCCL is: NCCL behind stage_through_device, so that
+// host tensors (a rejoined node's shard state comes from buddy copies in host memory) go
+// through the GPU and come back, while GPU tensors pass straight through.
+TEST(NcclBackend, HostTensorsAreStagedThroughTheGpu) {
+  if (!gpu_with_nccl()) GTEST_SKIP() << "needs a GPU and the NCCL backend";
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto comm = stage_through_device(make_nccl_communicator(nccl_unique_id(), 0, 1, 0), gpu);
+  EXPECT_NE(comm->backend().find("staged through cuda:0"), std::string::npos) << comm->backend();
+  const auto timeout = std::chrono::seconds(30);
+  auto in = torch::randn({1024}), out = torch::zeros({1024});
+  comm->all_gather(in, out)->wait_or_throw(timeout);
+  EXPECT_TRUE(torch::equal(in, out));
+  auto summed = torch::arange(300, torch::kFloat32);
+  comm->all_reduce(summed)->wait_or_throw(timeout);
+  EXPECT_TRUE(torch::equal(summed, torch::arange(300, torch::kFloat32)));
+  auto mixed_in = torch::randn({512}, gpu), mixed_out = torch::zeros({512});
+  comm->reduce_scatter(mixed_in, mixed_out)->wait_or_throw(timeout);
+  EXPECT_TRUE(torch::equal(mixed_in.cpu(), mixed_out));
+  // Two node processes on this GPU would name the same GPU: the nodes keep such groups
+  // on UCX (nccl_refusal); the key is stable and names the machine.
+  EXPECT_EQ(gpu_key(0), gpu_key(0));
+  EXPECT_EQ(gpu_key(0).rfind(machine_key(), 0), 0u) << gpu_key(0);
 }
 
 TEST(NcclBackend, ARankThatNeverJoinsTimesOutAndAborts) {

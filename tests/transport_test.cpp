@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -168,17 +169,20 @@ TEST(Transport, LocalSendRecvAndCompletionCallbacks) {
 
 namespace {
 
-/// Every operation through host-staged communicators (over the in-process backend) on
-/// tensors of `device`: the results are the unstaged backend's bit for bit, written into
-/// the caller's tensors (on `device`), inputs untouched; an all-gather in place too.
-void check_staged_operations(torch::Device device, bool always) {
+/// Every operation through staged communicators (`stage` over the in-process backend, its
+/// backend() naming `says`) on tensors of `device`: the results are the unstaged backend's
+/// bit for bit, written into the caller's tensors (on `device`), inputs untouched; an
+/// all-gather in place too.
+void check_staged_operations(torch::Device device,
+                             const std::function<std::shared_ptr<communicator>(std::shared_ptr<communicator>)>& stage,
+                             const std::string& says) {
   const auto wait = [](const work_ptr& w) { w->wait_or_throw(std::chrono::seconds(10)); };
   for (int n : {2, 3})
     for (std::int64_t size : {1, 7, 1000}) {
       auto plain = make_local_group(n), inner = make_local_group(n);
       std::vector<std::shared_ptr<communicator>> staged;
-      for (auto& c : inner) staged.push_back(stage_through_host(c, always));
-      EXPECT_NE(staged[0]->backend().find("staged through host memory"), std::string::npos);
+      for (auto& c : inner) staged.push_back(stage(c));
+      EXPECT_NE(staged[0]->backend().find(says), std::string::npos) << staged[0]->backend();
       auto all = inputs(n, size);
       // [0]: plain on the CPU, [1]: staged on `device`
       std::vector<std::vector<torch::Tensor>> reduced(2, std::vector<torch::Tensor>(n)), scattered = reduced,
@@ -238,11 +242,23 @@ std::string transports_of(const std::string& name) { return name == "shm" ? "sm,
 
 // The host staging path (what GPU tensors take over UCX between nodes) on the CPU, where
 // `always` stages host tensors too.
-TEST(HostStaging, EveryOperationEqualsTheUnstagedBackend) { check_staged_operations(torch::kCPU, true); }
+TEST(HostStaging, EveryOperationEqualsTheUnstagedBackend) {
+  check_staged_operations(torch::kCPU, [](auto c) { return stage_through_host(c, true); }, "staged through host memory");
+}
 
 TEST(HostStaging, CudaTensorsGiveTheCpuResultsOnTheGpu) {
   if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
-  check_staged_operations(torch::Device(torch::kCUDA, 0), false);
+  check_staged_operations(
+      torch::Device(torch::kCUDA, 0), [](auto c) { return stage_through_host(c, false); }, "staged through host memory");
+}
+
+// The other way round (what the nodes put in front of NCCL): host tensors through copies
+// on the GPU give the same results, back in host memory. A GPU must be named by index.
+TEST(DeviceStaging, HostTensorsThroughTheGpuGiveTheSameResults) {
+  EXPECT_THROW(stage_through_device(make_local_group(1)[0], torch::Device(torch::kCUDA)), std::invalid_argument);
+  if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
+  const torch::Device gpu(torch::kCUDA, 0);
+  check_staged_operations(torch::kCPU, [&](auto c) { return stage_through_device(c, gpu); }, "staged through cuda:0");
 }
 
 // What the nodes log before staging GPU tensors: the memory types this UCX can move

@@ -12,43 +12,47 @@ namespace {
 
 class host_staged final : public communicator {
  public:
-  host_staged(std::shared_ptr<communicator> inner, bool always) : inner_(std::move(inner)), always_(always) {}
+  host_staged(std::shared_ptr<communicator> inner, torch::Device target, bool always)
+      : inner_(std::move(inner)), target_(target), always_(always) {}
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend() + " (staged through host memory)"; }
+  std::string backend() const override {
+    return inner_->backend() + (target_.is_cpu() ? " (staged through host memory)"
+                                                 : " (tensors elsewhere staged through " + target_.str() + ")");
+  }
 
   work_ptr send(torch::Tensor t, int dst, std::uint32_t tag) override {
     if (!staged(t, "send")) return inner_->send(std::move(t), dst, tag);
-    auto host = host_copy(t);
+    auto host = staged_copy(t);
     return outer(inner_->send(host, dst, tag), {}, {host});
   }
   work_ptr recv(torch::Tensor t, int src, std::uint32_t tag) override {
     if (!staged(t, "recv")) return inner_->recv(std::move(t), src, tag);
-    auto host = host_buffer(t);
+    auto host = staging_buffer(t);
     return outer(inner_->recv(host, src, tag), {{t, host}}, {});
   }
   work_ptr all_reduce(torch::Tensor t) override {
     if (!staged(t, "all_reduce")) return inner_->all_reduce(std::move(t));
-    auto host = host_copy(t);
+    auto host = staged_copy(t);
     return outer(inner_->all_reduce(host), {{t, host}}, {});
   }
   work_ptr reduce_scatter(torch::Tensor input, torch::Tensor output) override {
     const bool in = staged(input, "reduce_scatter input"), out = staged(output, "reduce_scatter output");
     if (!in && !out) return inner_->reduce_scatter(std::move(input), std::move(output));
-    auto hin = in ? host_copy(input) : input, hout = out ? host_buffer(output) : output;
+    auto hin = in ? staged_copy(input) : input, hout = out ? staging_buffer(output) : output;
     return outer(inner_->reduce_scatter(hin, hout), out ? copies{{output, hout}} : copies{}, {hin});
   }
   work_ptr all_gather(torch::Tensor input, torch::Tensor output) override {
     // An input inside the output (in place) is copied out before anything is written.
     const bool in = staged(input, "all_gather input"), out = staged(output, "all_gather output");
     if (!in && !out) return inner_->all_gather(std::move(input), std::move(output));
-    auto hin = in ? host_copy(input) : input, hout = out ? host_buffer(output) : output;
+    auto hin = in ? staged_copy(input) : input, hout = out ? staging_buffer(output) : output;
     return outer(inner_->all_gather(hin, hout), out ? copies{{output, hout}} : copies{}, {hin});
   }
   work_ptr broadcast(torch::Tensor t, int root) override {
     if (!staged(t, "broadcast")) return inner_->broadcast(std::move(t), root);
-    auto host = host_copy(t);
+    auto host = staged_copy(t);
     return outer(inner_->broadcast(host, root), rank() == root ? copies{} : copies{{t, host}}, {});
   }
   void abort(const std::string& why) override { inner_->abort(why); }
@@ -56,20 +60,21 @@ class host_staged final : public communicator {
  private:
   using copies = std::vector<std::pair<torch::Tensor, torch::Tensor>>;  // (caller's tensor, host buffer)
 
-  /// True when `t` goes through a host copy (checked first: a bad tensor is the caller's
-  /// error before anything is copied).
+  /// True when `t` goes through a copy on the target device (checked first: a bad tensor
+  /// is the caller's error before anything is copied).
   bool staged(const torch::Tensor& t, const char* what) const {
     check_tensor(t, -1, what, /*any_device=*/true);
-    return always_ || !t.device().is_cpu();
+    return always_ || t.device() != target_;
   }
-  /// Host memory for `t`'s bytes: page-locked for a GPU tensor (copies at the bus's
-  /// speed, from LibTorch's caching host allocator; as gloo stages CUDA tensors).
-  static torch::Tensor host_buffer(const torch::Tensor& t) {
-    return torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(t.is_cuda()));
+  /// Memory on the target for `t`'s bytes; on the host, page-locked for a GPU tensor
+  /// (copies at the bus's speed, from LibTorch's caching host allocator; as gloo stages
+  /// CUDA tensors).
+  torch::Tensor staging_buffer(const torch::Tensor& t) const {
+    return torch::empty(t.sizes(), t.options().device(target_).pinned_memory(target_.is_cpu() && t.is_cuda()));
   }
-  static torch::Tensor host_copy(const torch::Tensor& t) {
-    if (t.device().is_cpu()) return t.clone();
-    auto h = host_buffer(t);
+  torch::Tensor staged_copy(const torch::Tensor& t) const {
+    if (t.device() == target_) return t.clone();
+    auto h = staging_buffer(t);
     h.copy_(t);  // blocking: after the kernels queued on the current stream
     return h;
   }
@@ -101,7 +106,7 @@ class host_staged final : public communicator {
           try {
             for (const auto& [dst, host] : back) dst.copy_(host);  // blocking host-to-device copy
           } catch (const std::exception& e) {
-            error = std::string("copying the result back from host memory: ") + e.what();
+            error = std::string("copying the result back from the staging buffer: ") + e.what();
           }
         }
       }
@@ -111,13 +116,20 @@ class host_staged final : public communicator {
   }
 
   std::shared_ptr<communicator> inner_;
+  torch::Device target_;
   bool always_;
 };
 
 }  // namespace
 
 std::shared_ptr<communicator> stage_through_host(std::shared_ptr<communicator> inner, bool always) {
-  return std::make_shared<host_staged>(std::move(inner), always);
+  return std::make_shared<host_staged>(std::move(inner), torch::kCPU, always);
+}
+
+std::shared_ptr<communicator> stage_through_device(std::shared_ptr<communicator> inner, torch::Device device) {
+  if (device.is_cuda() && !device.has_index())
+    throw std::invalid_argument("stage_through_device: name the GPU (cuda:N), not " + device.str());
+  return std::make_shared<host_staged>(std::move(inner), device, false);
 }
 
 }  // namespace troupe::transport

@@ -26,4 +26,10 @@ namespace troupe::transport {
 /// `inner` taking tensors on any device (contiguous, the dtypes `inner` takes).
 std::shared_ptr<communicator> stage_through_host(std::shared_ptr<communicator> inner, bool always = false);
 
+/// The same the other way round, for a backend that moves GPU memory only (NCCL): every
+/// tensor not on `device` (cuda:N) goes through a copy there (a host-to-device copy before
+/// the operation, the result copied back when it completes). Tensors on `device` pass
+/// straight through.
+std::shared_ptr<communicator> stage_through_device(std::shared_ptr<communicator> inner, torch::Device device);
+
 }  // namespace troupe::transport

@@ -17,6 +17,7 @@ bool cuda_ipc_built() { return false; }
 std::shared_ptr<ipc_memory> cuda_ipc_memory(int) {
   throw transport_error("this build has no CUDA IPC (no CUDA runtime was found at build time)");
 }
+std::string gpu_key(int) { throw transport_error("this build has no CUDA runtime: no GPU to name"); }
 
 #else
 
@@ -173,6 +174,12 @@ class cuda_memory final : public ipc_memory {
 
 bool cuda_ipc_built() { return true; }
 std::shared_ptr<ipc_memory> cuda_ipc_memory(int device) { return std::make_shared<cuda_memory>(device); }
+
+std::string gpu_key(int device) {
+  char bus[64] = {};
+  check_cuda(cudaDeviceGetPCIBusId(bus, sizeof bus, device), "cudaDeviceGetPCIBusId");
+  return machine_key() + "/gpu " + bus;
+}
 
 #endif
 

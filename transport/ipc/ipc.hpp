@@ -99,5 +99,9 @@ std::shared_ptr<communicator> ipc_p2p(std::shared_ptr<communicator> inner, std::
 /// A key naming this machine and its IPC namespace: processes with equal keys can map
 /// each other's shared memory and CUDA IPC handles (boot id and IPC namespace).
 std::string machine_key();
+/// machine_key() plus the PCI address of GPU `device` (cudaDeviceGetPCIBusId): equal for
+/// two processes on the same physical GPU, whatever CUDA_VISIBLE_DEVICES numbers it.
+/// Throws transport_error where the CUDA runtime is not built in or cannot name the GPU.
+std::string gpu_key(int device);
 
 }  // namespace troupe::transport
