@@ -10,9 +10,9 @@ namespace troupe::transport {
 
 namespace {
 
-class host_staged final : public communicator {
+class staged_comm final : public communicator {
  public:
-  host_staged(std::shared_ptr<communicator> inner, torch::Device target, bool always)
+  staged_comm(std::shared_ptr<communicator> inner, torch::Device target, bool always)
       : inner_(std::move(inner)), target_(target), always_(always) {}
 
   int rank() const override { return inner_->rank(); }
@@ -24,18 +24,18 @@ class host_staged final : public communicator {
 
   work_ptr send(torch::Tensor t, int dst, std::uint32_t tag) override {
     if (!staged(t, "send")) return inner_->send(std::move(t), dst, tag);
-    auto host = staged_copy(t);
-    return outer(inner_->send(host, dst, tag), {}, {host});
+    auto buf = staged_copy(t);
+    return outer(inner_->send(buf, dst, tag), {}, {buf});
   }
   work_ptr recv(torch::Tensor t, int src, std::uint32_t tag) override {
     if (!staged(t, "recv")) return inner_->recv(std::move(t), src, tag);
-    auto host = staging_buffer(t);
-    return outer(inner_->recv(host, src, tag), {{t, host}}, {});
+    auto buf = staging_buffer(t);
+    return outer(inner_->recv(buf, src, tag), {{t, buf}}, {});
   }
   work_ptr all_reduce(torch::Tensor t) override {
     if (!staged(t, "all_reduce")) return inner_->all_reduce(std::move(t));
-    auto host = staged_copy(t);
-    return outer(inner_->all_reduce(host), {{t, host}}, {});
+    auto buf = staged_copy(t);
+    return outer(inner_->all_reduce(buf), {{t, buf}}, {});
   }
   work_ptr reduce_scatter(torch::Tensor input, torch::Tensor output) override {
     const bool in = staged(input, "reduce_scatter input"), out = staged(output, "reduce_scatter output");
@@ -52,13 +52,13 @@ class host_staged final : public communicator {
   }
   work_ptr broadcast(torch::Tensor t, int root) override {
     if (!staged(t, "broadcast")) return inner_->broadcast(std::move(t), root);
-    auto host = staged_copy(t);
-    return outer(inner_->broadcast(host, root), rank() == root ? copies{} : copies{{t, host}}, {});
+    auto buf = staged_copy(t);
+    return outer(inner_->broadcast(buf, root), rank() == root ? copies{} : copies{{t, buf}}, {});
   }
   void abort(const std::string& why) override { inner_->abort(why); }
 
  private:
-  using copies = std::vector<std::pair<torch::Tensor, torch::Tensor>>;  // (caller's tensor, host buffer)
+  using copies = std::vector<std::pair<torch::Tensor, torch::Tensor>>;  // (caller's tensor, staging buffer)
 
   /// True when `t` goes through a copy on the target device (checked first: a bad tensor
   /// is the caller's error before anything is copied).
@@ -79,8 +79,8 @@ class host_staged final : public communicator {
     return h;
   }
 
-  /// The caller's work for `inner`: completes after the host buffers are copied back into
-  /// the caller's tensors; keeps `keep` (host inputs) alive until the transfers are done.
+  /// The caller's work for `inner`: completes after the staging buffers are copied back
+  /// into the caller's tensors; keeps `keep` (staged inputs) alive until the transfers are done.
   static work_ptr outer(const work_ptr& inner, copies back, std::vector<torch::Tensor> keep) {
     auto w = std::make_shared<work>(inner->what());
     struct guard {
@@ -95,7 +95,7 @@ class host_staged final : public communicator {
         std::lock_guard<std::mutex> lock(g->mu);
         g->aborted = true;
       }
-      inner->abort("its caller aborted the host-staged work");
+      inner->abort("its caller aborted the staged work");
     });
     inner->on_complete([w, g, back = std::move(back), keep = std::move(keep)](const std::string& err) {
       std::string error = err;
@@ -104,7 +104,7 @@ class host_staged final : public communicator {
         if (g->aborted) return;
         if (error.empty()) {
           try {
-            for (const auto& [dst, host] : back) dst.copy_(host);  // blocking host-to-device copy
+            for (const auto& [dst, buf] : back) dst.copy_(buf);  // blocking copy back
           } catch (const std::exception& e) {
             error = std::string("copying the result back from the staging buffer: ") + e.what();
           }
@@ -123,13 +123,13 @@ class host_staged final : public communicator {
 }  // namespace
 
 std::shared_ptr<communicator> stage_through_host(std::shared_ptr<communicator> inner, bool always) {
-  return std::make_shared<host_staged>(std::move(inner), torch::kCPU, always);
+  return std::make_shared<staged_comm>(std::move(inner), torch::kCPU, always);
 }
 
 std::shared_ptr<communicator> stage_through_device(std::shared_ptr<communicator> inner, torch::Device device) {
   if (device.is_cuda() && !device.has_index())
     throw std::invalid_argument("stage_through_device: name the GPU (cuda:N), not " + device.str());
-  return std::make_shared<host_staged>(std::move(inner), device, false);
+  return std::make_shared<staged_comm>(std::move(inner), device, false);
 }
 
 }  // namespace troupe::transport
