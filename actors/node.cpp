@@ -24,6 +24,7 @@
 #include "transport/host_staging.hpp"
 #include "transport/ipc/ipc.hpp"
 #include "transport/nccl/nccl_communicator.hpp"
+#include "transport/ordered_p2p.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
 
 namespace troupe {
@@ -193,10 +194,21 @@ struct node_transport {
   enum class staging { off, device_tensors, all_tensors } staged = staging::off;
   enum class ipc_memory { off, host, cuda } ipc = ipc_memory::off;
   int device = 0;  ///< the node's GPU (CUDA IPC buffers, NCCL)
-  /// The shard groups' collectives over NCCL where every member has a GPU of its own
-  /// (TROUPE_NCCL=1).
+  /// The shard groups' collectives, and the tensors between stages on nodes of
+  /// link_pairs(), over NCCL where every member has a GPU of its own (TROUPE_NCCL=1).
   bool nccl = false;
+  /// Tests of the links without NCCL: the tensors between stages on nodes of link_pairs()
+  /// through ordered_p2p over links on one UCX tag (TROUPE_LINKS=ucx).
+  bool ucx_links = false;
 };
+
+/// The UCX tag of tag links (TROUPE_LINKS=ucx): the callers' tags are below 2^31, the
+/// acknowledgements of ipc/ are 2^31 plus a buffer number.
+constexpr std::uint32_t kLinkTag = 0xfffffff0u;
+
+/// The table's `stages` entry of a link from node `from` (its `replicas` entry names the
+/// receiving node, its `nccl_ids` entry the id): -2 - from (-1 is the world).
+constexpr std::int32_t link_entry(int from) { return -2 - from; }
 
 /// A node's communicators: per slot (r, k) rank r of stage k's d shards, and the world of
 /// the nodes (rank = node), which carries activations between them. Made at join and
@@ -207,9 +219,10 @@ struct node_transport {
 /// machine goes through shared buffers where `transport.ipc` says so.
 class ucx_renewal : public comm_renewal {
  public:
-  ucx_renewal(int node, int nodes, int d, std::vector<std::pair<int, int>> slots, node_transport transport)
+  ucx_renewal(int node, int nodes, int p, int d, std::vector<std::pair<int, int>> slots, node_transport transport)
       : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), transport_(transport),
-        machine_(transport::machine_key()) {
+        machine_(transport::machine_key()), links_(transport.nccl || transport.ucx_links ? link_pairs(p, d, nodes)
+                                                                                          : decltype(links_){}) {
     mine_.node = node;
     std::string gpu;  // asks for NCCL: names its GPU
     if (transport_.nccl) try {
@@ -238,7 +251,15 @@ class ucx_renewal : public comm_renewal {
       add(k, r, pending_.back()->address(), slot_gpu, std::move(id));
     }
     pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
-    add(-1, node, pending_.back()->address(), "", "");
+    add(-1, node, pending_.back()->address(), gpu, "");  // the world: with this node's GPU key
+    if (!gpu.empty())  // the NCCL ids of the links this node sends on
+      for (const auto& [from, to] : links_)
+        if (from == node_) try {
+            const auto bytes = transport::nccl_unique_id();
+            add(link_entry(from), to, "", "", std::string(bytes.begin(), bytes.end()));
+          } catch (const std::exception& e) {
+            spdlog::warn("node {}: tensors to node {} stay off NCCL: {}", node_, to, e.what());
+          }
   }
   node_addresses addresses() const override { return mine_; }
   node_plan connect(const node_addresses& table) override {
@@ -282,6 +303,7 @@ class ucx_renewal : public comm_renewal {
     for (const auto& [r, k] : slots_)
       if (k == 0) plan.loader_replicas.push_back(r);
     plan.world = staged(pending_.back()->connect(column(-1, nodes_, table.addresses)));
+    auto [to, from] = make_links(table, column(-1, nodes_, table.gpus), plan.world);
     if (transport_.ipc != node_transport::ipc_memory::off) {
       std::vector<bool> same(nodes_, false);
       for (std::size_t i = 0; i < table.stages.size() && i < table.machines.size(); ++i)
@@ -302,6 +324,11 @@ class ucx_renewal : public comm_renewal {
         spdlog::info("node {}: tensors to node(s) {} (this machine): {}", node_, peers, plan.world->backend());
       }
     }
+    if (std::any_of(to.begin(), to.end(), [](const auto& l) { return l != nullptr; }) ||
+        std::any_of(from.begin(), from.end(), [](const auto& l) { return l != nullptr; })) {
+      plan.world = transport::ordered_p2p(plan.world, std::move(to), std::move(from));
+      spdlog::info("node {}: tensors between nodes: {}", node_, plan.world->backend());
+    }
     return plan;
   }
 
@@ -312,6 +339,42 @@ class ucx_renewal : public comm_renewal {
   std::string machine_;  // transport::machine_key(), sent with the addresses
   std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
   node_addresses mine_;
+  std::vector<std::pair<int, int>> links_;  // link_pairs() where links are asked for
+
+  /// This node's links (by peer: to it, from it), made in the order of links_ on every
+  /// node (making a NCCL link waits for its peer). NCCL links where both ends asked and
+  /// have GPUs of their own (by the world entries' GPU keys); tag links over `world`
+  /// where TROUPE_LINKS=ucx asks.
+  using links = std::vector<std::shared_ptr<transport::ordered_link>>;
+  std::pair<links, links> make_links(const node_addresses& table, const std::vector<std::string>& gpus,
+                                     const std::shared_ptr<transport::communicator>& world) const {
+    links to(nodes_), from(nodes_);
+    for (const auto& [a, b] : links_) {
+      if (a != node_ && b != node_) continue;
+      const bool sends = a == node_;
+      auto& slot = sends ? to[b] : from[a];
+      if (transport_.ucx_links) {
+        slot = transport::tag_link(world, sends ? b : a, kLinkTag);
+        continue;
+      }
+      const auto refusal = nccl_refusal({gpus.at(a), gpus.at(b)});
+      std::string id;
+      for (std::size_t i = 0; i < table.stages.size() && i < table.nccl_ids.size(); ++i)
+        if (table.stages[i] == link_entry(a) && table.replicas[i] == b) id = table.nccl_ids[i];
+      if (!refusal.empty() || id.empty()) {
+        if (sends)
+          spdlog::info("node {}: tensors to node {} stay off NCCL: {}", node_, b,
+                       refusal.empty() ? "node " + std::to_string(a) + " made no NCCL id" : "nodes " + std::to_string(a) +
+                                                                                 " and " + std::to_string(b) + " as " +
+                                                                                 refusal);
+        continue;
+      }
+      slot = transport::make_nccl_link(std::vector<char>(id.begin(), id.end()), sends, transport_.device);
+      spdlog::info("node {}: tensors {} node {} over a NCCL link on cuda:{}", node_, sends ? "to" : "from",
+                   sends ? b : a, transport_.device);
+    }
+    return {std::move(to), std::move(from)};
+  }
 };
 
 /// How this node's tensors travel, with the reasons logged. On a GPU: tensors staged
@@ -345,11 +408,21 @@ node_transport transport_for(const runtime_context& ctx, const std::string& wher
   if (nccl == "1") {
     if (!ctx.device.is_cuda()) throw config_error("TROUPE_NCCL=1: the job does not run on a GPU (--device cuda)");
     if (!transport::nccl_built()) throw config_error("TROUPE_NCCL=1: this build has no NCCL backend");
-    spdlog::info("{}: TROUPE_NCCL=1: the optimizer shards' collectives go over NCCL in shard groups whose members each "
-                 "have a GPU of their own (not yet run on GPUs: see README)", where);
+    spdlog::info("{}: TROUPE_NCCL=1: the optimizer shards' collectives, and the tensors between stages on different "
+                 "nodes, go over NCCL where the nodes involved each have a GPU of their own (not yet run on GPUs: "
+                 "see README)", where);
     t.nccl = true;
   } else if (!nccl.empty() && nccl != "0") {
     throw config_error("TROUPE_NCCL=" + nccl + ": expected 1 or 0");
+  }
+  const char* links_env = std::getenv("TROUPE_LINKS");
+  const std::string links = links_env ? links_env : "";
+  if (links == "ucx") {
+    spdlog::info("{}: TROUPE_LINKS=ucx: tensors between stages on different nodes go through in-order links over one "
+                 "UCX tag (the ordering that NCCL links need, without NCCL)", where);
+    t.ucx_links = true;
+  } else if (!links.empty() && links != "0") {
+    throw config_error("TROUPE_LINKS=" + links + ": expected ucx or 0");
   }
   if (ipc == "host") {
     spdlog::info("{}: TROUPE_IPC=host: tensors to node processes of this machine go through POSIX shared memory", where);
@@ -414,6 +487,22 @@ caf::actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
 }
 
 }  // namespace
+
+std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes) {
+  std::set<std::pair<int, int>> pairs;
+  const int per = p * d / nodes;
+  auto node_of = [&](int r, int k) { return (r * p + k) / per; };
+  auto both_ways = [&](int a, int b) {
+    if (a == b) return;
+    pairs.emplace(a, b);
+    pairs.emplace(b, a);
+  };
+  for (int r = 0; r < d; ++r) {
+    for (int k = 0; k + 1 < p; ++k) both_ways(node_of(r, k), node_of(r, k + 1));
+    both_ways(node_of(r, 0), node_of(r, p - 1));
+  }
+  return {pairs.begin(), pairs.end()};
+}
 
 std::string nccl_refusal(const std::vector<std::string>& member_gpus) {
   if (member_gpus.size() < 2) return "a group of one rank";
@@ -513,14 +602,15 @@ actor_run_result run_node(const node_options& o) {
           plan.slots = slots;
           plan.rejoining = true;
         } else {  // UCX communicators (round 0 of the address exchange)
-          ucx_renewal comms(o.node, o.nodes, ctx->d, slots, how);
+          ucx_renewal comms(o.node, o.nodes, ctx->p, ctx->d, slots, how);
           const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, comms.addresses(),
                                                  where + ": address exchange");
           plan = comms.connect(table);
         }
         plan.registrar = registrar_handle;
-        plan.renew = [node = o.node, nodes = o.nodes, d = ctx->d, slots, how]() -> std::unique_ptr<comm_renewal> {
-          return std::make_unique<ucx_renewal>(node, nodes, d, slots, how);
+        plan.renew = [node = o.node, nodes = o.nodes, p = ctx->p, d = ctx->d, slots,
+                      how]() -> std::unique_ptr<comm_renewal> {
+          return std::make_unique<ucx_renewal>(node, nodes, p, d, slots, how);
         };
         std::string hosted;
         for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";

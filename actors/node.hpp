@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "actors/runtime.hpp"
@@ -57,6 +58,13 @@ struct node_options {
 /// for NCCL); empty when it can: every member asks and each has a GPU of its own (NCCL
 /// puts one rank of a communicator per GPU). A group of one rank has nothing to gain.
 std::string nccl_refusal(const std::vector<std::string>& member_gpus);
+
+/// The ordered pairs (from, to) of distinct nodes whose stages pass activations or
+/// gradients to each other with `nodes` node processes (the layout of node_slots):
+/// neighbouring stages of a replica, and its first and last stage (tied embeddings, the
+/// chunks of an interleaved schedule); sorted. With TROUPE_NCCL=1 each gets a NCCL link
+/// (transport/ordered_p2p.hpp) where both nodes have a GPU of their own.
+std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes);
 
 /// Runs this node until the job ends. Node 0 returns the job's result; the others return
 /// exit_code 0 when the coordinator stopped them cleanly, else 1 (with `error`), 2 for a

@@ -18,9 +18,13 @@
 #    TROUPE_IPC=0 (everything staged): bit-identical to the one-process run. On the CPU,
 #    TROUPE_STAGE_THROUGH_HOST=1 stages the CPU tensors and TROUPE_IPC=host takes POSIX
 #    shared memory for the buffers.
+#    TROUPE_LINKS=ucx (plain and with node 3 rejoining): the tensors between stages go
+#    through in-order links (transport/ordered_p2p.hpp, the ordering NCCL links need) over
+#    one UCX tag: bit-identical again.
 # 5. TROUPE_NCCL=1 as 4 node processes on the one GPU: every shard group's members share
-#    it, so the nodes keep those collectives on UCX (bit-identical again); on the CPU the
-#    setting is refused (exit 2). A group over NCCL needs a GPU per member: not here.
+#    it, and so do the two ends of every link, so the nodes keep those collectives on UCX
+#    and their tensors off NCCL (bit-identical again); on the CPU the setting is refused
+#    (exit 2). A group or a link over NCCL needs a GPU per member: not here.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 set -uo pipefail
@@ -90,11 +94,12 @@ PY
 }
 step checkpoint-rotation rotate
 
-nodes() {  # nodes NAME ipc|staged FLAGS...: 4 node processes, bit-identical to ref
+nodes() {  # nodes NAME ipc|staged|links FLAGS...: 4 node processes, bit-identical to ref
   local env=(TROUPE_BUILD_DIR="$build" TROUPE_SKIP_SETUP=1) want="go through CUDA IPC buffers"
   [ "$device" = cpu ] && env+=(TROUPE_STAGE_THROUGH_HOST=1) && want="TROUPE_IPC=host"
-  [ "$device" = cpu ] && [ "$2" = ipc ] && env+=(TROUPE_IPC=host)
+  [ "$device" = cpu ] && [ "$2" != staged ] && env+=(TROUPE_IPC=host)
   [ "$2" = staged ] && env+=(TROUPE_IPC=0) && want="no shared buffers"
+  [ "$2" = links ] && env+=(TROUPE_LINKS=ucx) && want="TROUPE_LINKS=ucx"
   env "${env[@]}" "$root/launch/troupe" "${job[@]}" --nodes 4 \
     --metrics "$out/$1.jsonl" --save "$out/$1.pt" "${@:3}" >"$out/$1.run" 2>&1 || { cat "$out/$1.run"; return 1; }
   grep -E "staged through host memory|every tensor between nodes goes through a host copy" "$out/$1.run" ||
@@ -104,11 +109,17 @@ nodes() {  # nodes NAME ipc|staged FLAGS...: 4 node processes, bit-identical to 
     grep -E "tensors to node\(s\) .* \(this machine\): .*point-to-point on this machine through" "$out/$1.run" ||
       { echo "no node put shared buffers under its world communicator in $out/$1.run"; return 1; }
   fi
+  if [ "$2" = links ]; then  # every node passes tensors to its pipeline neighbour through links
+    [ "$(grep -c "tensors between nodes: .*; in-order links to rank(s) " "$out/$1.run")" -ge 4 ] ||
+      { echo "not every node put in-order links under its world communicator in $out/$1.run"; return 1; }
+  fi
   "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/$1" 0
 }
 step nodes-4 nodes nodes-4 ipc
 step nodes-4-rejoin nodes nodes-4-rejoin ipc --kill-node 3:5
 step nodes-4-staged nodes nodes-4-staged staged
+step nodes-4-links nodes nodes-4-links links
+step nodes-4-links-rejoin nodes nodes-4-links-rejoin links --kill-node 3:5
 
 # TROUPE_NCCL=1 on one GPU: the nodes each take GPU 0 (the machine's only one), see that
 # the members of every shard group share it (NCCL puts one rank per GPU) and keep those
@@ -126,6 +137,8 @@ nccl_fallback() {
     { echo "not every node computes on cuda:0"; return 1; }
   [ "$(grep -c "shard collectives stay on UCX: ranks 0 and 1 share a GPU" "$out/nodes-4-nccl.run")" = 4 ] ||
     { echo "not every node kept its shard group on UCX"; return 1; }
+  [ "$(grep -c "tensors to node [0-9] stay off NCCL: nodes [0-9] and [0-9] as ranks 0 and 1 share a GPU" \
+      "$out/nodes-4-nccl.run")" = 4 ] || { echo "not every node kept its tensors to its neighbour off NCCL"; return 1; }
   "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/nodes-4-nccl" 0
 }
 step nodes-4-nccl nccl_fallback

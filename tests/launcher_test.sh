@@ -37,7 +37,8 @@ fi
 # Transport settings that cannot hold: the nodes refuse them with the reason (exit 2).
 for setting in "TROUPE_NCCL=1|TROUPE_NCCL=1: the job does not run on a GPU" \
                "TROUPE_NCCL=yes|TROUPE_NCCL=yes: expected 1 or 0" \
-               "TROUPE_IPC=shm|TROUPE_IPC=shm: expected host, cuda, 0 or off"; do
+               "TROUPE_IPC=shm|TROUPE_IPC=shm: expected host, cuda, 0 or off" \
+               "TROUPE_LINKS=nccl|TROUPE_LINKS=nccl: expected ucx or 0"; do
   env "${setting%%|*}" "$launcher" train --nodes 2 --data-parallel 2 --steps 2 >"$tmp/setting.log" 2>&1
   rc=$?
   [ $rc = 2 ] && grep -qF "${setting#*|}" "$tmp/setting.log" && ok "${setting%%|*} on a CPU job refused (exit 2)" \

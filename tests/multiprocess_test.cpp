@@ -121,6 +121,18 @@ TEST(MultiProcessNccl, GroupsNeedEveryMemberOnAGpuOfItsOwn) {
   EXPECT_NE(nccl_refusal({}), "");
 }
 
+TEST(MultiProcessNccl, LinksJoinTheNodesOfStagesThatPassTensors) {
+  using pairs = std::vector<std::pair<int, int>>;
+  // A pipeline of 4 over 4 nodes: neighbours both ways, and the first with the last.
+  EXPECT_EQ(link_pairs(4, 1, 4), (pairs{{0, 1}, {0, 3}, {1, 0}, {1, 2}, {2, 1}, {2, 3}, {3, 0}, {3, 2}}));
+  // Whole replicas per node: no tensors between nodes.
+  EXPECT_EQ(link_pairs(2, 2, 2), pairs{});
+  // p=4, d=2 on 4 nodes: each replica over two nodes (its first and last stage too).
+  EXPECT_EQ(link_pairs(4, 2, 4), (pairs{{0, 1}, {1, 0}, {2, 3}, {3, 2}}));
+  // p=3, d=2 on 3 nodes: node 1 hosts replica 0's last stage and replica 1's first.
+  EXPECT_EQ(link_pairs(3, 2, 3), (pairs{{0, 1}, {1, 0}, {1, 2}, {2, 1}}));
+}
+
 TEST(MultiProcessJoin, WrongTokenOrVersionIsRefused) {
   for (const bool version : {false, true}) {
     test::temp_dir dir;

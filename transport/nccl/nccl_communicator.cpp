@@ -24,6 +24,9 @@ std::vector<char> nccl_unique_id() {
 std::shared_ptr<communicator> make_nccl_communicator(const std::vector<char>&, int, int, int, nccl_options) {
   throw transport_error("this build has no NCCL backend (no CUDA toolkit with NCCL was found)");
 }
+std::shared_ptr<ordered_link> make_nccl_link(const std::vector<char>&, bool, int, nccl_options) {
+  throw transport_error("this build has no NCCL backend (no CUDA toolkit with NCCL was found)");
+}
 
 #else
 
@@ -139,6 +142,22 @@ class nccl_communicator final : public communicator {
 
   void abort(const std::string& why) override { fail_all(why); }
 
+  /// For nccl_link: a send the caller's stream does not wait for (the tensor is kept
+  /// from the caching allocator until it is sent), and a receive after `after`.
+  work_ptr link_send(const torch::Tensor& t, int dst) {
+    check(t, -1, "send");
+    return enqueue(
+        "nccl link send", {t}, [&](cudaStream_t s) { return ncclSend(t.data_ptr(), t.nbytes(), ncclInt8, dst, comm_, s); },
+        nullptr, /*caller_waits=*/false);
+  }
+  work_ptr link_recv(const torch::Tensor& t, int src, cudaEvent_t after) {
+    check(t, -1, "recv");
+    return enqueue(
+        "nccl link recv", {t}, [&](cudaStream_t s) { return ncclRecv(t.data_ptr(), t.nbytes(), ncclInt8, src, comm_, s); },
+        after, /*caller_waits=*/false);
+  }
+  int device() const { return device_; }
+
  private:
   struct pending_op {
     work_ptr w;
@@ -177,8 +196,13 @@ class nccl_communicator final : public communicator {
     }
   }
 
+  /// Runs `call` on the communicator's stream after what the caller queued so far on its
+  /// current stream (or after `after`, an event recorded on the caller's thread earlier,
+  /// where the call comes from another thread); the caller's stream waits for it in turn
+  /// unless `caller_waits` is false (the caller learns of completion from the work).
   template <class Call>
-  work_ptr enqueue(const char* what, std::vector<torch::Tensor> keep, Call&& call) {
+  work_ptr enqueue(const char* what, std::vector<torch::Tensor> keep, Call&& call, cudaEvent_t after = nullptr,
+                   bool caller_waits = true) {
     auto w = std::make_shared<work>(what);
     std::unique_lock<std::mutex> lk(mu_);  // one NCCL call at a time on this communicator
     if (!broken_.empty()) {
@@ -190,10 +214,14 @@ class nccl_communicator final : public communicator {
     const auto caller = cuda::caller_stream(device_);
     // The operation starts after what the caller queued so far ...
     cudaEvent_t ready = nullptr, done = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
-    cudaEventRecord(ready, caller);
-    cudaStreamWaitEvent(stream_, ready, 0);
-    cudaEventDestroy(ready);
+    if (after) {
+      cudaStreamWaitEvent(stream_, after, 0);
+    } else {
+      check_cuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+      cudaEventRecord(ready, caller);
+      cudaStreamWaitEvent(stream_, ready, 0);
+      cudaEventDestroy(ready);
+    }
     auto r = call(stream_);
     std::string err = r == ncclSuccess ? "" : r == ncclInProgress ? settle() : ncclGetErrorString(r);
     if (!err.empty()) {
@@ -205,7 +233,7 @@ class nccl_communicator final : public communicator {
     // ... and what the caller queues next runs after it.
     check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     cudaEventRecord(done, stream_);
-    cudaStreamWaitEvent(caller, done, 0);
+    if (caller_waits) cudaStreamWaitEvent(caller, done, 0);
     for (auto& t : keep) cuda::used_on(t, stream_, device_);
     pending_.push_back({w, done, std::move(keep), clock::now()});
     lk.unlock();
@@ -281,6 +309,76 @@ class nccl_communicator final : public communicator {
   std::thread poller_;
 };
 
+/// What a link receive waits for: an event recorded on the caller's stream; and, where the
+/// caller's tensor is not on the link's GPU, a tensor there to receive into.
+struct nccl_fence final : link_fence {
+  cudaEvent_t event = nullptr;
+  torch::Tensor staging;
+  ~nccl_fence() override {
+    if (event) cudaEventDestroy(event);
+  }
+};
+
+/// One direction of a pair of GPUs: a NCCL communicator of two ranks, rank 0 sends.
+class nccl_link final : public ordered_link {
+ public:
+  nccl_link(const std::vector<char>& id, bool sender, int device, nccl_options opts)
+      : sender_(sender), comm_(std::make_shared<nccl_communicator>(id, sender ? 0 : 1, 2, device, opts)) {}
+
+  std::string backend() const override { return "nccl"; }
+
+  work_ptr send(torch::Tensor t) override {
+    if (!sender_) throw std::logic_error("nccl link: this end receives");
+    check_tensor(t, -1, "nccl link send", /*any_device=*/true);
+    if (!here(t)) t = t.to(gpu());  // staged on the caller's stream
+    return comm_->link_send(t, 1);
+  }
+
+  std::shared_ptr<link_fence> fence(const torch::Tensor& t) override {
+    auto f = std::make_shared<nccl_fence>();
+    check_cuda(cudaSetDevice(comm_->device()), "cudaSetDevice");
+    if (!here(t))
+      f->staging = torch::empty({static_cast<std::int64_t>(t.nbytes())},
+                                torch::TensorOptions().dtype(torch::kUInt8).device(gpu()));
+    check_cuda(cudaEventCreateWithFlags(&f->event, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(f->event, cuda::caller_stream(comm_->device())), "cudaEventRecord");
+    return f;
+  }
+
+  work_ptr recv(torch::Tensor t, std::shared_ptr<link_fence> fence) override {
+    if (sender_) throw std::logic_error("nccl link: this end sends");
+    check_tensor(t, -1, "nccl link recv", /*any_device=*/true);
+    auto f = std::dynamic_pointer_cast<nccl_fence>(fence);
+    if (!f) f = std::static_pointer_cast<nccl_fence>(this->fence(t));
+    if (!f->staging.defined()) return comm_->link_recv(t, 0, f->event);
+    // Into the GPU, then out to the caller's tensor once the GPU has it (on the thread
+    // that completes the work; the NCCL stream is done with the staging tensor by then).
+    auto outer = std::make_shared<work>("nccl link recv (staged)");
+    comm_->link_recv(f->staging, 0, f->event)
+        ->on_complete([outer, t, staging = f->staging](const std::string& err) {
+          std::string error = err;
+          if (error.empty()) try {
+              torch::from_blob(t.data_ptr(), {static_cast<std::int64_t>(t.nbytes())},
+                               torch::TensorOptions().dtype(torch::kUInt8).device(t.device()))
+                  .copy_(staging);
+            } catch (const std::exception& e) {
+              error = std::string("nccl link recv: copying out of the GPU: ") + e.what();
+            }
+          outer->complete(error);
+        });
+    return outer;
+  }
+
+  void abort(const std::string& why) override { comm_->abort(why); }
+
+ private:
+  torch::Device gpu() const { return {torch::kCUDA, static_cast<c10::DeviceIndex>(comm_->device())}; }
+  bool here(const torch::Tensor& t) const { return t.is_cuda() && t.device().index() == comm_->device(); }
+
+  const bool sender_;
+  std::shared_ptr<nccl_communicator> comm_;
+};
+
 }  // namespace
 
 bool nccl_built() { return true; }
@@ -296,6 +394,11 @@ std::vector<char> nccl_unique_id() {
 std::shared_ptr<communicator> make_nccl_communicator(const std::vector<char>& unique_id, int rank, int size,
                                                      int device, nccl_options opts) {
   return std::make_shared<nccl_communicator>(unique_id, rank, size, device, opts);
+}
+
+std::shared_ptr<ordered_link> make_nccl_link(const std::vector<char>& unique_id, bool sender, int device,
+                                             nccl_options opts) {
+  return std::make_shared<nccl_link>(unique_id, sender, device, opts);
 }
 
 #endif

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/ordered_p2p.hpp"
 #include "transport/transport.hpp"
 
 namespace troupe::transport {
@@ -40,5 +41,13 @@ struct nccl_options {
 /// communicator is aborted) or NCCL fails.
 std::shared_ptr<communicator> make_nccl_communicator(const std::vector<char>& unique_id, int rank, int size,
                                                      int device, nccl_options opts = {});
+
+/// One direction between two GPUs for ordered_p2p: a NCCL communicator of two ranks made
+/// from `unique_id` (the sender is its rank 0, the receiver its rank 1) on GPU `device`.
+/// Tensors elsewhere are staged through that GPU. The sender's stream does not wait for a
+/// send (the tensor is kept until it is out); a receive starts after its fence's event.
+/// Throws transport_error as make_nccl_communicator does.
+std::shared_ptr<ordered_link> make_nccl_link(const std::vector<char>& unique_id, bool sender, int device,
+                                             nccl_options opts = {});
 
 }  // namespace troupe::transport
