@@ -245,6 +245,7 @@ class nccl_communicator final : public communicator {
   /// Completes finished operations; a NCCL error or an operation past the timeout
   /// aborts the communicator.
   void poll() {
+    cudaSetDevice(device_);  // not GPU 0's context: this thread's CUDA calls are for this GPU
     std::unique_lock<std::mutex> lk(mu_);
     while (!stop_) {
       cv_.wait_for(lk, std::chrono::milliseconds(pending_.empty() ? 50 : 0), [&] { return stop_; });
