@@ -362,11 +362,9 @@ class ucx_renewal : public comm_renewal {
       for (std::size_t i = 0; i < table.stages.size() && i < table.nccl_ids.size(); ++i)
         if (table.stages[i] == link_entry(a) && table.replicas[i] == b) id = table.nccl_ids[i];
       if (!refusal.empty() || id.empty()) {
-        if (sends)
-          spdlog::info("node {}: tensors to node {} stay off NCCL: {}", node_, b,
-                       refusal.empty() ? "node " + std::to_string(a) + " made no NCCL id" : "nodes " + std::to_string(a) +
-                                                                                 " and " + std::to_string(b) + " as " +
-                                                                                 refusal);
+        const auto why = refusal.empty() ? "node " + std::to_string(a) + " made no NCCL id"
+                                         : "nodes " + std::to_string(a) + " and " + std::to_string(b) + " as " + refusal;
+        if (sends) spdlog::info("node {}: tensors to node {} stay off NCCL: {}", node_, b, why);
         continue;
       }
       slot = transport::make_nccl_link(std::vector<char>(id.begin(), id.end()), sends, transport_.device);
