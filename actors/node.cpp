@@ -141,6 +141,15 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
         auto rp = self->make_response_promise<node_addresses>();
         round.waiters.push_back(rp);
         if (int(round.sent.size()) == s.nodes) {
+          assign_nccl_ids(t, [] {
+            try {
+              const auto bytes = transport::nccl_unique_id();
+              return std::string(bytes.begin(), bytes.end());
+            } catch (const std::exception& e) {
+              spdlog::warn("registrar: no NCCL id (that group or link stays on UCX): {}", e.what());
+              return std::string();
+            }
+          });
           for (auto& w : round.waiters) w.deliver(t);
           s.rounds.erase(a.round);
         }
@@ -228,38 +237,26 @@ class ucx_renewal : public comm_renewal {
     if (transport_.nccl) try {
         gpu = transport::gpu_key(transport_.device);
       } catch (const std::exception& e) {
-        spdlog::warn("node {}: the shard groups' collectives stay on UCX: {}", node_, e.what());
+        spdlog::warn("node {}: the shard groups' collectives and the tensors between nodes stay off NCCL: {}", node_,
+                     e.what());
       }
-    auto add = [this](int stage, int rank, const std::string& address, const std::string& gpu, std::string id) {
+    auto add = [this](int stage, int rank, const std::string& address, const std::string& gpu) {
       mine_.stages.push_back(stage);
       mine_.replicas.push_back(rank);
       mine_.addresses.push_back(address);
       mine_.machines.push_back(machine_);
       mine_.gpus.push_back(gpu);
-      mine_.nccl_ids.push_back(std::move(id));
+      mine_.nccl_ids.emplace_back();  // the registrar adds the NCCL ids (assign_nccl_ids)
     };
     for (const auto& [r, k] : slots_) {
       pending_.push_back(transport::prepare_ucx_communicator(r, d));
-      std::string id, slot_gpu = gpu;
-      if (!gpu.empty() && r == 0) try {  // the group's rank 0 makes its NCCL id
-          const auto bytes = transport::nccl_unique_id();
-          id.assign(bytes.begin(), bytes.end());
-        } catch (const std::exception& e) {
-          spdlog::warn("node {}: stage {}'s collectives stay on UCX: {}", node_, k, e.what());
-          slot_gpu.clear();
-        }
-      add(k, r, pending_.back()->address(), slot_gpu, std::move(id));
+      add(k, r, pending_.back()->address(), gpu);
     }
     pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
-    add(-1, node, pending_.back()->address(), gpu, "");  // the world: with this node's GPU key
-    if (!gpu.empty())  // the NCCL ids of the links this node sends on
+    add(-1, node, pending_.back()->address(), gpu);  // the world: with this node's GPU key
+    if (!gpu.empty())  // the links this node sends on (no address: a NCCL id's place)
       for (const auto& [from, to] : links_)
-        if (from == node_) try {
-            const auto bytes = transport::nccl_unique_id();
-            add(link_entry(from), to, "", "", std::string(bytes.begin(), bytes.end()));
-          } catch (const std::exception& e) {
-            spdlog::warn("node {}: tensors to node {} stay off NCCL: {}", node_, to, e.what());
-          }
+        if (from == node_) add(link_entry(from), to, "", "");
   }
   node_addresses addresses() const override { return mine_; }
   node_plan connect(const node_addresses& table) override {
@@ -286,9 +283,10 @@ class ucx_renewal : public comm_renewal {
     plan.comms.resize(slots_.size());
     for (const auto i : order) {
       const auto [r, k] = slots_[i];
-      const auto refusal = transport_.nccl ? nccl_refusal(column(k, d_, table.gpus)) : "not asked for";
+      auto refusal = transport_.nccl ? nccl_refusal(column(k, d_, table.gpus)) : "not asked for";
+      const auto id = column(k, d_, table.nccl_ids).at(0);
+      if (refusal.empty() && id.empty()) refusal = "node 0 made no NCCL id for it (see its log)";
       if (refusal.empty()) {
-        const auto id = column(k, d_, table.nccl_ids).at(0);
         const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(transport_.device));
         // Staged: a rejoined node's shard state (buddy copies) is in host memory.
         plan.comms[i] = transport::stage_through_device(
@@ -362,7 +360,7 @@ class ucx_renewal : public comm_renewal {
       for (std::size_t i = 0; i < table.stages.size() && i < table.nccl_ids.size(); ++i)
         if (table.stages[i] == link_entry(a) && table.replicas[i] == b) id = table.nccl_ids[i];
       if (!refusal.empty() || id.empty()) {
-        const auto why = refusal.empty() ? "node " + std::to_string(a) + " made no NCCL id"
+        const auto why = refusal.empty() ? std::string("node 0 made no NCCL id for it (see its log)")
                                          : "nodes " + std::to_string(a) + " and " + std::to_string(b) + " as " + refusal;
         if (sends) spdlog::info("node {}: tensors to node {} stay off NCCL: {}", node_, b, why);
         continue;
@@ -514,6 +512,36 @@ std::string nccl_refusal(const std::vector<std::string>& member_gpus) {
         return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " share a GPU (" + member_gpus[a] +
                "), and NCCL puts one rank per GPU";
   return "";
+}
+
+int assign_nccl_ids(node_addresses& table, const std::function<std::string()>& make_id) {
+  const auto n = std::min({table.stages.size(), table.replicas.size(), table.gpus.size()});
+  table.nccl_ids.resize(table.stages.size());
+  // Per group (a stage >= 0, or the world -1): its members' GPU keys by rank.
+  std::map<int, std::vector<std::string>> keys;
+  for (std::size_t i = 0; i < n; ++i)
+    if (table.stages[i] >= -1 && table.replicas[i] >= 0) {
+      auto& column = keys[table.stages[i]];
+      if (int(column.size()) <= table.replicas[i]) column.resize(table.replicas[i] + 1);
+      column[table.replicas[i]] = table.gpus[i];
+    }
+  const auto& world = keys[-1];
+  auto world_key = [&](int node) { return node >= 0 && node < int(world.size()) ? world[node] : std::string(); };
+  int given = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const int stage = table.stages[i], rank = table.replicas[i];
+    std::string refusal;
+    if (stage >= 0 && rank == 0)
+      refusal = nccl_refusal(keys[stage]);
+    else if (stage <= -2)
+      refusal = nccl_refusal({world_key(-2 - stage), world_key(rank)});
+    else
+      continue;  // no id: the world, and a shard group's other ranks
+    if (!refusal.empty()) continue;
+    table.nccl_ids[i] = make_id();
+    if (!table.nccl_ids[i].empty()) ++given;
+  }
+  return given;
 }
 
 actor_run_result run_node(const node_options& o) {

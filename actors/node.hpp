@@ -20,6 +20,7 @@
 // collectives over their stage's communicator (UCX); control messages over CAF.
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -65,6 +66,17 @@ std::string nccl_refusal(const std::vector<std::string>& member_gpus);
 /// chunks of an interleaved schedule); sorted. With TROUPE_NCCL=1 each gets a NCCL link
 /// (transport/ordered_p2p.hpp) where both nodes have a GPU of their own.
 std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes);
+
+struct node_addresses;  // messages/node_messages.hpp
+
+/// The registrar's part of NCCL, once every node has sent its entries of an address
+/// round: a NCCL unique id (`make_id()`; empty where making one failed) for each shard
+/// group whose members' GPU keys nccl_refusal accepts (into its rank 0's entry), and for
+/// each link entry (stage -2 - from, replica = to) whose two nodes' world entries'
+/// keys it accepts. No other ids are made: NCCL keeps a thread waiting for the ranks of
+/// every id it made, so an id nobody uses would leave one behind per round. Returns the
+/// number of ids given.
+int assign_nccl_ids(node_addresses& table, const std::function<std::string()>& make_id);
 
 /// Runs this node until the job ends. Node 0 returns the job's result; the others return
 /// exit_code 0 when the coordinator stopped them cleanly, else 1 (with `error`), 2 for a

@@ -57,10 +57,11 @@ struct node_addresses {
   std::vector<std::string> addresses;
   std::vector<std::string> machines;  ///< per entry: its node's transport::machine_key()
   /// Per entry, for a NCCL group: the node's transport::gpu_key() when it would run that
-  /// group's collectives over NCCL (else empty), and, from the group's rank 0, the NCCL
-  /// unique id's bytes (else empty). The world entry (stage -1) carries the node's GPU
-  /// key for NCCL links; an entry of stage -2 - n (no address) the id of the link from
-  /// node n to node `replicas[i]`.
+  /// group's collectives over NCCL (else empty), and, in the registrar's table, in the
+  /// group's rank 0 entry, the NCCL unique id's bytes where the group runs over NCCL (else
+  /// empty; assign_nccl_ids). The world entry (stage -1) carries the node's GPU key for
+  /// NCCL links; an entry of stage -2 - n (no address) asks for a link from node n to
+  /// node `replicas[i]` and, in the table, carries its id.
   std::vector<std::string> gpus, nccl_ids;
 };
 

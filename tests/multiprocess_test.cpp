@@ -7,10 +7,12 @@
 
 #include <csignal>
 #include <filesystem>
+#include <map>
 
 #include "actors/node.hpp"
 #include "actors/runtime.hpp"
 #include "compute/checkpoint.hpp"
+#include "messages/node_messages.hpp"
 #include "process_group.hpp"
 #include "test_util.hpp"
 
@@ -106,8 +108,6 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MultiProcess,
                                            layout{1, 4, 4}, layout{2, 4, 2}),
                          name_of);
 
-// A node with another token, or another protocol version, is refused (and the refusal is
-// logged by the coordinator); the job does not start with it.
 // A shard group runs its collectives over NCCL only when every member asked for it (named
 // its GPU) and no two members share a GPU; the reason otherwise names the ranks.
 TEST(MultiProcessNccl, GroupsNeedEveryMemberOnAGpuOfItsOwn) {
@@ -133,6 +133,66 @@ TEST(MultiProcessNccl, LinksJoinTheNodesOfStagesThatPassTensors) {
   EXPECT_EQ(link_pairs(3, 2, 3), (pairs{{0, 1}, {1, 0}, {1, 2}, {2, 1}}));
 }
 
+// The registrar's table of p=2, d=2 on 4 nodes (stage 0's ranks on nodes 0 and 2, stage
+// 1's on nodes 1 and 3), each node's entries with its GPU key (empty: it did not ask).
+node_addresses table_of(const std::vector<std::string>& gpus) {
+  node_addresses t;
+  auto add = [&](int stage, int rank, int node) {
+    t.stages.push_back(stage);
+    t.replicas.push_back(rank);
+    t.addresses.push_back(stage <= -2 ? "" : "ucx address");
+    t.machines.push_back("m");
+    t.gpus.push_back(stage <= -2 ? "" : gpus[node]);
+    t.nccl_ids.emplace_back();
+  };
+  for (int node = 0; node < 4; ++node) {
+    add(node % 2, node / 2, node);  // its slot
+    add(-1, node, node);            // the world
+    for (const auto& [from, to] : link_pairs(2, 2, 4))
+      if (from == node && !gpus[node].empty()) add(-2 - from, to, node);
+  }
+  return t;
+}
+
+// Ids exactly where they are used: the rank 0 entry of each shard group and each link
+// that nccl_refusal accepts. An id made for nothing would leave NCCL's bootstrap thread
+// waiting for ranks that never come.
+TEST(MultiProcessNccl, TheRegistrarMakesIdsOnlyWhereNcclRuns) {
+  int made = 0;
+  auto make_id = [&] { return "id " + std::to_string(made++); };
+  auto ids_of = [](const node_addresses& t) {
+    std::map<std::pair<int, int>, std::string> out;  // (stage, replica) -> id, where given
+    for (std::size_t i = 0; i < t.stages.size(); ++i)
+      if (!t.nccl_ids.at(i).empty()) out[{t.stages[i], t.replicas[i]}] = t.nccl_ids[i];
+    return out;
+  };
+  using ids = std::map<std::pair<int, int>, std::string>;
+  // A GPU each: both groups (in rank 0's entry) and the four links (entries -2 - from).
+  auto t = table_of({"m/gpu 0", "m/gpu 1", "m/gpu 2", "m/gpu 3"});
+  EXPECT_EQ(assign_nccl_ids(t, make_id), 6);
+  EXPECT_EQ(made, 6);
+  EXPECT_EQ(ids_of(t), (ids{{{0, 0}, "id 0"}, {{-2, 1}, "id 1"}, {{1, 0}, "id 2"},
+                            {{-3, 0}, "id 3"}, {{-4, 3}, "id 4"}, {{-5, 2}, "id 5"}}));
+  // One GPU for all: every group and link is refused, and no id is made.
+  made = 0;
+  t = table_of({"m/gpu 0", "m/gpu 0", "m/gpu 0", "m/gpu 0"});
+  EXPECT_EQ(assign_nccl_ids(t, make_id), 0);
+  EXPECT_EQ(made, 0);
+  EXPECT_EQ(ids_of(t), ids{});
+  // Node 3 did not ask: stage 1's group (nodes 1 and 3) and the link 2 -> 3 stay off.
+  t = table_of({"m/gpu 0", "m/gpu 1", "m/gpu 2", ""});
+  EXPECT_EQ(assign_nccl_ids(t, make_id), 3);
+  EXPECT_EQ(ids_of(t), (ids{{{0, 0}, "id 0"}, {{-2, 1}, "id 1"}, {{-3, 0}, "id 2"}}));
+  // Making an id failed: nothing given, and the nodes find no id (they stay on UCX).
+  made = 0;
+  t = table_of({"m/gpu 0", "m/gpu 1", "m/gpu 2", "m/gpu 3"});
+  EXPECT_EQ(assign_nccl_ids(t, [&] { ++made; return std::string(); }), 0);
+  EXPECT_EQ(made, 6);
+  EXPECT_EQ(ids_of(t), ids{});
+}
+
+// A node with another token, or another protocol version, is refused (and the refusal is
+// logged by the coordinator); the job does not start with it.
 TEST(MultiProcessJoin, WrongTokenOrVersionIsRefused) {
   for (const bool version : {false, true}) {
     test::temp_dir dir;
