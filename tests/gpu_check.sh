@@ -20,7 +20,8 @@
 #    shared memory for the buffers.
 #    TROUPE_LINKS=ucx (plain and with node 3 rejoining): the tensors between stages go
 #    through in-order links (transport/ordered_p2p.hpp, the ordering NCCL links need) over
-#    one UCX tag: bit-identical again.
+#    one UCX tag: bit-identical again; so are p=4 jobs with a stage per node under
+#    interleaved-1f1b and dataflow (their one-process runs the references).
 # 5. TROUPE_NCCL=1 as 4 node processes. On one GPU every shard group's members share it,
 #    and so do the two ends of every link, so the nodes keep those collectives on UCX and
 #    their tensors off NCCL (bit-identical again). With 2+ GPUs every link is over NCCL
@@ -114,13 +115,30 @@ nodes() {  # nodes NAME ipc|staged|links FLAGS...: 4 node processes, bit-identic
     [ "$(grep -c "tensors between nodes: .*; in-order links to rank(s) " "$out/$1.run")" -ge 4 ] ||
       { echo "not every node put in-order links under its world communicator in $out/$1.run"; return 1; }
   fi
-  "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/$1" 0
+  "$python" "$root/tests/compare_runs.py" "$out/${ref:-ref}" "$out/$1" 0
 }
 step nodes-4 nodes nodes-4 ipc
 step nodes-4-rejoin nodes nodes-4-rejoin ipc --kill-node 3:5
 step nodes-4-staged nodes nodes-4-staged staged
 step nodes-4-links nodes nodes-4-links links
 step nodes-4-links-rejoin nodes nodes-4-links-rejoin links --kill-node 3:5
+
+# Links under the schedules that order their messages otherwise, p=4 with a stage per
+# node (links between neighbours and between the first and last stage):
+# interleaved-1f1b with 2 chunks (each stage sends both ways in every phase) and dataflow
+# (a stage runs whatever is ready: receives posted in another order than the sends). A
+# one-process run of the same job is the reference.
+links_schedules() {
+  local name ref job
+  for name in interleaved dataflow; do
+    job=(train --device "$device" --pipeline 4 --data-parallel 1 --steps 6 --eval-interval 0)
+    [ $name = interleaved ] && job+=(--schedule interleaved-1f1b --chunks 2) || job+=(--schedule dataflow --microbatches 8)
+    ref=p4-$name-ref
+    run_job "$ref" >"$out/$ref.run" 2>&1 || { cat "$out/$ref.run"; return 1; }
+    nodes "p4-$name-links" links || return 1
+  done
+}
+step nodes-4-links-schedules links_schedules
 
 # TROUPE_NCCL=1 on one GPU: the nodes each take GPU 0 (the machine's only one), see that
 # the members of every shard group and both ends of every link share it (NCCL puts one
