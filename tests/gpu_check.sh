@@ -96,7 +96,7 @@ PY
 }
 step checkpoint-rotation rotate
 
-nodes() {  # nodes NAME ipc|staged|links FLAGS...: 4 node processes, bit-identical to ref
+nodes() {  # nodes NAME ipc|staged|links FLAGS...: 4 node processes of "${job[@]}", bit-identical to $ref (default: ref)
   local env=(TROUPE_BUILD_DIR="$build" TROUPE_SKIP_SETUP=1) want="go through CUDA IPC buffers"
   [ "$device" = cpu ] && env+=(TROUPE_STAGE_THROUGH_HOST=1) && want="TROUPE_IPC=host"
   [ "$device" = cpu ] && [ "$2" != staged ] && env+=(TROUPE_IPC=host)
