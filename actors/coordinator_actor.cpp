@@ -237,7 +237,8 @@ void fetch_state(self_ptr self, std::function<void(model_state)> then) {
             [=](caf::error& err) { fail(self, "no parameters from a stage: " + self->system().render(err)); });
 }
 
-/// Fetches every optimizer shard's AdamW moments by parameter name, then calls `then`.
+/// Fetches every optimizer shard's AdamW moments (and, in bf16 jobs, main parameters) by
+/// parameter name, then calls `then`.
 void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
   auto& s = self->state;
   auto sum = std::make_shared<named_moments>();
@@ -249,8 +250,9 @@ void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
               [=](const state_reply& rep) {
                 for (std::size_t i = 0; i < rep.names.size(); ++i) {
                   const auto& name = rep.names[i];
-                  const bool first = name.rfind("exp_avg.", 0) == 0;
-                  auto& map = first ? sum->exp_avg : sum->exp_avg_sq;
+                  auto& map = name.rfind("exp_avg.", 0) == 0 ? sum->exp_avg
+                              : name.rfind("main.", 0) == 0  ? sum->main_params
+                                                             : sum->exp_avg_sq;
                   const auto key = name.substr(name.find('.') + 1);
                   auto& dst = map[key];
                   // Shards hold disjoint pieces (zeros elsewhere): adding assembles them.
@@ -263,31 +265,54 @@ void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
               [=](caf::error& err) { fail(self, "no optimizer state from a shard: " + self->system().render(err)); });
 }
 
-/// Writes the checkpoints due now: FILE.optim and FILE (--save, as the plain loop does)
-/// and / or a checkpoint folder in checkpoint_dir.
-void save_checkpoint(self_ptr self, model_state state, bool file, bool folder, std::function<void()> then) {
-  fetch_moments(self, [=](named_moments moments) {
-    auto& s = self->state;
-    const auto& cfg = s.ctx->cfg;
-    const auto next = s.step + 1;
-    try {
-      if (file) {
-        save_state_dict(cfg.save + ".optim", optimizer_state_dict(moments, state.full, next));
-        save_state_dict(cfg.save, state.full);
-        spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
-      }
-      if (folder) {
-        std::vector<state_dict> optim;
-        for (const auto& stage : state.stages) optim.push_back(optimizer_state_dict(moments, stage, next));
-        const auto where =
-            write_checkpoint_dir(cfg.checkpoint_dir, cfg, state.stages, optim, next, cfg.keep_checkpoints);
-        spdlog::info("step {}: checkpoint written to {}", next, where);
-      }
-    } catch (const std::exception& e) {
-      return fail(self, std::string("cannot write a checkpoint: ") + e.what(), false);
-    }
-    then();
+/// The model to save and report: replica 0's stages' parameters, or where they are
+/// rounded (bf16 jobs) the shards' fp32 main parameters. Fetches the shards' state, puts
+/// their main parameters into `state`, then calls `then` with both.
+void with_shard_state(self_ptr self, model_state state, std::function<void(model_state, named_moments)> then) {
+  fetch_moments(self, [=](named_moments moments) mutable {
+    auto use_main = [&](state_dict& sd) {
+      for (auto& [name, t] : sd)
+        if (auto it = moments.main_params.find(name); it != moments.main_params.end())
+          t = it->second.reshape(t.sizes());
+    };
+    use_main(state.full);
+    for (auto& stage : state.stages) use_main(stage);
+    then(std::move(state), std::move(moments));
   });
+}
+
+/// The model to report at the end (final_state), then `then`.
+void fetch_final_state(self_ptr self, std::function<void(state_dict)> then) {
+  fetch_state(self, [=](model_state state) {
+    if (self->state.ctx->compute_dtype == torch::kFloat32) return then(std::move(state.full));
+    with_shard_state(self, std::move(state), [=](model_state state, named_moments) { then(std::move(state.full)); });
+  });
+}
+
+/// Writes the checkpoints due now: FILE.optim and FILE (--save, as the plain loop does)
+/// and / or a checkpoint folder in checkpoint_dir; false (the run failed) if it cannot.
+bool save_checkpoint(self_ptr self, const model_state& state, const named_moments& moments, bool file, bool folder) {
+  auto& s = self->state;
+  const auto& cfg = s.ctx->cfg;
+  const auto next = s.step + 1;
+  try {
+    if (file) {
+      save_state_dict(cfg.save + ".optim", optimizer_state_dict(moments, state.full, next));
+      save_state_dict(cfg.save, state.full);
+      spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
+    }
+    if (folder) {
+      std::vector<state_dict> optim;
+      for (const auto& stage : state.stages) optim.push_back(optimizer_state_dict(moments, stage, next));
+      const auto where =
+          write_checkpoint_dir(cfg.checkpoint_dir, cfg, state.stages, optim, next, cfg.keep_checkpoints);
+      spdlog::info("step {}: checkpoint written to {}", next, where);
+    }
+  } catch (const std::exception& e) {
+    fail(self, std::string("cannot write a checkpoint: ") + e.what(), false);
+    return false;
+  }
+  return true;
 }
 
 /// Appends a step's line to the metrics log (after a resumed run's "resume" line).
@@ -375,18 +400,19 @@ void after_reset(self_ptr self, nlohmann::json line) {
   }
   const double t0 = s.ctx->now_us();
   fetch_state(self, [=](model_state state) mutable {
-    if (eval) evaluate(self, state.full, line);
+    if (eval) evaluate(self, state.full, line);  // with the parameters the stages compute with
     write_metrics(self, line);
-    if (save || folder)
-      return save_checkpoint(self, state, save, folder, [=] {
-        auto& s = self->state;
-        if (folder && !eval) {
-          s.checkpoint_seconds += (s.ctx->now_us() - t0) * 1e-6;
-          ++s.checkpoints;
-        }
-        proceed(state.full);
-      });
-    proceed(std::move(state.full));
+    const bool rounded = self->state.ctx->compute_dtype != torch::kFloat32;
+    if (!save && !folder && !(last && rounded)) return proceed(std::move(state.full));
+    with_shard_state(self, std::move(state), [=](model_state state, named_moments moments) {
+      if ((save || folder) && !save_checkpoint(self, state, moments, save, folder)) return;
+      auto& s = self->state;
+      if (folder && !eval) {
+        s.checkpoint_seconds += (s.ctx->now_us() - t0) * 1e-6;
+        ++s.checkpoints;
+      }
+      proceed(std::move(state.full));
+    });
   });
 }
 
@@ -525,8 +551,8 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
             [=](bool) {
               if (--*pending > 0) return;
               if (self->state.step < self->state.ctx->cfg.steps) return begin(self);
-              fetch_state(self, [=](model_state state) {  // nothing left to run
-                self->state.result->final_state = std::move(state.full);
+              fetch_final_state(self, [=](state_dict state) {  // nothing left to run
+                self->state.result->final_state = std::move(state);
                 finish(self, 0, "");
               });
             },

@@ -24,7 +24,9 @@ struct shard_state {
     torch::Tensor norm_mask;
     torch::Tensor grads;       // the stage's whole grad buffer of this step (hand-off)
     torch::Tensor reduced;     // this rank's range of the summed gradients
-    torch::Tensor gathered;    // the whole updated parameter buffer (all-gather target)
+    torch::Tensor gathered;    // the whole updated parameter buffer (all-gather target; in
+                               // the compute dtype: bf16 jobs gather bf16, half the bytes)
+    torch::Tensor rounded;     // bf16 jobs: this rank's main parameters rounded (all-gather input)
     std::vector<param_entry> entries;  // the chunk's layout (names and offsets)
   };
   std::shared_ptr<const runtime_context> ctx;
@@ -95,7 +97,11 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
                                      /*double_buffered=*/true),
                          norm_mask(layout->entries(), range).to(ctx->device), {},
                          torch::empty({range.size()}, layout->flat_params().options()),
-                         layout->flat_params().clone(), {}});
+                         torch::empty({n}, layout->flat_params().options().dtype(ctx->compute_dtype)),
+                         ctx->compute_dtype == torch::kFloat32
+                             ? torch::Tensor()
+                             : torch::empty({range.size()}, layout->flat_params().options().dtype(ctx->compute_dtype)),
+                         {}});
     auto& ch = st.chunks.back();
     if (from) {  // restarted in place: the state before the step being retried
       ch.opt.assign(from->chunks.at(c));
@@ -124,8 +130,10 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     const auto me = caf::actor_cast<caf::actor>(self);
     for (int ci = 0; ci < s.ctx->v; ++ci) {
       auto& ch = s.chunks[ci];
-      auto w = kind == collective::reduce_scatter ? s.comm->reduce_scatter(ch.grads, ch.reduced)
-                                                  : s.comm->all_gather(ch.opt.params(), ch.gathered);
+      if (kind == collective::all_gather && ch.rounded.defined()) ch.rounded.copy_(ch.opt.params());
+      auto w = kind == collective::reduce_scatter
+                   ? s.comm->reduce_scatter(ch.grads, ch.reduced)
+                   : s.comm->all_gather(ch.rounded.defined() ? ch.rounded : ch.opt.params(), ch.gathered);
       w->on_complete([me, step = s.step, kind, ci](const std::string& err) {
         caf::anon_send(me, collective_done{step, std::int32_t(kind), ci, err});
       });
@@ -273,13 +281,17 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         send_copy(s.step + 1);
       },
       [=](const reset_step&) -> reset_report { return drop_step_state(); },
-      [=](state_atom) -> state_reply {  // AdamW moments by parameter name (checkpoints)
+      // Checkpoints: AdamW moments by parameter name, and the fp32 main parameters where
+      // the stages hold them rounded (bf16 jobs).
+      [=](state_atom) -> state_reply {
+        const bool main = self->state.ctx->compute_dtype != torch::kFloat32;
         named_moments moments;
-        for (const auto& ch : self->state.chunks) gather_moments(ch.entries, ch.range, ch.opt, moments);
+        for (const auto& ch : self->state.chunks) gather_moments(ch.entries, ch.range, ch.opt, moments, main);
         state_reply rep;
-        for (auto* m : {&moments.exp_avg, &moments.exp_avg_sq})
+        for (auto [m, prefix] : {std::pair{&moments.exp_avg, "exp_avg."}, std::pair{&moments.exp_avg_sq, "exp_avg_sq."},
+                                 std::pair{&moments.main_params, "main."}})
           for (auto& [name, t] : *m) {
-            rep.names.push_back((m == &moments.exp_avg ? "exp_avg." : "exp_avg_sq.") + name);
+            rep.names.push_back(prefix + name);
             rep.tensors.push_back(make_payload(t));
           }
         return rep;

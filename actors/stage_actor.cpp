@@ -251,12 +251,10 @@ class stage_logic {
                                std::to_string(s_.step + 1));
     }
     auto flat = s_.chunks.at(msg.chunk)->flat_params();
-    const auto problem = check_payload(msg.data, {flat.numel()}, torch::kFloat32);
+    // bf16 jobs: the shards gather their main parameters rounded to bf16.
+    const auto problem = check_payload(msg.data, {flat.numel()}, s_.ctx->compute_dtype);
     if (!problem.empty()) throw std::runtime_error(s_.name + ": parameters from the shard: " + problem);
-    {
-      torch::NoGradGuard g;
-      flat.copy_(tensor_of(msg.data));
-    }
+    set_model_params(flat, tensor_of(msg.data), s_.ctx->compute_dtype);
     if (++s_.params_received == s_.ctx->v)
       self_->send(s_.wiring->coordinator,
                   stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events)});
@@ -411,10 +409,13 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   st.name = ctx->stage_name(replica, stage);
   for (int c = 0; c < ctx->v; ++c)
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device));
-  if (!params.empty()) {  // restarted in place: the parameters before the step being retried
-    torch::NoGradGuard no_grad;
-    for (int c = 0; c < ctx->v; ++c) st.chunks[c]->flat_params().copy_(params.at(c));
-  }
+  // Restarted in place: the parameters before the step being retried (the shards' main
+  // parameters). bf16 jobs round them, and the initial ones, as the all-gather does.
+  if (!params.empty() || ctx->compute_dtype != torch::kFloat32)
+    for (int c = 0; c < ctx->v; ++c) {
+      auto flat = st.chunks[c]->flat_params();
+      set_model_params(flat, params.empty() ? flat : params.at(c), ctx->compute_dtype);
+    }
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   st.total_ops = 2 * ctx->m * ctx->v;
   if (!ctx->cfg.throw_at.empty() && ctx->faults_armed()) {

@@ -55,11 +55,14 @@ torch::Tensor norm_mask(const std::vector<param_entry>& entries, const flat_rang
 }
 
 void gather_moments(const std::vector<param_entry>& entries, const flat_range& range, const adamw_shard& shard,
-                    named_moments& out) {
+                    named_moments& out, bool main_params) {
+  std::vector<std::pair<std::map<std::string, torch::Tensor>*, const torch::Tensor*>> parts{
+      {&out.exp_avg, &shard.exp_avg()}, {&out.exp_avg_sq, &shard.exp_avg_sq()}};
+  if (main_params) parts.emplace_back(&out.main_params, &shard.params());
   for (const auto& piece : shard_pieces(entries, range)) {
     const auto& e = entries[piece.entry];
     if (e.shared_copy) continue;
-    for (auto [map, src] : {std::pair{&out.exp_avg, &shard.exp_avg()}, std::pair{&out.exp_avg_sq, &shard.exp_avg_sq()}}) {
+    for (auto [map, src] : parts) {
       auto& dst = (*map)[e.name];
       if (!dst.defined()) dst = torch::zeros({e.numel}, torch::kFloat32);
       dst.narrow(0, piece.in_param.begin, piece.in_param.size())

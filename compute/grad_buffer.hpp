@@ -53,13 +53,16 @@ torch::Tensor norm_mask(const std::vector<param_entry>& entries, const flat_rang
 /// Optimizer state by parameter name, the layout-free form checkpoints use.
 struct named_moments {
   std::map<std::string, torch::Tensor> exp_avg, exp_avg_sq;  ///< flat, full parameter size
+  /// The fp32 main parameters (flat), where the model's own are rounded (bf16 jobs).
+  std::map<std::string, torch::Tensor> main_params;
 };
 
 /// Adds shard `range`'s AdamW moments into `out` (per-parameter flat CPU tensors, zero
-/// outside the shard; shared copies of tied parameters are left out). Summing the
-/// `named_moments` of all shards of a slice assembles the whole.
+/// outside the shard; shared copies of tied parameters are left out), and with
+/// `main_params` its main parameters too. Summing the `named_moments` of all shards of a
+/// slice assembles the whole.
 void gather_moments(const std::vector<param_entry>& entries, const flat_range& range, const adamw_shard& shard,
-                    named_moments& out);
+                    named_moments& out, bool main_params = false);
 
 /// Restores shard `range` from a checkpoint by name: main parameters from `params`,
 /// moments from `optim` ("exp_avg.<name>", "exp_avg_sq.<name>"), and the step count.

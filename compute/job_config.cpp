@@ -111,7 +111,7 @@ const std::vector<key_def>& key_defs() {
        [](const job_config& c) { return std::string(c.checksum ? "true" : "false"); }},
       string_key("train.device", "auto, cpu, cuda or cuda:N (auto: the first GPU when one is usable)",
                  &job_config::device),
-      string_key("train.precision", "fp32, or bf16 (bf16 compute under autocast; fp32 parameters and optimizer)",
+      string_key("train.precision", "fp32, or bf16 (autocast compute with bf16 parameter values; fp32 main parameters and optimizer)",
                  &job_config::precision),
       int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
@@ -279,12 +279,22 @@ void job_config::validate() const {
   auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
   if (workload != "gpt-tiny" && workload != "gpt-small" && workload != "fmnist-mlp")
     fail("unknown workload '" + workload + "' (expected gpt-tiny, gpt-small or fmnist-mlp)");
-  try {
-    parse_precision(precision);
+  auto check = [&](auto f) {  // parse errors of compute/device.hpp as configuration errors
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      fail(e.what());
+    }
+  };
+  check([&] { parse_precision(precision); });
+  // The plain loop is the fp32 reference on the CPU: asking it for more would be ignored.
+  if (runtime == "local" && precision != "fp32")
+    fail("precision " + precision + " needs the actors runtime (the local loop computes in fp32)");
+  if (runtime == "local" && device.rfind("cuda", 0) == 0)
+    fail("device " + device + " needs the actors runtime (the local loop runs on the CPU)");
+  check([&] {
     if (device != "auto") resolve_device(device);  // throws: unknown name, or no usable GPU
-  } catch (const std::invalid_argument& e) {
-    fail(e.what());
-  }
+  });
   if (global_batch % (data_parallel * microbatches) != 0)
     fail("global_batch " + std::to_string(global_batch) + " is not divisible by data_parallel (" +
          std::to_string(data_parallel) + ") x microbatches (" + std::to_string(microbatches) + ")");

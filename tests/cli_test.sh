@@ -69,6 +69,12 @@ assert set(ops[0]["args"]) >= {"step", "stage", "op", "mb", "chunk", "replica"},
 print("ok   metrics-checkpoint-trace")
 PY
 check train-local-runtime 0 "$troupe" train --steps 1 --runtime local
+expect_in train-local-runtime-cpu "$err" "threads on the CPU"
+# The plain loop is the fp32 reference on the CPU: asking it for bf16 or a GPU is an error.
+check train-local-bf16 2 "$troupe" train --steps 1 --runtime local --precision bf16
+expect_in train-local-bf16-msg "$err" "precision bf16 needs the actors runtime (the local loop computes in fp32)"
+check train-local-cuda 2 "$troupe" train --steps 1 --runtime local --device cuda:0
+expect_in train-local-cuda-msg "$err" "needs the actors runtime (the local loop runs on the CPU)"
 check train-dataflow-chunks 2 "$troupe" train --schedule dataflow --chunks 2 --pipeline 2
 check train-bad-init 1 "$troupe" train --steps 1 --init "$tmp/m.jsonl"
 expect_in train-bad-init-msg "$err" "not a readable PyTorch file"

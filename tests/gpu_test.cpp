@@ -6,9 +6,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include "actors/runtime.hpp"
+#include "compute/checkpoint.hpp"
 #include "compute/device.hpp"
+#include "compute/pipeline.hpp"
+#include "compute/trainer.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
@@ -34,6 +40,12 @@ job_config tiny(int p, int d, int v, const char* schedule, const char* device, c
   c.device = device;
   c.precision = precision;
   return c;
+}
+
+const torch::Tensor& saved_value(const state_dict& sd, const std::string& name) {
+  for (const auto& [n, t] : sd)
+    if (n == name) return t;
+  throw std::out_of_range(name);
 }
 
 double mean_of_last(const std::vector<double>& xs, std::size_t n) {
@@ -100,6 +112,81 @@ TEST(Precision, Bf16FollowsFp32OnTheCpu) {
   for (int i = 0; i < steps; ++i) EXPECT_NEAR(bf16.losses[i] / fp32.losses[i], 1.0, 0.02) << "step " << i;
   EXPECT_GT(test::max_abs_diff(bf16.final_state, fp32.final_state), 0.0);
   for (const auto& [name, t] : bf16.final_state) EXPECT_EQ(t.scalar_type(), torch::kFloat32) << name;
+}
+
+// bf16 jobs keep Megatron's split: the stages compute with bf16 parameter values (the
+// shards all-gather their main parameters rounded to bf16), the shards keep the fp32 main
+// parameters, and those are what --save and the run's result hold.
+TEST(Precision, Bf16StagesComputeWithTheMainParametersRoundedToBf16) {
+  test::temp_dir dir;
+  auto c = tiny(2, 2, 1, "1f1b", "cpu", "bf16");
+  c.steps = 3;
+  c.save = dir / "model.pt";
+  c.metrics = dir / "metrics.jsonl";
+  const auto got = run(c, c.steps);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  const auto saved = load_state_dict(c.save);
+  EXPECT_EQ(test::max_abs_diff(saved, got.final_state), 0.0);
+  auto rounded = saved;
+  bool all_bf16_values = true;
+  for (auto& [name, t] : rounded) {
+    t = t.to(torch::kBFloat16).to(torch::kFloat32);
+    if (!torch::equal(t, saved_value(saved, name))) all_bf16_values = false;
+  }
+  EXPECT_FALSE(all_bf16_values) << "the saved parameters are the fp32 main parameters, not the rounded ones";
+  // The job's validation loss of its last step is that of the rounded parameters (the
+  // coordinator evaluates the stages' parameters, fp32 compute, one thread).
+  std::ifstream in(c.metrics);
+  std::string line;
+  double job_val = NAN;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) job_val = j.at("val_loss").get<double>();
+  }
+  torch::set_num_threads(1);
+  const training_data data(c);
+  auto eval = [&](const state_dict& sd) {
+    local_pipeline model(c.model(), sd, 1);
+    return evaluate_model(model, data.evaluation_set(), true, c.steps).loss;
+  };
+  EXPECT_EQ(job_val, eval(rounded));
+  EXPECT_NE(job_val, eval(saved)) << "rounding changes the validation loss (else this test could not fail)";
+}
+
+// bf16 jobs stay exact under faults: an in-place retry (the stages' parameters rebuilt
+// from the shards' fp32 snapshots, then rounded) and a resume from a checkpoint (the fp32
+// main parameters) end bit-identical to the uninterrupted bf16 run.
+TEST(Precision, Bf16RetriesAndResumesAreBitIdentical) {
+  test::temp_dir dir;
+  auto c = tiny(2, 2, 1, "1f1b", "cpu", "bf16");
+  c.steps = 4;
+  c.eval_interval = 0;
+  const auto straight = run(c, c.steps);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+  for (const char* fault : {"0:1:2", "1:0:1:late"}) {
+    auto f = c;
+    f.throw_at = fault;
+    f.max_step_retries = 1;
+    const auto got = run(f, f.steps);
+    ASSERT_EQ(got.exit_code, 0) << fault << ": " << got.error;
+    EXPECT_EQ(test::max_abs_diff(got.final_state, straight.final_state), 0.0) << fault;
+    EXPECT_EQ(got.losses, straight.losses) << fault;
+  }
+  auto first = c;
+  first.save = dir / "ckpt.pt";
+  first.checkpoint_interval = 2;
+  first.throw_at = "0:0:2";  // ends the run inside step 2, after the checkpoint of steps 0-1
+  first.max_step_retries = 0;
+  const auto cut = run(first, first.steps);
+  ASSERT_EQ(cut.exit_code, exit_recoverable) << cut.error;
+  auto resumed_cfg = c;
+  resumed_cfg.load = dir / "ckpt.pt";
+  const auto resumed = run(resumed_cfg, resumed_cfg.steps);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
+  EXPECT_EQ(test::max_abs_diff(resumed.final_state, straight.final_state), 0.0);
+  ASSERT_EQ(resumed.losses.size(), 2u);
+  EXPECT_EQ(resumed.losses[0], straight.losses[2]);
+  EXPECT_EQ(resumed.losses[1], straight.losses[3]);
 }
 
 // fp32 on the GPU: the same parameters as the same layout on the CPU (<= 1e-4 after 10
