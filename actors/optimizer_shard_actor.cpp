@@ -159,14 +159,18 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     // The tensors go over the nodes' world communicator (UCX), the message carries their
     // handles; they stay untouched until acknowledged (double-buffered: see snapshot.hpp).
     auto copy = copy_of(s.stage, s.rank, *snap);
+    std::int64_t bytes = 0;
     for (auto* v : {&copy.params, &copy.exp_avg, &copy.exp_avg_sq})
-      for (auto& p : *v) p = ship_payload(*s.wiring, p, s.wiring->buddy_node, s.name);
+      for (auto& p : *v) {
+        bytes += payload_bytes(p);
+        p = ship_payload(*s.wiring, p, s.wiring->buddy_node, s.name);
+      }
     self->request(s.wiring->buddy, std::chrono::seconds(s.ctx->cfg.step_timeout), std::move(copy))
         .then(
-            [self, maybe_done, step = s.step, t0](bool) {
+            [self, maybe_done, step = s.step, t0, bytes](bool) {
               auto& s = self->state;
               if (step != s.step) return;
-              s.events.push_back({"buddy-copy", s.rank, s.stage, -1, -1, s.step, t0, s.ctx->now_us()});
+              s.events.push_back({"buddy-copy", s.rank, s.stage, -1, -1, s.step, t0, s.ctx->now_us(), bytes});
               --s.copies_pending;
               maybe_done();
             },
@@ -200,9 +204,10 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     self->state.events.clear();
     return rep;
   };
-  auto trace_phase = [self](const char* name) {
+  // A collective phase of all chunks, with the bytes of their whole buffers.
+  auto trace_phase = [self](const char* name, std::int64_t bytes) {
     auto& s = self->state;
-    s.events.push_back({name, s.rank, s.stage, -1, -1, s.step, s.phase_start_us, s.ctx->now_us()});
+    s.events.push_back({name, s.rank, s.stage, -1, -1, s.step, s.phase_start_us, s.ctx->now_us(), bytes});
   };
   return {
       [=](const begin_step& msg) {
@@ -249,7 +254,9 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         s.pending.clear();
         torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
         if (collective(msg.kind) == collective::reduce_scatter) {
-          trace_phase("reduce-scatter");
+          std::int64_t bytes = 0;
+          for (const auto& ch : s.chunks) bytes += ch.grads.nbytes();
+          trace_phase("reduce-scatter", bytes);
           for (int ci = 0; ci < s.ctx->v; ++ci) {
             auto& ch = s.chunks[ci];
             ch.grads = torch::Tensor();  // the stage's buffer is no longer read
@@ -257,7 +264,9 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
                                                                 partial_sq_norm(ch.reduced, ch.norm_mask)});
           }
         } else {
-          trace_phase("all-gather");
+          std::int64_t bytes = 0;
+          for (const auto& ch : s.chunks) bytes += ch.gathered.nbytes();
+          trace_phase("all-gather", bytes);
           for (int ci = 0; ci < s.ctx->v; ++ci)
             self->send(s.wiring->stages[s.rank][s.stage],
                        param_shard{s.step, ci, s.rank, make_payload(s.chunks[ci].gathered)});

@@ -165,10 +165,11 @@ class stage_logic {
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
       } else {
         auto [next, chunk] = s_.owner(x + 1);
-        // Activations travel in fp32 (bf16 compute may end a slice in bf16).
+        // Activations travel in the compute dtype (bf16 jobs: half the bytes, as Megatron's
+        // pipeline sends bf16); the receiver widens them to fp32.
         send_tensor((x + 1) % ctx.p, next,
                     forward_activation{s_.step, op.mb, chunk,
-                                       make_payload(out.detach().to(torch::kFloat32), ctx.cfg.checksum)},
+                                       make_payload(out.detach().to(ctx.compute_dtype), ctx.cfg.checksum)},
                     "activation", op.mb, op.chunk);
         deallocate(out);
       }
@@ -188,7 +189,9 @@ class stage_logic {
       if (x > 0) {
         auto [prev, chunk] = s_.owner(x - 1);
         send_tensor((x - 1) % ctx.p, prev,
-                    backward_grad{s_.step, op.mb, chunk, make_payload(sv.input.grad(), ctx.cfg.checksum)}, "gradient",
+                    backward_grad{s_.step, op.mb, chunk,
+                                  make_payload(sv.input.grad().to(ctx.compute_dtype), ctx.cfg.checksum)},
+                    "gradient",
                     op.mb, op.chunk);
       }
       --s_.in_flight;
@@ -308,18 +311,19 @@ class stage_logic {
                const std::vector<std::int64_t>& shape, const char* what) {
     if (!accept(step)) return;
     if (!first_time(&into == &s_.inputs ? 0 : 1, {mb, chunk}, what)) return;
-    const auto problem = check_payload(data, shape, torch::kFloat32);
+    const auto problem = check_payload(data, shape, s_.ctx->compute_dtype);
     if (!problem.empty()) return fail(std::string(what) + " of micro-batch " + std::to_string(mb) + ": " + problem);
-    into[{mb, chunk}] = tensor_of(data).to(s_.ctx->device);
-    trace_comm("recv", what, mb, chunk, s_.ctx->now_us());
+    into[{mb, chunk}] = tensor_of(data).to(s_.ctx->device, torch::kFloat32);  // the stage computes from fp32
+    trace_comm("recv", what, mb, chunk, s_.ctx->now_us(), payload_bytes(data));
     run_ready();
   }
 
   /// A send ("send <what>": the time the send took on this actor, the hand-off or the
-  /// start of a transfer) or receive ("recv <what>": when it was accepted) trace event.
-  void trace_comm(const char* dir, const char* what, int mb, int chunk, double start_us) {
+  /// start of a transfer) or receive ("recv <what>": when it was accepted) trace event,
+  /// with the tensor's bytes.
+  void trace_comm(const char* dir, const char* what, int mb, int chunk, double start_us, std::int64_t bytes) {
     s_.events.push_back({std::string(dir) + " " + what, s_.replica, s_.stage, mb, chunk, s_.step, start_us,
-                         s_.ctx->now_us()});
+                         s_.ctx->now_us(), bytes});
   }
 
   /// False (and a warning) for a second copy of a tensor message of this step: a
@@ -340,8 +344,9 @@ class stage_logic {
   template <class Msg>
   void send_tensor(int dest_stage, const caf::actor& dest, Msg msg, const char* what, int mb, int chunk) {
     const double start = s_.ctx->now_us();
+    const auto bytes = payload_bytes(msg.data);
     deliver(dest_stage, dest, std::move(msg));
-    trace_comm("send", what, mb, chunk, start);
+    trace_comm("send", what, mb, chunk, start, bytes);
   }
 
   /// In-process hand-off, or over the world communicator when that stage is on another node.
@@ -506,7 +511,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         const auto problem = check_payload(msg.data, logic->tied_slice().param("wte.weight").sizes(), torch::kFloat32);
         if (!problem.empty()) return logic->fail("tied embedding gradient: " + problem);
         auto tied = tensor_of(msg.data).to(ctx->device);
-        logic->trace_comm("recv", "tied gradient", -1, -1, ctx->now_us());
+        logic->trace_comm("recv", "tied gradient", -1, -1, ctx->now_us(), payload_bytes(msg.data));
         logic->on_tied(std::move(tied));
       },
       [=](param_shard& msg) {

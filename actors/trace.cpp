@@ -63,6 +63,7 @@ void write_chrome_trace(const std::string& path, const std::vector<trace_event>&
   for (const auto& e : events) {
     const bool compute = is_compute(e);
     json args{{"step", e.step}, {"stage", e.stage}, {"replica", e.replica}};
+    if (e.bytes >= 0) args["bytes"] = e.bytes;
     if (compute || is_comm(e)) {
       args["mb"] = e.mb;
       args["chunk"] = e.chunk;

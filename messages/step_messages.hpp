@@ -27,6 +27,7 @@ struct trace_event {
   std::int64_t step = 0;
   double start_us = 0;     ///< microseconds since the run's epoch
   double end_us = 0;
+  std::int64_t bytes = -1; ///< tensor sends/receives: the tensor's bytes; collectives: the whole buffer's; -1: none
 };
 
 /// Stage -> coordinator: the stage ran all its ops and received its updated parameters.
@@ -80,7 +81,7 @@ typename Inspector::result_type inspect(Inspector& f, begin_step& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, trace_event& x) {
   return f(caf::meta::type_name("trace_event"), x.name, x.replica, x.stage, x.mb, x.chunk, x.step,
-           x.start_us, x.end_us);
+           x.start_us, x.end_us, x.bytes);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, stage_done& x) {

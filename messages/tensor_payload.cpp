@@ -31,6 +31,13 @@ std::uint32_t crc32_of(const torch::Tensor& t) {
   return static_cast<std::uint32_t>(crc);
 }
 
+std::int64_t payload_bytes(const tensor_payload& p) {
+  if (p.dtype < 0) return 0;
+  std::int64_t n = std::int64_t(c10::elementSize(static_cast<c10::ScalarType>(p.dtype)));
+  for (auto d : p.shape) n *= d;
+  return n;
+}
+
 tensor_payload make_payload(const torch::Tensor& t, bool with_checksum) {
   tensor_payload p;
   p.local = t.contiguous();

@@ -49,6 +49,9 @@ const torch::Tensor& tensor_of(const tensor_payload& p);
 
 std::uint32_t crc32_of(const torch::Tensor& t);
 
+/// The tensor's size in bytes, from the payload's dtype and shape (0 when empty).
+std::int64_t payload_bytes(const tensor_payload& p);
+
 /// The bytes of `t` (serialisation between nodes).
 std::vector<char> bytes_of(const torch::Tensor& t);
 /// A tensor of `dtype` and `shape` from `bytes`; throws if the sizes disagree.

@@ -21,7 +21,8 @@
 #    TROUPE_LINKS=ucx (plain and with node 3 rejoining): the tensors between stages go
 #    through in-order links (transport/ordered_p2p.hpp, the ordering NCCL links need) over
 #    one UCX tag: bit-identical again; so are p=4 jobs with a stage per node under
-#    interleaved-1f1b and dataflow (their one-process runs the references).
+#    interleaved-1f1b and dataflow (their one-process runs the references), and a bf16
+#    job (bf16 activations, gradients and all-gathers between the nodes).
 # 5. TROUPE_NCCL=1 as 4 node processes. On one GPU every shard group's members share it,
 #    and so do the two ends of every link, so the nodes keep those collectives on UCX and
 #    their tensors off NCCL (bit-identical again). With 2+ GPUs every link is over NCCL
@@ -139,6 +140,16 @@ links_schedules() {
   done
 }
 step nodes-4-links-schedules links_schedules
+
+# bf16 as 4 node processes: activations and their gradients cross the nodes in bf16
+# (CUDA IPC buffers), the shard groups all-gather bf16 parameter values (staged through
+# host memory): bit-identical to the one-process bf16 run.
+bf16_nodes() {
+  local ref=bf16-ref job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps 6 --eval-interval 0 --precision bf16)
+  run_job "$ref" >"$out/$ref.run" 2>&1 || { cat "$out/$ref.run"; return 1; }
+  nodes nodes-4-bf16 ipc
+}
+step nodes-4-bf16 bf16_nodes
 
 # TROUPE_NCCL=1 on one GPU: the nodes each take GPU 0 (the machine's only one), see that
 # the members of every shard group and both ends of every link share it (NCCL puts one

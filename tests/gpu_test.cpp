@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -151,6 +153,43 @@ TEST(Precision, Bf16StagesComputeWithTheMainParametersRoundedToBf16) {
   };
   EXPECT_EQ(job_val, eval(rounded));
   EXPECT_NE(job_val, eval(saved)) << "rounding changes the validation loss (else this test could not fail)";
+}
+
+// bf16 jobs move half the bytes of fp32 jobs between stages (activations and their
+// gradients travel in bf16, as in Megatron's bf16 pipeline) and in the shards' all-gather
+// (bf16 parameter values); the reduce-scatter of the fp32 gradient buffers and the tied
+// embedding's gradient stay fp32. The trace's `bytes` say so for every event.
+TEST(Precision, Bf16HalvesTheBytesBetweenStagesAndOfTheAllGather) {
+  auto bytes_of = [](const char* precision) {
+    auto c = tiny(2, 2, 1, "1f1b", "cpu", precision);
+    c.eval_interval = 0;
+    const auto got = run(c, 2);
+    EXPECT_EQ(got.exit_code, 0) << got.error;
+    std::map<std::string, std::set<std::int64_t>> by_name;
+    for (const auto& e : got.events)
+      if (e.name != "F" && e.name != "B" && e.name != "optimizer") by_name[e.name].insert(e.bytes);
+    return by_name;
+  };
+  const auto fp32 = bytes_of("fp32"), bf16 = bytes_of("bf16");
+  const auto c = tiny(2, 2, 1, "1f1b", "cpu");
+  const auto spec = c.model().gpt;
+  const std::int64_t act = std::int64_t(c.microbatch_size()) * spec.seq_len * spec.d_model;
+  const std::int64_t tied = std::int64_t(spec.vocab) * spec.d_model;
+  for (const char* name : {"send activation", "recv activation", "send gradient", "recv gradient"}) {
+    EXPECT_EQ(fp32.at(name), std::set<std::int64_t>{act * 4}) << name;
+    EXPECT_EQ(bf16.at(name), std::set<std::int64_t>{act * 2}) << name;
+  }
+  for (const char* name : {"send tied gradient", "recv tied gradient"}) {
+    EXPECT_EQ(fp32.at(name), std::set<std::int64_t>{tied * 4}) << name;
+    EXPECT_EQ(bf16.at(name), std::set<std::int64_t>{tied * 4}) << name;
+  }
+  // Per stage: the whole flat buffer, gradients fp32, gathered parameters bf16.
+  ASSERT_EQ(fp32.at("reduce-scatter").size(), 2u);  // the two stages' sizes differ
+  EXPECT_EQ(bf16.at("reduce-scatter"), fp32.at("reduce-scatter"));
+  std::set<std::int64_t> halves;
+  for (auto b : fp32.at("all-gather")) halves.insert(b / 2);
+  EXPECT_EQ(fp32.at("all-gather"), fp32.at("reduce-scatter"));
+  EXPECT_EQ(bf16.at("all-gather"), halves);
 }
 
 // bf16 jobs stay exact under faults: an in-place retry (the stages' parameters rebuilt
