@@ -30,7 +30,7 @@
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 5;
+constexpr std::int32_t protocol_version = 6;
 
 struct node_hello {
   std::int32_t version = 0;
