@@ -330,18 +330,21 @@ void write_metrics(self_ptr self, const nlohmann::json& line) {
   s.metrics << line.dump() << '\n' << std::flush;
 }
 
-/// A resumed or restarted run continues the metrics log: lines of the steps it runs again
-/// go (they come back as the steps commit), a "resume" line says from where and how much
-/// runs again.
+/// A fresh run starts a new metrics log (an older run's lines would mix with its own). A
+/// resumed or restarted run, or one asked to resume, continues it: lines of the steps it
+/// runs again go (they come back as the steps commit), events stay, and a "resume" line
+/// says from where and how much runs again.
 void open_metrics(self_ptr self) {
   auto& s = self->state;
   const auto& cfg = s.ctx->cfg;
   if (cfg.metrics.empty()) return;
-  // (A restarted job without a checkpoint starts at step 0 again: its old lines go too.)
-  if (s.ctx->start_step > 0 || s.ctx->launch_attempt > 0) {
+  const bool resumed = s.ctx->start_step > 0 || s.ctx->launch_attempt > 0;
+  const bool continues = resumed || !cfg.resume.empty();
+  // (A restarted job without a checkpoint starts at step 0 again: its old step lines go too.)
+  std::int64_t last = -1;  // the last step the log had a line for
+  if (continues) {
     std::ifstream in(cfg.metrics);
     std::string kept, text;
-    std::int64_t last = -1;
     while (std::getline(in, text)) {
       const auto j = nlohmann::json::parse(text, nullptr, false);
       const auto step = j.is_object() && j.contains("step") && j.at("step").is_number_integer() ? j.at("step").get<std::int64_t>() : -1;
@@ -350,13 +353,15 @@ void open_metrics(self_ptr self) {
       else last = std::max(last, step);
     }
     if (in.is_open()) write_file_atomically(cfg.metrics, kept);
+  }
+  if (resumed) {
     s.recovery = {{"event", "resume"},
                   {"step", s.ctx->start_step},
                   {"checkpoint", cfg.resume.empty() ? cfg.load : cfg.resume},
                   {"replayed_steps", std::max<std::int64_t>(0, last + 1 - s.ctx->start_step)},
                   {"launch_attempt", s.ctx->launch_attempt}};
   }
-  s.metrics.open(cfg.metrics, std::ios::app);
+  s.metrics.open(cfg.metrics, continues ? std::ios::app : std::ios::trunc);
   if (!s.metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
 }
 

@@ -232,7 +232,8 @@ int run_training(const job_config& cfg) {
   if (trainer.next_step() > 0) spdlog::info("resumed from {} at step {}", cfg.load, trainer.next_step());
   std::ofstream metrics;
   if (!cfg.metrics.empty()) {
-    metrics.open(cfg.metrics, std::ios::app);
+    // A resumed run (--load) continues the log; a fresh one starts it anew.
+    metrics.open(cfg.metrics, trainer.next_step() > 0 ? std::ios::app : std::ios::trunc);
     if (!metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
   }
   const bool is_text = cfg.workload != "fmnist-mlp";

@@ -68,6 +68,12 @@ assert len(ops) == 2 * 2 * 2 * 8, len(ops)
 assert set(ops[0]["args"]) >= {"step", "stage", "op", "mb", "chunk", "replica"}, ops[0]
 print("ok   metrics-checkpoint-trace")
 PY
+# A fresh run starts its metrics log anew (both runtimes): no lines of the run before.
+for runtime in actors local; do
+  check "train-$runtime-metrics-anew" 0 "$troupe" train --steps 1 --runtime $runtime --threads 1 --metrics "$tmp/m.jsonl"
+  /usr/bin/python3 -c "import json,sys; s=[json.loads(l)['step'] for l in open(sys.argv[1])]; assert s == [0], s" \
+    "$tmp/m.jsonl" && echo "ok   $runtime-metrics-anew-lines" || { echo "FAIL $runtime-metrics-anew-lines"; fail=1; }
+done
 check train-local-runtime 0 "$troupe" train --steps 1 --runtime local
 expect_in train-local-runtime-cpu "$err" "threads on the CPU"
 # The plain loop is the fp32 reference on the CPU: asking it for bf16 or a GPU is an error.

@@ -36,7 +36,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${1:-$root/build-gpu}
 out=${2:-$(mktemp -d /tmp/troupe-gpu-check-XXXXXX)}
 mkdir -p "$out"
-if [ -n "$(ls -A "$out")" ]; then  # metrics files are appended to: start clean
+if [ -n "$(ls -A "$out")" ]; then  # an older check's files would be read: start clean
   echo "gpu_check: $out is not empty" >&2
   exit 1
 fi

@@ -1,8 +1,12 @@
 """Times gpt-tiny training steps in plain PyTorch (Python), the same model, batch and
 optimizer as the C++ loop. Prints one JSON line per thread count.
 
-usage: /usr/bin/python3 tests/bench/gpt_pytorch_step.py [SECONDS]
+usage: /usr/bin/python3 tests/bench/gpt_pytorch_step.py [SECONDS] [fp32|bf16]
+
+bf16: the forward and backward under CPU autocast (bf16 matrix products, fp32
+parameters and optimizer), as Troupe's --precision bf16 on the CPU.
 """
+import contextlib
 import json
 import os
 import sys
@@ -16,6 +20,15 @@ import gpt_tiny  # noqa: E402
 
 def main():
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 5.0
+    precision = sys.argv[2] if len(sys.argv) > 2 else "fp32"
+    if precision not in ("fp32", "bf16"):
+        sys.exit(f"precision must be fp32 or bf16, not {precision!r}")
+
+    def amp():
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
     data, n_train = gpt_tiny.load_fortunes()
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -28,7 +41,8 @@ def main():
             start = time.perf_counter()
             loss = torch.zeros(())
             for k in range(8):  # 8 micro-batches of 4, as the C++ default
-                mb = model(x[4 * k:4 * k + 4], y[4 * k:4 * k + 4]) / 8
+                with amp():
+                    mb = model(x[4 * k:4 * k + 4], y[4 * k:4 * k + 4]) / 8
                 mb.backward()
                 loss += mb.detach()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -38,7 +52,7 @@ def main():
                 elapsed += time.perf_counter() - start
                 steps += 1
             t += 1
-        print(json.dumps({"threads": threads, "tokens_per_s": steps * 32 * 128 / elapsed,
+        print(json.dumps({"threads": threads, "precision": precision, "tokens_per_s": steps * 32 * 128 / elapsed,
                           "step_ms": 1000 * elapsed / steps}))
 
 
