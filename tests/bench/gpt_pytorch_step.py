@@ -1,7 +1,7 @@
 """Times gpt-tiny training steps in plain PyTorch (Python), the same model, batch and
 optimizer as the C++ loop. Prints one JSON line per thread count.
 
-usage: /usr/bin/python3 tests/bench/gpt_pytorch_step.py [SECONDS] [fp32|bf16]
+usage: /usr/bin/python3 tests/bench/gpt_pytorch_step.py [SECONDS] [fp32|bf16] [THREADS,...]
 
 bf16: the forward and backward under CPU autocast (bf16 matrix products, fp32
 parameters and optimizer), as Troupe's --precision bf16 on the CPU.
@@ -23,6 +23,7 @@ def main():
     precision = sys.argv[2] if len(sys.argv) > 2 else "fp32"
     if precision not in ("fp32", "bf16"):
         sys.exit(f"precision must be fp32 or bf16, not {precision!r}")
+    thread_counts = [int(t) for t in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 2]
 
     def amp():
         if precision == "fp32":
@@ -30,7 +31,7 @@ def main():
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
     data, n_train = gpt_tiny.load_fortunes()
-    for threads in (1, 2):
+    for threads in thread_counts:
         torch.set_num_threads(threads)
         torch.manual_seed(0)
         model = gpt_tiny.GPT()
