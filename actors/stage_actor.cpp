@@ -412,8 +412,10 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   st.replica = replica;
   st.stage = stage;
   st.name = ctx->stage_name(replica, stage);
-  for (int c = 0; c < ctx->v; ++c)
+  for (int c = 0; c < ctx->v; ++c) {
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device));
+    st.chunks.back()->set_recompute(ctx->cfg.recompute == "full");
+  }
   // Restarted in place: the parameters before the step being retried (the shards' main
   // parameters). bf16 jobs round them, and the initial ones, as the all-gather does.
   if (!params.empty() || ctx->compute_dtype != torch::kFloat32)

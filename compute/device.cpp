@@ -86,6 +86,10 @@ void set_autocast_dtype(c10::DeviceType t, torch::ScalarType d) {
 }  // namespace
 #endif
 
+torch::ScalarType current_precision(torch::Device device) {
+  return autocast_enabled(device.type()) ? autocast_dtype(device.type()) : torch::kFloat32;
+}
+
 precision_scope::precision_scope(torch::Device device, torch::ScalarType compute) {
   if (compute == torch::kFloat32) return;
   active_ = true;

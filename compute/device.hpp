@@ -61,6 +61,10 @@ class precision_scope {
   torch::ScalarType prev_dtype_ = torch::kFloat32;
 };
 
+/// The precision a precision_scope set for `device`'s type on this thread: the autocast
+/// dtype while autocast is on, else kFloat32 (what a recomputation must run under again).
+torch::ScalarType current_precision(torch::Device device);
+
 /// An opaque "ready" marker for a tensor handed between actors: a CUDA event recorded
 /// on the producing thread's current stream (empty on CPU).
 using ready_event = std::shared_ptr<void>;

@@ -113,6 +113,10 @@ const std::vector<key_def>& key_defs() {
                  &job_config::device),
       string_key("train.precision", "fp32, or bf16 (autocast compute with bf16 parameter values; fp32 main parameters and optimizer)",
                  &job_config::precision),
+      string_key("train.recompute",
+                 "none, or full (activation recomputation: each transformer block keeps only its input "
+                 "and runs again in the backward; less memory, one more forward)",
+                 &job_config::recompute),
       int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
       int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
@@ -287,6 +291,10 @@ void job_config::validate() const {
     }
   };
   check([&] { parse_precision(precision); });
+  if (recompute != "none" && recompute != "full")
+    fail("unknown recompute '" + recompute + "' (expected none or full)");
+  if (recompute == "full" && workload == "fmnist-mlp")
+    fail("recompute full applies to the transformer blocks of the gpt workloads (fmnist-mlp has none)");
   // The plain loop is the fp32 reference on the CPU: asking it for more would be ignored.
   if (runtime == "local" && precision != "fp32")
     fail("precision " + precision + " needs the actors runtime (the local loop computes in fp32)");

@@ -3,8 +3,12 @@
 #include <torch/version.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/autograd.h>
 #include <torch/nn/functional.h>
 
+#include "compute/device.hpp"
+
+#include <atomic>
 #include <cmath>
 #include <sstream>
 
@@ -13,6 +17,8 @@ namespace F = torch::nn::functional;
 namespace troupe {
 
 namespace {
+
+std::atomic<std::int64_t> recomputed_blocks{0};
 
 /// A parameter of the full model: name, shape, how it is initialised, decayed or not.
 struct param_spec {
@@ -232,7 +238,12 @@ class gpt_slice final : public model_slice {
       auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(input.device()));
       x = torch::embedding(param("wte.weight"), input) + torch::embedding(param("wpe.weight"), pos);
     }
-    for (int i = range_.first; i < range_.last; ++i) x = block(x, i);
+    const bool recompute = recompute_ && torch::GradMode::is_enabled();
+    // (Function::apply builds no backward node for an input without a gradient: the
+    // blocks' parameters would get none.)
+    if (recompute && !x.requires_grad()) x = x.detach().requires_grad_(true);
+    for (int i = range_.first; i < range_.last; ++i)
+      x = recompute ? recomputed_block::apply(x, this, std::int64_t(i)) : block(x, i);
     if (is_last()) x = layer_norm(x, "ln_f");
     return x;
   }
@@ -247,6 +258,37 @@ class gpt_slice final : public model_slice {
   }
 
  private:
+  /// Block i with its activations recomputed in the backward (a reentrant checkpoint, as
+  /// torch.utils.checkpoint's): the forward runs without a graph and keeps the block's
+  /// input; the backward runs the block again with a graph, under the precision the
+  /// forward ran in, and back-propagates through it (the parameters' gradients accumulate
+  /// into the flat buffer as usual; the input's gradient is returned).
+  struct recomputed_block : torch::autograd::Function<recomputed_block> {
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, gpt_slice* slice,
+                                 std::int64_t i) {
+      ctx->save_for_backward({x});
+      ctx->saved_data["slice"] = reinterpret_cast<std::int64_t>(slice);
+      ctx->saved_data["block"] = i;
+      ctx->saved_data["precision"] = std::int64_t(current_precision(x.device()));
+      return slice->block(x, int(i));
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+      if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+      auto* slice = reinterpret_cast<gpt_slice*>(ctx->saved_data["slice"].toInt());
+      const auto x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+      torch::Tensor y;
+      {
+        torch::AutoGradMode grad(true);
+        precision_scope amp(x.device(), torch::ScalarType(ctx->saved_data["precision"].toInt()));
+        y = slice->block(x, int(ctx->saved_data["block"].toInt()));
+      }
+      ++recomputed_blocks;
+      torch::autograd::backward({y}, {grads[0]});
+      return {x.grad(), torch::Tensor(), torch::Tensor()};
+    }
+  };
+
   torch::Tensor layer_norm(const torch::Tensor& x, const std::string& p) {
     return torch::layer_norm(x, {cfg_.d_model}, param(p + ".weight"), param(p + ".bias"), 1e-5);
   }
@@ -317,6 +359,8 @@ class mlp_slice final : public model_slice {
 };
 
 }  // namespace
+
+std::int64_t model_slice::blocks_recomputed() { return recomputed_blocks.load(); }
 
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
                                         const state_dict& state, std::int64_t pad_to, torch::Device device) {

@@ -113,11 +113,24 @@ class model_slice {
   /// This slice's parameters (shared copies left out) as a state_dict (CPU copies).
   state_dict state(bool include_shared_copies = false) const;
 
+  /// Activation recomputation (Megatron's full recompute, one layer per checkpoint): while
+  /// on, a forward that builds a graph keeps only the input of each transformer block and
+  /// runs the block again during the backward (under the same precision), so a micro-batch
+  /// waiting for its backward holds one activation per block instead of all of them.
+  /// Gradients are bit-identical to those without it. gpt slices only (the MLP has no
+  /// blocks: it ignores the setting, which the job config refuses for it).
+  void set_recompute(bool on) { recompute_ = on; }
+  bool recompute() const { return recompute_; }
+  /// Blocks run again in backwards so far, by every slice of this process (tests check
+  /// that a runtime recomputes what it should).
+  static std::int64_t blocks_recomputed();
+
  protected:
   /// Lays out `names` (taken from `state`) into the flat buffers.
   void allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
                 const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device);
   layer_range range_;
+  bool recompute_ = false;
 
  private:
   std::vector<param_entry> entries_;

@@ -60,8 +60,11 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
   if (!init) init = cfg.init.empty() ? initial_state(spec_, cfg.seed) : load_state_dict(cfg.init);
   check_state(spec_, *init);
   const int d = cfg.data_parallel;
-  for (int r = 0; r < d; ++r)
+  for (int r = 0; r < d; ++r) {
     replicas_.push_back(std::make_unique<local_pipeline>(spec_, *init, cfg.pipeline, cfg.chunks, cfg.split, d));
+    for (int x = 0; x < replicas_.back()->virtual_stages(); ++x)
+      replicas_.back()->slice(x).set_recompute(cfg.recompute == "full");
+  }
   const adamw_options opts{cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
   auto& first = *replicas_.front();
   for (int x = 0; x < first.virtual_stages(); ++x) {

@@ -70,6 +70,10 @@ TEST(JobConfig, BadInputGivesErrorsThatNameTheProblem) {
   EXPECT_NE(error_of("", {{"split", "3,3"}, {"pipeline", "2"}}).find("split"), std::string::npos);
   EXPECT_NE(error_of("", {{"lr", "nan"}}).find("optimizer.lr"), std::string::npos);
   EXPECT_EQ(error_of("", {{"split", "3,5"}, {"pipeline", "2"}}), "");
+  EXPECT_NE(error_of("", {{"recompute", "selective"}}).find("unknown recompute 'selective'"), std::string::npos);
+  EXPECT_NE(error_of("", {{"recompute", "full"}, {"workload", "fmnist-mlp"}}).find("fmnist-mlp has none"),
+            std::string::npos);
+  EXPECT_EQ(error_of("", {{"recompute", "full"}}), "");
 }
 
 
@@ -83,7 +87,8 @@ TEST(JobConfig, TomlTextRoundTripsEveryKey) {
                                         {"lr", "0.00123"},
                                         {"schedule", "gpipe"},
                                         {"metrics", "/tmp/m s.jsonl"},
-                                        {"checksum", "true"}});
+                                        {"checksum", "true"},
+                                        {"recompute", "full"}});
   const auto back = troupe::job_config_from_toml(c.to_toml(), "test");
   EXPECT_EQ(back.to_toml(), c.to_toml());
   EXPECT_EQ(back.split, (std::vector<int>{5, 3}));
