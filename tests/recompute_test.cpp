@@ -5,12 +5,11 @@
 // fraction of the memory.
 #include <gtest/gtest.h>
 
-#include <malloc.h>
-
 #include "actors/runtime.hpp"
 #include "compute/device.hpp"
 #include "compute/partition.hpp"
 #include "compute/trainer.hpp"
+#include "held_bytes.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
@@ -24,13 +23,6 @@ struct micro_batch {
 micro_batch tokens(std::int64_t b, std::int64_t t, std::uint64_t seed) {
   torch::manual_seed(seed);
   return {torch::randint(256, {b, t}, torch::kInt64), torch::randint(256, {b, t}, torch::kInt64)};
-}
-
-/// Bytes in use from glibc's malloc: the main arena's (this thread's tensors) and every
-/// mmapped chunk (large tensors).
-std::int64_t bytes_in_use() {
-  const auto m = mallinfo2();
-  return std::int64_t(m.uordblks + m.hblkhd);
 }
 
 /// gpt-tiny as two slices (layers 0-3 and 4-7, as two pipeline stages hold them); two
@@ -95,11 +87,7 @@ TEST(Recompute, KeepsOnlyEachBlocksInputForTheBackward) {
   auto held = [&](bool recompute) {
     auto slice = make_slice(spec, partition_layers(spec.n_layers(), 1)[0], init);
     slice->set_recompute(recompute);
-    const auto before = bytes_in_use();
-    auto loss = slice->loss(slice->forward(data.input), data.target);
-    const auto bytes = bytes_in_use() - before;
-    loss.backward();
-    return bytes;
+    return test::bytes_held_for_backward(*slice, data.input, data.target);
   };
   held(false);  // first use: one-off buffers (thread pools, BLAS) outside the measure
   const auto plain = held(false), recomputed = held(true);

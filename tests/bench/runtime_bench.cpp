@@ -6,6 +6,9 @@
 //   messaging    runtime cost per micro-batch: fmnist-mlp with 1-sample micro-batches
 //                (almost no compute), 64 vs 16 micro-batches per step, actors vs plain loop
 //   memory       bytes of fp32 main params + AdamW moments per optimizer shard, D = 1, 2, 4
+//   recompute    activation recomputation (train.recompute = full): bytes one micro-batch
+//                holds for its backward with and without (gpt-tiny, gpt-small), and the
+//                step time with vs without (p=1 d=1, 1 thread)
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -18,6 +21,7 @@
 #include "actors/runtime.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/trainer.hpp"
+#include "tests/held_bytes.hpp"
 
 namespace {
 
@@ -162,6 +166,46 @@ int main(int argc, char** argv) {
       std::printf("| optimizer shard state, gpt-tiny p=1, D=%d | %.2f MB (%lld elements x 3 x 4 B) |\n", d,
                   range.size() * 12 / 1e6, static_cast<long long>(range.size()));
     }
+  }
+  // Activation recomputation. Memory first (malloc's statistics count the main thread's
+  // allocations): the bytes a micro-batch's forward and loss hold until its backward.
+  {
+    struct model_case {
+      const char* name;
+      model_spec spec;
+      std::int64_t mbs;
+    };
+    for (const auto& m : {model_case{"gpt-tiny", model_spec::gpt_tiny(), 4},
+                          model_case{"gpt-small", model_spec::gpt_small(), 1}}) {
+      const auto init = initial_state(m.spec, 1);
+      auto slice = make_slice(m.spec, partition_layers(m.spec.n_layers(), 1)[0], init);
+      const auto seq = m.spec.gpt.seq_len;
+      const auto input = torch::randint(256, {m.mbs, seq}, torch::kInt64);
+      const auto target = torch::randint(256, {m.mbs, seq}, torch::kInt64);
+      test::bytes_held_for_backward(*slice, input, target);  // one-off buffers
+      const auto plain = test::bytes_held_for_backward(*slice, input, target);
+      slice->set_recompute(true);
+      const auto recomputed = test::bytes_held_for_backward(*slice, input, target);
+      std::printf("| %s, micro-batch %lld x %lld tokens: bytes held for the backward, none / full recompute | "
+                  "%.1f / %.1f MB (%.1fx less) |\n",
+                  m.name, static_cast<long long>(m.mbs), static_cast<long long>(seq), plain / 1e6, recomputed / 1e6,
+                  double(plain) / double(recomputed));
+    }
+  }
+  // Time: p = 1, d = 1, 1 thread, fastest of 3 alternating rounds. One more forward per
+  // micro-batch: about (F + F + B) / (F + B), 1.33x for B = 2F.
+  {
+    auto c = gpt;
+    c.threads = 1;
+    double plain = 1e9, full = 1e9;
+    for (int round = 0; round < 3; ++round) {
+      c.recompute = "none";
+      plain = std::min(plain, actor_step_seconds(c, steps).step_s);
+      c.recompute = "full";
+      full = std::min(full, actor_step_seconds(c, steps).step_s);
+    }
+    std::printf("| gpt-tiny step, p=1 d=1, 1 thread: none / full recompute | %.1f / %.1f ms (%.2fx) |\n", plain * 1e3,
+                full * 1e3, full / plain);
   }
   return 0;
 }
