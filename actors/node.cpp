@@ -652,9 +652,9 @@ actor_run_result run_node(const node_options& o) {
                                                                 "node 0: waiting for the other nodes");
           if (!o.run.quiet)
             spdlog::info("training {} for {} steps on {} nodes: pipeline {} x data-parallel {}, {} micro-batches of {} "
-                         "({}), {} intra-op thread(s) per stage",
+                         "({}), {} intra-op thread(s) per stage{}",
                          cfg.workload, cfg.steps, o.nodes, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
-                         cfg.microbatch_size(), cfg.schedule, cfg.threads);
+                         cfg.microbatch_size(), cfg.schedule, cfg.threads, cfg.compute_note());
           auto run_opts = o.run;
           if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;
           auto coordinator =

@@ -95,6 +95,11 @@ struct job_config {
 
   model_spec model() const;
   int microbatch_size() const { return global_batch / (data_parallel * microbatches); }
+  /// For the start-of-training log line: ", bf16, recompute full" (what differs from fp32
+  /// without recomputation; empty otherwise).
+  std::string compute_note() const {
+    return (precision != "fp32" ? ", " + precision : "") + (recompute != "none" ? ", recompute " + recompute : "");
+  }
   /// The whole configuration as TOML (what a run actually used).
   std::string to_toml() const;
   /// Every key with its value as text (TOML syntax), in to_toml()'s order.

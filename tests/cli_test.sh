@@ -45,6 +45,13 @@ expect_in train-missing-data-msg "$err" "apt-get install fortunes"
 check train-missing-config 2 "$troupe" train --config /nonexistent.toml
 check train-bad-precision 2 "$troupe" train --precision fp16
 expect_in train-bad-precision-msg "$err" "unknown precision 'fp16' (expected fp32 or bf16)"
+check train-bad-recompute 2 "$troupe" train --recompute selective
+expect_in train-bad-recompute-msg "$err" "unknown recompute 'selective' (expected none or full)"
+check train-recompute-mlp 2 "$troupe" train --recompute full --workload fmnist-mlp
+expect_in train-recompute-mlp-msg "$err" "fmnist-mlp has none"
+check train-recompute 0 "$troupe" train --steps 1 --threads 1 --pipeline 2 --eval-interval 0 --recompute full --precision bf16
+expect_in train-recompute-log "$err" "intra-op thread(s) per stage, bf16, recompute full"
+expect_in train-recompute-progress "$out" "step 1/1 | loss"
 check train-bad-device 2 "$troupe" train --device tpu
 expect_in train-bad-device-msg "$err" "unknown device 'tpu'"
 if ! command -v nvidia-smi >/dev/null; then  # no GPU here: asking for one is a clear error
