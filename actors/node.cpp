@@ -653,7 +653,7 @@ actor_run_result run_node(const node_options& o) {
           if (!o.run.quiet)
             spdlog::info("training {} for {} steps on {} nodes: pipeline {} x data-parallel {}, {} micro-batches of {} "
                          "({}), {} intra-op thread(s) per stage{}",
-                         cfg.workload, cfg.steps, o.nodes, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
+                         cfg.model_label(), cfg.steps, o.nodes, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
                          cfg.microbatch_size(), cfg.schedule, cfg.threads, cfg.compute_note());
           auto run_opts = o.run;
           if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;

@@ -117,6 +117,12 @@ const std::vector<key_def>& key_defs() {
                  "none, or full (activation recomputation: each transformer block keeps only its input "
                  "and runs again in the backward; less memory, one more forward)",
                  &job_config::recompute),
+      int_key("model.layers", "gpt: transformer blocks (0: the workload's)", &job_config::layers, 0, 4096),
+      int_key("model.heads", "gpt: attention heads, dividing d_model (0: the workload's)", &job_config::heads, 0, 4096),
+      int_key("model.d_model", "gpt: model width (0: the workload's)", &job_config::d_model, 0, 1 << 16),
+      int_key("model.d_ff", "gpt: MLP hidden width (0: 4 x d_model)", &job_config::d_ff, 0, 1 << 18),
+      int_key("model.seq_len", "gpt: tokens per sample, also the position table's length (0: the workload's)",
+              &job_config::seq_len, 0, 1 << 16),
       int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
       int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
@@ -293,6 +299,13 @@ void job_config::validate() const {
   check([&] { parse_precision(precision); });
   if (recompute != "none" && recompute != "full")
     fail("unknown recompute '" + recompute + "' (expected none or full)");
+  if (workload == "fmnist-mlp" && (layers || heads || d_model || d_ff || seq_len))
+    fail("the [model] keys shape the gpt workloads (fmnist-mlp's layers are fixed)");
+  if (workload != "fmnist-mlp") {
+    const auto g = model().gpt;
+    if (g.d_model % g.n_head != 0)
+      fail("d_model " + std::to_string(g.d_model) + " is not a multiple of heads (" + std::to_string(g.n_head) + ")");
+  }
   if (recompute == "full" && workload == "fmnist-mlp")
     fail("recompute full applies to the transformer blocks of the gpt workloads (fmnist-mlp has none)");
   // The plain loop is the fp32 reference on the CPU: asking it for more would be ignored.
@@ -319,16 +332,16 @@ void job_config::validate() const {
     }
   }
   if (runtime == "local" && !trace.empty()) fail("trace needs the actors runtime");
-  const int layers = model().n_layers();
-  if (split.empty() && layers < pipeline * chunks)
-    fail(workload + " has " + std::to_string(layers) + " layers, too few for " +
+  const int n_layers = model().n_layers();
+  if (split.empty() && n_layers < pipeline * chunks)
+    fail(workload + " has " + std::to_string(n_layers) + " layers, too few for " +
          std::to_string(pipeline) + " stages x " + std::to_string(chunks) + " chunks");
   if (!split.empty()) {
     int sum = 0;
     for (int x : split) sum += x;
-    if (int(split.size()) != pipeline * chunks || sum != layers)
+    if (int(split.size()) != pipeline * chunks || sum != n_layers)
       fail("split must list " + std::to_string(pipeline * chunks) + " layer counts summing to " +
-           std::to_string(layers));
+           std::to_string(n_layers));
   }
   if (!load.empty() && !init.empty()) fail("give either load (resume) or init (initial weights), not both");
   if (!resume.empty() && (!load.empty() || !init.empty()))
@@ -359,8 +372,24 @@ void job_config::validate() const {
 }
 
 model_spec job_config::model() const {
-  if (workload == "gpt-small") return model_spec::gpt_small();
-  return workload == "fmnist-mlp" ? model_spec::fmnist_mlp() : model_spec::gpt_tiny();
+  if (workload == "fmnist-mlp") return model_spec::fmnist_mlp();
+  auto spec = workload == "gpt-small" ? model_spec::gpt_small() : model_spec::gpt_tiny();
+  auto& g = spec.gpt;
+  if (layers > 0) g.n_layer = layers;
+  if (heads > 0) g.n_head = heads;
+  if (d_model > 0) g.d_model = d_model;
+  if (seq_len > 0) g.seq_len = seq_len;
+  g.d_ff = d_ff > 0 ? d_ff : 4 * g.d_model;  // both workloads' own d_ff is 4 x d_model
+  return spec;
+}
+
+std::string job_config::model_label() const {
+  if (layers == 0 && heads == 0 && d_model == 0 && d_ff == 0 && seq_len == 0) return workload;
+  const auto g = model().gpt;
+  char text[200];
+  std::snprintf(text, sizeof text, " (%d layers, d_model %d, %d heads, d_ff %d, seq_len %d: %.2f M parameters)",
+                g.n_layer, g.d_model, g.n_head, g.d_ff, g.seq_len, double(parameter_count(model())) / 1e6);
+  return workload + text;
 }
 
 std::vector<std::pair<std::string, std::string>> job_config::values() const {

@@ -45,6 +45,8 @@ struct job_config {
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
   int max_step_retries = 2;           ///< in-place retries of a failed step (no node process lost)
   int rejoin_timeout = 60;            ///< seconds to wait for a restarted node process to rejoin
+  // [model]: the gpt workloads' shape (0: the workload's own; d_ff 0: 4 x d_model)
+  int layers = 0, heads = 0, d_model = 0, d_ff = 0, seq_len = 0;
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;
@@ -93,7 +95,11 @@ struct job_config {
   /// kill_node by node: the step (0-based) whose beginning kills that node's process.
   std::map<int, int> kill_steps() const;
 
+  /// The model to train: the workload's, with the [model] keys that are set applied.
   model_spec model() const;
+  /// For the start-of-training log line: the workload, and its shape and parameter count
+  /// when [model] keys change it ("gpt-tiny (4 layers, d_model 64, 2 heads, ...)").
+  std::string model_label() const;
   int microbatch_size() const { return global_batch / (data_parallel * microbatches); }
   /// For the start-of-training log line: ", bf16, recompute full" (what differs from fp32
   /// without recomputation; empty otherwise).

@@ -103,6 +103,16 @@ std::vector<std::string> parameter_names(const model_spec& spec) {
   return out;
 }
 
+std::int64_t parameter_count(const model_spec& spec) {
+  std::int64_t n = 0;
+  for (const auto& p : all_params(spec)) {
+    std::int64_t k = 1;
+    for (auto x : p.shape) k *= x;
+    n += k;
+  }
+  return n;
+}
+
 state_dict initial_state(const model_spec& spec, std::uint64_t seed) {
   torch::NoGradGuard no_grad;
   auto gen = at::detail::createCPUGenerator(seed);

@@ -66,6 +66,9 @@ state_dict initial_state(const model_spec& spec, std::uint64_t seed);
 /// The full model's parameter names in canonical (state_dict) order.
 std::vector<std::string> parameter_names(const model_spec& spec);
 
+/// The full model's number of parameters (the tied output layer counted once).
+std::int64_t parameter_count(const model_spec& spec);
+
 /// Checks that `state` holds exactly the full model's parameters with the right shapes;
 /// throws model_error naming every missing, unexpected or mis-shaped entry.
 void check_state(const model_spec& spec, const state_dict& state);

@@ -229,7 +229,7 @@ int run_training(const job_config& cfg) {
   // LibTorch's own default counts physical cores (1 on a 2-vCPU machine): use them all.
   torch::set_num_threads(cfg.threads > 0 ? cfg.threads : int(std::max(1u, std::thread::hardware_concurrency())));
   spdlog::info("training {} for {} steps: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
-               "{} threads on the CPU{}", cfg.workload, cfg.steps, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
+               "{} threads on the CPU{}", cfg.model_label(), cfg.steps, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
                cfg.microbatch_size(), cfg.schedule, torch::get_num_threads(), cfg.compute_note());
   local_trainer trainer(cfg);
   if (trainer.next_step() > 0) spdlog::info("resumed from {} at step {}", cfg.load, trainer.next_step());

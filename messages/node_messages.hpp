@@ -30,7 +30,7 @@
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 7;  // 7: the job config has train.recompute
+constexpr std::int32_t protocol_version = 7;  // 7: the job config has train.recompute and [model]
 
 struct node_hello {
   std::int32_t version = 0;

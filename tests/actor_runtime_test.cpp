@@ -10,6 +10,7 @@
 
 #include "actors/runtime.hpp"
 #include "actors/supervisor_actor.hpp"
+#include "compute/checkpoint.hpp"
 #include "compute/trainer.hpp"
 #include "test_util.hpp"
 
@@ -285,6 +286,38 @@ TEST(ActorRuntime, BadInitialWeightsAreRefusedUpFront) {
   auto c = gpt_layout({2, 1, 1, "1f1b"});
   c.init = dir / "missing.pt";
   EXPECT_ANY_THROW(run_actors(c));
+  // Weights of another shape ([model] keys): refused, naming what does not fit.
+  save_state_dict(dir / "tiny.pt", initial_state(c.model(), 1));
+  c.init = dir / "tiny.pt";
+  c.layers = 2;
+  c.d_model = 64;
+  try {
+    run_actors(c);
+    ADD_FAILURE() << "gpt-tiny's weights were taken by a 2-layer, d_model 64 model";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("wte.weight has shape [256, 128], expected [256, 64]"), std::string::npos) << what;
+    EXPECT_NE(what.find("wpe.weight has shape [128, 128], expected [128, 64]"), std::string::npos) << what;
+  }
+}
+
+// The [model] keys: a model of another shape, pipelined and data-parallel, trains as the
+// single-process loop does.
+TEST(ActorRuntime, AnotherModelShapeEqualsTheReferenceLoop) {
+  auto c = gpt_layout({3, 2, 1, "1f1b"});
+  c.layers = 3;
+  c.heads = 2;
+  c.d_model = 32;
+  c.d_ff = 80;
+  c.seq_len = 48;
+  c.validate();
+  const auto ref = reference_of(c);
+  const auto got = run_actors(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  ASSERT_EQ(got.final_state.size(), ref.state.size());
+  EXPECT_EQ(got.final_state.front().second.sizes(), (std::vector<std::int64_t>{256, 32}));  // wte
+  EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5);
+  for (int i = 0; i < kSteps; ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i;
 }
 
 }  // namespace troupe

@@ -52,6 +52,14 @@ expect_in train-recompute-mlp-msg "$err" "fmnist-mlp has none"
 check train-recompute 0 "$troupe" train --steps 1 --threads 1 --pipeline 2 --eval-interval 0 --recompute full --precision bf16
 expect_in train-recompute-log "$err" "intra-op thread(s) per stage, bf16, recompute full"
 expect_in train-recompute-progress "$out" "step 1/1 | loss"
+check train-bad-heads 2 "$troupe" train --heads 5
+expect_in train-bad-heads-msg "$err" "d_model 128 is not a multiple of heads (5)"
+check train-shape-mlp 2 "$troupe" train --workload fmnist-mlp --d-model 64
+expect_in train-shape-mlp-msg "$err" "fmnist-mlp's layers are fixed"
+printf '[model]\nlayers = 2\nd_model = 32\nheads = 2\nseq_len = 64\n' > "$tmp/shape.toml"
+check train-model-shape 0 "$troupe" train --config "$tmp/shape.toml" --heads 4 --steps 1 --threads 1 --pipeline 2 --eval-interval 0
+expect_in train-model-shape-log "$err" "training gpt-tiny (2 layers, d_model 32, 4 heads, d_ff 128, seq_len 64: 0.04 M parameters)"
+expect_in train-model-shape-progress "$out" "step 1/1 | loss"
 check train-bad-device 2 "$troupe" train --device tpu
 expect_in train-bad-device-msg "$err" "unknown device 'tpu'"
 if ! command -v nvidia-smi >/dev/null; then  # no GPU here: asking for one is a clear error

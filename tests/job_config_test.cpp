@@ -3,6 +3,7 @@
 #include <fstream>
 
 #include "compute/job_config.hpp"
+#include "compute/model.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
@@ -76,6 +77,46 @@ TEST(JobConfig, BadInputGivesErrorsThatNameTheProblem) {
   EXPECT_EQ(error_of("", {{"recompute", "full"}}), "");
 }
 
+// [model]: the gpt shape, from the file or flags; d_ff follows d_model unless set.
+TEST(JobConfig, ModelKeysShapeTheGptWorkloads) {
+  test::temp_dir dir;
+  const auto path = write(dir, "[model]\nlayers = 3\nheads = 8\nd_model = 96\n");
+  const auto c = load_job_config(path, {{"seq_len", "32"}, {"model.heads", "6"}});
+  const auto g = c.model().gpt;
+  EXPECT_EQ(g.n_layer, 3);
+  EXPECT_EQ(g.n_head, 6);  // the flag over the file
+  EXPECT_EQ(g.d_model, 96);
+  EXPECT_EQ(g.d_ff, 4 * 96);
+  EXPECT_EQ(g.seq_len, 32);
+  EXPECT_EQ(g.vocab, 256);
+  EXPECT_EQ(c.model().n_layers(), 3);
+  EXPECT_EQ(load_job_config(path, {{"d_ff", "200"}}).model().gpt.d_ff, 200);
+  // parameter_count against GPT-2's formula: V d + T d + L (4 d^2 + 2 d f + 9 d + f) + 2 d.
+  auto formula = [](std::int64_t V, std::int64_t T, std::int64_t L, std::int64_t d, std::int64_t f) {
+    return V * d + T * d + L * (4 * d * d + 2 * d * f + 9 * d + f) + 2 * d;
+  };
+  EXPECT_EQ(parameter_count(c.model()), formula(256, 32, 3, 96, 384));
+  EXPECT_EQ(parameter_count(load_job_config("", {}).model()), formula(256, 128, 8, 128, 512));
+  EXPECT_EQ(parameter_count(load_job_config("", {{"workload", "gpt-small"}}).model()), formula(256, 1024, 12, 768, 3072));
+  // The label names the shape only when it differs from the workload's.
+  EXPECT_EQ(load_job_config("", {}).model_label(), "gpt-tiny");
+  EXPECT_EQ(c.model_label(), "gpt-tiny (3 layers, d_model 96, 6 heads, d_ff 384, seq_len 32: 0.36 M parameters)");
+  // gpt-small's shape with fewer layers.
+  const auto s = load_job_config("", {{"workload", "gpt-small"}, {"layers", "2"}}).model().gpt;
+  EXPECT_EQ(s.n_layer, 2);
+  EXPECT_EQ(s.d_model, 768);
+  EXPECT_EQ(s.d_ff, 3072);
+  EXPECT_EQ(s.seq_len, 1024);
+  // Refusals.
+  EXPECT_NE(error_of("", {{"heads", "5"}}).find("d_model 128 is not a multiple of heads (5)"), std::string::npos);
+  EXPECT_NE(error_of("", {{"d_model", "90"}}).find("d_model 90 is not a multiple of heads (4)"), std::string::npos);
+  EXPECT_NE(error_of("", {{"workload", "fmnist-mlp"}, {"layers", "3"}}).find("fmnist-mlp's layers are fixed"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {{"layers", "2"}, {"pipeline", "3"}}).find("gpt-tiny has 2 layers, too few for 3 stages"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {{"heads", "-1"}}).find("model.heads"), std::string::npos);
+}
+
 
 
 // What node 0 sends to the other nodes of a job: to_toml() read back gives the same job.
@@ -83,17 +124,23 @@ TEST(JobConfig, TomlTextRoundTripsEveryKey) {
   auto c = troupe::load_job_config("", {{"pipeline", "2"},
                                         {"data_parallel", "2"},
                                         {"microbatches", "4"},
-                                        {"split", "5,3"},
+                                        {"split", "4,2"},
                                         {"lr", "0.00123"},
                                         {"schedule", "gpipe"},
                                         {"metrics", "/tmp/m s.jsonl"},
                                         {"checksum", "true"},
-                                        {"recompute", "full"}});
+                                        {"recompute", "full"},
+                                        {"layers", "6"},
+                                        {"d_model", "64"},
+                                        {"seq_len", "96"}});
   const auto back = troupe::job_config_from_toml(c.to_toml(), "test");
   EXPECT_EQ(back.to_toml(), c.to_toml());
-  EXPECT_EQ(back.split, (std::vector<int>{5, 3}));
+  EXPECT_EQ(back.split, (std::vector<int>{4, 2}));
   EXPECT_EQ(back.metrics, "/tmp/m s.jsonl");
   EXPECT_DOUBLE_EQ(back.lr, 0.00123);
+  EXPECT_EQ(back.model().gpt.n_layer, 6);
+  EXPECT_EQ(back.model().gpt.d_model, 64);
+  EXPECT_EQ(back.model().gpt.seq_len, 96);
   EXPECT_THROW(troupe::job_config_from_toml("pipeline = [", "test"), troupe::config_error);
 }
 

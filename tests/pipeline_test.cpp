@@ -2,6 +2,7 @@
 // the single-process full-batch run; and the C++ loop follows plain PyTorch step for step.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include "compute/checkpoint.hpp"
@@ -128,19 +129,31 @@ TEST(Equivalence, CheckpointOfAnotherModelIsRefused) {
 // Against PyTorch itself: tests/python/gpt_reference.py trains gpt-tiny for 5 steps in
 // Python (Debian's python3-torch, same library as libtorch-dev) from its own initial
 // weights; the C++ trainer started from that file must give the same losses and parameters.
-TEST(PytorchReference, SameLossesAndParametersAsPlainPytorch) {
+namespace {
+// Trains the gpt workload in plain PyTorch (tests/python/gpt_reference.py, with `shape` as
+// its extra options: config keys,
+// given as flags) and here with the same initial weights, pipelined p ways; the losses
+// and the final parameters must agree within 1e-5.
+void expect_same_as_pytorch(const std::vector<std::pair<std::string, std::string>>& shape,
+                            std::initializer_list<int> pipelines) {
   test::temp_dir dir;
   constexpr int steps = 5;
-  const std::string cmd = std::string("/usr/bin/python3 ") + TROUPE_SOURCE_DIR + "/tests/python/gpt_reference.py " +
-                          dir.path.string() + " " + std::to_string(steps) + " 200";
+  std::string cmd = std::string("/usr/bin/python3 ") + TROUPE_SOURCE_DIR + "/tests/python/gpt_reference.py " +
+                    dir.path.string() + " " + std::to_string(steps) + " 200";
+  for (auto [key, value] : shape) {
+    std::replace(key.begin(), key.end(), '_', '-');  // the key's flag
+    cmd += " --" + key + " " + value;
+  }
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   std::vector<double> expected;
   std::ifstream in(dir / "losses.txt");
   for (double x; in >> x;) expected.push_back(x);
   ASSERT_EQ(expected.size(), std::size_t(steps));
 
-  for (int p : {1, 2}) {
+  for (int p : pipelines) {
     auto c = test::gpt_config(200);
+    for (const auto& [key, value] : shape) c.set(key, value, "test");
+    c.validate();
     c.init = dir / "init.pt";
     c.pipeline = p;
     std::vector<double> losses;
@@ -148,6 +161,15 @@ TEST(PytorchReference, SameLossesAndParametersAsPlainPytorch) {
     for (int i = 0; i < steps; ++i) EXPECT_NEAR(losses[i], expected[i], 1e-5) << "p=" << p << " step " << i;
     EXPECT_LE(test::max_abs_diff(got, load_state_dict(dir / "final.pt")), 1e-5) << "p=" << p;
   }
+}
+}  // namespace
+
+TEST(PytorchReference, SameLossesAndParametersAsPlainPytorch) { expect_same_as_pytorch({}, {1, 2}); }
+
+// The [model] keys: another depth, width, head count, MLP width and sequence length.
+TEST(PytorchReference, AnotherShapeGivesTheSameLossesAndParametersAsPlainPytorch) {
+  expect_same_as_pytorch({{"layers", "3"}, {"heads", "3"}, {"d_model", "48"}, {"d_ff", "100"}, {"seq_len", "40"}},
+                         {1, 3});
 }
 
 TEST(FmnistMlp, OneEpochReachesEightyThreePercent) {

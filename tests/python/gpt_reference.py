@@ -2,7 +2,10 @@
 compared with: OUT/init.pt (initial state_dict), OUT/final.pt, OUT/losses.txt.
 
 usage: /usr/bin/python3 tests/python/gpt_reference.py OUT_DIR STEPS TOTAL_STEPS
+           [--layers L] [--heads H] [--d-model D] [--d-ff F] [--seq-len T]
+(the shape options are those of `troupe train`; the defaults are gpt-tiny's)
 """
+import argparse
 import os
 import sys
 
@@ -13,14 +16,24 @@ import gpt_tiny  # noqa: E402
 
 
 def main():
-    out, steps, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("total", type=int)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--d-ff", type=int, default=0, help="0: 4 x d_model")
+    ap.add_argument("--seq-len", type=int, default=128)
+    a = ap.parse_args()
+    out, steps, total, seq_len = a.out, a.steps, a.total, a.seq_len
     torch.manual_seed(7)
     torch.set_num_threads(2)
-    model = gpt_tiny.GPT()
+    model = gpt_tiny.GPT(a.layers, a.heads, a.d_model, a.d_ff or 4 * a.d_model, seq_len)
     torch.save(gpt_tiny.state_dict_of(model), os.path.join(out, "init.pt"))
     data, n_train = gpt_tiny.load_fortunes()
     opt = gpt_tiny.make_optimizer(model)
-    seed, batch, seq_len = 1234, 32, 128
+    seed, batch = 1234, 32
     losses = []
     for t in range(steps):
         for g in opt.param_groups:
