@@ -70,6 +70,14 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& kv : cfg.values())
     if (keys.count(kv.first)) out.push_back(kv);
+  // The model's shape as it resolves ([model] keys, or the workload's own): the weights
+  // alone do not tell the number of heads.
+  if (cfg.workload != "fmnist-mlp") {
+    const auto g = cfg.model().gpt;
+    for (const auto& [k, v] : {std::pair<const char*, int>{"model.layers", g.n_layer}, {"model.heads", g.n_head},
+                               {"model.d_model", g.d_model}, {"model.d_ff", g.d_ff}, {"model.seq_len", g.seq_len}})
+      out.emplace_back(k, std::to_string(v));
+  }
   return out;
 }
 
@@ -165,8 +173,21 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg)
     // The run must be the one that wrote the checkpoint: same model, data and optimizer.
     std::string differ;
     const auto& saved = manifest.at("config");
+    // Manifests written before the [model] keys lack the model.* entries: their model
+    // was their workload's own shape.
+    std::map<std::string, std::string> implied;
+    for (const char* workload : {"gpt-tiny", "gpt-small"}) {
+      const auto own = training_identity(job_config::defaults_for(workload));
+      if (std::find(own.begin(), own.end(), std::pair<std::string, std::string>{
+                        "train.workload", saved.value("train.workload", std::string())}) == own.end())
+        continue;
+      for (const auto& [k, v] : own)
+        if (k.rfind("model.", 0) == 0) implied[k] = v;
+    }
     for (const auto& [k, v] : training_identity(cfg)) {
-      const std::string theirs = saved.contains(k) ? saved.at(k).get<std::string>() : "(absent)";
+      const std::string theirs = saved.contains(k)  ? saved.at(k).get<std::string>()
+                                 : implied.count(k) ? implied.at(k)
+                                                    : "(absent)";
       if (theirs != v) differ += (differ.empty() ? "" : ", ") + k + " " + theirs + " (checkpoint) vs " + v + " (this run)";
     }
     if (!differ.empty())

@@ -165,6 +165,27 @@ TEST(Recovery, WrongOrDamagedCheckpointsAreRefusedClearly) {
   EXPECT_NE(lr_error.find("another training configuration"), std::string::npos) << lr_error;
   EXPECT_NE(lr_error.find("optimizer.lr"), std::string::npos) << lr_error;
 
+  // The number of heads does not show in the weights: the manifest's model shape does.
+  auto other_heads = c;
+  other_heads.heads = 8;
+  const auto heads_error = error_of(folder, other_heads);
+  EXPECT_NE(heads_error.find("model.heads 4 (checkpoint) vs 8 (this run)"), std::string::npos) << heads_error;
+  auto same_shape = c;  // gpt-tiny's own shape, spelt out
+  same_shape.layers = 8;
+  same_shape.heads = 4;
+  EXPECT_EQ(error_of(folder, same_shape), "");
+  {  // a manifest written before the [model] keys: its workload's own shape
+    const auto path = folder + "/manifest.json";
+    auto manifest = nlohmann::json::parse(std::ifstream(path));
+    for (const char* k : {"model.layers", "model.heads", "model.d_model", "model.d_ff", "model.seq_len"}) {
+      ASSERT_TRUE(manifest.at("config").contains(k)) << k;
+      manifest["config"].erase(k);
+    }
+    std::ofstream(path) << manifest.dump(2);
+    EXPECT_EQ(error_of(folder, same_shape), "");
+    EXPECT_NE(error_of(folder, other_heads).find("model.heads 4 (checkpoint) vs 8 (this run)"), std::string::npos);
+  }
+
   auto mlp = job_config::defaults_for("fmnist-mlp");
   mlp.steps = 2;
   EXPECT_NE(error_of(folder, mlp).find("train.workload"), std::string::npos) << error_of(folder, mlp);
