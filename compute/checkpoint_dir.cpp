@@ -244,6 +244,26 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg)
   }
 }
 
+job_config checkpoint_job_config(const std::string& folder) {
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(read_bytes(fs::path(folder) / "manifest.json"));
+    std::map<std::string, std::string> sections;  // "train" -> "workload = ...\n..."
+    for (const auto& [key, value] : manifest.at("config").items()) {
+      const auto dot = key.find('.');
+      sections[key.substr(0, dot)] += key.substr(dot + 1) + " = " + value.get<std::string>() + "\n";
+    }
+    sections["parallel"] += "microbatches = 1\n";  // one process: whatever batch it was, it divides
+    std::string text;
+    for (const auto& [section, body] : sections) text += "[" + section + "]\n" + body;
+    return job_config_from_toml(text, "checkpoint " + folder + "/manifest.json");
+  } catch (const nlohmann::json::exception& e) {
+    throw checkpoint_error("checkpoint " + folder + ": manifest.json is not valid (" + e.what() + ")");
+  } catch (const config_error& e) {
+    throw checkpoint_error(e.what());
+  }
+}
+
 void resolve_resume(job_config& cfg) {
   const char* env = std::getenv("TROUPE_RESUME_AUTO");
   const bool auto_env = env && std::string(env) == "1";

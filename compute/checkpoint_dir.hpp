@@ -37,6 +37,11 @@ std::string find_checkpoint(const std::string& path);
 /// and that the parameters fit `cfg`'s model. Throws checkpoint_error.
 checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg);
 
+/// The training configuration a step folder's manifest records (the keys of
+/// training_identity; the others at their defaults): the model it holds, for tools that
+/// read a checkpoint without a job (`troupe generate`). Throws checkpoint_error.
+job_config checkpoint_job_config(const std::string& folder);
+
 /// The keys whose values decide the numbers a run computes (model, data, optimizer, lr
 /// schedule), as (key, value) text; the layout (pipeline, data-parallel, ...) is not one.
 std::vector<std::pair<std::string, std::string>> training_identity(const job_config& cfg);

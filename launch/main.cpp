@@ -1,5 +1,5 @@
 // The troupe command: `troupe train`, `troupe node` (also run as `troupe-node`: one node
-// of a multi-process job, started by launch/troupe) and `troupe schedule`.
+// of a multi-process job, started by launch/troupe), `troupe generate` and `troupe schedule`.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -8,13 +8,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <filesystem>
+#include <functional>
 #include <iostream>
 #include <sstream>
 
 #include "actors/node.hpp"
 #include "actors/runtime.hpp"
 #include "compute/checkpoint.hpp"
+#include "compute/checkpoint_dir.hpp"
 #include "compute/data.hpp"
+#include "compute/device.hpp"
+#include "compute/generate.hpp"
 #include "compute/job_config.hpp"
 #include "compute/schedule.hpp"
 #include "compute/trainer.hpp"
@@ -64,17 +69,30 @@ std::string env_or(const char* name, const std::string& fallback) {
   return v && *v ? v : fallback;
 }
 
-/// One flag per configuration key on `cmd`, plus --config.
+/// One flag per configuration key on `cmd` (those `wanted` takes, or all), plus --config.
 struct config_flags {
+  struct flag {
+    CLI::Option* option = nullptr;
+    std::string value, key;
+  };
   std::string config_path;
-  std::deque<std::pair<CLI::Option*, std::string>> keys;  // stable addresses
+  std::deque<flag> keys;  // stable addresses
 
-  void add_to(CLI::App* cmd) {
+  void add_to(CLI::App* cmd, const std::function<bool(const std::string&)>& wanted = {}) {
     cmd->add_option("--config", config_path, "job config (TOML); flags override it")->check(CLI::ExistingFile);
     for (const auto& key : troupe::config_keys()) {
-      keys.emplace_back(nullptr, "");
-      keys.back().first = cmd->add_option(key.flag(), keys.back().second, key.help + " [" + key.name + "]");
+      if (wanted && !wanted(key.name)) continue;
+      keys.push_back({nullptr, "", key.name});
+      keys.back().option = cmd->add_option(key.flag(), keys.back().value, key.help + " [" + key.name + "]");
     }
+  }
+  /// The flags given on the command line, as "--flag" text.
+  std::vector<std::string> given() const {
+    std::vector<std::string> out;
+    for (const auto& k : keys)
+      if (k.option->count() > 0) out.push_back(k.option->get_name());
+    if (!config_path.empty()) out.push_back("--config");
+    return out;
   }
   troupe::job_config load() const {
     std::vector<std::pair<std::string, std::string>> overrides;
@@ -97,8 +115,8 @@ struct config_flags {
         overrides.emplace_back("faults." + item.substr(0, eq), item.substr(eq + 1));
       }
     }
-    for (std::size_t i = 0; i < keys.size(); ++i)
-      if (keys[i].first->count() > 0) overrides.emplace_back(troupe::config_keys()[i].name, keys[i].second);
+    for (const auto& k : keys)
+      if (k.option->count() > 0) overrides.emplace_back(k.key, k.value);
     return troupe::load_job_config(config_path, overrides);
   }
 };
@@ -152,6 +170,58 @@ int run_node_command(const config_flags& flags) {
   }
 }
 
+struct generate_args {
+  std::string from, prompt = "The ";
+  troupe::sampling_options sampling;
+};
+
+/// `troupe generate`: the prompt and the bytes a trained gpt model adds, on stdout as they
+/// come; where the model came from on stderr. A checkpoint folder says which model it
+/// holds; a state_dict file takes it from the flags (workload and [model] keys).
+int run_generate_command(const config_flags& flags, const generate_args& a) {
+  troupe::job_config cfg;
+  try {
+    troupe::check_sampling(a.sampling, a.prompt);
+    cfg = flags.load();
+    if (cfg.model().type != troupe::model_spec::kind::gpt)
+      throw troupe::config_error("generate needs a gpt workload, not " + cfg.workload);
+  } catch (const std::invalid_argument& e) {  // config_error too
+    return fail(exit_usage, e.what());
+  }
+  try {
+    troupe::state_dict state;
+    std::string source = a.from;
+    if (std::filesystem::is_directory(a.from)) {
+      for (const auto& f : flags.given())
+        if (f != "--device")
+          return fail(exit_usage, "a checkpoint folder records its model: " + f + " does not apply (it is for a "
+                                  "state_dict file)");
+      const auto folder = troupe::find_checkpoint(a.from);
+      auto saved = troupe::checkpoint_job_config(folder);
+      saved.device = cfg.device;
+      cfg = saved;
+      const auto ckpt = troupe::read_checkpoint_dir(folder, cfg);
+      state = ckpt.model;
+      source = folder + " (after step " + std::to_string(ckpt.step) + ")";
+    } else {
+      state = troupe::load_state_dict(a.from);
+    }
+    const auto device = troupe::resolve_device(cfg.device);
+    spdlog::info("generating {} bytes with {} from {} on {}: temperature {}, top-k {}, seed {}", a.sampling.tokens,
+                 cfg.model_label(), source, device.str(), a.sampling.temperature, a.sampling.top_k, a.sampling.seed);
+    std::fwrite(a.prompt.data(), 1, a.prompt.size(), stdout);
+    std::fflush(stdout);
+    troupe::generate(cfg.model(), state, a.prompt, a.sampling, device, [](char c) {
+      std::fputc(c, stdout);
+      std::fflush(stdout);
+    });
+    std::fputc('\n', stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(1, e.what());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -171,6 +241,24 @@ int main(int argc, char** argv) {
   auto* node = app.add_subcommand("node", "one node of a multi-process job (started by launch/troupe train --nodes N)");
   config_flags node_flags;
   node_flags.add_to(node);
+
+  // troupe generate
+  auto* gen = app.add_subcommand("generate", "continue a prompt with a trained gpt model");
+  config_flags gen_flags;  // for a state_dict file: its model; and where to run
+  gen_flags.add_to(gen, [](const std::string& k) {
+    return k == "train.workload" || k == "train.device" || k.rfind("model.", 0) == 0;
+  });
+  generate_args gen_args;
+  gen->add_option("--checkpoint", gen_args.from,
+                  "a checkpoint folder (--checkpoint-dir's, or one step folder; its model is recorded) or a "
+                  "state_dict file (--save's, --init's, torch.save's; give its workload and [model] keys)")
+      ->required();
+  gen->add_option("--prompt", gen_args.prompt, "the text to continue (default: 'The ')");
+  gen->add_option("--tokens", gen_args.sampling.tokens, "bytes to generate (default 200)");
+  gen->add_option("--temperature", gen_args.sampling.temperature,
+                  "divides the logits: lower is more predictable; 0 takes the most likely byte (default 0.8)");
+  gen->add_option("--top-k", gen_args.sampling.top_k, "sample among the k most likely bytes (default 0: all)");
+  gen->add_option("--seed", gen_args.sampling.seed, "the sampler's seed (default 0): same seed, same text");
 
   // troupe schedule
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");
@@ -210,6 +298,7 @@ int main(int argc, char** argv) {
   }
 
   if (*node) return run_node_command(node_flags);
+  if (*gen) return run_generate_command(gen_flags, gen_args);
 
   troupe::job_config cfg;
   try {

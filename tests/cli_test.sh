@@ -60,6 +60,27 @@ printf '[model]\nlayers = 2\nd_model = 32\nheads = 2\nseq_len = 64\n' > "$tmp/sh
 check train-model-shape 0 "$troupe" train --config "$tmp/shape.toml" --heads 4 --steps 1 --threads 1 --pipeline 2 --eval-interval 0
 expect_in train-model-shape-log "$err" "training gpt-tiny (2 layers, d_model 32, 4 heads, d_ff 128, seq_len 64: 0.04 M parameters)"
 expect_in train-model-shape-progress "$out" "step 1/1 | loss"
+# troupe generate: from a checkpoint folder (its model recorded) and from a state_dict file.
+check gen-train 0 "$troupe" train --config "$tmp/shape.toml" --steps 2 --threads 1 --eval-interval 0 \
+  --checkpoint-dir "$tmp/gen-ckpt" --save "$tmp/gen.pt"
+check gen-folder 0 "$troupe" generate --checkpoint "$tmp/gen-ckpt" --prompt "Q: " --tokens 30 --seed 3
+cp "$out" "$tmp/gen-1.txt"
+expect_in gen-folder-log "$err" "generating 30 bytes with gpt-tiny (2 layers, d_model 32, 2 heads"
+expect_in gen-folder-log-step "$err" "(after step 2)"
+[ "$(head -c 3 "$tmp/gen-1.txt")" = "Q: " ] && [ "$(wc -c < "$tmp/gen-1.txt")" = 34 ] \
+  && echo "ok   gen-folder-text" || { echo "FAIL gen-folder-text: not 'Q: ' + 30 bytes + newline:"; cat "$tmp/gen-1.txt"; fail=1; }
+check gen-file 0 "$troupe" generate --checkpoint "$tmp/gen.pt" --layers 2 --d-model 32 --heads 2 --seq-len 64 \
+  --prompt "Q: " --tokens 30 --seed 3
+cmp -s "$out" "$tmp/gen-1.txt" && echo "ok   gen-file-same-text" || { echo "FAIL gen-file-same-text"; cat "$out"; fail=1; }
+check gen-file-wrong-shape 1 "$troupe" generate --checkpoint "$tmp/gen.pt"
+expect_in gen-file-wrong-shape-msg "$err" "wte.weight has shape [256, 32], expected [256, 128]"
+check gen-folder-with-shape 2 "$troupe" generate --checkpoint "$tmp/gen-ckpt" --layers 3
+expect_in gen-folder-with-shape-msg "$err" "a checkpoint folder records its model: --layers does not apply"
+check gen-missing 1 "$troupe" generate --checkpoint "$tmp/nothing.pt"
+check gen-mlp 2 "$troupe" generate --checkpoint "$tmp/gen.pt" --workload fmnist-mlp
+expect_in gen-mlp-msg "$err" "generate needs a gpt workload"
+check gen-bad-temperature 2 "$troupe" generate --checkpoint "$tmp/gen.pt" --temperature -1
+expect_in gen-bad-temperature-msg "$err" "temperature must be in [0, 100]"
 check train-bad-device 2 "$troupe" train --device tpu
 expect_in train-bad-device-msg "$err" "unknown device 'tpu'"
 if ! command -v nvidia-smi >/dev/null; then  # no GPU here: asking for one is a clear error

@@ -85,12 +85,15 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, 0.02)
 
-    def forward(self, idx, targets):
+    def forward(self, idx, targets=None):
+        """The mean loss against `targets`; without them, the logits."""
         T = idx.shape[1]
         x = self.wte(idx) + self.wpe(torch.arange(T))
         for block in self.h:
             x = block(x, self.causal)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output layer
+        if targets is None:
+            return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 

@@ -1,0 +1,58 @@
+#include "compute/generate.hpp"
+
+#include <limits>
+#include <stdexcept>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "compute/partition.hpp"
+
+namespace troupe {
+
+void check_sampling(const sampling_options& s, const std::string& prompt) {
+  if (prompt.empty()) throw std::invalid_argument("the prompt is empty (the model needs at least one byte to continue)");
+  if (s.tokens < 0) throw std::invalid_argument("tokens must be 0 or more, not " + std::to_string(s.tokens));
+  if (!(s.temperature >= 0) || s.temperature > 100)
+    throw std::invalid_argument("temperature must be in [0, 100], not " + std::to_string(s.temperature));
+  if (s.top_k < 0) throw std::invalid_argument("top_k must be 0 (all bytes) or more, not " + std::to_string(s.top_k));
+}
+
+std::string generate(const model_spec& spec, const state_dict& state, const std::string& prompt,
+                     const sampling_options& s, torch::Device device, const std::function<void(char)>& on_byte) {
+  if (spec.type != model_spec::kind::gpt) throw model_error("generate needs a gpt model, not " + spec.name());
+  check_sampling(s, prompt);
+  check_state(spec, state);
+  layer_range whole;
+  whole.last = spec.n_layers();
+  const auto model = make_slice(spec, whole, state, 1, device);
+  torch::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(s.seed);
+  std::vector<std::int64_t> ids;
+  for (unsigned char c : prompt) ids.push_back(c);
+  std::string out = prompt;
+  const std::size_t context = std::size_t(spec.gpt.seq_len);
+  for (int i = 0; i < s.tokens; ++i) {
+    const std::size_t from = ids.size() > context ? ids.size() - context : 0;
+    const auto window = torch::tensor(std::vector<std::int64_t>(ids.begin() + from, ids.end()), torch::kInt64)
+                            .view({1, -1})
+                            .to(device);
+    auto logits = model->logits(model->forward(window))[0][-1].to(torch::kCPU, torch::kDouble);
+    std::int64_t next;
+    if (s.temperature == 0 || s.top_k == 1) {
+      next = logits.argmax().item<std::int64_t>();
+    } else {
+      logits = logits / s.temperature;
+      if (s.top_k > 0 && s.top_k < logits.size(0)) {
+        const double kth = std::get<0>(logits.topk(s.top_k))[-1].item<double>();
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<double>::infinity());
+      }
+      next = torch::multinomial(torch::softmax(logits, 0), 1, false, gen).item<std::int64_t>();
+    }
+    ids.push_back(next);
+    out.push_back(char(next));
+    if (on_byte) on_byte(char(next));
+  }
+  return out;
+}
+
+}  // namespace troupe

@@ -1,0 +1,30 @@
+#pragma once
+// Text from a trained gpt model: the prompt's bytes, continued one sampled byte at a time
+// (`troupe generate`).
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "compute/model.hpp"
+
+namespace troupe {
+
+struct sampling_options {
+  int tokens = 200;          ///< bytes to add to the prompt
+  double temperature = 0.8;  ///< logits are divided by it; 0: always the most likely byte
+  int top_k = 0;             ///< sample among the k most likely bytes only (0: all of them)
+  std::uint64_t seed = 0;    ///< the sampler's random stream
+};
+
+/// Checks the options (throws std::invalid_argument naming the bad one).
+void check_sampling(const sampling_options& s, const std::string& prompt);
+
+/// The prompt followed by `s.tokens` bytes sampled from the gpt model `state` (of shape
+/// `spec`) on `device`. Each byte is sampled from the model's next-byte distribution given
+/// the last `seq_len` bytes (the model's context; no key/value cache: each byte costs one
+/// forward of up to seq_len tokens). `on_byte` sees each byte as it is chosen.
+std::string generate(const model_spec& spec, const state_dict& state, const std::string& prompt,
+                     const sampling_options& s, torch::Device device = torch::kCPU,
+                     const std::function<void(char)>& on_byte = {});
+
+}  // namespace troupe

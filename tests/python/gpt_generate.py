@@ -1,0 +1,42 @@
+"""Greedy generation in plain PyTorch, what `troupe generate --temperature 0` is compared
+with: loads a state_dict into gpt_tiny.GPT, continues the prompt's bytes with the most
+likely byte TOKENS times (each from the last seq_len bytes) and prints the byte values.
+
+usage: /usr/bin/python3 tests/python/gpt_generate.py STATE_DICT PROMPT TOKENS
+           [--layers L] [--heads H] [--d-model D] [--d-ff F] [--seq-len T]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_tiny  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("state")
+    ap.add_argument("prompt")
+    ap.add_argument("tokens", type=int)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--d-ff", type=int, default=0, help="0: 4 x d_model")
+    ap.add_argument("--seq-len", type=int, default=128)
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    model = gpt_tiny.GPT(a.layers, a.heads, a.d_model, a.d_ff or 4 * a.d_model, a.seq_len)
+    model.load_state_dict(torch.load(a.state))
+    model.eval()
+    ids = list(a.prompt.encode())
+    with torch.no_grad():
+        for _ in range(a.tokens):
+            window = torch.tensor([ids[-a.seq_len:]])
+            ids.append(int(model(window)[0, -1].argmax()))
+    print(" ".join(str(i) for i in ids))
+
+
+if __name__ == "__main__":
+    main()
