@@ -115,3 +115,17 @@ def lr_at(t, total, warmup=20, max_lr=1e-3, min_lr=1e-4):
 def state_dict_of(model):
     """A plain dict of contiguous tensors with GPT-2 names (what torch.save writes)."""
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def add_shape_args(parser):
+    """The gpt shape flags of `troupe train` (defaults: gpt-tiny's)."""
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--d-ff", type=int, default=0, help="0: 4 x d_model")
+    parser.add_argument("--seq-len", type=int, default=128)
+
+
+def model_from_args(a):
+    """A GPT of the shape add_shape_args's flags give."""
+    return GPT(a.layers, a.heads, a.d_model, a.d_ff or 4 * a.d_model, a.seq_len)
