@@ -299,7 +299,7 @@ void job_config::validate() const {
   check([&] { parse_precision(precision); });
   if (recompute != "none" && recompute != "full")
     fail("unknown recompute '" + recompute + "' (expected none or full)");
-  if (workload == "fmnist-mlp" && (layers || heads || d_model || d_ff || seq_len))
+  if (workload == "fmnist-mlp" && has_model_keys())
     fail("the [model] keys shape the gpt workloads (fmnist-mlp's layers are fixed)");
   if (workload != "fmnist-mlp") {
     const auto g = model().gpt;
@@ -384,7 +384,7 @@ model_spec job_config::model() const {
 }
 
 std::string job_config::model_label() const {
-  if (layers == 0 && heads == 0 && d_model == 0 && d_ff == 0 && seq_len == 0) return workload;
+  if (!has_model_keys()) return workload;
   const auto g = model().gpt;
   char text[200];
   std::snprintf(text, sizeof text, " (%d layers, d_model %d, %d heads, d_ff %d, seq_len %d: %.2f M parameters)",

@@ -95,6 +95,8 @@ struct job_config {
   /// kill_node by node: the step (0-based) whose beginning kills that node's process.
   std::map<int, int> kill_steps() const;
 
+  /// True when a [model] key is set (not 0): the shape differs from the workload's own.
+  bool has_model_keys() const { return layers || heads || d_model || d_ff || seq_len; }
   /// The model to train: the workload's, with the [model] keys that are set applied.
   model_spec model() const;
   /// For the start-of-training log line: the workload, and its shape and parameter count
