@@ -31,12 +31,21 @@ std::string generate(const model_spec& spec, const state_dict& state, const std:
   for (unsigned char c : prompt) ids.push_back(c);
   std::string out = prompt;
   const std::size_t context = std::size_t(spec.gpt.seq_len);
+  kv_cache cache;
+  const auto tokens = [&](std::size_t from) {
+    return torch::tensor(std::vector<std::int64_t>(ids.begin() + from, ids.end()), torch::kInt64)
+        .view({1, -1})
+        .to(device);
+  };
   for (int i = 0; i < s.tokens; ++i) {
-    const std::size_t from = ids.size() > context ? ids.size() - context : 0;
-    const auto window = torch::tensor(std::vector<std::int64_t>(ids.begin() + from, ids.end()), torch::kInt64)
-                            .view({1, -1})
-                            .to(device);
-    auto logits = model->logits(model->forward(window))[0][-1].to(torch::kCPU, torch::kDouble);
+    torch::Tensor features;
+    if (s.kv_cache && ids.size() <= context) {
+      features = model->forward_cached(tokens(std::size_t(cache.length)), cache);
+    } else {
+      cache.clear();
+      features = model->forward(tokens(ids.size() > context ? ids.size() - context : 0));
+    }
+    auto logits = model->logits(features.select(1, -1))[0].to(torch::kCPU, torch::kDouble);
     std::int64_t next;
     if (s.temperature == 0 || s.top_k == 1) {
       next = logits.argmax().item<std::int64_t>();

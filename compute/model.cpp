@@ -242,12 +242,7 @@ class gpt_slice final : public model_slice {
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {
-    torch::Tensor x = input;
-    if (is_first()) {
-      const auto T = input.size(1);
-      auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(input.device()));
-      x = torch::embedding(param("wte.weight"), input) + torch::embedding(param("wpe.weight"), pos);
-    }
+    torch::Tensor x = is_first() ? embed(input, 0) : input;
     const bool recompute = recompute_ && torch::GradMode::is_enabled();
     // (Function::apply builds no backward node for an input without a gradient: the
     // blocks' parameters would get none.)
@@ -256,6 +251,26 @@ class gpt_slice final : public model_slice {
       x = recompute ? recomputed_block::apply(x, this, std::int64_t(i)) : block(x, i);
     if (is_last()) x = layer_norm(x, "ln_f");
     return x;
+  }
+
+  torch::Tensor forward_cached(const torch::Tensor& input, kv_cache& cache) override {
+    const std::int64_t from = cache.length, T = input.size(1);
+    const std::size_t blocks = std::size_t(range_.last - range_.first);
+    if (cache.keys.size() != blocks) {
+      if (from != 0)
+        throw model_error("the key/value cache holds " + std::to_string(cache.keys.size()) +
+                          " blocks' keys; this slice has " + std::to_string(blocks) + " blocks");
+      cache.keys.assign(blocks, {});
+      cache.values.assign(blocks, {});
+    }
+    if (from + T > cfg_.seq_len)
+      throw model_error("positions " + std::to_string(from) + ".." + std::to_string(from + T - 1) +
+                        " are past the model's context of " + std::to_string(cfg_.seq_len));
+    torch::NoGradGuard no_grad;
+    torch::Tensor x = is_first() ? embed(input, from) : input;
+    for (int i = range_.first; i < range_.last; ++i) x = block(x, i, &cache);
+    cache.length = from + T;
+    return is_last() ? layer_norm(x, "ln_f") : x;
   }
 
   torch::Tensor logits(const torch::Tensor& output) override {
@@ -299,6 +314,12 @@ class gpt_slice final : public model_slice {
     }
   };
 
+  /// Token and position embeddings of `tokens` (batch, T) at positions from, from + 1, ...
+  torch::Tensor embed(const torch::Tensor& tokens, std::int64_t from) {
+    auto pos = torch::arange(from, from + tokens.size(1), torch::TensorOptions().dtype(torch::kInt64).device(tokens.device()));
+    return torch::embedding(param("wte.weight"), tokens) + torch::embedding(param("wpe.weight"), pos);
+  }
+
   torch::Tensor layer_norm(const torch::Tensor& x, const std::string& p) {
     return torch::layer_norm(x, {cfg_.d_model}, param(p + ".weight"), param(p + ".bias"), 1e-5);
   }
@@ -306,7 +327,9 @@ class gpt_slice final : public model_slice {
     return torch::linear(x, param(p + ".weight"), param(p + ".bias"));
   }
 
-  torch::Tensor block(torch::Tensor x, int i) {
+  /// Block i. With a cache, `x` holds the tokens after the cache's: their keys and values
+  /// are appended to the block's, and they attend to all of them.
+  torch::Tensor block(torch::Tensor x, int i, kv_cache* cache = nullptr) {
     const std::string p = "h." + std::to_string(i) + ".";
     const auto B = x.size(0), T = x.size(1), d = x.size(2);
     const std::int64_t H = cfg_.n_head, hd = d / H;
@@ -315,13 +338,26 @@ class gpt_slice final : public model_slice {
     auto q = qkv[0].view({B, T, H, hd}).transpose(1, 2);
     auto k = qkv[1].view({B, T, H, hd}).transpose(1, 2);
     auto v = qkv[2].view({B, T, H, hd}).transpose(1, 2);
+    std::int64_t past = 0;
+    if (cache) {
+      const std::size_t j = std::size_t(i - range_.first);
+      past = cache->length;
+      if (past > 0) {
+        k = torch::cat({cache->keys[j], k}, /*dim=*/2);
+        v = torch::cat({cache->values[j], v}, /*dim=*/2);
+      }
+      cache->keys[j] = k;
+      cache->values[j] = v;
+    }
+    // Query t (position past + t) sees keys 0 .. past + t: rows past.. of the causal mask.
+    const auto mask = causal_.slice(0, past, past + T).slice(1, 0, past + T);
 #if TORCH_VERSION_MAJOR >= 2
     // LibTorch 2.x: the fused kernel (flash / memory-efficient attention on GPUs).
-    auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+    auto y = past == 0 ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
+                       : at::scaled_dot_product_attention(q, k, v, mask);
 #else
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
-    att = att.masked_fill(causal_.slice(0, 0, T).slice(1, 0, T).logical_not(),
-                          -std::numeric_limits<float>::infinity());
+    att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
     att = torch::softmax(att, /*dim=*/-1);
     auto y = torch::matmul(att, v);
 #endif
@@ -371,6 +407,10 @@ class mlp_slice final : public model_slice {
 }  // namespace
 
 std::int64_t model_slice::blocks_recomputed() { return recomputed_blocks.load(); }
+
+torch::Tensor model_slice::forward_cached(const torch::Tensor&, kv_cache&) {
+  throw model_error("this model has no attention: no key/value cache");
+}
 
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
                                         const state_dict& state, std::int64_t pad_to, torch::Device device) {

@@ -85,6 +85,14 @@ struct param_entry {
                                  ///< counted twice in the grad norm nor saved twice
 };
 
+/// The keys and values a gpt slice's attention has computed for the tokens it has seen
+/// (generation: each new token attends to them instead of running the earlier ones again).
+struct kv_cache {
+  std::vector<torch::Tensor> keys, values;  ///< per block of the slice: (batch, heads, length, head dim)
+  std::int64_t length = 0;                  ///< tokens seen (the next token's position)
+  void clear() { *this = kv_cache{}; }
+};
+
 /// A contiguous slice of a model's layers with flat parameter and gradient buffers.
 
 class model_slice {
@@ -98,6 +106,13 @@ class model_slice {
   virtual torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) = 0;
   /// Last slice only: logits from `output` (for accuracy).
   virtual torch::Tensor logits(const torch::Tensor& output) = 0;
+  /// gpt slices, for inference (no graph): `input` holds the tokens (or the previous
+  /// slice's activations) that follow the `cache.length` tokens `cache` has seen, at
+  /// positions cache.length, cache.length + 1, ...; they attend to the cached keys and
+  /// values and to each other (causally), and theirs are appended. The result equals the
+  /// matching rows of `forward` over all the tokens. Throws model_error past the model's
+  /// context (seq_len positions) and for models without attention.
+  virtual torch::Tensor forward_cached(const torch::Tensor& input, kv_cache& cache);
 
   const layer_range& range() const { return range_; }
   bool is_first() const { return range_.first_slice; }

@@ -5,6 +5,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -211,11 +212,16 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
                  cfg.model_label(), source, device.str(), a.sampling.temperature, a.sampling.top_k, a.sampling.seed);
     std::fwrite(a.prompt.data(), 1, a.prompt.size(), stdout);
     std::fflush(stdout);
+    const auto start = std::chrono::steady_clock::now();
     troupe::generate(cfg.model(), state, a.prompt, a.sampling, device, [](char c) {
       std::fputc(c, stdout);
       std::fflush(stdout);
     });
     std::fputc('\n', stdout);
+    std::fflush(stdout);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    spdlog::info("generated {} bytes in {:.2f} s ({:.1f} bytes/s; key/value cache {})", a.sampling.tokens, s,
+                 s > 0 ? a.sampling.tokens / s : 0.0, a.sampling.kv_cache ? "on" : "off");
     return 0;
   } catch (const std::exception& e) {
     return fail(1, e.what());
@@ -259,6 +265,8 @@ int main(int argc, char** argv) {
                   "divides the logits: lower is more predictable; 0 takes the most likely byte (default 0.8)");
   gen->add_option("--top-k", gen_args.sampling.top_k, "sample among the k most likely bytes (default 0: all)");
   gen->add_option("--seed", gen_args.sampling.seed, "the sampler's seed (default 0): same seed, same text");
+  gen->add_flag("--no-kv-cache{false}", gen_args.sampling.kv_cache,
+                "run every byte's whole context through the model again (slower; the same text, to rounding)");
 
   // troupe schedule
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");

@@ -72,6 +72,11 @@ expect_in gen-folder-log-step "$err" "(after step 2)"
 check gen-file 0 "$troupe" generate --checkpoint "$tmp/gen.pt" --layers 2 --d-model 32 --heads 2 --seq-len 64 \
   --prompt "Q: " --tokens 30 --seed 3
 cmp -s "$out" "$tmp/gen-1.txt" && echo "ok   gen-file-same-text" || { echo "FAIL gen-file-same-text"; cat "$out"; fail=1; }
+expect_in gen-file-cache-log "$err" "generated 30 bytes in"
+expect_in gen-file-cache-on "$err" "key/value cache on)"
+check gen-no-kv-cache 0 "$troupe" generate --checkpoint "$tmp/gen-ckpt" --prompt "Q: " --tokens 30 --seed 3 --no-kv-cache
+cmp -s "$out" "$tmp/gen-1.txt" && echo "ok   gen-no-kv-cache-same-text" || { echo "FAIL gen-no-kv-cache-same-text"; cat "$out"; fail=1; }
+expect_in gen-no-kv-cache-log "$err" "key/value cache off)"
 check gen-file-wrong-shape 1 "$troupe" generate --checkpoint "$tmp/gen.pt"
 expect_in gen-file-wrong-shape-msg "$err" "wte.weight has shape [256, 32], expected [256, 128]"
 check gen-folder-with-shape 2 "$troupe" generate --checkpoint "$tmp/gen-ckpt" --layers 3

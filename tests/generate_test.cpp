@@ -132,4 +132,81 @@ TEST(Generate, BadInputIsRefused) {
   }
 }
 
+TEST(Generate, CachedForwardEqualsTheFullForward) {
+  const auto spec = small_gpt().model();  // 2 layers, context 24
+  const auto ids = torch::randint(0, 256, {2, spec.gpt.seq_len}, torch::kInt64);
+  layer_range whole, front, back;
+  whole.last = spec.n_layers();
+  front.last = back.first = 1;
+  front.last_slice = back.first_slice = false;
+  back.last = spec.n_layers();
+  const auto model = make_slice(spec, whole, trained());
+  const auto first = make_slice(spec, front, trained()), second = make_slice(spec, back, trained());
+  torch::NoGradGuard no_grad;
+  const auto full = model->forward(ids);
+  // The tokens in pieces of 5, 1, 1, 3, ... (the last piece ends at the context), through
+  // the whole model and through two slices with a cache each.
+  kv_cache cache, cache_1, cache_2;
+  std::vector<torch::Tensor> pieces, split_pieces;
+  const std::vector<std::int64_t> lengths{5, 1, 1, 3, 7, 1, 6};
+  std::int64_t at = 0;
+  for (auto n : lengths) {
+    const auto x = ids.slice(1, at, at + n);
+    pieces.push_back(model->forward_cached(x, cache));
+    split_pieces.push_back(second->forward_cached(first->forward_cached(x, cache_1), cache_2));
+    at += n;
+    EXPECT_EQ(cache.length, at);
+  }
+  ASSERT_EQ(at, spec.gpt.seq_len);
+  EXPECT_TRUE(torch::allclose(torch::cat(pieces, 1), full, 1e-5, 1e-5))
+      << (torch::cat(pieces, 1) - full).abs().max().item<double>();
+  EXPECT_TRUE(torch::allclose(torch::cat(split_pieces, 1), full, 1e-5, 1e-5))
+      << (torch::cat(split_pieces, 1) - full).abs().max().item<double>();
+  EXPECT_EQ(cache.keys.size(), 2u);
+  EXPECT_EQ(cache_2.keys.size(), 1u);
+  EXPECT_EQ(cache.keys[0].sizes(), (std::vector<std::int64_t>{2, spec.gpt.n_head, spec.gpt.seq_len,
+                                                              spec.gpt.d_model / spec.gpt.n_head}));
+
+  // Past the context: refused, and the cache is left as it was.
+  try {
+    model->forward_cached(ids.slice(1, 0, 1), cache);
+    ADD_FAILURE() << "a position past the context was taken";
+  } catch (const model_error& e) {
+    EXPECT_NE(std::string(e.what()).find("past the model's context of 24"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cache.length, spec.gpt.seq_len);
+  // A cache filled by a slice of 2 blocks does not fit a slice of 1.
+  kv_cache two_blocks;
+  model->forward_cached(ids.slice(1, 0, 3), two_blocks);
+  try {
+    second->forward_cached(first->forward(ids.slice(1, 0, 1)), two_blocks);
+    ADD_FAILURE() << "a cache of 2 blocks was taken by a slice of 1";
+  } catch (const model_error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 2 blocks' keys; this slice has 1 blocks"), std::string::npos)
+        << e.what();
+  }
+  // The MLP has no attention to cache.
+  layer_range mlp_whole;
+  mlp_whole.last = model_spec::fmnist_mlp().n_layers();
+  const auto mlp = make_slice(model_spec::fmnist_mlp(), mlp_whole, initial_state(model_spec::fmnist_mlp(), 1));
+  kv_cache unused;
+  EXPECT_THROW(mlp->forward_cached(torch::zeros({1, 784}), unused), model_error);
+}
+
+TEST(Generate, TheCacheChangesNoGreedyByte) {
+  const auto spec = small_gpt().model();
+  sampling_options s;
+  s.temperature = 0;
+  s.tokens = 60;  // within the context, then past it
+  const auto cached = generate(spec, trained(), "In the", s);
+  s.kv_cache = false;
+  EXPECT_EQ(generate(spec, trained(), "In the", s), cached);
+  // A prompt longer than the context starts past it.
+  const std::string long_prompt(30, 'a');
+  s.tokens = 5;
+  const auto uncached = generate(spec, trained(), long_prompt, s);
+  s.kv_cache = true;
+  EXPECT_EQ(generate(spec, trained(), long_prompt, s), uncached);
+}
+
 }  // namespace troupe

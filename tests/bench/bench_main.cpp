@@ -5,10 +5,14 @@
 //   BM_Sgemm/blas:reference   Netlib's reference BLAS, loaded directly, same sizes
 //   BM_MakeSchedule           generation of 128 stages x 1024 micro-batches (x 4 chunks)
 //   BM_TrainStep/threads:T    one gpt-tiny step of the single-process loop
+//   BM_Generate/W/bytes:N/kv_cache:C
+//                             `troupe generate` of N bytes after a 1-byte prompt (greedy,
+//                             2 threads) with workload W's shape, key/value cache on or off
 #include <benchmark/benchmark.h>
 #include <dlfcn.h>
 #include <torch/torch.h>
 
+#include "compute/generate.hpp"
 #include "compute/schedule.hpp"
 #include "compute/trainer.hpp"
 
@@ -91,6 +95,27 @@ void BM_TrainStep(benchmark::State& state) {
   set_flops(state, gpt_step_flops(c));
 }
 BENCHMARK(BM_TrainStep)->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->MinTime(5.0)->UseRealTime();
+
+void BM_Generate(benchmark::State& state) {
+  torch::set_num_threads(2);
+  const auto spec = troupe::job_config::defaults_for(state.range(0) ? "gpt-small" : "gpt-tiny").model();
+  const auto weights = troupe::initial_state(spec, 1);
+  troupe::sampling_options s;
+  s.tokens = int(state.range(1));
+  s.kv_cache = state.range(2) != 0;
+  s.temperature = 0;
+  for (auto _ : state) benchmark::DoNotOptimize(troupe::generate(spec, weights, "T", s));
+  state.counters["bytes/s"] = benchmark::Counter(double(s.tokens) * state.iterations(), benchmark::Counter::kIsRate);
+  state.SetLabel(spec.name());
+}
+BENCHMARK(BM_Generate)
+    ->ArgNames({"gpt-small", "bytes", "kv_cache"})
+    ->Args({0, 63, 1})
+    ->Args({0, 63, 0})
+    ->Args({1, 128, 1})
+    ->Args({1, 128, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace
 
