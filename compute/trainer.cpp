@@ -137,12 +137,9 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
   const auto target = set.target.to(device);
   const auto out = model.forward(set.input.to(device));
   e.loss = last.loss(out, target).item<double>();
-  if (text) {
-    spdlog::info("step {}: validation loss {:.4f}", step, e.loss);
-  } else {
-    e.accuracy = last.logits(out).argmax(-1).eq(target).to(torch::kFloat64).mean().item<double>();
-    spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", step, e.loss, 100 * e.accuracy);
-  }
+  if (!text) e.accuracy = last.logits(out).argmax(-1).eq(target).to(torch::kFloat64).mean().item<double>();
+  if (step > 0 && text) spdlog::info("step {}: validation loss {:.4f}", step, e.loss);
+  if (step > 0 && !text) spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", step, e.loss, 100 * e.accuracy);
   return e;
 }
 

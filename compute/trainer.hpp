@@ -55,7 +55,8 @@ struct evaluation {
   std::vector<std::pair<std::string, double>> fields() const;
 };
 
-/// Evaluates `model` (no autograd) on `set`; logs one line naming `step` (1-based).
+/// Evaluates `model` (no autograd) on `set`; logs one line naming `step` (1-based; 0: no
+/// line).
 evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step);
 
 class local_trainer {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -171,49 +172,98 @@ int run_node_command(const config_flags& flags) {
   }
 }
 
+/// A trained model named by --checkpoint: a checkpoint folder (it records its model) or a
+/// state_dict file (its model comes from the flags: workload and [model] keys).
+struct trained_model {
+  troupe::job_config cfg;
+  troupe::state_dict state;
+  std::string source;  ///< the file, or the folder and its step, for the log
+  std::int64_t step = -1;  ///< the optimizer steps behind it (-1: a file does not say)
+};
+
+/// Flags that apply to a checkpoint folder too: where to run and where the data is.
+bool applies_to_folders(const std::string& flag) {
+  return flag == "--device" || flag == "--fortunes-dir" || flag == "--fmnist-dir";
+}
+
+/// Reads the model of `from` (a folder or a file); `cfg`: the flags' configuration.
+/// Throws config_error for flags that do not apply to a folder.
+trained_model load_trained_model(const config_flags& flags, const std::string& from, const troupe::job_config& cfg) {
+  trained_model m;
+  m.cfg = cfg;
+  m.source = from;
+  if (!std::filesystem::is_directory(from)) {
+    m.state = troupe::load_state_dict(from);
+    troupe::check_state(cfg.model(), m.state);  // before anything is logged or computed
+    return m;
+  }
+  for (const auto& f : flags.given())
+    if (!applies_to_folders(f))
+      throw troupe::config_error("a checkpoint folder records its model: " + f +
+                                 " does not apply (it is for a state_dict file)");
+  const auto folder = troupe::find_checkpoint(from);
+  m.cfg = troupe::checkpoint_job_config(folder);
+  m.cfg.device = cfg.device;
+  m.cfg.fortunes_dir = cfg.fortunes_dir;
+  m.cfg.fmnist_dir = cfg.fmnist_dir;
+  const auto ckpt = troupe::read_checkpoint_dir(folder, m.cfg);
+  m.state = ckpt.model;
+  m.step = ckpt.step;
+  m.source = folder + " (after step " + std::to_string(ckpt.step) + ")";
+  return m;
+}
+
+/// The flags of `troupe generate` and `troupe eval`: a file's model, where to run, the data.
+bool model_source_key(const std::string& k) {
+  return k == "train.workload" || k == "train.device" || k == "data.fortunes_dir" || k == "data.fmnist_dir" ||
+         k.rfind("model.", 0) == 0;
+}
+
+/// Runs `body` with the model of --checkpoint `from`: bad flags or configuration exit 2,
+/// an unreadable or mis-shaped model or missing data 1.
+int with_trained_model(const config_flags& flags, const std::string& from,
+                       const std::function<void(troupe::job_config&)>& check,
+                       const std::function<int(trained_model&)>& body) {
+  troupe::job_config cfg;
+  trained_model m;
+  try {
+    cfg = flags.load();
+    check(cfg);
+    m = load_trained_model(flags, from, cfg);
+  } catch (const std::invalid_argument& e) {  // config_error too
+    return fail(exit_usage, e.what());
+  } catch (const std::exception& e) {
+    return fail(1, e.what());
+  }
+  try {
+    return body(m);
+  } catch (const std::exception& e) {
+    return fail(1, e.what());
+  }
+}
+
 struct generate_args {
   std::string from, prompt = "The ";
   troupe::sampling_options sampling;
 };
 
 /// `troupe generate`: the prompt and the bytes a trained gpt model adds, on stdout as they
-/// come; where the model came from on stderr. A checkpoint folder says which model it
-/// holds; a state_dict file takes it from the flags (workload and [model] keys).
+/// come; where the model came from on stderr.
 int run_generate_command(const config_flags& flags, const generate_args& a) {
-  troupe::job_config cfg;
-  try {
+  const auto gpt_only = [&](troupe::job_config& cfg) {
     troupe::check_sampling(a.sampling, a.prompt);
-    cfg = flags.load();
     if (cfg.model().type != troupe::model_spec::kind::gpt)
       throw troupe::config_error("generate needs a gpt workload, not " + cfg.workload);
-  } catch (const std::invalid_argument& e) {  // config_error too
-    return fail(exit_usage, e.what());
-  }
-  try {
-    troupe::state_dict state;
-    std::string source = a.from;
-    if (std::filesystem::is_directory(a.from)) {
-      for (const auto& f : flags.given())
-        if (f != "--device")
-          return fail(exit_usage, "a checkpoint folder records its model: " + f + " does not apply (it is for a "
-                                  "state_dict file)");
-      const auto folder = troupe::find_checkpoint(a.from);
-      auto saved = troupe::checkpoint_job_config(folder);
-      saved.device = cfg.device;
-      cfg = saved;
-      const auto ckpt = troupe::read_checkpoint_dir(folder, cfg);
-      state = ckpt.model;
-      source = folder + " (after step " + std::to_string(ckpt.step) + ")";
-    } else {
-      state = troupe::load_state_dict(a.from);
-    }
-    const auto device = troupe::resolve_device(cfg.device);
+  };
+  return with_trained_model(flags, a.from, gpt_only, [&](trained_model& m) {
+    const auto device = troupe::resolve_device(m.cfg.device);
     spdlog::info("generating {} bytes with {} from {} on {}: temperature {}, top-k {}, seed {}", a.sampling.tokens,
-                 cfg.model_label(), source, device.str(), a.sampling.temperature, a.sampling.top_k, a.sampling.seed);
+                 m.cfg.model_label(), m.source, device.str(), a.sampling.temperature, a.sampling.top_k,
+                 a.sampling.seed);
     std::fwrite(a.prompt.data(), 1, a.prompt.size(), stdout);
     std::fflush(stdout);
     const auto start = std::chrono::steady_clock::now();
-    troupe::generate(cfg.model(), state, a.prompt, a.sampling, device, [](char c) {
+    troupe::generate(m.cfg.model(), m.state, a.prompt, a.sampling, device, [](char c) {
       std::fputc(c, stdout);
       std::fflush(stdout);
     });
@@ -223,9 +273,39 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
     spdlog::info("generated {} bytes in {:.2f} s ({:.1f} bytes/s; key/value cache {})", a.sampling.tokens, s,
                  s > 0 ? a.sampling.tokens / s : 0.0, a.sampling.kv_cache ? "on" : "off");
     return 0;
-  } catch (const std::exception& e) {
-    return fail(1, e.what());
-  }
+  });
+}
+
+/// `troupe eval`: a trained model's loss on its workload's evaluation set (the validation
+/// windows of the fortunes corpus; the Fashion-MNIST test set, with accuracy), as the
+/// training run's evaluations compute it; one JSON line on stdout.
+int run_eval_command(const config_flags& flags, const std::string& from) {
+  return with_trained_model(flags, from, [](troupe::job_config&) {}, [&](trained_model& m) {
+    const auto device = troupe::resolve_device(m.cfg.device);
+    const bool text = m.cfg.model().type == troupe::model_spec::kind::gpt;
+    troupe::training_data::check_available(m.cfg);
+    const auto set = troupe::training_data(m.cfg).evaluation_set();
+    spdlog::info("evaluating {} from {} on {}: {} {}", m.cfg.model_label(), m.source, device.str(),
+                 set.input.size(0), text ? "validation windows" : "test images");
+    const auto start = std::chrono::steady_clock::now();
+    troupe::local_pipeline model(m.cfg.model(), m.state, 1, 1, {}, 1, device);
+    const auto e = troupe::evaluate_model(model, set, text, 0);
+    nlohmann::json line{{"workload", m.cfg.workload}, {"checkpoint", from}};
+    if (m.step >= 0) line["step"] = m.step;
+    for (const auto& [key, value] : e.fields()) line[key] = value;
+    if (text) {
+      line["perplexity"] = std::exp(e.loss);
+      line["bits_per_byte"] = e.loss / std::log(2.0);
+      spdlog::info("validation loss {:.4f} (perplexity {:.2f}, {:.3f} bits per byte) in {:.2f} s", e.loss,
+                   std::exp(e.loss), e.loss / std::log(2.0),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    } else {
+      spdlog::info("test loss {:.4f}, test accuracy {:.2f} % in {:.2f} s", e.loss, 100 * e.accuracy,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::cout << line.dump() << std::endl;
+    return 0;
+  });
 }
 
 }  // namespace
@@ -251,14 +331,12 @@ int main(int argc, char** argv) {
   // troupe generate
   auto* gen = app.add_subcommand("generate", "continue a prompt with a trained gpt model");
   config_flags gen_flags;  // for a state_dict file: its model; and where to run
-  gen_flags.add_to(gen, [](const std::string& k) {
-    return k == "train.workload" || k == "train.device" || k.rfind("model.", 0) == 0;
-  });
+  gen_flags.add_to(gen, model_source_key);
   generate_args gen_args;
-  gen->add_option("--checkpoint", gen_args.from,
-                  "a checkpoint folder (--checkpoint-dir's, or one step folder; its model is recorded) or a "
-                  "state_dict file (--save's, --init's, torch.save's; give its workload and [model] keys)")
-      ->required();
+  const std::string checkpoint_help =
+      "a checkpoint folder (--checkpoint-dir's, or one step folder; its model is recorded) or a "
+      "state_dict file (--save's, --init's, torch.save's; give its workload and [model] keys)";
+  gen->add_option("--checkpoint", gen_args.from, checkpoint_help)->required();
   gen->add_option("--prompt", gen_args.prompt, "the text to continue (default: 'The ')");
   gen->add_option("--tokens", gen_args.sampling.tokens, "bytes to generate (default 200)");
   gen->add_option("--temperature", gen_args.sampling.temperature,
@@ -267,6 +345,13 @@ int main(int argc, char** argv) {
   gen->add_option("--seed", gen_args.sampling.seed, "the sampler's seed (default 0): same seed, same text");
   gen->add_flag("--no-kv-cache{false}", gen_args.sampling.kv_cache,
                 "run every byte's whole context through the model again (slower; the same text, to rounding)");
+
+  // troupe eval
+  auto* eval = app.add_subcommand("eval", "a trained model's loss on its workload's evaluation set");
+  config_flags eval_flags;
+  eval_flags.add_to(eval, model_source_key);
+  std::string eval_from;
+  eval->add_option("--checkpoint", eval_from, checkpoint_help)->required();
 
   // troupe schedule
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");
@@ -307,6 +392,7 @@ int main(int argc, char** argv) {
 
   if (*node) return run_node_command(node_flags);
   if (*gen) return run_generate_command(gen_flags, gen_args);
+  if (*eval) return run_eval_command(eval_flags, eval_from);
 
   troupe::job_config cfg;
   try {

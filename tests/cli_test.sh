@@ -62,7 +62,7 @@ expect_in train-model-shape-log "$err" "training gpt-tiny (2 layers, d_model 32,
 expect_in train-model-shape-progress "$out" "step 1/1 | loss"
 # troupe generate: from a checkpoint folder (its model recorded) and from a state_dict file.
 check gen-train 0 "$troupe" train --config "$tmp/shape.toml" --steps 2 --threads 1 --eval-interval 0 \
-  --checkpoint-dir "$tmp/gen-ckpt" --save "$tmp/gen.pt"
+  --checkpoint-dir "$tmp/gen-ckpt" --save "$tmp/gen.pt" --metrics "$tmp/gen-metrics.jsonl"
 check gen-folder 0 "$troupe" generate --checkpoint "$tmp/gen-ckpt" --prompt "Q: " --tokens 30 --seed 3
 cp "$out" "$tmp/gen-1.txt"
 expect_in gen-folder-log "$err" "generating 30 bytes with gpt-tiny (2 layers, d_model 32, 2 heads"
@@ -84,6 +84,35 @@ expect_in gen-folder-with-shape-msg "$err" "a checkpoint folder records its mode
 check gen-missing 1 "$troupe" generate --checkpoint "$tmp/nothing.pt"
 check gen-mlp 2 "$troupe" generate --checkpoint "$tmp/gen.pt" --workload fmnist-mlp
 expect_in gen-mlp-msg "$err" "generate needs a gpt workload"
+# troupe eval: the loss the training run's last evaluation logged, from a folder and a file.
+same_loss() {  # same_loss NAME METRICS_FILE EVAL_OUTPUT KEY...
+  local name=$1 metrics=$2 eval=$3; shift 3
+  /usr/bin/python3 - "$metrics" "$eval" "$@" <<'PY' && echo "ok   $name" || { echo "FAIL $name"; fail=1; }
+import json, math, sys
+last = [json.loads(l) for l in open(sys.argv[1])][-1]
+got = json.loads(open(sys.argv[2]).read())
+for key in sys.argv[3:]:
+    assert math.isclose(got[key], last[key], rel_tol=1e-6), (key, got[key], last[key])
+if "val_loss" in got:
+    assert math.isclose(got["perplexity"], math.exp(got["val_loss"]), rel_tol=1e-9), got
+PY
+}
+check eval-folder 0 "$troupe" eval --checkpoint "$tmp/gen-ckpt"
+same_loss eval-folder-loss "$tmp/gen-metrics.jsonl" "$out" val_loss
+expect_in eval-folder-step "$out" '"step":2'
+expect_in eval-folder-log "$err" "(perplexity "
+check eval-file 0 "$troupe" eval --checkpoint "$tmp/gen.pt" --config "$tmp/shape.toml"
+same_loss eval-file-loss "$tmp/gen-metrics.jsonl" "$out" val_loss
+check eval-folder-with-shape 2 "$troupe" eval --checkpoint "$tmp/gen-ckpt" --heads 4
+expect_in eval-folder-with-shape-msg "$err" "a checkpoint folder records its model: --heads does not apply"
+check eval-file-wrong-shape 1 "$troupe" eval --checkpoint "$tmp/gen.pt"
+expect_in eval-file-wrong-shape-msg "$err" "wte.weight has shape [256, 32], expected [256, 128]"
+check eval-mlp-train 0 "$troupe" train --workload fmnist-mlp --steps 2 --threads 1 --save "$tmp/mlp.pt" \
+  --metrics "$tmp/mlp-metrics.jsonl"
+check eval-mlp 0 "$troupe" eval --checkpoint "$tmp/mlp.pt" --workload fmnist-mlp
+same_loss eval-mlp-loss "$tmp/mlp-metrics.jsonl" "$out" test_loss test_accuracy
+check eval-missing-data 1 "$troupe" eval --checkpoint "$tmp/mlp.pt" --workload fmnist-mlp --fmnist-dir "$tmp/none"
+expect_in eval-missing-data-msg "$err" "Fashion-MNIST file not found: $tmp/none/"
 check gen-bad-temperature 2 "$troupe" generate --checkpoint "$tmp/gen.pt" --temperature -1
 expect_in gen-bad-temperature-msg "$err" "temperature must be in [0, 100]"
 check train-bad-device 2 "$troupe" train --device tpu
