@@ -28,6 +28,9 @@
 #    their tensors off NCCL (bit-identical again). With 2+ GPUs every link is over NCCL
 #    (bit-identical; within 1e-4 where a shard group went over NCCL too, 3+ GPUs). On the
 #    CPU the setting is refused (exit 2).
+# 6. recompute on the GPU against the reference job; generate (key/value cache on and
+#    off) and eval on the GPU against the CPU. The gtests of 1. include the Recompute and
+#    Generate tests (on the CPU, but with this machine's LibTorch 2.x attention).
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 set -uo pipefail
@@ -62,7 +65,7 @@ step() {  # step NAME CMD...: runs CMD, logs to OUT/NAME.log, prints the verdict
 }
 
 gtests() {  # on the GPU a skipped GPU test is a failure (a build without CUDA or NCCL)
-  "$build/troupe_tests" --gtest_filter='Device*:Precision*:*Gpu*:*Nccl*:Checkpoint*:-Checkpoint.PythonTorch*' || return 1
+  "$build/troupe_tests" --gtest_filter='Device*:Precision*:*Gpu*:*Nccl*:Checkpoint*:Recompute*:Generate*:-Checkpoint.PythonTorch*:Generate.GreedyEqualsPlainPytorch*' || return 1
   [ "$device" = cpu ] && return 0
   ! grep -E '^\[  SKIPPED \] [A-Za-z/_0-9.]+ \(' "$out/gtests.log" | grep -v ABuildWithoutNcclSaysSo
 }
@@ -202,6 +205,39 @@ PY
   "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/nodes-4-nccl" 0
 }
 step nodes-4-nccl nccl_nodes
+
+# 6. Activation recomputation on the GPU (the same job with --recompute full: the
+#    recomputed forward runs the same kernels, so the run should be bit-identical; the
+#    check takes 1e-5 and prints the difference, as attention's backward kernels may sum
+#    in another order), then generate and eval of the reference run's file on the GPU:
+#    the greedy text with and without the key/value cache and on the CPU is the same,
+#    and eval's loss is the CPU's within 1e-4.
+recompute_generate_eval() {
+  run_job recompute --recompute full >"$out/recompute.run" 2>&1 || { cat "$out/recompute.run"; return 1; }
+  "$python" - "$out/ref" "$out/recompute" <<'PY' || return 1
+import json, sys
+import torch
+a, b = torch.load(sys.argv[1] + ".pt"), torch.load(sys.argv[2] + ".pt")
+worst = max((a[k] - b[k]).abs().max().item() for k in a)
+la = [l["loss"] for l in map(json.loads, open(sys.argv[1] + ".jsonl")) if "loss" in l]
+lb = [l["loss"] for l in map(json.loads, open(sys.argv[2] + ".jsonl")) if "loss" in l]
+worst_loss = max(abs(x - y) for x, y in zip(la, lb))
+print(f"recompute vs ref: parameters {worst:.2e}, losses {worst_loss:.2e}")
+assert len(la) == len(lb) and worst <= 1e-5 and worst_loss <= 1e-5
+PY
+  local gen=(generate --checkpoint "$out/ref.pt" --prompt "The " --tokens 200 --temperature 0) d
+  for d in "$device" cpu; do
+    "$build/troupe" "${gen[@]}" --device "$d" >"$out/gen-$d.txt" 2>"$out/gen-$d.err" || { cat "$out/gen-$d.err"; return 1; }
+    "$build/troupe" "${gen[@]}" --device "$d" --no-kv-cache >"$out/gen-$d-nocache.txt" 2>>"$out/gen-$d.err" ||
+      { cat "$out/gen-$d.err"; return 1; }
+    cat "$out/gen-$d.err"
+    "$build/troupe" eval --checkpoint "$out/ref.pt" --device "$d" >"$out/eval-$d.json" || return 1
+  done
+  cmp "$out/gen-$device.txt" "$out/gen-$device-nocache.txt" && cmp "$out/gen-$device.txt" "$out/gen-cpu.txt" || return 1
+  "$python" -c 'import json, sys; a, b = (json.load(open(f))["val_loss"] for f in sys.argv[1:]); print(a, b); assert abs(a - b) <= 1e-4 * b' \
+    "$out/eval-$device.json" "$out/eval-cpu.json"
+}
+step recompute-generate-eval recompute_generate_eval
 
 [ $failed = 0 ] && echo "gpu_check: all passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
 exit $failed
