@@ -138,8 +138,11 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
   const auto out = model.forward(set.input.to(device));
   e.loss = last.loss(out, target).item<double>();
   if (!text) e.accuracy = last.logits(out).argmax(-1).eq(target).to(torch::kFloat64).mean().item<double>();
-  if (step > 0 && text) spdlog::info("step {}: validation loss {:.4f}", step, e.loss);
-  if (step > 0 && !text) spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", step, e.loss, 100 * e.accuracy);
+  if (step <= 0) return e;
+  if (text)
+    spdlog::info("step {}: validation loss {:.4f}", step, e.loss);
+  else
+    spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", step, e.loss, 100 * e.accuracy);
   return e;
 }
 

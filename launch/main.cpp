@@ -219,16 +219,17 @@ bool model_source_key(const std::string& k) {
          k.rfind("model.", 0) == 0;
 }
 
-/// Runs `body` with the model of --checkpoint `from`: bad flags or configuration exit 2,
-/// an unreadable or mis-shaped model or missing data 1.
+/// Runs `body` with the model of --checkpoint `from`, after `check` (if given) of the
+/// flags' configuration: bad flags or configuration exit 2, an unreadable or mis-shaped
+/// model or missing data 1.
 int with_trained_model(const config_flags& flags, const std::string& from,
-                       const std::function<void(troupe::job_config&)>& check,
-                       const std::function<int(trained_model&)>& body) {
+                       const std::function<int(trained_model&)>& body,
+                       const std::function<void(troupe::job_config&)>& check = {}) {
   troupe::job_config cfg;
   trained_model m;
   try {
     cfg = flags.load();
-    check(cfg);
+    if (check) check(cfg);
     m = load_trained_model(flags, from, cfg);
   } catch (const std::invalid_argument& e) {  // config_error too
     return fail(exit_usage, e.what());
@@ -255,7 +256,7 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
     if (cfg.model().type != troupe::model_spec::kind::gpt)
       throw troupe::config_error("generate needs a gpt workload, not " + cfg.workload);
   };
-  return with_trained_model(flags, a.from, gpt_only, [&](trained_model& m) {
+  const auto run = [&](trained_model& m) {
     const auto device = troupe::resolve_device(m.cfg.device);
     spdlog::info("generating {} bytes with {} from {} on {}: temperature {}, top-k {}, seed {}", a.sampling.tokens,
                  m.cfg.model_label(), m.source, device.str(), a.sampling.temperature, a.sampling.top_k,
@@ -273,23 +274,24 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
     spdlog::info("generated {} bytes in {:.2f} s ({:.1f} bytes/s; key/value cache {})", a.sampling.tokens, s,
                  s > 0 ? a.sampling.tokens / s : 0.0, a.sampling.kv_cache ? "on" : "off");
     return 0;
-  });
+  };
+  return with_trained_model(flags, a.from, run, gpt_only);
 }
 
 /// `troupe eval`: a trained model's loss on its workload's evaluation set (the validation
 /// windows of the fortunes corpus; the Fashion-MNIST test set, with accuracy), as the
 /// training run's evaluations compute it; one JSON line on stdout.
 int run_eval_command(const config_flags& flags, const std::string& from) {
-  return with_trained_model(flags, from, [](troupe::job_config&) {}, [&](trained_model& m) {
+  return with_trained_model(flags, from, [&](trained_model& m) {
     const auto device = troupe::resolve_device(m.cfg.device);
     const bool text = m.cfg.model().type == troupe::model_spec::kind::gpt;
-    troupe::training_data::check_available(m.cfg);
     const auto set = troupe::training_data(m.cfg).evaluation_set();
     spdlog::info("evaluating {} from {} on {}: {} {}", m.cfg.model_label(), m.source, device.str(),
                  set.input.size(0), text ? "validation windows" : "test images");
     const auto start = std::chrono::steady_clock::now();
     troupe::local_pipeline model(m.cfg.model(), m.state, 1, 1, {}, 1, device);
     const auto e = troupe::evaluate_model(model, set, text, 0);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     nlohmann::json line{{"workload", m.cfg.workload}, {"checkpoint", from}};
     if (m.step >= 0) line["step"] = m.step;
     for (const auto& [key, value] : e.fields()) line[key] = value;
@@ -297,11 +299,9 @@ int run_eval_command(const config_flags& flags, const std::string& from) {
       line["perplexity"] = std::exp(e.loss);
       line["bits_per_byte"] = e.loss / std::log(2.0);
       spdlog::info("validation loss {:.4f} (perplexity {:.2f}, {:.3f} bits per byte) in {:.2f} s", e.loss,
-                   std::exp(e.loss), e.loss / std::log(2.0),
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+                   std::exp(e.loss), e.loss / std::log(2.0), s);
     } else {
-      spdlog::info("test loss {:.4f}, test accuracy {:.2f} % in {:.2f} s", e.loss, 100 * e.accuracy,
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      spdlog::info("test loss {:.4f}, test accuracy {:.2f} % in {:.2f} s", e.loss, 100 * e.accuracy, s);
     }
     std::cout << line.dump() << std::endl;
     return 0;
