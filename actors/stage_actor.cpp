@@ -50,6 +50,7 @@ struct stage_state {
     torch::Tensor input, output;
   };
   std::map<key, saved_t> saved;           // forwarded, waiting for backward
+  std::map<key, weight_grad_store> deferred;  // split backwards: backwarded, waiting for W
   int in_flight = 0, peak_in_flight = 0;
   bool tied_pending = false;
   torch::Tensor tied_in;
@@ -81,6 +82,7 @@ class stage_logic {
       if (!s_.inputs.count(k)) return false;
       return !s_.is_last_virtual(op.chunk) || s_.targets.count(op.mb);
     }
+    if (op.kind == op_kind::weight) return s_.deferred.count(k) && !s_.saved.count(k);
     if (!s_.saved.count(k)) return false;
     return s_.is_last_virtual(op.chunk) || s_.out_grads.count(k);
   }
@@ -145,16 +147,23 @@ class stage_logic {
     const key k{op.mb, op.chunk};
     const int x = s_.virtual_of(op.chunk);
     auto& slice = *s_.chunks[op.chunk];
-    trace_event ev{op.kind == op_kind::forward ? "F" : "B", s_.replica, s_.stage, op.mb, op.chunk, s_.step,
-                   ctx.now_us(), 0};
-    if (op.kind == op_kind::forward) {
+    const bool split = s_.order && ctx.sched.split_backward();
+    trace_event ev{op.kind == op_kind::forward ? "F" : op.kind == op_kind::backward ? "B" : "W", s_.replica, s_.stage,
+                   op.mb, op.chunk, s_.step, ctx.now_us(), 0};
+    if (op.kind == op_kind::weight) {
+      s_.deferred[k].apply();
+      s_.deferred.erase(k);
+      --s_.in_flight;
+    } else if (op.kind == op_kind::forward) {
       auto in = std::move(s_.inputs[k]);
       s_.inputs.erase(k);
       if (x > 0) in = in.detach().requires_grad_(true);
       torch::Tensor out, loss;
       {
         precision_scope amp(ctx.device, ctx.compute_dtype);
+        if (split) slice.defer_weight_grads(&s_.deferred[k]);
         out = slice.forward(in);
+        slice.defer_weight_grads(nullptr);
         if (s_.is_last_virtual(op.chunk)) loss = slice.loss(out, s_.targets[op.mb]);
       }
       if (s_.is_last_virtual(op.chunk)) {
@@ -194,7 +203,7 @@ class stage_logic {
                     "gradient",
                     op.mb, op.chunk);
       }
-      --s_.in_flight;
+      if (!split) --s_.in_flight;  // split: the W's inputs stay until it runs
     }
     ev.end_us = ctx.now_us();
     s_.events.push_back(std::move(ev));
@@ -273,6 +282,7 @@ class stage_logic {
     leftover(s_.out_grads.size(), "buffered output gradient(s)");
     leftover(s_.targets.size(), "buffered target(s)");
     leftover(s_.saved.size(), "activation(s) held for backward");
+    leftover(s_.deferred.size(), "weight gradient(s) waiting for their W");
     leftover(s_.stash.size(), "stashed message(s)");
     leftover(s_.in_flight != 0, "nonzero in-flight count");
     leftover(s_.tied_pending || s_.tied_in.defined(), "pending tied gradient");
@@ -282,6 +292,7 @@ class stage_logic {
     s_.targets.clear();
     s_.losses.clear();
     s_.saved.clear();
+    s_.deferred.clear();
     s_.stash.clear();
     s_.tied_in = torch::Tensor();
     s_.tied_pending = false;
@@ -424,7 +435,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       set_model_params(flat, params.empty() ? flat : params.at(c), ctx->compute_dtype);
     }
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
-  st.total_ops = 2 * ctx->m * ctx->v;
+  st.total_ops = st.order ? int(st.order->size()) : 2 * ctx->m * ctx->v;
   if (!ctx->cfg.throw_at.empty() && ctx->faults_armed()) {
     int r = -1, k = -1, s = -1;
     char when[8] = {0};

@@ -127,7 +127,7 @@ const std::vector<key_def>& key_defs() {
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
       int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
       int_key("parallel.chunks", "virtual chunks per stage (interleaved-1f1b)", &job_config::chunks, 1, 64),
-      string_key("parallel.schedule", "gpipe, 1f1b, interleaved-1f1b or dataflow", &job_config::schedule),
+      string_key("parallel.schedule", "gpipe, 1f1b, interleaved-1f1b, zero-bubble or dataflow", &job_config::schedule),
       int_key("parallel.max_in_flight", "dataflow: micro-batches in flight per stage (0: stages)", &job_config::max_in_flight, 0, 1000000),
       int_key("parallel.credit_window", "micro-batches a data loader sends ahead", &job_config::credit_window, 1, 1000000),
       {{"parallel.split", "explicit layers per virtual stage, e.g. 3,5"},

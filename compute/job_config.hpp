@@ -52,7 +52,7 @@ struct job_config {
   int data_parallel = 1;
   int microbatches = 8;               ///< per replica per step
   int chunks = 1;
-  std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | dataflow
+  std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | zero-bubble | dataflow
   int max_in_flight = 0;              ///< dataflow: micro-batches in flight per stage (0: p)
   int credit_window = 2;              ///< micro-batches a loader sends ahead of consumption
   std::vector<int> split;             ///< explicit layers per virtual stage

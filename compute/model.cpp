@@ -162,7 +162,59 @@ void check_state(const model_spec& spec, const state_dict& state) {
   }
 }
 
+// --- split backward --------------------------------------------------------------------
+
+void weight_grad_store::add(torch::Tensor weight, torch::Tensor input, torch::Tensor grad_output) {
+  items_.push_back({std::move(weight), std::move(input), std::move(grad_output)});
+}
+
+void weight_grad_store::apply() {
+  torch::NoGradGuard no_grad;
+  for (auto& it : items_) {
+    auto& grad = it.weight.mutable_grad();
+    const auto dy = it.grad_output.reshape({-1, it.grad_output.size(-1)});
+    const auto x = it.input.reshape({-1, it.input.size(-1)});
+    grad.add_(dy.t().mm(x).to(grad.scalar_type()));
+  }
+  items_.clear();
+}
+
+namespace {
+
+/// A linear layer whose backward computes the gradients of its input and bias and leaves
+/// the weight's to a weight_grad_store. It computes in the precision autocast would (the
+/// cast copies are what it keeps, as autocast's graph would).
+struct deferred_linear : torch::autograd::Function<deferred_linear> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b, weight_grad_store* store) {
+    const auto dt = current_precision(x.device());
+    const auto xc = x.to(dt), wc = w.to(dt);
+    ctx->save_for_backward({xc, wc, w});
+    ctx->saved_data["store"] = reinterpret_cast<std::int64_t>(store);
+    ctx->saved_data["x_dtype"] = std::int64_t(x.scalar_type());
+    ctx->saved_data["b_dtype"] = std::int64_t(b.scalar_type());
+    return torch::linear(xc, wc, b.to(dt));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto& dy = grads[0];
+    if (!dy.defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    auto dx = dy.matmul(saved[1]).to(torch::ScalarType(ctx->saved_data["x_dtype"].toInt()));
+    auto db = dy.reshape({-1, dy.size(-1)}).sum(0).to(torch::ScalarType(ctx->saved_data["b_dtype"].toInt()));
+    reinterpret_cast<weight_grad_store*>(ctx->saved_data["store"].toInt())->add(saved[2], saved[0], dy);
+    return {dx, torch::Tensor(), db, torch::Tensor()};
+  }
+};
+
+}  // namespace
+
 // --- model_slice ---------------------------------------------------------------------
+
+torch::Tensor model_slice::linear_layer(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  if (defer_ && torch::GradMode::is_enabled()) return deferred_linear::apply(x, w, b, defer_);
+  return torch::linear(x, w, b);
+}
 
 torch::Tensor& model_slice::param(const std::string& name) {
   auto it = index_.find(name);
@@ -295,6 +347,7 @@ class gpt_slice final : public model_slice {
       ctx->saved_data["slice"] = reinterpret_cast<std::int64_t>(slice);
       ctx->saved_data["block"] = i;
       ctx->saved_data["precision"] = std::int64_t(current_precision(x.device()));
+      ctx->saved_data["defer"] = reinterpret_cast<std::int64_t>(slice->defer_);
       return slice->block(x, int(i));
     }
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -306,7 +359,11 @@ class gpt_slice final : public model_slice {
       {
         torch::AutoGradMode grad(true);
         precision_scope amp(x.device(), torch::ScalarType(ctx->saved_data["precision"].toInt()));
+        // The store the forward deferred into (the backward may run while another is set).
+        auto* const before = slice->defer_;
+        slice->defer_ = reinterpret_cast<weight_grad_store*>(ctx->saved_data["defer"].toInt());
         y = slice->block(x, int(ctx->saved_data["block"].toInt()));
+        slice->defer_ = before;
       }
       ++recomputed_blocks;
       torch::autograd::backward({y}, {grads[0]});
@@ -324,7 +381,7 @@ class gpt_slice final : public model_slice {
     return torch::layer_norm(x, {cfg_.d_model}, param(p + ".weight"), param(p + ".bias"), 1e-5);
   }
   torch::Tensor linear(const torch::Tensor& x, const std::string& p) {
-    return torch::linear(x, param(p + ".weight"), param(p + ".bias"));
+    return linear_layer(x, param(p + ".weight"), param(p + ".bias"));
   }
 
   /// Block i. With a cache, `x` holds the tokens after the cache's: their keys and values
@@ -390,7 +447,7 @@ class mlp_slice final : public model_slice {
     torch::Tensor x = input;
     for (int i = range_.first; i < range_.last; ++i) {
       const std::string p = "net." + std::to_string(2 * i) + ".";
-      x = torch::linear(x, param(p + "weight"), param(p + "bias"));
+      x = linear_layer(x, param(p + "weight"), param(p + "bias"));
       if (i + 1 < n_layers_) x = torch::relu(x);
     }
     return x;

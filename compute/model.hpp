@@ -93,6 +93,27 @@ struct kv_cache {
   void clear() { *this = kv_cache{}; }
 };
 
+/// Weight gradients a split backward left for later (the zero-bubble schedules' W op):
+/// per linear layer, the weight, the layer's input and its output's gradient (in the
+/// precision the layer computed in).
+class weight_grad_store {
+ public:
+  /// Adds grad_output^T input (over all leading dimensions) to each weight's gradient,
+  /// in fp32 like the autograd's accumulation, and forgets them.
+  void apply();
+  bool empty() const { return items_.empty(); }
+  std::size_t size() const { return items_.size(); }
+  void clear() { items_.clear(); }
+  /// A deferring layer's backward.
+  void add(torch::Tensor weight, torch::Tensor input, torch::Tensor grad_output);
+
+ private:
+  struct item {
+    torch::Tensor weight, input, grad_output;
+  };
+  std::vector<item> items_;
+};
+
 /// A contiguous slice of a model's layers with flat parameter and gradient buffers.
 
 class model_slice {
@@ -143,7 +164,19 @@ class model_slice {
   /// that a runtime recomputes what it should).
   static std::int64_t blocks_recomputed();
 
+  /// Split backward (zero-bubble schedules): while a store is set, a forward that builds
+  /// a graph defers its linear layers' weight gradients (the transformer blocks' four, the
+  /// MLP's layers; as ZB-H1 does, the cheap rest stays in the backward). Its backward then
+  /// computes the input's gradient and every other parameter's, and leaves in `store`
+  /// what `store->apply()` needs for the deferred ones; together they give the plain
+  /// backward's gradients. The store must outlive that backward. nullptr: plain backward.
+  void defer_weight_grads(weight_grad_store* store) { defer_ = store; }
+
  protected:
+  /// x w^T + b, its weight gradient left to `defer_` when that is set and a graph is built.
+  torch::Tensor linear_layer(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+  weight_grad_store* defer_ = nullptr;
+
   /// Lays out `names` (taken from `state`) into the flat buffers.
   void allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
                 const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device);

@@ -30,6 +30,8 @@ std::vector<double> local_pipeline::run_step(const schedule& sched,
   const auto at = [m](int x, int mb) { return std::size_t(x) * m + mb; };
   std::vector<torch::Tensor> inputs(std::size_t(n_virtual) * m), outputs(inputs.size()),
       grads(inputs.size());
+  // Split backwards: the weight gradients each (virtual stage, micro-batch) left for its W.
+  std::vector<weight_grad_store> deferred(sched.split_backward() ? inputs.size() : 0);
   std::vector<double> losses(m, 0.0);
   for (const auto& [r, index] : execution_order(sched)) {
     const auto& op = sched.ranks[r][index];
@@ -41,13 +43,17 @@ std::vector<double> local_pipeline::run_step(const schedule& sched,
       // gradient to hand back to the previous slice.
       auto in = x == 0 ? microbatches[op.mb].input : outputs[at(x - 1, op.mb)].detach().requires_grad_(true);
       inputs[i] = in;
+      if (sched.split_backward()) s.defer_weight_grads(&deferred[i]);
       auto out = s.forward(in);
+      s.defer_weight_grads(nullptr);
       if (x == n_virtual - 1) {
         auto l = s.loss(out, microbatches[op.mb].target);
         losses[op.mb] = l.item<double>();
         out = l * loss_weight;
       }
       outputs[i] = out;
+    } else if (op.kind == op_kind::weight) {
+      deferred[i].apply();
     } else {
       if (x == n_virtual - 1)
         outputs[i].backward();

@@ -9,6 +9,7 @@ std::string to_string(schedule_kind k) {
     case schedule_kind::gpipe: return "gpipe";
     case schedule_kind::one_f_one_b: return "1f1b";
     case schedule_kind::interleaved: return "interleaved-1f1b";
+    case schedule_kind::zero_bubble: return "zero-bubble";
   }
   return "?";
 }
@@ -17,11 +18,13 @@ schedule_kind parse_schedule_kind(const std::string& s) {
   if (s == "gpipe") return schedule_kind::gpipe;
   if (s == "1f1b") return schedule_kind::one_f_one_b;
   if (s == "interleaved-1f1b" || s == "interleaved") return schedule_kind::interleaved;
-  throw schedule_error("unknown schedule kind '" + s + "' (expected gpipe, 1f1b or interleaved-1f1b)");
+  if (s == "zero-bubble" || s == "zb-h1") return schedule_kind::zero_bubble;
+  throw schedule_error("unknown schedule kind '" + s + "' (expected gpipe, 1f1b, interleaved-1f1b or zero-bubble)");
 }
 
 std::string to_string(const pipeline_op& op, bool with_chunk) {
-  std::string s = (op.kind == op_kind::forward ? "F" : "B") + std::to_string(op.mb);
+  const char* letter = op.kind == op_kind::forward ? "F" : op.kind == op_kind::backward ? "B" : "W";
+  std::string s = letter + std::to_string(op.mb);
   if (with_chunk) s += "." + std::to_string(op.chunk);
   return s;
 }
@@ -48,6 +51,25 @@ void one_f_one_b(schedule& s) {
       ops.push_back({op_kind::backward, i, 0});
     }
     for (int i = remaining; i < m; ++i) ops.push_back({op_kind::backward, i, 0});
+  }
+}
+
+// ZB-H1: 1f1b's F and B order; stage r lets its W's trail its B's by up to r (the last
+// stage's B chain ends first, so the later stages have the most idle time to fill at the
+// end: stage r's cool-down waits r B's longer than the last stage's), then runs the rest.
+// Stage r holds at most (p - r) + r = p micro-batches' activations (1f1b's stage 0 peak).
+void zero_bubble(schedule& s) {
+  one_f_one_b(s);
+  for (int r = 0; r < s.stages; ++r) {
+    std::vector<pipeline_op> ops;
+    int next_w = 0, backwards = 0;
+    for (const auto& op : s.ranks[r]) {
+      ops.push_back(op);
+      if (op.kind != op_kind::backward) continue;
+      if (++backwards - next_w > r) ops.push_back({op_kind::weight, next_w++, 0});
+    }
+    while (next_w < s.microbatches) ops.push_back({op_kind::weight, next_w++, 0});
+    s.ranks[r] = std::move(ops);
   }
 }
 
@@ -102,11 +124,12 @@ schedule make_schedule(schedule_kind kind, int stages, int microbatches, int chu
   s.microbatches = microbatches;
   s.chunks = chunks;
   s.ranks.resize(stages);
-  for (auto& r : s.ranks) r.reserve(std::size_t(2) * microbatches * chunks);
+  for (auto& r : s.ranks) r.reserve(std::size_t(3) * microbatches * chunks);
   switch (kind) {
     case schedule_kind::gpipe: gpipe(s); break;
     case schedule_kind::one_f_one_b: one_f_one_b(s); break;
     case schedule_kind::interleaved: interleaved(s); break;
+    case schedule_kind::zero_bubble: zero_bubble(s); break;
   }
   return s;
 }

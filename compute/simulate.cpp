@@ -11,8 +11,9 @@ namespace {
 
 /// Replays `s`; calls on_op(stage, index, start, end) for every op. Returns an empty
 /// string, or a description of the deadlock.
+/// Op costs: forward f, backward b (the input's gradient only, for split backwards), weight w.
 template <class OnOp>
-std::string replay(const schedule& s, double f, double b, OnOp on_op) {
+std::string replay(const schedule& s, double f, double b, double w, OnOp on_op) {
   const int p = s.stages, m = s.microbatches, n_virtual = s.stages * s.chunks;
   std::vector<double> f_end(std::size_t(n_virtual) * m, -1.0), b_end(std::size_t(n_virtual) * m, -1.0);
   std::vector<std::size_t> next(p, 0);
@@ -33,6 +34,9 @@ std::string replay(const schedule& s, double f, double b, OnOp on_op) {
             ready = f_end[here - m];
             if (ready < 0) break;
           }
+        } else if (op.kind == op_kind::weight) {
+          ready = b_end[here];
+          if (ready < 0) break;
         } else {
           ready = f_end[here];
           if (ready < 0) break;
@@ -42,8 +46,9 @@ std::string replay(const schedule& s, double f, double b, OnOp on_op) {
           }
         }
         const double start = std::max(free_at[r], ready);
-        const double end = start + (op.kind == op_kind::forward ? f : b);
-        (op.kind == op_kind::forward ? f_end : b_end)[here] = end;
+        const double end = start + (op.kind == op_kind::forward ? f : op.kind == op_kind::backward ? b : w);
+        if (op.kind == op_kind::forward) f_end[here] = end;
+        if (op.kind == op_kind::backward) b_end[here] = end;
         free_at[r] = end;
         on_op(r, next[r], start, end);
         ++next[r];
@@ -77,51 +82,59 @@ std::string validate(const schedule& s) {
            std::to_string(s.stages) + " stages";
   const int m = s.microbatches;
   for (int r = 0; r < s.stages; ++r) {
-    std::vector<int> seen_f(std::size_t(s.chunks) * m, 0), seen_b(std::size_t(s.chunks) * m, 0);
+    const std::size_t n = std::size_t(s.chunks) * m;
+    std::vector<int> seen_f(n, 0), seen_b(n, 0), seen_w(n, 0);
+    const std::string stage = "stage " + std::to_string(r);
     for (const auto& op : s.ranks[r]) {
       if (op.mb < 0 || op.mb >= m || op.chunk < 0 || op.chunk >= s.chunks)
-        return "stage " + std::to_string(r) + " has out-of-range op " + to_string(op, true);
+        return stage + " has out-of-range op " + to_string(op, true);
       const auto i = std::size_t(op.chunk) * m + op.mb;
-      if (op.kind == op_kind::forward) {
-        if (seen_f[i]++) return "stage " + std::to_string(r) + " runs " + to_string(op, true) + " twice";
-      } else {
-        if (seen_b[i]++) return "stage " + std::to_string(r) + " runs " + to_string(op, true) + " twice";
-        if (!seen_f[i])
-          return "stage " + std::to_string(r) + " runs " + to_string(op, true) + " before its forward";
-      }
+      auto& seen = op.kind == op_kind::forward ? seen_f : op.kind == op_kind::backward ? seen_b : seen_w;
+      if (seen[i]++) return stage + " runs " + to_string(op, true) + " twice";
+      if (op.kind == op_kind::backward && !seen_f[i]) return stage + " runs " + to_string(op, true) + " before its forward";
+      if (op.kind == op_kind::weight && !s.split_backward())
+        return stage + " runs " + to_string(op, true) + ", but " + to_string(s.kind) + " does not split the backward";
+      if (op.kind == op_kind::weight && !seen_b[i])
+        return stage + " runs " + to_string(op, true) + " before its backward";
     }
-    for (std::size_t i = 0; i < seen_f.size(); ++i)
-      if (!seen_f[i] || !seen_b[i])
-        return "stage " + std::to_string(r) + " never runs " + (!seen_f[i] ? "F" : "B") +
-               std::to_string(i % m) + "." + std::to_string(i / m);
+    for (std::size_t i = 0; i < n; ++i) {
+      const char* missing = !seen_f[i] ? "F" : !seen_b[i] ? "B" : s.split_backward() && !seen_w[i] ? "W" : nullptr;
+      if (missing) return stage + " never runs " + missing + std::to_string(i % m) + "." + std::to_string(i / m);
+    }
   }
-  return replay(s, 1.0, 1.0, [](int, std::size_t, double, double) {});
+  return replay(s, 1.0, 1.0, 1.0, [](int, std::size_t, double, double) {});
 }
 
 std::vector<std::pair<int, std::size_t>> execution_order(const schedule& s) {
   std::vector<std::pair<int, std::size_t>> order;
-  const auto error = replay(s, 1.0, 1.0, [&](int r, std::size_t i, double, double) { order.emplace_back(r, i); });
+  const auto error =
+      replay(s, 1.0, 1.0, 1.0, [&](int r, std::size_t i, double, double) { order.emplace_back(r, i); });
   if (!error.empty()) throw schedule_error(error);
   return order;
 }
 
-simulation simulate(const schedule& s, double f, double b) {
+simulation simulate(const schedule& s, double f, double b, double w) {
+  if (w < 0) w = b / 2;
+  if (w > b) throw schedule_error("the weight pass's cost (" + std::to_string(w) + ") exceeds the backward's (" +
+                                  std::to_string(b) + ")");
+  if (!s.split_backward()) w = 0;  // no W ops: B is the whole backward
   simulation out;
   out.busy.assign(s.stages, 0.0);
   out.peak_activations.assign(s.stages, 0);
   out.times.resize(s.stages);
   for (int r = 0; r < s.stages; ++r) out.times[r].resize(s.ranks[r].size());
-  const auto error = replay(s, f, b, [&](int r, std::size_t i, double start, double end) {
+  const auto error = replay(s, f, b - w, w, [&](int r, std::size_t i, double start, double end) {
     out.times[r][i] = {start, end};
     out.busy[r] += end - start;
     out.makespan = std::max(out.makespan, end);
   });
   if (!error.empty()) throw schedule_error(error);
-  // Activations in flight: forwards run minus backwards run, in each stage's order.
+  // Activations in flight: forwards run minus backwards finished, in each stage's order.
+  const op_kind last = s.split_backward() ? op_kind::weight : op_kind::backward;
   for (int r = 0; r < s.stages; ++r) {
     int live = 0;
     for (const auto& op : s.ranks[r]) {
-      live += op.kind == op_kind::forward ? 1 : -1;
+      live += op.kind == op_kind::forward ? 1 : op.kind == last ? -1 : 0;
       out.peak_activations[r] = std::max(out.peak_activations[r], live);
     }
   }

@@ -41,7 +41,9 @@ void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, co
     for (const auto& ops : s.ranks) {
       nlohmann::json row = nlohmann::json::array();
       for (const auto& op : ops)
-        row.push_back({{"op", op.kind == troupe::op_kind::forward ? "F" : "B"}, {"mb", op.mb}, {"chunk", op.chunk}});
+        row.push_back({{"op", troupe::to_string(troupe::pipeline_op{op.kind, 0, 0}, false).substr(0, 1)},
+                       {"mb", op.mb},
+                       {"chunk", op.chunk}});
       ranks.push_back(std::move(row));
     }
     nlohmann::json out{{"kind", troupe::to_string(s.kind)},
@@ -55,9 +57,10 @@ void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, co
     std::cout << out.dump() << "\n";
     return;
   }
-  std::printf("%s: %d stages x %d micro-batches x %d chunks (F%s, B%s: micro-batch%s)\n",
-              troupe::to_string(s.kind).c_str(), s.stages, s.microbatches, s.chunks,
-              s.chunks > 1 ? "mb.chunk" : "mb", s.chunks > 1 ? "mb.chunk" : "mb", s.chunks > 1 ? ".chunk" : "");
+  const char* mb = s.chunks > 1 ? "mb.chunk" : "mb";
+  std::printf("%s: %d stages x %d micro-batches x %d chunks (F%s, B%s%s%s: micro-batch%s)\n",
+              troupe::to_string(s.kind).c_str(), s.stages, s.microbatches, s.chunks, mb, mb,
+              s.split_backward() ? ", W" : "", s.split_backward() ? mb : "", s.chunks > 1 ? ".chunk" : "");
   for (int r = 0; r < s.stages; ++r) {
     std::printf("stage %d |", r);
     for (const auto& op : s.ranks[r]) std::printf(" %s", troupe::to_string(op, s.chunks > 1).c_str());
@@ -357,14 +360,16 @@ int main(int argc, char** argv) {
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");
   std::string kind = "1f1b", format = "table";
   int stages = 4, microbatches = 8, chunks = 1;
-  double f_cost = 1.0, b_cost = 2.0;
-  sched->add_option("--kind", kind, "gpipe, 1f1b or interleaved-1f1b");
+  double f_cost = 1.0, b_cost = 2.0, w_cost = -1.0;
+  sched->add_option("--kind", kind, "gpipe, 1f1b, interleaved-1f1b or zero-bubble");
   sched->add_option("--stages", stages, "pipeline stages");
   sched->add_option("--microbatches", microbatches, "micro-batches");
   sched->add_option("--chunks", chunks, "virtual chunks per stage (interleaved-1f1b)");
   sched->add_option("--format", format, "table or json")->check(CLI::IsMember({"table", "json"}));
   sched->add_option("--forward-cost", f_cost, "simulated cost of one forward");
-  sched->add_option("--backward-cost", b_cost, "simulated cost of one backward");
+  sched->add_option("--backward-cost", b_cost, "simulated cost of one backward (zero-bubble: of its B and W together)");
+  sched->add_option("--weight-cost", w_cost, "zero-bubble: the part of the backward cost that is W (default: half)")
+      ->check(CLI::NonNegativeNumber);
 
   // Run as `troupe-node`: the node subcommand.
   std::vector<std::string> args(argv + 1, argv + argc);
@@ -383,7 +388,7 @@ int main(int argc, char** argv) {
   if (*sched) {
     try {
       const auto s = troupe::make_schedule(troupe::parse_schedule_kind(kind), stages, microbatches, chunks);
-      print_schedule(s, troupe::simulate(s, f_cost, b_cost), format);
+      print_schedule(s, troupe::simulate(s, f_cost, b_cost, w_cost), format);
       return 0;
     } catch (const troupe::schedule_error& e) {
       return fail(exit_usage, e.what());

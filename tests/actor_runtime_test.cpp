@@ -55,6 +55,7 @@ struct layout {
 std::string name_of(const layout& l) {
   std::string k = l.schedule;
   if (k == "interleaved-1f1b") k = "interleaved";
+  if (k == "zero-bubble") k = "zero_bubble";  // gtest names: letters, digits, _
   return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" + std::to_string(l.v) + "_" + k;
 }
 
@@ -70,16 +71,17 @@ job_config gpt_layout(const layout& l) {
   return c;
 }
 
-/// Per (replica, stage): the F/B ops of step `step` in the order they ran.
+/// Per (replica, stage): the F/B/W ops of step `step` in the order they ran.
 std::map<std::pair<int, int>, std::vector<pipeline_op>> executed(const std::vector<trace_event>& events,
                                                                  std::int64_t step) {
   std::vector<const trace_event*> evs;
   for (const auto& e : events)
-    if (e.step == step && (e.name == "F" || e.name == "B")) evs.push_back(&e);
+    if (e.step == step && (e.name == "F" || e.name == "B" || e.name == "W")) evs.push_back(&e);
   std::stable_sort(evs.begin(), evs.end(), [](auto* a, auto* b) { return a->start_us < b->start_us; });
   std::map<std::pair<int, int>, std::vector<pipeline_op>> out;
   for (auto* e : evs)
-    out[{e->replica, e->stage}].push_back({e->name == "F" ? op_kind::forward : op_kind::backward, e->mb, e->chunk});
+    out[{e->replica, e->stage}].push_back(
+        {e->name == "F" ? op_kind::forward : e->name == "B" ? op_kind::backward : op_kind::weight, e->mb, e->chunk});
   return out;
 }
 
@@ -125,7 +127,8 @@ INSTANTIATE_TEST_SUITE_P(
                       layout{2, 1, 1, "gpipe"}, layout{4, 2, 1, "gpipe"},
                       layout{2, 1, 2, "interleaved-1f1b"}, layout{4, 1, 2, "interleaved-1f1b"},
                       layout{1, 2, 2, "interleaved-1f1b"}, layout{2, 2, 2, "interleaved-1f1b"},
-                      layout{2, 1, 1, "dataflow"}, layout{4, 2, 1, "dataflow"}),
+                      layout{2, 1, 1, "dataflow"}, layout{4, 2, 1, "dataflow"},
+                      layout{2, 1, 1, "zero-bubble"}, layout{4, 2, 1, "zero-bubble"}),
     [](const auto& info) { return name_of(info.param); });
 
 TEST(ActorRuntime, FmnistMlpEqualsTheReferenceLoop) {

@@ -41,7 +41,8 @@ struct layout {
 
 std::string name_of(const layout& l) {
   return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_m" + std::to_string(l.m) + "_v" +
-         std::to_string(l.v) + "_" + (std::string(l.schedule) == "interleaved-1f1b" ? "interleaved" : l.schedule);
+         std::to_string(l.v) + "_" + (std::string(l.schedule) == "interleaved-1f1b" ? "interleaved"
+          : std::string(l.schedule) == "zero-bubble" ? "zero_bubble" : l.schedule);
 }
 
 void PrintTo(const layout& l, std::ostream* os) { *os << name_of(l); }
@@ -68,7 +69,8 @@ INSTANTIATE_TEST_SUITE_P(
     Layouts, Equivalence,
     ::testing::Values(layout{1, 1, 8, 1, "1f1b"}, layout{2, 1, 8, 1, "1f1b"}, layout{4, 1, 8, 1, "1f1b"},
                       layout{4, 1, 4, 1, "gpipe"}, layout{2, 1, 4, 2, "interleaved-1f1b"},
-                      layout{1, 2, 4, 1, "1f1b"}, layout{1, 4, 2, 1, "1f1b"}, layout{2, 2, 4, 1, "1f1b"}),
+                      layout{1, 2, 4, 1, "1f1b"}, layout{1, 4, 2, 1, "1f1b"}, layout{2, 2, 4, 1, "1f1b"},
+                      layout{4, 1, 8, 1, "zero-bubble"}),
     [](const auto& info) { return name_of(info.param); });
 
 TEST(Equivalence, TiedEmbeddingStaysTiedAcrossStages) {

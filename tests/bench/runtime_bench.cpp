@@ -9,6 +9,9 @@
 //   recompute    activation recomputation (train.recompute = full): bytes one micro-batch
 //                holds for its backward with and without (gpt-tiny, gpt-small), and the
 //                step time with vs without (p=1 d=1, 1 thread)
+//   zero-bubble  p=2, 1 thread per stage: zero-bubble (ZB-H1) vs 1f1b step time and
+//                measured bubble, and the simulator's bubbles for the measured F, B, W
+//                (`troupe_runtime_bench STEPS zero-bubble` runs only this part)
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -89,6 +92,46 @@ double median_gap_per_microbatch(const std::vector<trace_event>& events, int mic
   return median(per_step);
 }
 
+/// Mean duration (ms) of the compute events named `name`.
+double mean_ms(const std::vector<trace_event>& events, const char* name) {
+  double sum = 0;
+  int n = 0;
+  for (const auto& e : events)
+    if (e.name == name) sum += e.end_us - e.start_us, ++n;
+  return n ? sum / n / 1e3 : 0;
+}
+
+/// Zero-bubble vs 1f1b: p = 2, 1 thread per stage, 8 and 4 micro-batches; fastest of 3
+/// alternating rounds each.
+void zero_bubble_rows(job_config c, int steps) {
+  c.threads = 1;
+  c.pipeline = 2;
+  for (int m : {8, 4}) {
+    c.microbatches = m;
+    actor_figures one{1e9, 0, {}}, zb{1e9, 0, {}};
+    for (int round = 0; round < 3; ++round) {
+      c.schedule = "1f1b";
+      auto a = actor_step_seconds(c, steps);
+      if (a.step_s < one.step_s) one = std::move(a);
+      c.schedule = "zero-bubble";
+      auto z = actor_step_seconds(c, steps);
+      if (z.step_s < zb.step_s) zb = std::move(z);
+    }
+    const double f = mean_ms(one.events, "F"), b = mean_ms(one.events, "B");
+    const double zf = mean_ms(zb.events, "F"), zb_b = mean_ms(zb.events, "B"), zw = mean_ms(zb.events, "W");
+    const auto sim_one = simulate(make_schedule(schedule_kind::one_f_one_b, 2, m), f, b);
+    const auto sim_zb = simulate(make_schedule(schedule_kind::zero_bubble, 2, m), zf, zb_b + zw, zw);
+    std::printf("| gpt-tiny p=2, %d micro-batches, 1 thread per stage: step 1f1b / zero-bubble | %.1f / %.1f ms "
+                "(%.3fx) |\n",
+                m, one.step_s * 1e3, zb.step_s * 1e3, one.step_s / zb.step_s);
+    std::printf("| bubble measured (simulated), 1f1b / zero-bubble | %.3f (%.3f) / %.3f (%.3f) |\n", one.bubble,
+                sim_one.bubble, zb.bubble, sim_zb.bubble);
+    std::printf("| mean op, 1f1b F, B / zero-bubble F, B, W | %.1f, %.1f / %.1f, %.1f, %.1f ms (B + W = %.2fx 1f1b's "
+                "B) |\n",
+                f, b, zf, zb_b, zw, (zb_b + zw) / b);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,6 +141,10 @@ int main(int argc, char** argv) {
   gpt.steps = 200;
 
   std::printf("| measure | value |\n| --- | --- |\n");
+  if (argc > 2 && std::string(argv[2]) == "zero-bubble") {
+    zero_bubble_rows(gpt, steps);
+    return 0;
+  }
   // Overhead: p = 1, d = 1, 2 threads, both runtimes.
   {
     auto c = gpt;
@@ -207,5 +254,6 @@ int main(int argc, char** argv) {
     std::printf("| gpt-tiny step, p=1 d=1, 1 thread: none / full recompute | %.1f / %.1f ms (%.2fx) |\n", plain * 1e3,
                 full * 1e3, full / plain);
   }
+  zero_bubble_rows(gpt, steps);
   return 0;
 }
