@@ -22,6 +22,7 @@
 #include "compute/data.hpp"
 #include "compute/device.hpp"
 #include "compute/generate.hpp"
+#include "compute/host_memory.hpp"
 #include "compute/job_config.hpp"
 #include "compute/schedule.hpp"
 #include "compute/trainer.hpp"
@@ -314,6 +315,7 @@ int run_eval_command(const config_flags& flags, const std::string& from) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  troupe::tune_host_allocator();
   auto logger = spdlog::stderr_color_mt("troupe");
   spdlog::set_default_logger(logger);
   spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");

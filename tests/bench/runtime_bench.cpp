@@ -13,6 +13,7 @@
 //                measured bubble, and the simulator's bubbles for the measured F, B, W
 //                (`troupe_runtime_bench STEPS zero-bubble` runs only this part)
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -23,6 +24,7 @@
 
 #include "actors/runtime.hpp"
 #include "compute/grad_buffer.hpp"
+#include "compute/host_memory.hpp"
 #include "compute/trainer.hpp"
 #include "tests/held_bytes.hpp"
 
@@ -101,9 +103,43 @@ double mean_ms(const std::vector<trace_event>& events, const char* name) {
   return n ? sum / n / 1e3 : 0;
 }
 
+/// The backward of one micro-batch alone on this thread (all of gpt-tiny, micro-batch 4,
+/// 1 thread): the plain backward against B then W (ms, median of
+/// `reps` after a warm-up).
+void split_backward_row(int reps) {
+  torch::set_num_threads(1);
+  const auto spec = model_spec::gpt_tiny();
+  const auto init = initial_state(spec, 1);
+  auto slice = make_slice(spec, partition_layers(spec.n_layers(), 1)[0], init);
+  const auto input = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
+  const auto target = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
+  using clock = std::chrono::steady_clock;
+  const auto ms = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  std::vector<double> plain, b, w;
+  for (int i = 0; i <= reps; ++i) {
+    auto loss = slice->loss(slice->forward(input), target);
+    auto t0 = clock::now();
+    loss.backward();
+    if (i) plain.push_back(ms(t0, clock::now()));
+    weight_grad_store store;
+    slice->defer_weight_grads(&store);
+    loss = slice->loss(slice->forward(input), target);
+    slice->defer_weight_grads(nullptr);
+    t0 = clock::now();
+    loss.backward();
+    const auto t1 = clock::now();
+    store.apply();
+    if (i) b.push_back(ms(t0, t1)), w.push_back(ms(t1, clock::now()));
+  }
+  std::printf("| backward alone (gpt-tiny, one slice of 8 blocks, micro-batch 4, 1 thread): plain / B + W "
+              "| %.1f / %.1f + %.1f ms (%.2fx) |\n",
+              median(plain), median(b), median(w), (median(b) + median(w)) / median(plain));
+}
+
 /// Zero-bubble vs 1f1b: p = 2, 1 thread per stage, 8 and 4 micro-batches; fastest of 3
 /// alternating rounds each.
 void zero_bubble_rows(job_config c, int steps) {
+  split_backward_row(20);
   c.threads = 1;
   c.pipeline = 2;
   for (int m : {8, 4}) {
@@ -136,6 +172,7 @@ void zero_bubble_rows(job_config c, int steps) {
 
 int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 12;
+  troupe::tune_host_allocator();  // as the troupe command does
   spdlog::set_level(spdlog::level::warn);
   auto gpt = job_config::defaults_for("gpt-tiny");
   gpt.steps = 200;
