@@ -35,6 +35,20 @@ expect_in schedule-table-row "$out" "stage 1 | F0.0 F1.0 F0.1"
 check interleaved-bad-m 2 "$troupe" schedule --kind interleaved-1f1b --stages 4 --microbatches 6 --chunks 2
 expect_in interleaved-bad-m-msg "$err" "multiple of stages"
 [ "$(wc -l < "$err")" = 1 ] && echo "ok   one-line-error" || { echo "FAIL one-line-error"; fail=1; }
+check schedule-zero-bubble 0 "$troupe" schedule --kind zero-bubble --stages 4 --microbatches 8 --format json
+/usr/bin/python3 - "$out" <<'PY' || fail=1
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["kind"] == "zero-bubble" and len(d["ranks"][0]) == 24, d  # F, B and W of 8 micro-batches
+assert [o["op"] for o in d["ranks"][3][7:10]] == ["B", "W", "F"], d["ranks"][3]  # stage 3's W's trail by 3
+assert abs(d["bubble"] - 3 / 27) < 1e-9, d["bubble"]  # (p-1)/(3m+p-1) with B = W = F
+assert d["peak_activations"] == [4, 4, 4, 4], d
+print("ok   schedule-zero-bubble-content")
+PY
+check schedule-weight-cost 2 "$troupe" schedule --kind zero-bubble --stages 2 --microbatches 4 --weight-cost 5
+expect_in schedule-weight-cost-msg "$err" "exceeds the backward's (2)"
+check train-zero-bubble-chunks 2 "$troupe" train --schedule zero-bubble --chunks 2 --pipeline 2
+expect_in train-zero-bubble-chunks-msg "$err" "takes no virtual chunks"
 check unknown-kind 2 "$troupe" schedule --kind zigzag
 check bad-number 2 "$troupe" schedule --stages many
 check train-bad-flag 2 "$troupe" train --steps ten

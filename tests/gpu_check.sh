@@ -31,6 +31,8 @@
 # 6. recompute on the GPU against the reference job; generate (key/value cache on and
 #    off) and eval on the GPU against the CPU. The gtests of 1. include the Recompute and
 #    Generate tests (on the CPU, but with this machine's LibTorch 2.x attention).
+# 7. the zero-bubble schedule on the GPU (plain and with recompute) against the 1f1b
+#    reference job. The gtests of 1. include the ZeroBubble tests (CPU, LibTorch 2.x).
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 set -uo pipefail
@@ -65,7 +67,7 @@ step() {  # step NAME CMD...: runs CMD, logs to OUT/NAME.log, prints the verdict
 }
 
 gtests() {  # on the GPU a skipped GPU test is a failure (a build without CUDA or NCCL)
-  "$build/troupe_tests" --gtest_filter='Device*:Precision*:*Gpu*:*Nccl*:Checkpoint*:Recompute*:Generate*:-Checkpoint.PythonTorch*:Generate.GreedyEqualsPlainPytorch*' || return 1
+  "$build/troupe_tests" --gtest_filter='Device*:Precision*:*Gpu*:*Nccl*:Checkpoint*:Recompute*:Generate*:ZeroBubble*:-Checkpoint.PythonTorch*:Generate.GreedyEqualsPlainPytorch*' || return 1
   [ "$device" = cpu ] && return 0
   ! grep -E '^\[  SKIPPED \] [A-Za-z/_0-9.]+ \(' "$out/gtests.log" | grep -v ABuildWithoutNcclSaysSo
 }
@@ -212,9 +214,8 @@ step nodes-4-nccl nccl_nodes
 #    in another order), then generate and eval of the reference run's file on the GPU:
 #    the greedy text with and without the key/value cache and on the CPU is the same,
 #    and eval's loss is the CPU's within 1e-4.
-recompute_generate_eval() {
-  run_job recompute --recompute full >"$out/recompute.run" 2>&1 || { cat "$out/recompute.run"; return 1; }
-  "$python" - "$out/ref" "$out/recompute" <<'PY' || return 1
+near_ref() {  # near_ref NAME: NAME's parameters and losses are ref's within 1e-5 (printed)
+  "$python" - "$out/ref" "$out/$1" <<'PY'
 import json, sys
 import torch
 a, b = torch.load(sys.argv[1] + ".pt"), torch.load(sys.argv[2] + ".pt")
@@ -222,9 +223,13 @@ worst = max((a[k] - b[k]).abs().max().item() for k in a)
 la = [l["loss"] for l in map(json.loads, open(sys.argv[1] + ".jsonl")) if "loss" in l]
 lb = [l["loss"] for l in map(json.loads, open(sys.argv[2] + ".jsonl")) if "loss" in l]
 worst_loss = max(abs(x - y) for x, y in zip(la, lb))
-print(f"recompute vs ref: parameters {worst:.2e}, losses {worst_loss:.2e}")
+print(f"{sys.argv[2]} vs ref: parameters {worst:.2e}, losses {worst_loss:.2e}")
 assert len(la) == len(lb) and worst <= 1e-5 and worst_loss <= 1e-5
 PY
+}
+recompute_generate_eval() {
+  run_job recompute --recompute full >"$out/recompute.run" 2>&1 || { cat "$out/recompute.run"; return 1; }
+  near_ref recompute || return 1
   local gen=(generate --checkpoint "$out/ref.pt" --prompt "The " --tokens 200 --temperature 0) d
   for d in "$device" cpu; do
     "$build/troupe" "${gen[@]}" --device "$d" >"$out/gen-$d.txt" 2>"$out/gen-$d.err" || { cat "$out/gen-$d.err"; return 1; }
@@ -238,6 +243,18 @@ PY
     "$out/eval-$device.json" "$out/eval-cpu.json"
 }
 step recompute-generate-eval recompute_generate_eval
+
+# 7. The zero-bubble schedule on the GPU (B and W split, the W's inputs kept on the
+#    device until the W runs), plain and with recomputation, against the 1f1b reference
+#    within 1e-5: the weight gradients are the same products, summed in another order.
+zero_bubble() {
+  run_job zero-bubble --schedule zero-bubble >"$out/zero-bubble.run" 2>&1 || { cat "$out/zero-bubble.run"; return 1; }
+  near_ref zero-bubble || return 1
+  run_job zero-bubble-recompute --schedule zero-bubble --recompute full >"$out/zero-bubble-recompute.run" 2>&1 ||
+    { cat "$out/zero-bubble-recompute.run"; return 1; }
+  near_ref zero-bubble-recompute
+}
+step zero-bubble zero_bubble
 
 [ $failed = 0 ] && echo "gpu_check: all passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
 exit $failed
