@@ -148,8 +148,7 @@ class stage_logic {
     const int x = s_.virtual_of(op.chunk);
     auto& slice = *s_.chunks[op.chunk];
     const bool split = s_.order && ctx.sched.split_backward();
-    trace_event ev{op.kind == op_kind::forward ? "F" : op.kind == op_kind::backward ? "B" : "W", s_.replica, s_.stage,
-                   op.mb, op.chunk, s_.step, ctx.now_us(), 0};
+    trace_event ev{op_letter(op.kind), s_.replica, s_.stage, op.mb, op.chunk, s_.step, ctx.now_us(), 0};
     if (op.kind == op_kind::weight) {
       s_.deferred[k].apply();
       s_.deferred.erase(k);

@@ -22,9 +22,10 @@ schedule_kind parse_schedule_kind(const std::string& s) {
   throw schedule_error("unknown schedule kind '" + s + "' (expected gpipe, 1f1b, interleaved-1f1b or zero-bubble)");
 }
 
+const char* op_letter(op_kind k) { return k == op_kind::forward ? "F" : k == op_kind::backward ? "B" : "W"; }
+
 std::string to_string(const pipeline_op& op, bool with_chunk) {
-  const char* letter = op.kind == op_kind::forward ? "F" : op.kind == op_kind::backward ? "B" : "W";
-  std::string s = letter + std::to_string(op.mb);
+  std::string s = op_letter(op.kind) + std::to_string(op.mb);
   if (with_chunk) s += "." + std::to_string(op.chunk);
   return s;
 }
@@ -54,10 +55,10 @@ void one_f_one_b(schedule& s) {
   }
 }
 
-// ZB-H1: 1f1b's F and B order; stage r lets its W's trail its B's by up to r (the last
-// stage's B chain ends first, so the later stages have the most idle time to fill at the
-// end: stage r's cool-down waits r B's longer than the last stage's), then runs the rest.
-// Stage r holds at most (p - r) + r = p micro-batches' activations (1f1b's stage 0 peak).
+// ZB-H1: 1f1b's F and B order; stage r lets its W's trail its B's by up to r and runs
+// the rest at the end (the last B's travel back one stage at a time, so stage r runs its
+// last B about r B's before stage 0 does: its r kept W's fill that time). Stage r holds
+// at most (p - r) + r = p micro-batches' activations (1f1b's stage 0 peak).
 void zero_bubble(schedule& s) {
   one_f_one_b(s);
   for (int r = 0; r < s.stages; ++r) {

@@ -57,6 +57,8 @@ struct schedule {
 /// interleaving).
 schedule make_schedule(schedule_kind kind, int stages, int microbatches, int chunks = 1);
 
+/// "F", "B" or "W" (also the trace's names of the ops).
+const char* op_letter(op_kind k);
 /// Short text of an op: "F3" / "B3" / "W3", with ".c" for chunk when the schedule has chunks.
 std::string to_string(const pipeline_op& op, bool with_chunk);
 

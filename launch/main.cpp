@@ -42,9 +42,7 @@ void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, co
     for (const auto& ops : s.ranks) {
       nlohmann::json row = nlohmann::json::array();
       for (const auto& op : ops)
-        row.push_back({{"op", troupe::to_string(troupe::pipeline_op{op.kind, 0, 0}, false).substr(0, 1)},
-                       {"mb", op.mb},
-                       {"chunk", op.chunk}});
+        row.push_back({{"op", troupe::op_letter(op.kind)}, {"mb", op.mb}, {"chunk", op.chunk}});
       ranks.push_back(std::move(row));
     }
     nlohmann::json out{{"kind", troupe::to_string(s.kind)},
