@@ -88,8 +88,8 @@ struct simulation {
 
 /// Simulates `s` with forward cost `f` and backward cost `b` per op (one chunk). For a
 /// split backward, `b` is still the whole backward's: B costs b - w and W costs w
-/// (w < 0: half of b). Throws schedule_error if the schedule deadlocks, and for w not
-/// in [0, b].
+/// (w < 0: half of b; ignored for other kinds). Throws schedule_error if the schedule
+/// deadlocks, and for a split backward's w above b.
 simulation simulate(const schedule& s, double f = 1.0, double b = 2.0, double w = -1.0);
 
 }  // namespace troupe

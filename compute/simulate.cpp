@@ -114,13 +114,15 @@ std::vector<std::pair<int, std::size_t>> execution_order(const schedule& s) {
 }
 
 simulation simulate(const schedule& s, double f, double b, double w) {
-  if (w < 0) w = b / 2;
-  if (w > b) {
+  if (!s.split_backward()) {
+    w = 0;  // no W ops: B is the whole backward
+  } else if (w < 0) {
+    w = b / 2;
+  } else if (w > b) {
     std::ostringstream why;
     why << "the weight pass's cost (" << w << ") exceeds the backward's (" << b << ")";
     throw schedule_error(why.str());
   }
-  if (!s.split_backward()) w = 0;  // no W ops: B is the whole backward
   simulation out;
   out.busy.assign(s.stages, 0.0);
   out.peak_activations.assign(s.stages, 0);

@@ -5,11 +5,11 @@
 // fraction of the memory.
 #include <gtest/gtest.h>
 
-#include "actors/runtime.hpp"
 #include "compute/device.hpp"
 #include "compute/partition.hpp"
 #include "compute/trainer.hpp"
 #include "held_bytes.hpp"
+#include "quiet_run.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
@@ -53,12 +53,6 @@ std::vector<torch::Tensor> grads_of(bool recompute, torch::ScalarType precision)
   out.push_back(first->flat_grads().clone());
   out.push_back(last->flat_grads().clone());
   return out;
-}
-
-actor_run_result run(job_config c) {
-  actor_run_options opts;
-  opts.quiet = true;
-  return run_actor_training(c, opts);
 }
 
 }  // namespace
@@ -116,10 +110,10 @@ TEST(Recompute, JobsEndWithTheSameParameters) {
     c.schedule = l.schedule;
     c.precision = l.precision;
     c.eval_interval = 0;
-    const auto plain = run(c);
+    const auto plain = test::run_quietly(c);
     c.recompute = "full";
     const auto before = model_slice::blocks_recomputed();
-    const auto recomputed = run(c);
+    const auto recomputed = test::run_quietly(c);
     // Every block, every micro-batch of every replica, every step (the validation runs
     // without a graph: nothing to recompute).
     EXPECT_EQ(model_slice::blocks_recomputed() - before,

@@ -4,10 +4,10 @@
 // with the same parameters as 1f1b in both runtimes.
 #include <gtest/gtest.h>
 
-#include "actors/runtime.hpp"
 #include "compute/device.hpp"
 #include "compute/partition.hpp"
 #include "compute/trainer.hpp"
+#include "quiet_run.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
@@ -82,12 +82,6 @@ void expect_same_gradients(const model_spec& spec, bool recompute, torch::Scalar
   }
 }
 
-actor_run_result run(job_config c) {
-  actor_run_options opts;
-  opts.quiet = true;
-  return run_actor_training(c, opts);
-}
-
 }  // namespace
 
 TEST(ZeroBubble, BackwardThenWeightPassGiveThePlainGradients) {
@@ -114,9 +108,9 @@ TEST(ZeroBubble, JobsEndWithTheSameParametersAs1F1B) {
     c.precision = l.precision;
     c.recompute = l.recompute;
     c.eval_interval = 0;
-    const auto one = run(c);
+    const auto one = test::run_quietly(c);
     c.schedule = "zero-bubble";
-    const auto zb = run(c);
+    const auto zb = test::run_quietly(c);
     ASSERT_EQ(one.exit_code, 0) << one.error;
     ASSERT_EQ(zb.exit_code, 0) << zb.error;
     const std::string what = std::to_string(l.p) + "x" + std::to_string(l.d) + " " + l.precision + " " + l.recompute;

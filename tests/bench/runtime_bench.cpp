@@ -204,16 +204,12 @@ int main(int argc, char** argv) {
     c.pipeline = 2;
     const auto two = actor_step_seconds(c, steps);
     // Simulator with this run's measured mean forward and backward costs.
-    double f = 0, b = 0;
-    int nf = 0, nb = 0;
-    for (const auto& e : two.events)
-      if (e.name == "F") f += e.end_us - e.start_us, ++nf;
-      else if (e.name == "B") b += e.end_us - e.start_us, ++nb;
-    const auto sim = simulate(make_schedule(schedule_kind::one_f_one_b, 2, c.microbatches), f / nf, b / nb);
+    const double f = mean_ms(two.events, "F"), b = mean_ms(two.events, "B");
+    const auto sim = simulate(make_schedule(schedule_kind::one_f_one_b, 2, c.microbatches), f, b);
     std::printf("| gpt-tiny, 1 thread per stage: p=1 / p=2 (1f1b, 8 micro-batches) | %.0f / %.0f tokens/s = %.2fx |\n",
                 4096 / one.step_s, 4096 / two.step_s, one.step_s / two.step_s);
-    std::printf("| p=2 bubble: measured / simulated (measured F %.1f ms, B %.1f ms) | %.3f / %.3f |\n", f / nf / 1e3,
-                b / nb / 1e3, two.bubble, sim.bubble);
+    std::printf("| p=2 bubble: measured / simulated (measured F %.1f ms, B %.1f ms) | %.3f / %.3f |\n", f, b,
+                two.bubble, sim.bubble);
   }
   // Messaging: fmnist-mlp with 1-sample micro-batches, 1 thread, p=1. The cost of one
   // more micro-batch is (T(64) - T(16)) / 48 per runtime (per-step costs cancel); the
