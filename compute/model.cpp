@@ -315,6 +315,9 @@ class gpt_slice final : public model_slice {
       cache.keys.assign(blocks, {});
       cache.values.assign(blocks, {});
     }
+    if (from > 0 && cache.keys.front().size(0) != input.size(0))
+      throw model_error("the key/value cache holds " + std::to_string(cache.keys.front().size(0)) +
+                        " sequences; the input has " + std::to_string(input.size(0)));
     if (from + T > cfg_.seq_len)
       throw model_error("positions " + std::to_string(from) + ".." + std::to_string(from + T - 1) +
                         " are past the model's context of " + std::to_string(cfg_.seq_len));
@@ -399,22 +402,33 @@ class gpt_slice final : public model_slice {
     if (cache) {
       const std::size_t j = std::size_t(i - range_.first);
       past = cache->length;
-      if (past > 0) {
-        k = torch::cat({cache->keys[j], k}, /*dim=*/2);
-        v = torch::cat({cache->values[j], v}, /*dim=*/2);
+      auto& keys = cache->keys[j];
+      auto& values = cache->values[j];
+      if (past == 0) {  // (a cache that starts again keeps its buffers when they fit)
+        const std::vector<std::int64_t> shape{B, H, cfg_.seq_len, hd};
+        if (!keys.defined() || keys.sizes() != c10::IntArrayRef(shape) || keys.scalar_type() != k.scalar_type() ||
+            keys.device() != k.device()) {
+          keys = torch::empty(shape, k.options());
+          values = torch::empty(shape, v.options());
+        }
       }
-      cache->keys[j] = k;
-      cache->values[j] = v;
+      keys.narrow(2, past, T).copy_(k);
+      values.narrow(2, past, T).copy_(v);
+      k = keys.narrow(2, 0, past + T);
+      v = values.narrow(2, 0, past + T);
     }
     // Query t (position past + t) sees keys 0 .. past + t: rows past.. of the causal mask.
+    // One new token sees them all: no mask.
+    const bool masked = T > 1;
     const auto mask = causal_.slice(0, past, past + T).slice(1, 0, past + T);
 #if TORCH_VERSION_MAJOR >= 2
     // LibTorch 2.x: the fused kernel (flash / memory-efficient attention on GPUs).
-    auto y = past == 0 ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
-                       : at::scaled_dot_product_attention(q, k, v, mask);
+    auto y = past == 0   ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
+             : masked    ? at::scaled_dot_product_attention(q, k, v, mask)
+                         : at::scaled_dot_product_attention(q, k, v);
 #else
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
-    att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+    if (masked) att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
     att = torch::softmax(att, /*dim=*/-1);
     auto y = torch::matmul(att, v);
 #endif

@@ -150,12 +150,15 @@ TEST(Generate, CachedForwardEqualsTheFullForward) {
   std::vector<torch::Tensor> pieces, split_pieces;
   const std::vector<std::int64_t> lengths{5, 1, 1, 3, 7, 1, 6};
   std::int64_t at = 0;
+  const void* buffer = nullptr;  // the first block's keys: allocated once, for the whole context
   for (auto n : lengths) {
     const auto x = ids.slice(1, at, at + n);
     pieces.push_back(model->forward_cached(x, cache));
     split_pieces.push_back(second->forward_cached(first->forward_cached(x, cache_1), cache_2));
     at += n;
     EXPECT_EQ(cache.length, at);
+    if (!buffer) buffer = cache.keys[0].data_ptr();
+    EXPECT_EQ(cache.keys[0].data_ptr(), buffer) << "the keys were copied to a new buffer at " << at;
   }
   ASSERT_EQ(at, spec.gpt.seq_len);
   EXPECT_TRUE(torch::allclose(torch::cat(pieces, 1), full, 1e-5, 1e-5))
@@ -185,6 +188,26 @@ TEST(Generate, CachedForwardEqualsTheFullForward) {
     EXPECT_NE(std::string(e.what()).find("holds 2 blocks' keys; this slice has 1 blocks"), std::string::npos)
         << e.what();
   }
+  // Another number of sequences than the cache holds is refused; a cache that starts
+  // again takes it (and keeps its buffers where they fit).
+  kv_cache two_sequences;
+  model->forward_cached(ids.slice(1, 0, 2), two_sequences);
+  try {
+    model->forward_cached(ids.slice(0, 0, 1).slice(1, 2, 3), two_sequences);
+    ADD_FAILURE() << "one sequence was taken by a cache of two";
+  } catch (const model_error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 2 sequences; the input has 1"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(two_sequences.length, 2);
+  const void* kept = two_sequences.keys[0].data_ptr();
+  two_sequences.length = 0;
+  const auto again = model->forward_cached(ids.slice(1, 0, 4), two_sequences);
+  EXPECT_EQ(two_sequences.keys[0].data_ptr(), kept);
+  EXPECT_TRUE(torch::allclose(again, full.slice(1, 0, 4), 1e-5, 1e-5));
+  two_sequences.length = 0;
+  const auto one = model->forward_cached(ids.slice(0, 1, 2).slice(1, 0, 4), two_sequences);
+  EXPECT_EQ(two_sequences.keys[0].size(0), 1);
+  EXPECT_TRUE(torch::allclose(one, full.slice(0, 1, 2).slice(1, 0, 4), 1e-5, 1e-5));
   // The MLP has no attention to cache.
   layer_range mlp_whole;
   mlp_whole.last = model_spec::fmnist_mlp().n_layers();

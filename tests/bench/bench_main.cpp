@@ -112,6 +112,8 @@ BENCHMARK(BM_Generate)
     ->ArgNames({"gpt-small", "bytes", "kv_cache"})
     ->Args({0, 63, 1})
     ->Args({0, 63, 0})
+    ->Args({0, 127, 1})  // up to the whole context
+    ->Args({0, 127, 0})
     ->Args({1, 128, 1})
     ->Args({1, 128, 0})
     ->Unit(benchmark::kMillisecond)
