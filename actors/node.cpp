@@ -654,7 +654,7 @@ actor_run_result run_node(const node_options& o) {
             spdlog::info("training {} for {} steps on {} nodes: pipeline {} x data-parallel {}, {} micro-batches of {} "
                          "({}), {} intra-op thread(s) per stage{}",
                          cfg.model_label(), cfg.steps, o.nodes, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
-                         cfg.microbatch_size(), cfg.schedule, cfg.threads, cfg.compute_note());
+                         cfg.microbatch_size(), cfg.schedule_label(), cfg.threads, cfg.compute_note());
           auto run_opts = o.run;
           if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;
           auto coordinator =

@@ -26,6 +26,7 @@ runtime_context::runtime_context(const job_config& c, std::chrono::steady_clock:
       n_virtual(c.pipeline * c.chunks),
       dataflow(c.schedule == "dataflow"),
       sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
+      split_backward(dataflow ? c.split_backward : sched.split_backward()),
       ranges(partition_layers(spec.n_layers(), p, v, c.split)),
       epoch(epoch_) {
   try {
@@ -128,7 +129,7 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
     if (!opts.quiet)
       spdlog::info("training {} for {} steps with actors: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
                    "{} intra-op thread(s) per stage{}", cfg.model_label(), cfg.steps, cfg.pipeline, cfg.data_parallel,
-                   cfg.microbatches, cfg.microbatch_size(), cfg.schedule, cfg.threads, cfg.compute_note());
+                   cfg.microbatches, cfg.microbatch_size(), cfg.schedule_label(), cfg.threads, cfg.compute_note());
     {
       auto coordinator = spawn_coordinator_actor(sys, ctx, wiring, opts, result);
       caf::scoped_actor self{sys};

@@ -45,6 +45,7 @@ struct runtime_context {
   int n_virtual;
   bool dataflow;                     ///< no fixed order (schedule = "dataflow")
   schedule sched;                    ///< fixed-order kinds (for dataflow: 1f1b, unused)
+  bool split_backward;               ///< B and W ops (zero-bubble; dataflow with split_backward)
   std::vector<layer_range> ranges;   ///< by virtual stage
   torch::Device device{torch::kCPU}; ///< where stages and shards compute (train.device)
   torch::ScalarType compute_dtype = torch::kFloat32;  ///< train.precision

@@ -35,6 +35,8 @@ struct stage_state {
   int message_fault_step = -1;                       //   of the first tensor message of this step,
   bool message_fault_loss = false;                   //   or of its first loss report (":loss")
 
+  bool turn_asked = false;                           // dataflow: a run_atom for a W's turn is on its way
+
   // --- per-step state (all of it dropped by reset) ---
   std::int64_t step = -1;
   std::int32_t attempt = 0;               // of this step (a step retried in place: > 0)
@@ -87,13 +89,29 @@ class stage_logic {
     return s_.is_last_virtual(op.chunk) || s_.out_grads.count(k);
   }
 
-  /// Runs every op that can run now.
-  void run_ready() {
+  /// Runs every op that can run now. Dataflow with a split backward runs a W only when
+  /// no F or B can run, one per turn (`weight_turn`): between two W's the mailbox is read,
+  /// so an activation or gradient that arrived meanwhile goes first.
+  void run_ready(bool weight_turn = false) {
     if (!s_.running) return;
     if (s_.order) {
       while (s_.next_op < s_.order->size() && ready((*s_.order)[s_.next_op])) execute((*s_.order)[s_.next_op++]);
     } else {
-      while (auto op = next_dataflow_op()) execute(*op);
+      for (;;) {
+        if (auto op = next_dataflow_op()) {
+          execute(*op);
+        } else if (auto w = next_weight_op()) {
+          if (!weight_turn) {
+            if (!s_.turn_asked) self_->send(self_, run_atom_v);  // a turn after what waits in the mailbox
+            s_.turn_asked = true;
+            break;
+          }
+          execute(*w);
+          weight_turn = false;
+        } else {
+          break;
+        }
+      }
     }
     if (s_.ops_done == s_.total_ops && s_.running) {
       report_losses();
@@ -138,6 +156,15 @@ class stage_logic {
     return std::nullopt;
   }
 
+  /// Dataflow's next W: the lowest micro-batch whose B has run.
+  std::optional<pipeline_op> next_weight_op() const {
+    for (const auto& [k, store] : s_.deferred) {
+      pipeline_op op{op_kind::weight, k.first, k.second};
+      if (ready(op)) return op;
+    }
+    return std::nullopt;
+  }
+
   void execute(const pipeline_op& op) {
     const auto& ctx = *s_.ctx;
     if (s_.throw_step == s_.step && !s_.throw_late && s_.ops_done == 1 && s_.attempt == 0) {
@@ -147,7 +174,7 @@ class stage_logic {
     const key k{op.mb, op.chunk};
     const int x = s_.virtual_of(op.chunk);
     auto& slice = *s_.chunks[op.chunk];
-    const bool split = s_.order && ctx.sched.split_backward();
+    const bool split = ctx.split_backward;
     trace_event ev{op_letter(op.kind), s_.replica, s_.stage, op.mb, op.chunk, s_.step, ctx.now_us(), 0};
     if (op.kind == op_kind::weight) {
       s_.deferred[k].apply();
@@ -434,7 +461,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       set_model_params(flat, params.empty() ? flat : params.at(c), ctx->compute_dtype);
     }
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
-  st.total_ops = st.order ? int(st.order->size()) : 2 * ctx->m * ctx->v;
+  st.total_ops = st.order ? int(st.order->size()) : (ctx->split_backward ? 3 : 2) * ctx->m * ctx->v;
   if (!ctx->cfg.throw_at.empty() && ctx->faults_armed()) {
     int r = -1, k = -1, s = -1;
     char when[8] = {0};
@@ -529,6 +556,10 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       [=](param_shard& msg) {
         if (!logic->accept(msg.step) || !logic->first_time(4, {msg.chunk, 0}, "parameter buffer")) return;
         logic->on_params(msg);
+      },
+      [=](run_atom) {  // dataflow: a W's turn (asked by run_ready)
+        self->state.turn_asked = false;
+        logic->run_ready(/*weight_turn=*/true);
       },
       [=](const reset_step&) -> reset_report { return logic->reset(); },
       [=](const abort_step& msg) {

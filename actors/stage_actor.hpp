@@ -9,10 +9,12 @@
 // Each op runs as soon as its inputs are there: F(mb, c) needs its input (data or the
 // previous virtual stage's activation) and, on the last virtual stage, its target;
 // B(mb, c) needs its forward and, except on the last virtual stage, the gradient of its
-// output; W(mb, c) (zero-bubble: the weight gradients B left) needs its B. Fixed-order
-// kinds follow the schedule's list; `dataflow` runs any ready op
-// (backwards first) with at most max_in_flight micro-batches forwarded but not yet
-// backwarded. Messages of a later step are stashed and replayed; of an earlier one dropped.
+// output; W(mb, c) (zero-bubble, or dataflow with split_backward: the weight gradients B
+// left) needs its B. Fixed-order kinds follow the schedule's list; `dataflow` runs any
+// ready op (backwards first, then forwards, then W's one at a time while nothing else is
+// ready) with at most max_in_flight micro-batches forwarded but not yet backwarded (split:
+// not yet through their W). Messages of a later step are stashed and replayed; of an
+// earlier one dropped.
 #include <memory>
 
 #include <caf/actor.hpp>

@@ -78,6 +78,15 @@ key_def double_key(std::string name, std::string help, double job_config::*field
           [=](const job_config& c) { return fmt_double(c.*field); }};
 }
 
+key_def bool_key(std::string name, std::string help, bool job_config::*field) {
+  return {{name, help + " (true/false)"},
+          [=](job_config& c, const std::string& v) {
+            if (v != "true" && v != "false") bad("expected true or false");
+            c.*field = v == "true";
+          },
+          [=](const job_config& c) { return std::string(c.*field ? "true" : "false"); }};
+}
+
 key_def string_key(std::string name, std::string help, std::string job_config::*field) {
   return {{name, help},
           [=](job_config& c, const std::string& v) { c.*field = v; },
@@ -103,12 +112,7 @@ const std::vector<key_def>& key_defs() {
               "several nodes: seconds the coordinator waits for a lost node process (not node 0) that the "
               "launcher restarts to rejoin before the run exits for a restart (0: it does not wait)",
               &job_config::rejoin_timeout, 0, 100000),
-      {{"train.checksum", "CRC-32 on every activation and gradient payload (true/false)"},
-       [](job_config& c, const std::string& v) {
-         if (v != "true" && v != "false") bad("expected true or false");
-         c.checksum = v == "true";
-       },
-       [](const job_config& c) { return std::string(c.checksum ? "true" : "false"); }},
+      bool_key("train.checksum", "CRC-32 on every activation and gradient payload", &job_config::checksum),
       string_key("train.device", "auto, cpu, cuda or cuda:N (auto: the first GPU when one is usable)",
                  &job_config::device),
       string_key("train.precision", "fp32, or bf16 (autocast compute with bf16 parameter values; fp32 main parameters and optimizer)",
@@ -129,6 +133,10 @@ const std::vector<key_def>& key_defs() {
       int_key("parallel.chunks", "virtual chunks per stage (interleaved-1f1b)", &job_config::chunks, 1, 64),
       string_key("parallel.schedule", "gpipe, 1f1b, interleaved-1f1b, zero-bubble or dataflow", &job_config::schedule),
       int_key("parallel.max_in_flight", "dataflow: micro-batches in flight per stage (0: stages)", &job_config::max_in_flight, 0, 1000000),
+      bool_key("parallel.split_backward",
+               "dataflow: split each backward into B (the input's gradient) and W (the weights'), W run "
+               "when nothing else is ready (zero-bubble always splits)",
+               &job_config::split_backward),
       int_key("parallel.credit_window", "micro-batches a data loader sends ahead", &job_config::credit_window, 1, 1000000),
       {{"parallel.split", "explicit layers per virtual stage, e.g. 3,5"},
        [](job_config& c, const std::string& v) {
@@ -325,11 +333,15 @@ void job_config::validate() const {
     if (chunks != 1) fail("dataflow takes no virtual chunks (got chunks " + std::to_string(chunks) + ")");
     if (runtime != "actors") fail("the dataflow schedule needs the actors runtime");
   } else {
+    bool splits = false;
     try {
-      make_schedule(parse_schedule_kind(schedule), pipeline, microbatches, chunks);
+      splits = make_schedule(parse_schedule_kind(schedule), pipeline, microbatches, chunks).split_backward();
     } catch (const schedule_error& e) {
       fail(e.what());
     }
+    if (split_backward && !splits)
+      fail("split_backward applies to the dataflow schedule (zero-bubble always splits the backward; " + schedule +
+           " keeps it whole)");
   }
   if (runtime == "local" && !trace.empty()) fail("trace needs the actors runtime");
   const int n_layers = model().n_layers();

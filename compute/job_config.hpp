@@ -4,7 +4,7 @@
 //   [train]     workload, steps, seed, threads, eval_interval, runtime, step_timeout, checksum,
 //               device, precision
 //   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split,
-//               max_in_flight, credit_window
+//               max_in_flight, split_backward, credit_window
 //   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
 //   [data]      global_batch, fortunes_dir, fmnist_dir
 //   [output]    metrics, save, load, init, checkpoint_interval, checkpoint_dir,
@@ -54,6 +54,8 @@ struct job_config {
   int chunks = 1;
   std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | zero-bubble | dataflow
   int max_in_flight = 0;              ///< dataflow: micro-batches in flight per stage (0: p)
+  bool split_backward = false;        ///< dataflow: backward split into B and W, W run when nothing else is
+                                      ///< ready (zero-bubble always splits)
   int credit_window = 2;              ///< micro-batches a loader sends ahead of consumption
   std::vector<int> split;             ///< explicit layers per virtual stage
   // [optimizer]
@@ -107,6 +109,10 @@ struct job_config {
   /// without recomputation; empty otherwise).
   std::string compute_note() const {
     return (precision != "fp32" ? ", " + precision : "") + (recompute != "none" ? ", recompute " + recompute : "");
+  }
+  /// For the start-of-training log line: "1f1b", "dataflow, split backward".
+  std::string schedule_label() const {
+    return schedule + (schedule == "dataflow" && split_backward ? ", split backward" : "");
   }
   /// The whole configuration as TOML (what a run actually used).
   std::string to_toml() const;

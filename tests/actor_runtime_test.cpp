@@ -50,13 +50,15 @@ actor_run_result run_actors(job_config c, actor_run_options opts = {}) {
 struct layout {
   int p, d, v;
   const char* schedule;
+  bool split_backward = false;  // dataflow
 };
 
 std::string name_of(const layout& l) {
   std::string k = l.schedule;
   if (k == "interleaved-1f1b") k = "interleaved";
   if (k == "zero-bubble") k = "zero_bubble";  // gtest names: letters, digits, _
-  return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" + std::to_string(l.v) + "_" + k;
+  return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" + std::to_string(l.v) + "_" + k +
+         (l.split_backward ? "_split" : "");
 }
 
 void PrintTo(const layout& l, std::ostream* os) { *os << name_of(l); }
@@ -67,6 +69,7 @@ job_config gpt_layout(const layout& l) {
   c.data_parallel = l.d;
   c.chunks = l.v;
   c.schedule = l.schedule;
+  c.split_backward = l.split_backward;
   c.microbatches = l.d == 1 ? 8 : 4;
   return c;
 }
@@ -99,8 +102,21 @@ TEST_P(ActorEquivalence, SameParametersAndLossesAsTheReferenceLoop) {
   ASSERT_EQ(got.losses.size(), ref.losses.size());
   for (std::size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i;
 
-  // Every stage ran exactly its schedule's order (fixed-order kinds), every step.
-  if (std::string(l.schedule) != "dataflow") {
+  // Every stage ran exactly its schedule's order (fixed-order kinds), every step; under
+  // dataflow, every micro-batch's F, then its B, then (split) its W, once each.
+  if (std::string(l.schedule) == "dataflow") {
+    for (std::int64_t s = 0; s < kSteps; ++s) {
+      const auto ops = executed(got.events, s);
+      ASSERT_EQ(ops.size(), std::size_t(l.p * l.d));
+      for (const auto& [track, order] : ops) {
+        EXPECT_EQ(order.size(), std::size_t((l.split_backward ? 3 : 2) * c.microbatches));
+        std::map<int, std::string> seen;  // micro-batch: its ops' letters in order
+        for (const auto& op : order) seen[op.mb] += op_letter(op.kind);
+        for (int mb = 0; mb < c.microbatches; ++mb)
+          EXPECT_EQ(seen[mb], l.split_backward ? "FBW" : "FB") << "step " << s << " stage " << track.second;
+      }
+    }
+  } else {
     const auto sched = make_schedule(parse_schedule_kind(l.schedule), c.pipeline, c.microbatches, c.chunks);
     for (std::int64_t s : {0, kSteps - 1}) {
       const auto ops = executed(got.events, s);
@@ -128,6 +144,7 @@ INSTANTIATE_TEST_SUITE_P(
                       layout{2, 1, 2, "interleaved-1f1b"}, layout{4, 1, 2, "interleaved-1f1b"},
                       layout{1, 2, 2, "interleaved-1f1b"}, layout{2, 2, 2, "interleaved-1f1b"},
                       layout{2, 1, 1, "dataflow"}, layout{4, 2, 1, "dataflow"},
+                      layout{2, 1, 1, "dataflow", true}, layout{4, 2, 1, "dataflow", true},
                       layout{2, 1, 1, "zero-bubble"}, layout{4, 2, 1, "zero-bubble"}),
     [](const auto& info) { return name_of(info.param); });
 
@@ -145,25 +162,30 @@ TEST(ActorRuntime, FmnistMlpEqualsTheReferenceLoop) {
   for (int i = 0; i < kSteps; ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5);
 }
 
+// A micro-batch is in flight from its F until its B, or with a split backward until its
+// W (its W still needs the activations).
 TEST(ActorRuntime, DataflowRespectsItsInFlightBound) {
-  auto c = gpt_layout({4, 1, 1, "dataflow"});
-  c.max_in_flight = 2;
-  c.steps = 3;
-  const auto got = run_actors(c);
-  ASSERT_EQ(got.exit_code, 0) << got.error;
-  int worst = 0;
-  for (std::int64_t s = 0; s < 3; ++s)
-    for (const auto& [track, order] : executed(got.events, s)) {
-      int live = 0;
-      for (const auto& op : order) {
-        live += op.kind == op_kind::forward ? 1 : -1;
-        worst = std::max(worst, live);
+  for (const bool split : {false, true}) {
+    auto c = gpt_layout({4, 1, 1, "dataflow", split});
+    c.max_in_flight = 2;
+    c.steps = 3;
+    const auto got = run_actors(c);
+    ASSERT_EQ(got.exit_code, 0) << got.error;
+    int worst = 0;
+    for (std::int64_t s = 0; s < 3; ++s)
+      for (const auto& [track, order] : executed(got.events, s)) {
+        int live = 0;
+        for (const auto& op : order) {
+          if (op.kind == op_kind::forward) ++live;
+          if (op.kind == (split ? op_kind::weight : op_kind::backward)) --live;
+          worst = std::max(worst, live);
+        }
+        EXPECT_EQ(live, 0);
+        EXPECT_EQ(order.size(), (split ? 3u : 2u) * c.microbatches);
       }
-      EXPECT_EQ(live, 0);
-      EXPECT_EQ(order.size(), 2u * c.microbatches);
-    }
-  EXPECT_LE(worst, 2);
-  EXPECT_EQ(worst, 2) << "the bound should be reached with 8 micro-batches";
+    EXPECT_LE(worst, 2) << "split " << split;
+    EXPECT_EQ(worst, 2) << "split " << split << ": the bound should be reached with 8 micro-batches";
+  }
 }
 
 TEST(ActorRuntime, OneFOneBHoldsAtMostPMinusRActivations) {

@@ -49,6 +49,12 @@ check schedule-weight-cost 2 "$troupe" schedule --kind zero-bubble --stages 2 --
 expect_in schedule-weight-cost-msg "$err" "exceeds the backward's (2)"
 check train-zero-bubble-chunks 2 "$troupe" train --schedule zero-bubble --chunks 2 --pipeline 2
 expect_in train-zero-bubble-chunks-msg "$err" "takes no virtual chunks"
+check train-split-1f1b 2 "$troupe" train --split-backward true --pipeline 2
+expect_in train-split-1f1b-msg "$err" "split_backward applies to the dataflow schedule (zero-bubble always splits the backward; 1f1b keeps it whole)"
+check train-split-bad 2 "$troupe" train --split-backward yes
+expect_in train-split-bad-msg "$err" "expected true or false"
+check train-dataflow-split 0 "$troupe" train --steps 1 --threads 1 --pipeline 2 --eval-interval 0 --schedule dataflow --split-backward true
+expect_in train-dataflow-split-log "$err" "(dataflow, split backward)"
 check unknown-kind 2 "$troupe" schedule --kind zigzag
 check bad-number 2 "$troupe" schedule --stages many
 check train-bad-flag 2 "$troupe" train --steps ten

@@ -31,8 +31,8 @@
 # 6. recompute on the GPU against the reference job; generate (key/value cache on and
 #    off) and eval on the GPU against the CPU. The gtests of 1. include the Recompute and
 #    Generate tests (on the CPU, but with this machine's LibTorch 2.x attention).
-# 7. the zero-bubble schedule on the GPU (plain and with recompute) against the 1f1b
-#    reference job. The gtests of 1. include the ZeroBubble tests (CPU, LibTorch 2.x).
+# 7. the zero-bubble schedule on the GPU (plain and with recompute), and dataflow with a
+#    split backward, against the 1f1b reference job. The gtests of 1. include the ZeroBubble tests (CPU, LibTorch 2.x).
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 set -uo pipefail
@@ -247,12 +247,16 @@ step recompute-generate-eval recompute_generate_eval
 # 7. The zero-bubble schedule on the GPU (B and W split, the W's inputs kept on the
 #    device until the W runs), plain and with recomputation, against the 1f1b reference
 #    within 1e-5: the weight gradients are the same products, summed in another order.
+#    Then dataflow with a split backward (a W runs whenever nothing else is ready).
 zero_bubble() {
   run_job zero-bubble --schedule zero-bubble >"$out/zero-bubble.run" 2>&1 || { cat "$out/zero-bubble.run"; return 1; }
   near_ref zero-bubble || return 1
   run_job zero-bubble-recompute --schedule zero-bubble --recompute full >"$out/zero-bubble-recompute.run" 2>&1 ||
     { cat "$out/zero-bubble-recompute.run"; return 1; }
-  near_ref zero-bubble-recompute
+  near_ref zero-bubble-recompute || return 1
+  run_job dataflow-split --schedule dataflow --split-backward true >"$out/dataflow-split.run" 2>&1 ||
+    { cat "$out/dataflow-split.run"; return 1; }
+  near_ref dataflow-split
 }
 step zero-bubble zero_bubble
 

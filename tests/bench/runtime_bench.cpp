@@ -9,8 +9,9 @@
 //   recompute    activation recomputation (train.recompute = full): bytes one micro-batch
 //                holds for its backward with and without (gpt-tiny, gpt-small), and the
 //                step time with vs without (p=1 d=1, 1 thread)
-//   zero-bubble  p=2, 1 thread per stage: zero-bubble (ZB-H1) vs 1f1b step time and
-//                measured bubble, and the simulator's bubbles for the measured F, B, W
+//   zero-bubble  p=2, 1 thread per stage: zero-bubble (ZB-H1), dataflow and dataflow
+//                with split_backward vs 1f1b step time and measured bubble, and the
+//                simulator's bubbles for the measured F, B, W
 //                (`troupe_runtime_bench STEPS zero-bubble` runs only this part)
 #include <algorithm>
 #include <chrono>
@@ -20,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "actors/runtime.hpp"
@@ -142,26 +144,43 @@ void zero_bubble_rows(job_config c, int steps) {
   split_backward_row(20);
   c.threads = 1;
   c.pipeline = 2;
+  struct variant {
+    const char* name;
+    const char* schedule;
+    bool split;
+    actor_figures best{1e9, 0, {}};
+  };
   for (int m : {8, 4}) {
     c.microbatches = m;
-    actor_figures one{1e9, 0, {}}, zb{1e9, 0, {}};
-    for (int round = 0; round < 3; ++round) {
-      c.schedule = "1f1b";
-      auto a = actor_step_seconds(c, steps);
-      if (a.step_s < one.step_s) one = std::move(a);
-      c.schedule = "zero-bubble";
-      auto z = actor_step_seconds(c, steps);
-      if (z.step_s < zb.step_s) zb = std::move(z);
-    }
+    std::vector<variant> runs{{"1f1b", "1f1b", false},
+                              {"zero-bubble", "zero-bubble", false},
+                              {"dataflow", "dataflow", false},
+                              {"dataflow split", "dataflow", true}};
+    for (int round = 0; round < 3; ++round)
+      for (auto& r : runs) {
+        c.schedule = r.schedule;
+        c.split_backward = r.split;
+        auto a = actor_step_seconds(c, steps);
+        if (a.step_s < r.best.step_s) r.best = std::move(a);
+      }
+    const auto& one = runs[0].best;
+    const auto& zb = runs[1].best;
     const double f = mean_ms(one.events, "F"), b = mean_ms(one.events, "B");
     const double zf = mean_ms(zb.events, "F"), zb_b = mean_ms(zb.events, "B"), zw = mean_ms(zb.events, "W");
     const auto sim_one = simulate(make_schedule(schedule_kind::one_f_one_b, 2, m), f, b);
     const auto sim_zb = simulate(make_schedule(schedule_kind::zero_bubble, 2, m), zf, zb_b + zw, zw);
-    std::printf("| gpt-tiny p=2, %d micro-batches, 1 thread per stage: step 1f1b / zero-bubble | %.1f / %.1f ms "
-                "(%.3fx) |\n",
-                m, one.step_s * 1e3, zb.step_s * 1e3, one.step_s / zb.step_s);
-    std::printf("| bubble measured (simulated), 1f1b / zero-bubble | %.3f (%.3f) / %.3f (%.3f) |\n", one.bubble,
-                sim_one.bubble, zb.bubble, sim_zb.bubble);
+    std::string names, steps_ms, ratios, bubbles;
+    for (const auto& r : runs) {
+      const auto sep = names.empty() ? "" : " / ";
+      names += sep + std::string(r.name);
+      steps_ms += sep + fmt::format("{:.1f}", r.best.step_s * 1e3);
+      ratios += sep + fmt::format("{:.3f}x", one.step_s / r.best.step_s);
+      bubbles += sep + fmt::format("{:.3f}", r.best.bubble);
+    }
+    std::printf("| gpt-tiny p=2, %d micro-batches, 1 thread per stage: step %s | %s ms (1f1b's / each: %s) |\n", m,
+                names.c_str(), steps_ms.c_str(), ratios.c_str());
+    std::printf("| bubble measured, %s (simulated 1f1b %.3f, zero-bubble %.3f) | %s |\n", names.c_str(),
+                sim_one.bubble, sim_zb.bubble, bubbles.c_str());
     std::printf("| mean op, 1f1b F, B / zero-bubble F, B, W | %.1f, %.1f / %.1f, %.1f, %.1f ms (B + W = %.2fx 1f1b's "
                 "B) |\n",
                 f, b, zf, zb_b, zw, (zb_b + zw) / b);
