@@ -11,8 +11,8 @@
 // B(mb, c) needs its forward and, except on the last virtual stage, the gradient of its
 // output; W(mb, c) (zero-bubble, or dataflow with split_backward: the weight gradients B
 // left) needs its B. Fixed-order kinds follow the schedule's list; `dataflow` runs any
-// ready op (backwards first, then forwards, then W's one at a time while nothing else is
-// ready) with at most max_in_flight micro-batches forwarded but not yet backwarded (split:
+// ready op (backwards first, then forwards, then due W's one at a time while nothing
+// else is ready) with at most max_in_flight micro-batches forwarded but not yet backwarded (split:
 // not yet through their W). Messages of a later step are stashed and replayed; of an
 // earlier one dropped.
 #include <memory>
