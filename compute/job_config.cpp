@@ -134,8 +134,8 @@ const std::vector<key_def>& key_defs() {
       string_key("parallel.schedule", "gpipe, 1f1b, interleaved-1f1b, zero-bubble or dataflow", &job_config::schedule),
       int_key("parallel.max_in_flight", "dataflow: micro-batches in flight per stage (0: stages)", &job_config::max_in_flight, 0, 1000000),
       bool_key("parallel.split_backward",
-               "dataflow: split each backward into B (the input's gradient) and W (the weights'), W run "
-               "when nothing else is ready (zero-bubble always splits)",
+               "dataflow: split each backward into B (the input's gradient) and W (the weights'); a W runs "
+               "when nothing else can and the in-flight bound or the step's end needs it (zero-bubble always splits)",
                &job_config::split_backward),
       int_key("parallel.credit_window", "micro-batches a data loader sends ahead", &job_config::credit_window, 1, 1000000),
       {{"parallel.split", "explicit layers per virtual stage, e.g. 3,5"},

@@ -54,8 +54,8 @@ struct job_config {
   int chunks = 1;
   std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | zero-bubble | dataflow
   int max_in_flight = 0;              ///< dataflow: micro-batches in flight per stage (0: p)
-  bool split_backward = false;        ///< dataflow: backward split into B and W, W run when nothing else is
-                                      ///< ready (zero-bubble always splits)
+  bool split_backward = false;        ///< dataflow: backward split into B and W, a W run when nothing else
+                                      ///< can and it is due (zero-bubble always splits)
   int credit_window = 2;              ///< micro-batches a loader sends ahead of consumption
   std::vector<int> split;             ///< explicit layers per virtual stage
   // [optimizer]
