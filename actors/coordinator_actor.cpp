@@ -368,7 +368,7 @@ void open_metrics(self_ptr self) {
 void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line) {
   auto& s = self->state;
   torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
-  if (!s.eval_data) s.eval_data = std::make_unique<training_data>(s.ctx->cfg);
+  if (!s.eval_data) s.eval_data = std::make_unique<training_data>(s.ctx->cfg, training_data::use::evaluation);
   local_pipeline model(s.ctx->spec, state, 1, 1, {}, 1, s.ctx->device);  // on the job's device
   const auto e = evaluate_model(model, s.eval_data->evaluation_set(), s.ctx->spec.type == model_spec::kind::gpt,
                                 int(s.step) + 1);

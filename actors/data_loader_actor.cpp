@@ -39,7 +39,7 @@ caf::behavior loader_behavior(caf::stateful_actor<loader_state>* self, std::shar
   st.ctx = ctx;
   st.wiring = wiring;
   st.replica = replica;
-  st.data = std::make_unique<training_data>(ctx->cfg);
+  st.data = std::make_unique<training_data>(ctx->cfg, training_data::use::training);
   return {
       [=](const begin_step& msg) {
         auto& s = self->state;

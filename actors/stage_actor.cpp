@@ -303,11 +303,11 @@ class stage_logic {
       throw std::runtime_error("injected fault: " + s_.name + " throws after the update in step " +
                                std::to_string(s_.step + 1));
     }
-    auto flat = s_.chunks.at(msg.chunk)->flat_params();
+    auto& chunk = *s_.chunks.at(msg.chunk);
     // bf16 jobs: the shards gather their main parameters rounded to bf16.
-    const auto problem = check_payload(msg.data, {flat.numel()}, s_.ctx->compute_dtype);
+    const auto problem = check_payload(msg.data, {chunk.flat_params().numel()}, s_.ctx->compute_dtype);
     if (!problem.empty()) throw std::runtime_error(s_.name + ": parameters from the shard: " + problem);
-    set_model_params(flat, tensor_of(msg.data), s_.ctx->compute_dtype);
+    chunk.set_params(tensor_of(msg.data));
     if (++s_.params_received == s_.ctx->v)
       self_->send(s_.wiring->coordinator,
                   stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events)});
@@ -465,16 +465,15 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   st.stage = stage;
   st.name = ctx->stage_name(replica, stage);
   for (int c = 0; c < ctx->v; ++c) {
-    st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device));
+    // bf16 jobs: bf16 parameters (the initial ones rounded, as the all-gather rounds).
+    st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device,
+                                   ctx->compute_dtype));
     st.chunks.back()->set_recompute(ctx->cfg.recompute == "full");
   }
-  // Restarted in place: the parameters before the step being retried (the shards' main
-  // parameters). bf16 jobs round them, and the initial ones, as the all-gather does.
-  if (!params.empty() || ctx->compute_dtype != torch::kFloat32)
-    for (int c = 0; c < ctx->v; ++c) {
-      auto flat = st.chunks[c]->flat_params();
-      set_model_params(flat, params.empty() ? flat : params.at(c), ctx->compute_dtype);
-    }
+  // Restarted in place: the parameters before the step being retried (the shards' fp32
+  // main parameters; bf16 stages round them as the all-gather does).
+  if (!params.empty())
+    for (int c = 0; c < ctx->v; ++c) st.chunks[c]->set_params(params.at(c));
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   st.total_ops = st.order ? int(st.order->size()) : (ctx->split_backward ? 3 : 2) * ctx->m * ctx->v;
   if (!ctx->cfg.throw_at.empty() && ctx->faults_armed()) {

@@ -140,15 +140,36 @@ void fashion_mnist::require(const std::string& dir) {
                        " (install it: apt-get install dataset-fashion-mnist)");
 }
 
-fashion_mnist::fashion_mnist(const std::string& dir) {
+fashion_mnist::fashion_mnist(const std::string& dir, bool training_set, bool test_set) {
   require(dir);
   const auto file = [&](int i) { return dir + "/" + idx_files[i]; };
-  train_images_ = normalise(read_idx(file(0), 3));
-  train_labels_ = read_idx(file(1), 1).to(torch::kInt64);
-  test_images_ = normalise(read_idx(file(2), 3));
-  test_labels_ = read_idx(file(3), 1).to(torch::kInt64);
-  if (train_images_.size(0) != train_labels_.size(0) || test_images_.size(0) != test_labels_.size(0))
-    throw data_error("Fashion-MNIST images and labels disagree in count in " + dir);
+  if (training_set) {
+    train_images_ = normalise(read_idx(file(0), 3));
+    train_labels_ = read_idx(file(1), 1).to(torch::kInt64);
+    if (train_images_.size(0) != train_labels_.size(0))
+      throw data_error("Fashion-MNIST training images and labels disagree in count in " + dir);
+  }
+  if (test_set) {
+    test_images_ = normalise(read_idx(file(2), 3));
+    test_labels_ = read_idx(file(3), 1).to(torch::kInt64);
+    if (test_images_.size(0) != test_labels_.size(0))
+      throw data_error("Fashion-MNIST test images and labels disagree in count in " + dir);
+  }
+}
+
+int fashion_mnist::train_size() const {
+  if (!train_labels_.defined()) throw data_error("the Fashion-MNIST training set was not loaded");
+  return static_cast<int>(train_labels_.size(0));
+}
+
+int fashion_mnist::test_size() const {
+  if (!test_labels_.defined()) throw data_error("the Fashion-MNIST test set was not loaded");
+  return static_cast<int>(test_labels_.size(0));
+}
+
+batch fashion_mnist::test_set() const {
+  test_size();  // (throws when not loaded)
+  return {test_images_, test_labels_};
 }
 
 std::vector<std::int64_t> fashion_mnist::epoch_order(std::uint64_t seed, std::uint64_t epoch) const {

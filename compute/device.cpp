@@ -55,14 +55,6 @@ torch::ScalarType parse_precision(const std::string& name) {
   throw std::invalid_argument("unknown precision '" + name + "' (expected fp32 or bf16)");
 }
 
-void set_model_params(torch::Tensor flat, const torch::Tensor& src, torch::ScalarType compute) {
-  torch::NoGradGuard no_grad;
-  if (compute == torch::kFloat32 || src.scalar_type() == compute)
-    flat.copy_(src.reshape(flat.sizes()));
-  else
-    flat.copy_(src.reshape(flat.sizes()).to(compute));  // round, then widen exactly
-}
-
 // LibTorch 2.4 made autocast's switches per device type; 1.13 (Debian) has one switch
 // for CUDA and one for CPU.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)

@@ -8,9 +8,9 @@
 //   in bf16, reductions and the loss in fp32). As in Megatron's distributed optimizer the
 //   model's parameters are bf16 values and the optimizer shards keep the fp32 main
 //   parameters (and the moments): the shards all-gather their updated main parameters
-//   rounded to bf16 (half the bytes of fp32), and a stage sets its parameters from them
-//   (`set_model_params`). The stage keeps them in its fp32 flat buffer, so gradients
-//   accumulate in fp32 (Megatron's fp32 main_grad); checkpoints hold the main parameters.
+//   rounded to bf16 (half the bytes of fp32), and a stage sets its bf16 parameters from
+//   them (`model_slice::set_params`); its gradients accumulate in fp32 (Megatron's fp32
+//   main_grad); checkpoints hold the main parameters.
 // - Streams and events: each stage actor computes on a CUDA stream of its own; a tensor
 //   handed to another actor carries an event recorded on the producer's stream, and the
 //   consumer's stream waits on it (no host synchronisation, no copy). On CPU these are
@@ -38,12 +38,6 @@ int cuda_device_count();
 std::string node_device(const std::string& name, int local_index, int gpus);
 /// "fp32" -> kFloat32, "bf16" -> kBFloat16; throws std::invalid_argument otherwise.
 torch::ScalarType parse_precision(const std::string& name);
-
-/// Sets a stage's fp32 parameters `flat` from `src` (the same number of elements, any
-/// dtype and device): for a `compute` precision other than fp32 rounded to that dtype's
-/// values first, so that every stage computes with the same rounded values, however its
-/// parameters came (initial, from the shards' all-gather, rebuilt after a fault).
-void set_model_params(torch::Tensor flat, const torch::Tensor& src, torch::ScalarType compute);
 
 /// Runs the enclosed forward computation in `compute` precision (autocast on `device`'s
 /// type) when that is not fp32; a no-op for fp32.

@@ -226,13 +226,26 @@ state_dict model_slice::state(bool include_shared_copies) const {
   state_dict out;
   for (std::size_t i = 0; i < entries_.size(); ++i)
     if (include_shared_copies || !entries_[i].shared_copy)
-      out.emplace_back(entries_[i].name, params_[i].detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
+      out.emplace_back(entries_[i].name,
+                       params_[i].detach().to(torch::kCPU, torch::kFloat32, /*non_blocking=*/false, /*copy=*/true));
   return out;
 }
 
+namespace {
+
+/// gpt parameters used outside matrix products (layer norms, embedding lookups), where
+/// autocast computes in fp32: a bf16 slice keeps them as fp32 copies of its buffer's values.
+bool computes_in_fp32(const std::string& name) {
+  return name.find("ln_") != std::string::npos || name == "wte.weight" || name == "wpe.weight";
+}
+
+}  // namespace
+
 void model_slice::allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
                            const std::vector<std::string>& shared_copies, std::int64_t pad_to,
-                           torch::Device device) {
+                           torch::Device device, torch::ScalarType param_dtype) {
+  if (param_dtype != torch::kFloat32 && param_dtype != torch::kBFloat16)
+    throw model_error(std::string("parameters in ") + c10::toString(param_dtype) + ": expected fp32 or bf16");
   std::map<std::string, torch::Tensor> given(state.begin(), state.end());
   entries_.clear();
   std::int64_t offset = 0;
@@ -254,17 +267,36 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, cons
   const std::int64_t padded = (offset + pad_to - 1) / pad_to * pad_to;
   torch::NoGradGuard no_grad;
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
-  flat_params_ = torch::zeros({padded}, opts);
+  flat_params_ = torch::zeros({padded}, opts.dtype(param_dtype));
   flat_grads_ = torch::zeros({padded}, opts);
   params_.clear();
+  fp32_copies_.clear();
   for (std::size_t i = 0; i < entries_.size(); ++i) {
     const auto& e = entries_[i];
-    auto p = flat_params_.narrow(0, e.offset, e.numel).view(e.shape);
-    p.copy_(given.at(e.name).to(torch::kFloat32));
+    auto view = flat_params_.narrow(0, e.offset, e.numel).view(e.shape);
+    view.copy_(given.at(e.name));  // (rounded in a bf16 buffer)
+    auto p = view;
+    if (param_dtype != torch::kFloat32 && computes_in_fp32(e.name)) {
+      p = view.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
+      fp32_copies_.push_back(i);
+    }
     p.requires_grad_(true);
+    // An fp32 view whatever the parameter's dtype: the autograd adds each gradient into it.
     p.mutable_grad() = flat_grads_.narrow(0, e.offset, e.numel).view(e.shape);
     params_.push_back(p);
     index_[e.name] = i;
+  }
+}
+
+void model_slice::set_params(const torch::Tensor& src) {
+  if (src.numel() != flat_params_.numel())
+    throw model_error("parameters for a slice of " + std::to_string(flat_params_.numel()) + " elements: got " +
+                      std::to_string(src.numel()));
+  torch::NoGradGuard no_grad;
+  flat_params_.copy_(src.reshape(flat_params_.sizes()));
+  for (const auto i : fp32_copies_) {
+    const auto& e = entries_[i];
+    params_[i].copy_(flat_params_.narrow(0, e.offset, e.numel).view(e.shape));
   }
 }
 
@@ -275,7 +307,7 @@ namespace {
 class gpt_slice final : public model_slice {
  public:
   gpt_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
-            std::int64_t pad_to, torch::Device device)
+            std::int64_t pad_to, torch::Device device, torch::ScalarType param_dtype)
       : cfg_(spec.gpt) {
     range_ = range;
     std::vector<std::string> names, shared;
@@ -289,7 +321,7 @@ class gpt_slice final : public model_slice {
       for (const auto& p : gpt_block_params(cfg_, i)) names.push_back(p.name);
     if (range.last_slice)
       for (const auto& p : gpt_head_params(cfg_)) names.push_back(p.name);
-    allocate(spec, state, names, shared, pad_to, device);
+    allocate(spec, state, names, shared, pad_to, device, param_dtype);
     causal_ = torch::ones({cfg_.seq_len, cfg_.seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril();
   }
 
@@ -448,13 +480,13 @@ class gpt_slice final : public model_slice {
 class mlp_slice final : public model_slice {
  public:
   mlp_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
-            std::int64_t pad_to, torch::Device device)
+            std::int64_t pad_to, torch::Device device, torch::ScalarType param_dtype)
       : n_layers_(spec.n_layers()) {
     range_ = range;
     std::vector<std::string> names;
     for (int i = range.first; i < range.last; ++i)
       for (const auto& p : mlp_layer_params(spec.mlp_widths, i)) names.push_back(p.name);
-    allocate(spec, state, names, {}, pad_to, device);
+    allocate(spec, state, names, {}, pad_to, device, param_dtype);
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {
@@ -484,14 +516,15 @@ torch::Tensor model_slice::forward_cached(const torch::Tensor&, kv_cache&) {
 }
 
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
-                                        const state_dict& state, std::int64_t pad_to, torch::Device device) {
+                                        const state_dict& state, std::int64_t pad_to, torch::Device device,
+                                        torch::ScalarType param_dtype) {
   if (range.first < 0 || range.last > spec.n_layers() || range.first >= range.last)
     throw model_error("layer range [" + std::to_string(range.first) + ", " +
                       std::to_string(range.last) + ") does not fit " + spec.name() + " with " +
                       std::to_string(spec.n_layers()) + " layers");
   if (spec.type == model_spec::kind::gpt)
-    return std::make_unique<gpt_slice>(spec, range, state, pad_to, device);
-  return std::make_unique<mlp_slice>(spec, range, state, pad_to, device);
+    return std::make_unique<gpt_slice>(spec, range, state, pad_to, device, param_dtype);
+  return std::make_unique<mlp_slice>(spec, range, state, pad_to, device, param_dtype);
 }
 
 }  // namespace troupe

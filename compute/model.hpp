@@ -1,10 +1,11 @@
 #pragma once
 // The two reference models of WORKLOADS.md, buildable as slices of their layers.
 //
-// A slice owns a contiguous range of layers. Its parameters live in one flat fp32 buffer
-// (each parameter is a view into it) and their gradients in another flat buffer of the
-// same layout (each `.grad()` is a view), so optimizer shards and collectives can work
-// on contiguous ranges that ignore parameter boundaries (Megatron's distributed optimizer).
+// A slice owns a contiguous range of layers. Its parameters live in one flat buffer (each
+// parameter is a view into it; fp32, or bf16 for bf16 stages) and their gradients in
+// another flat fp32 buffer of the same layout (each `.grad()` is a view), so optimizer
+// shards and collectives can work on contiguous ranges that ignore parameter boundaries
+// (Megatron's distributed optimizer).
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -118,6 +119,17 @@ class weight_grad_store {
 };
 
 /// A contiguous slice of a model's layers with flat parameter and gradient buffers.
+///
+/// Parameter precision: a slice made with fp32 parameters (the default) computes with them
+/// as they are. A slice made with bf16 parameters (bf16 stages, as in Megatron's bf16
+/// models: 2 bytes per parameter) holds its flat parameter buffer in bf16: the weights and
+/// biases of matrix products are views into it, which autocast uses without a cast (no
+/// per-micro-batch bf16 copy kept for the backward); the layer norms and embeddings, which
+/// compute in fp32, are fp32 tensors holding the buffer's values (`set_params` refreshes
+/// them). Gradients are fp32 either way: each parameter's `.grad()` is an fp32 view of the
+/// gradient buffer, and the autograd adds each micro-batch's bf16 gradient into it in fp32
+/// (Megatron's fp32 main_grad). Under bf16 autocast such a slice computes exactly what an
+/// fp32-parameter slice holding the same bf16 values computes, gradients included.
 
 class model_slice {
  public:
@@ -146,13 +158,18 @@ class model_slice {
   /// Parameter views, in entry order.
   const std::vector<torch::Tensor>& parameters() const { return params_; }
   torch::Tensor& param(const std::string& name);
-  /// Flat buffers; their length is the entries' total rounded up to `pad_to`.
+  /// Flat buffers; their length is the entries' total rounded up to `pad_to`. The
+  /// parameters' buffer is in the slice's parameter dtype, the gradients' in fp32.
   torch::Tensor flat_params() const { return flat_params_; }
+  /// Sets every parameter from `src`, a flat buffer of the same length (any dtype and
+  /// device; rounded to the parameter dtype), fp32 copies included. Writing into
+  /// `flat_params()` directly leaves a bf16 slice's fp32 copies stale.
+  void set_params(const torch::Tensor& src);
   torch::Tensor flat_grads() const { return flat_grads_; }
   std::int64_t numel() const { return numel_; }  ///< without padding
   void zero_grads() { flat_grads_.zero_(); }
 
-  /// This slice's parameters (shared copies left out) as a state_dict (CPU copies).
+  /// This slice's parameters (shared copies left out) as a state_dict (fp32 CPU copies).
   state_dict state(bool include_shared_copies = false) const;
 
   /// Activation recomputation (Megatron's full recompute, one layer per checkpoint): while
@@ -182,7 +199,8 @@ class model_slice {
 
   /// Lays out `names` (taken from `state`) into the flat buffers.
   void allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
-                const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device);
+                const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device,
+                torch::ScalarType param_dtype);
   layer_range range_;
   bool recompute_ = false;
 
@@ -191,14 +209,17 @@ class model_slice {
   std::vector<torch::Tensor> params_;
   std::map<std::string, std::size_t> index_;
   torch::Tensor flat_params_, flat_grads_;
+  std::vector<std::size_t> fp32_copies_;  ///< entries whose parameter is an fp32 copy (bf16 slices)
   std::int64_t numel_ = 0;
 };
 
 /// Builds the slice for `range`, taking its parameters from a full-model `state`.
 /// `pad_to`: flat buffers are padded to a multiple of this (the data-parallel width);
-/// `device`: where the buffers (and the computation) live.
+/// `device`: where the buffers (and the computation) live; `param_dtype`: fp32, or bf16
+/// (the parameters are `state`'s rounded to bf16; see model_slice).
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
                                         const state_dict& state, std::int64_t pad_to = 1,
-                                        torch::Device device = torch::kCPU);
+                                        torch::Device device = torch::kCPU,
+                                        torch::ScalarType param_dtype = torch::kFloat32);
 
 }  // namespace troupe

@@ -14,9 +14,9 @@ namespace troupe {
 
 // --- training_data ---------------------------------------------------------------------
 
-training_data::training_data(const job_config& cfg) : cfg_(cfg) {
+training_data::training_data(const job_config& cfg, use what) : cfg_(cfg) {
   if (cfg.workload == "fmnist-mlp")
-    images_ = std::make_unique<fashion_mnist>(cfg.fmnist_dir);
+    images_ = std::make_unique<fashion_mnist>(cfg.fmnist_dir, what != use::evaluation, what != use::training);
   else
     text_ = std::make_unique<fortunes_corpus>(cfg.fortunes_dir);
 }

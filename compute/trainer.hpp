@@ -29,7 +29,10 @@ struct step_stats {
 /// The training data of a workload: a step's samples, independent of the layout.
 class training_data {
  public:
-  explicit training_data(const job_config& cfg);
+  /// What a user of the data reads: Fashion-MNIST loads only that part (a data loader
+  /// no test set, an evaluation no training set); the fortunes corpus is one file.
+  enum class use { training, evaluation, both };
+  explicit training_data(const job_config& cfg, use what = use::both);
   /// Throws data_error (naming the package) if the workload's data is not installed.
   static void check_available(const job_config& cfg);
   /// Samples [first, first + count) of step `step`'s global batch.

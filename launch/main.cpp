@@ -287,7 +287,7 @@ int run_eval_command(const config_flags& flags, const std::string& from) {
   return with_trained_model(flags, from, [&](trained_model& m) {
     const auto device = troupe::resolve_device(m.cfg.device);
     const bool text = m.cfg.model().type == troupe::model_spec::kind::gpt;
-    const auto set = troupe::training_data(m.cfg).evaluation_set();
+    const auto set = troupe::training_data(m.cfg, troupe::training_data::use::evaluation).evaluation_set();
     spdlog::info("evaluating {} from {} on {}: {} {}", m.cfg.model_label(), m.source, device.str(),
                  set.input.size(0), text ? "validation windows" : "test images");
     const auto start = std::chrono::steady_clock::now();

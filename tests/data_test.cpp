@@ -3,6 +3,7 @@
 #include <set>
 
 #include "compute/data.hpp"
+#include "compute/trainer.hpp"
 
 namespace troupe {
 
@@ -56,6 +57,31 @@ TEST(Data, FashionMnistLoadsAndEpochOrderIsAPermutation) {
   const auto test = data.test_set();
   EXPECT_NEAR(test.input.mean().item<double>(), 0.0, 0.05);
   EXPECT_EQ(test.target.max().item<std::int64_t>(), 9);
+}
+
+// Evaluations read only the test set, data loaders only the training set; the other
+// part is not read and asking for it is an error, not an empty batch. A part loaded on
+// its own equals that part of the whole.
+TEST(Data, FashionMnistLoadsOnlyThePartItIsAskedFor) {
+  const fashion_mnist whole, test_only(fashion_mnist::default_dir, false, true),
+      train_only(fashion_mnist::default_dir, true, false);
+  EXPECT_TRUE(torch::equal(test_only.test_set().input, whole.test_set().input));
+  EXPECT_TRUE(torch::equal(test_only.test_set().target, whole.test_set().target));
+  EXPECT_THROW(test_only.train_size(), data_error);
+  EXPECT_THROW(test_only.epoch_order(1234, 0), data_error);
+  const auto order = whole.epoch_order(1234, 0);
+  EXPECT_EQ(train_only.epoch_order(1234, 0), order);
+  EXPECT_TRUE(torch::equal(train_only.train_batch(order, 64, 16).input, whole.train_batch(order, 64, 16).input));
+  EXPECT_THROW(train_only.test_set(), data_error);
+  EXPECT_THROW(train_only.test_size(), data_error);
+  // training_data: the coordinator's evaluation set, the data loaders' samples.
+  job_config c;
+  c.workload = "fmnist-mlp";
+  EXPECT_TRUE(torch::equal(training_data(c, training_data::use::evaluation).evaluation_set().input,
+                           whole.test_set().input));
+  EXPECT_THROW(training_data(c, training_data::use::training).evaluation_set(), data_error);
+  training_data loader(c, training_data::use::training), both(c);
+  EXPECT_TRUE(torch::equal(loader.samples(3, 0, 8).input, both.samples(3, 0, 8).input));
 }
 
 TEST(Data, MissingFashionMnistNamesThePackage) {

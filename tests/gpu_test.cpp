@@ -16,7 +16,9 @@
 #include "compute/checkpoint.hpp"
 #include "compute/device.hpp"
 #include "compute/pipeline.hpp"
+#include "compute/partition.hpp"
 #include "compute/trainer.hpp"
+#include "held_bytes.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
@@ -153,6 +155,136 @@ TEST(Precision, Bf16StagesComputeWithTheMainParametersRoundedToBf16) {
   };
   EXPECT_EQ(job_val, eval(rounded));
   EXPECT_NE(job_val, eval(saved)) << "rounding changes the validation loss (else this test could not fail)";
+}
+
+namespace {
+
+bool inside(const torch::Tensor& t, const torch::Tensor& buffer) {
+  const auto* p = static_cast<const char*>(t.data_ptr());
+  const auto* b = static_cast<const char*>(buffer.data_ptr());
+  return p >= b && p + t.nbytes() <= b + buffer.nbytes();
+}
+
+/// gpt-tiny as two slices with `param_dtype` parameters made from `init`; two micro-batches
+/// forward (bf16 autocast) and backward as stages run them: plain, with full recompute,
+/// or with the split backward (every W after both backwards). Returns the gradient of the
+/// first micro-batch's activation between the slices and both slices' flat gradients.
+std::vector<torch::Tensor> bf16_grads(const state_dict& init, torch::ScalarType param_dtype, const char* mode) {
+  const auto spec = model_spec::gpt_tiny();
+  const auto ranges = partition_layers(spec.n_layers(), 2);
+  auto first = make_slice(spec, ranges[0], init, 1, torch::kCPU, param_dtype);
+  auto last = make_slice(spec, ranges[1], init, 1, torch::kCPU, param_dtype);
+  const std::string m = mode;
+  first->set_recompute(m == "recompute");
+  last->set_recompute(m == "recompute");
+  std::vector<weight_grad_store> stores(2);
+  std::vector<torch::Tensor> out;
+  for (std::uint64_t mb = 0; mb < 2; ++mb) {
+    torch::manual_seed(mb);
+    const auto input = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
+    const auto target = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
+    torch::Tensor act, in, loss;
+    {
+      precision_scope amp(torch::kCPU, torch::kBFloat16);
+      first->defer_weight_grads(m == "split" ? &stores[0] : nullptr);
+      last->defer_weight_grads(m == "split" ? &stores[1] : nullptr);
+      act = first->forward(input);
+      in = act.detach().requires_grad_(true);
+      loss = last->loss(last->forward(in), target);
+      first->defer_weight_grads(nullptr);
+      last->defer_weight_grads(nullptr);
+    }
+    loss.backward();
+    act.backward(in.grad());
+    if (mb == 0) out.push_back(in.grad().clone());
+  }
+  for (auto& s : stores) s.apply();
+  out.push_back(first->flat_grads().clone());
+  out.push_back(last->flat_grads().clone());
+  return out;
+}
+
+}  // namespace
+
+// bf16 stages hold 2-byte parameters (Megatron's bf16 model): the flat parameter buffer
+// is bf16, the matrix products' weights and biases are views into it, the layer norms and
+// embeddings fp32 copies of its values, and every gradient an fp32 view of the gradient
+// buffer. Under bf16 autocast such a slice computes exactly what an fp32-parameter slice
+// holding the same bf16 values computes (bit for bit: activation gradients and every
+// parameter gradient; plain, recomputed and split backwards), and a micro-batch waiting
+// for its backward no longer holds a bf16 copy of each weight.
+TEST(Precision, Bf16SlicesHoldTwoBytesPerParameterAndComputeAsBefore) {
+  const auto spec = model_spec::gpt_tiny();
+  const auto init = initial_state(spec, 1234);
+  auto rounded = init;
+  for (auto& [name, t] : rounded) t = t.to(torch::kBFloat16).to(torch::kFloat32);
+
+  const auto whole = partition_layers(spec.n_layers(), 1)[0];
+  auto b = make_slice(spec, whole, init, 4, torch::kCPU, torch::kBFloat16);
+  EXPECT_EQ(b->flat_params().scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(b->flat_params().nbytes(), b->flat_params().numel() * 2);
+  EXPECT_EQ(b->flat_grads().scalar_type(), torch::kFloat32);
+  std::int64_t matrix_numel = 0;
+  int fp32_copies = 0;
+  for (std::size_t i = 0; i < b->entries().size(); ++i) {
+    const auto& e = b->entries()[i];
+    const auto& p = b->parameters()[i];
+    const bool fp32 = e.name.find("ln_") != std::string::npos || e.name == "wte.weight" || e.name == "wpe.weight";
+    EXPECT_EQ(p.scalar_type(), fp32 ? torch::kFloat32 : torch::kBFloat16) << e.name;
+    EXPECT_EQ(inside(p, b->flat_params()), !fp32) << e.name;
+    EXPECT_TRUE(torch::equal(p.to(torch::kFloat32), saved_value(rounded, e.name))) << e.name;
+    EXPECT_EQ(p.grad().scalar_type(), torch::kFloat32) << e.name;
+    EXPECT_TRUE(inside(p.grad(), b->flat_grads())) << e.name;
+    if (fp32) ++fp32_copies;
+    if (!fp32 && p.dim() == 2) matrix_numel += p.numel();
+  }
+  EXPECT_EQ(fp32_copies, 2 + 2 * 2 * spec.n_layers() + 2);  // wte, wpe, ln_1/ln_2 per block, ln_f
+  // state() and set_params: fp32 out; in, rounded, the fp32 copies refreshed.
+  for (const auto& [name, t] : b->state()) EXPECT_EQ(t.scalar_type(), torch::kFloat32) << name;
+  auto other = torch::randn({b->flat_params().numel()});
+  b->set_params(other);
+  EXPECT_TRUE(torch::equal(b->flat_params(), other.to(torch::kBFloat16)));
+  EXPECT_TRUE(torch::equal(b->param("ln_f.weight"),
+                           other.narrow(0, b->entries().back().offset - spec.gpt.d_model, spec.gpt.d_model)
+                               .to(torch::kBFloat16)
+                               .to(torch::kFloat32)))
+      << "ln_f.weight's fp32 copy was not refreshed";
+  EXPECT_THROW(b->set_params(torch::zeros({3})), model_error);
+
+  for (const char* mode : {"plain", "recompute", "split"}) {
+    const auto with_bf16 = bf16_grads(init, torch::kBFloat16, mode);
+    const auto with_fp32 = bf16_grads(rounded, torch::kFloat32, mode);
+    ASSERT_EQ(with_bf16.size(), with_fp32.size());
+    for (std::size_t i = 0; i < with_bf16.size(); ++i) {
+      EXPECT_GT(with_fp32[i].abs().sum().item<double>(), 0.0) << mode << " " << i;
+      EXPECT_TRUE(torch::equal(with_bf16[i], with_fp32[i]))
+          << mode << ": tensor " << i << " differs by up to " << (with_bf16[i] - with_fp32[i]).abs().max().item<double>();
+    }
+  }
+
+  // Bytes a micro-batch's forward holds for its backward: the fp32-parameter slice's
+  // graph keeps a bf16 copy of every matrix weight (autocast's casts), the bf16 one none.
+  torch::manual_seed(7);
+  const auto input = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
+  const auto target = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
+  auto held = [&](model_slice& slice) {
+    const auto before = test::malloc_bytes_in_use();
+    torch::Tensor loss;
+    {
+      precision_scope amp(torch::kCPU, torch::kBFloat16);
+      loss = slice.loss(slice.forward(input), target);
+    }
+    const auto bytes = test::malloc_bytes_in_use() - before;
+    loss.backward();
+    return bytes;
+  };
+  auto f = make_slice(spec, whole, rounded, 4, torch::kCPU, torch::kFloat32);
+  held(*f);  // one-off buffers outside the measure
+  held(*b);
+  const auto f_held = held(*f), b_held = held(*b);
+  std::cout << "bf16 micro-batch of 4 held for its backward: " << f_held << " bytes with fp32 parameters, " << b_held
+            << " with bf16 ones (matrix weights: " << matrix_numel * 2 << " bytes in bf16)\n";
+  EXPECT_GE(f_held - b_held, matrix_numel * 2 * 95 / 100);
 }
 
 // bf16 jobs move half the bytes of fp32 jobs between stages (activations and their

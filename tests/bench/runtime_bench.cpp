@@ -9,6 +9,9 @@
 //   recompute    activation recomputation (train.recompute = full): bytes one micro-batch
 //                holds for its backward with and without (gpt-tiny, gpt-small), and the
 //                step time with vs without (p=1 d=1, 1 thread)
+//   bf16 params  bf16 stages: bytes of the parameter buffer and bytes one bf16 micro-batch
+//                holds for its backward, with fp32 parameters holding the bf16 values (the
+//                layout before session 30) vs bf16 parameters (gpt-tiny, gpt-small)
 //   zero-bubble  p=2, 1 thread per stage: zero-bubble (ZB-H1), dataflow and dataflow
 //                with split_backward vs 1f1b step time and measured bubble, and the
 //                simulator's bubbles for the measured F, B, W
@@ -27,6 +30,7 @@
 #include "actors/runtime.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/host_memory.hpp"
+#include "compute/device.hpp"
 #include "compute/trainer.hpp"
 #include "tests/held_bytes.hpp"
 
@@ -289,6 +293,47 @@ int main(int argc, char** argv) {
                   "%.1f / %.1f MB (%.1fx less) |\n",
                   m.name, static_cast<long long>(m.mbs), static_cast<long long>(seq), plain / 1e6, recomputed / 1e6,
                   double(plain) / double(recomputed));
+    }
+  }
+  // bf16 stages: fp32 parameters holding bf16 values (autocast casts each weight per
+  // micro-batch and the graph keeps the copy) vs bf16 parameters (no copies).
+  {
+    struct model_case {
+      const char* name;
+      model_spec spec;
+      std::int64_t mbs;
+    };
+    for (const auto& m : {model_case{"gpt-tiny", model_spec::gpt_tiny(), 4},
+                          model_case{"gpt-small", model_spec::gpt_small(), 1}}) {
+      auto init = initial_state(m.spec, 1);
+      for (auto& [name, t] : init) t = t.to(torch::kBFloat16).to(torch::kFloat32);
+      const auto whole = partition_layers(m.spec.n_layers(), 1)[0];
+      const auto seq = m.spec.gpt.seq_len;
+      const auto input = torch::randint(256, {m.mbs, seq}, torch::kInt64);
+      const auto target = torch::randint(256, {m.mbs, seq}, torch::kInt64);
+      auto held = [&](model_slice& slice) {
+        const auto before = test::malloc_bytes_in_use();
+        torch::Tensor loss;
+        {
+          precision_scope amp(torch::kCPU, torch::kBFloat16);
+          loss = slice.loss(slice.forward(input), target);
+        }
+        const auto bytes = test::malloc_bytes_in_use() - before;
+        loss.backward();
+        return bytes;
+      };
+      auto f = make_slice(m.spec, whole, init, 1, torch::kCPU, torch::kFloat32);
+      auto b = make_slice(m.spec, whole, init, 1, torch::kCPU, torch::kBFloat16);
+      held(*f);  // one-off buffers
+      held(*b);
+      const auto f_held = held(*f), b_held = held(*b);
+      std::printf("| %s, bf16: parameter buffer, fp32 / bf16 parameters | %.1f / %.1f MB (%.2fx less) |\n", m.name,
+                  f->flat_params().nbytes() / 1e6, b->flat_params().nbytes() / 1e6,
+                  double(f->flat_params().nbytes()) / double(b->flat_params().nbytes()));
+      std::printf("| %s, bf16 micro-batch %lld x %lld tokens: bytes held for the backward, fp32 / bf16 parameters | "
+                  "%.1f / %.1f MB (%.1f MB less) |\n",
+                  m.name, static_cast<long long>(m.mbs), static_cast<long long>(seq), f_held / 1e6, b_held / 1e6,
+                  (f_held - b_held) / 1e6);
     }
   }
   // Time: p = 1, d = 1, 1 thread, fastest of 3 alternating rounds. One more forward per
