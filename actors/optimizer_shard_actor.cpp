@@ -41,9 +41,11 @@ struct shard_state {
   double lr = 0;
   std::int64_t stall_step = -1;  // fault injection: no reduce-scatter in this step
   int received = 0;          // grad buffers of this step
+  int reduce_scatters = 0;   // reduce-scatters started this step
   int completed = 0;         // collectives of the current phase that finished
   std::vector<transport::work_ptr> pending;
   double phase_start_us = 0;
+  std::vector<double> chunk_start_us;  // each chunk's reduce-scatter
   std::vector<trace_event> events;
   std::vector<caf::message> stash;
   // Buddy copies (several nodes, node > 0): the step of the newest copy sent, copies not
@@ -122,22 +124,41 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       self->state.stash.push_back(self->current_mailbox_element()->move_content_to_message());
     return false;
   };
-  // Starts one collective per chunk; each reports to this actor as collective_done.
-  auto start_phase = [self](collective kind) {
+  // Each collective reports to this actor as collective_done.
+  auto report_to_self = [self](transport::work_ptr w, collective kind, int ci) {
+    auto& s = self->state;
+    w->on_complete([me = caf::actor_cast<caf::actor>(self), step = s.step, kind, ci](const std::string& err) {
+      caf::anon_send(me, collective_done{step, std::int32_t(kind), ci, err});
+    });
+    s.pending.push_back(std::move(w));
+  };
+  // Starts the reduce-scatter of each chunk whose buffer is here, as soon as it is (the
+  // stage sends a chunk's buffer when its backwards are done: interleaved schedules
+  // reduce a chunk while the stage computes the others' backwards). Every rank starts
+  // them in the same order, the last chunk first (the order the stages finish them in;
+  // the collectives of a communicator pair up in the order they start).
+  auto start_reduce_scatters = [self, report_to_self] {
+    auto& s = self->state;
+    while (s.reduce_scatters < s.ctx->v) {
+      const int ci = s.ctx->v - 1 - s.reduce_scatters;
+      auto& ch = s.chunks[ci];
+      if (!ch.grads.defined()) return;
+      if (s.reduce_scatters++ == 0) s.completed = 0;
+      s.chunk_start_us.resize(s.ctx->v);
+      s.chunk_start_us[ci] = s.ctx->now_us();
+      report_to_self(s.comm->reduce_scatter(ch.grads, ch.reduced), collective::reduce_scatter, ci);
+    }
+  };
+  // Starts every chunk's all-gather.
+  auto start_all_gathers = [self, report_to_self] {
     auto& s = self->state;
     s.completed = 0;
     s.phase_start_us = s.ctx->now_us();
-    const auto me = caf::actor_cast<caf::actor>(self);
     for (int ci = 0; ci < s.ctx->v; ++ci) {
       auto& ch = s.chunks[ci];
-      if (kind == collective::all_gather && ch.rounded.defined()) ch.rounded.copy_(ch.opt.params());
-      auto w = kind == collective::reduce_scatter
-                   ? s.comm->reduce_scatter(ch.grads, ch.reduced)
-                   : s.comm->all_gather(ch.rounded.defined() ? ch.rounded : ch.opt.params(), ch.gathered);
-      w->on_complete([me, step = s.step, kind, ci](const std::string& err) {
-        caf::anon_send(me, collective_done{step, std::int32_t(kind), ci, err});
-      });
-      s.pending.push_back(std::move(w));
+      if (ch.rounded.defined()) ch.rounded.copy_(ch.opt.params());
+      report_to_self(s.comm->all_gather(ch.rounded.defined() ? ch.rounded : ch.opt.params(), ch.gathered),
+                     collective::all_gather, ci);
     }
   };
   // Reports the step done once its all-gather finished and the buddy holds its copies.
@@ -201,6 +222,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       rep.leftovers.push_back(std::to_string(self->state.stash.size()) + " stashed message(s)");
     self->state.stash.clear();
     self->state.received = 0;
+    self->state.reduce_scatters = 0;
     self->state.events.clear();
     return rep;
   };
@@ -216,6 +238,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         s.attempt = msg.attempt;
         s.lr = msg.lr;
         s.received = 0;
+        s.reduce_scatters = 0;
         s.gathered = false;
         // A new or rebuilt shard: the buddy gets the state it starts from.
         if (s.copied < s.step) send_copy(s.step);
@@ -233,12 +256,14 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
           return;
         }
         c.grads = tensor_of(msg.data);
-        if (++s.received < s.ctx->v) return;
         if (s.step == s.stall_step && s.attempt == 0) {
-          spdlog::warn("fault injected: {} stalls: no reduce-scatter in step {} (index {})", s.name, s.step + 1, s.step);
+          if (++s.received == s.ctx->v)
+            spdlog::warn("fault injected: {} stalls: no reduce-scatter in step {} (index {})", s.name, s.step + 1,
+                         s.step);
           return;
         }
-        start_phase(collective::reduce_scatter);
+        ++s.received;
+        start_reduce_scatters();
       },
       [=](const collective_done& msg) {
         auto& s = self->state;
@@ -250,13 +275,13 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
                                      s.wiring->generation});
           return;
         }
+        if (collective(msg.kind) == collective::reduce_scatter)  // one event per chunk
+          s.events.push_back({"reduce-scatter", s.rank, s.stage, -1, msg.chunk, s.step, s.chunk_start_us.at(msg.chunk),
+                              s.ctx->now_us(), std::int64_t(s.chunks.at(msg.chunk).grads.nbytes())});
         if (++s.completed < s.ctx->v) return;
         s.pending.clear();
         torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
         if (collective(msg.kind) == collective::reduce_scatter) {
-          std::int64_t bytes = 0;
-          for (const auto& ch : s.chunks) bytes += ch.grads.nbytes();
-          trace_phase("reduce-scatter", bytes);
           for (int ci = 0; ci < s.ctx->v; ++ci) {
             auto& ch = s.chunks[ci];
             ch.grads = torch::Tensor();  // the stage's buffer is no longer read
@@ -286,7 +311,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         take_snapshot(s, s.step + 1);
         ev.end_us = s.ctx->now_us();
         s.events.push_back(ev);
-        start_phase(collective::all_gather);
+        start_all_gathers();
         send_copy(s.step + 1);
       },
       [=](const reset_step&) -> reset_report { return drop_step_state(); },

@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <set>
@@ -44,6 +45,7 @@ struct stage_state {
   std::size_t next_op = 0;
   int ops_done = 0, total_ops = 0;
   int forwards_done = 0;
+  std::vector<int> chunk_ops_left;        // per chunk: ops still to run this step
   std::map<key, torch::Tensor> inputs;    // received inputs / activations
   std::map<key, torch::Tensor> out_grads; // received gradients of outputs
   std::map<int, torch::Tensor> targets;
@@ -68,6 +70,18 @@ struct stage_state {
   bool holds_tied_copy() const {
     return ctx->spec.type == model_spec::kind::gpt && ctx->n_virtual > 1 &&
            (virtual_of(0) == 0 || is_last_virtual(ctx->v - 1));
+  }
+  /// Whether `chunk` holds a copy of the tied embedding (the first virtual stage's, or
+  /// the last one's; with p = 1 this stage holds both).
+  bool is_tied_chunk(int chunk) const {
+    return holds_tied_copy() && ((chunk == 0 && virtual_of(0) == 0) || is_last_virtual(chunk));
+  }
+  /// With p > 1: the chunk holding this stage's copy of the tied embedding.
+  int tied_chunk() const { return virtual_of(0) == 0 ? 0 : ctx->v - 1; }
+  /// Ops of `chunk` in this step: counted in the fixed order, or m F's and B's (and W's).
+  int ops_of_chunk(int chunk) const {
+    if (!order) return (ctx->split_backward ? 3 : 2) * ctx->m;
+    return int(std::count_if(order->begin(), order->end(), [&](const pipeline_op& op) { return op.chunk == chunk; }));
   }
 };
 
@@ -249,51 +263,62 @@ class stage_logic {
     ev.end_us = ctx.now_us();
     s_.events.push_back(std::move(ev));
     ++s_.ops_done;
+    if (--s_.chunk_ops_left.at(op.chunk) == 0) chunk_done(op.chunk);
   }
 
-  /// All ops ran: sum the tied embedding's gradients, then reduce-scatter.
+  /// A chunk's ops all ran: its gradients are final (but for a tied embedding's, which
+  /// the first and last stage sum first). Its buffer goes to the shard now, while the
+  /// stage runs the other chunks' backwards (interleaved schedules: Megatron's
+  /// overlap of a model chunk's gradient reduction with the rest of the backward).
+  void chunk_done(int chunk) {
+    const auto& ctx = *s_.ctx;
+    if (!s_.is_tied_chunk(chunk)) return send_grad_shard(chunk);
+    if (ctx.p == 1) return;  // both copies here (v > 1): summed once every op ran (after_backward)
+    auto& mine = tied_slice().param("wte.weight").mutable_grad();
+    const auto peer = s_.stage == 0 ? ctx.p - 1 : 0;
+    send_tensor(peer, s_.wiring->stages[s_.replica][peer],
+                tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)}, "tied gradient", -1, -1);
+    s_.tied_pending = true;
+    if (s_.tied_in.defined()) on_tied(std::move(s_.tied_in));
+  }
+
+  /// All ops ran (every chunk's buffer is with the shard or waits for the tied gradient).
   void after_backward() {
     s_.running = false;
-    if (s_.holds_tied_copy()) {
-      const auto& ctx = *s_.ctx;
-      if (ctx.p == 1) {  // both copies here (v > 1): sum locally, as the reference does
-        auto& first = s_.chunks.front()->param("wte.weight").mutable_grad();
-        auto& last = s_.chunks.back()->param("wte.weight").mutable_grad();
+    const auto& ctx = *s_.ctx;
+    if (s_.holds_tied_copy() && ctx.p == 1) {  // both copies here (v > 1): sum locally, as the reference does
+      auto& first = s_.chunks.front()->param("wte.weight").mutable_grad();
+      auto& last = s_.chunks.back()->param("wte.weight").mutable_grad();
+      {
         torch::NoGradGuard g;
         first.add_(last);
         last.copy_(first);
-      } else {
-        auto& mine = tied_slice().param("wte.weight").mutable_grad();
-        const auto peer = s_.stage == 0 ? ctx.p - 1 : 0;
-        send_tensor(peer, s_.wiring->stages[s_.replica][peer],
-                    tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)}, "tied gradient", -1, -1);
-        s_.tied_pending = true;
-        if (s_.tied_in.defined()) on_tied(std::move(s_.tied_in));
-        return;
       }
+      send_grad_shard(0);
+      send_grad_shard(ctx.v - 1);
     }
-    send_grad_shards();
   }
 
   model_slice& tied_slice() { return s_.stage == 0 ? *s_.chunks.front() : *s_.chunks.back(); }
 
   void on_tied(torch::Tensor other) {
-    if (!s_.tied_pending) {  // our own backward is not done yet: keep it for later
+    if (!s_.tied_pending) {  // our own tied chunk is not done yet: keep it for later
       s_.tied_in = std::move(other);
       return;
     }
-    torch::NoGradGuard g;
-    tied_slice().param("wte.weight").mutable_grad().add_(other);
+    {
+      torch::NoGradGuard g;
+      tied_slice().param("wte.weight").mutable_grad().add_(other);
+    }
     s_.tied_pending = false;
     s_.tied_in = torch::Tensor();
-    send_grad_shards();
+    send_grad_shard(s_.tied_chunk());
   }
 
-  /// Hands each chunk's grad buffer to this replica's shard of the stage (same process).
-  void send_grad_shards() {
-    for (int c = 0; c < s_.ctx->v; ++c)
-      self_->send(s_.wiring->shards[s_.stage][s_.replica],
-                  grad_shard{s_.step, c, s_.replica, make_payload(s_.chunks[c]->flat_grads())});
+  /// Hands a chunk's grad buffer to this replica's shard of the stage (same process).
+  void send_grad_shard(int chunk) {
+    self_->send(s_.wiring->shards[s_.stage][s_.replica],
+                grad_shard{s_.step, chunk, s_.replica, make_payload(s_.chunks[chunk]->flat_grads())});
   }
 
   void on_params(const param_shard& msg) {
@@ -527,6 +552,8 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         s.next_op = 0;
         s.ops_done = 0;
         s.forwards_done = 0;
+        s.chunk_ops_left.clear();
+        for (int c = 0; c < ctx->v; ++c) s.chunk_ops_left.push_back(s.ops_of_chunk(c));
         s.params_received = 0;
         auto stash = std::move(s.stash);
         s.stash.clear();

@@ -3,14 +3,17 @@
 // failures end the run with a clear error instead of a hang.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
 #include "actors/runtime.hpp"
 #include "actors/supervisor_actor.hpp"
 #include "compute/checkpoint.hpp"
+#include "compute/partition.hpp"
 #include "compute/trainer.hpp"
 #include "test_util.hpp"
 
@@ -147,6 +150,47 @@ INSTANTIATE_TEST_SUITE_P(
                       layout{2, 1, 1, "dataflow", true}, layout{4, 2, 1, "dataflow", true},
                       layout{2, 1, 1, "zero-bubble"}, layout{4, 2, 1, "zero-bubble"}),
     [](const auto& info) { return name_of(info.param); });
+
+// Interleaved schedules: a stage hands each chunk's gradient buffer to its shard as soon
+// as that chunk's backwards are done, and the shard reduce-scatters it while the stage
+// still computes the other chunk's backwards (on stage 0 chunk 1 finishes first; the last
+// stage's chunk 1 holds the tied embedding and waits for stage 0's gradient of it). One
+// reduce-scatter per chunk, of that chunk's buffer.
+TEST(ActorRuntime, InterleavedChunksReduceScatterWhileTheOtherChunkComputes) {
+  auto c = gpt_layout({2, 2, 2, "interleaved-1f1b"});
+  c.steps = 3;
+  const auto got = run_actors(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  const auto ranges = partition_layers(c.model().n_layers(), c.pipeline * c.chunks);
+  for (std::int64_t step = 0; step < c.steps; ++step)
+    for (int r = 0; r < c.data_parallel; ++r) {
+      double last_op_end = 0, chunk1_end = 0;
+      std::map<std::pair<int, int>, const trace_event*> rs;  // (stage, chunk)
+      for (const auto& e : got.events) {
+        if (e.step != step || e.replica != r) continue;
+        if ((e.name == "F" || e.name == "B") && e.stage == 0) {
+          last_op_end = std::max(last_op_end, e.end_us);
+          if (e.chunk == 1) chunk1_end = std::max(chunk1_end, e.end_us);
+        }
+        if (e.name == "reduce-scatter") {
+          EXPECT_FALSE(rs.count({e.stage, e.chunk})) << "two reduce-scatters of stage " << e.stage << " chunk " << e.chunk;
+          rs[{e.stage, e.chunk}] = &e;
+        }
+      }
+      ASSERT_EQ(rs.size(), 4u) << "step " << step << ": a reduce-scatter per stage and chunk";
+      for (const auto& [where, e] : rs) {
+        const auto slice = make_slice(c.model(), ranges[where.second * c.pipeline + where.first],
+                                      initial_state(c.model(), 1), c.data_parallel);
+        EXPECT_EQ(e->bytes, std::int64_t(slice->flat_grads().nbytes())) << "stage " << where.first << " chunk " << where.second;
+      }
+      const auto& early = *rs.at({0, 1});
+      EXPECT_GE(early.start_us, chunk1_end) << "chunk 1's reduce-scatter began before its last backward ended";
+      EXPECT_LT(early.start_us, last_op_end)
+          << "step " << step << ", replica " << r << ": stage 0's chunk 1 was reduce-scattered only after every op ("
+          << (early.start_us - last_op_end) / 1e3 << " ms after the last)";
+      EXPECT_GE(rs.at({0, 0})->start_us, last_op_end);
+    }
+}
 
 TEST(ActorRuntime, FmnistMlpEqualsTheReferenceLoop) {
   auto c = job_config::defaults_for("fmnist-mlp");

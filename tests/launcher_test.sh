@@ -23,6 +23,12 @@ sleep 0.5
 rc=$?
 [ $rc = 2 ] && grep -q "divisible by the node count" "$tmp/bad.log" && ok "--nodes 3 with d=2 refused (exit 2)" \
   || bad "--nodes 3 with d=2: exit $rc" "$tmp/bad.log"
+# Without layout flags any node count runs the default job's layout (p2 d2).
+"$launcher" train --nodes 1 --steps 1 --eval-interval 0 >"$tmp/one.log" 2>&1
+rc=$?
+[ $rc = 0 ] && grep -q "pipeline 2 x data-parallel 2" "$tmp/one.log" \
+  && ok "--nodes 1 without layout flags runs the default job's pipeline 2 x data-parallel 2" \
+  || bad "--nodes 1 without layout flags: exit $rc" "$tmp/one.log"
 "$launcher" train --nodes zero >"$tmp/bad2.log" 2>&1
 rc=$?
 [ $rc = 2 ] && ok "--nodes zero refused (exit 2)" || bad "--nodes zero: exit $rc" "$tmp/bad2.log"

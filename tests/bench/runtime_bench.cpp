@@ -327,9 +327,14 @@ int main(int argc, char** argv) {
       held(*f);  // one-off buffers
       held(*b);
       const auto f_held = held(*f), b_held = held(*b);
-      std::printf("| %s, bf16: parameter buffer, fp32 / bf16 parameters | %.1f / %.1f MB (%.2fx less) |\n", m.name,
-                  f->flat_params().nbytes() / 1e6, b->flat_params().nbytes() / 1e6,
-                  double(f->flat_params().nbytes()) / double(b->flat_params().nbytes()));
+      std::int64_t copies = 0;  // the bf16 slice's fp32 copies (layer norms, embeddings)
+      for (const auto& p : b->parameters())
+        if (p.scalar_type() == torch::kFloat32) copies += p.nbytes();
+      const auto b_bytes = b->flat_params().nbytes() + copies;
+      std::printf("| %s, bf16: parameters, fp32 / bf16 parameters (bf16 buffer + fp32 copies) | %.1f / %.1f MB "
+                  "(%.1f + %.1f; %.2fx less) |\n",
+                  m.name, f->flat_params().nbytes() / 1e6, b_bytes / 1e6, b->flat_params().nbytes() / 1e6, copies / 1e6,
+                  double(f->flat_params().nbytes()) / double(b_bytes));
       std::printf("| %s, bf16 micro-batch %lld x %lld tokens: bytes held for the backward, fp32 / bf16 parameters | "
                   "%.1f / %.1f MB (%.1f MB less) |\n",
                   m.name, static_cast<long long>(m.mbs), static_cast<long long>(seq), f_held / 1e6, b_held / 1e6,
