@@ -67,6 +67,8 @@ void write_chrome_trace(const std::string& path, const std::vector<trace_event>&
     if (compute || is_comm(e)) {
       args["mb"] = e.mb;
       args["chunk"] = e.chunk;
+    } else if (e.chunk >= 0) {
+      args["chunk"] = e.chunk;  // a chunk's collective (reduce-scatter)
     }
     if (compute) {
       args["op"] = e.name;
