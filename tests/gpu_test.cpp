@@ -267,17 +267,7 @@ TEST(Precision, Bf16SlicesHoldTwoBytesPerParameterAndComputeAsBefore) {
   torch::manual_seed(7);
   const auto input = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
   const auto target = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
-  auto held = [&](model_slice& slice) {
-    const auto before = test::malloc_bytes_in_use();
-    torch::Tensor loss;
-    {
-      precision_scope amp(torch::kCPU, torch::kBFloat16);
-      loss = slice.loss(slice.forward(input), target);
-    }
-    const auto bytes = test::malloc_bytes_in_use() - before;
-    loss.backward();
-    return bytes;
-  };
+  auto held = [&](model_slice& slice) { return test::bytes_held_for_backward(slice, input, target, torch::kBFloat16); };
   auto f = make_slice(spec, whole, rounded, 4, torch::kCPU, torch::kFloat32);
   held(*f);  // one-off buffers outside the measure
   held(*b);

@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include "compute/device.hpp"
 #include "compute/model.hpp"
 
 namespace troupe::test {
@@ -19,13 +20,19 @@ inline std::int64_t malloc_bytes_in_use() {
   return std::int64_t(m.uordblks + m.hblkhd);
 }
 
-/// Bytes that `slice`'s forward of `input` and its loss against `target` hold until the
-/// backward (which then runs, so its gradients accumulate into the slice's buffer). Call
-/// from the main thread, after a first forward and backward (one-off buffers).
+/// Bytes that `slice`'s forward of `input` and its loss against `target` (in `precision`)
+/// hold until the backward (which then runs, so its gradients accumulate into the
+/// slice's buffer). Call from the main thread, after a first forward and backward
+/// (one-off buffers).
 inline std::int64_t bytes_held_for_backward(model_slice& slice, const torch::Tensor& input,
-                                            const torch::Tensor& target) {
+                                            const torch::Tensor& target,
+                                            torch::ScalarType precision = torch::kFloat32) {
   const auto before = malloc_bytes_in_use();
-  auto loss = slice.loss(slice.forward(input), target);
+  torch::Tensor loss;
+  {
+    precision_scope amp(input.device(), precision);
+    loss = slice.loss(slice.forward(input), target);
+  }
   const auto held = malloc_bytes_in_use() - before;
   loss.backward();
   return held;

@@ -30,7 +30,6 @@
 #include "actors/runtime.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/host_memory.hpp"
-#include "compute/device.hpp"
 #include "compute/trainer.hpp"
 #include "tests/held_bytes.hpp"
 
@@ -270,33 +269,10 @@ int main(int argc, char** argv) {
                   range.size() * 12 / 1e6, static_cast<long long>(range.size()));
     }
   }
-  // Activation recomputation. Memory first (malloc's statistics count the main thread's
-  // allocations): the bytes a micro-batch's forward and loss hold until its backward.
-  {
-    struct model_case {
-      const char* name;
-      model_spec spec;
-      std::int64_t mbs;
-    };
-    for (const auto& m : {model_case{"gpt-tiny", model_spec::gpt_tiny(), 4},
-                          model_case{"gpt-small", model_spec::gpt_small(), 1}}) {
-      const auto init = initial_state(m.spec, 1);
-      auto slice = make_slice(m.spec, partition_layers(m.spec.n_layers(), 1)[0], init);
-      const auto seq = m.spec.gpt.seq_len;
-      const auto input = torch::randint(256, {m.mbs, seq}, torch::kInt64);
-      const auto target = torch::randint(256, {m.mbs, seq}, torch::kInt64);
-      test::bytes_held_for_backward(*slice, input, target);  // one-off buffers
-      const auto plain = test::bytes_held_for_backward(*slice, input, target);
-      slice->set_recompute(true);
-      const auto recomputed = test::bytes_held_for_backward(*slice, input, target);
-      std::printf("| %s, micro-batch %lld x %lld tokens: bytes held for the backward, none / full recompute | "
-                  "%.1f / %.1f MB (%.1fx less) |\n",
-                  m.name, static_cast<long long>(m.mbs), static_cast<long long>(seq), plain / 1e6, recomputed / 1e6,
-                  double(plain) / double(recomputed));
-    }
-  }
-  // bf16 stages: fp32 parameters holding bf16 values (autocast casts each weight per
-  // micro-batch and the graph keeps the copy) vs bf16 parameters (no copies).
+  // Memory (malloc's statistics count the main thread's allocations): the bytes a
+  // micro-batch's forward and loss hold until its backward, with and without activation
+  // recomputation; and bf16 stages' parameters: fp32 ones holding bf16 values (autocast
+  // casts each weight per micro-batch and the graph keeps the copy) vs bf16 ones.
   {
     struct model_case {
       const char* name;
@@ -306,22 +282,23 @@ int main(int argc, char** argv) {
     for (const auto& m : {model_case{"gpt-tiny", model_spec::gpt_tiny(), 4},
                           model_case{"gpt-small", model_spec::gpt_small(), 1}}) {
       auto init = initial_state(m.spec, 1);
-      for (auto& [name, t] : init) t = t.to(torch::kBFloat16).to(torch::kFloat32);
       const auto whole = partition_layers(m.spec.n_layers(), 1)[0];
       const auto seq = m.spec.gpt.seq_len;
       const auto input = torch::randint(256, {m.mbs, seq}, torch::kInt64);
       const auto target = torch::randint(256, {m.mbs, seq}, torch::kInt64);
-      auto held = [&](model_slice& slice) {
-        const auto before = test::malloc_bytes_in_use();
-        torch::Tensor loss;
-        {
-          precision_scope amp(torch::kCPU, torch::kBFloat16);
-          loss = slice.loss(slice.forward(input), target);
-        }
-        const auto bytes = test::malloc_bytes_in_use() - before;
-        loss.backward();
-        return bytes;
-      };
+      {
+        auto slice = make_slice(m.spec, whole, init);
+        test::bytes_held_for_backward(*slice, input, target);  // one-off buffers
+        const auto plain = test::bytes_held_for_backward(*slice, input, target);
+        slice->set_recompute(true);
+        const auto recomputed = test::bytes_held_for_backward(*slice, input, target);
+        std::printf("| %s, micro-batch %lld x %lld tokens: bytes held for the backward, none / full recompute | "
+                    "%.1f / %.1f MB (%.1fx less) |\n",
+                    m.name, static_cast<long long>(m.mbs), static_cast<long long>(seq), plain / 1e6,
+                    recomputed / 1e6, double(plain) / double(recomputed));
+      }
+      for (auto& [name, t] : init) t = t.to(torch::kBFloat16).to(torch::kFloat32);
+      auto held = [&](model_slice& slice) { return test::bytes_held_for_backward(slice, input, target, torch::kBFloat16); };
       auto f = make_slice(m.spec, whole, init, 1, torch::kCPU, torch::kFloat32);
       auto b = make_slice(m.spec, whole, init, 1, torch::kCPU, torch::kBFloat16);
       held(*f);  // one-off buffers
