@@ -493,7 +493,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     // bf16 jobs: bf16 parameters (the initial ones rounded, as the all-gather rounds).
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device,
                                    ctx->compute_dtype));
-    st.chunks.back()->set_recompute(ctx->cfg.recompute == "full");
+    st.chunks.back()->set_recompute(parse_recompute(ctx->cfg.recompute));
   }
   // Restarted in place: the parameters before the step being retried (the shards' fp32
   // main parameters; bf16 stages round them as the all-gather does).

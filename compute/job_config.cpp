@@ -118,8 +118,9 @@ const std::vector<key_def>& key_defs() {
       string_key("train.precision", "fp32, or bf16 (autocast compute with bf16 parameter values; fp32 main parameters and optimizer)",
                  &job_config::precision),
       string_key("train.recompute",
-                 "none, or full (activation recomputation: each transformer block keeps only its input "
-                 "and runs again in the backward; less memory, one more forward)",
+                 "none, selective (the attention core keeps only q, k, v and runs again in the backward) or "
+                 "full (each transformer block keeps only its input and runs again in the backward; least "
+                 "memory, one more forward)",
                  &job_config::recompute),
       int_key("model.layers", "gpt: transformer blocks (0: the workload's)", &job_config::layers, 0, 4096),
       int_key("model.heads", "gpt: attention heads, dividing d_model (0: the workload's)", &job_config::heads, 0, 4096),
@@ -305,8 +306,7 @@ void job_config::validate() const {
     }
   };
   check([&] { parse_precision(precision); });
-  if (recompute != "none" && recompute != "full")
-    fail("unknown recompute '" + recompute + "' (expected none or full)");
+  check([&] { parse_recompute(recompute); });
   if (workload == "fmnist-mlp" && has_model_keys())
     fail("the [model] keys shape the gpt workloads (fmnist-mlp's layers are fixed)");
   if (workload != "fmnist-mlp") {
@@ -314,8 +314,8 @@ void job_config::validate() const {
     if (g.d_model % g.n_head != 0)
       fail("d_model " + std::to_string(g.d_model) + " is not a multiple of heads (" + std::to_string(g.n_head) + ")");
   }
-  if (recompute == "full" && workload == "fmnist-mlp")
-    fail("recompute full applies to the transformer blocks of the gpt workloads (fmnist-mlp has none)");
+  if (recompute != "none" && workload == "fmnist-mlp")
+    fail("recompute " + recompute + " applies to the transformer blocks of the gpt workloads (fmnist-mlp has none)");
   // The plain loop is the fp32 reference on the CPU: asking it for more would be ignored.
   if (runtime == "local" && precision != "fp32")
     fail("precision " + precision + " needs the actors runtime (the local loop computes in fp32)");

@@ -41,7 +41,7 @@ struct job_config {
   bool checksum = false;              ///< CRC-32 on every activation / gradient payload
   std::string device = "auto";        ///< auto | cpu | cuda | cuda:N (auto: a GPU if usable)
   std::string precision = "fp32";     ///< fp32 | bf16 (autocast compute, bf16 param values, fp32 main params)
-  std::string recompute = "none";     ///< none | full (gpt: each block's activations recomputed in the backward)
+  std::string recompute = "none";     ///< none | selective | full (gpt: the attention core's or each block's activations recomputed in the backward)
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
   int max_step_retries = 2;           ///< in-place retries of a failed step (no node process lost)
   int rejoin_timeout = 60;            ///< seconds to wait for a restarted node process to rejoin

@@ -19,6 +19,7 @@ namespace troupe {
 namespace {
 
 std::atomic<std::int64_t> recomputed_blocks{0};
+std::atomic<std::int64_t> recomputed_attentions{0};
 
 /// A parameter of the full model: name, shape, how it is initialised, decayed or not.
 struct param_spec {
@@ -327,7 +328,7 @@ class gpt_slice final : public model_slice {
 
   torch::Tensor forward(const torch::Tensor& input) override {
     torch::Tensor x = is_first() ? embed(input, 0) : input;
-    const bool recompute = recompute_ && torch::GradMode::is_enabled();
+    const bool recompute = recompute_ == recompute_mode::full && torch::GradMode::is_enabled();
     // (Function::apply builds no backward node for an input without a gradient: the
     // blocks' parameters would get none.)
     if (recompute && !x.requires_grad()) x = x.detach().requires_grad_(true);
@@ -406,6 +407,60 @@ class gpt_slice final : public model_slice {
     }
   };
 
+  /// The attention core, softmax(q k^T / sqrt(hd)) v, causal, for queries at positions
+  /// past, past + 1, ... and keys from position 0 (q: (B, H, T, hd); k, v: (B, H, past + T, hd)).
+  torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          std::int64_t past) const {
+    const auto T = q.size(2), hd = q.size(3);
+    // Query t (position past + t) sees keys 0 .. past + t: rows past.. of the causal mask.
+    // One new token sees them all: no mask.
+    const bool masked = T > 1;
+    const auto mask = causal_.slice(0, past, past + T).slice(1, 0, past + T);
+#if TORCH_VERSION_MAJOR >= 2
+    // LibTorch 2.x: the fused kernel (flash / memory-efficient attention on GPUs).
+    (void)hd;
+    return past == 0 ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
+           : masked  ? at::scaled_dot_product_attention(q, k, v, mask)
+                     : at::scaled_dot_product_attention(q, k, v);
+#else
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+    if (masked) att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+    att = torch::softmax(att, /*dim=*/-1);
+    return torch::matmul(att, v);
+#endif
+  }
+
+  /// The attention core with its activations recomputed in the backward (Megatron's
+  /// selective recompute): the forward keeps q, k and v only; the backward runs the core
+  /// again with a graph, under the precision the forward ran in, and returns the
+  /// gradients of q, k and v.
+  struct recomputed_attention : torch::autograd::Function<recomputed_attention> {
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const gpt_slice* slice) {
+      ctx->save_for_backward({q, k, v});
+      ctx->saved_data["slice"] = reinterpret_cast<std::int64_t>(slice);
+      ctx->saved_data["precision"] = std::int64_t(current_precision(q.device()));
+      return slice->attention(q, k, v, 0);
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+      if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+      const auto* slice = reinterpret_cast<const gpt_slice*>(ctx->saved_data["slice"].toInt());
+      const auto saved = ctx->get_saved_variables();
+      std::vector<torch::Tensor> in;
+      for (const auto& t : saved) in.push_back(t.detach().requires_grad_(true));
+      torch::Tensor y;
+      {
+        torch::AutoGradMode grad(true);
+        precision_scope amp(in[0].device(), torch::ScalarType(ctx->saved_data["precision"].toInt()));
+        y = slice->attention(in[0], in[1], in[2], 0);
+      }
+      ++recomputed_attentions;
+      auto g = torch::autograd::grad({y}, in, {grads[0]});
+      return {g[0], g[1], g[2], torch::Tensor()};
+    }
+  };
+
   /// Token and position embeddings of `tokens` (batch, T) at positions from, from + 1, ...
   torch::Tensor embed(const torch::Tensor& tokens, std::int64_t from) {
     auto pos = torch::arange(from, from + tokens.size(1), torch::TensorOptions().dtype(torch::kInt64).device(tokens.device()));
@@ -449,21 +504,8 @@ class gpt_slice final : public model_slice {
       k = keys.narrow(2, 0, past + T);
       v = values.narrow(2, 0, past + T);
     }
-    // Query t (position past + t) sees keys 0 .. past + t: rows past.. of the causal mask.
-    // One new token sees them all: no mask.
-    const bool masked = T > 1;
-    const auto mask = causal_.slice(0, past, past + T).slice(1, 0, past + T);
-#if TORCH_VERSION_MAJOR >= 2
-    // LibTorch 2.x: the fused kernel (flash / memory-efficient attention on GPUs).
-    auto y = past == 0   ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
-             : masked    ? at::scaled_dot_product_attention(q, k, v, mask)
-                         : at::scaled_dot_product_attention(q, k, v);
-#else
-    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
-    if (masked) att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
-    att = torch::softmax(att, /*dim=*/-1);
-    auto y = torch::matmul(att, v);
-#endif
+    const bool selective = recompute_ == recompute_mode::selective && !cache && torch::GradMode::is_enabled();
+    auto y = selective ? recomputed_attention::apply(q, k, v, this) : attention(q, k, v, past);
     y = y.transpose(1, 2).contiguous().view({B, T, d});
     x = x + linear(y, p + "attn.c_proj");
     // mlp: c_fc, exact GELU, c_proj
@@ -510,6 +552,14 @@ class mlp_slice final : public model_slice {
 }  // namespace
 
 std::int64_t model_slice::blocks_recomputed() { return recomputed_blocks.load(); }
+std::int64_t model_slice::attentions_recomputed() { return recomputed_attentions.load(); }
+
+recompute_mode parse_recompute(const std::string& name) {
+  if (name == "none") return recompute_mode::none;
+  if (name == "selective") return recompute_mode::selective;
+  if (name == "full") return recompute_mode::full;
+  throw std::invalid_argument("unknown recompute '" + name + "' (expected none, selective or full)");
+}
 
 torch::Tensor model_slice::forward_cached(const torch::Tensor&, kv_cache&) {
   throw model_error("this model has no attention: no key/value cache");

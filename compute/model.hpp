@@ -58,6 +58,11 @@ struct model_spec {
   std::string name() const { return type == kind::gpt ? "gpt" : "fmnist-mlp"; }
 };
 
+/// Activation recomputation (see model_slice::set_recompute).
+enum class recompute_mode { none, selective, full };
+/// "none", "selective" or "full"; throws std::invalid_argument otherwise.
+recompute_mode parse_recompute(const std::string& name);
+
 /// An ordered `state_dict`: parameter name -> tensor, in the model's canonical order.
 using state_dict = std::vector<std::pair<std::string, torch::Tensor>>;
 
@@ -172,17 +177,22 @@ class model_slice {
   /// This slice's parameters (shared copies left out) as a state_dict (fp32 CPU copies).
   state_dict state(bool include_shared_copies = false) const;
 
-  /// Activation recomputation (Megatron's full recompute, one layer per checkpoint): while
-  /// on, a forward that builds a graph keeps only the input of each transformer block and
-  /// runs the block again during the backward (under the same precision), so a micro-batch
-  /// waiting for its backward holds one activation per block instead of all of them.
-  /// Gradients are bit-identical to those without it. gpt slices only (the MLP has no
-  /// blocks: it ignores the setting, which the job config refuses for it).
-  void set_recompute(bool on) { recompute_ = on; }
-  bool recompute() const { return recompute_; }
-  /// Blocks run again in backwards so far, by every slice of this process (tests check
-  /// that a runtime recomputes what it should).
+  /// Activation recomputation. full (Megatron's full recompute, one layer per
+  /// checkpoint): a forward that builds a graph keeps only the input of each transformer
+  /// block and runs the block again during the backward (under the same precision), so a
+  /// micro-batch waiting for its backward holds one activation per block instead of all
+  /// of them. selective (Megatron's selective recompute): only the attention core
+  /// (softmax(q k^T / sqrt(d)) v) keeps just q, k and v and runs again in the backward:
+  /// no T x T scores or probabilities held, for little compute. Gradients are
+  /// bit-identical to those without it. gpt slices only (the MLP has no blocks: it
+  /// ignores the setting, which the job config refuses for it).
+  void set_recompute(recompute_mode mode) { recompute_ = mode; }
+  void set_recompute(bool full) { recompute_ = full ? recompute_mode::full : recompute_mode::none; }
+  recompute_mode recompute() const { return recompute_; }
+  /// Blocks (full) and attention cores (selective) run again in backwards so far, by every
+  /// slice of this process (tests check that a runtime recomputes what it should).
   static std::int64_t blocks_recomputed();
+  static std::int64_t attentions_recomputed();
 
   /// Split backward (zero-bubble schedules): while a store is set, a forward that builds
   /// a graph defers its linear layers' weight gradients (the transformer blocks' four, the
@@ -202,7 +212,7 @@ class model_slice {
                 const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device,
                 torch::ScalarType param_dtype);
   layer_range range_;
-  bool recompute_ = false;
+  recompute_mode recompute_ = recompute_mode::none;
 
  private:
   std::vector<param_entry> entries_;

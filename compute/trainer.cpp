@@ -63,7 +63,7 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
   for (int r = 0; r < d; ++r) {
     replicas_.push_back(std::make_unique<local_pipeline>(spec_, *init, cfg.pipeline, cfg.chunks, cfg.split, d));
     for (int x = 0; x < replicas_.back()->virtual_stages(); ++x)
-      replicas_.back()->slice(x).set_recompute(cfg.recompute == "full");
+      replicas_.back()->slice(x).set_recompute(parse_recompute(cfg.recompute));
   }
   const adamw_options opts{cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
   auto& first = *replicas_.front();

@@ -65,13 +65,15 @@ expect_in train-missing-data-msg "$err" "apt-get install fortunes"
 check train-missing-config 2 "$troupe" train --config /nonexistent.toml
 check train-bad-precision 2 "$troupe" train --precision fp16
 expect_in train-bad-precision-msg "$err" "unknown precision 'fp16' (expected fp32 or bf16)"
-check train-bad-recompute 2 "$troupe" train --recompute selective
-expect_in train-bad-recompute-msg "$err" "unknown recompute 'selective' (expected none or full)"
+check train-bad-recompute 2 "$troupe" train --recompute partial
+expect_in train-bad-recompute-msg "$err" "unknown recompute 'partial' (expected none, selective or full)"
 check train-recompute-mlp 2 "$troupe" train --recompute full --workload fmnist-mlp
 expect_in train-recompute-mlp-msg "$err" "fmnist-mlp has none"
 check train-recompute 0 "$troupe" train --steps 1 --threads 1 --pipeline 2 --eval-interval 0 --recompute full --precision bf16
 expect_in train-recompute-log "$err" "intra-op thread(s) per stage, bf16, recompute full"
 expect_in train-recompute-progress "$out" "step 1/1 | loss"
+check train-recompute-selective 0 "$troupe" train --steps 1 --threads 1 --pipeline 2 --eval-interval 0 --recompute selective
+expect_in train-recompute-selective-log "$err" "intra-op thread(s) per stage, recompute selective"
 check train-bad-heads 2 "$troupe" train --heads 5
 expect_in train-bad-heads-msg "$err" "d_model 128 is not a multiple of heads (5)"
 check train-shape-mlp 2 "$troupe" train --workload fmnist-mlp --d-model 64

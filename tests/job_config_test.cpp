@@ -71,7 +71,11 @@ TEST(JobConfig, BadInputGivesErrorsThatNameTheProblem) {
   EXPECT_NE(error_of("", {{"split", "3,3"}, {"pipeline", "2"}}).find("split"), std::string::npos);
   EXPECT_NE(error_of("", {{"lr", "nan"}}).find("optimizer.lr"), std::string::npos);
   EXPECT_EQ(error_of("", {{"split", "3,5"}, {"pipeline", "2"}}), "");
-  EXPECT_NE(error_of("", {{"recompute", "selective"}}).find("unknown recompute 'selective'"), std::string::npos);
+  EXPECT_NE(error_of("", {{"recompute", "partial"}}).find("unknown recompute 'partial' (expected none, selective or full)"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {{"recompute", "selective"}, {"workload", "fmnist-mlp"}}).find("fmnist-mlp has none"),
+            std::string::npos);
+  EXPECT_EQ(error_of("", {{"recompute", "selective"}}), "");
   EXPECT_NE(error_of("", {{"recompute", "full"}, {"workload", "fmnist-mlp"}}).find("fmnist-mlp has none"),
             std::string::npos);
   EXPECT_EQ(error_of("", {{"recompute", "full"}}), "");

@@ -6,9 +6,9 @@
 //   messaging    runtime cost per micro-batch: fmnist-mlp with 1-sample micro-batches
 //                (almost no compute), 64 vs 16 micro-batches per step, actors vs plain loop
 //   memory       bytes of fp32 main params + AdamW moments per optimizer shard, D = 1, 2, 4
-//   recompute    activation recomputation (train.recompute = full): bytes one micro-batch
-//                holds for its backward with and without (gpt-tiny, gpt-small), and the
-//                step time with vs without (p=1 d=1, 1 thread)
+//   recompute    activation recomputation (train.recompute = selective, full): bytes one
+//                micro-batch holds for its backward with each and without (gpt-tiny,
+//                gpt-small), and the step time with each vs without (p=1 d=1, 1 thread)
 //   bf16 params  bf16 stages: bytes of the parameter buffer and bytes one bf16 micro-batch
 //                holds for its backward, with fp32 parameters holding the bf16 values (the
 //                layout before session 30) vs bf16 parameters (gpt-tiny, gpt-small)
@@ -290,12 +290,14 @@ int main(int argc, char** argv) {
         auto slice = make_slice(m.spec, whole, init);
         test::bytes_held_for_backward(*slice, input, target);  // one-off buffers
         const auto plain = test::bytes_held_for_backward(*slice, input, target);
-        slice->set_recompute(true);
+        slice->set_recompute(recompute_mode::selective);
+        const auto selective = test::bytes_held_for_backward(*slice, input, target);
+        slice->set_recompute(recompute_mode::full);
         const auto recomputed = test::bytes_held_for_backward(*slice, input, target);
-        std::printf("| %s, micro-batch %lld x %lld tokens: bytes held for the backward, none / full recompute | "
-                    "%.1f / %.1f MB (%.1fx less) |\n",
-                    m.name, static_cast<long long>(m.mbs), static_cast<long long>(seq), plain / 1e6,
-                    recomputed / 1e6, double(plain) / double(recomputed));
+        std::printf("| %s, micro-batch %lld x %lld tokens: bytes held for the backward, none / selective / full "
+                    "recompute | %.1f / %.1f / %.1f MB (%.1fx / %.1fx less) |\n",
+                    m.name, static_cast<long long>(m.mbs), static_cast<long long>(seq), plain / 1e6, selective / 1e6,
+                    recomputed / 1e6, double(plain) / double(selective), double(plain) / double(recomputed));
       }
       for (auto& [name, t] : init) t = t.to(torch::kBFloat16).to(torch::kFloat32);
       auto held = [&](model_slice& slice) { return test::bytes_held_for_backward(slice, input, target, torch::kBFloat16); };
@@ -323,15 +325,18 @@ int main(int argc, char** argv) {
   {
     auto c = gpt;
     c.threads = 1;
-    double plain = 1e9, full = 1e9;
+    double plain = 1e9, full = 1e9, selective = 1e9;
     for (int round = 0; round < 3; ++round) {
       c.recompute = "none";
       plain = std::min(plain, actor_step_seconds(c, steps).step_s);
+      c.recompute = "selective";
+      selective = std::min(selective, actor_step_seconds(c, steps).step_s);
       c.recompute = "full";
       full = std::min(full, actor_step_seconds(c, steps).step_s);
     }
-    std::printf("| gpt-tiny step, p=1 d=1, 1 thread: none / full recompute | %.1f / %.1f ms (%.2fx) |\n", plain * 1e3,
-                full * 1e3, full / plain);
+    std::printf("| gpt-tiny step, p=1 d=1, 1 thread: none / selective / full recompute | %.1f / %.1f / %.1f ms "
+                "(%.2fx / %.2fx) |\n",
+                plain * 1e3, selective * 1e3, full * 1e3, selective / plain, full / plain);
   }
   zero_bubble_rows(gpt, steps);
   return 0;
