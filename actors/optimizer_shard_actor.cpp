@@ -81,6 +81,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   st.stage = stage;
   st.rank = rank;
   st.name = "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
+  st.chunk_start_us.assign(ctx->v, 0.0);
   if (comm->size() != ctx->d || comm->rank() != rank)
     throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
                            std::to_string(comm->size()));
@@ -144,8 +145,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       auto& ch = s.chunks[ci];
       if (!ch.grads.defined()) return;
       if (s.reduce_scatters++ == 0) s.completed = 0;
-      s.chunk_start_us.resize(s.ctx->v);
-      s.chunk_start_us[ci] = s.ctx->now_us();
+      s.chunk_start_us.at(ci) = s.ctx->now_us();
       report_to_self(s.comm->reduce_scatter(ch.grads, ch.reduced), collective::reduce_scatter, ci);
     }
   };

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
 #include <map>
 #include <set>
 
@@ -44,6 +45,7 @@ struct stage_state {
   bool running = false;
   std::size_t next_op = 0;
   int ops_done = 0, total_ops = 0;
+  std::vector<int> chunk_ops;             // per chunk: its ops in a step (fixed for the actor)
   int forwards_done = 0;
   std::vector<int> chunk_ops_left;        // per chunk: ops still to run this step
   std::map<key, torch::Tensor> inputs;    // received inputs / activations
@@ -78,11 +80,6 @@ struct stage_state {
   }
   /// With p > 1: the chunk holding this stage's copy of the tied embedding.
   int tied_chunk() const { return virtual_of(0) == 0 ? 0 : ctx->v - 1; }
-  /// Ops of `chunk` in this step: counted in the fixed order, or m F's and B's (and W's).
-  int ops_of_chunk(int chunk) const {
-    if (!order) return (ctx->split_backward ? 3 : 2) * ctx->m;
-    return int(std::count_if(order->begin(), order->end(), [&](const pipeline_op& op) { return op.chunk == chunk; }));
-  }
 };
 
 /// Megatron's deallocate_output_tensor: the output's data goes (the receiver holds its
@@ -500,7 +497,13 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   if (!params.empty())
     for (int c = 0; c < ctx->v; ++c) st.chunks[c]->set_params(params.at(c));
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
-  st.total_ops = st.order ? int(st.order->size()) : (ctx->split_backward ? 3 : 2) * ctx->m * ctx->v;
+  // Ops per chunk: counted in the fixed order, or m F's and B's (and W's) each.
+  st.chunk_ops.assign(ctx->v, (ctx->split_backward ? 3 : 2) * ctx->m);
+  if (st.order) {
+    st.chunk_ops.assign(ctx->v, 0);
+    for (const auto& op : *st.order) ++st.chunk_ops.at(op.chunk);
+  }
+  st.total_ops = std::accumulate(st.chunk_ops.begin(), st.chunk_ops.end(), 0);
   if (!ctx->cfg.throw_at.empty() && ctx->faults_armed()) {
     int r = -1, k = -1, s = -1;
     char when[8] = {0};
@@ -552,8 +555,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         s.next_op = 0;
         s.ops_done = 0;
         s.forwards_done = 0;
-        s.chunk_ops_left.clear();
-        for (int c = 0; c < ctx->v; ++c) s.chunk_ops_left.push_back(s.ops_of_chunk(c));
+        s.chunk_ops_left = s.chunk_ops;
         s.params_received = 0;
         auto stash = std::move(s.stash);
         s.stash.clear();
