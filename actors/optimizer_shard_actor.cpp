@@ -19,15 +19,19 @@ using transport::collective;
 
 struct shard_state {
   struct chunk_shard {
-    flat_range range;
+    std::vector<flat_range> buckets;  // the chunk's gradient buckets (grad_buckets)
+    shard_layout layout;       // this rank's piece of each bucket (its shard: their concatenation)
+    std::vector<std::int64_t> at;  // where each bucket's piece begins in the shard
     adamw_shard opt;
     torch::Tensor norm_mask;
     torch::Tensor grads;       // the stage's whole grad buffer of this step (hand-off)
-    torch::Tensor reduced;     // this rank's range of the summed gradients
+    std::vector<char> here;    // per bucket: final, handed over this step
+    torch::Tensor reduced;     // this rank's shard of the summed gradients
     torch::Tensor gathered;    // the whole updated parameter buffer (all-gather target; in
                                // the compute dtype: bf16 jobs gather bf16, half the bytes)
     torch::Tensor rounded;     // bf16 jobs: this rank's main parameters rounded (all-gather input)
     std::vector<param_entry> entries;  // the chunk's layout (names and offsets)
+    std::vector<double> start_us;      // each bucket's reduce-scatter
   };
   std::shared_ptr<const runtime_context> ctx;
   std::shared_ptr<const job_wiring> wiring;
@@ -40,12 +44,16 @@ struct shard_state {
   std::int32_t attempt = 0;
   double lr = 0;
   std::int64_t stall_step = -1;  // fault injection: no reduce-scatter in this step
-  int received = 0;          // grad buffers of this step
-  int reduce_scatters = 0;   // reduce-scatters started this step
-  int completed = 0;         // collectives of the current phase that finished
+  int received = 0;          // buckets handed over this step
+  std::size_t reduce_scatters = 0;  // reduce-scatters started this step (an index into `order`)
+  std::size_t completed = 0; // collectives of the current phase that finished
+  // The (chunk, bucket) reduce-scatters in the order every rank starts them: the last
+  // chunk first and in a chunk the last bucket first (the order the backwards finish
+  // them in). The collectives of a communicator pair up in the order they start, and the
+  // order buckets arrive in may differ between replicas.
+  std::vector<std::pair<int, int>> order;
   std::vector<transport::work_ptr> pending;
   double phase_start_us = 0;
-  std::vector<double> chunk_start_us;  // each chunk's reduce-scatter
   std::vector<trace_event> events;
   std::vector<caf::message> stash;
   // Buddy copies (several nodes, node > 0): the step of the newest copy sent, copies not
@@ -81,7 +89,6 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   st.stage = stage;
   st.rank = rank;
   st.name = "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
-  st.chunk_start_us.assign(ctx->v, 0.0);
   if (comm->size() != ctx->d || comm->rank() != rank)
     throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
                            std::to_string(comm->size()));
@@ -91,28 +98,38 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     // A slice only to learn the layout and initial values of this range; dropped at once.
     auto layout = make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device);
     const auto n = layout->flat_params().numel();
-    const auto range = shard_ranges(n, ctx->d)[rank];
-    if (transport::piece(n, ctx->d, rank) != std::make_pair(range.begin, range.end))
-      throw std::logic_error("shard ranges differ from the transport's pieces");
-    st.chunks.push_back({range,
-                         adamw_shard(layout->flat_params().narrow(0, range.begin, range.size()),
-                                     decay_mask(layout->entries(), range).to(ctx->device), opts,
-                                     /*double_buffered=*/true),
-                         norm_mask(layout->entries(), range).to(ctx->device), {},
-                         torch::empty({range.size()}, layout->flat_params().options()),
-                         torch::empty({n}, layout->flat_params().options().dtype(ctx->compute_dtype)),
-                         ctx->compute_dtype == torch::kFloat32
-                             ? torch::Tensor()
-                             : torch::empty({range.size()}, layout->flat_params().options().dtype(ctx->compute_dtype)),
-                         {}});
+    st.chunks.emplace_back();
     auto& ch = st.chunks.back();
+    ch.buckets = ctx->buckets_of(*layout);
+    ch.layout = bucket_shard(ch.buckets, ctx->d, rank);
+    std::vector<torch::Tensor> mine;
+    for (std::size_t b = 0; b < ch.buckets.size(); ++b) {
+      const auto& piece = ch.layout[b];
+      if (transport::piece(ch.buckets[b].size(), ctx->d, rank) !=
+          std::make_pair(piece.begin - ch.buckets[b].begin, piece.end - ch.buckets[b].begin))
+        throw std::logic_error("bucket pieces differ from the transport's pieces");
+      ch.at.push_back(b == 0 ? 0 : ch.at.back() + ch.layout[b - 1].size());
+      mine.push_back(layout->flat_params().narrow(0, piece.begin, piece.size()));
+    }
+    const auto size = shard_size(ch.layout);
+    ch.opt = adamw_shard(torch::cat(mine), decay_mask(layout->entries(), ch.layout).to(ctx->device), opts,
+                         /*double_buffered=*/true);
+    ch.norm_mask = norm_mask(layout->entries(), ch.layout).to(ctx->device);
+    ch.here.assign(ch.buckets.size(), 0);
+    ch.reduced = torch::empty({size}, layout->flat_params().options());
+    ch.gathered = torch::empty({n}, layout->flat_params().options().dtype(ctx->compute_dtype));
+    if (ctx->compute_dtype != torch::kFloat32)
+      ch.rounded = torch::empty({size}, layout->flat_params().options().dtype(ctx->compute_dtype));
+    ch.start_us.assign(ch.buckets.size(), 0.0);
     if (from) {  // restarted in place: the state before the step being retried
       ch.opt.assign(from->chunks.at(c));
     } else if (!ctx->resume_optim.empty()) {
-      restore_shard(layout->entries(), range, ch.opt, init_by_name, ctx->resume_optim, ctx->start_step);
+      restore_shard(layout->entries(), ch.layout, ch.opt, init_by_name, ctx->resume_optim, ctx->start_step);
     }
     ch.entries = layout->entries();
   }
+  for (int c = ctx->v - 1; c >= 0; --c)
+    for (int b = int(st.chunks[c].buckets.size()) - 1; b >= 0; --b) st.order.emplace_back(c, b);
   if (!from) take_snapshot(st, ctx->start_step);
   if (!ctx->cfg.stall.empty() && ctx->faults_armed()) {
     int k = -1, r = -1, step = -1;
@@ -126,39 +143,44 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     return false;
   };
   // Each collective reports to this actor as collective_done.
-  auto report_to_self = [self](transport::work_ptr w, collective kind, int ci) {
+  auto report_to_self = [self](transport::work_ptr w, collective kind, int ci, int bucket) {
     auto& s = self->state;
-    w->on_complete([me = caf::actor_cast<caf::actor>(self), step = s.step, kind, ci](const std::string& err) {
-      caf::anon_send(me, collective_done{step, std::int32_t(kind), ci, err});
+    w->on_complete([me = caf::actor_cast<caf::actor>(self), step = s.step, kind, ci, bucket](const std::string& err) {
+      caf::anon_send(me, collective_done{step, std::int32_t(kind), ci, bucket, err});
     });
     s.pending.push_back(std::move(w));
   };
-  // Starts the reduce-scatter of each chunk whose buffer is here, as soon as it is (the
-  // stage sends a chunk's buffer when its backwards are done: interleaved schedules
-  // reduce a chunk while the stage computes the others' backwards). Every rank starts
-  // them in the same order, the last chunk first (the order the stages finish them in;
-  // the collectives of a communicator pair up in the order they start).
+  // Starts the reduce-scatters of the buckets handed over, in `order` (the stage hands a
+  // bucket over as soon as the step's last backward has produced it, while that backward
+  // and the other chunks' go on).
   auto start_reduce_scatters = [self, report_to_self] {
     auto& s = self->state;
-    while (s.reduce_scatters < s.ctx->v) {
-      const int ci = s.ctx->v - 1 - s.reduce_scatters;
+    while (s.reduce_scatters < s.order.size()) {
+      const auto [ci, b] = s.order[s.reduce_scatters];
       auto& ch = s.chunks[ci];
-      if (!ch.grads.defined()) return;
+      if (!ch.here[b]) return;
       if (s.reduce_scatters++ == 0) s.completed = 0;
-      s.chunk_start_us.at(ci) = s.ctx->now_us();
-      report_to_self(s.comm->reduce_scatter(ch.grads, ch.reduced), collective::reduce_scatter, ci);
+      ch.start_us[b] = s.ctx->now_us();
+      const auto& bucket = ch.buckets[b];
+      report_to_self(s.comm->reduce_scatter(ch.grads.narrow(0, bucket.begin, bucket.size()),
+                                            ch.reduced.narrow(0, ch.at[b], ch.layout[b].size())),
+                     collective::reduce_scatter, ci, b);
     }
   };
-  // Starts every chunk's all-gather.
+  // Starts every bucket's all-gather.
   auto start_all_gathers = [self, report_to_self] {
     auto& s = self->state;
     s.completed = 0;
     s.phase_start_us = s.ctx->now_us();
-    for (int ci = 0; ci < s.ctx->v; ++ci) {
-      auto& ch = s.chunks[ci];
+    for (auto& ch : s.chunks)
       if (ch.rounded.defined()) ch.rounded.copy_(ch.opt.params());
-      report_to_self(s.comm->all_gather(ch.rounded.defined() ? ch.rounded : ch.opt.params(), ch.gathered),
-                     collective::all_gather, ci);
+    for (const auto& [ci, b] : s.order) {
+      auto& ch = s.chunks[ci];
+      const auto& mine = ch.rounded.defined() ? ch.rounded : ch.opt.params();
+      const auto& bucket = ch.buckets[b];
+      report_to_self(s.comm->all_gather(mine.narrow(0, ch.at[b], ch.layout[b].size()),
+                                        ch.gathered.narrow(0, bucket.begin, bucket.size())),
+                     collective::all_gather, ci, b);
     }
   };
   // Reports the step done once its all-gather finished and the buddy holds its copies.
@@ -209,6 +231,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     for (auto& c : self->state.chunks) {
       held += c.grads.defined();
       c.grads = torch::Tensor();
+      std::fill(c.here.begin(), c.here.end(), 0);
     }
     if (held) rep.leftovers.push_back(std::to_string(held) + " gradient buffer(s) held");
     std::size_t running = 0;
@@ -255,9 +278,18 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
           self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient buffer: " + problem, s.wiring->generation});
           return;
         }
+        if (msg.bucket < 0 || std::size_t(msg.bucket) >= c.buckets.size() || c.here[msg.bucket]) {
+          self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient bucket " +
+                                                                               std::to_string(msg.bucket) +
+                                                                               " of chunk " + std::to_string(msg.chunk) +
+                                                                               ": unknown or handed over twice",
+                                                            s.wiring->generation});
+          return;
+        }
         c.grads = tensor_of(msg.data);
+        c.here[msg.bucket] = 1;
         if (s.step == s.stall_step && s.attempt == 0) {
-          if (++s.received == s.ctx->v)
+          if (++s.received == int(s.order.size()))
             spdlog::warn("fault injected: {} stalls: no reduce-scatter in step {} (index {})", s.name, s.step + 1,
                          s.step);
           return;
@@ -271,20 +303,25 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         if (!msg.error.empty()) {
           self->send(s.wiring->coordinator,
                      runtime_failure{s.step, s.name, std::string(transport::collective_name(collective(msg.kind))) +
-                                                         " of chunk " + std::to_string(msg.chunk) + ": " + msg.error,
+                                                         " of chunk " + std::to_string(msg.chunk) + " (bucket " +
+                                                         std::to_string(msg.bucket) + "): " + msg.error,
                                      s.wiring->generation});
           return;
         }
-        if (collective(msg.kind) == collective::reduce_scatter)  // one event per chunk
-          s.events.push_back({"reduce-scatter", s.rank, s.stage, -1, msg.chunk, s.step, s.chunk_start_us.at(msg.chunk),
-                              s.ctx->now_us(), std::int64_t(s.chunks.at(msg.chunk).grads.nbytes())});
-        if (++s.completed < s.ctx->v) return;
+        if (collective(msg.kind) == collective::reduce_scatter) {  // one event per bucket (its number as mb)
+          const auto& ch = s.chunks.at(msg.chunk);
+          s.events.push_back({"reduce-scatter", s.rank, s.stage, msg.bucket, msg.chunk, s.step,
+                              ch.start_us.at(msg.bucket), s.ctx->now_us(),
+                              ch.buckets.at(msg.bucket).size() * std::int64_t(sizeof(float))});
+        }
+        if (++s.completed < s.order.size()) return;
         s.pending.clear();
         torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
         if (collective(msg.kind) == collective::reduce_scatter) {
           for (int ci = 0; ci < s.ctx->v; ++ci) {
             auto& ch = s.chunks[ci];
             ch.grads = torch::Tensor();  // the stage's buffer is no longer read
+            std::fill(ch.here.begin(), ch.here.end(), 0);
             self->send(s.wiring->coordinator, grad_norm_partial{s.step, ci * s.ctx->p + s.stage, s.rank,
                                                                 partial_sq_norm(ch.reduced, ch.norm_mask)});
           }
@@ -320,7 +357,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       [=](state_atom) -> state_reply {
         const bool main = self->state.ctx->compute_dtype != torch::kFloat32;
         named_moments moments;
-        for (const auto& ch : self->state.chunks) gather_moments(ch.entries, ch.range, ch.opt, moments, main);
+        for (const auto& ch : self->state.chunks) gather_moments(ch.entries, ch.layout, ch.opt, moments, main);
         state_reply rep;
         for (auto [m, prefix] : {std::pair{&moments.exp_avg, "exp_avg."}, std::pair{&moments.exp_avg_sq, "exp_avg_sq."},
                                  std::pair{&moments.main_params, "main."}})

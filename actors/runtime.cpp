@@ -53,6 +53,10 @@ runtime_context::runtime_context(const job_config& c, std::chrono::steady_clock:
   check_state(spec, init);
 }
 
+std::vector<flat_range> runtime_context::buckets_of(const model_slice& slice) const {
+  return grad_buckets(slice.entries(), slice.flat_grads().numel(), d, d > 1 ? cfg.bucket_size : 0);
+}
+
 std::vector<std::int64_t> runtime_context::activation_shape(int x) const {
   if (spec.type == model_spec::kind::gpt) return {mbs, spec.gpt.seq_len, spec.gpt.d_model};
   return {mbs, spec.mlp_widths.at(ranges.at(x).first)};

@@ -23,6 +23,7 @@
 #include <caf/actor.hpp>
 #include <caf/error.hpp>
 
+#include "compute/grad_buffer.hpp"
 #include "compute/job_config.hpp"
 #include "compute/model.hpp"
 #include "compute/partition.hpp"
@@ -65,6 +66,9 @@ struct runtime_context {
   /// gradient leaving it.
   std::vector<std::int64_t> activation_shape(int x) const;
   std::string stage_name(int replica, int stage) const;
+  /// The gradient buckets of a chunk laid out as `slice` (stages and shards agree on
+  /// them): parallel.bucket_size's with data parallelism, else one.
+  std::vector<flat_range> buckets_of(const model_slice& slice) const;
 };
 
 /// Handles of all actors of the job, filled before the first step (the supervisor's own

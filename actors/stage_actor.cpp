@@ -61,6 +61,12 @@ struct stage_state {
   int in_flight = 0, peak_in_flight = 0;
   bool tied_pending = false;
   torch::Tensor tied_in;
+  // Gradient buckets (per chunk): a watch reports each bucket as the step's last backward
+  // produces it, and the bucket goes to the shard at once (Megatron's overlapped gradient
+  // reduction); a tied chunk's buckets holding the tied embedding wait for its sum.
+  std::vector<std::unique_ptr<grad_ready_watch>> watches;  // (kept across steps)
+  std::vector<std::vector<char>> tied_bucket;              // per chunk and bucket (kept)
+  std::vector<std::vector<int>> held;                      // per chunk: buckets waiting for the tied sum
   int params_received = 0;
   std::vector<trace_event> events;
   std::vector<caf::message> stash;        // messages of a later step
@@ -240,6 +246,9 @@ class stage_logic {
     } else {
       auto sv = std::move(s_.saved[k]);
       s_.saved.erase(k);
+      // The chunk's last op: its buckets go to the shard as this backward finishes them
+      // (split backwards: after their W's, in chunk_done).
+      if (!split && s_.chunk_ops_left.at(op.chunk) == 1) s_.watches.at(op.chunk)->arm();
       if (s_.is_last_virtual(op.chunk)) {
         sv.output.backward();
       } else {
@@ -264,12 +273,14 @@ class stage_logic {
   }
 
   /// A chunk's ops all ran: its gradients are final (but for a tied embedding's, which
-  /// the first and last stage sum first). Its buffer goes to the shard now, while the
-  /// stage runs the other chunks' backwards (interleaved schedules: Megatron's
-  /// overlap of a model chunk's gradient reduction with the rest of the backward).
+  /// the first and last stage sum first). Its buckets not handed over during the last
+  /// backward go to the shard now, while the stage runs the other chunks' backwards
+  /// (interleaved schedules: Megatron's overlap of a model chunk's gradient reduction
+  /// with the rest of the backward).
   void chunk_done(int chunk) {
     const auto& ctx = *s_.ctx;
-    if (!s_.is_tied_chunk(chunk)) return send_grad_shard(chunk);
+    s_.watches.at(chunk)->finish();
+    if (!s_.is_tied_chunk(chunk)) return;
     if (ctx.p == 1) return;  // both copies here (v > 1): summed once every op ran (after_backward)
     auto& mine = tied_slice().param("wte.weight").mutable_grad();
     const auto peer = s_.stage == 0 ? ctx.p - 1 : 0;
@@ -291,8 +302,8 @@ class stage_logic {
         first.add_(last);
         last.copy_(first);
       }
-      send_grad_shard(0);
-      send_grad_shard(ctx.v - 1);
+      send_held(0);
+      send_held(ctx.v - 1);
     }
   }
 
@@ -309,13 +320,31 @@ class stage_logic {
     }
     s_.tied_pending = false;
     s_.tied_in = torch::Tensor();
-    send_grad_shard(s_.tied_chunk());
+    send_held(s_.tied_chunk());
   }
 
-  /// Hands a chunk's grad buffer to this replica's shard of the stage (same process).
-  void send_grad_shard(int chunk) {
-    self_->send(s_.wiring->shards[s_.stage][s_.replica],
-                grad_shard{s_.step, chunk, s_.replica, make_payload(s_.chunks[chunk]->flat_grads())});
+  /// A watch reported bucket `b` of `chunk` final: to the shard, or held for the tied sum.
+  /// (With CUDA this runs on LibTorch's autograd thread while the actor's thread waits
+  /// for its backward.)
+  void bucket_ready(int chunk, int b) {
+    if (s_.tied_bucket.at(chunk).at(b) && s_.is_tied_chunk(chunk)) {
+      s_.held.at(chunk).push_back(b);
+      return;
+    }
+    send_bucket(chunk, b);
+  }
+
+  void send_held(int chunk) {
+    for (int b : s_.held.at(chunk)) send_bucket(chunk, b);
+    s_.held.at(chunk).clear();
+  }
+
+  /// Hands bucket `b` of a chunk's grad buffer to this replica's shard of the stage (same
+  /// process; the message carries the whole buffer). anon_send: it may run on another
+  /// thread than the actor's (see bucket_ready).
+  void send_bucket(int chunk, int b) {
+    caf::anon_send(s_.wiring->shards[s_.stage][s_.replica],
+                   grad_shard{s_.step, chunk, s_.replica, b, make_payload(s_.chunks[chunk]->flat_grads())});
   }
 
   void on_params(const param_shard& msg) {
@@ -359,6 +388,8 @@ class stage_logic {
     s_.stash.clear();
     s_.tied_in = torch::Tensor();
     s_.tied_pending = false;
+    for (auto& w : s_.watches) w->disarm();
+    for (auto& h : s_.held) h.clear();
     s_.in_flight = s_.peak_in_flight = s_.forwards_done = 0;
     s_.events.clear();
     s_.running = false;
@@ -531,6 +562,19 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   // reports it to the coordinator, which aborts the step).
   self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
   auto logic = std::make_shared<stage_logic>(self);
+  for (int c = 0; c < ctx->v; ++c) {
+    auto& slice = *st.chunks[c];
+    auto buckets = ctx->buckets_of(slice);
+    std::vector<char> tied(buckets.size(), 0);
+    for (const auto& e : slice.entries())
+      if (e.name == "wte.weight")
+        for (std::size_t b = 0; b < buckets.size(); ++b)
+          tied[b] = e.offset < buckets[b].end && e.offset + e.numel > buckets[b].begin;
+    st.tied_bucket.push_back(std::move(tied));
+    st.held.emplace_back();
+    st.watches.push_back(
+        std::make_unique<grad_ready_watch>(slice, std::move(buckets), [logic, c](int b) { logic->bucket_ready(c, b); }));
+  }
   const auto act_shape = [ctx](int x) { return ctx->activation_shape(x); };
   return {
       [=](const begin_step& msg) {

@@ -68,7 +68,8 @@ void write_chrome_trace(const std::string& path, const std::vector<trace_event>&
       args["mb"] = e.mb;
       args["chunk"] = e.chunk;
     } else if (e.chunk >= 0) {
-      args["chunk"] = e.chunk;  // a chunk's collective (reduce-scatter)
+      args["chunk"] = e.chunk;  // a chunk's collective (reduce-scatter of one of its buckets)
+      if (e.mb >= 0) args["bucket"] = e.mb;
     }
     if (compute) {
       args["op"] = e.name;

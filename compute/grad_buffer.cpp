@@ -1,6 +1,13 @@
 #include "compute/grad_buffer.hpp"
 
+#include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <stdexcept>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 namespace troupe {
 
@@ -15,14 +22,52 @@ std::vector<flat_range> shard_ranges(std::int64_t padded_size, int ranks) {
   return out;
 }
 
-std::vector<shard_piece> shard_pieces(const std::vector<param_entry>& entries, const flat_range& shard) {
+std::vector<flat_range> grad_buckets(const std::vector<param_entry>& entries, std::int64_t padded_size, int ranks,
+                                     std::int64_t bucket_elems) {
+  shard_ranges(padded_size, ranks);  // checks the size
+  if (bucket_elems <= 0) return {{0, padded_size}};
+  std::vector<flat_range> out;
+  std::int64_t end = padded_size;
+  for (auto e = entries.rbegin(); e != entries.rend(); ++e) {
+    const auto cut = e->offset / ranks * ranks;  // where this parameter begins, rounded down
+    if (cut > 0 && end - cut >= bucket_elems) {
+      out.push_back({cut, end});
+      end = cut;
+    }
+  }
+  if (end > 0) out.push_back({0, end});
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+shard_layout bucket_shard(const std::vector<flat_range>& buckets, int ranks, int rank) {
+  shard_layout out;
+  for (const auto& b : buckets) {
+    if (b.size() % ranks != 0) throw std::invalid_argument("a gradient bucket's size must be a multiple of the ranks");
+    const auto piece = b.size() / ranks;
+    out.push_back({b.begin + rank * piece, b.begin + (rank + 1) * piece});
+  }
+  return out;
+}
+
+std::int64_t shard_size(const shard_layout& shard) {
+  std::int64_t n = 0;
+  for (const auto& r : shard) n += r.size();
+  return n;
+}
+
+std::vector<shard_piece> shard_pieces(const std::vector<param_entry>& entries, const shard_layout& shard) {
   std::vector<shard_piece> out;
-  for (std::size_t i = 0; i < entries.size(); ++i) {
-    const auto& e = entries[i];
-    const auto begin = std::max(e.offset, shard.begin);
-    const auto end = std::min(e.offset + e.numel, shard.end);
-    if (begin >= end) continue;
-    out.push_back({i, {begin - e.offset, end - e.offset}, {begin - shard.begin, end - shard.begin}});
+  std::int64_t base = 0;  // where the range starts in the shard
+  for (const auto& range : shard) {
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const auto& e = entries[i];
+      const auto begin = std::max(e.offset, range.begin);
+      const auto end = std::min(e.offset + e.numel, range.end);
+      if (begin >= end) continue;
+      out.push_back({i, {begin - e.offset, end - e.offset}, {base + begin - range.begin, base + end - range.begin}});
+    }
+    base += range.size();
   }
   return out;
 }
@@ -38,23 +83,23 @@ int entry_at(const std::vector<param_entry>& entries, std::int64_t index) {
 
 namespace {
 template <class Pred>
-torch::Tensor mask_of(const std::vector<param_entry>& entries, const flat_range& shard, Pred pred) {
-  auto mask = torch::zeros({shard.size()}, torch::kBool);
+torch::Tensor mask_of(const std::vector<param_entry>& entries, const shard_layout& shard, Pred pred) {
+  auto mask = torch::zeros({shard_size(shard)}, torch::kBool);
   for (const auto& piece : shard_pieces(entries, shard))
     if (pred(entries[piece.entry])) mask.narrow(0, piece.in_shard.begin, piece.in_shard.size()).fill_(true);
   return mask;
 }
 }  // namespace
 
-torch::Tensor decay_mask(const std::vector<param_entry>& entries, const flat_range& shard) {
+torch::Tensor decay_mask(const std::vector<param_entry>& entries, const shard_layout& shard) {
   return mask_of(entries, shard, [](const param_entry& e) { return e.decay; });
 }
 
-torch::Tensor norm_mask(const std::vector<param_entry>& entries, const flat_range& shard) {
+torch::Tensor norm_mask(const std::vector<param_entry>& entries, const shard_layout& shard) {
   return mask_of(entries, shard, [](const param_entry& e) { return !e.shared_copy; });
 }
 
-void gather_moments(const std::vector<param_entry>& entries, const flat_range& range, const adamw_shard& shard,
+void gather_moments(const std::vector<param_entry>& entries, const shard_layout& range, const adamw_shard& shard,
                     named_moments& out, bool main_params) {
   std::vector<std::pair<std::map<std::string, torch::Tensor>*, const torch::Tensor*>> parts{
       {&out.exp_avg, &shard.exp_avg()}, {&out.exp_avg_sq, &shard.exp_avg_sq()}};
@@ -71,7 +116,7 @@ void gather_moments(const std::vector<param_entry>& entries, const flat_range& r
   }
 }
 
-void restore_shard(const std::vector<param_entry>& entries, const flat_range& range, adamw_shard& shard,
+void restore_shard(const std::vector<param_entry>& entries, const shard_layout& range, adamw_shard& shard,
                    const std::map<std::string, torch::Tensor>& params,
                    const std::map<std::string, torch::Tensor>& optim, std::int64_t steps) {
   auto get = [](const std::map<std::string, torch::Tensor>& m, const std::string& name) {
@@ -90,5 +135,123 @@ void restore_shard(const std::vector<param_entry>& entries, const flat_range& ra
   }
   shard.set_steps(steps);
 }
+
+struct grad_ready_watch::state {
+  std::mutex mu;  // hooks may run on LibTorch's autograd thread (CUDA)
+  bool armed = false;
+  std::vector<char> param_done;                 // per parameter, this arming
+  std::vector<int> left;                        // per bucket: its parameters still to come
+  std::vector<char> reported;                   // per bucket, this arming
+  std::vector<std::vector<int>> buckets_of;     // per parameter: the buckets it overlaps
+  std::vector<int> params_in;                   // per bucket: how many parameters overlap it
+  std::atomic<std::int64_t> early{0};
+  callback cb;
+
+  /// The buckets made ready by parameter `i`'s gradient (under mu).
+  std::vector<int> on_param(std::size_t i) {
+    std::vector<int> ready;
+    if (!armed || param_done[i]) return ready;
+    param_done[i] = 1;
+    for (int b : buckets_of[i])
+      if (--left[b] == 0 && !reported[b]) {
+        reported[b] = 1;
+        ready.push_back(b);
+      }
+    return ready;
+  }
+};
+
+namespace {
+/// Runs after a parameter's AccumulateGrad node: that parameter's gradient of this
+/// backward is in its .grad.
+class accumulated_hook : public torch::autograd::FunctionPostHook {
+ public:
+  accumulated_hook(std::shared_ptr<grad_ready_watch::state> s, std::size_t param) : s_(std::move(s)), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    std::vector<int> ready;
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      ready = s_->on_param(param_);
+    }
+    for (int b : ready) {
+      ++s_->early;
+      s_->cb(b);
+    }
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<grad_ready_watch::state> s_;
+  std::size_t param_;
+};
+}  // namespace
+
+grad_ready_watch::grad_ready_watch(model_slice& slice, std::vector<flat_range> buckets, callback cb)
+    : buckets_(std::move(buckets)), state_(std::make_shared<state>()) {
+  const auto& entries = slice.entries();
+  auto& s = *state_;
+  s.cb = std::move(cb);
+  s.param_done.assign(entries.size(), 0);
+  s.buckets_of.resize(entries.size());
+  s.params_in.assign(buckets_.size(), 0);
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (entries[i].offset < buckets_[b].end && entries[i].offset + entries[i].numel > buckets_[b].begin) {
+        s.buckets_of[i].push_back(int(b));
+        ++s.params_in[b];
+      }
+  s.left = s.params_in;
+  s.reported.assign(buckets_.size(), 1);
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    // Held here: a parameter keeps only a weak reference to its accumulator, which would
+    // otherwise go (hooks and all) whenever no graph uses it.
+    auto acc = torch::autograd::impl::grad_accumulator(slice.parameters().at(i));
+    if (!acc) throw std::logic_error("grad_ready_watch: parameter " + entries[i].name + " has no gradient accumulator");
+    acc->add_post_hook(std::make_unique<accumulated_hook>(state_, i));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+grad_ready_watch::~grad_ready_watch() { disarm(); }
+
+void grad_ready_watch::arm() {
+  std::vector<int> empty;  // buckets of padding only: ready at once
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    auto& s = *state_;
+    s.armed = true;
+    std::fill(s.param_done.begin(), s.param_done.end(), 0);
+    s.left = s.params_in;
+    std::fill(s.reported.begin(), s.reported.end(), 0);
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (s.left[b] == 0) {
+        s.reported[b] = 1;
+        empty.push_back(int(b));
+      }
+  }
+  for (int b : empty) state_->cb(b);
+}
+
+void grad_ready_watch::finish() {
+  std::vector<int> rest;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    auto& s = *state_;
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (!s.armed || !s.reported[b]) rest.push_back(int(b));
+    s.armed = false;
+    std::fill(s.reported.begin(), s.reported.end(), 1);
+  }
+  for (int b : rest) state_->cb(b);
+}
+
+void grad_ready_watch::disarm() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->armed = false;
+  std::fill(state_->reported.begin(), state_->reported.end(), 1);
+}
+
+std::int64_t grad_ready_watch::reported_early() const { return state_->early.load(); }
 
 }  // namespace troupe

@@ -6,7 +6,19 @@
 //
 // Each data-parallel rank owns one equal range of the (padded) buffer; ranges ignore
 // parameter boundaries. A `shard_piece` is where one parameter and one shard overlap.
+//
+// With gradient buckets (Megatron's overlapped gradient reduction) the buffer is cut into
+// consecutive buckets, each reduce-scattered on its own as soon as the last backward has
+// produced its gradients; each rank owns one equal piece of every bucket:
+//
+//   buckets:      |<------ bucket 0 ------>|<---------- bucket 1 ---------->|
+//   shards (d=2): |  rank 0   |  rank 1    |    rank 0      |    rank 1      |
+//
+// and its shard is the concatenation of its pieces (a `shard_layout`). One bucket gives
+// the equal ranges above.
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,6 +28,10 @@
 
 #include "compute/model.hpp"
 #include "compute/optimizer.hpp"
+
+namespace torch::autograd {
+struct Node;
+}
 
 namespace troupe {
 
@@ -30,6 +46,25 @@ struct flat_range {
 /// Equal ranges of a buffer of `padded_size` elements (a multiple of `ranks`).
 std::vector<flat_range> shard_ranges(std::int64_t padded_size, int ranks);
 
+/// A rank's shard: ranges of the flat buffer, in order; the shard is their concatenation.
+using shard_layout = std::vector<flat_range>;
+
+/// Gradient buckets of a slice's buffer of `padded_size` elements (a multiple of `ranks`)
+/// laid out as `entries`: consecutive ranges covering it, each a multiple of `ranks`
+/// elements. Built from the end (the backward produces the last parameters' gradients
+/// first): a bucket ends where a parameter begins once it holds at least
+/// `bucket_elems` elements (rounded to a multiple of `ranks`: a boundary may fall a few
+/// elements into a parameter). `bucket_elems` <= 0: one bucket, the whole buffer.
+std::vector<flat_range> grad_buckets(const std::vector<param_entry>& entries, std::int64_t padded_size, int ranks,
+                                     std::int64_t bucket_elems);
+
+/// Rank `rank`'s shard of a buffer cut into `buckets`: its equal piece of each bucket
+/// (what a reduce-scatter of that bucket over `ranks` ranks gives it), in bucket order.
+shard_layout bucket_shard(const std::vector<flat_range>& buckets, int ranks, int rank);
+
+/// Elements of a shard (the sum of its ranges).
+std::int64_t shard_size(const shard_layout& shard);
+
 /// The overlap of one parameter with one shard.
 struct shard_piece {
   std::size_t entry = 0;       ///< index into the slice's entries
@@ -37,18 +72,18 @@ struct shard_piece {
   flat_range in_shard;         ///< the same elements, 0-based in the shard
 };
 
-/// Parameter -> shard: every piece of every parameter that falls in `shard`, in order.
-std::vector<shard_piece> shard_pieces(const std::vector<param_entry>& entries, const flat_range& shard);
+/// Parameter -> shard: every piece of every parameter that falls in `shard`, in shard order.
+std::vector<shard_piece> shard_pieces(const std::vector<param_entry>& entries, const shard_layout& shard);
 
 /// Shard -> parameter: the entry holding flat element `index`, or -1 for padding.
 int entry_at(const std::vector<param_entry>& entries, std::int64_t index);
 
 /// Per element of `shard`: 1 where weight decay applies, else 0 (bool tensor).
-torch::Tensor decay_mask(const std::vector<param_entry>& entries, const flat_range& shard);
+torch::Tensor decay_mask(const std::vector<param_entry>& entries, const shard_layout& shard);
 
 /// Per element of `shard`: 1 where the element counts in the global grad norm (not
 /// padding, not a shared copy of a tied parameter), else 0 (bool tensor).
-torch::Tensor norm_mask(const std::vector<param_entry>& entries, const flat_range& shard);
+torch::Tensor norm_mask(const std::vector<param_entry>& entries, const shard_layout& shard);
 
 /// Optimizer state by parameter name, the layout-free form checkpoints use.
 struct named_moments {
@@ -57,18 +92,52 @@ struct named_moments {
   std::map<std::string, torch::Tensor> main_params;
 };
 
-/// Adds shard `range`'s AdamW moments into `out` (per-parameter flat CPU tensors, zero
+/// Adds shard `shard`'s AdamW moments into `out` (per-parameter flat CPU tensors, zero
 /// outside the shard; shared copies of tied parameters are left out), and with
 /// `main_params` its main parameters too. Summing the `named_moments` of all shards of a
 /// slice assembles the whole.
-void gather_moments(const std::vector<param_entry>& entries, const flat_range& range, const adamw_shard& shard,
+void gather_moments(const std::vector<param_entry>& entries, const shard_layout& layout, const adamw_shard& shard,
                     named_moments& out, bool main_params = false);
 
-/// Restores shard `range` from a checkpoint by name: main parameters from `params`,
+/// Restores shard `layout` from a checkpoint by name: main parameters from `params`,
 /// moments from `optim` ("exp_avg.<name>", "exp_avg_sq.<name>"), and the step count.
 /// Throws std::runtime_error naming a missing entry.
-void restore_shard(const std::vector<param_entry>& entries, const flat_range& range, adamw_shard& shard,
+void restore_shard(const std::vector<param_entry>& entries, const shard_layout& layout, adamw_shard& shard,
                    const std::map<std::string, torch::Tensor>& params,
                    const std::map<std::string, torch::Tensor>& optim, std::int64_t steps);
+
+/// Reports, during a slice's backward, each gradient bucket whose gradients that backward
+/// has finished accumulating (Megatron's bucket hooks for its overlapped gradient
+/// reduction): a hook on each parameter's gradient accumulator counts the parameters of a
+/// bucket still to come. Armed for one backward (the step's last of the slice); `finish`
+/// reports the buckets it did not (parameters that got no gradient, or a backward that
+/// ran unarmed) and disarms. The callback runs on the thread running the backward (with
+/// CUDA: LibTorch's autograd thread of the device, its current stream the one the
+/// gradients were accumulated on). Each bucket is reported once per arming.
+class grad_ready_watch {
+ public:
+  using callback = std::function<void(int bucket)>;
+  grad_ready_watch(model_slice& slice, std::vector<flat_range> buckets, callback cb);
+  ~grad_ready_watch();
+  grad_ready_watch(const grad_ready_watch&) = delete;
+  grad_ready_watch& operator=(const grad_ready_watch&) = delete;
+
+  const std::vector<flat_range>& buckets() const { return buckets_; }
+  /// The next backward reports buckets as their gradients become final.
+  void arm();
+  /// Reports every bucket not reported since `arm` (all of them when not armed), disarms.
+  void finish();
+  /// Drops the arming without reporting (an aborted step).
+  void disarm();
+  /// Buckets reported by hooks (not by `finish`) since the watch was made (tests).
+  std::int64_t reported_early() const;
+
+  struct state;  // shared with the hooks
+
+ private:
+  std::vector<flat_range> buckets_;
+  std::shared_ptr<state> state_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept: hooks live on them
+};
 
 }  // namespace troupe

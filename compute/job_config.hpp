@@ -4,7 +4,7 @@
 //   [train]     workload, steps, seed, threads, eval_interval, runtime, step_timeout, checksum,
 //               device, precision
 //   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split,
-//               max_in_flight, split_backward, credit_window
+//               max_in_flight, split_backward, credit_window, bucket_size
 //   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
 //   [data]      global_batch, fortunes_dir, fmnist_dir
 //   [output]    metrics, save, load, init, checkpoint_interval, checkpoint_dir,
@@ -57,6 +57,8 @@ struct job_config {
   bool split_backward = false;        ///< dataflow: backward split into B and W, a W run when nothing else
                                       ///< can and it is due (zero-bubble always splits)
   int credit_window = 2;              ///< micro-batches a loader sends ahead of consumption
+  std::int64_t bucket_size = 0;       ///< d > 1: gradient buckets of at least this many elements per
+                                      ///< chunk, reduce-scattered during the last backward (0: one bucket)
   std::vector<int> split;             ///< explicit layers per virtual stage
   // [optimizer]
   double lr = 1e-3, min_lr = 1e-4;

@@ -74,8 +74,8 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
       const auto& range = ranges[r];
       shards_.push_back({x, r, range,
                          adamw_shard(s.flat_params().narrow(0, range.begin, range.size()),
-                                     decay_mask(s.entries(), range), opts),
-                         norm_mask(s.entries(), range)});
+                                     decay_mask(s.entries(), {range}), opts),
+                         norm_mask(s.entries(), {range})});
     }
   }
   if (!cfg.load.empty()) load_checkpoint(cfg.load);
@@ -155,7 +155,7 @@ state_dict local_trainer::state() const { return replicas_[0]->state(); }
 state_dict local_trainer::optimizer_state() const {
   named_moments moments;
   for (const auto& sh : shards_)
-    gather_moments(replicas_[0]->slice(sh.virtual_stage).entries(), sh.range, sh.opt, moments);
+    gather_moments(replicas_[0]->slice(sh.virtual_stage).entries(), {sh.range}, sh.opt, moments);
   return optimizer_state_dict(moments, replicas_[0]->state(), next_step_);
 }
 
@@ -169,7 +169,7 @@ void local_trainer::load_checkpoint(const std::string& path) {
   const auto ckpt = read_checkpoint(path, spec_, cfg_.steps);
   for (auto& sh : shards_) {
     try {
-      restore_shard(replicas_[0]->slice(sh.virtual_stage).entries(), sh.range, sh.opt, ckpt.params, ckpt.optim, ckpt.step);
+      restore_shard(replicas_[0]->slice(sh.virtual_stage).entries(), {sh.range}, sh.opt, ckpt.params, ckpt.optim, ckpt.step);
     } catch (const std::runtime_error& e) {
       throw checkpoint_error("optimizer checkpoint " + path + ".optim: " + e.what());
     }

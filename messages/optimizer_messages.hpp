@@ -11,13 +11,14 @@
 namespace troupe {
 
 /// Stage (replica r) -> its own optimizer shard (rank r of that stage, same process):
-/// chunk `chunk`'s whole grad buffer, which the d shards of the stage reduce-scatter
-/// through their communicator (the stage leaves the buffer alone until its parameters
-/// come back).
+/// bucket `bucket` of chunk `chunk`'s grad buffer is final; the d shards of the stage
+/// reduce-scatter it through their communicator (the stage leaves the buffer alone
+/// until its parameters come back). One message per bucket, each with the whole buffer.
 struct grad_shard {
   std::int64_t step = 0;
   std::int32_t chunk = 0;
   std::int32_t replica = 0;
+  std::int32_t bucket = 0;  ///< the gradient bucket now final (see grad_buckets); data: the whole buffer
   tensor_payload data;
 };
 
@@ -52,16 +53,17 @@ struct collective_done {
   std::int64_t step = 0;
   std::int32_t kind = 0;  ///< transport::collective
   std::int32_t chunk = 0;
+  std::int32_t bucket = 0;
   std::string error;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, collective_done& x) {
-  return f(caf::meta::type_name("collective_done"), x.step, x.kind, x.chunk, x.error);
+  return f(caf::meta::type_name("collective_done"), x.step, x.kind, x.chunk, x.bucket, x.error);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, grad_shard& x) {
-  return f(caf::meta::type_name("grad_shard"), x.step, x.chunk, x.replica, x.data);
+  return f(caf::meta::type_name("grad_shard"), x.step, x.chunk, x.replica, x.bucket, x.data);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, grad_norm_partial& x) {

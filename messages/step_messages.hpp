@@ -22,12 +22,12 @@ struct trace_event {
   std::string name;        ///< "F", "B", "send activation", "recv gradient", ..., "reduce-scatter", ...
   std::int32_t replica = 0;
   std::int32_t stage = -1; ///< pipeline stage (track); -1 for non-stage actors
-  std::int32_t mb = -1;
+  std::int32_t mb = -1;     ///< micro-batch; a reduce-scatter: its gradient bucket
   std::int32_t chunk = -1;
   std::int64_t step = 0;
   double start_us = 0;     ///< microseconds since the run's epoch
   double end_us = 0;
-  std::int64_t bytes = -1; ///< tensor sends/receives: the tensor's bytes; collectives: the whole buffer's; -1: none
+  std::int64_t bytes = -1; ///< tensor sends/receives: the tensor's bytes; collectives: the buffer's or bucket's; -1: none
 };
 
 /// Stage -> coordinator: the stage ran all its ops and received its updated parameters.

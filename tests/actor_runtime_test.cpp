@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <map>
 
@@ -13,6 +14,7 @@
 #include "actors/runtime.hpp"
 #include "actors/supervisor_actor.hpp"
 #include "compute/checkpoint.hpp"
+#include "compute/grad_buffer.hpp"
 #include "compute/partition.hpp"
 #include "compute/trainer.hpp"
 #include "test_util.hpp"
@@ -54,6 +56,7 @@ struct layout {
   int p, d, v;
   const char* schedule;
   bool split_backward = false;  // dataflow
+  std::int64_t bucket_size = 0;  // gradient buckets (parallel.bucket_size)
 };
 
 std::string name_of(const layout& l) {
@@ -61,7 +64,7 @@ std::string name_of(const layout& l) {
   if (k == "interleaved-1f1b") k = "interleaved";
   if (k == "zero-bubble") k = "zero_bubble";  // gtest names: letters, digits, _
   return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" + std::to_string(l.v) + "_" + k +
-         (l.split_backward ? "_split" : "");
+         (l.split_backward ? "_split" : "") + (l.bucket_size ? "_buckets" : "");
 }
 
 void PrintTo(const layout& l, std::ostream* os) { *os << name_of(l); }
@@ -73,6 +76,7 @@ job_config gpt_layout(const layout& l) {
   c.chunks = l.v;
   c.schedule = l.schedule;
   c.split_backward = l.split_backward;
+  c.bucket_size = l.bucket_size;
   c.microbatches = l.d == 1 ? 8 : 4;
   return c;
 }
@@ -148,14 +152,19 @@ INSTANTIATE_TEST_SUITE_P(
                       layout{1, 2, 2, "interleaved-1f1b"}, layout{2, 2, 2, "interleaved-1f1b"},
                       layout{2, 1, 1, "dataflow"}, layout{4, 2, 1, "dataflow"},
                       layout{2, 1, 1, "dataflow", true}, layout{4, 2, 1, "dataflow", true},
-                      layout{2, 1, 1, "zero-bubble"}, layout{4, 2, 1, "zero-bubble"}),
+                      layout{2, 1, 1, "zero-bubble"}, layout{4, 2, 1, "zero-bubble"},
+                      // gradient buckets reduce-scattered during the last backward
+                      layout{2, 2, 1, "1f1b", false, 20000}, layout{1, 2, 2, "interleaved-1f1b", false, 20000},
+                      layout{2, 2, 2, "interleaved-1f1b", false, 20000}, layout{2, 2, 1, "zero-bubble", false, 20000},
+                      layout{4, 2, 1, "dataflow", true, 20000}),
     [](const auto& info) { return name_of(info.param); });
 
 // Interleaved schedules: a stage hands each chunk's gradient buffer to its shard as soon
-// as that chunk's backwards are done, and the shard reduce-scatters it while the stage
-// still computes the other chunk's backwards (on stage 0 chunk 1 finishes first; the last
-// stage's chunk 1 holds the tied embedding and waits for stage 0's gradient of it). One
-// reduce-scatter per chunk, of that chunk's buffer.
+// as that chunk's backwards are done (one bucket: when the last backward has accumulated
+// its last gradient), and the shard reduce-scatters it while the stage still computes the
+// other chunk's backwards (on stage 0 chunk 1 finishes first; the last stage's chunk 1
+// holds the tied embedding and waits for stage 0's gradient of it). One reduce-scatter
+// per chunk, of that chunk's buffer.
 TEST(ActorRuntime, InterleavedChunksReduceScatterWhileTheOtherChunkComputes) {
   auto c = gpt_layout({2, 2, 2, "interleaved-1f1b"});
   c.steps = 3;
@@ -164,13 +173,13 @@ TEST(ActorRuntime, InterleavedChunksReduceScatterWhileTheOtherChunkComputes) {
   const auto ranges = partition_layers(c.model().n_layers(), c.pipeline * c.chunks);
   for (std::int64_t step = 0; step < c.steps; ++step)
     for (int r = 0; r < c.data_parallel; ++r) {
-      double last_op_end = 0, chunk1_end = 0;
+      double last_op_end = 0, chunk1_last = 0;  // stage 0: the end of its last op, the start of chunk 1's last
       std::map<std::pair<int, int>, const trace_event*> rs;  // (stage, chunk)
       for (const auto& e : got.events) {
         if (e.step != step || e.replica != r) continue;
         if ((e.name == "F" || e.name == "B") && e.stage == 0) {
           last_op_end = std::max(last_op_end, e.end_us);
-          if (e.chunk == 1) chunk1_end = std::max(chunk1_end, e.end_us);
+          if (e.chunk == 1) chunk1_last = std::max(chunk1_last, e.start_us);
         }
         if (e.name == "reduce-scatter") {
           EXPECT_FALSE(rs.count({e.stage, e.chunk})) << "two reduce-scatters of stage " << e.stage << " chunk " << e.chunk;
@@ -184,12 +193,62 @@ TEST(ActorRuntime, InterleavedChunksReduceScatterWhileTheOtherChunkComputes) {
         EXPECT_EQ(e->bytes, std::int64_t(slice->flat_grads().nbytes())) << "stage " << where.first << " chunk " << where.second;
       }
       const auto& early = *rs.at({0, 1});
-      EXPECT_GE(early.start_us, chunk1_end) << "chunk 1's reduce-scatter began before its last backward ended";
+      EXPECT_GE(early.start_us, chunk1_last) << "chunk 1's reduce-scatter began before its last backward";
       EXPECT_LT(early.start_us, last_op_end)
           << "step " << step << ", replica " << r << ": stage 0's chunk 1 was reduce-scattered only after every op ("
           << (early.start_us - last_op_end) / 1e3 << " ms after the last)";
       EXPECT_GE(rs.at({0, 0})->start_us, last_op_end);
     }
+}
+
+// Gradient buckets (v = 1): the step's last backward hands each bucket to the shard as
+// soon as it has accumulated the bucket's gradients, and the shard reduce-scatters it
+// while that backward goes on (Megatron's overlapped gradient reduction). One
+// reduce-scatter per bucket, of the bucket's bytes; the parameters are bit-identical to
+// those of one bucket (d = 2: each element is the sum of the same two values).
+TEST(ActorRuntime, GradientBucketsReduceScatterDuringTheLastBackward) {
+  auto c = gpt_layout({2, 2, 1, "1f1b"});
+  c.steps = 3;
+  const auto whole = run_actors(c);
+  ASSERT_EQ(whole.exit_code, 0) << whole.error;
+  c.bucket_size = 20000;
+  const auto got = run_actors(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  EXPECT_EQ(test::max_abs_diff(got.final_state, whole.final_state), 0.0);
+  EXPECT_EQ(got.losses, whole.losses);
+  const auto ranges = partition_layers(c.model().n_layers(), c.pipeline);
+  for (int k = 0; k < c.pipeline; ++k) {
+    const auto slice = make_slice(c.model(), ranges[k], initial_state(c.model(), 1), c.data_parallel);
+    const auto buckets = grad_buckets(slice->entries(), slice->flat_grads().numel(), c.data_parallel, c.bucket_size);
+    ASSERT_GT(buckets.size(), 3u);
+    int early = 0, total = 0;
+    for (std::int64_t step = 0; step < c.steps; ++step)
+      for (int r = 0; r < c.data_parallel; ++r) {
+        const trace_event* last_b = nullptr;
+        std::map<int, const trace_event*> rs;  // by bucket
+        for (const auto& e : got.events) {
+          if (e.step != step || e.replica != r || e.stage != k) continue;
+          if (e.name == "B" && (!last_b || e.start_us > last_b->start_us)) last_b = &e;
+          if (e.name == "reduce-scatter") {
+            EXPECT_FALSE(rs.count(e.mb)) << "bucket " << e.mb << " reduce-scattered twice";
+            rs[e.mb] = &e;
+          }
+        }
+        ASSERT_TRUE(last_b);
+        ASSERT_EQ(rs.size(), buckets.size()) << "step " << step << " stage " << k << ": one reduce-scatter per bucket";
+        for (const auto& [b, e] : rs) {
+          EXPECT_EQ(e->bytes, buckets.at(b).size() * std::int64_t(sizeof(float)));
+          EXPECT_GE(e->start_us, last_b->start_us) << "bucket " << b << " reduce-scattered before the last backward";
+          early += e->start_us < last_b->end_us;
+          ++total;
+        }
+      }
+    // Most buckets start while the backward runs (but for thread scheduling on a busy
+    // machine); without the watch all would start after it.
+    EXPECT_GT(early, 0) << "stage " << k << ": every bucket was reduce-scattered only after the last backward ("
+                        << total << " buckets)";
+    std::printf("stage %d: %d of %d bucket reduce-scatters began during the last backward\n", k, early, total);
+  }
 }
 
 TEST(ActorRuntime, FmnistMlpEqualsTheReferenceLoop) {

@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <map>
+#include <set>
+
+#include "compute/device.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/partition.hpp"
 
@@ -27,7 +31,7 @@ TEST(GradBuffer, PiecesMapEveryParameterElementToExactlyOneShard) {
     std::vector<std::int64_t> covered(slice->entries().size(), 0);
     std::vector<int> shards_per_param(slice->entries().size(), 0);
     for (const auto& range : ranges) {
-      for (const auto& piece : shard_pieces(slice->entries(), range)) {
+      for (const auto& piece : shard_pieces(slice->entries(), {range})) {
         const auto& e = slice->entries()[piece.entry];
         EXPECT_EQ(piece.in_param.size(), piece.in_shard.size());
         // The same element seen from the parameter and from the shard.
@@ -55,13 +59,171 @@ TEST(GradBuffer, PaddingBelongsToNoParameter) {
 TEST(GradBuffer, DecayMaskCoversTwoDimensionalWeightsButNotWpe) {
   auto slice = full_gpt(1);
   const flat_range all{0, slice->flat_grads().numel()};
-  const auto mask = decay_mask(slice->entries(), all);
+  const auto mask = decay_mask(slice->entries(), {all});
   for (const auto& e : slice->entries()) {
     const bool expected = e.shape.size() == 2 && e.name != "wpe.weight";
     EXPECT_EQ(mask.narrow(0, e.offset, e.numel).all().item<bool>(), expected) << e.name;
     EXPECT_EQ(mask.narrow(0, e.offset, e.numel).any().item<bool>(), expected) << e.name;
   }
-  EXPECT_TRUE(norm_mask(slice->entries(), all).all().item<bool>());
+  EXPECT_TRUE(norm_mask(slice->entries(), {all}).all().item<bool>());
+}
+
+TEST(GradBuffer, BucketsCoverTheBufferInMultiplesOfTheRanksAndEndWhereParametersBegin) {
+  for (int d : {1, 2, 3, 4}) {
+    auto slice = full_gpt(d);
+    const auto n = slice->flat_grads().numel();
+    EXPECT_EQ(grad_buckets(slice->entries(), n, d, 0), (std::vector<flat_range>{{0, n}}));
+    for (std::int64_t elems : std::vector<std::int64_t>{1, 5000, 60000, n, 4 * n}) {
+      const auto buckets = grad_buckets(slice->entries(), n, d, elems);
+      ASSERT_FALSE(buckets.empty());
+      EXPECT_EQ(buckets.front().begin, 0);
+      EXPECT_EQ(buckets.back().end, n);
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        EXPECT_EQ(buckets[b].size() % d, 0) << d << " " << elems;
+        if (b > 0) {
+          EXPECT_EQ(buckets[b].begin, buckets[b - 1].end);
+          // Every bucket but the first holds at least `elems` elements and begins where a
+          // parameter does (rounded down to a multiple of d).
+          EXPECT_GE(buckets[b].size(), elems);
+          bool at_param = false;
+          for (const auto& e : slice->entries()) at_param |= e.offset / d * d == buckets[b].begin;
+          EXPECT_TRUE(at_param) << buckets[b].begin;
+        }
+      }
+      if (elems >= n) EXPECT_EQ(buckets.size(), 1u);
+      if (elems == 1) EXPECT_GE(buckets.size(), slice->entries().size() / 2) << "about one bucket per parameter";
+    }
+  }
+  EXPECT_THROW(grad_buckets({}, 10, 3, 4), std::invalid_argument);
+}
+
+TEST(GradBuffer, BucketShardsSplitEveryBucketEquallyAndMapEachElementOnce) {
+  const int d = 3;
+  auto slice = full_gpt(d);
+  const auto& entries = slice->entries();
+  const auto n = slice->flat_grads().numel();
+  const auto buckets = grad_buckets(entries, n, d, 40000);
+  ASSERT_GT(buckets.size(), 3u);
+  std::vector<std::int64_t> covered(entries.size(), 0);
+  const flat_range all{0, n};
+  const auto all_decay = decay_mask(entries, {all}), all_norm = norm_mask(entries, {all});
+  for (int r = 0; r < d; ++r) {
+    const auto layout = bucket_shard(buckets, d, r);
+    ASSERT_EQ(layout.size(), buckets.size());
+    std::int64_t base = 0;
+    std::vector<torch::Tensor> decay_parts, norm_parts;
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      EXPECT_EQ(layout[b].size() * d, buckets[b].size());
+      EXPECT_EQ(layout[b].begin, buckets[b].begin + r * layout[b].size());
+      decay_parts.push_back(all_decay.narrow(0, layout[b].begin, layout[b].size()));
+      norm_parts.push_back(all_norm.narrow(0, layout[b].begin, layout[b].size()));
+      base += layout[b].size();
+    }
+    EXPECT_EQ(shard_size(layout), base);
+    // The shard is the concatenation of its ranges: pieces and masks agree with that.
+    for (const auto& piece : shard_pieces(entries, layout)) {
+      const auto& e = entries[piece.entry];
+      std::int64_t flat = -1, at = 0;
+      for (const auto& range : layout) {
+        if (piece.in_shard.begin < at + range.size()) {
+          flat = range.begin + piece.in_shard.begin - at;
+          EXPECT_LE(piece.in_shard.end, at + range.size()) << "a piece spans two ranges";
+          break;
+        }
+        at += range.size();
+      }
+      EXPECT_EQ(flat, e.offset + piece.in_param.begin) << e.name;
+      covered[piece.entry] += piece.in_param.size();
+    }
+    EXPECT_TRUE(decay_mask(entries, layout).equal(torch::cat(decay_parts)));
+    EXPECT_TRUE(norm_mask(entries, layout).equal(torch::cat(norm_parts)));
+  }
+  for (std::size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(covered[i], entries[i].numel) << entries[i].name;
+}
+
+TEST(GradBuffer, BucketShardsRestoreAndGatherTheSameMomentsByName) {
+  const int d = 2;
+  auto slice = full_gpt(d);
+  const auto& entries = slice->entries();
+  const auto buckets = grad_buckets(entries, slice->flat_grads().numel(), d, 30000);
+  ASSERT_GT(buckets.size(), 2u);
+  std::map<std::string, torch::Tensor> params, optim;
+  torch::manual_seed(3);
+  for (const auto& e : entries) {
+    params[e.name] = torch::randn({e.numel});
+    optim["exp_avg." + e.name] = torch::randn({e.numel});
+    optim["exp_avg_sq." + e.name] = torch::rand({e.numel});
+  }
+  named_moments all;
+  for (int r = 0; r < d; ++r) {
+    const auto layout = bucket_shard(buckets, d, r);
+    adamw_shard shard(torch::zeros({shard_size(layout)}), decay_mask(entries, layout), adamw_options{});
+    restore_shard(entries, layout, shard, params, optim, 7);
+    EXPECT_EQ(shard.steps(), 7);
+    gather_moments(entries, layout, shard, all, /*main_params=*/true);
+  }
+  for (const auto& e : entries) {
+    EXPECT_TRUE(all.main_params.at(e.name).equal(params.at(e.name))) << e.name;
+    EXPECT_TRUE(all.exp_avg.at(e.name).equal(optim.at("exp_avg." + e.name))) << e.name;
+    EXPECT_TRUE(all.exp_avg_sq.at(e.name).equal(optim.at("exp_avg_sq." + e.name))) << e.name;
+  }
+}
+
+// The watch reports a bucket during the backward, and at that moment the bucket's
+// gradients are already their final values (what the reduce-scatter then reads).
+TEST(GradReadyWatch, ReportsEachBucketDuringTheLastBackwardWithItsFinalGradients) {
+  const auto spec = model_spec::gpt_tiny();
+  const auto init = initial_state(spec, 1);
+  for (auto precision : {torch::kFloat32, torch::kBFloat16})
+    for (auto mode : {recompute_mode::none, recompute_mode::full}) {
+      auto slice = make_slice(spec, partition_layers(spec.n_layers(), 1)[0], init, 2, torch::kCPU, precision);
+      slice->set_recompute(mode);
+      const auto buckets = grad_buckets(slice->entries(), slice->flat_grads().numel(), 2, 20000);
+      ASSERT_GT(buckets.size(), 4u);
+      std::vector<int> order;
+      std::map<int, torch::Tensor> at_report;
+      grad_ready_watch watch(*slice, buckets, [&](int b) {
+        order.push_back(b);
+        at_report[b] = slice->flat_grads().narrow(0, buckets[b].begin, buckets[b].size()).clone();
+      });
+      torch::manual_seed(1);
+      auto backward = [&] {
+        auto tokens = torch::randint(0, 256, {2, spec.gpt.seq_len}, torch::kLong);
+        torch::Tensor loss;
+        {
+          precision_scope amp(torch::kCPU, precision);
+          loss = slice->loss(slice->forward(tokens), torch::randint(0, 256, {2, spec.gpt.seq_len}, torch::kLong));
+        }
+        loss.backward();
+      };
+      backward();  // an earlier micro-batch: not armed, nothing reported
+      EXPECT_TRUE(order.empty());
+      watch.arm();
+      backward();
+      const auto during = order.size();
+      watch.finish();
+      ASSERT_EQ(during, buckets.size()) << "every bucket is reported before the backward returns";
+      EXPECT_EQ(watch.reported_early(), std::int64_t(buckets.size()));
+      std::set<int> once(order.begin(), order.end());
+      EXPECT_EQ(once.size(), buckets.size());
+      // Reverse order, roughly: the last bucket (the last block and ln_f) first, the
+      // first one (wte, tied to the output layer) last.
+      EXPECT_EQ(order.front(), int(buckets.size()) - 1);
+      EXPECT_EQ(order.back(), 0);
+      for (auto& [b, g] : at_report)
+        EXPECT_TRUE(g.equal(slice->flat_grads().narrow(0, buckets[b].begin, buckets[b].size())))
+            << "bucket " << b << " changed after it was reported";
+      // Unarmed, finish reports every bucket (a split backward's W, a tied chunk).
+      order.clear();
+      watch.finish();
+      EXPECT_EQ(order.size(), buckets.size());
+      // Disarmed (an aborted step): nothing.
+      order.clear();
+      watch.arm();
+      watch.disarm();
+      backward();
+      EXPECT_TRUE(order.empty());
+    }
 }
 
 }  // namespace troupe

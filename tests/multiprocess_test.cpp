@@ -57,14 +57,17 @@ test::process_group start(const job& j, const test::temp_dir& dir, int port) {
 struct layout {
   int p, d, nodes;
   std::string precision = "fp32";
+  int bucket_size = 0;  // gradient buckets (reduce-scattered during the last backward)
 };
 [[maybe_unused]] void PrintTo(const layout& l, std::ostream* os) {
-  *os << "p" << l.p << " d" << l.d << " on " << l.nodes << " nodes, " << l.precision;
+  *os << "p" << l.p << " d" << l.d << " on " << l.nodes << " nodes, " << l.precision << ", buckets of "
+      << l.bucket_size;
 }
 
 std::string name_of(const ::testing::TestParamInfo<layout>& info) {
   return "p" + std::to_string(info.param.p) + "_d" + std::to_string(info.param.d) + "_" +
-         std::to_string(info.param.nodes) + "nodes" + (info.param.precision == "fp32" ? "" : "_" + info.param.precision);
+         std::to_string(info.param.nodes) + "nodes" + (info.param.precision == "fp32" ? "" : "_" + info.param.precision) +
+         (info.param.bucket_size ? "_buckets" : "");
 }
 
 }  // namespace
@@ -75,13 +78,15 @@ class MultiProcess : public ::testing::TestWithParam<layout> {};
 // and AdamW moments (the checkpoint gathers both from every node). Layouts with a
 // replica's stages on several nodes send activations and gradients over UCX; the others
 // only the shards' collectives (in bf16 jobs they all-gather bf16 parameters; the
-// checkpoint holds the fp32 main parameters).
+// checkpoint holds the fp32 main parameters; with gradient buckets, one reduce-scatter and
+// all-gather per bucket).
 TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
-  const auto [p, d, nodes, precision] = GetParam();
+  const auto [p, d, nodes, precision, bucket_size] = GetParam();
   test::temp_dir dir;
   const std::vector<std::string> flags{"--pipeline", std::to_string(p), "--data-parallel", std::to_string(d),
                                        "--microbatches", "4", "--steps", "10", "--eval-interval", "0",
-                                       "--threads", "1", "--precision", precision};
+                                       "--threads", "1", "--precision", precision,
+                                       "--bucket-size", std::to_string(bucket_size)};
   auto args = flags;
   args.insert(args.end(), {"--save", dir / "multi.pt"});
   auto group = start({nodes, args}, dir, free_port());
@@ -96,6 +101,7 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
   cfg.eval_interval = 0;
   cfg.threads = 1;
   cfg.precision = precision;
+  cfg.bucket_size = bucket_size;
   cfg.save = dir / "single.pt";
   actor_run_options quiet;
   quiet.quiet = true;
@@ -108,7 +114,8 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MultiProcess,
                          ::testing::Values(layout{2, 1, 2}, layout{4, 1, 4}, layout{2, 2, 2}, layout{4, 2, 4},
-                                           layout{1, 4, 4}, layout{2, 4, 2}, layout{2, 2, 2, "bf16"}),
+                                           layout{1, 4, 4}, layout{2, 4, 2}, layout{2, 2, 2, "bf16"},
+                                           layout{1, 4, 4, "fp32", 20000}, layout{2, 2, 2, "bf16", 20000}),
                          name_of);
 
 // A shard group runs its collectives over NCCL only when every member asked for it (named

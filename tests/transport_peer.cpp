@@ -166,7 +166,12 @@ int main(int argc, char** argv) {
     } else if (mode == "mismatch") {
       ucx_options opts;
       opts.timeout = std::chrono::seconds(5);
+      auto gloo = make_gloo(dir, rank, size);
       auto comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size), opts);
+      // Every rank connected before any fails: a rank that fails first and exits takes its
+      // shared-memory segments along, and a slower one still connecting to it would fail
+      // with "Shared memory error" instead of the mismatch (seen once, session 31).
+      gloo->barrier()->wait();
       auto t = torch::ones({1000});
       try {
         if (rank == 0)
