@@ -525,8 +525,11 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   }
   // Restarted in place: the parameters before the step being retried (the shards' fp32
   // main parameters; bf16 stages round them as the all-gather does).
+  // The supervisor gathers each rank's whole shard in rank order: put every bucket's
+  // pieces back in place.
   if (!params.empty())
-    for (int c = 0; c < ctx->v; ++c) st.chunks[c]->set_params(params.at(c));
+    for (int c = 0; c < ctx->v; ++c)
+      st.chunks[c]->set_params(from_rank_order(params.at(c), ctx->buckets_of(*st.chunks[c]), ctx->d));
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   // Ops per chunk: counted in the fixed order, or m F's and B's (and W's) each.
   st.chunk_ops.assign(ctx->v, (ctx->split_backward ? 3 : 2) * ctx->m);

@@ -56,6 +56,20 @@ std::int64_t shard_size(const shard_layout& shard) {
   return n;
 }
 
+torch::Tensor from_rank_order(const torch::Tensor& gathered, const std::vector<flat_range>& buckets, int ranks) {
+  if (buckets.size() <= 1) return gathered;
+  auto out = torch::empty_like(gathered);
+  const auto per_rank = gathered.numel() / ranks;
+  for (int r = 0; r < ranks; ++r) {
+    std::int64_t at = r * per_rank;  // rank r's shard in `gathered`
+    for (const auto& piece : bucket_shard(buckets, ranks, r)) {
+      out.narrow(0, piece.begin, piece.size()).copy_(gathered.narrow(0, at, piece.size()));
+      at += piece.size();
+    }
+  }
+  return out;
+}
+
 std::vector<shard_piece> shard_pieces(const std::vector<param_entry>& entries, const shard_layout& shard) {
   std::vector<shard_piece> out;
   std::int64_t base = 0;  // where the range starts in the shard

@@ -65,6 +65,11 @@ shard_layout bucket_shard(const std::vector<flat_range>& buckets, int ranks, int
 /// Elements of a shard (the sum of its ranges).
 std::int64_t shard_size(const shard_layout& shard);
 
+/// The whole buffer from its `ranks` bucket shards concatenated in rank order (what an
+/// all-gather of each rank's whole shard gives): every piece put back in its bucket.
+/// With one bucket, `gathered` itself.
+torch::Tensor from_rank_order(const torch::Tensor& gathered, const std::vector<flat_range>& buckets, int ranks);
+
 /// The overlap of one parameter with one shard.
 struct shard_piece {
   std::size_t entry = 0;       ///< index into the slice's entries

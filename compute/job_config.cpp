@@ -141,7 +141,7 @@ const std::vector<key_def>& key_defs() {
       int_key("parallel.bucket_size",
               "data parallelism: gradient buckets of at least this many elements per chunk, each "
               "reduce-scattered as soon as the step's last backward has produced it, while that backward goes "
-              "on (Megatron's overlapped gradient reduction); 0: one bucket, reduced after the chunk's last backward",
+              "on (Megatron's overlapped gradient reduction and its default size); 0: one bucket per chunk",
               &job_config::bucket_size, 0, 1LL << 40),
       int_key("parallel.credit_window", "micro-batches a data loader sends ahead", &job_config::credit_window, 1, 1000000),
       {{"parallel.split", "explicit layers per virtual stage, e.g. 3,5"},

@@ -57,8 +57,9 @@ struct job_config {
   bool split_backward = false;        ///< dataflow: backward split into B and W, a W run when nothing else
                                       ///< can and it is due (zero-bubble always splits)
   int credit_window = 2;              ///< micro-batches a loader sends ahead of consumption
-  std::int64_t bucket_size = 0;       ///< d > 1: gradient buckets of at least this many elements per
-                                      ///< chunk, reduce-scattered during the last backward (0: one bucket)
+  std::int64_t bucket_size = 40000000;  ///< d > 1: gradient buckets of at least this many elements per
+                                        ///< chunk, reduce-scattered during the last backward (0: one
+                                        ///< bucket; Megatron's default size)
   std::vector<int> split;             ///< explicit layers per virtual stage
   // [optimizer]
   double lr = 1e-3, min_lr = 1e-4;

@@ -141,6 +141,22 @@ TEST(GradBuffer, BucketShardsSplitEveryBucketEquallyAndMapEachElementOnce) {
   for (std::size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(covered[i], entries[i].numel) << entries[i].name;
 }
 
+TEST(GradBuffer, ABufferComesBackFromItsBucketShardsInRankOrder) {
+  const int d = 3;
+  auto slice = full_gpt(d);
+  const auto n = slice->flat_grads().numel();
+  const auto whole = torch::arange(n, torch::kFloat64);
+  for (std::int64_t elems : {0, 30000}) {
+    const auto buckets = grad_buckets(slice->entries(), n, d, elems);
+    std::vector<torch::Tensor> shards;  // what a whole-shard all-gather puts together
+    for (int r = 0; r < d; ++r)
+      for (const auto& piece : bucket_shard(buckets, d, r)) shards.push_back(whole.narrow(0, piece.begin, piece.size()));
+    const auto gathered = torch::cat(shards);
+    EXPECT_TRUE(from_rank_order(gathered, buckets, d).equal(whole)) << elems;
+    if (elems) EXPECT_FALSE(gathered.equal(whole)) << "several buckets: rank order is not buffer order";
+  }
+}
+
 TEST(GradBuffer, BucketShardsRestoreAndGatherTheSameMomentsByName) {
   const int d = 2;
   auto slice = full_gpt(d);

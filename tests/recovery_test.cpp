@@ -310,4 +310,40 @@ TEST(Recovery, AFailedStepIsRetriedInPlaceInOneProcess) {
   }
 }
 
+// Gradient buckets: the shards own a piece of every bucket; a retry in place restores
+// them from the snapshots, and a checkpoint of such shards resumes without buckets (by
+// parameter name), both ending as the run that never failed.
+TEST(Recovery, ShardsOfGradientBucketsRetryInPlaceAndResumeByName) {
+  test::temp_dir dir;
+  auto c = small_job();
+  c.steps = 4;
+  c.step_timeout = 2;
+  c.max_step_retries = 2;
+  c.bucket_size = 20000;
+  const auto straight = run(c);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+  for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
+           {"throw_at", "0:1:2"}, {"throw_at", "1:1:2:late"}, {"stall", "1:0:2"}}) {
+    auto f = c;
+    f.set("faults." + key, value, "test");
+    const auto got = run(f);
+    ASSERT_EQ(got.exit_code, 0) << key << " " << value << ": " << got.error;
+    EXPECT_EQ(test::max_abs_diff(got.final_state, straight.final_state), 0.0) << value;
+    EXPECT_EQ(got.losses, straight.losses) << value;
+  }
+  auto first = c;
+  first.checkpoint_dir = dir / "ckpt";
+  first.checkpoint_interval = 2;
+  first.max_step_retries = 0;
+  first.throw_at = "0:0:3";
+  ASSERT_EQ(run(first).exit_code, exit_recoverable);
+  auto other = c;  // one bucket per chunk now: the shards are re-cut by name
+  other.bucket_size = 0;
+  other.resume = dir / "ckpt";
+  const auto resumed = run(other);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
+  EXPECT_EQ(test::max_abs_diff(resumed.final_state, straight.final_state), 0.0)
+      << "d = 2: the same sums with one bucket or several";
+}
+
 }  // namespace troupe

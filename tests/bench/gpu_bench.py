@@ -149,6 +149,14 @@ def main():
     for p, m in ((1, 4), (4, 4), (4, 8)):
         runs.append((f"Troupe actors p={p} (stage actors share the GPU, own streams), {m} micro-batches, bf16",
                      troupe_tokens_per_s(build, steps, p, m)))
+    for name, extra in (("zero-bubble", ("--schedule", "zero-bubble")),
+                        ("dataflow, split backward", ("--schedule", "dataflow", "--split-backward", "true"))):
+        runs.append((f"Troupe actors p=4, {name}, 8 micro-batches, bf16", troupe_tokens_per_s(build, steps, 4, 8, extra)))
+    # Gradient buckets reduce-scattered during the last backward (gpt-small p=1: 4 buckets
+    # of the default 40M elements) against one bucket, two replicas sharing the GPU.
+    for name, extra in (("one gradient bucket", ("--bucket-size", "0")), ("default buckets (40M elements)", ())):
+        runs.append((f"Troupe actors p=1 d=2 (2 replicas share the GPU), {name}, 4 micro-batches, bf16",
+                     troupe_tokens_per_s(build, steps, 1, 4, ("--data-parallel", "2", *extra))))
     runs.append(("Troupe p=4 as 2 node processes sharing the GPU (tensors between them staged through host "
                  "memory over UCX), 4 micro-batches, bf16", troupe_tokens_per_s(build, steps, 4, 4, nodes=2)))
     fpt = flops_per_token()
