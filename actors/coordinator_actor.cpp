@@ -454,6 +454,7 @@ void commit(self_ptr self) {
                       {"bubble", timing.bubble},
                       {"stage_busy_s", timing.busy_s},
                       {"stage_idle_s", timing.idle_s},
+                      {"grad_reduce_tail_s", timing.reduce_tail_s},
                       {"peak_in_flight", s.peaks},
                       {"skipped", s.skipping}};
   // Reset: the supervisors drop every actor's per-step state and report leftovers.

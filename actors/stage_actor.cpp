@@ -565,19 +565,25 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   // reports it to the coordinator, which aborts the step).
   self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
   auto logic = std::make_shared<stage_logic>(self);
-  for (int c = 0; c < ctx->v; ++c) {
-    auto& slice = *st.chunks[c];
-    auto buckets = ctx->buckets_of(slice);
-    std::vector<char> tied(buckets.size(), 0);
-    for (const auto& e : slice.entries())
-      if (e.name == "wte.weight")
-        for (std::size_t b = 0; b < buckets.size(); ++b)
-          tied[b] = e.offset < buckets[b].end && e.offset + e.numel > buckets[b].begin;
-    st.tied_bucket.push_back(std::move(tied));
-    st.held.emplace_back();
-    st.watches.push_back(
-        std::make_unique<grad_ready_watch>(slice, std::move(buckets), [logic, c](int b) { logic->bucket_ready(c, b); }));
-  }
+  // The gradient buckets' watches, made on the actor's own thread once its CUDA stream is
+  // current: they hold the parameters' gradient accumulators, which keep the stream
+  // current when they were made and accumulate on it.
+  auto make_watches = [self, logic, ctx] {
+    auto& s = self->state;
+    for (int c = 0; c < ctx->v; ++c) {
+      auto& slice = *s.chunks[c];
+      auto buckets = ctx->buckets_of(slice);
+      std::vector<char> tied(buckets.size(), 0);
+      for (const auto& e : slice.entries())
+        if (e.name == "wte.weight")
+          for (std::size_t b = 0; b < buckets.size(); ++b)
+            tied[b] = e.offset < buckets[b].end && e.offset + e.numel > buckets[b].begin;
+      s.tied_bucket.push_back(std::move(tied));
+      s.held.emplace_back();
+      s.watches.push_back(std::make_unique<grad_ready_watch>(slice, std::move(buckets),
+                                                             [logic, c](int b) { logic->bucket_ready(c, b); }));
+    }
+  };
   const auto act_shape = [ctx](int x) { return ctx->activation_shape(x); };
   return {
       [=](const begin_step& msg) {
@@ -596,6 +602,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         if (!s.stream_set) {  // a detached actor: this thread is its own from now on
           use_own_stream(ctx->device);
           s.stream_set = true;
+          make_watches();
         }
         s.step = msg.step;
         s.running = true;

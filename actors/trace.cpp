@@ -24,8 +24,9 @@ step_timing measure_step(const std::vector<trace_event>& events, int replicas, i
   step_timing t;
   t.busy_s.assign(std::size_t(replicas) * stages, 0.0);
   t.idle_s.assign(t.busy_s.size(), 0.0);
-  std::vector<double> first(replicas, std::numeric_limits<double>::max()), last(replicas, 0);
+  std::vector<double> first(replicas, std::numeric_limits<double>::max()), last(replicas, 0), reduced(replicas, 0);
   for (const auto& e : events) {
+    if (e.name == "reduce-scatter") reduced.at(e.replica) = std::max(reduced[e.replica], e.end_us);
     if (!is_compute(e)) continue;
     first.at(e.replica) = std::min(first[e.replica], e.start_us);
     last.at(e.replica) = std::max(last[e.replica], e.end_us);
@@ -36,6 +37,7 @@ step_timing measure_step(const std::vector<trace_event>& events, int replicas, i
     if (last[r] <= first[r]) continue;
     const double window = (last[r] - first[r]) * 1e-6;
     t.window_s = std::max(t.window_s, window);
+    t.reduce_tail_s = std::max(t.reduce_tail_s, (reduced[r] - last[r]) * 1e-6);
     for (int k = 0; k < stages; ++k) {
       const auto i = std::size_t(r) * stages + k;
       t.idle_s[i] = window - t.busy_s[i];

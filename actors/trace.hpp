@@ -13,9 +13,14 @@ struct step_timing {
   double bubble = 0;                ///< 1 - busy / (sum over replicas of stages x window)
   std::vector<double> busy_s;       ///< per track: replica * p + stage
   std::vector<double> idle_s;
+  /// Longest, over replicas, from the replica's last compute op's end to the end of its
+  /// shards' last reduce-scatter: the gradient reduction the step still waited for once
+  /// the backwards were done (0 where it was over before).
+  double reduce_tail_s = 0;
 };
 
-/// Timing of one step's compute events ("F", "B") over `replicas` x `stages` tracks.
+/// Timing of one step's compute events ("F", "B", "W") over `replicas` x `stages`
+/// tracks, and of its reduce-scatters (the shards of rank r are replica r's).
 step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages);
 
 /// Writes `events` as Chrome trace JSON (chrome://tracing, Perfetto): one process per

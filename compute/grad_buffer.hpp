@@ -118,7 +118,9 @@ void restore_shard(const std::vector<param_entry>& entries, const shard_layout& 
 /// reports the buckets it did not (parameters that got no gradient, or a backward that
 /// ran unarmed) and disarms. The callback runs on the thread running the backward (with
 /// CUDA: LibTorch's autograd thread of the device, its current stream the one the
-/// gradients were accumulated on). Each bucket is reported once per arming.
+/// gradients were accumulated on). Each bucket is reported once per arming. The watch
+/// holds the parameters' gradient accumulators; one it makes keeps the calling thread's
+/// current stream and accumulates on it: make the watch where the slice computes.
 class grad_ready_watch {
  public:
   using callback = std::function<void(int bucket)>;

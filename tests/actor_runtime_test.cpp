@@ -13,6 +13,7 @@
 
 #include "actors/runtime.hpp"
 #include "actors/supervisor_actor.hpp"
+#include "actors/trace.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/partition.hpp"
@@ -249,6 +250,24 @@ TEST(ActorRuntime, GradientBucketsReduceScatterDuringTheLastBackward) {
                         << total << " buckets)";
     std::printf("stage %d: %d of %d bucket reduce-scatters began during the last backward\n", k, early, total);
   }
+}
+
+// The metrics' measured bubble and gradient-reduction tail, on made-up events (us).
+TEST(Trace, MeasureStepGivesTheBubbleAndTheReduceTail) {
+  const std::vector<trace_event> events{
+      // replica 0: window 0-60, each stage busy 30
+      {"F", 0, 0, 0, 0, 0, 0, 10}, {"F", 0, 1, 0, 0, 0, 10, 20}, {"B", 0, 1, 0, 0, 0, 20, 40},
+      {"B", 0, 0, 0, 0, 0, 40, 60},
+      {"reduce-scatter", 0, 1, 0, 0, 0, 40, 55},  // stage 1's: over before the replica's last op
+      {"reduce-scatter", 0, 0, 0, 0, 0, 60, 70},  // stage 0's: 10 us after it
+      // replica 1: window 0-30, stage 0 busy 30, stage 1 idle; its reduction ends first
+      {"F", 1, 0, 0, 0, 0, 0, 10}, {"B", 1, 0, 0, 0, 0, 10, 30}, {"reduce-scatter", 1, 0, 0, 0, 0, 25, 28},
+      {"send activation", 0, 0, 0, 0, 0, 10, 200}};  // not compute: no part of either
+  const auto t = measure_step(events, 2, 2);
+  EXPECT_NEAR(t.reduce_tail_s, 10e-6, 1e-12);
+  EXPECT_NEAR(t.bubble, 1.0 - 90.0 / 180.0, 1e-12);
+  EXPECT_NEAR(t.window_s, 60e-6, 1e-12);
+  EXPECT_NEAR(t.idle_s.at(3), 30e-6, 1e-12);
 }
 
 TEST(ActorRuntime, FmnistMlpEqualsTheReferenceLoop) {

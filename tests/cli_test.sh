@@ -149,8 +149,9 @@ expect_in train-progress "$out" "step 2/2 | loss"
 import json, sys, torch
 lines = [json.loads(l) for l in open(sys.argv[1] + "/m.jsonl")]
 assert [l["step"] for l in lines] == [0, 1], lines
-for key in ("loss", "lr", "grad_norm", "tokens_per_s", "bubble", "stage_busy_s"):
+for key in ("loss", "lr", "grad_norm", "tokens_per_s", "bubble", "stage_busy_s", "grad_reduce_tail_s"):
     assert all(key in l for l in lines), key
+assert all(0 <= l["grad_reduce_tail_s"] < 60 for l in lines), lines
 assert "val_loss" in lines[-1]
 sd = torch.load(sys.argv[1] + "/model.pt")
 assert "h.0.attn.c_attn.weight" in sd and "ln_f.weight" in sd and len(sd) == 100, len(sd)
