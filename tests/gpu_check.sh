@@ -33,6 +33,11 @@
 #    Generate tests (on the CPU, but with this machine's LibTorch 2.x attention).
 # 7. the zero-bubble schedule on the GPU (plain and with recompute), and dataflow with a
 #    split backward, against the 1f1b reference job. The gtests of 1. include the ZeroBubble tests (CPU, LibTorch 2.x).
+# 8. gradient buckets (--bucket-size 50000: 13 per stage) on the GPU: the hooks on the
+#    gradient accumulators run on LibTorch's autograd thread of the device, and a bucket
+#    goes to its shard behind an event of that thread's stream; bit-identical to the
+#    reference, in one process and as 4 node processes (the buckets staged through host
+#    memory), with reduce-scatters begun before their stage's last backward ended.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 set -uo pipefail
@@ -259,6 +264,42 @@ zero_bubble() {
   near_ref dataflow-split
 }
 step zero-bubble zero_bubble
+
+# 8. Gradient buckets: bit-identical to the reference (each element sums the same ranks'
+#    gradients in the same order whichever bucket holds it; a bucket sent before its
+#    gradients were on the device would differ), and the trace shows each stage's
+#    buckets and reduce-scatters begun while the stage still computed.
+buckets_overlap() {  # buckets_overlap TRACE: prints and checks the overlap
+  "$python" - "$1" <<'PY'
+import collections, json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+last = collections.defaultdict(float)  # (step, replica, stage) -> its last compute op's end
+for e in events:
+    if e.get("cat") == "compute":
+        a = e["args"]
+        k = (a["step"], a["replica"], a["stage"])
+        last[k] = max(last[k], e["ts"] + e["dur"])
+rs = [e for e in events if e.get("name") == "reduce-scatter" and "bucket" in e.get("args", {})]
+buckets = collections.defaultdict(set)
+early = 0
+for e in rs:
+    a = e["args"]
+    k = (a["step"], a["replica"], a["stage"])
+    buckets[k].add((a["chunk"], a["bucket"]))
+    early += e["ts"] < last[k]
+fewest = min(len(b) for b in buckets.values()) if buckets else 0
+print(f"{len(rs)} bucket reduce-scatters, at least {fewest} buckets per stage and step, {early} begun before their stage's last op ended")
+assert fewest > 1 and early > 0
+PY
+}
+gradient_buckets() {
+  run_job buckets --bucket-size 50000 --trace "$out/buckets.trace.json" >"$out/buckets.run" 2>&1 ||
+    { cat "$out/buckets.run"; return 1; }
+  "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/buckets" 0 || return 1
+  buckets_overlap "$out/buckets.trace.json" || return 1
+  nodes nodes-4-buckets ipc --bucket-size 50000
+}
+step gradient-buckets gradient_buckets
 
 [ $failed = 0 ] && echo "gpu_check: all passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
 exit $failed
