@@ -19,6 +19,7 @@
 
 #include "actors/coordinator_actor.hpp"
 #include "actors/supervisor_actor.hpp"
+#include "actors/trace.hpp"
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
 #include "transport/host_staging.hpp"
@@ -32,6 +33,11 @@ namespace troupe {
 namespace {
 
 using namespace std::chrono_literals;
+
+std::int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // --- the registrar (node 0): admits nodes, exchanges addresses, collects supervisors ---
 
@@ -63,7 +69,7 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
   self->state.nodes = nodes;
   self->state.config_toml = std::move(config_toml);
   self->state.supervisors.resize(nodes);
-  auto offer = [self] { return job_offer{self->state.config_toml, self->state.epoch_ns}; };
+  auto offer = [self] { return job_offer{self->state.config_toml, self->state.epoch_ns, transport::machine_key()}; };
   auto admit_rejoin = [self](int node, const std::string& host) {
     auto& s = self->state;
     s.lost.erase(node);
@@ -88,6 +94,7 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
       }
   });
   return {
+      [](clock_atom) -> std::int64_t { return steady_ns(); },  // a node's clock probe
       [=](const node_hello& h) -> caf::result<job_offer> {
         auto& s = self->state;
         std::string why;
@@ -467,6 +474,28 @@ Reply ask(caf::scoped_actor& self, const caf::actor& dest, std::chrono::millisec
 
 bool use_tls(const node_options& o) { return !o.tls_certificate.empty(); }
 
+/// Node 0's steady clock minus this node's (ns): 0 on node 0's machine, which shares its
+/// clock; elsewhere measured by 8 round trips to the registrar (clock_offset_ns). Tests
+/// pretend another machine with a clock ahead by `o.clock_skew_ns`.
+std::int64_t node_clock_offset(caf::scoped_actor& self, const caf::actor& registrar, const job_offer& offer,
+                               const node_options& o, const std::string& where) {
+  if (o.node == 0 || (offer.machine == transport::machine_key() && o.clock_skew_ns == 0)) return 0;
+  std::vector<clock_sample> samples;
+  for (int i = 0; i < 8; ++i) {
+    clock_sample c;
+    c.sent_ns = steady_ns() + o.clock_skew_ns;
+    c.remote_ns = ask<std::int64_t>(self, registrar, o.join_timeout, clock_atom_v, where + ": clock probe", 3);
+    c.received_ns = steady_ns() + o.clock_skew_ns;
+    samples.push_back(c);
+  }
+  std::int64_t round_trip = 0;
+  const auto offset = clock_offset_ns(samples, &round_trip);
+  spdlog::info("{}: another machine than node 0's: its clock is {:+.3f} ms from node 0's (trace and bubble on node "
+               "0's timeline; best of 8 round trips {:.3f} ms)",
+               where, offset * 1e-6, round_trip * 1e-6);
+  return offset;
+}
+
 caf::actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
   const auto deadline = std::chrono::steady_clock::now() + o.join_timeout;
   std::string last;
@@ -584,10 +613,7 @@ actor_run_result run_node(const node_options& o) {
           resolve_resume(cfg);  // one checkpoint folder for every node (they get this config)
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
           training_data::check_available(cfg);
-          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(),
-                                       std::int64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                        std::chrono::steady_clock::now().time_since_epoch())
-                                                        .count()));
+          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(), steady_ns());
           auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)
                                  : sys.middleman().publish(registrar_handle, o.port, nullptr, true);
           if (!port)
@@ -610,9 +636,11 @@ actor_run_result run_node(const node_options& o) {
         if (cfg.threads == 0)
           cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) /
                                         (int(slots.size()) * std::max(1, o.nodes_per_host)));
-        // The coordinator's clock origin: one timeline for the nodes of one machine (steady
-        // clocks of different machines are not comparable; their tracks are then offset).
-        const std::chrono::steady_clock::time_point epoch{std::chrono::nanoseconds(offer.epoch_ns)};
+        // The coordinator's clock origin, on this node's clock: one timeline for the trace
+        // and the measured bubble (node_clock_offset: 0 on node 0's machine).
+        const std::chrono::steady_clock::time_point epoch{
+            std::chrono::nanoseconds(offer.epoch_ns - node_clock_offset(self, registrar_handle, offer, o, where) -
+                                     (o.node == 0 ? 0 : o.clock_skew_ns))};
         if (cfg.device == "cuda") {  // one GPU per node process of this machine, while there are enough
           const int gpus = cuda_device_count();
           cfg.device = node_device(cfg.device, o.local_node, gpus);

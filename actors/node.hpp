@@ -36,6 +36,10 @@ struct node_options {
   std::uint16_t port = 0;          ///< the registrar's port
   std::string token;               ///< the job's join token (TROUPE_JOB_TOKEN)
   std::int32_t version = 0;        ///< protocol version presented (0: this build's); tests
+  /// Tests (TROUPE_TEST_CLOCK_SKEW_MS): this node acts as on another machine than node 0's
+  /// whose steady clock is this far ahead (its trace events must still land on node 0's
+  /// timeline).
+  std::int64_t clock_skew_ns = 0;
   job_config cfg;                  ///< node 0: the job (other nodes receive it)
   actor_run_options run;           ///< node 0: progress, trace
   int nodes_per_host = 1;          ///< node processes sharing this machine's cores (threads = 0)

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <stdexcept>
 
 #include <nlohmann/json.hpp>
 
@@ -19,8 +20,8 @@ bool is_comm(const trace_event& e) { return e.name.rfind("send ", 0) == 0 || e.n
 
 step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages) {
   // Per replica: its stages' busy time within its own window (first op to last op). In a
-  // multi-node job each node's events are on that node's clock; a replica never spans
-  // nodes, so the windows are right whatever the offsets between nodes.
+  // multi-node job each node's events are on that node's clock, set at join to node 0's
+  // timeline (clock_offset_ns; exact between nodes of one machine).
   step_timing t;
   t.busy_s.assign(std::size_t(replicas) * stages, 0.0);
   t.idle_s.assign(t.busy_s.size(), 0.0);
@@ -47,6 +48,15 @@ step_timing measure_step(const std::vector<trace_event>& events, int replicas, i
   }
   if (capacity > 0) t.bubble = 1.0 - busy / capacity;
   return t;
+}
+
+std::int64_t clock_offset_ns(const std::vector<clock_sample>& samples, std::int64_t* round_trip_ns) {
+  if (samples.empty()) throw std::invalid_argument("clock_offset_ns: no samples");
+  const auto best = std::min_element(samples.begin(), samples.end(), [](const auto& a, const auto& b) {
+    return a.received_ns - a.sent_ns < b.received_ns - b.sent_ns;
+  });
+  if (round_trip_ns) *round_trip_ns = best->received_ns - best->sent_ns;
+  return best->remote_ns - (best->sent_ns + (best->received_ns - best->sent_ns) / 2);
 }
 
 void write_chrome_trace(const std::string& path, const std::vector<trace_event>& events, int replicas,

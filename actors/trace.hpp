@@ -1,5 +1,6 @@
 #pragma once
 // Measured pipeline timing from trace events, and the Chrome trace writer.
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,18 @@ struct step_timing {
 /// Timing of one step's compute events ("F", "B", "W") over `replicas` x `stages`
 /// tracks, and of its reduce-scatters (the shards of rank r are replica r's).
 step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages);
+
+/// One exchange with node 0's clock (nanoseconds of the steady clocks): this node's
+/// clock when it asked and when the answer came, and node 0's in between.
+struct clock_sample {
+  std::int64_t sent_ns = 0, remote_ns = 0, received_ns = 0;
+};
+
+/// Node 0's clock minus this node's (Cristian's method): from the sample of the shortest
+/// round trip, taking node 0's reading to be from halfway through it; wrong by at most
+/// half that round trip (by the difference of the two ways' delays). `round_trip_ns`, if
+/// given, gets that round trip. Throws std::invalid_argument for no samples.
+std::int64_t clock_offset_ns(const std::vector<clock_sample>& samples, std::int64_t* round_trip_ns = nullptr);
 
 /// Writes `events` as Chrome trace JSON (chrome://tracing, Perfetto): one process per
 /// replica with one track per stage (compute, idle gaps, tensor sends as slices and

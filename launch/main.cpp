@@ -148,6 +148,7 @@ int run_node_command(const config_flags& flags) {
   o.rejoin = env_or("TROUPE_REJOIN", "0") == "1";  // the launcher restarted this lost node
   o.run.node_restarts = std::max(0, std::atoi(env_or("TROUPE_NODE_RESTARTS", "0").c_str()));
   o.version = std::stoi(env_or("TROUPE_PROTOCOL_VERSION", "0"));  // tests: present another version
+  o.clock_skew_ns = std::stoll(env_or("TROUPE_TEST_CLOCK_SKEW_MS", "0")) * 1000000;  // tests: another machine's clock
   o.tls_certificate = env_or("TROUPE_TLS_CERT", "");
   o.tls_key = env_or("TROUPE_TLS_KEY", "");
   o.tls_cafile = env_or("TROUPE_TLS_CA", "");

@@ -1,8 +1,10 @@
 #pragma once
 // Joining a job and wiring it across nodes (one actor system per node process).
 //
-//   node --node_hello{version, token}--> registrar (node 0): job_offer (config, epoch), or
-//        an error (wrong token or protocol version: refused and logged)
+//   node --node_hello{version, token}--> registrar (node 0): job_offer (config, epoch,
+//        machine), or an error (wrong token or protocol version: refused and logged)
+//   node of another machine than node 0's --clock_atom--> registrar (8 times): node 0's
+//        steady clock (ns), for the offset between the two clocks (one trace timeline)
 //   node --node_addresses{round 0}--> registrar: UCX worker addresses of the node's
 //        optimizer shards (with machine and GPU keys, and a NCCL unique id from the rank 0
 //        of a group that asks for NCCL); answered with every node's (the table) once all
@@ -30,7 +32,7 @@
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 7;  // 7: the job config has train.recompute and [model]
+constexpr std::int32_t protocol_version = 8;  // 8: clock probes (clock_atom), job_offer.machine
 
 struct node_hello {
   std::int32_t version = 0;
@@ -43,11 +45,15 @@ struct node_hello {
 
 /// UCX worker addresses of shards (stage, replica) hosted by one node, or, as the
 /// registrar's answer, of every shard of the job.
-/// Registrar -> admitted node: the job's configuration and the coordinator's trace epoch
-/// (steady clock; nodes on one machine then share the timeline of the trace).
+/// Registrar -> admitted node: the job's configuration, the coordinator's trace epoch
+/// (steady clock) and node 0's machine (transport::machine_key()). A node of that machine
+/// shares node 0's clock; one of another machine first measures the offset between the
+/// clocks: it asks the registrar `clock_atom` a few times, answered with node 0's steady
+/// clock in nanoseconds (actors/trace.hpp, clock_offset_ns).
 struct job_offer {
   std::string config_toml;
   std::int64_t epoch_ns = 0;
+  std::string machine;
 };
 
 struct node_addresses {
@@ -106,7 +112,7 @@ typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, job_offer& x) {
-  return f(caf::meta::type_name("job_offer"), x.config_toml, x.epoch_ns);
+  return f(caf::meta::type_name("job_offer"), x.config_toml, x.epoch_ns, x.machine);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_addresses& x) {

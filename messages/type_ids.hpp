@@ -58,5 +58,6 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, rejoin_atom, "rejoin")
   CAF_ADD_ATOM(troupe, troupe, buddy_atom, "buddy")
   CAF_ADD_ATOM(troupe, troupe, copied_atom, "copied")
+  CAF_ADD_ATOM(troupe, troupe, clock_atom, "clock")
 
 CAF_END_TYPE_ID_BLOCK(troupe)

@@ -270,6 +270,21 @@ TEST(Trace, MeasureStepGivesTheBubbleAndTheReduceTail) {
   EXPECT_NEAR(t.idle_s.at(3), 30e-6, 1e-12);
 }
 
+// Cristian's method: the offset from the shortest round trip, read at its middle.
+TEST(Trace, ClockOffsetComesFromTheShortestRoundTrip) {
+  const std::int64_t ahead = 5'000'000'000;  // node 0's clock is 5 s ahead of this node's
+  // (sent, node 0's reading, received), this node's clock; the second is the quickest
+  // (400 ns, read 100 ns after halfway: the answer's way was the shorter).
+  const std::vector<clock_sample> samples{{1000, 1500 + ahead, 3000},
+                                          {10000, 10300 + ahead, 10400},
+                                          {20000, 20100 + ahead, 21000}};
+  std::int64_t round_trip = 0;
+  EXPECT_EQ(clock_offset_ns(samples, &round_trip), ahead + 100);
+  EXPECT_EQ(round_trip, 400);
+  EXPECT_EQ(clock_offset_ns({{0, -7, 0}}), -7);
+  EXPECT_THROW(clock_offset_ns({}), std::invalid_argument);
+}
+
 TEST(ActorRuntime, FmnistMlpEqualsTheReferenceLoop) {
   auto c = job_config::defaults_for("fmnist-mlp");
   c.steps = kSteps;

@@ -3,11 +3,15 @@
 // token or with another protocol version are refused; a node that dies is noticed.
 // Every test starts its processes through process_group: none is left behind.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <csignal>
 #include <filesystem>
 #include <map>
+#include <regex>
+#include <fstream>
+#include <tuple>
 
 #include "actors/node.hpp"
 #include "actors/runtime.hpp"
@@ -199,6 +203,58 @@ TEST(MultiProcessNccl, TheRegistrarMakesIdsOnlyWhereNcclRuns) {
   EXPECT_EQ(assign_nccl_ids(t, [&] { ++made; return std::string(); }), 0);
   EXPECT_EQ(made, 6);
   EXPECT_EQ(ids_of(t), ids{});
+}
+
+// A node of "another machine" whose steady clock is 5 s ahead of node 0's
+// (TROUPE_TEST_CLOCK_SKEW_MS) measures the offset when it joins: its stage's ops land on
+// node 0's timeline. p2 x d1 on 2 nodes: stage 1 runs on the skewed node, so without the
+// offset each of its ops would show 5 s late, its B's before stage 0's and the measured
+// bubble near 1.
+TEST(MultiProcessClocks, ANodeWithAnotherClockJoinsNodeZerosTimeline) {
+  test::temp_dir dir;
+  const std::string trace = dir / "trace.json", metrics = dir / "m.jsonl";
+  job j{2, {"--pipeline", "2", "--data-parallel", "1", "--microbatches", "4", "--steps", "3", "--eval-interval", "0",
+            "--threads", "1", "--trace", trace, "--metrics", metrics}};
+  j.extra_env = {"TROUPE_TEST_CLOCK_SKEW_MS=5000"};
+  auto group = start(j, dir, free_port());
+  const auto results = group.wait(std::chrono::seconds(120));
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(results[i].status, 0) << "node " << i << ":\n" << results[i].output;
+  std::smatch found;
+  ASSERT_TRUE(std::regex_search(results[1].output, found, std::regex("another machine than node 0's: its clock is ([-+0-9.]+) ms")))
+      << results[1].output;
+  EXPECT_NEAR(std::stod(found[1]), -5000.0, 2.0) << found[0];
+  EXPECT_EQ(results[0].output.find("another machine"), std::string::npos) << results[0].output;
+
+  std::map<std::tuple<std::int64_t, int, std::string, int>, std::pair<double, double>> ops;  // (step, stage, F|B, mb)
+  const auto chrome = nlohmann::json::parse(std::ifstream(trace));
+  for (const auto& e : chrome.at("traceEvents")) {
+    if (e.value("cat", "") != "compute") continue;
+    const auto& a = e.at("args");
+    const double ts = e.at("ts");
+    ops[{a.at("step").get<std::int64_t>(), a.at("stage").get<int>(), a.at("op").get<std::string>(),
+         a.at("mb").get<int>()}] = {ts, ts + e.at("dur").get<double>()};
+  }
+  ASSERT_EQ(ops.size(), 48u);
+  const double slack_us = 2000;  // the measured offset is within half a round trip
+  int pairs = 0;
+  for (std::int64_t step = 0; step < 3; ++step)
+    for (int mb = 0; mb < 4; ++mb) {
+      const auto f0 = ops.at({step, 0, "F", mb}), f1 = ops.at({step, 1, "F", mb});
+      const auto b0 = ops.at({step, 0, "B", mb}), b1 = ops.at({step, 1, "B", mb});
+      EXPECT_GE(f1.first, f0.second - slack_us) << "step " << step << " F" << mb << ": stage 1 before stage 0";
+      EXPECT_GE(b0.first, b1.second - slack_us) << "step " << step << " B" << mb << ": stage 0 before stage 1";
+      pairs += 2;
+    }
+  EXPECT_EQ(pairs, 24);
+  std::ifstream lines(metrics);
+  int steps = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const auto m = nlohmann::json::parse(line);
+    if (!m.contains("bubble")) continue;
+    EXPECT_LT(m.at("bubble").get<double>(), 0.9) << line;
+    ++steps;
+  }
+  EXPECT_EQ(steps, 3);
 }
 
 // A node with another token, or another protocol version, is refused (and the refusal is
