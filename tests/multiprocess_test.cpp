@@ -220,8 +220,8 @@ TEST(MultiProcessClocks, ANodeWithAnotherClockJoinsNodeZerosTimeline) {
   const auto results = group.wait(std::chrono::seconds(120));
   for (int i = 0; i < 2; ++i) ASSERT_EQ(results[i].status, 0) << "node " << i << ":\n" << results[i].output;
   std::smatch found;
-  ASSERT_TRUE(std::regex_search(results[1].output, found, std::regex("another machine than node 0's: its clock is ([-+0-9.]+) ms")))
-      << results[1].output;
+  const std::regex offset_line("another machine than node 0's: its clock is ([-+0-9.]+) ms");
+  ASSERT_TRUE(std::regex_search(results[1].output, found, offset_line)) << results[1].output;
   EXPECT_NEAR(std::stod(found[1]), -5000.0, 2.0) << found[0];
   EXPECT_EQ(results[0].output.find("another machine"), std::string::npos) << results[0].output;
 
@@ -236,16 +236,13 @@ TEST(MultiProcessClocks, ANodeWithAnotherClockJoinsNodeZerosTimeline) {
   }
   ASSERT_EQ(ops.size(), 48u);
   const double slack_us = 2000;  // the measured offset is within half a round trip
-  int pairs = 0;
   for (std::int64_t step = 0; step < 3; ++step)
     for (int mb = 0; mb < 4; ++mb) {
       const auto f0 = ops.at({step, 0, "F", mb}), f1 = ops.at({step, 1, "F", mb});
       const auto b0 = ops.at({step, 0, "B", mb}), b1 = ops.at({step, 1, "B", mb});
       EXPECT_GE(f1.first, f0.second - slack_us) << "step " << step << " F" << mb << ": stage 1 before stage 0";
       EXPECT_GE(b0.first, b1.second - slack_us) << "step " << step << " B" << mb << ": stage 0 before stage 1";
-      pairs += 2;
     }
-  EXPECT_EQ(pairs, 24);
   std::ifstream lines(metrics);
   int steps = 0;
   for (std::string line; std::getline(lines, line);) {
