@@ -208,8 +208,8 @@ TEST(MultiProcessNccl, TheRegistrarMakesIdsOnlyWhereNcclRuns) {
 // A node of "another machine" whose steady clock is 5 s ahead of node 0's
 // (TROUPE_TEST_CLOCK_SKEW_MS) measures the offset when it joins: its stage's ops land on
 // node 0's timeline. p2 x d1 on 2 nodes: stage 1 runs on the skewed node, so without the
-// offset each of its ops would show 5 s late, its B's before stage 0's and the measured
-// bubble near 1.
+// offset each of its ops would show 5 s late, the gradients it sends received 5 s before
+// they were sent, and the measured bubble near 1.
 TEST(MultiProcessClocks, ANodeWithAnotherClockJoinsNodeZerosTimeline) {
   test::temp_dir dir;
   const std::string trace = dir / "trace.json", metrics = dir / "m.jsonl";
@@ -225,24 +225,31 @@ TEST(MultiProcessClocks, ANodeWithAnotherClockJoinsNodeZerosTimeline) {
   EXPECT_NEAR(std::stod(found[1]), -5000.0, 2.0) << found[0];
   EXPECT_EQ(results[0].output.find("another machine"), std::string::npos) << results[0].output;
 
-  std::map<std::tuple<std::int64_t, int, std::string, int>, std::pair<double, double>> ops;  // (step, stage, F|B, mb)
+  // Each tensor's receive (an instant on the receiver's track) comes after its send began
+  // (a slice on the sender's: the F or B before it also holds the send, so the receiver
+  // may start before that op's end).
+  std::map<std::tuple<std::int64_t, int, std::string, int>, double> at;  // (step, stage, name, mb) -> ts
   const auto chrome = nlohmann::json::parse(std::ifstream(trace));
   for (const auto& e : chrome.at("traceEvents")) {
-    if (e.value("cat", "") != "compute") continue;
+    if (e.value("cat", "") != "comm") continue;
     const auto& a = e.at("args");
-    const double ts = e.at("ts");
-    ops[{a.at("step").get<std::int64_t>(), a.at("stage").get<int>(), a.at("op").get<std::string>(),
-         a.at("mb").get<int>()}] = {ts, ts + e.at("dur").get<double>()};
+    at[{a.at("step").get<std::int64_t>(), a.at("stage").get<int>(), e.at("name").get<std::string>(),
+        a.at("mb").get<int>()}] = e.at("ts").get<double>();
   }
-  ASSERT_EQ(ops.size(), 48u);
+  // 3 steps x (4 micro-batches x (activation, gradient) + each stage's tied gradient) x (send, receive)
+  ASSERT_EQ(at.size(), 60u);
   const double slack_us = 2000;  // the measured offset is within half a round trip
-  for (std::int64_t step = 0; step < 3; ++step)
+  for (std::int64_t step = 0; step < 3; ++step) {
+    for (const auto [from, to] : {std::pair{0, 1}, std::pair{1, 0}})
+      EXPECT_GE(at.at({step, to, "recv tied gradient", -1}), at.at({step, from, "send tied gradient", -1}) - slack_us)
+          << "step " << step << ": stage " << to << " got the tied gradient before stage " << from << " sent it";
     for (int mb = 0; mb < 4; ++mb) {
-      const auto f0 = ops.at({step, 0, "F", mb}), f1 = ops.at({step, 1, "F", mb});
-      const auto b0 = ops.at({step, 0, "B", mb}), b1 = ops.at({step, 1, "B", mb});
-      EXPECT_GE(f1.first, f0.second - slack_us) << "step " << step << " F" << mb << ": stage 1 before stage 0";
-      EXPECT_GE(b0.first, b1.second - slack_us) << "step " << step << " B" << mb << ": stage 0 before stage 1";
+      EXPECT_GE(at.at({step, 1, "recv activation", mb}), at.at({step, 0, "send activation", mb}) - slack_us)
+          << "step " << step << " micro-batch " << mb << ": stage 1 got the activation before stage 0 sent it";
+      EXPECT_GE(at.at({step, 0, "recv gradient", mb}), at.at({step, 1, "send gradient", mb}) - slack_us)
+          << "step " << step << " micro-batch " << mb << ": stage 0 got the gradient before stage 1 sent it";
     }
+  }
   std::ifstream lines(metrics);
   int steps = 0;
   for (std::string line; std::getline(lines, line);) {
