@@ -572,16 +572,16 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     auto& s = self->state;
     for (int c = 0; c < ctx->v; ++c) {
       auto& slice = *s.chunks[c];
-      auto buckets = ctx->buckets_of(slice);
-      std::vector<char> tied(buckets.size(), 0);
-      for (const auto& e : slice.entries())
-        if (e.name == "wte.weight")
-          for (std::size_t b = 0; b < buckets.size(); ++b)
-            tied[b] = e.offset < buckets[b].end && e.offset + e.numel > buckets[b].begin;
+      auto watch = std::make_unique<grad_ready_watch>(slice, ctx->buckets_of(slice),
+                                                      [logic, c](int b) { logic->bucket_ready(c, b); });
+      std::vector<char> tied(watch->buckets().size(), 0);
+      const auto& entries = slice.entries();
+      for (std::size_t i = 0; i < entries.size(); ++i)
+        if (entries[i].name == "wte.weight")
+          for (int b : watch->buckets_holding(i)) tied[b] = 1;
       s.tied_bucket.push_back(std::move(tied));
       s.held.emplace_back();
-      s.watches.push_back(std::make_unique<grad_ready_watch>(slice, std::move(buckets),
-                                                             [logic, c](int b) { logic->bucket_ready(c, b); }));
+      s.watches.push_back(std::move(watch));
     }
   };
   const auto act_shape = [ctx](int x) { return ctx->activation_shape(x); };

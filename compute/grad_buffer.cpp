@@ -266,6 +266,10 @@ void grad_ready_watch::disarm() {
   std::fill(state_->reported.begin(), state_->reported.end(), 1);
 }
 
+const std::vector<int>& grad_ready_watch::buckets_holding(std::size_t param) const {
+  return state_->buckets_of.at(param);  // fixed once made: no lock
+}
+
 std::int64_t grad_ready_watch::reported_early() const { return state_->early.load(); }
 
 }  // namespace troupe

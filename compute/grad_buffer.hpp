@@ -130,6 +130,8 @@ class grad_ready_watch {
   grad_ready_watch& operator=(const grad_ready_watch&) = delete;
 
   const std::vector<flat_range>& buckets() const { return buckets_; }
+  /// The buckets holding elements of parameter `param` (an index into the slice's entries).
+  const std::vector<int>& buckets_holding(std::size_t param) const;
   /// The next backward reports buckets as their gradients become final.
   void arm();
   /// Reports every bucket not reported since `arm` (all of them when not armed), disarms.

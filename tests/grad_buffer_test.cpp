@@ -202,6 +202,19 @@ TEST(GradReadyWatch, ReportsEachBucketDuringTheLastBackwardWithItsFinalGradients
         order.push_back(b);
         at_report[b] = slice->flat_grads().narrow(0, buckets[b].begin, buckets[b].size()).clone();
       });
+      // Each parameter's buckets: those its elements fall in.
+      const auto& entries = slice->entries();
+      std::size_t held = 0;
+      for (std::size_t i = 0; i < entries.size(); ++i) {
+        std::vector<int> want;
+        for (std::size_t b = 0; b < buckets.size(); ++b) {
+          const auto first = std::max(buckets[b].begin, entries[i].offset);
+          if (first < buckets[b].end && entry_at(entries, first) == int(i)) want.push_back(int(b));
+        }
+        EXPECT_EQ(watch.buckets_holding(i), want) << entries[i].name;
+        held += want.size();
+      }
+      EXPECT_GE(held, entries.size());
       torch::manual_seed(1);
       auto backward = [&] {
         auto tokens = torch::randint(0, 256, {2, spec.gpt.seq_len}, torch::kLong);
