@@ -495,4 +495,31 @@ std::map<int, int> job_config::kill_steps() const {
   return out;
 }
 
+elastic_layout shrink_layout(const job_config& cfg, int max_nodes, int min_nodes) {
+  if (min_nodes < 1 || max_nodes < min_nodes)
+    throw config_error("the nodes left (" + std::to_string(max_nodes) + ") are fewer than the minimum (" +
+                       std::to_string(min_nodes) + ")");
+  const int micro = cfg.microbatch_size();
+  for (int nodes = max_nodes; nodes >= min_nodes; --nodes)
+    for (int d = cfg.data_parallel; d >= 1; --d) {
+      if ((cfg.pipeline * d) % nodes != 0 || cfg.global_batch % (micro * d) != 0) continue;
+      job_config c = cfg;
+      c.data_parallel = d;
+      c.microbatches = cfg.global_batch / (micro * d);
+      try {
+        c.validate();  // e.g. an interleaved schedule's micro-batches must stay a multiple of the stages
+      } catch (const config_error&) {
+        continue;
+      }
+      return {nodes, d, c.microbatches};
+    }
+  throw config_error("no layout of pipeline " + std::to_string(cfg.pipeline) + " with at most " +
+                     std::to_string(cfg.data_parallel) + " replicas of micro-batches of " + std::to_string(micro) +
+                     " (global batch " + std::to_string(cfg.global_batch) + ") fits " +
+                     (min_nodes == max_nodes ? std::to_string(min_nodes) + " node(s)"
+                                             : "between " + std::to_string(min_nodes) + " and " +
+                                                   std::to_string(max_nodes) + " nodes") +
+                     " (the node count must divide pipeline x replicas)");
+}
+
 }  // namespace troupe

@@ -1,5 +1,6 @@
 // The troupe command: `troupe train`, `troupe node` (also run as `troupe-node`: one node
-// of a multi-process job, started by launch/troupe), `troupe generate` and `troupe schedule`.
+// of a multi-process job, started by launch/troupe), `troupe generate`, `troupe eval`,
+// `troupe schedule` and `troupe elastic-layout` (launch/troupe's, for --min-nodes).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -357,6 +358,16 @@ int main(int argc, char** argv) {
   std::string eval_from;
   eval->add_option("--checkpoint", eval_from, checkpoint_help)->required();
 
+  // troupe elastic-layout (for launch/troupe --min-nodes): the job's layout on the hosts left
+  auto* elastic = app.add_subcommand("elastic-layout",
+                                     "the layout a job of these flags takes on fewer nodes (launch/troupe "
+                                     "--min-nodes): prints 'nodes data_parallel microbatches'");
+  config_flags elastic_flags;
+  elastic_flags.add_to(elastic);
+  int elastic_hosts = 0, elastic_min = 1;
+  elastic->add_option("--hosts", elastic_hosts, "hosts left (at most this many nodes)")->required();
+  elastic->add_option("--min-nodes", elastic_min, "the fewest nodes the job may run on");
+
   // troupe schedule
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");
   std::string kind = "1f1b", format = "table";
@@ -396,6 +407,20 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (*elastic) {
+    try {
+      const auto cfg = elastic_flags.load();
+      const auto l = troupe::shrink_layout(cfg, elastic_hosts, elastic_min);
+      std::printf("%d %d %d\n", l.nodes, l.data_parallel, l.microbatches);
+      std::printf("pipeline %d x data-parallel %d of %d micro-batches -> pipeline %d x data-parallel %d of %d "
+                  "micro-batches (of %d samples) on %d node(s)\n",
+                  cfg.pipeline, cfg.data_parallel, cfg.microbatches, cfg.pipeline, l.data_parallel, l.microbatches,
+                  cfg.microbatch_size(), l.nodes);
+      return 0;
+    } catch (const troupe::config_error& e) {
+      return fail(exit_usage, e.what());
+    }
+  }
   if (*node) return run_node_command(node_flags);
   if (*gen) return run_generate_command(gen_flags, gen_args);
   if (*eval) return run_eval_command(eval_flags, eval_from);

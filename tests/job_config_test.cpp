@@ -174,4 +174,44 @@ TEST(JobConfig, KillNodeTakesOneStepPerNode) {
   EXPECT_THROW(kills("1"), troupe::config_error);
   EXPECT_THROW(kills("1:-2"), troupe::config_error);
 }
+
+// A job that lost hosts goes on with fewer nodes: its own layout where the node count still
+// divides it, else fewer replicas of the same micro-batch size (more micro-batches each).
+TEST(JobConfig, ShrinkLayoutKeepsTheMicroBatchSizeAndPrefersMoreNodes) {
+  auto job = [](std::vector<std::pair<std::string, std::string>> keys) { return troupe::load_job_config("", keys); };
+  using L = troupe::elastic_layout;
+  auto eq = [](const L& a, const L& b) {
+    return a.nodes == b.nodes && a.data_parallel == b.data_parallel && a.microbatches == b.microbatches;
+  };
+  // p1 d4, micro-batches of 4: 3 hosts left. 3 nodes need 3 replicas (32 samples do not
+  // split into 3 x 4k), so 2 nodes, keeping all 4 replicas (2 per node).
+  const auto d4 = job({{"pipeline", "1"}, {"data_parallel", "4"}, {"microbatches", "2"}});
+  EXPECT_TRUE(eq(troupe::shrink_layout(d4, 3, 1), L{2, 4, 2}));
+  EXPECT_TRUE(eq(troupe::shrink_layout(d4, 4, 1), L{4, 4, 2}));  // nothing lost: the job's own
+  EXPECT_THROW(troupe::shrink_layout(d4, 3, 3), troupe::config_error);
+  // p1 d3 of 4 micro-batches of 3 (global 36) on 2 nodes: 2 replicas of 6 micro-batches.
+  const auto d3 = job({{"pipeline", "1"}, {"data_parallel", "3"}, {"microbatches", "4"}, {"global_batch", "36"}});
+  EXPECT_TRUE(eq(troupe::shrink_layout(d3, 2, 1), L{2, 2, 6}));
+  EXPECT_TRUE(eq(troupe::shrink_layout(d3, 1, 1), L{1, 3, 4}));
+  // p4 d2 on 8 nodes, 7 left: 4 nodes; with 3 left only 2 (a node holds whole stages).
+  const auto p4 = job({{"pipeline", "4"}, {"data_parallel", "2"}, {"microbatches", "4"}});
+  EXPECT_TRUE(eq(troupe::shrink_layout(p4, 7, 2), L{4, 2, 4}));
+  EXPECT_TRUE(eq(troupe::shrink_layout(p4, 3, 2), L{2, 2, 4}));
+  // The shrunk layout must be a valid job: p2 d3 of 2 micro-batches of 2 on 4 nodes needs
+  // d2 with 3 micro-batches, which 1f1b takes and interleaved-1f1b (a multiple of the 2
+  // stages) refuses.
+  auto p2d3 = [&](const char* schedule, const char* chunks) {
+    return job({{"pipeline", "2"}, {"data_parallel", "3"}, {"microbatches", "2"}, {"global_batch", "12"},
+                {"schedule", schedule}, {"chunks", chunks}});
+  };
+  EXPECT_TRUE(eq(troupe::shrink_layout(p2d3("1f1b", "1"), 4, 4), L{4, 2, 3}));
+  try {
+    troupe::shrink_layout(p2d3("interleaved-1f1b", "2"), 4, 4);
+    ADD_FAILURE() << "an interleaved layout of 3 micro-batches on 2 stages was taken";
+  } catch (const troupe::config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("fits 4 node(s)"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(eq(troupe::shrink_layout(p2d3("interleaved-1f1b", "2"), 4, 2), L{3, 3, 2}));
+  EXPECT_THROW(troupe::shrink_layout(d4, 1, 2), troupe::config_error);  // fewer left than the minimum
+}
 }  // namespace troupe

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# launch/troupe --hostfile ... --min-nodes M: a host that stops answering is left out and
+# the job goes on, from its newest checkpoint, on the hosts left. The hosts are 127.0.0.x
+# reached through a stand-in for ssh that runs the command on this machine, and that
+# refuses a host for good once a node process on it was killed (a machine that died).
+#  1. p1 x d3 on 3 hosts, node 2's host dies: 2 nodes, d2 of 6 micro-batches instead of d3
+#     of 4 (same micro-batch size, same global batch). Bit-identical to a run of d3 up to
+#     the checkpoint, then resumed with d2; every step's loss the same.
+#  2. p2 x d1 on 2 hosts, node 0's (the coordinator's) host dies: one node on the other
+#     host, the job's own layout: bit-identical to the fault-free run.
+#  3. refusals: --min-nodes above the hosts, or without --hostfile; `troupe elastic-layout`.
+#   tests/elastic_test.sh REPO_ROOT BUILD_DIR
+source "$(dirname "$0")/launcher_lib.sh" "$@"
+
+fake=$tmp/fake-ssh
+cat >"$fake" <<'EOF'
+#!/usr/bin/env bash
+# ssh HOST COMMAND, run here; HOST in $FAKE_SSH_DOOMED is gone (exit 255) once a command
+# run on it was killed by SIGKILL.
+while [ $# -gt 0 ]; do case "$1" in -o|-F|-p) shift 2 ;; -*) shift ;; *) break ;; esac; done
+host=$1
+shift
+if [ -e "$FAKE_SSH_DIR/gone-$host" ]; then echo "ssh: connect to host $host port 22: Connection refused" >&2; exit 255; fi
+bash -c "$*" <&0 &
+c=$!
+trap 'kill -TERM $c 2>/dev/null' TERM
+wait $c
+s=$?
+while kill -0 $c 2>/dev/null; do wait $c; s=$?; done
+case " ${FAKE_SSH_DOOMED:-} " in *" $host "*) [ $s != 137 ] || touch "$FAKE_SSH_DIR/gone-$host" ;; esac
+exit $s
+EOF
+chmod +x "$fake"
+export TROUPE_SSH=$fake FAKE_SSH_DIR=$tmp
+same_run() { /usr/bin/python3 "$root/tests/compare_runs.py" "$tmp/$1" "$tmp/$2" 1 "$3"; }
+cd "$tmp"
+
+# --- 1. a host of a data-parallel job lost: fewer replicas ----------------------------
+printf '127.0.0.1\n127.0.0.2\n127.0.0.3\n' >hosts3
+job=(--pipeline 1 --global-batch 36 --steps 12 --eval-interval 0 --checkpoint-interval 5 --threads 1)
+FAKE_SSH_DOOMED=127.0.0.3 "$launcher" train --hostfile hosts3 --min-nodes 2 "${job[@]}" --data-parallel 3 \
+  --microbatches 4 --checkpoint-dir ck1 --kill-node 2:7 --metrics e1.jsonl --save e1.pt >e1.log 2>&1
+rc=$?
+[ $rc = 0 ] && ok "host of node 2 lost: the job finished (exit 0)" || bad "host of node 2 lost: exit $rc" e1.log
+grep -q "node 2 ended (status 137) and its host 127.0.0.3 does not answer: stopping the job" e1.log \
+  && ok "the launcher saw node 2's host gone" || bad "no line about node 2's host" e1.log
+grep -q "host(s) 127.0.0.3 do not answer: going on without them, pipeline 1 x data-parallel 3 of 4 micro-batches -> pipeline 1 x data-parallel 2 of 6 micro-batches (of 3 samples) on 2 node(s): 127.0.0.1 127.0.0.2" e1.log \
+  && grep -q "node 1 of 2: 127.0.0.2" e1.log && ! grep -q "node 2 of 2" e1.log \
+  && ok "went on with 2 nodes, d2 of 6 micro-batches" || bad "no shrunk launch" e1.log
+# The reference: d3 of 4 micro-batches up to the checkpoint of step 5 (the newest when node
+# 2 died as step index 7 began), then d2 of 6 micro-batches from it, in one process.
+"$launcher" train --nodes 1 "${job[@]}" --data-parallel 3 --microbatches 4 --checkpoint-dir ref1ck \
+  --metrics ref1.jsonl >ref1a.log 2>&1 &&
+  "$launcher" train --nodes 1 "${job[@]}" --data-parallel 2 --microbatches 6 --resume ref1ck/step-00000005 \
+    --metrics ref1.jsonl --save ref1.pt >ref1b.log 2>&1
+rc=$?
+[ $rc = 0 ] && ok "reference: d3 to step 5, then d2" || bad "reference runs: exit $rc" ref1b.log
+out=$(same_run ref1 e1 2 2>&1) && ok "bit-identical to d3 then d2, the same loss every step ($out)" \
+  || { echo "$out"; bad "host lost: results differ from the reference"; }
+
+# --- 2. node 0's host lost: the coordinator moves to the next host --------------------
+printf '127.0.0.1\n127.0.0.2\n' >hosts2
+job=(--pipeline 2 --data-parallel 1 --microbatches 4 --steps 12 --eval-interval 0 --threads 1)
+"$launcher" train --nodes 1 "${job[@]}" --metrics ref2.jsonl --save ref2.pt >ref2.log 2>&1
+rc=$?
+[ $rc = 0 ] && ok "fault-free p2 run" || bad "fault-free p2 run: exit $rc" ref2.log
+FAKE_SSH_DOOMED=127.0.0.1 "$launcher" train --hostfile hosts2 --min-nodes 1 "${job[@]}" --checkpoint-dir ck2 \
+  --checkpoint-interval 5 --kill-node 0:7 --metrics e2.jsonl --save e2.pt >e2.log 2>&1
+rc=$?
+[ $rc = 0 ] && grep -q "host(s) 127.0.0.1 do not answer: going on without them, .* on 1 node(s): 127.0.0.2" e2.log \
+  && grep -q "node 0 of 1: 127.0.0.2" e2.log && ok "node 0's host lost: went on with node 0 on 127.0.0.2" \
+  || bad "node 0's host lost: exit $rc" e2.log
+out=$(same_run ref2 e2 2 2>&1) && ok "bit-identical to the fault-free run ($out)" \
+  || { echo "$out"; bad "node 0's host lost: results differ"; }
+
+# --- 3. refusals ----------------------------------------------------------------------
+"$launcher" train --hostfile hosts2 --min-nodes 3 --steps 1 >r1.log 2>&1
+rc=$?
+[ $rc = 2 ] && grep -q "min-nodes must be a count from 1 to the hostfile's 2, not '3'" r1.log \
+  && ok "--min-nodes above the hosts: exit 2" || bad "--min-nodes 3 of 2 hosts: exit $rc" r1.log
+"$launcher" train --nodes 2 --min-nodes 1 --steps 1 >r2.log 2>&1
+rc=$?
+[ $rc = 2 ] && grep -q "min-nodes needs --hostfile" r2.log && ok "--min-nodes without --hostfile: exit 2" \
+  || bad "--min-nodes without a hostfile: exit $rc" r2.log
+out=$("$TROUPE_BUILD_DIR/troupe" elastic-layout --hosts 3 --min-nodes 3 --pipeline 1 --data-parallel 4 2>&1)
+rc=$?
+[ $rc = 2 ] && [[ $out == *"fits 3 node(s)"* ]] && ok "no layout for 3 nodes of d4: exit 2 ($out)" \
+  || bad "elastic-layout d4 on 3 nodes: exit $rc: $out"
+
+sleep 0.5
+[ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"
+exit $fail
