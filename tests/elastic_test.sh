@@ -2,10 +2,13 @@
 # launch/troupe --hostfile ... --min-nodes M: a host that stops answering is left out and
 # the job goes on, from its newest checkpoint, on the hosts left. The hosts are 127.0.0.x
 # reached through a stand-in for ssh that runs the command on this machine, and that
-# refuses a host for good once a node process on it was killed (a machine that died).
+# refuses a host once a node process on it was killed (a machine that died), for its next
+# $FAKE_SSH_DOWN_FOR connections (default: for good).
 #  1. p1 x d3 on 3 hosts, node 2's host dies: 2 nodes, d2 of 6 micro-batches instead of d3
-#     of 4 (same micro-batch size, same global batch). Bit-identical to a run of d3 up to
-#     the checkpoint, then resumed with d2; every step's loss the same.
+#     of 4 (same micro-batch size, same global batch); then node 0 dies, and the host is
+#     back for that restart: d3 on 3 nodes again. Bit-identical to a run of d3 up to the
+#     first checkpoint, then d2 resumed from it up to the second, then d3 again; every
+#     step's loss the same.
 #  2. p2 x d1 on 2 hosts, node 0's (the coordinator's) host dies: one node on the other
 #     host, the job's own layout: bit-identical to the fault-free run.
 #  3. refusals: --min-nodes above the hosts, or without --hostfile; `troupe elastic-layout`.
@@ -16,18 +19,27 @@ fake=$tmp/fake-ssh
 cat >"$fake" <<'EOF'
 #!/usr/bin/env bash
 # ssh HOST COMMAND, run here; HOST in $FAKE_SSH_DOOMED is gone (exit 255) once a command
-# run on it was killed by SIGKILL.
+# run on it was killed by SIGKILL, for its next $FAKE_SSH_DOWN_FOR connections.
 while [ $# -gt 0 ]; do case "$1" in -o|-F|-p) shift 2 ;; -*) shift ;; *) break ;; esac; done
 host=$1
 shift
-if [ -e "$FAKE_SSH_DIR/gone-$host" ]; then echo "ssh: connect to host $host port 22: Connection refused" >&2; exit 255; fi
+gone=$FAKE_SSH_DIR/gone-$host
+if [ -e "$gone" ]; then
+  left=$(cat "$gone")
+  if [ "$left" -gt 0 ]; then
+    echo $((left - 1)) >"$gone"
+    echo "ssh: connect to host $host port 22: Connection refused" >&2
+    exit 255
+  fi
+  rm -f "$gone"
+fi
 bash -c "$*" <&0 &
 c=$!
 trap 'kill -TERM $c 2>/dev/null' TERM
 wait $c
 s=$?
 while kill -0 $c 2>/dev/null; do wait $c; s=$?; done
-case " ${FAKE_SSH_DOOMED:-} " in *" $host "*) [ $s != 137 ] || touch "$FAKE_SSH_DIR/gone-$host" ;; esac
+case " ${FAKE_SSH_DOOMED:-} " in *" $host "*) [ $s != 137 ] || echo "${FAKE_SSH_DOWN_FOR:-1000000}" >"$gone" ;; esac
 exit $s
 EOF
 chmod +x "$fake"
@@ -37,9 +49,13 @@ cd "$tmp"
 
 # --- 1. a host of a data-parallel job lost: fewer replicas ----------------------------
 printf '127.0.0.1\n127.0.0.2\n127.0.0.3\n' >hosts3
-job=(--pipeline 1 --global-batch 36 --steps 12 --eval-interval 0 --checkpoint-interval 5 --threads 1)
-FAKE_SSH_DOOMED=127.0.0.3 "$launcher" train --hostfile hosts3 --min-nodes 2 "${job[@]}" --data-parallel 3 \
-  --microbatches 4 --checkpoint-dir ck1 --kill-node 2:7 --metrics e1.jsonl --save e1.pt >e1.log 2>&1
+job=(--pipeline 1 --global-batch 36 --steps 14 --eval-interval 0 --checkpoint-interval 5 --threads 1)
+# Node 2 dies as step index 7 begins (launch 0), node 0 as index 10 begins (launch 1); the
+# host of node 2 refuses the launcher's two probes (when node 2 ends, before restart 1)
+# and answers the one before restart 2.
+FAKE_SSH_DOOMED=127.0.0.3 FAKE_SSH_DOWN_FOR=2 TROUPE_FAULTS=kill_node=2:7 TROUPE_FAULTS_1=kill_node=0:10 \
+  "$launcher" train --hostfile hosts3 --min-nodes 2 "${job[@]}" --data-parallel 3 --microbatches 4 \
+  --checkpoint-dir ck1 --metrics e1.jsonl --save e1.pt >e1.log 2>&1
 rc=$?
 [ $rc = 0 ] && ok "host of node 2 lost: the job finished (exit 0)" || bad "host of node 2 lost: exit $rc" e1.log
 grep -q "node 2 ended (status 137) and its host 127.0.0.3 does not answer: stopping the job" e1.log \
@@ -47,16 +63,23 @@ grep -q "node 2 ended (status 137) and its host 127.0.0.3 does not answer: stopp
 grep -q "host(s) 127.0.0.3 do not answer: going on without them, pipeline 1 x data-parallel 3 of 4 micro-batches -> pipeline 1 x data-parallel 2 of 6 micro-batches (of 3 samples) on 2 node(s): 127.0.0.1 127.0.0.2" e1.log \
   && grep -q "node 1 of 2: 127.0.0.2" e1.log && ! grep -q "node 2 of 2" e1.log \
   && ok "went on with 2 nodes, d2 of 6 micro-batches" || bad "no shrunk launch" e1.log
-# The reference: d3 of 4 micro-batches up to the checkpoint of step 5 (the newest when node
-# 2 died as step index 7 began), then d2 of 6 micro-batches from it, in one process.
-"$launcher" train --nodes 1 "${job[@]}" --data-parallel 3 --microbatches 4 --checkpoint-dir ref1ck \
+grep -q "every host answers again: pipeline 1 x data-parallel 3 of 4 micro-batches -> pipeline 1 x data-parallel 3 of 4 micro-batches (of 3 samples) on 3 node(s): 127.0.0.1 127.0.0.2 127.0.0.3" e1.log \
+  && [ "$(grep -c "node 2 of 3: 127.0.0.3" e1.log)" = 2 ] && ok "took the host back at the next restart: d3 on 3 nodes" \
+  || bad "host not taken back" e1.log
+# The reference, in one process: d3 of 4 micro-batches up to the checkpoint of step 5 (the
+# newest when node 2 died as step index 7 began), d2 of 6 micro-batches from it up to the
+# checkpoint of step 10 (node 0 died as index 10 began), then d3 again.
+"$launcher" train --nodes 1 "${job[@]}" --data-parallel 3 --microbatches 4 --checkpoint-dir ref1a \
   --metrics ref1.jsonl >ref1a.log 2>&1 &&
-  "$launcher" train --nodes 1 "${job[@]}" --data-parallel 2 --microbatches 6 --resume ref1ck/step-00000005 \
-    --metrics ref1.jsonl --save ref1.pt >ref1b.log 2>&1
+  "$launcher" train --nodes 1 "${job[@]}" --data-parallel 2 --microbatches 6 --resume ref1a/step-00000005 \
+    --checkpoint-dir ref1b --metrics ref1.jsonl >ref1b.log 2>&1 &&
+  "$launcher" train --nodes 1 "${job[@]}" --data-parallel 3 --microbatches 4 --resume ref1b/step-00000010 \
+    --metrics ref1.jsonl --save ref1.pt >ref1c.log 2>&1
 rc=$?
-[ $rc = 0 ] && ok "reference: d3 to step 5, then d2" || bad "reference runs: exit $rc" ref1b.log
-out=$(same_run ref1 e1 2 2>&1) && ok "bit-identical to d3 then d2, the same loss every step ($out)" \
-  || { echo "$out"; bad "host lost: results differ from the reference"; }
+[ $rc = 0 ] && ok "reference: d3 to step 5, d2 to step 10, d3" || bad "reference runs: exit $rc" ref1c.log
+out=$(/usr/bin/python3 "$root/tests/compare_runs.py" ref1 e1 2 2>&1) \
+  && ok "bit-identical to d3, d2, d3, the same loss every step ($out)" \
+  || { echo "$out"; bad "host lost and back: results differ from the reference"; }
 
 # --- 2. node 0's host lost: the coordinator moves to the next host --------------------
 printf '127.0.0.1\n127.0.0.2\n' >hosts2
