@@ -2,7 +2,8 @@
 # The launcher (launch/troupe train) with node processes on this machine: a short job
 # ends with node 0's status and no node left behind, each node knowing its number on
 # the machine; bad layouts and transport settings are one-line errors (exit 2); Ctrl-C
-# (SIGINT) stops every node and exits 130, leaving no process.
+# (SIGINT) stops every node and exits 130, leaving no process; --help lists the launcher's
+# options and the job's flags without starting anything.
 #   tests/launcher_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/launcher_lib.sh" "$@"
 
@@ -17,6 +18,13 @@ grep -q "node 1 on .*(pid [0-9]*, node process 2 of 2 on this machine)" "$tmp/ru
 grep -q "3/3 |" "$tmp/run.log" && ok "progress lines" || bad "no progress line" "$tmp/run.log"
 sleep 0.5
 [ "$(nodes_left)" = 0 ] && ok "no node left after the job" || bad "$(nodes_left) node(s) left after the job"
+
+# --help: the launcher's own options, then every job flag; no node process started.
+"$launcher" train --nodes 2 --help >"$tmp/help.log" 2>&1
+rc=$?
+[ $rc = 0 ] && grep -q -- "--min-nodes M" "$tmp/help.log" && grep -q -- "--hostfile FILE" "$tmp/help.log" \
+  && grep -q -- "--data-parallel" "$tmp/help.log" && ! grep -q "node 0 of" "$tmp/help.log" \
+  && ok "train --help: launcher options and job flags, no node started" || bad "train --help: exit $rc" "$tmp/help.log"
 
 # Layouts that do not fit the nodes: one-line error, exit 2, before anything runs.
 "$launcher" train --nodes 3 --data-parallel 2 --steps 1 >"$tmp/bad.log" 2>&1
