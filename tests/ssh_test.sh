@@ -9,7 +9,9 @@
 # node (exit 130); a launcher killed with SIGKILL leaves no node behind (the nodes' ssh
 # input ends, a watcher on the host stops them). Then a second network host: node 1 in a
 # network namespace of its own (own address, a veth link, an sshd there), UCX over TCP
-# between the two: bit-identical to the local run (skipped where no namespace can be made).
+# between the two: bit-identical to the local run (skipped where no namespace can be made);
+# then that host goes silent (its processes stopped) and, with --min-nodes 1, the job goes
+# on on the first host alone, bit-identical too.
 #   tests/ssh_test.sh REPO_ROOT BUILD_DIR      (exit 77: no sshd to be had, or not root)
 source "$(dirname "$0")/launcher_lib.sh" "$@"
 skip() { echo "skip: $*"; exit 77; }
@@ -180,6 +182,32 @@ else
     && ok "node 0 on $net.1, node 1 on $net.2 (another network namespace): exit 0" || bad "second network host: exit $rc" net.log
   out=$(/usr/bin/python3 "$root/tests/compare_runs.py" "$work/ref" "$work/net" 0 2>&1) \
     && ok "across the two network hosts bit-identical to the local run ($out)" || { echo "$out"; bad "results differ" net.log; }
+  sleep 0.5
+  [ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"
+
+  # The second host goes silent (every process in its namespace stopped: its sshd, the
+  # node, the node's session): ssh's keep-alives end node 1's connection (status 255),
+  # the launcher's probe of the host times out, and with --min-nodes 1 the job goes on
+  # from its checkpoint on node 0's host alone (the same layout in one node process):
+  # bit-identical to the local run.
+  job30=(train --pipeline 2 --data-parallel 2 --steps 30 --eval-interval 0)
+  "$launcher" "${job30[@]}" --nodes 1 --metrics ref30.jsonl --save ref30.pt >ref30.log 2>&1 \
+    || bad "fault-free 30-step reference" ref30.log
+  UCX_TLS=tcp,self UCX_NET_DEVICES="$va,$vb" "$launcher" "${job30[@]}" --hostfile hosts2 --min-nodes 1 \
+    --checkpoint-dir ck30 --checkpoint-interval 2 --metrics silent.jsonl --save silent.pt >silent.log 2>&1 &
+  pid=$!
+  for ((i = 0; i < 600; i++)); do grep -q "step  6/30 |" silent.log 2>/dev/null && break; sleep 0.1; done
+  stopped=$(ip netns pids "$ns")
+  kill -STOP $stopped
+  wait $pid
+  rc=$?
+  kill -KILL $stopped 2>/dev/null
+  [ $rc = 0 ] && grep -q "node 1 ended (status 255) and its host $net.2 does not answer: stopping the job" silent.log \
+    && grep -q "host(s) $net.2 do not answer: going on without them, .* on 1 node(s): $net.1" silent.log \
+    && grep -q "node 0 of 1: $net.1" silent.log \
+    && ok "$net.2 went silent: its connection ended, the job went on on $net.1 alone" || bad "silent host: exit $rc" silent.log
+  out=$(/usr/bin/python3 "$root/tests/compare_runs.py" "$work/ref30" "$work/silent" 1 2>&1) \
+    && ok "bit-identical to the local run ($out)" || { echo "$out"; bad "silent host: results differ" silent.log; }
   sleep 0.5
   [ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"
 fi
