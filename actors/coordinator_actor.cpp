@@ -87,8 +87,14 @@ void finish(self_ptr self, int code, const std::string& error) {
   s.result->error = error;
   if (code != 0) spdlog::error("{}", error);
   if (!s.opts.trace_path.empty()) {
-    write_chrome_trace(s.opts.trace_path, s.result->events, s.ctx->d, s.ctx->p);
-    spdlog::info("trace written to {}", s.opts.trace_path);
+    // Checked writable at the start; should it fail now (a full disk), the run's result
+    // stands and the reason is logged: an exception here would leave the run unanswered.
+    try {
+      write_chrome_trace(s.opts.trace_path, s.result->events, s.ctx->d, s.ctx->p);
+      spdlog::info("trace written to {}", s.opts.trace_path);
+    } catch (const std::exception& e) {
+      spdlog::error("trace not written: {}", e.what());
+    }
   }
   s.done.deliver(code);
   for (auto& sup : s.supervisors) self->send_exit(sup, caf::exit_reason::user_shutdown);

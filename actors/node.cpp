@@ -613,6 +613,7 @@ actor_run_result run_node(const node_options& o) {
           resolve_resume(cfg);  // one checkpoint folder for every node (they get this config)
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
           training_data::check_available(cfg);
+          check_output_paths(cfg);
           registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(), steady_ns());
           auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)
                                  : sys.middleman().publish(registrar_handle, o.port, nullptr, true);

@@ -118,6 +118,7 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
     ~restore_threads() { torch::set_num_threads(n); }
   } restore{caller_threads};
   training_data::check_available(cfg);  // a clear error now rather than a dead loader later
+  check_output_paths(cfg);               // and rather than losing the run at its end
   auto ctx = std::make_shared<const runtime_context>(cfg);
   auto wiring = std::make_shared<job_wiring>();
   auto result = std::make_shared<actor_run_result>();

@@ -1,10 +1,13 @@
 #include "compute/checkpoint_dir.hpp"
 
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -288,6 +291,44 @@ void resolve_resume(job_config& cfg) {
     return;
   }
   if (!cfg.resume.empty()) cfg.resume = find_checkpoint(cfg.resume);
+}
+
+namespace {
+
+/// A file can be made in `folder` (made and removed again).
+void require_writable_folder(const fs::path& folder, const std::string& key, const std::string& value) {
+  std::error_code ec;
+  const auto dir = folder.empty() ? fs::path(".") : folder;
+  if (!fs::is_directory(dir, ec))
+    throw config_error(key + " = '" + value + "': folder " + dir.string() + " does not exist");
+  const auto probe = dir / (".troupe-write-check-" + std::to_string(::getpid()));
+  std::FILE* f = std::fopen(probe.c_str(), "wb");
+  if (!f) throw config_error(key + " = '" + value + "': cannot write in " + dir.string() + ": " + std::strerror(errno));
+  std::fclose(f);
+  fs::remove(probe, ec);
+}
+
+void require_writable_file(const std::string& path, const std::string& key) {
+  if (path.empty()) return;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw config_error(key + " = '" + path + "' is a folder, not a file");
+  require_writable_folder(fs::path(path).parent_path(), key, path);
+}
+
+}  // namespace
+
+void check_output_paths(const job_config& cfg) {
+  require_writable_file(cfg.save, "output.save");
+  if (!cfg.save.empty()) require_writable_file(cfg.save + ".optim", "output.save");
+  require_writable_file(cfg.metrics, "output.metrics");
+  require_writable_file(cfg.trace, "output.trace");
+  if (!cfg.checkpoint_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(cfg.checkpoint_dir, ec);
+    if (ec)
+      throw config_error("output.checkpoint_dir = '" + cfg.checkpoint_dir + "': cannot create it: " + ec.message());
+    require_writable_folder(cfg.checkpoint_dir, "output.checkpoint_dir", cfg.checkpoint_dir);
+  }
 }
 
 }  // namespace troupe

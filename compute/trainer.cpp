@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "compute/checkpoint.hpp"
+#include "compute/checkpoint_dir.hpp"
 
 namespace troupe {
 
@@ -231,6 +232,7 @@ int run_training(const job_config& cfg) {
   spdlog::info("training {} for {} steps: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
                "{} threads on the CPU{}", cfg.model_label(), cfg.steps, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
                cfg.microbatch_size(), cfg.schedule, torch::get_num_threads(), cfg.compute_note());
+  check_output_paths(cfg);  // not at the end, after the training
   local_trainer trainer(cfg);
   if (trainer.next_step() > 0) spdlog::info("resumed from {} at step {}", cfg.load, trainer.next_step());
   std::ofstream metrics;

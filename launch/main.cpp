@@ -436,6 +436,8 @@ int main(int argc, char** argv) {
     const auto result = troupe::run_actor_training(cfg);
     if (result.exit_code != 0) return fail(result.exit_code, result.error);
     return 0;
+  } catch (const troupe::config_error& e) {  // e.g. an output folder that does not exist
+    return fail(exit_usage, e.what());
   } catch (const troupe::data_error& e) {
     return fail(1, e.what());
   } catch (const troupe::checkpoint_error& e) {

@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "compute/checkpoint.hpp"
+#include "compute/checkpoint_dir.hpp"
 #include "compute/remove_tree.hpp"
 #include "test_util.hpp"
 
@@ -80,6 +81,33 @@ TEST(Checkpoint, FailedWriteLeavesTheOldFileIntact) {
   save_state_dict(dir / "model.pt", state);
   EXPECT_THROW(save_state_dict(dir / "no-such-folder/model.pt", state), checkpoint_error);
   EXPECT_EQ(load_state_dict(dir / "model.pt").size(), state.size());
+}
+
+// Where a run would write: checked before it trains, each bad path named with its key.
+TEST(Checkpoint, OutputPathsAreCheckedBeforeTraining) {
+  test::temp_dir dir;
+  const std::string d = dir.path.string();
+  auto error_of = [](std::vector<std::pair<std::string, std::string>> keys) -> std::string {
+    try {
+      check_output_paths(load_job_config("", keys));
+    } catch (const config_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(error_of({{"save", d + "/m.pt"}, {"metrics", d + "/m.jsonl"}, {"trace", d + "/t.json"},
+                      {"checkpoint_dir", d + "/ck/deeper"}}),
+            "");
+  EXPECT_TRUE(std::filesystem::is_directory(d + "/ck/deeper"));  // made now
+  EXPECT_TRUE(std::filesystem::is_empty(d + "/ck/deeper"));       // the probe file is gone
+  EXPECT_EQ(error_of({{"save", d + "/nope/m.pt"}}), "output.save = '" + d + "/nope/m.pt': folder " + d + "/nope does not exist");
+  EXPECT_EQ(error_of({{"save", d}}), "output.save = '" + d + "' is a folder, not a file");
+  EXPECT_NE(error_of({{"metrics", d + "/nope/m.jsonl"}}).find("output.metrics"), std::string::npos);
+  EXPECT_NE(error_of({{"trace", d + "/nope/t.json"}}).find("output.trace"), std::string::npos);
+  std::ofstream(d + "/file") << "x";
+  EXPECT_NE(error_of({{"checkpoint_dir", d + "/file/ck"}}).find("output.checkpoint_dir = '" + d + "/file/ck': cannot create it"),
+            std::string::npos);
+  EXPECT_EQ(error_of({}), "");  // nothing to write
 }
 
 }  // namespace troupe

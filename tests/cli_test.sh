@@ -55,6 +55,14 @@ check train-split-bad 2 "$troupe" train --split-backward yes
 expect_in train-split-bad-msg "$err" "expected true or false"
 check train-dataflow-split 0 "$troupe" train --steps 1 --threads 1 --pipeline 2 --eval-interval 0 --schedule dataflow --split-backward true
 expect_in train-dataflow-split-log "$err" "(dataflow, split backward)"
+# Output paths that cannot be written: refused before any step (not after the training).
+check train-save-missing-folder 2 "$troupe" train --steps 200 --save "$tmp/no-such-folder/model.pt"
+expect_in train-save-missing-folder-msg "$err" "output.save = '$tmp/no-such-folder/model.pt': folder $tmp/no-such-folder does not exist"
+if grep -q "step  *1/" "$err"; then echo "FAIL train-save-missing-folder: it trained first"; fail=1; fi
+check train-trace-missing-folder 2 "$troupe" train --steps 200 --runtime actors --trace "$tmp/no-such-folder/t.json"
+expect_in train-trace-missing-folder-msg "$err" "output.trace = '$tmp/no-such-folder/t.json'"
+check train-local-save-folder 2 "$troupe" train --steps 200 --runtime local --save "$tmp"
+expect_in train-local-save-folder-msg "$err" "is a folder, not a file"
 check unknown-kind 2 "$troupe" schedule --kind zigzag
 check bad-number 2 "$troupe" schedule --stages many
 check train-bad-flag 2 "$troupe" train --steps ten

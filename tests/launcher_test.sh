@@ -26,6 +26,13 @@ rc=$?
   && grep -q -- "--data-parallel" "$tmp/help.log" && ! grep -q "node 0 of" "$tmp/help.log" \
   && ok "train --help: launcher options and job flags, no node started" || bad "train --help: exit $rc" "$tmp/help.log"
 
+# An output folder that does not exist: node 0 refuses it before the job starts.
+"$launcher" train --nodes 2 --data-parallel 2 --steps 200 --save "$tmp/nope/model.pt" >"$tmp/save.log" 2>&1
+rc=$?
+[ $rc = 2 ] && grep -q "output.save = '$tmp/nope/model.pt': folder $tmp/nope does not exist" "$tmp/save.log" \
+  && ! grep -q "step  *1/" "$tmp/save.log" && ok "--save into a missing folder refused before training (exit 2)" \
+  || bad "--save into a missing folder: exit $rc" "$tmp/save.log"
+
 # Layouts that do not fit the nodes: one-line error, exit 2, before anything runs.
 "$launcher" train --nodes 3 --data-parallel 2 --steps 1 >"$tmp/bad.log" 2>&1
 rc=$?
