@@ -588,6 +588,13 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
     supervisors.push_back(self->spawn(supervisor_actor, ctx, wiring, local_node_plan(*ctx)));
   st.supervisors = supervisors;
   for (auto& sup : st.supervisors) self->monitor(sup);  // remote ones: the node's connection
+  // An exception out of a handler (a bug, or a file system failing under the run) ends the
+  // run with its reason: unanswered, the run request would leave the process hanging.
+  self->set_exception_handler([=](caf::scheduled_actor*, std::exception_ptr& eptr) {
+    auto err = error_from_exception(eptr);
+    finish(self, 1, "the coordinator failed: " + self->system().render(err));
+    return err;
+  });
   self->set_down_handler([=](const caf::down_msg& msg) {
     auto& s = self->state;
     for (std::size_t i = 0; i < s.supervisors.size(); ++i) {
