@@ -1,6 +1,7 @@
 #include "actors/coordinator_actor.hpp"
 
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -388,11 +389,24 @@ void after_reset(self_ptr self, nlohmann::json line) {
   const int done_steps = int(s.step) + 1;
   const bool last = done_steps == cfg.steps;
   const bool eval = last || (cfg.eval_interval > 0 && done_steps % cfg.eval_interval == 0);
-  const bool due = last || (cfg.checkpoint_interval > 0 && done_steps % cfg.checkpoint_interval == 0);
+  // Asked to stop (SIGTERM, SIGUSR1): this committed step is the run's last, checkpointed.
+  const int stop = last ? 0 : stop_requested();
+  const bool due = last || stop || (cfg.checkpoint_interval > 0 && done_steps % cfg.checkpoint_interval == 0);
   const bool save = !cfg.save.empty() && due;
   const bool folder = !cfg.checkpoint_dir.empty() && due;
-  auto proceed = [self, last](state_dict state) {
+  auto proceed = [self, last, stop, done_steps](state_dict state) {
     auto& s = self->state;
+    if (stop) {
+      const auto& cfg = s.ctx->cfg;
+      std::string saved = "nothing saved (the job has no checkpoint_dir or save)";
+      if (!cfg.checkpoint_dir.empty())
+        saved = "its checkpoint is in " + cfg.checkpoint_dir + " (continue with --resume " + cfg.checkpoint_dir + ")";
+      else if (!cfg.save.empty())
+        saved = "its checkpoint is " + cfg.save + " (continue with --load " + cfg.save + ")";
+      return finish(self, exit_stopped,
+                    std::string("stopped by ") + (stop == SIGTERM ? "SIGTERM" : stop == SIGUSR1 ? "SIGUSR1" : "a signal") +
+                        " after step " + std::to_string(done_steps) + " of " + std::to_string(cfg.steps) + ": " + saved);
+    }
     if (last) {
       s.result->final_state = std::move(state);
       spdlog::info("done: {} steps in {}", s.timed, duration_text(s.elapsed));

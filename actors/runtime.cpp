@@ -62,6 +62,13 @@ std::vector<std::int64_t> runtime_context::activation_shape(int x) const {
   return {mbs, spec.mlp_widths.at(ranges.at(x).first)};
 }
 
+namespace {
+std::atomic<int> stop_signal{0};  // lock-free: set from a signal handler
+}  // namespace
+
+void request_stop(int signal) noexcept { stop_signal.store(signal); }
+int stop_requested() noexcept { return stop_signal.load(); }
+
 caf::error error_from_exception(std::exception_ptr& eptr) {
   try {
     std::rethrow_exception(eptr);

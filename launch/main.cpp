@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -67,6 +68,23 @@ void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, co
     std::printf("   (peak activations %d)\n", sim.peak_activations[r]);
   }
   std::printf("bubble %.4f, makespan %.1f\n", sim.bubble, sim.makespan);
+}
+
+extern "C" void on_stop_signal(int sig) {
+  troupe::request_stop(sig);
+  std::signal(sig, sig == SIGUSR1 ? SIG_IGN : SIG_DFL);  // a second SIGTERM ends the process at once
+}
+
+/// SIGTERM and SIGUSR1 to the coordinator's process stop the run after its step, with a
+/// checkpoint (actors/runtime.hpp: exit_stopped). Other nodes ignore SIGUSR1 (SLURM's
+/// --signal reaches every task; node 0 ends the job) and end on SIGTERM as before.
+void install_stop_handlers(bool coordinator) {
+  if (coordinator) {
+    std::signal(SIGTERM, on_stop_signal);
+    std::signal(SIGUSR1, on_stop_signal);
+  } else {
+    std::signal(SIGUSR1, SIG_IGN);
+  }
 }
 
 std::string env_or(const char* name, const std::string& fallback) {
@@ -165,6 +183,7 @@ int run_node_command(const config_flags& flags) {
     // must be asked for (--device cuda).
     if (o.nodes > 1 && o.cfg.device == "auto") o.cfg.device = "cpu";
   }
+  install_stop_handlers(o.node == 0);
   try {
     const auto result = troupe::run_node(o);
     if (result.exit_code != 0) return fail(result.exit_code, result.error);
@@ -433,6 +452,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (cfg.runtime == "local") return troupe::run_training(cfg);
+    install_stop_handlers(true);
     const auto result = troupe::run_actor_training(cfg);
     if (result.exit_code != 0) return fail(result.exit_code, result.error);
     return 0;

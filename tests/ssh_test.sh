@@ -124,6 +124,10 @@ kill -INT $pid
 wait $pid
 rc=$?
 [ $rc = 130 ] && ok "SIGINT: launcher exits 130" || bad "SIGINT: launcher exit $rc" int.log
+# The launcher asked node 0 (through the watcher beside it on its host) to end the job
+# after its step.
+grep -q "stopped by SIGTERM after step .* of 5000: nothing saved" int.log \
+  && ok "SIGINT: node 0 over ssh ended the job after its step" || bad "SIGINT: node 0 was not stopped after its step" int.log
 sleep 1
 [ "$(nodes_left)" = 0 ] && ok "SIGINT: no node left" || bad "SIGINT: $(nodes_left) node(s) left"
 
