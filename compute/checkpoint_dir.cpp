@@ -318,8 +318,7 @@ void require_writable_file(const std::string& path, const std::string& key) {
 }  // namespace
 
 void check_output_paths(const job_config& cfg) {
-  require_writable_file(cfg.save, "output.save");
-  if (!cfg.save.empty()) require_writable_file(cfg.save + ".optim", "output.save");
+  require_writable_file(cfg.save, "output.save");  // its ".optim" goes beside it
   require_writable_file(cfg.metrics, "output.metrics");
   require_writable_file(cfg.trace, "output.trace");
   if (!cfg.checkpoint_dir.empty()) {

@@ -52,7 +52,7 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
 /// the newest checkpoint of checkpoint_dir wins over the configured one.
 void resolve_resume(job_config& cfg);
 
-/// The files and folders a run will write (output.save and its ".optim", metrics, trace,
+/// The files and folders a run will write (output.save and its ".optim" beside it, metrics, trace,
 /// checkpoint_dir, which is created) can be written: a missing or read-only folder, or a
 /// file path that is a folder, is a config_error naming the key now, not a failure after
 /// the training it would lose.

@@ -117,7 +117,8 @@ struct config_flags {
     if (!config_path.empty()) out.push_back("--config");
     return out;
   }
-  troupe::job_config load() const {
+  /// The configuration: file, then the environment's faults, then flags, then `last`.
+  troupe::job_config load(const std::vector<std::pair<std::string, std::string>>& last = {}) const {
     std::vector<std::pair<std::string, std::string>> overrides;
     // TROUPE_FAULTS="kill_node=1:7,throw_at=0:1:3": [faults] keys from the environment;
     // TROUPE_FAULTS_<N>: faults of the launcher's N-th restart (faults.attempt = N).
@@ -140,6 +141,7 @@ struct config_flags {
     }
     for (const auto& k : keys)
       if (k.option->count() > 0) overrides.emplace_back(k.key, k.value);
+    overrides.insert(overrides.end(), last.begin(), last.end());
     return troupe::load_job_config(config_path, overrides);
   }
 };
@@ -428,7 +430,9 @@ int main(int argc, char** argv) {
 
   if (*elastic) {
     try {
-      const auto cfg = elastic_flags.load();
+      // The layout does not depend on the device, and the launcher's host may have no GPU
+      // (where `device = "cuda"` would be refused).
+      const auto cfg = elastic_flags.load({{"train.device", "cpu"}});
       const auto l = troupe::shrink_layout(cfg, elastic_hosts, elastic_min);
       std::printf("%d %d %d\n", l.nodes, l.data_parallel, l.microbatches);
       std::printf("pipeline %d x data-parallel %d of %d micro-batches -> pipeline %d x data-parallel %d of %d "

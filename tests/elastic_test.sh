@@ -105,6 +105,10 @@ rc=$?
 rc=$?
 [ $rc = 2 ] && grep -q "min-nodes needs --hostfile" r2.log && ok "--min-nodes without --hostfile: exit 2" \
   || bad "--min-nodes without a hostfile: exit $rc" r2.log
+out=$("$TROUPE_BUILD_DIR/troupe" elastic-layout --hosts 2 --min-nodes 1 --pipeline 1 --data-parallel 4 --device cuda 2>&1)
+rc=$?
+[ $rc = 0 ] && [ "$(head -1 <<<"$out")" = "2 4 8" ] && ok "elastic-layout of a GPU job on a launcher host without a GPU: $(head -1 <<<"$out")" \
+  || bad "elastic-layout --device cuda: exit $rc: $out"
 out=$("$TROUPE_BUILD_DIR/troupe" elastic-layout --hosts 3 --min-nodes 3 --pipeline 1 --data-parallel 4 2>&1)
 rc=$?
 [ $rc = 2 ] && [[ $out == *"fits 3 node(s)"* ]] && ok "no layout for 3 nodes of d4: exit 2 ($out)" \
