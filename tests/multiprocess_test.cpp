@@ -240,7 +240,7 @@ TEST(MultiProcessClocks, ANodeWithAnotherClockJoinsNodeZerosTimeline) {
   ASSERT_EQ(at.size(), 60u);
   const double slack_us = 2000;  // the measured offset is within half a round trip
   for (std::int64_t step = 0; step < 3; ++step) {
-    for (const auto [from, to] : {std::pair{0, 1}, std::pair{1, 0}})
+    for (const auto& [from, to] : {std::pair{0, 1}, std::pair{1, 0}})
       EXPECT_GE(at.at({step, to, "recv tied gradient", -1}), at.at({step, from, "send tied gradient", -1}) - slack_us)
           << "step " << step << ": stage " << to << " got the tied gradient before stage " << from << " sent it";
     for (int mb = 0; mb < 4; ++mb) {
