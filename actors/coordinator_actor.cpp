@@ -1,7 +1,6 @@
 #include "actors/coordinator_actor.hpp"
 
 #include <cmath>
-#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -396,17 +395,7 @@ void after_reset(self_ptr self, nlohmann::json line) {
   const bool folder = !cfg.checkpoint_dir.empty() && due;
   auto proceed = [self, last, stop, done_steps](state_dict state) {
     auto& s = self->state;
-    if (stop) {
-      const auto& cfg = s.ctx->cfg;
-      std::string saved = "nothing saved (the job has no checkpoint_dir or save)";
-      if (!cfg.checkpoint_dir.empty())
-        saved = "its checkpoint is in " + cfg.checkpoint_dir + " (continue with --resume " + cfg.checkpoint_dir + ")";
-      else if (!cfg.save.empty())
-        saved = "its checkpoint is " + cfg.save + " (continue with --load " + cfg.save + ")";
-      return finish(self, exit_stopped,
-                    std::string("stopped by ") + (stop == SIGTERM ? "SIGTERM" : stop == SIGUSR1 ? "SIGUSR1" : "a signal") +
-                        " after step " + std::to_string(done_steps) + " of " + std::to_string(cfg.steps) + ": " + saved);
-    }
+    if (stop) return finish(self, exit_stopped, stopped_text(stop, done_steps, s.ctx->cfg));
     if (last) {
       s.result->final_state = std::move(state);
       spdlog::info("done: {} steps in {}", s.timed, duration_text(s.elapsed));

@@ -120,12 +120,6 @@ void fetch_payload(const job_wiring& w, const tensor_payload& p,
 /// (EX_TEMPFAIL of sysexits.h.)
 constexpr int exit_recoverable = 75;
 
-/// Exit status of a run stopped on request (SIGTERM or SIGUSR1 to the coordinator's
-/// process): it finished its step, wrote a checkpoint where the job has somewhere to
-/// write one, and ended. 128 + SIGTERM, as if the signal had ended it; the launcher
-/// does not restart it.
-constexpr int exit_stopped = 143;
-
 /// Asks the coordinator of this process to stop after the step in progress (with a
 /// checkpoint of it). Async-signal-safe: for signal handlers. `signal`: which one, for
 /// the log.

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <fstream>
 #include <map>
 #include <thread>
@@ -226,7 +227,17 @@ std::string progress_line(const step_stats& st, int total_steps, double eta_seco
   return buf;
 }
 
-int run_training(const job_config& cfg) {
+std::string stopped_text(int signal, int done_steps, const job_config& cfg) {
+  std::string saved = "nothing saved (the job has no checkpoint_dir or save)";
+  if (!cfg.checkpoint_dir.empty())
+    saved = "its checkpoint is in " + cfg.checkpoint_dir + " (continue with --resume " + cfg.checkpoint_dir + ")";
+  else if (!cfg.save.empty())
+    saved = "its checkpoint is " + cfg.save + " (continue with --load " + cfg.save + ")";
+  const std::string by = signal == SIGTERM ? "SIGTERM" : signal == SIGUSR1 ? "SIGUSR1" : signal == SIGINT ? "SIGINT" : "a signal";
+  return "stopped by " + by + " after step " + std::to_string(done_steps) + " of " + std::to_string(cfg.steps) + ": " + saved;
+}
+
+int run_training(const job_config& cfg, const std::function<int()>& stop_requested) {
   // LibTorch's own default counts physical cores (1 on a 2-vCPU machine): use them all.
   torch::set_num_threads(cfg.threads > 0 ? cfg.threads : int(std::max(1u, std::thread::hardware_concurrency())));
   spdlog::info("training {} for {} steps: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
@@ -259,12 +270,18 @@ int run_training(const job_config& cfg) {
     nlohmann::json line{{"step", st.step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
                         {"tokens_per_s", tps}, {"step_seconds", st.seconds}};
     const bool last = trainer.next_step() == cfg.steps;
+    const int stop = last || !stop_requested ? 0 : stop_requested();
     if (last || (cfg.eval_interval > 0 && trainer.next_step() % cfg.eval_interval == 0))
       for (const auto& [key, value] : trainer.evaluate().fields()) line[key] = value;
     if (metrics.is_open()) metrics << line.dump() << '\n' << std::flush;
-    if (!cfg.save.empty() && (last || (cfg.checkpoint_interval > 0 && trainer.next_step() % cfg.checkpoint_interval == 0))) {
+    if (!cfg.save.empty() &&
+        (last || stop || (cfg.checkpoint_interval > 0 && trainer.next_step() % cfg.checkpoint_interval == 0))) {
       trainer.save_checkpoint(cfg.save);
       spdlog::info("step {}: checkpoint written to {} (and {}.optim)", trainer.next_step(), cfg.save, cfg.save);
+    }
+    if (stop) {
+      spdlog::error("{}", stopped_text(stop, trainer.next_step(), cfg));
+      return exit_stopped;
     }
   }
   spdlog::info("done: {} steps in {}", timed, duration_text(elapsed));

@@ -4,6 +4,7 @@
 // of each stage's flat grad buffer, one AdamW shard per stage per replica, global-norm
 // clipping from per-shard partial norms, all-gather of the updated parameters).
 // It is the reference the actor runtime is checked against.
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -123,8 +124,19 @@ std::string duration_text(double seconds);
 /// The progress line of a step: "step  3/200 | loss ... | lr ... | ... | ETA 0m12s".
 std::string progress_line(const step_stats& st, int total_steps, double eta_seconds, bool tokens);
 
+/// Exit status of a run stopped on request (SIGTERM or SIGUSR1 to the coordinator's
+/// process, or to the local loop's): it finished its step, wrote a checkpoint where the
+/// job has somewhere to write one, and ended. 128 + SIGTERM, as if the signal had ended
+/// it; the launcher does not restart it.
+constexpr int exit_stopped = 143;
+/// The reason of such a stop: "stopped by SIGTERM after step 7 of 200: its checkpoint is
+/// in ckpt (continue with --resume ckpt)" (checkpoint_dir, else save, else nothing saved).
+std::string stopped_text(int signal, int done_steps, const job_config& cfg);
+
 /// `troupe train`: the training loop with progress lines, metrics, evaluation and
-/// checkpoints. Returns the process exit code.
-int run_training(const job_config& cfg);
+/// checkpoints. Returns the process exit code. `stop_requested` (when given) is asked
+/// after each step: a signal number ends the run there, with a checkpoint (cfg.save) and
+/// exit_stopped.
+int run_training(const job_config& cfg, const std::function<int()>& stop_requested = {});
 
 }  // namespace troupe

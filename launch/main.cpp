@@ -75,9 +75,10 @@ extern "C" void on_stop_signal(int sig) {
   std::signal(sig, sig == SIGUSR1 ? SIG_IGN : SIG_DFL);  // a second SIGTERM ends the process at once
 }
 
-/// SIGTERM and SIGUSR1 to the coordinator's process stop the run after its step, with a
-/// checkpoint (actors/runtime.hpp: exit_stopped). Other nodes ignore SIGUSR1 (SLURM's
-/// --signal reaches every task; node 0 ends the job) and end on SIGTERM as before.
+/// SIGTERM and SIGUSR1 to the coordinator's process (or the local loop's) stop the run
+/// after its step, with a checkpoint (compute/trainer.hpp: exit_stopped). Other nodes
+/// ignore SIGUSR1 (SLURM's --signal reaches every task; node 0 ends the job) and end on
+/// SIGTERM as before.
 void install_stop_handlers(bool coordinator) {
   if (coordinator) {
     std::signal(SIGTERM, on_stop_signal);
@@ -455,8 +456,8 @@ int main(int argc, char** argv) {
     return fail(exit_usage, e.what());
   }
   try {
-    if (cfg.runtime == "local") return troupe::run_training(cfg);
     install_stop_handlers(true);
+    if (cfg.runtime == "local") return troupe::run_training(cfg, troupe::stop_requested);
     const auto result = troupe::run_actor_training(cfg);
     if (result.exit_code != 0) return fail(result.exit_code, result.error);
     return 0;

@@ -194,6 +194,22 @@ check train-local-bf16 2 "$troupe" train --steps 1 --runtime local --precision b
 expect_in train-local-bf16-msg "$err" "precision bf16 needs the actors runtime (the local loop computes in fp32)"
 check train-local-cuda 2 "$troupe" train --steps 1 --runtime local --device cuda:0
 expect_in train-local-cuda-msg "$err" "needs the actors runtime (the local loop runs on the CPU)"
+# SIGTERM stops the local loop after its step too, with a checkpoint (--save) that --load
+# continues from: parameters and every step's loss equal an uninterrupted run's.
+local_job=(train --runtime local --steps 12 --threads 1 --eval-interval 0)
+check train-local-reference 0 "$troupe" "${local_job[@]}" --save "$tmp/lref.pt" --metrics "$tmp/lref.jsonl"
+"$troupe" "${local_job[@]}" --save "$tmp/lst.pt" --metrics "$tmp/lst.jsonl" >"$out" 2>"$err" &
+pid=$!
+for ((t = 0; t < 600; t++)); do grep -q "^step  3/12" "$out" && break; sleep 0.1; done
+kill -TERM $pid
+wait $pid
+rc=$?
+[ $rc = 143 ] && echo "ok   train-local-sigterm" || { echo "FAIL train-local-sigterm: exit $rc"; cat "$err"; fail=1; }
+expect_in train-local-sigterm-msg "$err" "of 12: its checkpoint is $tmp/lst.pt (continue with --load $tmp/lst.pt)"
+check train-local-continue 0 "$troupe" "${local_job[@]}" --load "$tmp/lst.pt" --save "$tmp/lst.pt" --metrics "$tmp/lst.jsonl"
+expect_in train-local-continue-log "$err" "resumed from $tmp/lst.pt at step"
+/usr/bin/python3 "$(dirname "$0")/compare_runs.py" "$tmp/lref" "$tmp/lst" 0 && echo "ok   train-local-stop-equals-reference" \
+  || { echo "FAIL train-local-stop-equals-reference"; fail=1; }
 check train-dataflow-chunks 2 "$troupe" train --schedule dataflow --chunks 2 --pipeline 2
 check train-bad-init 1 "$troupe" train --steps 1 --init "$tmp/m.jsonl"
 expect_in train-bad-init-msg "$err" "not a readable PyTorch file"
