@@ -140,9 +140,15 @@ void fashion_mnist::require(const std::string& dir) {
                        " (install it: apt-get install dataset-fashion-mnist)");
 }
 
+std::vector<std::string> fashion_mnist::files(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const char* f : idx_files) out.push_back((fs::path(dir) / f).string());
+  return out;
+}
+
 fashion_mnist::fashion_mnist(const std::string& dir, bool training_set, bool test_set) {
   require(dir);
-  const auto file = [&](int i) { return dir + "/" + idx_files[i]; };
+  const auto file = [&](int i) { return files(dir).at(i); };
   if (training_set) {
     train_images_ = normalise(read_idx(file(0), 3));
     train_labels_ = read_idx(file(1), 1).to(torch::kInt64);

@@ -68,6 +68,8 @@ class fashion_mnist {
   explicit fashion_mnist(const std::string& dir = default_dir, bool training_set = true, bool test_set = true);
   /// Throws data_error naming the package if one of the four files is missing.
   static void require(const std::string& dir);
+  /// The four files' paths in `dir` (training images and labels, test images and labels).
+  static std::vector<std::string> files(const std::string& dir);
 
   int train_size() const;
   int test_size() const;

@@ -30,6 +30,28 @@ void training_data::check_available(const job_config& cfg) {
     fortunes_corpus::require(cfg.fortunes_dir);
 }
 
+std::string training_data::fingerprint(const job_config& cfg) {
+  std::uint64_t hash = 0xcbf29ce484222325ULL, bytes = 0;  // FNV-1a, 64 bits
+  auto add = [&](const auto& data) {
+    for (const auto c : data) hash = (hash ^ std::uint8_t(c)) * 0x100000001b3ULL;
+    bytes += data.size();
+  };
+  if (cfg.workload == "fmnist-mlp") {
+    fashion_mnist::require(cfg.fmnist_dir);
+    for (const auto& file : fashion_mnist::files(cfg.fmnist_dir)) {
+      std::ifstream in(file, std::ios::binary);
+      if (!in) throw data_error("cannot read " + file);
+      add(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+    }
+  } else {
+    add(fortunes_corpus(cfg.fortunes_dir).bytes());
+  }
+  char text[64];
+  std::snprintf(text, sizeof text, "%llu bytes, fnv1a %016llx", static_cast<unsigned long long>(bytes),
+                static_cast<unsigned long long>(hash));
+  return text;
+}
+
 batch training_data::samples(int step, int first, int count) {
   const std::int64_t B = cfg_.global_batch;
   if (text_) return text_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().gpt.seq_len);

@@ -36,6 +36,10 @@ class training_data {
   explicit training_data(const job_config& cfg, use what = use::both);
   /// Throws data_error (naming the package) if the workload's data is not installed.
   static void check_available(const job_config& cfg);
+  /// What the workload's data files hold, to compare hosts (every node must read the
+  /// same): "4123456 bytes, fnv1a 0123456789abcdef" over the files the workload reads, in
+  /// the order it reads them. Throws data_error as reading them would.
+  static std::string fingerprint(const job_config& cfg);
   /// Samples [first, first + count) of step `step`'s global batch.
   batch samples(int step, int first, int count);
   /// gpt: the validation windows; mlp: the test set.

@@ -1,6 +1,7 @@
 // The troupe command: `troupe train`, `troupe node` (also run as `troupe-node`: one node
 // of a multi-process job, started by launch/troupe), `troupe generate`, `troupe eval`,
-// `troupe schedule` and `troupe elastic-layout` (launch/troupe's, for --min-nodes).
+// `troupe schedule`, and launch/troupe's own `troupe elastic-layout` (for --min-nodes) and
+// `troupe check-host` (whether a host of a --hostfile job can run a node).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -16,6 +17,9 @@
 #include <functional>
 #include <iostream>
 #include <sstream>
+#include <thread>
+
+#include <unistd.h>
 
 #include "actors/node.hpp"
 #include "actors/runtime.hpp"
@@ -102,8 +106,11 @@ struct config_flags {
   std::string config_path;
   std::deque<flag> keys;  // stable addresses
 
-  void add_to(CLI::App* cmd, const std::function<bool(const std::string&)>& wanted = {}) {
-    cmd->add_option("--config", config_path, "job config (TOML); flags override it")->check(CLI::ExistingFile);
+  /// `config_must_exist` false: a --config file that is not there is the command's to
+  /// report (check-host: a fault of the host, not of the job).
+  void add_to(CLI::App* cmd, const std::function<bool(const std::string&)>& wanted = {}, bool config_must_exist = true) {
+    auto* config = cmd->add_option("--config", config_path, "job config (TOML); flags override it");
+    if (config_must_exist) config->check(CLI::ExistingFile);
     for (const auto& key : troupe::config_keys()) {
       if (wanted && !wanted(key.name)) continue;
       keys.push_back({nullptr, "", key.name});
@@ -196,6 +203,36 @@ int run_node_command(const config_flags& flags) {
   } catch (const std::exception& e) {
     return fail(1, e.what());
   }
+}
+
+/// `troupe check-host`: what a node of the job `cfg` needs on this host, checked the way
+/// a node would meet it: the job's data (read whole: the summary ends with its
+/// fingerprint, which launch/troupe compares between hosts), its device (a GPU that runs
+/// a kernel), and the checkpoint it would resume from. Returns a one-line summary; throws
+/// with the reason.
+std::string check_host(const troupe::job_config& cfg) {
+  const auto data = troupe::training_data::fingerprint(cfg);  // read, as a node would
+  const auto device = troupe::resolve_device(troupe::node_device(cfg.device, 0, troupe::cuda_device_count()));
+  if (device.is_cuda()) {
+    // A GPU that is listed but broken (an Xid error, a lost device) fails here, not in a
+    // node's first step.
+    const auto a = torch::ones({256, 256}, torch::TensorOptions().device(device));
+    if (a.mm(a).sum().item<double>() != 256.0 * 256 * 256)
+      throw std::runtime_error("a matrix product on " + device.str() + " gave a wrong result");
+  }
+  // A restart resumes from checkpoint_dir (TROUPE_RESUME_AUTO=1, set by the launcher) and
+  // every node reads its start state there: the folder must be on this host too.
+  const char* resume_auto = std::getenv("TROUPE_RESUME_AUTO");
+  if (resume_auto && std::string(resume_auto) == "1" && !cfg.checkpoint_dir.empty() &&
+      !std::filesystem::is_directory(cfg.checkpoint_dir))
+    throw std::runtime_error("checkpoint_dir " + cfg.checkpoint_dir +
+                             " is not on this host (every node reads its start state there: it must be a folder "
+                             "every host can read)");
+  if (!cfg.resume.empty() && cfg.resume != "auto") troupe::find_checkpoint(cfg.resume);
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  return std::string("ready: ") + host + ", " + std::to_string(std::thread::hardware_concurrency()) +
+         " cores, device " + device.str() + ", data " + data;
 }
 
 /// A trained model named by --checkpoint: a checkpoint folder (it records its model) or a
@@ -390,6 +427,13 @@ int main(int argc, char** argv) {
   elastic->add_option("--hosts", elastic_hosts, "hosts left (at most this many nodes)")->required();
   elastic->add_option("--min-nodes", elastic_min, "the fewest nodes the job may run on");
 
+  // troupe check-host (for launch/troupe --hostfile): can this host run a node of the job?
+  auto* check = app.add_subcommand("check-host",
+                                   "whether this host can run a node of a job of these flags (launch/troupe asks "
+                                   "each host of a --hostfile job): exit 1 with the reason when not, 2 for a bad job");
+  config_flags check_flags;
+  check_flags.add_to(check, {}, false);
+
   // troupe schedule
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");
   std::string kind = "1f1b", format = "table";
@@ -443,6 +487,30 @@ int main(int argc, char** argv) {
       return 0;
     } catch (const troupe::config_error& e) {
       return fail(exit_usage, e.what());
+    }
+  }
+  if (*check) {
+    if (!check_flags.config_path.empty() && !std::filesystem::is_regular_file(check_flags.config_path))
+      return fail(1, "config file " + check_flags.config_path + " is not on this host (in " +
+                         std::filesystem::current_path().string() + ")");
+    troupe::job_config cfg;
+    try {
+      cfg = check_flags.load();
+    } catch (const troupe::config_error& e) {
+      // A job that is valid but for its device (a GPU asked for, none usable here) is
+      // this host's fault (1); anything else is the job's (2).
+      try {
+        check_flags.load({{"train.device", "cpu"}});
+      } catch (const troupe::config_error&) {
+        return fail(exit_usage, e.what());
+      }
+      return fail(1, e.what());
+    }
+    try {
+      std::printf("%s\n", check_host(cfg).c_str());
+      return 0;
+    } catch (const std::exception& e) {
+      return fail(1, e.what());
     }
   }
   if (*node) return run_node_command(node_flags);

@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <set>
 
 #include "compute/data.hpp"
 #include "compute/trainer.hpp"
+#include "temp_dir.hpp"
 
 namespace troupe {
 
@@ -39,6 +41,21 @@ TEST(Data, MissingFortunesNamesThePackage) {
   } catch (const data_error& e) {
     EXPECT_NE(std::string(e.what()).find("apt-get install fortunes"), std::string::npos) << e.what();
   }
+}
+
+// launch/troupe compares hosts' data by this fingerprint: the bytes the corpus reads (files
+// without an extension, in name order), their count and FNV-1a hash.
+TEST(Data, FingerprintIsTheSizeAndHashOfTheBytesRead) {
+  troupe::test::temp_dir dir;
+  troupe::job_config cfg;
+  cfg.fortunes_dir = dir.path.string();
+  EXPECT_THROW(troupe::training_data::fingerprint(cfg), troupe::data_error);  // empty
+  std::ofstream(dir / "b") << "llo";
+  std::ofstream(dir / "a") << "he";
+  std::ofstream(dir / "b.dat") << "not read";
+  EXPECT_EQ(troupe::training_data::fingerprint(cfg), "5 bytes, fnv1a a430d84680aabd0b");  // FNV-1a of "hello"
+  std::ofstream(dir / "b") << "lp";
+  EXPECT_EQ(troupe::training_data::fingerprint(cfg).substr(0, 8), "4 bytes,");
 }
 
 TEST(Data, FashionMnistLoadsAndEpochOrderIsAPermutation) {

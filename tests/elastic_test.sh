@@ -11,7 +11,11 @@
 #     step's loss the same.
 #  2. p2 x d1 on 2 hosts, node 0's (the coordinator's) host dies: one node on the other
 #     host, the job's own layout: bit-identical to the fault-free run.
-#  3. refusals: --min-nodes above the hosts, or without --hostfile; `troupe elastic-layout`.
+#  3. hosts that answer but cannot run a node (checked before every launch with `troupe
+#     check-host`): one with another fortunes corpus is left out before the start
+#     (bit-identical to a d2 run), one with none ends a job without --min-nodes (exit 1);
+#     a bad job ends with 2 before any node.
+#  4. refusals: --min-nodes above the hosts, or without --hostfile; `troupe elastic-layout`.
 #   tests/elastic_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/launcher_lib.sh" "$@"
 
@@ -33,7 +37,14 @@ if [ -e "$gone" ]; then
   fi
   rm -f "$gone"
 fi
-bash -c "$*" <&0 &
+# HOST=DIR in $FAKE_SSH_FORTUNES: on HOST the fortunes folder holds DIR's files instead (a
+# mount namespace), a host with other data.
+run=(bash -c "$*")
+for m in ${FAKE_SSH_FORTUNES:-}; do
+  [ "${m%%=*}" != "$host" ] ||
+    run=(unshare -m bash -c 'mount --bind "$1" /usr/share/games/fortunes && exec bash -c "$2"' _ "${m#*=}" "$*")
+done
+"${run[@]}" <&0 &
 c=$!
 trap 'kill -TERM $c 2>/dev/null' TERM
 wait $c
@@ -58,12 +69,12 @@ FAKE_SSH_DOOMED=127.0.0.3 FAKE_SSH_DOWN_FOR=2 TROUPE_FAULTS=kill_node=2:7 TROUPE
   --checkpoint-dir ck1 --metrics e1.jsonl --save e1.pt >e1.log 2>&1
 rc=$?
 [ $rc = 0 ] && ok "host of node 2 lost: the job finished (exit 0)" || bad "host of node 2 lost: exit $rc" e1.log
-grep -q "node 2 ended (status 137) and its host 127.0.0.3 does not answer: stopping the job" e1.log \
+grep -q "node 2 ended (status 137) and its host 127.0.0.3 cannot run a node (ssh: connect to host 127.0.0.3 port 22: Connection refused): stopping the job" e1.log \
   && ok "the launcher saw node 2's host gone" || bad "no line about node 2's host" e1.log
-grep -q "host(s) 127.0.0.3 do not answer: going on without them, pipeline 1 x data-parallel 3 of 4 micro-batches -> pipeline 1 x data-parallel 2 of 6 micro-batches (of 3 samples) on 2 node(s): 127.0.0.1 127.0.0.2" e1.log \
+grep -q "going on without host(s) 127.0.0.3, pipeline 1 x data-parallel 3 of 4 micro-batches -> pipeline 1 x data-parallel 2 of 6 micro-batches (of 3 samples) on 2 node(s): 127.0.0.1 127.0.0.2" e1.log \
   && grep -q "node 1 of 2: 127.0.0.2" e1.log && ! grep -q "node 2 of 2" e1.log \
   && ok "went on with 2 nodes, d2 of 6 micro-batches" || bad "no shrunk launch" e1.log
-grep -q "every host answers again: pipeline 1 x data-parallel 3 of 4 micro-batches -> pipeline 1 x data-parallel 3 of 4 micro-batches (of 3 samples) on 3 node(s): 127.0.0.1 127.0.0.2 127.0.0.3" e1.log \
+grep -q "every host can run a node again: pipeline 1 x data-parallel 3 of 4 micro-batches -> pipeline 1 x data-parallel 3 of 4 micro-batches (of 3 samples) on 3 node(s): 127.0.0.1 127.0.0.2 127.0.0.3" e1.log \
   && [ "$(grep -c "node 2 of 3: 127.0.0.3" e1.log)" = 2 ] && ok "took the host back at the next restart: d3 on 3 nodes" \
   || bad "host not taken back" e1.log
 # The reference, in one process: d3 of 4 micro-batches up to the checkpoint of step 5 (the
@@ -90,13 +101,51 @@ rc=$?
 FAKE_SSH_DOOMED=127.0.0.1 "$launcher" train --hostfile hosts2 --min-nodes 1 "${job[@]}" --checkpoint-dir ck2 \
   --checkpoint-interval 5 --kill-node 0:7 --metrics e2.jsonl --save e2.pt >e2.log 2>&1
 rc=$?
-[ $rc = 0 ] && grep -q "host(s) 127.0.0.1 do not answer: going on without them, .* on 1 node(s): 127.0.0.2" e2.log \
+[ $rc = 0 ] && grep -q "going on without host(s) 127.0.0.1, .* on 1 node(s): 127.0.0.2" e2.log \
   && grep -q "node 0 of 1: 127.0.0.2" e2.log && ok "node 0's host lost: went on with node 0 on 127.0.0.2" \
   || bad "node 0's host lost: exit $rc" e2.log
 out=$(same_run ref2 e2 2 2>&1) && ok "bit-identical to the fault-free run ($out)" \
   || { echo "$out"; bad "node 0's host lost: results differ"; }
 
-# --- 3. refusals ----------------------------------------------------------------------
+# --- 3. hosts that answer ssh but cannot run a node of the job -------------------------
+rm -f gone-*  # every host is back
+if unshare -m true 2>/dev/null; then
+  mkdir -p fewer empty
+  cp /usr/share/games/fortunes/[a-f]* fewer/ 2>/dev/null
+  job=(--pipeline 1 --global-batch 24 --steps 6 --eval-interval 0 --threads 1)
+  # a) 127.0.0.3 reads another corpus: with --min-nodes the job starts without it, as d2
+  #    of 6 micro-batches on 2 nodes (not on data other than the job's).
+  FAKE_SSH_FORTUNES="127.0.0.3=$tmp/fewer" "$launcher" train --hostfile hosts3 --min-nodes 2 "${job[@]}" \
+    --data-parallel 3 --microbatches 4 --metrics e3.jsonl --save e3.pt >e3.log 2>&1
+  rc=$?
+  [ $rc = 0 ] && grep -q "host 127.0.0.3 cannot run a node: its data ([0-9]* bytes, fnv1a [0-9a-f]*) is not the other hosts' ([0-9]* bytes, fnv1a [0-9a-f]*): every node must read the same" e3.log \
+    && grep -q "going on without host(s) 127.0.0.3, .* data-parallel 2 of 6 micro-batches .* on 2 node(s): 127.0.0.1 127.0.0.2" e3.log \
+    && ! grep -q "node 2 of" e3.log && ! grep -q "restart" e3.log \
+    && ok "a host with other data: left out before the start, d2 on 2 nodes" || bad "a host with other data: exit $rc" e3.log
+  "$launcher" train --nodes 1 "${job[@]}" --data-parallel 2 --microbatches 6 --metrics ref3.jsonl --save ref3.pt \
+    >ref3.log 2>&1 || bad "reference d2 run" ref3.log
+  out=$(/usr/bin/python3 "$root/tests/compare_runs.py" ref3 e3 0 2>&1) && ok "bit-identical to a d2 run ($out)" \
+    || { echo "$out"; bad "a host with other data: results differ from a d2 run"; }
+  # b) Without --min-nodes a host with no data ends the job before anything starts.
+  FAKE_SSH_FORTUNES="127.0.0.2=$tmp/empty" "$launcher" train --hostfile hosts3 "${job[@]}" --data-parallel 3 \
+    --microbatches 4 >e4.log 2>&1
+  rc=$?
+  [ $rc = 1 ] && grep -q "host 127.0.0.2 cannot run a node: fortunes corpus in /usr/share/games/fortunes is empty" e4.log \
+    && grep -q "host(s) 127.0.0.2 cannot run a node (with --min-nodes M the job goes on without such hosts)" e4.log \
+    && ! grep -q "node 0 of" e4.log && ok "a host without data, no --min-nodes: exit 1 before any node started" \
+    || bad "a host without data: exit $rc" e4.log
+else
+  echo "SKIP hosts that cannot run a node: no mount namespaces here (unshare -m needs root)"
+fi
+# A bad job is the job's fault, not a host's: exit 2 before any node, with --min-nodes too.
+"$launcher" train --hostfile hosts3 --min-nodes 1 --pipeline 1 --global-batch 24 --data-parallel 3 \
+  --microbatches 5 --steps 2 >e5.log 2>&1
+rc=$?
+[ $rc = 2 ] && grep -q "troupe: error: .*global_batch 24 is not divisible by data_parallel (3) x microbatches (5)" e5.log \
+  && ! grep -q "node 0 of" e5.log && ! grep -q "cannot run a node" e5.log \
+  && ok "a bad job: exit 2 before any node" || bad "a bad job over a hostfile: exit $rc" e5.log
+
+# --- 4. refusals ----------------------------------------------------------------------
 "$launcher" train --hostfile hosts2 --min-nodes 3 --steps 1 >r1.log 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "min-nodes must be a count from 1 to the hostfile's 2, not '3'" r1.log \

@@ -206,8 +206,8 @@ else
   wait $pid
   rc=$?
   kill -KILL $stopped 2>/dev/null
-  [ $rc = 0 ] && grep -q "node 1 ended (status 255) and its host $net.2 does not answer: stopping the job" silent.log \
-    && grep -q "host(s) $net.2 do not answer: going on without them, .* on 1 node(s): $net.1" silent.log \
+  [ $rc = 0 ] && grep -q "node 1 ended (status 255) and its host $net.2 cannot run a node (.*): stopping the job" silent.log \
+    && grep -q "going on without host(s) $net.2, .* on 1 node(s): $net.1" silent.log \
     && grep -q "node 0 of 1: $net.1" silent.log \
     && ok "$net.2 went silent: its connection ended, the job went on on $net.1 alone" || bad "silent host: exit $rc" silent.log
   out=$(/usr/bin/python3 "$root/tests/compare_runs.py" "$work/ref30" "$work/silent" 1 2>&1) \
