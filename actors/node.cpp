@@ -42,7 +42,8 @@ std::int64_t steady_ns() {
 // --- the registrar (node 0): admits nodes, exchanges addresses, collects supervisors ---
 
 struct registrar_state {
-  std::string token, config_toml;
+  std::string token, config_toml, data;
+  std::string unfit;  ///< why a node cannot run the job (node_unfit): the job does not start
   std::int64_t epoch_ns = 0;
   int nodes = 0;
   std::set<int> joined;
@@ -63,13 +64,16 @@ struct registrar_state {
 };
 
 caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string token, int nodes,
-                        std::string config_toml, std::int64_t epoch_ns) {
+                        std::string config_toml, std::int64_t epoch_ns, std::string data) {
   self->state.epoch_ns = epoch_ns;
+  self->state.data = std::move(data);
   self->state.token = std::move(token);
   self->state.nodes = nodes;
   self->state.config_toml = std::move(config_toml);
   self->state.supervisors.resize(nodes);
-  auto offer = [self] { return job_offer{self->state.config_toml, self->state.epoch_ns, transport::machine_key()}; };
+  auto offer = [self] {
+    return job_offer{self->state.config_toml, self->state.epoch_ns, transport::machine_key(), self->state.data};
+  };
   auto admit_rejoin = [self](int node, const std::string& host) {
     auto& s = self->state;
     s.lost.erase(node);
@@ -130,6 +134,7 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
       },
       [=](const node_addresses& a) -> caf::result<node_addresses> {
         auto& s = self->state;
+        if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
         if (!s.joined.count(a.node))
           return caf::make_error(caf::sec::runtime_error, "addresses from a node that has not joined");
         auto& round = s.rounds[a.round];
@@ -186,8 +191,23 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
         s.rejoin_waiters[node].push_back(rp);
         return rp;
       },
+      [=](const node_unfit& u) -> bool {
+        auto& s = self->state;
+        s.unfit = "node " + std::to_string(u.node) + " on " + u.host + " cannot run this job: " + u.reason;
+        spdlog::error("{}", s.unfit);
+        const auto why = caf::make_error(caf::sec::runtime_error, s.unfit);
+        for (auto& w : s.run_waiters) w.deliver(why);
+        s.run_waiters.clear();
+        for (auto& [round, r] : s.rounds)
+          for (auto& w : r.waiters) w.deliver(why);
+        s.rounds.clear();
+        for (auto& w : s.rejoin_waiters[u.node]) w.deliver(why);
+        s.rejoin_waiters.erase(u.node);
+        return true;
+      },
       [=](run_atom) -> caf::result<std::vector<caf::actor>> {
         auto& s = self->state;
+        if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
         if (s.ready == s.nodes) return s.supervisors;
         auto rp = self->make_response_promise<std::vector<caf::actor>>();
         s.run_waiters.push_back(rp);
@@ -474,6 +494,30 @@ Reply ask(caf::scoped_actor& self, const caf::actor& dest, std::chrono::millisec
 
 bool use_tls(const node_options& o) { return !o.tls_certificate.empty(); }
 
+/// A node other than node 0 reads the job's data here as node 0 did (the data loaders of
+/// the replicas whose first stage it hosts read it): data that is missing, or not node
+/// 0's (other files: its replicas would train on other samples than the job's), is told
+/// to the registrar (node_unfit: the job does not start, node 0 says why) and ends this
+/// node with status 1.
+void check_node_data(caf::scoped_actor& self, const caf::actor& registrar, const job_config& cfg,
+                     const job_offer& offer, const node_options& o, const std::string& where) {
+  std::string reason;
+  try {
+    const auto mine = training_data::fingerprint(cfg);
+    if (mine != offer.data)
+      reason = "its data (" + mine + ") is not node 0's (" + offer.data + "): every node must read the same";
+  } catch (const data_error& e) {
+    reason = e.what();
+  }
+  if (reason.empty()) return;
+  try {
+    ask<bool>(self, registrar, o.join_timeout, node_unfit{o.node, hostname(), reason}, where + ": telling node 0");
+  } catch (const node_failure& e) {
+    spdlog::warn("{}", e.what());
+  }
+  throw node_failure(1, where + " on " + hostname() + " cannot run this job: " + reason);
+}
+
 /// Node 0's steady clock minus this node's (ns): 0 on node 0's machine, which shares its
 /// clock; elsewhere measured by 8 round trips to the registrar (clock_offset_ns). Tests
 /// pretend another machine with a clock ahead by `o.clock_skew_ns`.
@@ -612,9 +656,9 @@ actor_run_result run_node(const node_options& o) {
           cfg.validate();
           resolve_resume(cfg);  // one checkpoint folder for every node (they get this config)
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
-          training_data::check_available(cfg);
+          const auto data = training_data::fingerprint(cfg);  // the data every node must read
           check_output_paths(cfg);
-          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(), steady_ns());
+          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(), steady_ns(), data);
           auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)
                                  : sys.middleman().publish(registrar_handle, o.port, nullptr, true);
           if (!port)
@@ -629,7 +673,10 @@ actor_run_result run_node(const node_options& o) {
                                            node_hello{o.version ? o.version : protocol_version, o.token, o.node,
                                                       o.nodes, hostname(), o.rejoin},
                                            where, 3);
-        if (o.node != 0) cfg = job_config_from_toml(offer.config_toml, "the coordinator's job config");
+        if (o.node != 0) {
+          cfg = job_config_from_toml(offer.config_toml, "the coordinator's job config");
+          check_node_data(self, registrar_handle, cfg, offer, o, where);
+        }
         if (o.rejoin) cfg.fault_attempt = -1;  // the faults of this launch were the old process's
         const auto slots = node_slots(cfg.pipeline, cfg.data_parallel, o.node, o.nodes);
         // threads = 0: share the machine's cores between the stage actors of every node on

@@ -3,6 +3,8 @@
 //
 //   node --node_hello{version, token}--> registrar (node 0): job_offer (config, epoch,
 //        machine), or an error (wrong token or protocol version: refused and logged)
+//   node whose data (training_data::fingerprint) is missing or not node 0's (job_offer.data)
+//        --node_unfit{reason}--> registrar: the job does not start, with that reason
 //   node of another machine than node 0's --clock_atom--> registrar (8 times): node 0's
 //        steady clock (ns), for the offset between the two clocks (one trace timeline)
 //   node --node_addresses{round 0}--> registrar: UCX worker addresses of the node's
@@ -32,7 +34,7 @@
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 8;  // 8: clock probes (clock_atom), job_offer.machine
+constexpr std::int32_t protocol_version = 9;  // 9: job_offer.data, node_unfit; 8: clock probes (clock_atom), job_offer.machine
 
 struct node_hello {
   std::int32_t version = 0;
@@ -54,6 +56,17 @@ struct job_offer {
   std::string config_toml;
   std::int64_t epoch_ns = 0;
   std::string machine;
+  /// Node 0's training_data::fingerprint: every node must read the same data (one that
+  /// reads other data sends node_unfit instead of taking part).
+  std::string data;
+};
+
+/// Node -> registrar, after the offer: this node cannot run the job (its data is missing or
+/// is not node 0's). The job does not start (node 0 ends with the reason) and a rejoin
+/// fails; answered true.
+struct node_unfit {
+  std::int32_t node = 0;
+  std::string host, reason;
 };
 
 struct node_addresses {
@@ -112,7 +125,11 @@ typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, job_offer& x) {
-  return f(caf::meta::type_name("job_offer"), x.config_toml, x.epoch_ns, x.machine);
+  return f(caf::meta::type_name("job_offer"), x.config_toml, x.epoch_ns, x.machine, x.data);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, node_unfit& x) {
+  return f(caf::meta::type_name("node_unfit"), x.node, x.host, x.reason);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_addresses& x) {

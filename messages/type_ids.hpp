@@ -46,6 +46,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (troupe::wiring_msg))
   CAF_ADD_TYPE_ID(troupe, (troupe::shard_copy))
   CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::shard_copy>))
+  CAF_ADD_TYPE_ID(troupe, (troupe::node_unfit))
 
   // Atoms (at most 10 characters).
   CAF_ADD_ATOM(troupe, troupe, run_atom, "run")

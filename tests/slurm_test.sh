@@ -4,7 +4,8 @@
 # itself is not here: the test starts the tasks the way it would). Checks: two tasks make
 # one 2-node job (node 0 on the list's first host; each task's number on its machine from
 # SLURM_LOCALID) that ends bit-identical to the same
-# job started by the launcher itself; no token exported: a one-line error (exit 2);
+# job started by the launcher itself; no token exported: a one-line error (exit 2); a
+# task whose data is not node 0's: the job does not start, node 0 says why (exit 1);
 # without scontrol, the first host of a compressed list ("vm[07-09,12]" -> vm07).
 #   tests/slurm_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/launcher_lib.sh" "$@"
@@ -40,6 +41,29 @@ env -u TROUPE_JOB_TOKEN "${slurm[@]}" SLURM_PROCID=1 "$launcher" "${job[@]}" >no
 rc=$?
 [ $rc = 2 ] && grep -q "under SLURM export TROUPE_JOB_TOKEN" notoken.log && ok "no token: one-line error, exit 2" \
   || bad "no token: exit $rc" notoken.log
+
+# A task whose machine has other data (fewer fortune files: a mount namespace) does not
+# take part: it tells node 0 (node_unfit), which ends the job's start with the reason;
+# both exit 1, no step runs.
+if unshare -m true 2>/dev/null; then
+  mkdir -p fewer && cp /usr/share/games/fortunes/[a-f]* fewer/
+  export TROUPE_PORT=$(free_port)
+  env "${slurm[@]}" SLURM_PROCID=0 SLURM_LOCALID=0 "$launcher" "${job[@]}" >unfit0.log 2>&1 &
+  t0=$!
+  env "${slurm[@]}" SLURM_PROCID=1 SLURM_LOCALID=1 unshare -m bash -c \
+    'mount --bind "$1" /usr/share/games/fortunes && shift && exec "$@"' _ "$tmp/fewer" "$launcher" "${job[@]}" \
+    >unfit1.log 2>&1 &
+  t1=$!
+  wait $t0; rc0=$?
+  wait $t1; rc1=$?
+  [ $rc0 = 1 ] && [ $rc1 = 1 ] \
+    && grep -q "node 1 on .* cannot run this job: its data ([0-9]* bytes, fnv1a [0-9a-f]*) is not node 0's ([0-9]* bytes, fnv1a [0-9a-f]*): every node must read the same" unfit0.log \
+    && grep -q "node 1 on .* cannot run this job: its data" unfit1.log && ! grep -q "1/4 |" unfit0.log \
+    && ok "a task with other data: node 0 ends the start with the reason (exit 1 / 1)" \
+    || { bad "a task with other data: exit $rc0 / $rc1" unfit0.log; tail -10 unfit1.log; }
+else
+  echo "SKIP a task with other data: no mount namespaces here (unshare -m needs root)"
+fi
 
 # A compressed node list, no scontrol: node 0's host is the list's first (the task is
 # stopped once it has said so; vm07 does not exist here).
