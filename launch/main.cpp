@@ -459,6 +459,14 @@ int main(int argc, char** argv) {
     app.parse(args);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::ExtrasError& e) {
+    // CLI11's own message names them in the order it took them (the reverse of the
+    // command line's, see above); remaining() gives the command line's.
+    const auto extras = app.remaining(true);
+    std::string text;
+    for (const auto& a : extras) text += (text.empty() ? "" : " ") + a;
+    return fail(exit_usage, "unexpected argument(s): " + (text.empty() ? std::string(e.what()) : text) +
+                                " (flags start with --; see --help)");
   } catch (const CLI::ParseError& e) {
     return fail(exit_usage, e.what());
   }
