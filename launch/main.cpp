@@ -205,6 +205,52 @@ int run_node_command(const config_flags& flags) {
   }
 }
 
+/// Edit distance between two words (insertions, deletions, substitutions).
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+/// The error for arguments `cmd` did not take: each unknown flag with the closest flag
+/// of `cmd` (a typo, or a flag that starts with one: --warmup-steps -> --warmup), else
+/// the unexpected words.
+std::string extras_text(const CLI::App* cmd, const std::vector<std::string>& extras, const std::string& fallback) {
+  std::string flags, words;
+  for (const auto& a : extras) {
+    if (a.rfind("--", 0) != 0) {
+      words += (words.empty() ? "" : " ") + a;
+      continue;
+    }
+    const std::string given = a.substr(0, a.find('='));
+    std::string best;
+    std::size_t best_d = std::string::npos;
+    for (const auto* opt : cmd->get_options()) {
+      for (const auto& n : opt->get_lnames()) {
+        const std::string name = "--" + n;
+        const bool stem = name.size() >= 5 && (given.rfind(name, 0) == 0 || name.rfind(given, 0) == 0);
+        const std::size_t d = stem ? 0 : edit_distance(given, name);
+        if (d < best_d) best_d = d, best = name;
+      }
+    }
+    flags += (flags.empty() ? "" : "; ") + ("unknown flag " + given) +
+             (best_d <= std::max<std::size_t>(2, given.size() / 4) ? " (did you mean " + best + "?)" : "");
+  }
+  const std::string see = "see troupe " + (cmd->get_parent() ? cmd->get_name() + " " : std::string()) + "--help";
+  if (!flags.empty()) return flags + "; " + see;  // the words are likely their values
+  if (!words.empty()) return "unexpected argument(s): " + words + "; " + see;
+  return fallback;
+}
+
 /// `troupe check-host`: what a node of the job `cfg` needs on this host, checked the way
 /// a node would meet it: the job's data (read whole: the summary ends with its
 /// fingerprint, which launch/troupe compares between hosts), its device (a GPU that runs
@@ -462,11 +508,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::ExtrasError& e) {
     // CLI11's own message names them in the order it took them (the reverse of the
     // command line's, see above); remaining() gives the command line's.
-    const auto extras = app.remaining(true);
-    std::string text;
-    for (const auto& a : extras) text += (text.empty() ? "" : " ") + a;
-    return fail(exit_usage, "unexpected argument(s): " + (text.empty() ? std::string(e.what()) : text) +
-                                " (flags start with --; see --help)");
+    const auto subs = app.get_subcommands();
+    return fail(exit_usage, extras_text(subs.empty() ? &app : subs.back(), app.remaining(true), e.what()));
   } catch (const CLI::ParseError& e) {
     return fail(exit_usage, e.what());
   }

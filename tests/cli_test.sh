@@ -210,9 +210,12 @@ check train-local-continue 0 "$troupe" "${local_job[@]}" --load "$tmp/lst.pt" --
 expect_in train-local-continue-log "$err" "resumed from $tmp/lst.pt at step"
 /usr/bin/python3 "$(dirname "$0")/compare_runs.py" "$tmp/lref" "$tmp/lst" 0 && echo "ok   train-local-stop-equals-reference" \
   || { echo "FAIL train-local-stop-equals-reference"; fail=1; }
-# Words that are no flag: named in the command line's order.
+# Words that are no flag: named in the command line's order; an unknown flag with the
+# closest one (a typo, or one it starts with).
 check train-extras 2 "$troupe" train --steps 1 foo bar
-expect_in train-extras-msg "$err" "unexpected argument(s): foo bar (flags start with --; see --help)"
+expect_in train-extras-msg "$err" "unexpected argument(s): foo bar; see troupe train --help"
+check train-unknown-flag 2 "$troupe" train --warmup-steps 5 --pipline 2
+expect_in train-unknown-flag-msg "$err" "unknown flag --warmup-steps (did you mean --warmup?); unknown flag --pipline (did you mean --pipeline?); see troupe train --help"
 check train-dataflow-chunks 2 "$troupe" train --schedule dataflow --chunks 2 --pipeline 2
 check train-bad-init 1 "$troupe" train --steps 1 --init "$tmp/m.jsonl"
 expect_in train-bad-init-msg "$err" "not a readable PyTorch file"
