@@ -52,6 +52,7 @@ struct coordinator_state {
   bool skipping = false;     // this step's update is skipped
   double checkpoint_seconds = 0;  // spent on checkpoint folders (gather + write), without evaluations
   int checkpoints = 0;
+  int checkpoint_failures = 0;  // checkpoints due that could not be written (the run went on)
   nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
   std::int32_t attempt = 0;  // of this step: > 0 after in-place retries
   bool retrying = false;     // the supervisors are rebuilding the actors: ignore theirs
@@ -296,8 +297,12 @@ void fetch_final_state(self_ptr self, std::function<void(state_dict)> then) {
 }
 
 /// Writes the checkpoints due now: FILE.optim and FILE (--save, as the plain loop does)
-/// and / or a checkpoint folder in checkpoint_dir; false (the run failed) if it cannot.
-bool save_checkpoint(self_ptr self, const model_state& state, const named_moments& moments, bool file, bool folder) {
+/// and / or a checkpoint folder in checkpoint_dir. One that cannot be written (a full
+/// disk) does not end the run: the training state is whole in memory, so it is logged and
+/// the run goes on to the next one; but the run's last (`final`: the end, or a stop) must
+/// be written: false (the run failed) if it cannot.
+bool save_checkpoint(self_ptr self, const model_state& state, const named_moments& moments, bool file, bool folder,
+                     bool final) {
   auto& s = self->state;
   const auto& cfg = s.ctx->cfg;
   const auto next = s.step + 1;
@@ -315,8 +320,14 @@ bool save_checkpoint(self_ptr self, const model_state& state, const named_moment
       spdlog::info("step {}: checkpoint written to {}", next, where);
     }
   } catch (const std::exception& e) {
-    fail(self, std::string("cannot write a checkpoint: ") + e.what(), false);
-    return false;
+    if (final) {
+      fail(self, "cannot write the checkpoint of step " + std::to_string(next) + " (the run's last): " + e.what(),
+           false);
+      return false;
+    }
+    log_checkpoint_not_written(next, e.what(), cfg.checkpoint_interval);
+    ++s.checkpoint_failures;
+    return true;
   }
   return true;
 }
@@ -402,6 +413,9 @@ void after_reset(self_ptr self, nlohmann::json line) {
       if (s.checkpoints > 0)
         spdlog::info("checkpoint folders: {} written between steps in {:.2f} s ({:.0f} ms each, gather and write)",
                      s.checkpoints, s.checkpoint_seconds, s.checkpoint_seconds / s.checkpoints * 1e3);
+      if (s.checkpoint_failures > 0)
+        spdlog::warn("{} checkpoint(s) due during the run could not be written (see the errors above)",
+                     s.checkpoint_failures);
       return finish(self, 0, "");
     }
     ++s.step;
@@ -419,7 +433,7 @@ void after_reset(self_ptr self, nlohmann::json line) {
     const bool rounded = self->state.ctx->compute_dtype != torch::kFloat32;
     if (!save && !folder && !(last && rounded)) return proceed(std::move(state.full));
     with_shard_state(self, std::move(state), [=](model_state state, named_moments moments) {
-      if ((save || folder) && !save_checkpoint(self, state, moments, save, folder)) return;
+      if ((save || folder) && !save_checkpoint(self, state, moments, save, folder, last || stop)) return;
       auto& s = self->state;
       if (folder && !eval) {
         s.checkpoint_seconds += (s.ctx->now_us() - t0) * 1e-6;

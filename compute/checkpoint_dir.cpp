@@ -96,6 +96,14 @@ std::string write_checkpoint_dir(const std::string& root_path, const job_config&
   remove_tree(tmp.string());
   fs::create_directory(tmp, ec);
   if (ec) throw checkpoint_error("cannot create " + tmp.string() + ": " + ec.message());
+  // A write that fails (a full disk) leaves no partial folder to take the space.
+  struct remove_unless_done {
+    fs::path path;
+    bool done = false;
+    ~remove_unless_done() {
+      if (!done) remove_tree(path.string());
+    }
+  } partial{tmp};
 
   nlohmann::json files = nlohmann::json::array();
   auto add = [&](const std::string& file, int stage, const char* kind, const state_dict& state) {
@@ -133,6 +141,7 @@ std::string write_checkpoint_dir(const std::string& root_path, const job_config&
   remove_tree(final_path.string());
   fs::rename(tmp, final_path, ec);
   if (ec) throw checkpoint_error("cannot rename " + tmp.string() + " to " + final_path.string() + ": " + ec.message());
+  partial.done = true;
   write_file_atomically((root / "latest").string(), name + "\n");
   auto all = step_folders(root);
   for (std::size_t i = 0; i + std::size_t(keep) < all.size(); ++i)

@@ -259,6 +259,11 @@ std::string stopped_text(int signal, int done_steps, const job_config& cfg) {
   return "stopped by " + by + " after step " + std::to_string(done_steps) + " of " + std::to_string(cfg.steps) + ": " + saved;
 }
 
+void log_checkpoint_not_written(std::int64_t step, const std::string& why, int interval) {
+  spdlog::error("step {}: checkpoint not written: {}; training goes on (the next checkpoint is due at step {})", step,
+                why, step + interval);
+}
+
 int run_training(const job_config& cfg, const std::function<int()>& stop_requested) {
   // LibTorch's own default counts physical cores (1 on a 2-vCPU machine): use them all.
   torch::set_num_threads(cfg.threads > 0 ? cfg.threads : int(std::max(1u, std::thread::hardware_concurrency())));
@@ -298,8 +303,13 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
     if (metrics.is_open()) metrics << line.dump() << '\n' << std::flush;
     if (!cfg.save.empty() &&
         (last || stop || (cfg.checkpoint_interval > 0 && trainer.next_step() % cfg.checkpoint_interval == 0))) {
-      trainer.save_checkpoint(cfg.save);
-      spdlog::info("step {}: checkpoint written to {} (and {}.optim)", trainer.next_step(), cfg.save, cfg.save);
+      try {
+        trainer.save_checkpoint(cfg.save);
+        spdlog::info("step {}: checkpoint written to {} (and {}.optim)", trainer.next_step(), cfg.save, cfg.save);
+      } catch (const std::exception& e) {
+        if (last || stop) throw;  // the run's result: exit 1 with the reason
+        log_checkpoint_not_written(trainer.next_step(), e.what(), cfg.checkpoint_interval);
+      }
     }
     if (stop) {
       spdlog::error("{}", stopped_text(stop, trainer.next_step(), cfg));

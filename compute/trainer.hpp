@@ -137,6 +137,10 @@ constexpr int exit_stopped = 143;
 /// in ckpt (continue with --resume ckpt)" (checkpoint_dir, else save, else nothing saved).
 std::string stopped_text(int signal, int done_steps, const job_config& cfg);
 
+/// Logs a checkpoint due after step `step` (1-based count of steps done) that could not be
+/// written: the run goes on (its state is whole in memory) and tries again at the next.
+void log_checkpoint_not_written(std::int64_t step, const std::string& why, int interval);
+
 /// `troupe train`: the training loop with progress lines, metrics, evaluation and
 /// checkpoints. Returns the process exit code. `stop_requested` (when given) is asked
 /// after each step: a signal number ends the run there, with a checkpoint (cfg.save) and

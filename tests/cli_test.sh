@@ -210,6 +210,38 @@ check train-local-continue 0 "$troupe" "${local_job[@]}" --load "$tmp/lst.pt" --
 expect_in train-local-continue-log "$err" "resumed from $tmp/lst.pt at step"
 /usr/bin/python3 "$(dirname "$0")/compare_runs.py" "$tmp/lref" "$tmp/lst" 0 && echo "ok   train-local-stop-equals-reference" \
   || { echo "FAIL train-local-stop-equals-reference"; fail=1; }
+# A checkpoint that cannot be written (a full disk: 50 MB of a 64 MB tmpfs taken, a
+# checkpoint folder of gpt-tiny is 20 MB) does not end the run: logged, no partial folder
+# left, training goes on; once space is freed the next one is written, and the run ends
+# as one without the fault (the same parameters and losses).
+disk=$tmp/disk
+mkdir -p "$disk"
+if mount -t tmpfs -o size=64m none "$disk" 2>/dev/null; then
+  head -c 50M /dev/zero >"$disk/ballast"
+  full_job=(train --steps 8 --threads 1 --eval-interval 0 --checkpoint-interval 2 --keep-checkpoints 1)
+  check train-full-disk-reference 0 "$troupe" "${full_job[@]}" --metrics "$tmp/fref.jsonl" --save "$tmp/fref.pt"
+  "$troupe" "${full_job[@]}" --checkpoint-dir "$disk/ck" --metrics "$tmp/full.jsonl" --save "$tmp/full.pt" \
+    >"$out" 2>"$err" &
+  pid=$!
+  for ((t = 0; t < 600; t++)); do grep -q "checkpoint not written" "$err" && break; sleep 0.1; done
+  rm -f "$disk/ballast"
+  wait $pid
+  rc=$?
+  [ $rc = 0 ] && echo "ok   train-full-disk" || { echo "FAIL train-full-disk: exit $rc"; cat "$err"; fail=1; }
+  expect_in train-full-disk-msg "$err" "step 2: checkpoint not written: cannot write $disk/ck/.step-00000002.tmp/"
+  expect_in train-full-disk-msg-reason "$err" "No space left on device; training goes on (the next checkpoint is due at step 4)"
+  [ "$(ls -A "$disk/ck" | tr '\n' ' ')" = "latest step-00000008 " ] && echo "ok   train-full-disk-folders" \
+    || { echo "FAIL train-full-disk-folders: $(ls -A "$disk/ck")"; fail=1; }
+  /usr/bin/python3 "$(dirname "$0")/compare_runs.py" "$tmp/fref" "$tmp/full" 0 && echo "ok   train-full-disk-equals-reference" \
+    || { echo "FAIL train-full-disk-equals-reference"; fail=1; }
+  # The run's last checkpoint must be written: a full disk there is the run's failure.
+  head -c 60M /dev/zero >"$disk/ballast" 2>/dev/null
+  check train-full-disk-last 1 "$troupe" train --steps 2 --threads 1 --eval-interval 0 --checkpoint-dir "$disk/ck2"
+  expect_in train-full-disk-last-msg "$err" "cannot write the checkpoint of step 2 (the run's last): "
+  umount "$disk"
+else
+  echo "SKIP train-full-disk: cannot mount a tmpfs here (needs root)"
+fi
 # Words that are no flag: named in the command line's order; an unknown flag with the
 # closest one (a typo, or one it starts with).
 check train-extras 2 "$troupe" train --steps 1 foo bar
