@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 
 #include "compute/checkpoint.hpp"
+#include "compute/model.hpp"
 #include "compute/remove_tree.hpp"
 
 namespace troupe {
@@ -336,6 +337,20 @@ void check_output_paths(const job_config& cfg) {
     if (ec)
       throw config_error("output.checkpoint_dir = '" + cfg.checkpoint_dir + "': cannot create it: " + ec.message());
     require_writable_folder(cfg.checkpoint_dir, "output.checkpoint_dir", cfg.checkpoint_dir);
+    // A checkpoint that does not fit is logged and the run goes on without it: say so now
+    // if the folder's file system is short of the space the checkpoints will take (the
+    // keep_checkpoints newest, and the next one, written before the oldest is removed).
+    const auto space = fs::space(cfg.checkpoint_dir, ec);
+    if (!ec) {
+      const double each = double(parameter_count(cfg.model())) * 12;  // fp32 parameters and AdamW's 2 moments
+      const double have = double(step_folders(cfg.checkpoint_dir).size());
+      const double more = each * std::max(1.0, cfg.keep_checkpoints + 1 - have);
+      if (double(space.available) < more)
+        spdlog::warn("checkpoint_dir {} has {:.0f} MB free; a checkpoint takes about {:.0f} MB, keep_checkpoints = {} "
+                     "needs about {:.0f} MB more: checkpoints that do not fit are logged and skipped (the run's last "
+                     "must fit)",
+                     cfg.checkpoint_dir, double(space.available) / 1e6, each / 1e6, cfg.keep_checkpoints, more / 1e6);
+    }
   }
 }
 

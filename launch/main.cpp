@@ -255,11 +255,12 @@ std::string extras_text(const CLI::App* cmd, const std::vector<std::string>& ext
 /// a node would meet it: the job's data (read whole: the summary ends with its
 /// fingerprint, which launch/troupe compares between hosts), its device (a GPU that runs
 /// a kernel), and the checkpoint it would resume from. Returns a one-line summary; throws
-/// with the reason.
-std::string check_host(const troupe::job_config& cfg) {
+/// with the reason. `quick`: no kernel on the device (other nodes of the job may be using
+/// it).
+std::string check_host(const troupe::job_config& cfg, bool quick) {
   const auto data = troupe::training_data::fingerprint(cfg);  // read, as a node would
   const auto device = troupe::resolve_device(troupe::node_device(cfg.device, 0, troupe::cuda_device_count()));
-  if (device.is_cuda()) {
+  if (device.is_cuda() && !quick) {
     // A GPU that is listed but broken (an Xid error, a lost device) fails here, not in a
     // node's first step.
     const auto a = torch::ones({256, 256}, torch::TensorOptions().device(device));
@@ -479,6 +480,8 @@ int main(int argc, char** argv) {
                                    "each host of a --hostfile job): exit 1 with the reason when not, 2 for a bad job");
   config_flags check_flags;
   check_flags.add_to(check, {}, false);
+  bool check_quick = false;
+  check->add_flag("--quick", check_quick, "no kernel on the device (the job may be running on it)");
 
   // troupe schedule
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");
@@ -558,7 +561,7 @@ int main(int argc, char** argv) {
       return fail(1, e.what());
     }
     try {
-      std::printf("%s\n", check_host(cfg).c_str());
+      std::printf("%s\n", check_host(cfg, check_quick).c_str());
       return 0;
     } catch (const std::exception& e) {
       return fail(1, e.what());

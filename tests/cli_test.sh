@@ -19,6 +19,18 @@ check() {  # check NAME EXPECTED_RC COMMAND...
 expect_in() {  # expect_in NAME FILE TEXT
   if grep -qF -- "$3" "$2"; then echo "ok   $1"; else echo "FAIL $1: '$3' not in $2:"; cat "$2"; fail=1; fi
 }
+during() {  # during FILE PATTERN ACTION COMMAND...: runs COMMAND (stdout to $out, stderr to
+  # $err), and ACTION (shell code; $pid is COMMAND's) once FILE matches PATTERN (or after
+  # 60 s); sets rc to COMMAND's status.
+  local file=$1 pattern=$2 action=$3 t
+  shift 3
+  "$@" >"$out" 2>"$err" &
+  local pid=$!
+  for ((t = 0; t < 600; t++)); do grep -q -- "$pattern" "$file" && break; sleep 0.1; done
+  eval "$action"
+  wait $pid
+  rc=$?
+}
 
 check schedule-json 0 "$troupe" schedule --kind 1f1b --stages 4 --microbatches 8 --format json
 /usr/bin/python3 - "$out" <<'PY' || fail=1
@@ -66,13 +78,8 @@ expect_in train-local-save-folder-msg "$err" "is a folder, not a file"
 # A trace folder removed during the run: the run still ends (exit 0), saying the trace
 # was not written (it used to hang after an exception in the coordinator).
 mkdir -p "$tmp/tdir"
-timeout 300 "$troupe" train --steps 30 --threads 1 --pipeline 2 --eval-interval 0 --trace "$tmp/tdir/t.json" \
-  >"$out" 2>"$err" &
-pid=$!
-for ((i = 0; i < 600; i++)); do grep -q "step  *2/30" "$out" && break; sleep 0.1; done
-rm -rf "$tmp/tdir"
-wait $pid
-rc=$?
+during "$out" "step  *2/30" 'rm -rf "$tmp/tdir"' \
+  timeout 300 "$troupe" train --steps 30 --threads 1 --pipeline 2 --eval-interval 0 --trace "$tmp/tdir/t.json"
 if [ $rc = 0 ] && grep -q "trace not written" "$err"; then echo "ok   train-trace-folder-gone"; else
   echo "FAIL train-trace-folder-gone: exit $rc"; tail -5 "$err"; fail=1; fi
 check unknown-kind 2 "$troupe" schedule --kind zigzag
@@ -198,12 +205,7 @@ expect_in train-local-cuda-msg "$err" "needs the actors runtime (the local loop 
 # continues from: parameters and every step's loss equal an uninterrupted run's.
 local_job=(train --runtime local --steps 12 --threads 1 --eval-interval 0)
 check train-local-reference 0 "$troupe" "${local_job[@]}" --save "$tmp/lref.pt" --metrics "$tmp/lref.jsonl"
-"$troupe" "${local_job[@]}" --save "$tmp/lst.pt" --metrics "$tmp/lst.jsonl" >"$out" 2>"$err" &
-pid=$!
-for ((t = 0; t < 600; t++)); do grep -q "^step  3/12" "$out" && break; sleep 0.1; done
-kill -TERM $pid
-wait $pid
-rc=$?
+during "$out" "^step  3/12" 'kill -TERM $pid' "$troupe" "${local_job[@]}" --save "$tmp/lst.pt" --metrics "$tmp/lst.jsonl"
 [ $rc = 143 ] && echo "ok   train-local-sigterm" || { echo "FAIL train-local-sigterm: exit $rc"; cat "$err"; fail=1; }
 expect_in train-local-sigterm-msg "$err" "of 12: its checkpoint is $tmp/lst.pt (continue with --load $tmp/lst.pt)"
 check train-local-continue 0 "$troupe" "${local_job[@]}" --load "$tmp/lst.pt" --save "$tmp/lst.pt" --metrics "$tmp/lst.jsonl"
@@ -220,14 +222,11 @@ if mount -t tmpfs -o size=64m none "$disk" 2>/dev/null; then
   head -c 50M /dev/zero >"$disk/ballast"
   full_job=(train --steps 8 --threads 1 --eval-interval 0 --checkpoint-interval 2 --keep-checkpoints 1)
   check train-full-disk-reference 0 "$troupe" "${full_job[@]}" --metrics "$tmp/fref.jsonl" --save "$tmp/fref.pt"
-  "$troupe" "${full_job[@]}" --checkpoint-dir "$disk/ck" --metrics "$tmp/full.jsonl" --save "$tmp/full.pt" \
-    >"$out" 2>"$err" &
-  pid=$!
-  for ((t = 0; t < 600; t++)); do grep -q "checkpoint not written" "$err" && break; sleep 0.1; done
-  rm -f "$disk/ballast"
-  wait $pid
-  rc=$?
+  during "$err" "checkpoint not written" 'rm -f "$disk/ballast"' \
+    "$troupe" "${full_job[@]}" --checkpoint-dir "$disk/ck" --metrics "$tmp/full.jsonl" --save "$tmp/full.pt"
   [ $rc = 0 ] && echo "ok   train-full-disk" || { echo "FAIL train-full-disk: exit $rc"; cat "$err"; fail=1; }
+  expect_in train-full-disk-warning "$err" "checkpoint_dir $disk/ck has "
+  expect_in train-full-disk-warning-end "$err" "checkpoints that do not fit are logged and skipped (the run's last must fit)"
   expect_in train-full-disk-msg "$err" "step 2: checkpoint not written: cannot write $disk/ck/.step-00000002.tmp/"
   expect_in train-full-disk-msg-reason "$err" "No space left on device; training goes on (the next checkpoint is due at step 4)"
   [ "$(ls -A "$disk/ck" | tr '\n' ' ')" = "latest step-00000008 " ] && echo "ok   train-full-disk-folders" \
