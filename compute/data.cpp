@@ -134,10 +134,9 @@ torch::Tensor normalise(const torch::Tensor& images) {
 
 void fashion_mnist::require(const std::string& dir) {
   std::error_code ec;
-  for (const char* f : idx_files)
-    if (!fs::exists(fs::path(dir) / f, ec))
-      throw data_error("Fashion-MNIST file not found: " + (fs::path(dir) / f).string() +
-                       " (install it: apt-get install dataset-fashion-mnist)");
+  for (const auto& file : files(dir))
+    if (!fs::exists(file, ec))
+      throw data_error("Fashion-MNIST file not found: " + file + " (install it: apt-get install dataset-fashion-mnist)");
 }
 
 std::vector<std::string> fashion_mnist::files(const std::string& dir) {
@@ -148,7 +147,8 @@ std::vector<std::string> fashion_mnist::files(const std::string& dir) {
 
 fashion_mnist::fashion_mnist(const std::string& dir, bool training_set, bool test_set) {
   require(dir);
-  const auto file = [&](int i) { return files(dir).at(i); };
+  const auto paths = files(dir);
+  const auto file = [&](int i) { return paths.at(i); };
   if (training_set) {
     train_images_ = normalise(read_idx(file(0), 3));
     train_labels_ = read_idx(file(1), 1).to(torch::kInt64);

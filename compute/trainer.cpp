@@ -255,7 +255,7 @@ std::string stopped_text(int signal, int done_steps, const job_config& cfg) {
     saved = "its checkpoint is in " + cfg.checkpoint_dir + " (continue with --resume " + cfg.checkpoint_dir + ")";
   else if (!cfg.save.empty())
     saved = "its checkpoint is " + cfg.save + " (continue with --load " + cfg.save + ")";
-  const std::string by = signal == SIGTERM ? "SIGTERM" : signal == SIGUSR1 ? "SIGUSR1" : signal == SIGINT ? "SIGINT" : "a signal";
+  const std::string by = signal == SIGTERM ? "SIGTERM" : signal == SIGUSR1 ? "SIGUSR1" : "a signal";
   return "stopped by " + by + " after step " + std::to_string(done_steps) + " of " + std::to_string(cfg.steps) + ": " + saved;
 }
 
