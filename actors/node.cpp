@@ -34,11 +34,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-std::int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 // --- the registrar (node 0): admits nodes, exchanges addresses, collects supervisors ---
 
 struct registrar_state {
@@ -98,7 +93,7 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
       }
   });
   return {
-      [](clock_atom) -> std::int64_t { return steady_ns(); },  // a node's clock probe
+      [](clock_atom) -> std::int64_t { return steady_clock_ns(); },  // a node's clock probe
       [=](const node_hello& h) -> caf::result<job_offer> {
         auto& s = self->state;
         std::string why;
@@ -518,26 +513,72 @@ void check_node_data(caf::scoped_actor& self, const caf::actor& registrar, const
   throw node_failure(1, where + " on " + hostname() + " cannot run this job: " + reason);
 }
 
-/// Node 0's steady clock minus this node's (ns): 0 on node 0's machine, which shares its
-/// clock; elsewhere measured by 8 round trips to the registrar (clock_offset_ns). Tests
-/// pretend another machine with a clock ahead by `o.clock_skew_ns`.
-std::int64_t node_clock_offset(caf::scoped_actor& self, const caf::actor& registrar, const job_offer& offer,
-                               const node_options& o, const std::string& where) {
-  if (o.node == 0 || (offer.machine == transport::machine_key() && o.clock_skew_ns == 0)) return 0;
+/// The job's timeline on this node (job_clock): node 0's machine shares node 0's steady
+/// clock; a node on another machine measures the offset to it by 8 round trips to the
+/// registrar now (clock_probe_keeper follows it from there). Tests pretend another machine
+/// whose clock is `o.clock_skew_ns` ahead and runs `o.clock_drift_ppm` fast.
+std::shared_ptr<job_clock> node_job_clock(caf::scoped_actor& self, const caf::actor& registrar,
+                                          const job_offer& offer, const node_options& o, const std::string& where) {
+  const bool pretend = o.clock_skew_ns != 0 || o.clock_drift_ppm != 0;
+  if (o.node == 0 || (offer.machine == transport::machine_key() && !pretend))
+    return std::make_shared<job_clock>(offer.epoch_ns);
+  auto clock = std::make_shared<job_clock>(offer.epoch_ns, o.clock_skew_ns, o.clock_drift_ppm);
   std::vector<clock_sample> samples;
   for (int i = 0; i < 8; ++i) {
     clock_sample c;
-    c.sent_ns = steady_ns() + o.clock_skew_ns;
+    c.sent_ns = clock->local_ns();
     c.remote_ns = ask<std::int64_t>(self, registrar, o.join_timeout, clock_atom_v, where + ": clock probe", 3);
-    c.received_ns = steady_ns() + o.clock_skew_ns;
+    c.received_ns = clock->local_ns();
     samples.push_back(c);
   }
   std::int64_t round_trip = 0;
-  const auto offset = clock_offset_ns(samples, &round_trip);
+  const auto offset = clock->add_probe(samples, &round_trip);
   spdlog::info("{}: another machine than node 0's: its clock is {:+.3f} ms from node 0's (trace and bubble on node "
-               "0's timeline; best of 8 round trips {:.3f} ms)",
-               where, offset * 1e-6, round_trip * 1e-6);
-  return offset;
+               "0's timeline; best of 8 round trips {:.3f} ms{})",
+               where, offset * 1e-6, round_trip * 1e-6,
+               o.clock_probe_interval.count() > 0
+                   ? fmt::format("; probed again, up to every {:.3g} s", o.clock_probe_interval.count() * 1e-3)
+                   : std::string());
+  return clock;
+}
+
+struct clock_probe_state {
+  std::vector<clock_sample> samples;
+  std::chrono::milliseconds wait{100};  ///< until the next round
+};
+
+/// A node on another machine than node 0's: probe rounds (8 round trips to the registrar,
+/// one at a time), each refitting `clock`'s line, so trace events stay on node 0's
+/// timeline while the two clocks drift apart. The first comes 0.1 s after the join probe
+/// and the waits double up to `interval`: the rate is known early, and each estimate of it
+/// (good to the offset's error over the span probed) is used for no longer than that span.
+caf::behavior clock_probe_keeper(caf::stateful_actor<clock_probe_state>* self, caf::actor registrar,
+                                 std::shared_ptr<job_clock> clock, std::chrono::milliseconds interval) {
+  self->state.wait = std::min(self->state.wait, interval);
+  self->delayed_send(self, self->state.wait, timeout_atom_v);
+  return {
+      [=](timeout_atom) {
+        const auto sent = clock->local_ns();
+        self->request(registrar, std::chrono::seconds(10), clock_atom_v)
+            .then(
+                [=](std::int64_t remote) {
+                  auto& s = self->state;
+                  s.samples.push_back({sent, remote, clock->local_ns()});
+                  if (s.samples.size() < 8) {
+                    self->send(self, timeout_atom_v);
+                    return;
+                  }
+                  clock->add_probe(s.samples);
+                  s.samples.clear();
+                  s.wait = std::min(2 * s.wait, interval);
+                  self->delayed_send(self, s.wait, timeout_atom_v);
+                },
+                [=](caf::error&) {  // no answer in 10 s: try a new round later (node 0 gone: the node ends)
+                  self->state.samples.clear();
+                  self->delayed_send(self, self->state.wait, timeout_atom_v);
+                });
+      },
+  };
 }
 
 caf::actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
@@ -646,7 +687,7 @@ actor_run_result run_node(const node_options& o) {
       acfg.openssl_cafile = o.tls_cafile;
     }
     caf::actor_system sys{acfg};
-    caf::actor registrar_handle, supervisor;
+    caf::actor registrar_handle, supervisor, clock_keeper;
     try {
       {
         caf::scoped_actor self{sys};
@@ -658,7 +699,7 @@ actor_run_result run_node(const node_options& o) {
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
           const auto data = training_data::fingerprint(cfg);  // the data every node must read
           check_output_paths(cfg);
-          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(), steady_ns(), data);
+          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(), steady_clock_ns(), data);
           auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)
                                  : sys.middleman().publish(registrar_handle, o.port, nullptr, true);
           if (!port)
@@ -684,11 +725,11 @@ actor_run_result run_node(const node_options& o) {
         if (cfg.threads == 0)
           cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) /
                                         (int(slots.size()) * std::max(1, o.nodes_per_host)));
-        // The coordinator's clock origin, on this node's clock: one timeline for the trace
-        // and the measured bubble (node_clock_offset: 0 on node 0's machine).
-        const std::chrono::steady_clock::time_point epoch{
-            std::chrono::nanoseconds(offer.epoch_ns - node_clock_offset(self, registrar_handle, offer, o, where) -
-                                     (o.node == 0 ? 0 : o.clock_skew_ns))};
+        // One timeline for the trace and the measured bubble: node 0's clock from the
+        // coordinator's start (node_job_clock).
+        const auto clock = node_job_clock(self, registrar_handle, offer, o, where);
+        if (clock->probes() > 0 && o.clock_probe_interval.count() > 0)
+          clock_keeper = sys.spawn(clock_probe_keeper, registrar_handle, clock, o.clock_probe_interval);
         if (cfg.device == "cuda") {  // one GPU per node process of this machine, while there are enough
           const int gpus = cuda_device_count();
           cfg.device = node_device(cfg.device, o.local_node, gpus);
@@ -696,7 +737,7 @@ actor_run_result run_node(const node_options& o) {
           if (o.nodes_per_host > gpus && gpus > 0 && o.local_node == 0)
             spdlog::warn("{}: {} node processes share this machine's {} GPU(s)", where, o.nodes_per_host, gpus);
         }
-        auto ctx = std::make_shared<const runtime_context>(cfg, epoch);
+        auto ctx = std::make_shared<const runtime_context>(cfg, clock);
         const auto how = transport_for(*ctx, where);
         node_plan plan;
         if (o.rejoin) {  // communicators come with the coordinator's recovery round
@@ -780,6 +821,11 @@ actor_run_result run_node(const node_options& o) {
               }
             });
           }
+          if (clock->probes() > 1)
+            spdlog::info("{}: its clock ran {:+.1f} ppm against node 0's ({} probes over {:.0f} s, last offset "
+                         "{:+.3f} ms)",
+                         where, clock->drift_ppm(), clock->probes(), clock->probed_span_s(),
+                         clock->offset_ns(clock->local_ns()) * 1e-6);
         }
       }
     } catch (const config_error& e) {
@@ -795,6 +841,8 @@ actor_run_result run_node(const node_options& o) {
       result.error = "node " + std::to_string(o.node) + ": " + e.what();
       if (supervisor) caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
     }
+    if (clock_keeper) caf::anon_send_exit(clock_keeper, caf::exit_reason::user_shutdown);
+    clock_keeper = nullptr;
     if (registrar_handle && o.node == 0) caf::anon_send_exit(registrar_handle, caf::exit_reason::user_shutdown);
     registrar_handle = nullptr;
     supervisor = nullptr;

@@ -40,6 +40,12 @@ struct node_options {
   /// whose steady clock is this far ahead (its trace events must still land on node 0's
   /// timeline).
   std::int64_t clock_skew_ns = 0;
+  /// Tests (TROUPE_TEST_CLOCK_DRIFT_PPM): and whose clock runs this fast against node 0's.
+  double clock_drift_ppm = 0;
+  /// A node on another machine than node 0's probes node 0's clock again, 0.1 s after
+  /// joining and then at doubling waits up to this one (TROUPE_CLOCK_PROBE_SECONDS),
+  /// following a drift between the two clocks; 0: only at join.
+  std::chrono::milliseconds clock_probe_interval{10000};
   job_config cfg;                  ///< node 0: the job (other nodes receive it)
   actor_run_options run;           ///< node 0: progress, trace
   int nodes_per_host = 1;          ///< node processes sharing this machine's cores (threads = 0)

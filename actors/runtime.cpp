@@ -15,7 +15,7 @@
 
 namespace troupe {
 
-runtime_context::runtime_context(const job_config& c, std::chrono::steady_clock::time_point epoch_)
+runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock_)
     : cfg(c),
       spec(c.model()),
       p(c.pipeline),
@@ -28,7 +28,7 @@ runtime_context::runtime_context(const job_config& c, std::chrono::steady_clock:
       sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
       split_backward(dataflow ? c.split_backward : sched.split_backward()),
       ranges(partition_layers(spec.n_layers(), p, v, c.split)),
-      epoch(epoch_) {
+      clock(clock_ ? std::move(clock_) : std::make_shared<const job_clock>(steady_clock_ns())) {
   try {
     device = resolve_device(c.device);
     compute_dtype = parse_precision(c.precision);

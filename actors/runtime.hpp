@@ -23,6 +23,7 @@
 #include <caf/actor.hpp>
 #include <caf/error.hpp>
 
+#include "actors/trace.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/job_config.hpp"
 #include "compute/model.hpp"
@@ -36,9 +37,9 @@ namespace troupe {
 
 /// What every actor of a job knows; immutable once the job starts.
 struct runtime_context {
-  /// `epoch`: the time origin of trace events (nodes of a job use the coordinator's).
-  explicit runtime_context(const job_config& c,
-                           std::chrono::steady_clock::time_point epoch = std::chrono::steady_clock::now());
+  /// `clock`: the timeline of trace events (nodes of a job: the coordinator's, see
+  /// job_clock); none: this process's steady clock from now.
+  explicit runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock = nullptr);
 
   job_config cfg;
   model_spec spec;
@@ -57,11 +58,9 @@ struct runtime_context {
   /// faults fire in one launch only (faults.attempt, default the first).
   int launch_attempt = 0;
   bool faults_armed() const { return launch_attempt == cfg.fault_attempt; }
-  std::chrono::steady_clock::time_point epoch;  ///< time origin of trace events
+  std::shared_ptr<const job_clock> clock;  ///< the timeline of trace events
 
-  double now_us() const {
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - epoch).count();
-  }
+  double now_us() const { return clock->now_us(); }
   /// Expected shape of the activation entering virtual stage `x` (> 0) and of the
   /// gradient leaving it.
   std::vector<std::int64_t> activation_shape(int x) const;

@@ -1,6 +1,7 @@
 #include "actors/trace.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -57,6 +58,88 @@ std::int64_t clock_offset_ns(const std::vector<clock_sample>& samples, std::int6
   });
   if (round_trip_ns) *round_trip_ns = best->received_ns - best->sent_ns;
   return best->remote_ns - (best->sent_ns + (best->received_ns - best->sent_ns) / 2);
+}
+
+std::int64_t steady_clock_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+job_clock::job_clock(std::int64_t epoch_ns, std::int64_t skew_ns, double drift_ppm)
+    : epoch_ns_(epoch_ns), skew_ns_(skew_ns), origin_ns_(steady_clock_ns()), drift_(drift_ppm * 1e-6) {}
+
+std::int64_t job_clock::local_ns() const {
+  const auto now = steady_clock_ns();
+  if (drift_ == 0) return now + skew_ns_;
+  return now + skew_ns_ + std::int64_t(double(now - origin_ns_) * drift_);
+}
+
+std::int64_t job_clock::add_probe(const std::vector<clock_sample>& samples, std::int64_t* round_trip_ns) {
+  std::int64_t round_trip = 0;
+  const auto offset = clock_offset_ns(samples, &round_trip);
+  if (round_trip_ns) *round_trip_ns = round_trip;
+  const auto best = std::min_element(samples.begin(), samples.end(), [](const auto& a, const auto& b) {
+    return a.received_ns - a.sent_ns < b.received_ns - b.sent_ns;
+  });
+  // The offset is wrong by at most half the round trip: weigh by that bound (1 us at least).
+  const double bound = std::max(1000.0, double(round_trip) / 2);
+  std::lock_guard<std::mutex> lock(m_);
+  points_.push_back({best->sent_ns + round_trip / 2, offset, 1.0 / (bound * bound)});
+  if (probes_++ == 0) first_probe_ns_ = points_.back().local_ns;
+  if (points_.size() > 32) points_.erase(points_.begin());
+  refit();
+  return offset;
+}
+
+void job_clock::refit() {
+  // Weighted least squares of offset over local time, relative to the first point (the
+  // nanosecond counts themselves would lose precision as doubles).
+  const auto base_t = points_.front().local_ns;
+  const auto base_o = points_.front().offset_ns;
+  double sw = 0, st = 0, so = 0;
+  for (const auto& p : points_) {
+    sw += p.weight;
+    st += p.weight * double(p.local_ns - base_t);
+    so += p.weight * double(p.offset_ns - base_o);
+  }
+  const double mt = st / sw, mo = so / sw;
+  double stt = 0, sto = 0;
+  for (const auto& p : points_) {
+    const double dt = double(p.local_ns - base_t) - mt;
+    stt += p.weight * dt * dt;
+    sto += p.weight * dt * (double(p.offset_ns - base_o) - mo);
+  }
+  t0_ = base_t + std::int64_t(mt);
+  a_ = double(base_o) + mo;
+  // One probe (or all at one instant): the offset alone. A slope beyond 5 % is no clock's
+  // drift but noise over a short span: bounded there.
+  b_ = stt > 0 ? std::clamp(sto / stt, -0.05, 0.05) : 0.0;
+}
+
+std::int64_t job_clock::offset_ns(std::int64_t local) const {
+  std::lock_guard<std::mutex> lock(m_);
+  if (points_.empty()) return 0;
+  return std::int64_t(a_ + b_ * double(local - t0_));
+}
+
+double job_clock::drift_ppm() const {
+  std::lock_guard<std::mutex> lock(m_);
+  return -b_ / (1 + b_) * 1e6;  // node 0's clock runs at 1 + b local seconds per local second
+}
+
+int job_clock::probes() const {
+  std::lock_guard<std::mutex> lock(m_);
+  return probes_;
+}
+
+double job_clock::probed_span_s() const {
+  std::lock_guard<std::mutex> lock(m_);
+  return points_.empty() ? 0.0 : double(points_.back().local_ns - first_probe_ns_) * 1e-9;
+}
+
+double job_clock::now_us() const {
+  const auto local = local_ns();
+  return double(local + offset_ns(local) - epoch_ns_) * 1e-3;
 }
 
 void write_chrome_trace(const std::string& path, const std::vector<trace_event>& events, int replicas,
