@@ -768,9 +768,9 @@ actor_run_result run_node(const node_options& o) {
           const auto supervisors = ask<std::vector<caf::actor>>(self, registrar_handle, o.join_timeout, run_atom_v,
                                                                 "node 0: waiting for the other nodes");
           if (!o.run.quiet)
-            spdlog::info("training {} for {} steps on {} nodes: pipeline {} x data-parallel {}, {} micro-batches of {} "
+            spdlog::info("training {}{} for {} steps on {} nodes: pipeline {} x data-parallel {}, {} micro-batches of {} "
                          "({}), {} intra-op thread(s) per stage{}",
-                         cfg.model_label(), cfg.steps, o.nodes, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
+                         cfg.model_label(), cfg.data_label(), cfg.steps, o.nodes, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
                          cfg.microbatch_size(), cfg.schedule_label(), cfg.threads, cfg.compute_note());
           auto run_opts = o.run;
           if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;

@@ -72,8 +72,9 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
                                              "optimizer.weight_decay", "optimizer.beta1",     "optimizer.beta2",
                                              "optimizer.eps",         "optimizer.clip",       "data.global_batch"};
   std::vector<std::pair<std::string, std::string>> out;
+  // And a text of one's own (none: the workload's data, as in manifests from before the key).
   for (const auto& kv : cfg.values())
-    if (keys.count(kv.first)) out.push_back(kv);
+    if (keys.count(kv.first) || (kv.first == "data.text" && !cfg.text.empty())) out.push_back(kv);
   // The model's shape as it resolves ([model] keys, or the workload's own): the weights
   // alone do not tell the number of heads.
   if (cfg.workload != "fmnist-mlp") {
@@ -197,12 +198,16 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg)
       for (const auto& [k, v] : own)
         if (k.rfind("model.", 0) == 0) implied[k] = v;
     }
-    for (const auto& [k, v] : training_identity(cfg)) {
+    const auto mine = training_identity(cfg);
+    for (const auto& [k, v] : mine) {
       const std::string theirs = saved.contains(k)  ? saved.at(k).get<std::string>()
                                  : implied.count(k) ? implied.at(k)
                                                     : "(absent)";
       if (theirs != v) differ += (differ.empty() ? "" : ", ") + k + " " + theirs + " (checkpoint) vs " + v + " (this run)";
     }
+    for (const auto& [k, v] : saved.items())  // what the checkpoint's run had and this one has not (data.text)
+      if (std::none_of(mine.begin(), mine.end(), [&](const auto& kv) { return kv.first == k; }))
+        differ += (differ.empty() ? "" : ", ") + k + " " + v.get<std::string>() + " (checkpoint) vs (absent) (this run)";
     if (!differ.empty())
       throw checkpoint_error("checkpoint " + folder + " was written by another training configuration: " + differ +
                              "; it would not continue the same run");

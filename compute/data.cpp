@@ -18,7 +18,7 @@ namespace troupe {
 namespace {
 
 std::vector<std::uint8_t> read_fortunes(const std::string& dir) {
-  fortunes_corpus::require(dir);
+  text_corpus::require(dir);
   std::vector<std::string> names;
   for (const auto& entry : fs::directory_iterator(dir)) {
     const auto name = entry.path().filename().string();
@@ -41,25 +41,78 @@ std::vector<std::uint8_t> read_fortunes(const std::string& dir) {
 
 }  // namespace
 
-void fortunes_corpus::require(const std::string& dir) {
+void text_corpus::require(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec))
     throw data_error("fortunes corpus not found: " + dir + " does not exist (install it: apt-get install fortunes)");
 }
 
-fortunes_corpus::fortunes_corpus(const std::string& dir) : fortunes_corpus(read_fortunes(dir)) {}
+text_corpus::text_corpus(const std::string& dir) : text_corpus(read_fortunes(dir)) {}
 
-fortunes_corpus::fortunes_corpus(std::vector<std::uint8_t> bytes) : bytes_(std::move(bytes)) {
+text_corpus::text_corpus(std::vector<std::uint8_t> bytes) : bytes_(std::move(bytes)) {
   n_train_ = bytes_.size() * 9 / 10;
 }
 
-std::size_t fortunes_corpus::train_offset(std::uint64_t seed, std::uint64_t g, int seq_len) const {
+std::vector<std::string> text_corpus::text_files(const std::string& path) {
+  std::error_code ec;
+  const auto status = fs::status(path, ec);
+  if (ec || !fs::exists(status)) throw data_error("text corpus not found: " + path + " does not exist");
+  if (fs::is_regular_file(status)) return {path};
+  if (!fs::is_directory(status)) throw data_error("text corpus " + path + " is neither a file nor a folder");
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(path, ec)) {
+    const auto name = entry.path().filename().string();
+    if (name.empty() || name[0] == '.' || !entry.is_regular_file(ec)) continue;
+    names.push_back(name);
+  }
+  if (ec) throw data_error("cannot list the text corpus folder " + path + ": " + ec.message());
+  if (names.empty()) throw data_error("text corpus folder " + path + " holds no files");
+  std::sort(names.begin(), names.end());  // byte order, as LC_ALL=C sort
+  for (auto& name : names) name = (fs::path(path) / name).string();
+  return names;
+}
+
+text_corpus text_corpus::read_text(const std::string& path) {
+  std::vector<std::uint8_t> bytes;
+  for (const auto& file : text_files(path)) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw data_error("cannot read " + file + " (text corpus " + path + ")");
+    bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    if (in.bad()) throw data_error("cannot read " + file + " (text corpus " + path + ")");
+  }
+  if (bytes.empty()) throw data_error("text corpus " + path + " is empty");
+  return text_corpus(std::move(bytes));
+}
+
+std::size_t text_corpus::min_bytes(int seq_len) {
+  const std::size_t window = std::size_t(seq_len) + 1;
+  for (std::size_t n = 10 * (window + 32) - 20;; ++n)
+    if (n * 9 / 10 > window && n - n * 9 / 10 >= window + 32) return n;
+}
+
+std::size_t text_corpus::require_size(const std::vector<std::string>& files, const std::string& what, int seq_len) {
+  std::size_t total = 0;
+  for (const auto& file : files) {
+    std::error_code ec;
+    const auto size = fs::file_size(file, ec);
+    if (ec) throw data_error("cannot read " + file + " (" + what + "): " + ec.message());
+    total += size;
+  }
+  if (total < min_bytes(seq_len))
+    throw data_error(what + " holds " + std::to_string(total) + " bytes: too few for seq_len " +
+                     std::to_string(seq_len) + ", which needs at least " + std::to_string(min_bytes(seq_len)) +
+                     " (a training window in the first 90 %, 32 validation windows in the rest)");
+  return total;
+}
+
+std::size_t text_corpus::train_offset(std::uint64_t seed, std::uint64_t g, int seq_len) const {
   if (n_train_ <= static_cast<std::size_t>(seq_len) + 1)
-    throw data_error("fortunes corpus too small for seq_len " + std::to_string(seq_len));
+    throw data_error("text corpus of " + std::to_string(size()) + " bytes too small for seq_len " +
+                     std::to_string(seq_len) + " (needs at least " + std::to_string(min_bytes(seq_len)) + ")");
   return splitmix64(seeded_key(seed, g)) % (n_train_ - seq_len);
 }
 
-batch fortunes_corpus::windows(const std::vector<std::size_t>& offsets, int seq_len) const {
+batch text_corpus::windows(const std::vector<std::size_t>& offsets, int seq_len) const {
   const auto n = static_cast<std::int64_t>(offsets.size());
   auto input = torch::empty({n, seq_len}, torch::kInt64);
   auto target = torch::empty({n, seq_len}, torch::kInt64);
@@ -75,16 +128,18 @@ batch fortunes_corpus::windows(const std::vector<std::size_t>& offsets, int seq_
   return {input, target};
 }
 
-batch fortunes_corpus::train_batch(std::uint64_t seed, std::uint64_t first, int count,
+batch text_corpus::train_batch(std::uint64_t seed, std::uint64_t first, int count,
                                    int seq_len) const {
   std::vector<std::size_t> offsets(count);
   for (int i = 0; i < count; ++i) offsets[i] = train_offset(seed, first + i, seq_len);
   return windows(offsets, seq_len);
 }
 
-batch fortunes_corpus::validation_batch(int seq_len, int n_windows) const {
+batch text_corpus::validation_batch(int seq_len, int n_windows) const {
   if (n_valid() < static_cast<std::size_t>(seq_len) + 1 + n_windows)
-    throw data_error("fortunes validation split too small for seq_len " + std::to_string(seq_len));
+    throw data_error("text corpus of " + std::to_string(size()) + " bytes: its validation split (the last 10 %) is " +
+                     "too small for seq_len " + std::to_string(seq_len) + " (needs at least " +
+                     std::to_string(min_bytes(seq_len)) + " bytes in all)");
   const std::size_t stride = (n_valid() - seq_len - 1) / n_windows;
   std::vector<std::size_t> offsets(n_windows);
   for (int i = 0; i < n_windows; ++i) offsets[i] = n_train_ + i * stride;

@@ -21,18 +21,34 @@ struct batch {
   torch::Tensor target;  ///< gpt: int64 [B, T] next bytes; mlp: int64 [B]
 };
 
-/// The fortunes corpus as raw bytes, split 90/10 into training and validation.
-class fortunes_corpus {
+/// A byte-level text corpus (the tokens are the 256 byte values) split 90/10 into
+/// training and validation, sampled as WORKLOADS.md says: the fortunes corpus, or a
+/// user's own text (data.text).
+class text_corpus {
  public:
   static constexpr const char* default_dir = "/usr/share/games/fortunes";
 
   /// Throws data_error naming the package if `dir` does not exist.
   static void require(const std::string& dir);
 
-  /// Reads every regular file without extension in `dir`, in byte order of names.
-  explicit fortunes_corpus(const std::string& dir = default_dir);
+  /// The fortunes corpus: every regular file without extension in `dir`, in byte order
+  /// of names.
+  explicit text_corpus(const std::string& dir = default_dir);
   /// A corpus from given bytes (for tests).
-  explicit fortunes_corpus(std::vector<std::uint8_t> bytes);
+  explicit text_corpus(std::vector<std::uint8_t> bytes);
+
+  /// A text of one's own (data.text): the file `path`, or every file of the folder `path`
+  /// whose name does not start with '.', in byte order of names (links to files count;
+  /// subfolders are not read).
+  static text_corpus read_text(const std::string& path);
+  /// The files read_text reads, in order. Throws data_error when `path` is missing, is
+  /// neither a file nor a folder, or is a folder without files.
+  static std::vector<std::string> text_files(const std::string& path);
+  /// The fewest bytes a corpus needs for samples of `seq_len` tokens: a training window
+  /// in its first 90 % and the 32 validation windows in the rest.
+  static std::size_t min_bytes(int seq_len);
+  /// Throws data_error unless the corpus of `files` holds min_bytes(seq_len); its size.
+  static std::size_t require_size(const std::vector<std::string>& files, const std::string& what, int seq_len);
 
   std::size_t size() const { return bytes_.size(); }
   std::size_t n_train() const { return n_train_; }

@@ -171,6 +171,8 @@ const std::vector<key_def>& key_defs() {
       double_key("optimizer.clip", "global gradient-norm clip (0: off)", &job_config::clip, 0, 1e9),
       int_key("data.global_batch", "sequences (or images) per optimizer step", &job_config::global_batch, 1, 100000000),
       string_key("data.fortunes_dir", "fortunes corpus folder", &job_config::fortunes_dir),
+      string_key("data.text", "gpt: train on a text of your own, a file or a folder of files (bytes are the tokens; "
+                 "default: the fortunes corpus)", &job_config::text),
       string_key("data.fmnist_dir", "Fashion-MNIST folder", &job_config::fmnist_dir),
       string_key("output.metrics", "JSON-lines metrics file (one line per step)", &job_config::metrics),
       string_key("output.save", "checkpoint to write (PyTorch state_dict; optimizer in FILE.optim)", &job_config::save),
@@ -319,6 +321,8 @@ void job_config::validate() const {
     if (g.d_model % g.n_head != 0)
       fail("d_model " + std::to_string(g.d_model) + " is not a multiple of heads (" + std::to_string(g.n_head) + ")");
   }
+  if (!text.empty() && workload == "fmnist-mlp")
+    fail("text " + text + " is a corpus for the gpt workloads (fmnist-mlp reads Fashion-MNIST)");
   if (recompute != "none" && workload == "fmnist-mlp")
     fail("recompute " + recompute + " applies to the transformer blocks of the gpt workloads (fmnist-mlp has none)");
   // The plain loop is the fp32 reference on the CPU: asking it for more would be ignored.
@@ -408,6 +412,8 @@ std::string job_config::model_label() const {
                 g.n_layer, g.d_model, g.n_head, g.d_ff, g.seq_len, double(parameter_count(model())) / 1e6);
   return workload + text;
 }
+
+std::string job_config::data_label() const { return text.empty() ? std::string() : " on the text in " + text; }
 
 std::vector<std::pair<std::string, std::string>> job_config::values() const {
   std::vector<std::pair<std::string, std::string>> out;

@@ -16,18 +16,27 @@ namespace troupe {
 
 // --- training_data ---------------------------------------------------------------------
 
+namespace {
+/// The gpt workloads' corpus: data.text, else the fortunes corpus.
+text_corpus read_corpus(const job_config& cfg) {
+  return cfg.text.empty() ? text_corpus(cfg.fortunes_dir) : text_corpus::read_text(cfg.text);
+}
+}  // namespace
+
 training_data::training_data(const job_config& cfg, use what) : cfg_(cfg) {
   if (cfg.workload == "fmnist-mlp")
     images_ = std::make_unique<fashion_mnist>(cfg.fmnist_dir, what != use::evaluation, what != use::training);
   else
-    text_ = std::make_unique<fortunes_corpus>(cfg.fortunes_dir);
+    text_ = std::make_unique<text_corpus>(read_corpus(cfg));
 }
 
 void training_data::check_available(const job_config& cfg) {
   if (cfg.workload == "fmnist-mlp")
     fashion_mnist::require(cfg.fmnist_dir);
+  else if (!cfg.text.empty())
+    text_corpus::require_size(text_corpus::text_files(cfg.text), "text corpus " + cfg.text, cfg.model().gpt.seq_len);
   else
-    fortunes_corpus::require(cfg.fortunes_dir);
+    text_corpus::require(cfg.fortunes_dir);
 }
 
 std::string training_data::fingerprint(const job_config& cfg) {
@@ -36,15 +45,15 @@ std::string training_data::fingerprint(const job_config& cfg) {
     for (const auto c : data) hash = (hash ^ std::uint8_t(c)) * 0x100000001b3ULL;
     bytes += data.size();
   };
+  check_available(cfg);  // too short a text fails here, not in a data loader
   if (cfg.workload == "fmnist-mlp") {
-    fashion_mnist::require(cfg.fmnist_dir);
     for (const auto& file : fashion_mnist::files(cfg.fmnist_dir)) {
       std::ifstream in(file, std::ios::binary);
       if (!in) throw data_error("cannot read " + file);
       add(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
     }
   } else {
-    add(fortunes_corpus(cfg.fortunes_dir).bytes());
+    add(read_corpus(cfg).bytes());
   }
   char text[64];
   std::snprintf(text, sizeof text, "%llu bytes, fnv1a %016llx", static_cast<unsigned long long>(bytes),
@@ -267,8 +276,8 @@ void log_checkpoint_not_written(std::int64_t step, const std::string& why, int i
 int run_training(const job_config& cfg, const std::function<int()>& stop_requested) {
   // LibTorch's own default counts physical cores (1 on a 2-vCPU machine): use them all.
   torch::set_num_threads(cfg.threads > 0 ? cfg.threads : int(std::max(1u, std::thread::hardware_concurrency())));
-  spdlog::info("training {} for {} steps: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
-               "{} threads on the CPU{}", cfg.model_label(), cfg.steps, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
+  spdlog::info("training {}{} for {} steps: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
+               "{} threads on the CPU{}", cfg.model_label(), cfg.data_label(), cfg.steps, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
                cfg.microbatch_size(), cfg.schedule, torch::get_num_threads(), cfg.compute_note());
   check_output_paths(cfg);  // not at the end, after the training
   local_trainer trainer(cfg);

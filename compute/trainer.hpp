@@ -31,10 +31,11 @@ struct step_stats {
 class training_data {
  public:
   /// What a user of the data reads: Fashion-MNIST loads only that part (a data loader
-  /// no test set, an evaluation no training set); the fortunes corpus is one file.
+  /// no test set, an evaluation no training set); a text corpus is read whole.
   enum class use { training, evaluation, both };
   explicit training_data(const job_config& cfg, use what = use::both);
-  /// Throws data_error (naming the package) if the workload's data is not installed.
+  /// Throws data_error (naming the package) if the workload's data is not installed, or
+  /// (data.text) the text is missing or too short for the model's seq_len.
   static void check_available(const job_config& cfg);
   /// What the workload's data files hold, to compare hosts (every node must read the
   /// same): "4123456 bytes, fnv1a 0123456789abcdef" over the files the workload reads, in
@@ -48,7 +49,7 @@ class training_data {
 
  private:
   job_config cfg_;
-  std::unique_ptr<fortunes_corpus> text_;
+  std::unique_ptr<text_corpus> text_;
   std::unique_ptr<fashion_mnist> images_;
   int order_epoch_ = -1;
   std::vector<std::int64_t> order_;

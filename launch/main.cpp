@@ -297,7 +297,7 @@ struct trained_model {
 
 /// Flags that apply to a checkpoint folder too: where to run and where the data is.
 bool applies_to_folders(const std::string& flag) {
-  return flag == "--device" || flag == "--fortunes-dir" || flag == "--fmnist-dir";
+  return flag == "--device" || flag == "--fortunes-dir" || flag == "--fmnist-dir" || flag == "--text";
 }
 
 /// Reads the model of `from` (a folder or a file); `cfg`: the flags' configuration.
@@ -320,6 +320,8 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
   m.cfg.device = cfg.device;
   m.cfg.fortunes_dir = cfg.fortunes_dir;
   m.cfg.fmnist_dir = cfg.fmnist_dir;
+  const auto given = flags.given();  // the text the run trained on, unless the flag names another
+  if (std::find(given.begin(), given.end(), "--text") != given.end()) m.cfg.text = cfg.text;
   const auto ckpt = troupe::read_checkpoint_dir(folder, m.cfg);
   m.state = ckpt.model;
   m.step = ckpt.step;
@@ -330,6 +332,7 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
 /// The flags of `troupe generate` and `troupe eval`: a file's model, where to run, the data.
 bool model_source_key(const std::string& k) {
   return k == "train.workload" || k == "train.device" || k == "data.fortunes_dir" || k == "data.fmnist_dir" ||
+         k == "data.text" ||
          k.rfind("model.", 0) == 0;
 }
 
@@ -400,8 +403,8 @@ int run_eval_command(const config_flags& flags, const std::string& from) {
     const auto device = troupe::resolve_device(m.cfg.device);
     const bool text = m.cfg.model().type == troupe::model_spec::kind::gpt;
     const auto set = troupe::training_data(m.cfg, troupe::training_data::use::evaluation).evaluation_set();
-    spdlog::info("evaluating {} from {} on {}: {} {}", m.cfg.model_label(), m.source, device.str(),
-                 set.input.size(0), text ? "validation windows" : "test images");
+    spdlog::info("evaluating {} from {} on {}: {} {}{}", m.cfg.model_label(), m.source, device.str(),
+                 set.input.size(0), text ? "validation windows" : "test images", m.cfg.data_label());
     const auto start = std::chrono::steady_clock::now();
     troupe::local_pipeline model(m.cfg.model(), m.state, 1, 1, {}, 1, device);
     const auto e = troupe::evaluate_model(model, set, text, 0);

@@ -162,6 +162,53 @@ check eval-mlp 0 "$troupe" eval --checkpoint "$tmp/mlp.pt" --workload fmnist-mlp
 same_loss eval-mlp-loss "$tmp/mlp-metrics.jsonl" "$out" test_loss test_accuracy
 check eval-missing-data 1 "$troupe" eval --checkpoint "$tmp/mlp.pt" --workload fmnist-mlp --fmnist-dir "$tmp/none"
 expect_in eval-missing-data-msg "$err" "Fashion-MNIST file not found: $tmp/none/"
+# data.text: a text of one's own. The fortunes corpus as one file, and split over a folder's
+# files (with a dot file and a subfolder not read), train bit for bit as the corpus itself
+# (losses, gradient norms, validation loss), and check-host prints its fingerprint; eval
+# of a checkpoint folder reads the text the run trained on. Too short a text, a missing
+# one, one for fmnist-mlp: refused before any step.
+(cd /usr/share/games/fortunes && for f in $(ls | LC_ALL=C sort); do
+  case $f in *.*) continue ;; esac
+  [ -f "$f" ] && [ ! -L "$f" ] && cat "$f"
+done) > "$tmp/fortunes.txt"
+mkdir -p "$tmp/texts/sub"
+head -c 1000000 "$tmp/fortunes.txt" > "$tmp/texts/part-1.txt"
+tail -c +1000001 "$tmp/fortunes.txt" > "$tmp/texts/part-2"
+echo "not read" > "$tmp/texts/.notes"
+echo "not read" > "$tmp/texts/sub/part-0"
+text_job=(train --config "$tmp/shape.toml" --steps 3 --threads 1 --pipeline 2 --eval-interval 2)
+check text-reference 0 "$troupe" "${text_job[@]}" --metrics "$tmp/text-ref.jsonl"
+check text-file 0 "$troupe" "${text_job[@]}" --metrics "$tmp/text-file.jsonl" --text "$tmp/fortunes.txt" \
+  --checkpoint-dir "$tmp/text-ckpt"
+expect_in text-file-log "$err" "training gpt-tiny (2 layers, d_model 32, 2 heads, d_ff 128, seq_len 64: 0.04 M parameters) on the text in $tmp/fortunes.txt for 3 steps"
+check text-folder 0 "$troupe" "${text_job[@]}" --metrics "$tmp/text-folder.jsonl" --text "$tmp/texts"
+same_run() {  # same_run NAME A.jsonl B.jsonl: every step's loss, grad_norm and val_loss equal
+  /usr/bin/python3 - "$2" "$3" <<'PY' && echo "ok   $1" || { echo "FAIL $1"; fail=1; }
+import json, sys
+a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+keys = ("step", "loss", "grad_norm", "val_loss")
+assert len(a) == len(b) == 3 and "val_loss" in a[2], (a, b)
+assert [[l.get(k) for k in keys] for l in a] == [[l.get(k) for k in keys] for l in b], (a, b)
+PY
+}
+same_run text-file-same-run "$tmp/text-ref.jsonl" "$tmp/text-file.jsonl"
+same_run text-folder-same-run "$tmp/text-ref.jsonl" "$tmp/text-folder.jsonl"
+check text-check-host 0 "$troupe" check-host --quick --text "$tmp/texts"
+expect_in text-check-host-data "$out" "data 2576674 bytes, fnv1a 2015a6f2b7de2d3d"
+check text-resume-without 1 "$troupe" "${text_job[@]}" --resume "$tmp/text-ckpt"
+expect_in text-resume-without-msg "$err" "data.text \"$tmp/fortunes.txt\" (checkpoint) vs (absent) (this run)"
+check text-eval 0 "$troupe" eval --checkpoint "$tmp/text-ckpt"
+same_loss text-eval-loss "$tmp/text-file.jsonl" "$out" val_loss
+expect_in text-eval-log "$err" "validation windows on the text in $tmp/fortunes.txt"
+head -c 1000 "$tmp/fortunes.txt" > "$tmp/short.txt"
+check text-too-short 1 "$troupe" train --text "$tmp/short.txt" --save "$tmp/short.pt"
+expect_in text-too-short-msg "$err" "text corpus $tmp/short.txt holds 1000 bytes: too few for seq_len 128, which needs at least 1601"
+[ ! -e "$tmp/short.pt" ] && echo "ok   text-too-short-nothing-written" || { echo "FAIL text-too-short-nothing-written"; fail=1; }
+check text-too-short-nodes 1 "$troupe" check-host --quick --text "$tmp/short.txt"
+check text-missing 1 "$troupe" train --text "$tmp/none.txt"
+expect_in text-missing-msg "$err" "text corpus not found: $tmp/none.txt does not exist"
+check text-mlp 2 "$troupe" train --workload fmnist-mlp --text "$tmp/fortunes.txt"
+expect_in text-mlp-msg "$err" "is a corpus for the gpt workloads"
 check gen-bad-temperature 2 "$troupe" generate --checkpoint "$tmp/gen.pt" --temperature -1
 expect_in gen-bad-temperature-msg "$err" "temperature must be in [0, 100]"
 check train-bad-device 2 "$troupe" train --device tpu

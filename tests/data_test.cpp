@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -10,7 +11,7 @@
 namespace troupe {
 
 TEST(Data, FortunesSampleDependsOnlyOnSeedAndGlobalIndex) {
-  fortunes_corpus corpus;
+  text_corpus corpus;
   const auto whole = corpus.train_batch(1234, 64, 8, 128);
   for (int i = 0; i < 8; ++i) {
     const auto one = corpus.train_batch(1234, 64 + i, 1, 128);
@@ -26,7 +27,7 @@ TEST(Data, FortunesSampleDependsOnlyOnSeedAndGlobalIndex) {
 }
 
 TEST(Data, FortunesValidationWindowsAreFixedAndInTheValidationSplit) {
-  fortunes_corpus corpus;
+  text_corpus corpus;
   const auto v = corpus.validation_batch(128);
   ASSERT_EQ(v.input.sizes(), (std::vector<std::int64_t>{32, 128}));
   const std::size_t stride = (corpus.n_valid() - 129) / 32;
@@ -36,7 +37,7 @@ TEST(Data, FortunesValidationWindowsAreFixedAndInTheValidationSplit) {
 
 TEST(Data, MissingFortunesNamesThePackage) {
   try {
-    fortunes_corpus corpus("/nonexistent/fortunes");
+    text_corpus corpus("/nonexistent/fortunes");
     FAIL() << "no error for a missing corpus";
   } catch (const data_error& e) {
     EXPECT_NE(std::string(e.what()).find("apt-get install fortunes"), std::string::npos) << e.what();
@@ -56,6 +57,84 @@ TEST(Data, FingerprintIsTheSizeAndHashOfTheBytesRead) {
   EXPECT_EQ(troupe::training_data::fingerprint(cfg), "5 bytes, fnv1a a430d84680aabd0b");  // FNV-1a of "hello"
   std::ofstream(dir / "b") << "lp";
   EXPECT_EQ(troupe::training_data::fingerprint(cfg).substr(0, 8), "4 bytes,");
+}
+
+// data.text: a file whole, or a folder's files (not its dot files, not its subfolders; a
+// link to a file counts) in byte order of names; a missing path, an empty folder, an
+// empty file are errors; the fewest bytes for a seq_len hold a training window and the
+// 32 validation windows, one byte fewer does not.
+TEST(Data, TextCorpusIsAFileOrTheFilesOfAFolder) {
+  troupe::test::temp_dir tmp;
+  const std::filesystem::path dir = tmp.path;
+  const auto file = (dir / "one.txt").string();
+  std::ofstream(file) << "hello world";
+  EXPECT_EQ(text_corpus::text_files(file), std::vector<std::string>{file});
+  const auto whole = text_corpus::read_text(file).bytes();
+  EXPECT_EQ(std::string(whole.begin(), whole.end()), "hello world");
+
+  const auto folder = dir / "texts";
+  std::filesystem::create_directories(folder / "sub");
+  std::ofstream(folder / "b.md") << " world";
+  std::ofstream(folder / "a.txt") << "hello";
+  std::ofstream(folder / ".hidden") << "not read";
+  std::ofstream(folder / "sub" / "c") << "not read";
+  std::filesystem::create_symlink(file, folder / "c-link");
+  const auto files = text_corpus::text_files(folder.string());
+  ASSERT_EQ(files.size(), 3u);
+  EXPECT_EQ(files[0], (folder / "a.txt").string());
+  EXPECT_EQ(files[2], (folder / "c-link").string());
+  const auto joined = text_corpus::read_text(folder.string()).bytes();
+  EXPECT_EQ(std::string(joined.begin(), joined.end()), "hello worldhello world");
+
+  auto error_of = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const data_error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_EQ(error_of([&] { text_corpus::read_text((dir / "none").string()); }),
+            "text corpus not found: " + (dir / "none").string() + " does not exist");
+  std::filesystem::create_directories(dir / "empty" / ".git");
+  EXPECT_EQ(error_of([&] { text_corpus::read_text((dir / "empty").string()); }),
+            "text corpus folder " + (dir / "empty").string() + " holds no files");
+  std::ofstream(dir / "zero");
+  EXPECT_EQ(error_of([&] { text_corpus::read_text((dir / "zero").string()); }),
+            "text corpus " + (dir / "zero").string() + " is empty");
+
+  for (const int seq_len : {8, 64, 128, 1024}) {
+    const auto n = text_corpus::min_bytes(seq_len);
+    const text_corpus enough(std::vector<std::uint8_t>(n, 'x')), short_(std::vector<std::uint8_t>(n - 1, 'x'));
+    EXPECT_NO_THROW(enough.validation_batch(seq_len)) << seq_len;
+    EXPECT_NO_THROW(enough.train_batch(1, 0, 4, seq_len)) << seq_len;
+    EXPECT_THROW(short_.validation_batch(seq_len), data_error) << seq_len;
+  }
+  EXPECT_EQ(text_corpus::min_bytes(128), 1601u);
+  EXPECT_EQ(error_of([&] { text_corpus::require_size({file}, "text corpus one.txt", 8); }),
+            "text corpus one.txt holds 11 bytes: too few for seq_len 8, which needs at least 401 (a training window "
+            "in the first 90 %, 32 validation windows in the rest)");
+  std::ofstream(dir / "enough") << std::string(401, 'x');
+  EXPECT_EQ(text_corpus::require_size({file, (dir / "enough").string()}, "t", 8), 412u);
+}
+
+// data.text replaces the fortunes corpus for the gpt workloads, in training samples and
+// in the fingerprint the hosts compare; a text too short for seq_len fails already there.
+TEST(Data, TrainingDataReadsTheTextOfTheConfig) {
+  troupe::test::temp_dir dir;
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "line " + std::to_string(i) + " of a text of one's own\n";
+  std::ofstream(dir / "mine.txt") << text;
+  job_config cfg;
+  cfg.text = dir / "mine.txt";
+  training_data data(cfg);
+  const auto b = data.samples(3, 0, 2);
+  const text_corpus corpus(std::vector<std::uint8_t>(text.begin(), text.end()));
+  EXPECT_TRUE(torch::equal(b.input, corpus.train_batch(cfg.seed, 3 * cfg.global_batch, 2, 128).input));
+  const auto size = std::to_string(text.size()) + " bytes, ";
+  EXPECT_EQ(training_data::fingerprint(cfg).substr(0, size.size()), size);
+  cfg.seq_len = 1024;  // needs 10 x (1025 + 32) bytes or so
+  EXPECT_THROW(training_data::fingerprint(cfg), data_error);
 }
 
 TEST(Data, FashionMnistLoadsAndEpochOrderIsAPermutation) {

@@ -14,7 +14,7 @@ TEST(Splitmix, KeyIsSeedTimesTwoToThe32PlusIndex) {
 
 // WORKLOADS.md's check values for Debian 12's fortunes package.
 TEST(Splitmix, FortunesCheckValues) {
-  fortunes_corpus corpus;
+  text_corpus corpus;
   EXPECT_EQ(corpus.size(), 2576674u);
   EXPECT_EQ(corpus.n_train(), 2319006u);
   EXPECT_EQ(corpus.train_offset(1234, 0, 128), 2193181u);
