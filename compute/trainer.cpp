@@ -5,6 +5,8 @@
 #include <csignal>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -21,13 +23,27 @@ namespace {
 text_corpus read_corpus(const job_config& cfg) {
   return cfg.text.empty() ? text_corpus(cfg.fortunes_dir) : text_corpus::read_text(cfg.text);
 }
+
+/// read_corpus, once per process while it is in use: the data loaders of a node's
+/// replicas and its evaluation share one copy of the bytes (a text of gigabytes is held
+/// once, not once per replica).
+std::shared_ptr<const text_corpus> shared_corpus(const job_config& cfg) {
+  static std::mutex m;
+  static std::map<std::string, std::weak_ptr<const text_corpus>> held;
+  const std::string key = cfg.text.empty() ? "fortunes:" + cfg.fortunes_dir : "text:" + cfg.text;
+  std::lock_guard<std::mutex> lock(m);
+  if (auto corpus = held[key].lock()) return corpus;
+  auto corpus = std::make_shared<const text_corpus>(read_corpus(cfg));
+  held[key] = corpus;
+  return corpus;
+}
 }  // namespace
 
 training_data::training_data(const job_config& cfg, use what) : cfg_(cfg) {
   if (cfg.workload == "fmnist-mlp")
     images_ = std::make_unique<fashion_mnist>(cfg.fmnist_dir, what != use::evaluation, what != use::training);
   else
-    text_ = std::make_unique<text_corpus>(read_corpus(cfg));
+    text_ = shared_corpus(cfg);
 }
 
 void training_data::check_available(const job_config& cfg) {

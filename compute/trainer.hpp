@@ -31,7 +31,8 @@ struct step_stats {
 class training_data {
  public:
   /// What a user of the data reads: Fashion-MNIST loads only that part (a data loader
-  /// no test set, an evaluation no training set); a text corpus is read whole.
+  /// no test set, an evaluation no training set); a text corpus is read whole, once per
+  /// process while any training_data holds it.
   enum class use { training, evaluation, both };
   explicit training_data(const job_config& cfg, use what = use::both);
   /// Throws data_error (naming the package) if the workload's data is not installed, or
@@ -46,10 +47,12 @@ class training_data {
   /// gpt: the validation windows; mlp: the test set.
   batch evaluation_set() const;
   std::int64_t tokens_per_sample() const;
+  /// The text it samples (null for Fashion-MNIST).
+  const text_corpus* corpus() const { return text_.get(); }
 
  private:
   job_config cfg_;
-  std::unique_ptr<text_corpus> text_;
+  std::shared_ptr<const text_corpus> text_;  ///< shared by the process's users of the same corpus
   std::unique_ptr<fashion_mnist> images_;
   int order_epoch_ = -1;
   std::vector<std::int64_t> order_;

@@ -131,6 +131,13 @@ TEST(Data, TrainingDataReadsTheTextOfTheConfig) {
   const auto b = data.samples(3, 0, 2);
   const text_corpus corpus(std::vector<std::uint8_t>(text.begin(), text.end()));
   EXPECT_TRUE(torch::equal(b.input, corpus.train_batch(cfg.seed, 3 * cfg.global_batch, 2, 128).input));
+  {  // a process holds one copy of a corpus while it is in use
+    const training_data loader(cfg, training_data::use::training), evaluation(cfg, training_data::use::evaluation);
+    EXPECT_EQ(loader.corpus(), data.corpus());
+    EXPECT_EQ(evaluation.corpus(), data.corpus());
+    job_config fortunes;
+    EXPECT_NE(training_data(fortunes).corpus(), data.corpus());
+  }
   const auto size = std::to_string(text.size()) + " bytes, ";
   EXPECT_EQ(training_data::fingerprint(cfg).substr(0, size.size()), size);
   cfg.seq_len = 1024;  // needs 10 x (1025 + 32) bytes or so
