@@ -87,10 +87,17 @@ key_def bool_key(std::string name, std::string help, bool job_config::*field) {
           [=](const job_config& c) { return std::string(c.*field ? "true" : "false"); }};
 }
 
+/// `s` as a TOML string (quotes, backslashes and control characters escaped).
+std::string toml_string(const std::string& s) {
+  std::ostringstream out;
+  out << toml::value<std::string>(s);
+  return out.str();
+}
+
 key_def string_key(std::string name, std::string help, std::string job_config::*field) {
   return {{name, help},
           [=](job_config& c, const std::string& v) { c.*field = v; },
-          [=](const job_config& c) { return "\"" + c.*field + "\""; }};
+          [=](const job_config& c) { return toml_string(c.*field); }};
 }
 
 const std::vector<key_def>& key_defs() {

@@ -132,6 +132,7 @@ TEST(JobConfig, TomlTextRoundTripsEveryKey) {
                                         {"lr", "0.00123"},
                                         {"schedule", "gpipe"},
                                         {"metrics", "/tmp/m s.jsonl"},
+                                        {"text", "/data/my text's \"best\" \\ part\tone.txt"},
                                         {"checksum", "true"},
                                         {"recompute", "full"},
                                         {"layers", "6"},
@@ -141,6 +142,7 @@ TEST(JobConfig, TomlTextRoundTripsEveryKey) {
   EXPECT_EQ(back.to_toml(), c.to_toml());
   EXPECT_EQ(back.split, (std::vector<int>{4, 2}));
   EXPECT_EQ(back.metrics, "/tmp/m s.jsonl");
+  EXPECT_EQ(back.text, "/data/my text's \"best\" \\ part\tone.txt");  // quotes, backslash, tab escaped
   EXPECT_DOUBLE_EQ(back.lr, 0.00123);
   EXPECT_EQ(back.model().gpt.n_layer, 6);
   EXPECT_EQ(back.model().gpt.d_model, 64);
