@@ -491,11 +491,10 @@ bool use_tls(const node_options& o) { return !o.tls_certificate.empty(); }
 
 /// A node other than node 0 reads the job's data here as node 0 did (the data loaders of
 /// the replicas whose first stage it hosts read it): data that is missing, or not node
-/// 0's (other files: its replicas would train on other samples than the job's), is told
-/// to the registrar (node_unfit: the job does not start, node 0 says why) and ends this
-/// node with status 1.
-void check_node_data(caf::scoped_actor& self, const caf::actor& registrar, const job_config& cfg,
-                     const job_offer& offer, const node_options& o, const std::string& where) {
+/// 0's (other files: its replicas would train on other samples than the job's), ends this
+/// node with status 1 (and tell_node_zero_unfit tells the registrar: the job does not
+/// start, node 0 says why).
+void check_node_data(const job_config& cfg, const job_offer& offer, const std::string& where) {
   std::string reason;
   try {
     const auto mine = training_data::fingerprint(cfg);
@@ -504,13 +503,26 @@ void check_node_data(caf::scoped_actor& self, const caf::actor& registrar, const
   } catch (const data_error& e) {
     reason = e.what();
   }
-  if (reason.empty()) return;
+  if (!reason.empty()) throw node_failure(1, where + " on " + hostname() + " cannot run this job: " + reason);
+}
+
+/// A node other than node 0 that joined and then failed before it was ready (its data,
+/// the job's config, its transports): tells the registrar (node_unfit), so the job ends
+/// at once with the reason on node 0 rather than after node 0's join timeout.
+void tell_node_zero_unfit(caf::actor_system& sys, const caf::actor& registrar, const node_options& o,
+                          const std::string& error) {
+  const std::string where = "node " + std::to_string(o.node);
+  std::string reason = error;
+  const auto prefix = where + " on " + hostname() + " cannot run this job: ";
+  if (reason.rfind(prefix, 0) == 0) reason = reason.substr(prefix.size());
+  else if (reason.rfind(where + ": ", 0) == 0) reason = reason.substr(where.size() + 2);
   try {
-    ask<bool>(self, registrar, o.join_timeout, node_unfit{o.node, hostname(), reason}, where + ": telling node 0");
-  } catch (const node_failure& e) {
+    caf::scoped_actor self{sys};
+    ask<bool>(self, registrar, std::chrono::milliseconds(5000), node_unfit{o.node, hostname(), reason},
+              where + ": telling node 0");
+  } catch (const std::exception& e) {
     spdlog::warn("{}", e.what());
   }
-  throw node_failure(1, where + " on " + hostname() + " cannot run this job: " + reason);
 }
 
 /// The job's timeline on this node (job_clock): node 0's machine shares node 0's steady
@@ -688,6 +700,7 @@ actor_run_result run_node(const node_options& o) {
     }
     caf::actor_system sys{acfg};
     caf::actor registrar_handle, supervisor, clock_keeper;
+    bool joined = false;  // a node other than 0 between its join and its node_ready
     try {
       {
         caf::scoped_actor self{sys};
@@ -715,8 +728,9 @@ actor_run_result run_node(const node_options& o) {
                                                       o.nodes, hostname(), o.rejoin},
                                            where, 3);
         if (o.node != 0) {
+          joined = true;  // from here a failure before node_ready is told to node 0
           cfg = job_config_from_toml(offer.config_toml, "the coordinator's job config");
-          check_node_data(self, registrar_handle, cfg, offer, o, where);
+          check_node_data(cfg, offer, where);
         }
         if (o.rejoin) cfg.fault_attempt = -1;  // the faults of this launch were the old process's
         const auto slots = node_slots(cfg.pipeline, cfg.data_parallel, o.node, o.nodes);
@@ -759,6 +773,7 @@ actor_run_result run_node(const node_options& o) {
         for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";
         supervisor = sys.spawn(supervisor_actor, ctx, wiring, std::move(plan));
         ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, supervisor}, where + ": ready");
+        joined = false;
         const std::string here = o.nodes_per_host > 1 ? ", node process " + std::to_string(o.local_node + 1) + " of " +
                                                              std::to_string(o.nodes_per_host) + " on this machine"
                                                        : "";
@@ -841,6 +856,7 @@ actor_run_result run_node(const node_options& o) {
       result.error = "node " + std::to_string(o.node) + ": " + e.what();
       if (supervisor) caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
     }
+    if (joined && result.exit_code != 0 && registrar_handle) tell_node_zero_unfit(sys, registrar_handle, o, result.error);
     if (clock_keeper) caf::anon_send_exit(clock_keeper, caf::exit_reason::user_shutdown);
     clock_keeper = nullptr;
     if (registrar_handle && o.node == 0) caf::anon_send_exit(registrar_handle, caf::exit_reason::user_shutdown);

@@ -313,6 +313,25 @@ TEST(MultiProcessClocks, ANodeWhoseClockDriftsStaysOnNodeZerosTimeline) {
   EXPECT_EQ(unprobed.node1_log.find("ppm against node 0's"), std::string::npos) << unprobed.node1_log;
 }
 
+// A node that joined and then fails before it is ready (here a bad TROUPE_NCCL value in
+// node 1's environment only, refused with exit 2 after the join) tells node 0, which
+// ends the job with node 1's reason (status 1) instead of waiting out its join timeout
+// (60 s, longer than this test waits: a node 0 that waited fails the reason check).
+TEST(MultiProcessJoin, ANodeThatFailsBeforeItIsReadyEndsTheJob) {
+  test::temp_dir dir;
+  job j{2, {"--pipeline", "2", "--steps", "2"}};
+  j.extra_env = {"TROUPE_NCCL=maybe"};
+  auto group = start(j, dir, free_port());
+  const auto results = group.wait(std::chrono::seconds(45));
+  EXPECT_EQ(results[1].status, 2) << results[1].output;
+  EXPECT_NE(results[1].output.find("TROUPE_NCCL=maybe: expected 1 or 0"), std::string::npos) << results[1].output;
+  EXPECT_EQ(results[0].status, 1) << results[0].output;
+  EXPECT_TRUE(std::regex_search(results[0].output,
+                                std::regex("node 1 on [^ ]+ cannot run this job: TROUPE_NCCL=maybe: expected 1 or 0")))
+      << results[0].output;
+  EXPECT_EQ(results[0].output.find("1/2 |"), std::string::npos) << "the job started without node 1";
+}
+
 // A node with another token, or another protocol version, is refused (and the refusal is
 // logged by the coordinator); the job does not start with it.
 TEST(MultiProcessJoin, WrongTokenOrVersionIsRefused) {
