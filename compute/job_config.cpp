@@ -87,11 +87,32 @@ key_def bool_key(std::string name, std::string help, bool job_config::*field) {
           [=](const job_config& c) { return std::string(c.*field ? "true" : "false"); }};
 }
 
-/// `s` as a TOML string (quotes, backslashes and control characters escaped).
+/// `s` as a TOML basic string: in double quotes, with quotes, backslashes and control
+/// characters escaped. A string without those reads as it always did ("gpt-tiny"):
+/// checkpoint manifests hold these texts and a resumed run compares them.
 std::string toml_string(const std::string& s) {
-  std::ostringstream out;
-  out << toml::value<std::string>(s);
-  return out.str();
+  std::string out = "\"";
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\b': out += "\\b"; break;
+      case '\t': out += "\\t"; break;
+      case '\n': out += "\\n"; break;
+      case '\f': out += "\\f"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          char code[8];
+          std::snprintf(code, sizeof code, "\\u%04x", c);
+          out += code;
+        } else {
+          out += ch;
+        }
+    }
+  }
+  return out + "\"";
 }
 
 key_def string_key(std::string name, std::string help, std::string job_config::*field) {

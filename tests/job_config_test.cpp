@@ -143,6 +143,11 @@ TEST(JobConfig, TomlTextRoundTripsEveryKey) {
   EXPECT_EQ(back.split, (std::vector<int>{4, 2}));
   EXPECT_EQ(back.metrics, "/tmp/m s.jsonl");
   EXPECT_EQ(back.text, "/data/my text's \"best\" \\ part\tone.txt");  // quotes, backslash, tab escaped
+  // Strings are TOML basic strings, as manifests of earlier checkpoints hold them (a
+  // resumed run compares the texts): "gpt-tiny", not 'gpt-tiny'.
+  EXPECT_NE(c.to_toml().find("workload = \"gpt-tiny\"\n"), std::string::npos) << c.to_toml();
+  EXPECT_NE(c.to_toml().find("text = \"/data/my text's \\\"best\\\" \\\\ part\\tone.txt\"\n"), std::string::npos)
+      << c.to_toml();
   EXPECT_DOUBLE_EQ(back.lr, 0.00123);
   EXPECT_EQ(back.model().gpt.n_layer, 6);
   EXPECT_EQ(back.model().gpt.d_model, 64);
