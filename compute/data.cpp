@@ -17,25 +17,15 @@ namespace troupe {
 
 namespace {
 
-std::vector<std::uint8_t> read_fortunes(const std::string& dir) {
-  text_corpus::require(dir);
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const auto name = entry.path().filename().string();
-    if (entry.is_symlink() || !entry.is_regular_file()) continue;
-    if (name.find('.') != std::string::npos) continue;  // *.dat, *.u8, ...
-    names.push_back(name);
-  }
-  std::sort(names.begin(), names.end());  // byte order, as LC_ALL=C sort
+/// Reads `files` whole, in order, as one byte sequence (`what` names it in errors).
+std::vector<std::uint8_t> read_files(const std::vector<std::string>& files, const std::string& what) {
   std::vector<std::uint8_t> bytes;
-  for (const auto& name : names) {
-    std::ifstream in(fs::path(dir) / name, std::ios::binary);
-    if (!in) throw data_error("cannot read fortunes file " + (fs::path(dir) / name).string());
+  for (const auto& file : files) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw data_error("cannot read " + file + " (" + what + ")");
     bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    if (in.bad()) throw data_error("cannot read " + file + " (" + what + ")");
   }
-  if (bytes.empty())
-    throw data_error("fortunes corpus in " + dir +
-                     " is empty (install it: apt-get install fortunes)");
   return bytes;
 }
 
@@ -47,7 +37,25 @@ void text_corpus::require(const std::string& dir) {
     throw data_error("fortunes corpus not found: " + dir + " does not exist (install it: apt-get install fortunes)");
 }
 
-text_corpus::text_corpus(const std::string& dir) : text_corpus(read_fortunes(dir)) {}
+std::vector<std::string> text_corpus::fortunes_files(const std::string& dir) {
+  require(dir);
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (entry.is_symlink() || !entry.is_regular_file()) continue;
+    if (name.find('.') != std::string::npos) continue;  // *.dat, *.u8, ...
+    names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());  // byte order, as LC_ALL=C sort
+  for (auto& name : names) name = (fs::path(dir) / name).string();
+  return names;
+}
+
+text_corpus::text_corpus(const std::string& dir) {
+  bytes_ = read_files(fortunes_files(dir), "fortunes corpus " + dir);
+  if (bytes_.empty()) throw data_error("fortunes corpus in " + dir + " is empty (install it: apt-get install fortunes)");
+  n_train_ = bytes_.size() * 9 / 10;
+}
 
 text_corpus::text_corpus(std::vector<std::uint8_t> bytes) : bytes_(std::move(bytes)) {
   n_train_ = bytes_.size() * 9 / 10;
@@ -73,13 +81,7 @@ std::vector<std::string> text_corpus::text_files(const std::string& path) {
 }
 
 text_corpus text_corpus::read_text(const std::string& path) {
-  std::vector<std::uint8_t> bytes;
-  for (const auto& file : text_files(path)) {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) throw data_error("cannot read " + file + " (text corpus " + path + ")");
-    bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    if (in.bad()) throw data_error("cannot read " + file + " (text corpus " + path + ")");
-  }
+  auto bytes = read_files(text_files(path), "text corpus " + path);
   if (bytes.empty()) throw data_error("text corpus " + path + " is empty");
   return text_corpus(std::move(bytes));
 }
@@ -90,7 +92,8 @@ std::size_t text_corpus::min_bytes(int seq_len) {
     if (n * 9 / 10 > window && n - n * 9 / 10 >= window + 32) return n;
 }
 
-std::size_t text_corpus::require_size(const std::vector<std::string>& files, const std::string& what, int seq_len) {
+std::size_t text_corpus::require_size(const std::vector<std::string>& files, const std::string& what, int seq_len,
+                                      const std::string& empty_hint) {
   std::size_t total = 0;
   for (const auto& file : files) {
     std::error_code ec;
@@ -98,6 +101,7 @@ std::size_t text_corpus::require_size(const std::vector<std::string>& files, con
     if (ec) throw data_error("cannot read " + file + " (" + what + "): " + ec.message());
     total += size;
   }
+  if (total == 0) throw data_error(what + " is empty" + empty_hint);
   if (total < min_bytes(seq_len))
     throw data_error(what + " holds " + std::to_string(total) + " bytes: too few for seq_len " +
                      std::to_string(seq_len) + ", which needs at least " + std::to_string(min_bytes(seq_len)) +

@@ -31,9 +31,11 @@ class text_corpus {
   /// Throws data_error naming the package if `dir` does not exist.
   static void require(const std::string& dir);
 
-  /// The fortunes corpus: every regular file without extension in `dir`, in byte order
-  /// of names.
+  /// The fortunes corpus: every regular file without extension in `dir` (not links), in
+  /// byte order of names.
   explicit text_corpus(const std::string& dir = default_dir);
+  /// The files the fortunes corpus of `dir` reads, in order (require(dir) first).
+  static std::vector<std::string> fortunes_files(const std::string& dir);
   /// A corpus from given bytes (for tests).
   explicit text_corpus(std::vector<std::uint8_t> bytes);
 
@@ -47,8 +49,10 @@ class text_corpus {
   /// The fewest bytes a corpus needs for samples of `seq_len` tokens: a training window
   /// in its first 90 % and the 32 validation windows in the rest.
   static std::size_t min_bytes(int seq_len);
-  /// Throws data_error unless the corpus of `files` holds min_bytes(seq_len); its size.
-  static std::size_t require_size(const std::vector<std::string>& files, const std::string& what, int seq_len);
+  /// Throws data_error unless the corpus of `files` holds min_bytes(seq_len) (`what` is
+  /// empty: `empty_hint` follows); its size.
+  static std::size_t require_size(const std::vector<std::string>& files, const std::string& what, int seq_len,
+                                  const std::string& empty_hint = "");
 
   std::size_t size() const { return bytes_.size(); }
   std::size_t n_train() const { return n_train_; }

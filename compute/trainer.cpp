@@ -47,29 +47,32 @@ training_data::training_data(const job_config& cfg, use what) : cfg_(cfg) {
 }
 
 void training_data::check_available(const job_config& cfg) {
-  if (cfg.workload == "fmnist-mlp")
-    fashion_mnist::require(cfg.fmnist_dir);
-  else if (!cfg.text.empty())
-    text_corpus::require_size(text_corpus::text_files(cfg.text), "text corpus " + cfg.text, cfg.model().gpt.seq_len);
+  if (cfg.workload == "fmnist-mlp") return fashion_mnist::require(cfg.fmnist_dir);
+  const auto seq_len = cfg.model().gpt.seq_len;
+  if (!cfg.text.empty())
+    text_corpus::require_size(text_corpus::text_files(cfg.text), "text corpus " + cfg.text, seq_len);
   else
-    text_corpus::require(cfg.fortunes_dir);
+    text_corpus::require_size(text_corpus::fortunes_files(cfg.fortunes_dir), "fortunes corpus in " + cfg.fortunes_dir,
+                              seq_len, " (install it: apt-get install fortunes)");
 }
 
 std::string training_data::fingerprint(const job_config& cfg) {
-  std::uint64_t hash = 0xcbf29ce484222325ULL, bytes = 0;  // FNV-1a, 64 bits
-  auto add = [&](const auto& data) {
-    for (const auto c : data) hash = (hash ^ std::uint8_t(c)) * 0x100000001b3ULL;
-    bytes += data.size();
-  };
-  check_available(cfg);  // too short a text fails here, not in a data loader
-  if (cfg.workload == "fmnist-mlp") {
-    for (const auto& file : fashion_mnist::files(cfg.fmnist_dir)) {
-      std::ifstream in(file, std::ios::binary);
-      if (!in) throw data_error("cannot read " + file);
-      add(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+  check_available(cfg);  // an empty or too short text fails here, not in a data loader
+  const auto files = cfg.workload == "fmnist-mlp" ? fashion_mnist::files(cfg.fmnist_dir)
+                     : cfg.text.empty()           ? text_corpus::fortunes_files(cfg.fortunes_dir)
+                                                  : text_corpus::text_files(cfg.text);
+  std::uint64_t hash = 0xcbf29ce484222325ULL, bytes = 0;  // FNV-1a, 64 bits, over the files streamed in order
+  std::vector<char> chunk(1 << 20);
+  for (const auto& file : files) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw data_error("cannot read " + file);
+    while (in) {
+      in.read(chunk.data(), std::streamsize(chunk.size()));
+      const auto n = std::size_t(in.gcount());
+      for (std::size_t i = 0; i < n; ++i) hash = (hash ^ std::uint8_t(chunk[i])) * 0x100000001b3ULL;
+      bytes += n;
     }
-  } else {
-    add(read_corpus(cfg).bytes());
+    if (in.bad()) throw data_error("cannot read " + file);
   }
   char text[64];
   std::snprintf(text, sizeof text, "%llu bytes, fnv1a %016llx", static_cast<unsigned long long>(bytes),

@@ -45,18 +45,28 @@ TEST(Data, MissingFortunesNamesThePackage) {
 }
 
 // launch/troupe compares hosts' data by this fingerprint: the bytes the corpus reads (files
-// without an extension, in name order), their count and FNV-1a hash.
+// without an extension, in name order), their count and FNV-1a hash. A corpus the job
+// cannot sample (empty, or too short for its seq_len) has none: the error comes first.
 TEST(Data, FingerprintIsTheSizeAndHashOfTheBytesRead) {
   troupe::test::temp_dir dir;
   troupe::job_config cfg;
   cfg.fortunes_dir = dir.path.string();
-  EXPECT_THROW(troupe::training_data::fingerprint(cfg), troupe::data_error);  // empty
+  cfg.seq_len = 8;  // needs 401 bytes
+  try {
+    troupe::training_data::fingerprint(cfg);
+    ADD_FAILURE() << "no error for an empty corpus";
+  } catch (const troupe::data_error& e) {
+    EXPECT_EQ(std::string(e.what()), "fortunes corpus in " + cfg.fortunes_dir + " is empty (install it: apt-get install fortunes)");
+  }
   std::ofstream(dir / "b") << "llo";
   std::ofstream(dir / "a") << "he";
   std::ofstream(dir / "b.dat") << "not read";
-  EXPECT_EQ(troupe::training_data::fingerprint(cfg), "5 bytes, fnv1a a430d84680aabd0b");  // FNV-1a of "hello"
-  std::ofstream(dir / "b") << "lp";
-  EXPECT_EQ(troupe::training_data::fingerprint(cfg).substr(0, 8), "4 bytes,");
+  EXPECT_THROW(troupe::training_data::fingerprint(cfg), troupe::data_error);  // 5 bytes: too few
+  std::ofstream(dir / "b") << "llo" << std::string(400, 'x');
+  // FNV-1a of "hello" and 400 x's (Python: h = (h ^ c) * 0x100000001b3 mod 2^64, from 0xcbf29ce484222325)
+  EXPECT_EQ(troupe::training_data::fingerprint(cfg), "405 bytes, fnv1a b9ee0316de9f59cb");
+  std::ofstream(dir / "b") << "lp" << std::string(400, 'x');
+  EXPECT_EQ(troupe::training_data::fingerprint(cfg).substr(0, 10), "404 bytes,");
 }
 
 // data.text: a file whole, or a folder's files (not its dot files, not its subfolders; a
