@@ -199,8 +199,8 @@ const std::vector<key_def>& key_defs() {
       double_key("optimizer.clip", "global gradient-norm clip (0: off)", &job_config::clip, 0, 1e9),
       int_key("data.global_batch", "sequences (or images) per optimizer step", &job_config::global_batch, 1, 100000000),
       string_key("data.fortunes_dir", "fortunes corpus folder", &job_config::fortunes_dir),
-      string_key("data.text", "gpt: train on a text of your own, a file or a folder of files (bytes are the tokens; "
-                 "default: the fortunes corpus)", &job_config::text),
+      string_key("data.text", "gpt: a text of your own to train and evaluate on, a file or a folder of files (bytes "
+                 "are the tokens; default: the fortunes corpus)", &job_config::text),
       string_key("data.fmnist_dir", "Fashion-MNIST folder", &job_config::fmnist_dir),
       string_key("output.metrics", "JSON-lines metrics file (one line per step)", &job_config::metrics),
       string_key("output.save", "checkpoint to write (PyTorch state_dict; optimizer in FILE.optim)", &job_config::save),

@@ -329,11 +329,14 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
   return m;
 }
 
-/// The flags of `troupe generate` and `troupe eval`: a file's model, where to run, the data.
+/// The flags of `troupe generate`: a file's model and where to run.
 bool model_source_key(const std::string& k) {
-  return k == "train.workload" || k == "train.device" || k == "data.fortunes_dir" || k == "data.fmnist_dir" ||
-         k == "data.text" ||
-         k.rfind("model.", 0) == 0;
+  return k == "train.workload" || k == "train.device" || k.rfind("model.", 0) == 0;
+}
+
+/// The flags of `troupe eval`: those and the data.
+bool model_and_data_key(const std::string& k) {
+  return model_source_key(k) || k == "data.fortunes_dir" || k == "data.fmnist_dir" || k == "data.text";
 }
 
 /// Runs `body` with the model of --checkpoint `from`, after `check` (if given) of the
@@ -467,7 +470,7 @@ int main(int argc, char** argv) {
   // troupe eval
   auto* eval = app.add_subcommand("eval", "a trained model's loss on its workload's evaluation set");
   config_flags eval_flags;
-  eval_flags.add_to(eval, model_source_key);
+  eval_flags.add_to(eval, model_and_data_key);
   std::string eval_from;
   eval->add_option("--checkpoint", eval_from, checkpoint_help)->required();
 

@@ -207,6 +207,8 @@ expect_in text-too-short-msg "$err" "text corpus $tmp/short.txt holds 1000 bytes
 check text-too-short-nodes 1 "$troupe" check-host --quick --text "$tmp/short.txt"
 check text-missing 1 "$troupe" train --text "$tmp/none.txt"
 expect_in text-missing-msg "$err" "text corpus not found: $tmp/none.txt does not exist"
+check text-generate 2 "$troupe" generate --checkpoint "$tmp/text-ckpt" --text "$tmp/fortunes.txt"
+expect_in text-generate-msg "$err" "unknown flag --text"
 check text-mlp 2 "$troupe" train --workload fmnist-mlp --text "$tmp/fortunes.txt"
 expect_in text-mlp-msg "$err" "is a corpus for the gpt workloads"
 check gen-bad-temperature 2 "$troupe" generate --checkpoint "$tmp/gen.pt" --temperature -1
