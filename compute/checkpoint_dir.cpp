@@ -72,9 +72,12 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
                                              "optimizer.weight_decay", "optimizer.beta1",     "optimizer.beta2",
                                              "optimizer.eps",         "optimizer.clip",       "data.global_batch"};
   std::vector<std::pair<std::string, std::string>> out;
-  // And a text of one's own (none: the workload's data, as in manifests from before the key).
+  // And a text of one's own and its validation text (none: the workload's data, as in
+  // manifests from before the keys).
   for (const auto& kv : cfg.values())
-    if (keys.count(kv.first) || (kv.first == "data.text" && !cfg.text.empty())) out.push_back(kv);
+    if (keys.count(kv.first) || (kv.first == "data.text" && !cfg.text.empty()) ||
+        (kv.first == "data.val_text" && !cfg.val_text.empty()))
+      out.push_back(kv);
   // The model's shape as it resolves ([model] keys, or the workload's own): the weights
   // alone do not tell the number of heads.
   if (cfg.workload != "fmnist-mlp") {

@@ -90,6 +90,20 @@ std::vector<std::string> text_corpus::text_files(const std::string& path) {
   return names;
 }
 
+text_corpus::text_corpus(std::vector<std::uint8_t> train, const std::vector<std::uint8_t>& valid)
+    : bytes_(std::move(train)) {
+  n_train_ = bytes_.size();
+  bytes_.insert(bytes_.end(), valid.begin(), valid.end());
+}
+
+text_corpus text_corpus::read_text(const std::string& train, const std::string& valid) {
+  auto bytes = read_files(text_files(train), "text corpus " + train);
+  const auto val = read_files(text_files(valid), "validation text " + valid);
+  if (bytes.empty()) throw data_error("text corpus " + train + " is empty");
+  if (val.empty()) throw data_error("validation text " + valid + " is empty");
+  return text_corpus(std::move(bytes), val);
+}
+
 text_corpus text_corpus::read_text(const std::string& path) {
   auto bytes = read_files(text_files(path), "text corpus " + path);
   if (bytes.empty()) throw data_error("text corpus " + path + " is empty");
@@ -117,6 +131,29 @@ std::size_t text_corpus::require_size(const std::vector<std::string>& files, con
                      std::to_string(seq_len) + ", which needs at least " + std::to_string(min_bytes(seq_len)) +
                      " (a training window in the first 90 %, 32 validation windows in the rest)");
   return total;
+}
+
+void text_corpus::require_sizes(const std::vector<std::string>& train, const std::string& train_what,
+                                const std::vector<std::string>& valid, const std::string& valid_what, int seq_len) {
+  auto total = [](const std::vector<std::string>& files, const std::string& what) {
+    std::uintmax_t sum = 0;
+    for (const auto& file : files) {
+      std::error_code ec;
+      sum += fs::file_size(file, ec);
+      if (ec) throw data_error("cannot read " + file + " (" + what + "): " + ec.message());
+    }
+    if (sum == 0) throw data_error(what + " is empty");
+    return sum;
+  };
+  const std::uintmax_t window = std::uintmax_t(seq_len) + 1;
+  if (const auto n = total(train, train_what); n <= window)
+    throw data_error(train_what + " holds " + std::to_string(n) + " bytes: too few for seq_len " +
+                     std::to_string(seq_len) + ", which needs at least " + std::to_string(window + 1) +
+                     " (a training window)");
+  if (const auto n = total(valid, valid_what); n < window + 32)
+    throw data_error(valid_what + " holds " + std::to_string(n) + " bytes: too few for seq_len " +
+                     std::to_string(seq_len) + ", which needs at least " + std::to_string(window + 32) +
+                     " (32 validation windows)");
 }
 
 std::size_t text_corpus::train_offset(std::uint64_t seed, std::uint64_t g, int seq_len) const {

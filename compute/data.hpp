@@ -38,11 +38,16 @@ class text_corpus {
   static std::vector<std::string> fortunes_files(const std::string& dir);
   /// A corpus from given bytes (for tests).
   explicit text_corpus(std::vector<std::uint8_t> bytes);
+  /// A corpus of given training and validation bytes (data.val_text: no 90/10 split).
+  text_corpus(std::vector<std::uint8_t> train, const std::vector<std::uint8_t>& valid);
 
   /// A text of one's own (data.text): the file `path`, or every file of the folder `path`
   /// whose name does not start with '.', in byte order of names (links to files count;
   /// subfolders are not read).
   static text_corpus read_text(const std::string& path);
+  /// All of the text `train` for training, the text `valid` for the validation windows
+  /// (each a file or a folder, as read_text).
+  static text_corpus read_text(const std::string& train, const std::string& valid);
   /// The files read_text reads, in order. Throws data_error when `path` is missing, is
   /// neither a file nor a folder, or is a folder without files.
   static std::vector<std::string> text_files(const std::string& path);
@@ -53,6 +58,10 @@ class text_corpus {
   /// empty: `empty_hint` follows); its size.
   static std::size_t require_size(const std::vector<std::string>& files, const std::string& what, int seq_len,
                                   const std::string& empty_hint = "");
+  /// The same for a training text and a validation text of their own (data.val_text):
+  /// `train` needs a window of seq_len + 1 bytes and one more, `valid` the 32 windows.
+  static void require_sizes(const std::vector<std::string>& train, const std::string& train_what,
+                            const std::vector<std::string>& valid, const std::string& valid_what, int seq_len);
 
   std::size_t size() const { return bytes_.size(); }
   std::size_t n_train() const { return n_train_; }

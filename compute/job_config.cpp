@@ -201,6 +201,8 @@ const std::vector<key_def>& key_defs() {
       string_key("data.fortunes_dir", "fortunes corpus folder", &job_config::fortunes_dir),
       string_key("data.text", "gpt: a text of your own to train and evaluate on, a file or a folder of files (bytes "
                  "are the tokens; default: the fortunes corpus)", &job_config::text),
+      string_key("data.val_text", "with --text: the validation windows' text, a file or a folder (then all of --text "
+                 "trains; default: its last 10 %)", &job_config::val_text),
       string_key("data.fmnist_dir", "Fashion-MNIST folder", &job_config::fmnist_dir),
       string_key("output.metrics", "JSON-lines metrics file (one line per step)", &job_config::metrics),
       string_key("output.save", "checkpoint to write (PyTorch state_dict; optimizer in FILE.optim)", &job_config::save),
@@ -351,6 +353,8 @@ void job_config::validate() const {
   }
   if (!text.empty() && workload == "fmnist-mlp")
     fail("text " + text + " is a corpus for the gpt workloads (fmnist-mlp reads Fashion-MNIST)");
+  if (!val_text.empty() && text.empty())
+    fail("val_text " + val_text + " validates a text of your own: give its training text too (data.text)");
   if (recompute != "none" && workload == "fmnist-mlp")
     fail("recompute " + recompute + " applies to the transformer blocks of the gpt workloads (fmnist-mlp has none)");
   // The plain loop is the fp32 reference on the CPU: asking it for more would be ignored.
@@ -441,7 +445,10 @@ std::string job_config::model_label() const {
   return workload + text;
 }
 
-std::string job_config::data_label() const { return text.empty() ? std::string() : " on the text in " + text; }
+std::string job_config::data_label() const {
+  if (text.empty()) return "";
+  return " on the text in " + text + (val_text.empty() ? "" : ", validated on " + val_text);
+}
 
 std::vector<std::pair<std::string, std::string>> job_config::values() const {
   std::vector<std::pair<std::string, std::string>> out;

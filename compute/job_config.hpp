@@ -6,7 +6,7 @@
 //   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split,
 //               max_in_flight, split_backward, credit_window, bucket_size
 //   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
-//   [data]      global_batch, fortunes_dir, text, fmnist_dir
+//   [data]      global_batch, fortunes_dir, text, val_text, fmnist_dir
 //   [output]    metrics, save, load, init, checkpoint_interval, checkpoint_dir,
 //               keep_checkpoints, resume, trace
 //   [faults]    throw_at, nan_at, kill_node (also TROUPE_FAULTS="key=value,...")
@@ -70,6 +70,7 @@ struct job_config {
   int global_batch = 32;
   std::string fortunes_dir = "/usr/share/games/fortunes";
   std::string text;                   ///< gpt: a corpus of one's own (file or folder) instead of fortunes
+  std::string val_text;               ///< with text: the validation text (then all of `text` trains)
   std::string fmnist_dir = "/usr/share/datasets/fashion-mnist";
   // [output]
   std::string metrics, save, load, init;
@@ -108,7 +109,8 @@ struct job_config {
   /// For the start-of-training log line: the workload, and its shape and parameter count
   /// when [model] keys change it ("gpt-tiny (4 layers, d_model 64, 2 heads, ...)").
   std::string model_label() const;
-  /// " on the text in PATH" for data.text, else "" (the workload's own data).
+  /// " on the text in PATH" for data.text (", validated on VAL" with data.val_text), else
+  /// "" (the workload's own data).
   std::string data_label() const;
   int microbatch_size() const { return global_batch / (data_parallel * microbatches); }
   /// For the start-of-training log line: ", bf16, recompute full" (what differs from fp32

@@ -19,9 +19,10 @@ namespace troupe {
 // --- training_data ---------------------------------------------------------------------
 
 namespace {
-/// The gpt workloads' corpus: data.text, else the fortunes corpus.
+/// The gpt workloads' corpus: data.text (and data.val_text), else the fortunes corpus.
 text_corpus read_corpus(const job_config& cfg) {
-  return cfg.text.empty() ? text_corpus(cfg.fortunes_dir) : text_corpus::read_text(cfg.text);
+  if (cfg.text.empty()) return text_corpus(cfg.fortunes_dir);
+  return cfg.val_text.empty() ? text_corpus::read_text(cfg.text) : text_corpus::read_text(cfg.text, cfg.val_text);
 }
 
 /// read_corpus, once per process while it is in use: the data loaders of a node's
@@ -30,7 +31,7 @@ text_corpus read_corpus(const job_config& cfg) {
 std::shared_ptr<const text_corpus> shared_corpus(const job_config& cfg) {
   static std::mutex m;
   static std::map<std::string, std::weak_ptr<const text_corpus>> held;
-  const std::string key = cfg.text.empty() ? "fortunes:" + cfg.fortunes_dir : "text:" + cfg.text;
+  const std::string key = cfg.text.empty() ? "fortunes:" + cfg.fortunes_dir : "text:" + cfg.text + "\nval:" + cfg.val_text;
   std::lock_guard<std::mutex> lock(m);
   if (auto corpus = held[key].lock()) return corpus;
   auto corpus = std::make_shared<const text_corpus>(read_corpus(cfg));
@@ -49,7 +50,10 @@ training_data::training_data(const job_config& cfg, use what) : cfg_(cfg) {
 void training_data::check_available(const job_config& cfg) {
   if (cfg.workload == "fmnist-mlp") return fashion_mnist::require(cfg.fmnist_dir);
   const auto seq_len = cfg.model().gpt.seq_len;
-  if (!cfg.text.empty())
+  if (!cfg.val_text.empty())
+    text_corpus::require_sizes(text_corpus::text_files(cfg.text), "text corpus " + cfg.text,
+                               text_corpus::text_files(cfg.val_text), "validation text " + cfg.val_text, seq_len);
+  else if (!cfg.text.empty())
     text_corpus::require_size(text_corpus::text_files(cfg.text), "text corpus " + cfg.text, seq_len);
   else
     text_corpus::require_size(text_corpus::fortunes_files(cfg.fortunes_dir), "fortunes corpus in " + cfg.fortunes_dir,
@@ -58,9 +62,13 @@ void training_data::check_available(const job_config& cfg) {
 
 std::string training_data::fingerprint(const job_config& cfg) {
   check_available(cfg);  // an empty or too short text fails here, not in a data loader
-  const auto files = cfg.workload == "fmnist-mlp" ? fashion_mnist::files(cfg.fmnist_dir)
-                     : cfg.text.empty()           ? text_corpus::fortunes_files(cfg.fortunes_dir)
-                                                  : text_corpus::text_files(cfg.text);
+  auto files = cfg.workload == "fmnist-mlp" ? fashion_mnist::files(cfg.fmnist_dir)
+               : cfg.text.empty()           ? text_corpus::fortunes_files(cfg.fortunes_dir)
+                                            : text_corpus::text_files(cfg.text);
+  if (!cfg.val_text.empty()) {  // then the validation text's, in the order they are read
+    const auto valid = text_corpus::text_files(cfg.val_text);
+    files.insert(files.end(), valid.begin(), valid.end());
+  }
   std::uint64_t hash = 0xcbf29ce484222325ULL, bytes = 0;  // FNV-1a, 64 bits, over the files streamed in order
   std::vector<char> chunk(1 << 20);
   for (const auto& file : files) {

@@ -297,7 +297,8 @@ struct trained_model {
 
 /// Flags that apply to a checkpoint folder too: where to run and where the data is.
 bool applies_to_folders(const std::string& flag) {
-  return flag == "--device" || flag == "--fortunes-dir" || flag == "--fmnist-dir" || flag == "--text";
+  return flag == "--device" || flag == "--fortunes-dir" || flag == "--fmnist-dir" || flag == "--text" ||
+         flag == "--val-text";
 }
 
 /// Reads the model of `from` (a folder or a file); `cfg`: the flags' configuration.
@@ -322,6 +323,7 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
   m.cfg.fmnist_dir = cfg.fmnist_dir;
   const auto given = flags.given();  // the text the run trained on, unless the flag names another
   if (std::find(given.begin(), given.end(), "--text") != given.end()) m.cfg.text = cfg.text;
+  if (std::find(given.begin(), given.end(), "--val-text") != given.end()) m.cfg.val_text = cfg.val_text;
   const auto ckpt = troupe::read_checkpoint_dir(folder, m.cfg);
   m.state = ckpt.model;
   m.step = ckpt.step;
@@ -336,7 +338,8 @@ bool model_source_key(const std::string& k) {
 
 /// The flags of `troupe eval`: those and the data.
 bool model_and_data_key(const std::string& k) {
-  return model_source_key(k) || k == "data.fortunes_dir" || k == "data.fmnist_dir" || k == "data.text";
+  return model_source_key(k) || k == "data.fortunes_dir" || k == "data.fmnist_dir" || k == "data.text" ||
+         k == "data.val_text";
 }
 
 /// Runs `body` with the model of --checkpoint `from`, after `check` (if given) of the

@@ -193,6 +193,23 @@ PY
 }
 same_run text-file-same-run "$tmp/text-ref.jsonl" "$tmp/text-file.jsonl"
 same_run text-folder-same-run "$tmp/text-ref.jsonl" "$tmp/text-folder.jsonl"
+# --val-text: the corpus's first 90 % as the training text and the rest as the validation
+# text give the corpus's own samples and windows: the same run again.
+n_all=$(wc -c < "$tmp/fortunes.txt")
+head -c $((n_all * 9 / 10)) "$tmp/fortunes.txt" > "$tmp/train.txt"
+tail -c +$((n_all * 9 / 10 + 1)) "$tmp/fortunes.txt" > "$tmp/val.txt"
+check text-val 0 "$troupe" "${text_job[@]}" --metrics "$tmp/text-val.jsonl" --text "$tmp/train.txt" \
+  --val-text "$tmp/val.txt" --checkpoint-dir "$tmp/text-val-ckpt"
+expect_in text-val-log "$err" "on the text in $tmp/train.txt, validated on $tmp/val.txt for 3 steps"
+same_run text-val-same-run "$tmp/text-ref.jsonl" "$tmp/text-val.jsonl"
+check text-val-eval 0 "$troupe" eval --checkpoint "$tmp/text-val-ckpt"
+same_loss text-val-eval-loss "$tmp/text-val.jsonl" "$out" val_loss
+expect_in text-val-eval-log "$err" "validation windows on the text in $tmp/train.txt, validated on $tmp/val.txt"
+head -c 90 "$tmp/val.txt" > "$tmp/val-short.txt"
+check text-val-short 1 "$troupe" "${text_job[@]}" --text "$tmp/train.txt" --val-text "$tmp/val-short.txt"
+expect_in text-val-short-msg "$err" "validation text $tmp/val-short.txt holds 90 bytes: too few for seq_len 64, which needs at least 97 (32 validation windows)"
+check text-val-alone 2 "$troupe" train --val-text "$tmp/val.txt"
+expect_in text-val-alone-msg "$err" "give its training text too (data.text)"
 check text-check-host 0 "$troupe" check-host --quick --text "$tmp/texts"
 expect_in text-check-host-data "$out" "data 2576674 bytes, fnv1a 2015a6f2b7de2d3d"
 check text-resume-without 1 "$troupe" "${text_job[@]}" --resume "$tmp/text-ckpt"

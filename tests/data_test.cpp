@@ -124,6 +124,22 @@ TEST(Data, TextCorpusIsAFileOrTheFilesOfAFolder) {
   EXPECT_EQ(error_of([&] { text_corpus::require_size({file}, "text corpus one.txt", 8); }),
             "text corpus one.txt holds 11 bytes: too few for seq_len 8, which needs at least 401 (a training window "
             "in the first 90 %, 32 validation windows in the rest)");
+  // data.val_text: all of the training text trains, the validation windows come from the
+  // other; each needs its own windows, no more.
+  const text_corpus split(std::vector<std::uint8_t>(100, 'a'), std::vector<std::uint8_t>(41, 'b'));
+  EXPECT_EQ(split.n_train(), 100u);
+  EXPECT_EQ(split.n_valid(), 41u);
+  EXPECT_TRUE((split.validation_batch(8).target == 'b').all().item<bool>());
+  EXPECT_TRUE((split.train_batch(1, 0, 64, 8).target == 'a').all().item<bool>());
+  auto sized = [&](const char* name, std::size_t n) {
+    std::ofstream(dir / name) << std::string(n, 'x');
+    return std::vector<std::string>{(dir / name).string()};
+  };
+  EXPECT_NO_THROW(text_corpus::require_sizes(sized("t10", 10), "t", sized("v41", 41), "v", 8));
+  EXPECT_EQ(error_of([&] { text_corpus::require_sizes(sized("t9", 9), "t", sized("v41", 41), "v", 8); }),
+            "t holds 9 bytes: too few for seq_len 8, which needs at least 10 (a training window)");
+  EXPECT_EQ(error_of([&] { text_corpus::require_sizes(sized("t10", 10), "t", sized("v40", 40), "v", 8); }),
+            "v holds 40 bytes: too few for seq_len 8, which needs at least 41 (32 validation windows)");
   std::ofstream(dir / "enough") << std::string(401, 'x');
   EXPECT_EQ(text_corpus::require_size({file, (dir / "enough").string()}, "t", 8), 412u);
 }
