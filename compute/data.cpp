@@ -17,18 +17,35 @@ namespace troupe {
 
 namespace {
 
-/// Reads `files` whole, in order, as one byte sequence (`what` names it in errors): sized
-/// up front and read in place (no regrowth, no byte-at-a-time copy).
-std::vector<std::uint8_t> read_files(const std::vector<std::string>& files, const std::string& what) {
+/// The sizes of `files` (`what` names them in errors).
+std::vector<std::uint64_t> file_sizes(const std::vector<std::string>& files, const std::string& what) {
   std::vector<std::uint64_t> sizes;
-  std::uint64_t total = 0;
   for (const auto& file : files) {
     std::error_code ec;
     sizes.push_back(fs::file_size(file, ec));
     if (ec) throw data_error("cannot read " + file + " (" + what + "): " + ec.message());
-    total += sizes.back();
   }
-  std::vector<std::uint8_t> bytes(total);
+  return sizes;
+}
+
+/// Throws data_error unless `files` hold `need` bytes or more (`why` says what for; when
+/// they hold none, `empty_hint` follows "is empty"); their size.
+std::uint64_t require_bytes(const std::vector<std::string>& files, const std::string& what, std::uint64_t need,
+                            int seq_len, const std::string& why, const std::string& empty_hint = "") {
+  const auto sizes = file_sizes(files, what);
+  const auto total = std::accumulate(sizes.begin(), sizes.end(), std::uint64_t{0});
+  if (total == 0) throw data_error(what + " is empty" + empty_hint);
+  if (total < need)
+    throw data_error(what + " holds " + std::to_string(total) + " bytes: too few for seq_len " +
+                     std::to_string(seq_len) + ", which needs at least " + std::to_string(need) + " (" + why + ")");
+  return total;
+}
+
+/// Reads `files` whole, in order, as one byte sequence (`what` names it in errors): sized
+/// up front and read in place (no regrowth, no byte-at-a-time copy).
+std::vector<std::uint8_t> read_files(const std::vector<std::string>& files, const std::string& what) {
+  const auto sizes = file_sizes(files, what);
+  std::vector<std::uint8_t> bytes(std::accumulate(sizes.begin(), sizes.end(), std::uint64_t{0}));
   std::uint64_t at = 0;
   for (std::size_t i = 0; i < files.size(); ++i) {
     std::ifstream in(files[i], std::ios::binary);
@@ -61,10 +78,9 @@ std::vector<std::string> text_corpus::fortunes_files(const std::string& dir) {
   return names;
 }
 
-text_corpus::text_corpus(const std::string& dir) {
-  bytes_ = read_files(fortunes_files(dir), "fortunes corpus " + dir);
+text_corpus::text_corpus(const std::string& dir)
+    : text_corpus(read_files(fortunes_files(dir), "fortunes corpus " + dir)) {
   if (bytes_.empty()) throw data_error("fortunes corpus in " + dir + " is empty (install it: apt-get install fortunes)");
-  n_train_ = bytes_.size() * 9 / 10;
 }
 
 text_corpus::text_corpus(std::vector<std::uint8_t> bytes) : bytes_(std::move(bytes)) {
@@ -118,42 +134,15 @@ std::size_t text_corpus::min_bytes(int seq_len) {
 
 std::size_t text_corpus::require_size(const std::vector<std::string>& files, const std::string& what, int seq_len,
                                       const std::string& empty_hint) {
-  std::size_t total = 0;
-  for (const auto& file : files) {
-    std::error_code ec;
-    const auto size = fs::file_size(file, ec);
-    if (ec) throw data_error("cannot read " + file + " (" + what + "): " + ec.message());
-    total += size;
-  }
-  if (total == 0) throw data_error(what + " is empty" + empty_hint);
-  if (total < min_bytes(seq_len))
-    throw data_error(what + " holds " + std::to_string(total) + " bytes: too few for seq_len " +
-                     std::to_string(seq_len) + ", which needs at least " + std::to_string(min_bytes(seq_len)) +
-                     " (a training window in the first 90 %, 32 validation windows in the rest)");
-  return total;
+  return require_bytes(files, what, min_bytes(seq_len), seq_len,
+                       "a training window in the first 90 %, 32 validation windows in the rest", empty_hint);
 }
 
 void text_corpus::require_sizes(const std::vector<std::string>& train, const std::string& train_what,
                                 const std::vector<std::string>& valid, const std::string& valid_what, int seq_len) {
-  auto total = [](const std::vector<std::string>& files, const std::string& what) {
-    std::uintmax_t sum = 0;
-    for (const auto& file : files) {
-      std::error_code ec;
-      sum += fs::file_size(file, ec);
-      if (ec) throw data_error("cannot read " + file + " (" + what + "): " + ec.message());
-    }
-    if (sum == 0) throw data_error(what + " is empty");
-    return sum;
-  };
-  const std::uintmax_t window = std::uintmax_t(seq_len) + 1;
-  if (const auto n = total(train, train_what); n <= window)
-    throw data_error(train_what + " holds " + std::to_string(n) + " bytes: too few for seq_len " +
-                     std::to_string(seq_len) + ", which needs at least " + std::to_string(window + 1) +
-                     " (a training window)");
-  if (const auto n = total(valid, valid_what); n < window + 32)
-    throw data_error(valid_what + " holds " + std::to_string(n) + " bytes: too few for seq_len " +
-                     std::to_string(seq_len) + ", which needs at least " + std::to_string(window + 32) +
-                     " (32 validation windows)");
+  const std::uint64_t window = std::uint64_t(seq_len) + 1;
+  require_bytes(train, train_what, window + 1, seq_len, "a training window");
+  require_bytes(valid, valid_what, window + 32, seq_len, "32 validation windows");
 }
 
 std::size_t text_corpus::train_offset(std::uint64_t seed, std::uint64_t g, int seq_len) const {
