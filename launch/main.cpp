@@ -192,10 +192,10 @@ int run_node_command(const config_flags& flags) {
     } catch (const troupe::config_error& e) {
       return fail(exit_usage, e.what());
     }
-    // Several nodes stage GPU tensors through host memory (UCX moves host memory): that
-    // path waits for its first GPU run, so "auto" keeps such jobs on the CPU and a GPU
-    // must be asked for (--device cuda).
-    if (o.nodes > 1 && o.cfg.device == "auto") o.cfg.device = "cpu";
+    // "auto" is decided once, here, for every node: the GPUs when node 0 has one (each
+    // node then takes a GPU of its machine, node_device), else the CPU. A node of another
+    // machine without a GPU then fails before it is ready, with the reason, and ends the job.
+    if (o.nodes > 1 && o.cfg.device == "auto") o.cfg.device = troupe::cuda_usable() ? "cuda" : "cpu";
   }
   install_stop_handlers(o.node == 0);
   try {

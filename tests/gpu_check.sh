@@ -40,6 +40,9 @@
 #    memory), with reduce-scatters begun before their stage's last backward ended.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
+# TROUPE_GPU_CHECK_STEPS=REGEX runs only the steps whose whole name matches (e.g.
+# 'ref|nodes-4.*'; the steps compared with the reference need 'ref' too): parts of the
+# check can then run side by side (tests/gpu_session.sh does, on a short GPU lease).
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -58,9 +61,11 @@ if [ "$device" = cuda ] && ! "$python" -c 'import torch, sys; sys.exit(0 if torc
 fi
 [ -x "$build/troupe_tests" ] || { echo "gpu_check: no $build/troupe_tests (run launch/setup-gpu first)" >&2; exit 1; }
 failed=0
+only=${TROUPE_GPU_CHECK_STEPS:-}
 step() {  # step NAME CMD...: runs CMD, logs to OUT/NAME.log, prints the verdict
   local name=$1
   shift
+  [ -z "$only" ] || [[ $name =~ ^($only)$ ]] || return 0
   local t0=$SECONDS
   if "$@" >"$out/$name.log" 2>&1; then
     echo "PASS $name ($((SECONDS - t0)) s)"
@@ -133,6 +138,14 @@ step nodes-4-rejoin nodes nodes-4-rejoin ipc --kill-node 3:5
 step nodes-4-staged nodes nodes-4-staged staged
 step nodes-4-links nodes nodes-4-links links
 step nodes-4-links-rejoin nodes nodes-4-links-rejoin links --kill-node 3:5
+# --device auto with several nodes: the GPU when node 0 has one (as --device cuda above).
+auto_nodes() {
+  local job=(train --device auto --pipeline 2 --data-parallel 2 --steps 14 --eval-interval 0)
+  nodes nodes-4-auto ipc || return 1
+  [ "$device" = cpu ] || [ "$(grep -c "computes on cuda:" "$out/nodes-4-auto.run")" = 4 ] ||
+    { echo "not every node computes on a GPU"; return 1; }
+}
+step nodes-4-auto auto_nodes
 
 # Links under the schedules that order their messages otherwise, p=4 with a stage per
 # node (links between neighbours and between the first and last stage):
@@ -301,5 +314,25 @@ gradient_buckets() {
 }
 step gradient-buckets gradient_buckets
 
-[ $failed = 0 ] && echo "gpu_check: all passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
+what=${only:+"the steps matching '$only'"}
+# 9. check-host on the device (the launcher asks it of every host: a kernel on the GPU),
+#    and a job on a text of its own (--text; here the README) on the device with
+#    validation: its steps and validations report finite losses.
+host_and_text() {
+  "$build/troupe" check-host --device "$device" | tee /dev/stderr | grep -E "^ready: .*device $device" || return 1
+  "$build/troupe" train --device "$device" --text "$root/README.md" --steps 6 --eval-interval 3 \
+    --metrics "$out/text.jsonl" >"$out/text.run" 2>&1 || { cat "$out/text.run"; return 1; }
+  grep -F "README.md" "$out/text.run" || { echo "the log does not name the text"; return 1; }
+  "$python" - "$out/text.jsonl" <<'PY'
+import json, math, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+train = [r["loss"] for r in rows if "loss" in r]
+val = [r["val_loss"] for r in rows if "val_loss" in r]
+print("losses", train, "validation", val)
+assert len(train) == 6 and len(val) >= 2 and all(math.isfinite(x) for x in train + val)
+PY
+}
+step check-host-text host_and_text
+
+[ $failed = 0 ] && echo "gpu_check: ${what:-all} passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
 exit $failed

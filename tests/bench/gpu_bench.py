@@ -134,6 +134,8 @@ def troupe_tokens_per_s(build, steps, pipeline, micro, extra=(), timeout=150, no
             raise RuntimeError(" ".join(cmd) + " failed:\n" + run.stderr[-3000:])
         rows = [json.loads(line) for line in open(metrics) if '"tokens_per_s"' in line]
         tps = sorted(r["tokens_per_s"] for r in rows[3:])
+        # each figure as soon as it is measured: a run cut short still leaves the ones before
+        print(f"  ({' '.join(cmd[1:])}: {tps[len(tps) // 2]:,.0f} tokens/s)", file=sys.stderr, flush=True)
         return tps[len(tps) // 2]
 
 
