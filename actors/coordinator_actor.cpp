@@ -222,7 +222,7 @@ struct model_state {
   std::vector<state_dict> stages;
 };
 
-/// Fetches the full model from replica 0's stages, then calls `then`.
+/// Fetches the full model from replica 0's stages (on the host), then calls `then`.
 void fetch_state(self_ptr self, std::function<void(model_state)> then) {
   auto& s = self->state;
   auto parts = std::make_shared<std::vector<state_dict>>(s.ctx->p);
@@ -232,7 +232,7 @@ void fetch_state(self_ptr self, std::function<void(model_state)> then) {
         .then(
             [=](const state_reply& rep) {
               for (std::size_t i = 0; i < rep.names.size(); ++i)
-                (*parts)[k].emplace_back(rep.names[i], tensor_of(rep.tensors[i]).to(self->state.ctx->device));
+                (*parts)[k].emplace_back(rep.names[i], tensor_of(rep.tensors[i]).to(torch::kCPU));
               if (--*pending > 0) return;
               std::map<std::string, torch::Tensor> by_name;
               for (const auto& stage : *parts) by_name.insert(stage.begin(), stage.end());
@@ -263,8 +263,9 @@ void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
                   const auto key = name.substr(name.find('.') + 1);
                   auto& dst = map[key];
                   // Shards hold disjoint pieces (zeros elsewhere): adding assembles them.
-                  // Tensors of other nodes arrive in host memory.
-                  const auto t = tensor_of(rep.tensors[i]).to(self->state.ctx->device);
+                  // On the host, whatever device the shard computes on: checkpoints and
+                  // the run's result hold CPU tensors (a GPU run's files load anywhere).
+                  const auto t = tensor_of(rep.tensors[i]).to(torch::kCPU);
                   dst = dst.defined() ? dst.add(t) : t.clone();
                 }
                 if (--*pending == 0) then(std::move(*sum));

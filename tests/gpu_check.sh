@@ -91,6 +91,10 @@ inplace() {  # inplace NAME FAULT...: the fault is retried in place (no resume),
   "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/$1" 0
 }
 step ref run_job ref
+# The same job again, bit for bit: every comparison below that asks for identical bits
+# rests on a GPU run repeating exactly.
+again() { run_job ref-again >"$out/ref-again.run" 2>&1 || { cat "$out/ref-again.run"; return 1; }; "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/ref-again" 0; }
+step ref-again again
 step inplace-throw inplace throw --throw-at 1:1:10
 step inplace-throw-after-update inplace late --throw-at 0:0:5:late
 

@@ -14,7 +14,8 @@
 # bench.err and logs.tar.gz (the build log and every check's logs; no parameter files).
 # TROUPE_GPU_BUILD_DIR=dir uses a build already there (no step 1); with
 # TROUPE_CHECK_DEVICE=cpu the checks run on the CPU and steps 2 and 4 are left out (a dry
-# run of this script on a machine without a GPU).
+# run of this script on a machine without a GPU). TROUPE_GPU_SESSION_BENCH=0 leaves steps 2
+# and 4 out (checks only).
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -38,6 +39,8 @@ nvidia-smi -L 2>&1 | head -4
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())' 2>&1
 
 device=${TROUPE_CHECK_DEVICE:-cuda}
+bench=${TROUPE_GPU_SESSION_BENCH:-1}
+[ "$device" = cuda ] || bench=0
 build=${TROUPE_GPU_BUILD_DIR:-}
 if [ -z "$build" ]; then
   phase "build"
@@ -53,18 +56,18 @@ if [ -z "$build" ]; then
   tail -3 "$work/build.log"
 fi
 
-if [ "$device" = cuda ]; then
+if [ "$bench" = 1 ]; then
   phase "staging bench"
   timeout 90 "$build/troupe_staging_bench" cuda >"$out/staging.md" 2>&1
   echo "rc $?"; cat "$out/staging.md"
 fi
 
-parts=(gtests 'ref|inplace-.*|checkpoint-rotation|recompute-generate-eval|zero-bubble|check-host-text'
+parts=(gtests 'ref|ref-again|inplace-.*|checkpoint-rotation|recompute-generate-eval|zero-bubble|check-host-text'
   'ref|nodes-4|nodes-4-rejoin|nodes-4-staged|nodes-4-links|nodes-4-links-rejoin|nodes-4-auto'
   'ref|nodes-4-links-schedules|nodes-4-bf16|nodes-4-nccl|gradient-buckets')
 phase "gpu_check, ${#parts[@]} parts side by side"
 reserve=10
-[ "$device" = cuda ] && reserve=150  # the bench's time
+[ "$bench" = 1 ] && reserve=150  # the bench's time
 limit=$(( $(left) - reserve ))
 [ "$limit" -lt 120 ] && limit=120
 pids=()
@@ -81,7 +84,7 @@ for i in "${!parts[@]}"; do
   [ $r = 0 ] || rc=1
 done
 
-if [ "$device" = cuda ] && [ "$(left)" -gt 60 ]; then
+if [ "$bench" = 1 ] && [ "$(left)" -gt 60 ]; then
   phase "gpu_bench"
   PYTHONUNBUFFERED=1 timeout -k 5 "$(( $(left) - 10 ))" python3 "$root/tests/bench/gpu_bench.py" "$build" \
     >"$out/bench.md" 2>"$out/bench.err"

@@ -6,6 +6,8 @@
 
 #include <torch/torch.h>
 
+#include "transport/caller_stream.hpp"
+
 namespace troupe::transport {
 
 namespace {
@@ -30,30 +32,33 @@ class staged_comm final : public communicator {
   work_ptr recv(torch::Tensor t, int src, std::uint32_t tag) override {
     if (!staged(t, "recv")) return inner_->recv(std::move(t), src, tag);
     auto buf = staging_buffer(t);
-    return outer(inner_->recv(buf, src, tag), {{t, buf}}, {});
+    return outer(inner_->recv(buf, src, tag), {{t, buf}}, {}, caller_stream_of(t));
   }
   work_ptr all_reduce(torch::Tensor t) override {
     if (!staged(t, "all_reduce")) return inner_->all_reduce(std::move(t));
     auto buf = staged_copy(t);
-    return outer(inner_->all_reduce(buf), {{t, buf}}, {});
+    return outer(inner_->all_reduce(buf), {{t, buf}}, {}, caller_stream_of(t));
   }
   work_ptr reduce_scatter(torch::Tensor input, torch::Tensor output) override {
     const bool in = staged(input, "reduce_scatter input"), out = staged(output, "reduce_scatter output");
     if (!in && !out) return inner_->reduce_scatter(std::move(input), std::move(output));
     auto hin = in ? staged_copy(input) : input, hout = out ? staging_buffer(output) : output;
-    return outer(inner_->reduce_scatter(hin, hout), out ? copies{{output, hout}} : copies{}, {hin});
+    return outer(inner_->reduce_scatter(hin, hout), out ? copies{{output, hout}} : copies{}, {hin},
+                 caller_stream_of(output));
   }
   work_ptr all_gather(torch::Tensor input, torch::Tensor output) override {
     // An input inside the output (in place) is copied out before anything is written.
     const bool in = staged(input, "all_gather input"), out = staged(output, "all_gather output");
     if (!in && !out) return inner_->all_gather(std::move(input), std::move(output));
     auto hin = in ? staged_copy(input) : input, hout = out ? staging_buffer(output) : output;
-    return outer(inner_->all_gather(hin, hout), out ? copies{{output, hout}} : copies{}, {hin});
+    return outer(inner_->all_gather(hin, hout), out ? copies{{output, hout}} : copies{}, {hin},
+                 caller_stream_of(output));
   }
   work_ptr broadcast(torch::Tensor t, int root) override {
     if (!staged(t, "broadcast")) return inner_->broadcast(std::move(t), root);
     auto buf = staged_copy(t);
-    return outer(inner_->broadcast(buf, root), rank() == root ? copies{} : copies{{t, buf}}, {});
+    return outer(inner_->broadcast(buf, root), rank() == root ? copies{} : copies{{t, buf}}, {},
+                 caller_stream_of(t));
   }
   void abort(const std::string& why) override { inner_->abort(why); }
 
@@ -81,7 +86,11 @@ class staged_comm final : public communicator {
 
   /// The caller's work for `inner`: completes after the staging buffers are copied back
   /// into the caller's tensors; keeps `keep` (staged inputs) alive until the transfers are done.
-  static work_ptr outer(const work_ptr& inner, copies back, std::vector<torch::Tensor> keep) {
+  /// The copies back run on `stream`, the caller's stream when it called (GPU tensors): after
+  /// the kernels it had queued there, which may still use the memory of a tensor just
+  /// allocated (caller_stream.hpp); the completing thread's own stream would not wait for them.
+  static work_ptr outer(const work_ptr& inner, copies back, std::vector<torch::Tensor> keep,
+                        c10::optional<c10::Stream> stream = c10::nullopt) {
     auto w = std::make_shared<work>(inner->what());
     struct guard {
       std::mutex mu;
@@ -97,14 +106,15 @@ class staged_comm final : public communicator {
       }
       inner->abort("its caller aborted the staged work");
     });
-    inner->on_complete([w, g, back = std::move(back), keep = std::move(keep)](const std::string& err) {
+    inner->on_complete([w, g, back = std::move(back), keep = std::move(keep), stream](const std::string& err) {
       std::string error = err;
       {
         std::lock_guard<std::mutex> lock(g->mu);
         if (g->aborted) return;
         if (error.empty()) {
           try {
-            for (const auto& [dst, buf] : back) dst.copy_(buf);  // blocking copy back
+            c10::OptionalStreamGuard on(stream);
+            for (const auto& [dst, buf] : back) dst.copy_(buf);  // blocking copy back (synchronises `stream`)
           } catch (const std::exception& e) {
             error = std::string("copying the result back from the staging buffer: ") + e.what();
           }

@@ -6,6 +6,8 @@
 
 #include <torch/torch.h>
 
+#include "transport/caller_stream.hpp"
+
 namespace troupe::transport {
 
 namespace {
@@ -208,8 +210,22 @@ class tag_link_impl final : public ordered_link {
   tag_link_impl(std::shared_ptr<communicator> c, int peer, std::uint32_t tag) : c_(std::move(c)), peer_(peer), tag_(tag) {}
   std::string backend() const override { return c_->backend() + ", one tag"; }
   work_ptr send(torch::Tensor t) override { return c_->send(std::move(t), peer_, tag_); }
-  std::shared_ptr<link_fence> fence(const torch::Tensor&) override { return nullptr; }
-  work_ptr recv(torch::Tensor t, std::shared_ptr<link_fence>) override { return c_->recv(std::move(t), peer_, tag_); }
+  /// GPU tensors: the caller's stream, which the receive is posted under (a staged
+  /// communicator copies into `t` on it) though it is posted later on another thread.
+  struct stream_fence final : link_fence {
+    explicit stream_fence(c10::Stream s) : stream(s) {}
+    c10::Stream stream;
+  };
+  std::shared_ptr<link_fence> fence(const torch::Tensor& t) override {
+    const auto s = caller_stream_of(t);
+    return s ? std::make_shared<stream_fence>(*s) : nullptr;
+  }
+  work_ptr recv(torch::Tensor t, std::shared_ptr<link_fence> fence) override {
+    c10::optional<c10::Stream> stream;
+    if (const auto* f = dynamic_cast<const stream_fence*>(fence.get())) stream = f->stream;
+    c10::OptionalStreamGuard on(stream);
+    return c_->recv(std::move(t), peer_, tag_);
+  }
   void abort(const std::string& why) override { c_->abort(why); }
 
  private:

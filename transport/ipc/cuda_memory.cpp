@@ -148,10 +148,13 @@ class cuda_memory final : public ipc_memory {
     check_cuda(cudaStreamCreateWithFlags(&send_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     check_cuda(cudaStreamCreateWithFlags(&recv_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
-  ~cuda_memory() override {
-    cudaStreamDestroy(send_stream_);
-    cudaStreamDestroy(recv_stream_);
-  }
+  // The streams are never destroyed: tensors copied on them are marked used there
+  // (cuda::used_on), and LibTorch's caching allocator records an event on each such stream
+  // when the tensor is freed, which may be after this memory is gone (a node makes new
+  // communicators when a peer rejoins): a destroyed stream there ended node processes
+  // ("CUDA error: context is destroyed", nodes-4-rejoin on an H200). A few streams per
+  // rejoin stay behind.
+  ~cuda_memory() override = default;
   std::string name() const override { return "CUDA IPC buffers on GPU " + std::to_string(device_); }
   std::shared_ptr<ipc_fence> fence(const torch::Tensor& t) override {
     if (!t.is_cuda()) return nullptr;  // host memory: the caller's writes are done

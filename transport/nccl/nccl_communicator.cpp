@@ -85,7 +85,8 @@ class nccl_communicator final : public communicator {
     cv_.notify_all();
     poller_.join();
     fail_all("communicator closed");  // aborts it (frees NCCL's resources) if still healthy
-    cudaStreamDestroy(stream_);
+    // stream_ stays: tensors used on it (cuda::used_on) may be freed later, and LibTorch's
+    // caching allocator then records an event on it (see ipc/cuda_memory.cpp).
   }
 
   int rank() const override { return rank_; }
