@@ -14,7 +14,8 @@ replayed_expected = int(sys.argv[4]) if len(sys.argv) > 4 else None
 a, b = torch.load(ref + ".pt"), torch.load(got + ".pt")
 assert list(a) == list(b), "different parameter names"
 diff = [k for k in a if not torch.equal(a[k], b[k])]
-assert not diff, f"parameters differ: {diff[:3]}"
+worst = max(((a[k].double() - b[k].double()).abs().max().item() for k in diff), default=0.0)
+assert not diff, f"parameters differ: {diff[:3]} ({len(diff)} of {len(a)}, by up to {worst:.3e})"
 
 
 def read(path):
