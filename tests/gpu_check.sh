@@ -38,6 +38,9 @@
 #    goes to its shard behind an event of that thread's stream; bit-identical to the
 #    reference, in one process and as 4 node processes (the buckets staged through host
 #    memory), with reduce-scatters begun before their stage's last backward ended.
+# 9. check-host on the device and a job on a --text of its own there. Also: the reference
+#    job twice (ref-again: every bit-for-bit comparison rests on a GPU run repeating), the
+#    one-process bf16 job twice, and 4 nodes under --device auto (each must take the GPU).
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 # TROUPE_GPU_CHECK_STEPS=REGEX runs only the steps whose whole name matches (e.g.
