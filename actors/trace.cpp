@@ -52,21 +52,22 @@ step_timing measure_step(const std::vector<trace_event>& events, int replicas, i
 }
 
 namespace {
-/// The sample of the shortest round trip (samples not empty).
+std::int64_t round_trip_of(const clock_sample& c) { return c.received_ns - c.sent_ns; }
+/// The sample of the shortest round trip: the one whose offset is the surest.
 const clock_sample& quickest(const std::vector<clock_sample>& samples) {
-  return *std::min_element(samples.begin(), samples.end(), [](const auto& a, const auto& b) {
-    return a.received_ns - a.sent_ns < b.received_ns - b.sent_ns;
-  });
+  if (samples.empty()) throw std::invalid_argument("clock_offset_ns: no samples");
+  return *std::min_element(samples.begin(), samples.end(),
+                           [](const auto& a, const auto& b) { return round_trip_of(a) < round_trip_of(b); });
 }
 /// The local time node 0 is taken to have read its clock: halfway through the round trip.
-std::int64_t midpoint_ns(const clock_sample& c) { return c.sent_ns + (c.received_ns - c.sent_ns) / 2; }
+std::int64_t midpoint_ns(const clock_sample& c) { return c.sent_ns + round_trip_of(c) / 2; }
+std::int64_t offset_of(const clock_sample& c) { return c.remote_ns - midpoint_ns(c); }
 }  // namespace
 
 std::int64_t clock_offset_ns(const std::vector<clock_sample>& samples, std::int64_t* round_trip_ns) {
-  if (samples.empty()) throw std::invalid_argument("clock_offset_ns: no samples");
   const auto& best = quickest(samples);
-  if (round_trip_ns) *round_trip_ns = best.received_ns - best.sent_ns;
-  return best.remote_ns - midpoint_ns(best);
+  if (round_trip_ns) *round_trip_ns = round_trip_of(best);
+  return offset_of(best);
 }
 
 std::int64_t steady_clock_ns() {
@@ -84,13 +85,13 @@ std::int64_t job_clock::local_ns() const {
 }
 
 std::int64_t job_clock::add_probe(const std::vector<clock_sample>& samples, std::int64_t* round_trip_ns) {
-  std::int64_t round_trip = 0;
-  const auto offset = clock_offset_ns(samples, &round_trip);
+  const auto& best = quickest(samples);
+  const auto round_trip = round_trip_of(best), offset = offset_of(best);
   if (round_trip_ns) *round_trip_ns = round_trip;
   // The offset is wrong by at most half the round trip: weigh by that bound (1 us at least).
   const double bound = std::max(1000.0, double(round_trip) / 2);
   std::lock_guard<std::mutex> lock(m_);
-  points_.push_back({midpoint_ns(quickest(samples)), offset, 1.0 / (bound * bound)});
+  points_.push_back({midpoint_ns(best), offset, 1.0 / (bound * bound)});
   if (probes_++ == 0) first_probe_ns_ = points_.back().local_ns;
   if (points_.size() > 32) points_.erase(points_.begin());
   refit();

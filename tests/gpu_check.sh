@@ -94,10 +94,13 @@ inplace() {  # inplace NAME FAULT...: the fault is retried in place (no resume),
   "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/$1" 0
 }
 step ref run_job ref
-# The same job again, bit for bit: every comparison below that asks for identical bits
-# rests on a GPU run repeating exactly.
-again() { run_job ref-again >"$out/ref-again.run" 2>&1 || { cat "$out/ref-again.run"; return 1; }; "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/ref-again" 0; }
-step ref-again again
+# repeats REF NAME: the caller's job run again as NAME is REF bit for bit (every
+# comparison that asks for identical bits rests on a GPU run repeating exactly)
+repeats() {
+  run_job "$2" >"$out/$2.run" 2>&1 || { cat "$out/$2.run"; return 1; }
+  "$python" "$root/tests/compare_runs.py" "$out/$1" "$out/$2" 0
+}
+step ref-again repeats ref ref-again
 step inplace-throw inplace throw --throw-at 1:1:10
 step inplace-throw-after-update inplace late --throw-at 0:0:5:late
 
@@ -177,10 +180,8 @@ step nodes-4-links-schedules links_schedules
 bf16_nodes() {
   local ref=bf16-ref job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps 6 --eval-interval 0 --precision bf16)
   run_job "$ref" >"$out/$ref.run" 2>&1 || { cat "$out/$ref.run"; return 1; }
-  # the one-process bf16 run repeats bit for bit (else a difference below is its own)
-  run_job bf16-ref-again >"$out/bf16-ref-again.run" 2>&1 || { cat "$out/bf16-ref-again.run"; return 1; }
   local rc=0
-  "$python" "$root/tests/compare_runs.py" "$out/$ref" "$out/bf16-ref-again" 0 || rc=1
+  repeats "$ref" bf16-ref-again || rc=1  # else a difference below is the one-process run's own
   nodes nodes-4-bf16 ipc || rc=1
   # the same with every tensor staged through host memory (no CUDA IPC): on the H200 the
   # ipc run above was not bit-identical (open); this one says whether CUDA IPC is why
@@ -329,7 +330,6 @@ gradient_buckets() {
 }
 step gradient-buckets gradient_buckets
 
-what=${only:+"the steps matching '$only'"}
 # 9. check-host on the device (the launcher asks it of every host: a kernel on the GPU),
 #    and a job on a text of its own (--text; here the README) on the device with
 #    validation: its steps and validations report finite losses.
@@ -349,5 +349,6 @@ PY
 }
 step check-host-text host_and_text
 
+what=${only:+"the steps matching '$only'"}
 [ $failed = 0 ] && echo "gpu_check: ${what:-all} passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
 exit $failed

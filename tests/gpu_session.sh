@@ -2,20 +2,20 @@
 # Everything a GPU lease is for, in one command that ends inside a deadline (device time
 # is short: a lease may have 15 minutes, machine start included):
 #   1. build against the machine's CUDA LibTorch (launch/setup-gpu; Ninja where present);
-#   2. troupe_staging_bench cuda (CUDA IPC and host-staged transfers between two processes
-#      vs a device-to-device copy);
-#   3. tests/gpu_check.sh as four parts side by side (the gtests; the one-process jobs; two
+#   2. tests/gpu_check.sh as four parts side by side (the gtests; the one-process jobs; two
 #      of the node-process jobs), each part with its own reference run;
-#   4. tests/bench/gpu_bench.py with the time left.
+#   3. tests/bench/gpu_bench.py with the time left (it starts with troupe_staging_bench
+#      cuda: CUDA IPC and host-staged transfers between two processes vs a device-to-device
+#      copy).
 #
 #   TROUPE_DEBS=.debs tests/gpu_session.sh OUT_DIR [SECONDS]     (default 560 s)
 #
-# OUT_DIR gets session.log (every phase, its verdicts and times), staging.md, bench.md,
-# bench.err and logs.tar.gz (the build log and every check's logs; no parameter files).
+# OUT_DIR gets session.log (every phase, its verdicts and times), bench.md, bench.err and
+# logs.tar.gz (the build log and every check's logs; no parameter files).
 # TROUPE_GPU_BUILD_DIR=dir uses a build already there (no step 1); with
-# TROUPE_CHECK_DEVICE=cpu the checks run on the CPU and steps 2 and 4 are left out (a dry
-# run of this script on a machine without a GPU). TROUPE_GPU_SESSION_BENCH=0 leaves steps 2
-# and 4 out (checks only).
+# TROUPE_CHECK_DEVICE=cpu the checks run on the CPU and step 3 is left out (a dry run of
+# this script on a machine without a GPU). TROUPE_GPU_SESSION_BENCH=0 leaves step 3 out
+# (checks only).
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -54,12 +54,6 @@ if [ -z "$build" ]; then
   fi
   eval "$env_lines"
   tail -3 "$work/build.log"
-fi
-
-if [ "$bench" = 1 ]; then
-  phase "staging bench"
-  timeout 90 "$build/troupe_staging_bench" cuda >"$out/staging.md" 2>&1
-  echo "rc $?"; cat "$out/staging.md"
 fi
 
 parts=(gtests 'ref|ref-again|inplace-.*|checkpoint-rotation|recompute-generate-eval|zero-bubble|check-host-text'

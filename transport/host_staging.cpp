@@ -32,33 +32,30 @@ class staged_comm final : public communicator {
   work_ptr recv(torch::Tensor t, int src, std::uint32_t tag) override {
     if (!staged(t, "recv")) return inner_->recv(std::move(t), src, tag);
     auto buf = staging_buffer(t);
-    return outer(inner_->recv(buf, src, tag), {{t, buf}}, {}, caller_stream_of(t));
+    return outer(inner_->recv(buf, src, tag), {{t, buf}}, {});
   }
   work_ptr all_reduce(torch::Tensor t) override {
     if (!staged(t, "all_reduce")) return inner_->all_reduce(std::move(t));
     auto buf = staged_copy(t);
-    return outer(inner_->all_reduce(buf), {{t, buf}}, {}, caller_stream_of(t));
+    return outer(inner_->all_reduce(buf), {{t, buf}}, {});
   }
   work_ptr reduce_scatter(torch::Tensor input, torch::Tensor output) override {
     const bool in = staged(input, "reduce_scatter input"), out = staged(output, "reduce_scatter output");
     if (!in && !out) return inner_->reduce_scatter(std::move(input), std::move(output));
     auto hin = in ? staged_copy(input) : input, hout = out ? staging_buffer(output) : output;
-    return outer(inner_->reduce_scatter(hin, hout), out ? copies{{output, hout}} : copies{}, {hin},
-                 caller_stream_of(output));
+    return outer(inner_->reduce_scatter(hin, hout), out ? copies{{output, hout}} : copies{}, {hin});
   }
   work_ptr all_gather(torch::Tensor input, torch::Tensor output) override {
     // An input inside the output (in place) is copied out before anything is written.
     const bool in = staged(input, "all_gather input"), out = staged(output, "all_gather output");
     if (!in && !out) return inner_->all_gather(std::move(input), std::move(output));
     auto hin = in ? staged_copy(input) : input, hout = out ? staging_buffer(output) : output;
-    return outer(inner_->all_gather(hin, hout), out ? copies{{output, hout}} : copies{}, {hin},
-                 caller_stream_of(output));
+    return outer(inner_->all_gather(hin, hout), out ? copies{{output, hout}} : copies{}, {hin});
   }
   work_ptr broadcast(torch::Tensor t, int root) override {
     if (!staged(t, "broadcast")) return inner_->broadcast(std::move(t), root);
     auto buf = staged_copy(t);
-    return outer(inner_->broadcast(buf, root), rank() == root ? copies{} : copies{{t, buf}}, {},
-                 caller_stream_of(t));
+    return outer(inner_->broadcast(buf, root), rank() == root ? copies{} : copies{{t, buf}}, {});
   }
   void abort(const std::string& why) override { inner_->abort(why); }
 
@@ -86,11 +83,12 @@ class staged_comm final : public communicator {
 
   /// The caller's work for `inner`: completes after the staging buffers are copied back
   /// into the caller's tensors; keeps `keep` (staged inputs) alive until the transfers are done.
-  /// The copies back run on `stream`, the caller's stream when it called (GPU tensors): after
-  /// the kernels it had queued there, which may still use the memory of a tensor just
-  /// allocated (caller_stream.hpp); the completing thread's own stream would not wait for them.
-  static work_ptr outer(const work_ptr& inner, copies back, std::vector<torch::Tensor> keep,
-                        c10::optional<c10::Stream> stream = c10::nullopt) {
+  /// The copies back run on the caller's stream at the call (GPU tensors; called on the
+  /// caller's thread): after the kernels it had queued there, which may still use the
+  /// memory of a tensor just allocated (caller_stream.hpp); the completing thread's own
+  /// stream would not wait for them.
+  static work_ptr outer(const work_ptr& inner, copies back, std::vector<torch::Tensor> keep) {
+    const auto stream = back.empty() ? c10::nullopt : caller_stream_of(back.front().first);
     auto w = std::make_shared<work>(inner->what());
     struct guard {
       std::mutex mu;

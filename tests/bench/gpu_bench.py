@@ -6,8 +6,9 @@ utilisation against the GPU's bf16 matrix-product peak measured in the same run.
 usage: python3 tests/bench/gpu_bench.py BUILD_DIR [STEPS]
   (BUILD_DIR from launch/setup-gpu; run on a machine with a GPU and the fortunes corpus)
 
-Also runs p=4 as 2 node processes on the GPU (CUDA IPC buffers for activations, host staging for the rest) and
-BUILD_DIR/troupe_staging_bench cuda (staged and CUDA IPC transfers between two processes vs a device-to-device copy).
+Also runs p=4 as 2 node processes on the GPU (CUDA IPC buffers for activations, host staging for the rest), and
+first BUILD_DIR/troupe_staging_bench cuda (staged and CUDA IPC transfers between two processes vs a device-to-device
+copy; a short run, printed before the long ones so that a run cut short still has it).
 
 Prints a Markdown table. MFU = model FLOPs per second / measured peak, with model FLOPs
 per token = 6 N + 12 L T d (N parameters, L layers, T sequence length, d model width;
@@ -142,6 +143,11 @@ def troupe_tokens_per_s(build, steps, pipeline, micro, extra=(), timeout=150, no
 def main():
     build = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 15
+    # What a tensor between node processes costs on the host-staged and CUDA IPC paths,
+    # against a device-to-device copy in the same run.
+    subprocess.run([os.path.join(build, "troupe_staging_bench"), "cuda"], check=True)
+    print()
+    sys.stdout.flush()
     data, n_train = gpt_tiny.load_fortunes()
     peak = bf16_peak()
     start = time.perf_counter()
@@ -169,11 +175,6 @@ def main():
     print("| --- | ---: | ---: | ---: |")
     for name, tps in runs:
         print(f"| {name} | {tps:,.0f} | {tps / eager:.2f} | {tps * fpt / peak:.1%} |")
-    # What a tensor between node processes costs on the host-staged path, against a
-    # device-to-device copy in the same run.
-    print()
-    sys.stdout.flush()
-    subprocess.run([os.path.join(build, "troupe_staging_bench"), "cuda"], check=True)
 
 
 if __name__ == "__main__":
