@@ -747,7 +747,8 @@ actor_run_result run_node(const node_options& o) {
         if (cfg.device == "cuda") {  // one GPU per node process of this machine, while there are enough
           const int gpus = cuda_device_count();
           cfg.device = node_device(cfg.device, o.local_node, gpus);
-          spdlog::info("{}: computes on {} (this machine has {} GPU(s))", where, cfg.device, gpus);
+          spdlog::info("{}: computes on {}{} (this machine has {} GPU(s))", where, cfg.device,
+                       cfg.deterministic ? " with deterministic algorithms" : "", gpus);
           if (o.nodes_per_host > gpus && gpus > 0 && o.local_node == 0)
             spdlog::warn("{}: {} node processes share this machine's {} GPU(s)", where, o.nodes_per_host, gpus);
         }

@@ -1,8 +1,11 @@
 #include "compute/device.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
@@ -53,6 +56,23 @@ torch::ScalarType parse_precision(const std::string& name) {
   if (name == "fp32") return torch::kFloat32;
   if (name == "bf16") return torch::kBFloat16;
   throw std::invalid_argument("unknown precision '" + name + "' (expected fp32 or bf16)");
+}
+
+void use_deterministic_algorithms(bool on) {
+  if (on) {
+    const char* ws = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+    if (ws && std::strcmp(ws, ":4096:8") != 0 && std::strcmp(ws, ":16:8") != 0)
+      throw std::invalid_argument(std::string("deterministic = true needs CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8 "
+                                              "(cuBLAS's setting for the same bits with several streams), not '") +
+                                  ws + "' (unset it, and it is set to :4096:8)");
+    if (!ws) setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 1);
+  }
+  auto& ctx = at::globalContext();
+  // Strict: LibTorch takes the deterministic attention backwards only then (warn-only
+  // keeps the fast ones and warns).
+  ctx.setDeterministicAlgorithms(on, /*warn_only=*/false);
+  ctx.setDeterministicCuDNN(on);
+  if (on) ctx.setBenchmarkCuDNN(false);
 }
 
 // LibTorch 2.4 made autocast's switches per device type; 1.13 (Debian) has one switch

@@ -15,6 +15,14 @@
 //   handed to another actor carries an event recorded on the producer's stream, and the
 //   consumer's stream waits on it (no host synchronisation, no copy). On CPU these are
 //   no-ops.
+// - Determinism (`deterministic = true`): LibTorch's deterministic algorithms, strict
+//   (torch.use_deterministic_algorithms(True)), with the cuBLAS workspace setting they
+//   need. On a GPU some default kernels are not run-to-run reproducible: LibTorch's fused
+//   attention backwards (flash, memory-efficient) add partial sums with atomics, whose
+//   rounding follows the order the thread blocks ran in, and cuBLAS guarantees the same
+//   bits only with one stream active (or that setting): several stages computing at once
+//   in one process change both. Strict mode takes deterministic kernels (slower) and
+//   fails clearly on an op that has none.
 #include <memory>
 #include <string>
 
@@ -38,6 +46,13 @@ int cuda_device_count();
 std::string node_device(const std::string& name, int local_index, int gpus);
 /// "fp32" -> kFloat32, "bf16" -> kBFloat16; throws std::invalid_argument otherwise.
 torch::ScalarType parse_precision(const std::string& name);
+
+/// Turns LibTorch's deterministic algorithms on (strict: no warn-only) or off for this
+/// process, with cuDNN deterministic and its autotuner off. On: sets
+/// CUBLAS_WORKSPACE_CONFIG to :4096:8 unless it is already :4096:8 or :16:8 (cuBLAS then
+/// gives the same bits with several streams); throws std::invalid_argument when it is
+/// set to anything else. Call before the process's first matrix product.
+void use_deterministic_algorithms(bool on);
 
 /// Runs the enclosed forward computation in `compute` precision (autocast on `device`'s
 /// type) when that is not fp32; a no-op for fp32.

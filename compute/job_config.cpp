@@ -145,6 +145,10 @@ const std::vector<key_def>& key_defs() {
                  &job_config::device),
       string_key("train.precision", "fp32, or bf16 (autocast compute with bf16 parameter values; fp32 main parameters and optimizer)",
                  &job_config::precision),
+      bool_key("train.deterministic",
+               "LibTorch's deterministic algorithms, strict (slower on a GPU: the same bits every run, as "
+               "torch.use_deterministic_algorithms(True); sets CUBLAS_WORKSPACE_CONFIG=:4096:8)",
+               &job_config::deterministic),
       string_key("train.recompute",
                  "none, selective (the attention core keeps only q, k, v and runs again in the backward) or "
                  "full (each transformer block keeps only its input and runs again in the backward; least "

@@ -2,7 +2,7 @@
 // A training job's configuration: workload defaults, then a TOML file, then flags.
 //
 //   [train]     workload, steps, seed, threads, eval_interval, runtime, step_timeout, checksum,
-//               device, precision
+//               device, precision, deterministic
 //   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split,
 //               max_in_flight, split_backward, credit_window, bucket_size
 //   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
@@ -41,6 +41,7 @@ struct job_config {
   bool checksum = false;              ///< CRC-32 on every activation / gradient payload
   std::string device = "auto";        ///< auto | cpu | cuda | cuda:N (auto: a GPU if usable)
   std::string precision = "fp32";     ///< fp32 | bf16 (autocast compute, bf16 param values, fp32 main params)
+  bool deterministic = false;         ///< LibTorch's deterministic algorithms (strict; see compute/device.hpp)
   std::string recompute = "none";     ///< none | selective | full (gpt: the attention core's or each block's activations recomputed in the backward)
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
   int max_step_retries = 2;           ///< in-place retries of a failed step (no node process lost)
@@ -113,10 +114,11 @@ struct job_config {
   /// "" (the workload's own data).
   std::string data_label() const;
   int microbatch_size() const { return global_batch / (data_parallel * microbatches); }
-  /// For the start-of-training log line: ", bf16, recompute full" (what differs from fp32
-  /// without recomputation; empty otherwise).
+  /// For the start-of-training log line: ", bf16, recompute full, deterministic" (what
+  /// differs from fp32 without recomputation; empty otherwise).
   std::string compute_note() const {
-    return (precision != "fp32" ? ", " + precision : "") + (recompute != "none" ? ", recompute " + recompute : "");
+    return (precision != "fp32" ? ", " + precision : "") + (recompute != "none" ? ", recompute " + recompute : "") +
+           (deterministic ? ", deterministic" : "");
   }
   /// For the start-of-training log line: "1f1b", "dataflow, split backward".
   std::string schedule_label() const {

@@ -13,6 +13,7 @@
 
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
+#include "compute/device.hpp"
 
 namespace troupe {
 
@@ -303,6 +304,11 @@ void log_checkpoint_not_written(std::int64_t step, const std::string& why, int i
 int run_training(const job_config& cfg, const std::function<int()>& stop_requested) {
   // LibTorch's own default counts physical cores (1 on a 2-vCPU machine): use them all.
   torch::set_num_threads(cfg.threads > 0 ? cfg.threads : int(std::max(1u, std::thread::hardware_concurrency())));
+  try {
+    use_deterministic_algorithms(cfg.deterministic);
+  } catch (const std::invalid_argument& e) {
+    throw config_error(std::string("invalid configuration: ") + e.what());
+  }
   spdlog::info("training {}{} for {} steps: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
                "{} threads on the CPU{}", cfg.model_label(), cfg.data_label(), cfg.steps, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
                cfg.microbatch_size(), cfg.schedule, torch::get_num_threads(), cfg.compute_note());

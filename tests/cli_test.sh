@@ -192,6 +192,17 @@ assert [[l.get(k) for k in keys] for l in a] == [[l.get(k) for k in keys] for l 
 PY
 }
 same_run text-file-same-run "$tmp/text-ref.jsonl" "$tmp/text-file.jsonl"
+# deterministic = true (LibTorch's deterministic algorithms, strict): on the CPU no op of
+# the job lacks a deterministic kernel, and the run is the default one; a
+# CUBLAS_WORKSPACE_CONFIG that is not one of cuBLAS's deterministic settings is refused.
+check text-deterministic 0 "$troupe" "${text_job[@]}" --metrics "$tmp/text-det.jsonl" --deterministic true
+expect_in text-deterministic-log "$err" "1f1b), 1 intra-op thread(s) per stage, deterministic"
+same_run text-deterministic-same-run "$tmp/text-ref.jsonl" "$tmp/text-det.jsonl"
+check text-deterministic-local 0 "$troupe" train --config "$tmp/shape.toml" --steps 2 --threads 1 --eval-interval 0 \
+  --runtime local --deterministic true
+expect_in text-deterministic-local-log "$err" "threads on the CPU, deterministic"
+check deterministic-bad-cublas 2 env CUBLAS_WORKSPACE_CONFIG=:0:0 "$troupe" train --steps 1 --deterministic true
+expect_in deterministic-bad-cublas-msg "$err" "deterministic = true needs CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8"
 same_run text-folder-same-run "$tmp/text-ref.jsonl" "$tmp/text-folder.jsonl"
 # --val-text: the corpus's first 90 % as the training text and the rest as the validation
 # text give the corpus's own samples and windows: the same run again.

@@ -41,6 +41,9 @@
 # 9. check-host on the device and a job on a --text of its own there. Also: the reference
 #    job twice (ref-again: every bit-for-bit comparison rests on a GPU run repeating), the
 #    one-process bf16 job twice, and 4 nodes under --device auto (each must take the GPU).
+# 10. the bf16 jobs of 4. run with deterministic = true (LibTorch's deterministic
+#    algorithms, strict); sdpa-determinism (tests/gpu_determinism.py) shows per fused
+#    attention backend whether its bf16 backward repeats its bits, without and with them.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 # TROUPE_GPU_CHECK_STEPS=REGEX runs only the steps whose whole name matches (e.g.
@@ -176,19 +179,35 @@ step nodes-4-links-schedules links_schedules
 
 # bf16 as 4 node processes: activations and their gradients cross the nodes in bf16
 # (CUDA IPC buffers), the shard groups all-gather bf16 parameter values (staged through
-# host memory): bit-identical to the one-process bf16 run.
+# host memory): bit-identical to the one-process bf16 run, both with deterministic = true.
+# Without it the one-process bf16 run on the H200 gave other bits in another session
+# (grad norm of step 1 apart by 2e-9 relative; the 4-node run the same bits both times):
+# the stages compute at the same time on the one GPU there, and the default bf16
+# attention backward need not repeat its bits (sdpa-determinism below tells).
 bf16_nodes() {
-  local ref=bf16-ref job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps 6 --eval-interval 0 --precision bf16)
+  local ref=bf16-ref job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps 6 --eval-interval 0
+    --precision bf16 --deterministic true)
   run_job "$ref" >"$out/$ref.run" 2>&1 || { cat "$out/$ref.run"; return 1; }
+  grep -F ", bf16, deterministic" "$out/$ref.run" || { echo "no deterministic mode in the log"; return 1; }
   local rc=0
   repeats "$ref" bf16-ref-again || rc=1  # else a difference below is the one-process run's own
   nodes nodes-4-bf16 ipc || rc=1
-  # the same with every tensor staged through host memory (no CUDA IPC): on the H200 the
-  # ipc run above was not bit-identical (open); this one says whether CUDA IPC is why
+  [ "$device" = cpu ] || [ "$(grep -c "computes on cuda:0 with deterministic algorithms" "$out/nodes-4-bf16.run")" = 4 ] ||
+    { echo "not every node computes with deterministic algorithms"; rc=1; }
+  # the same with every tensor staged through host memory (no CUDA IPC)
   nodes nodes-4-bf16-staged staged || rc=1
   return $rc
 }
 step nodes-4-bf16 bf16_nodes
+
+# Whether LibTorch's bf16 attention backward repeats its bits on this GPU, per fused
+# backend, with deterministic algorithms off and on (strict): fails when the default
+# choice does not with them on (what deterministic = true promises).
+sdpa_determinism() {
+  [ "$device" = cpu ] && { echo "the fused attention kernels are the GPU's: nothing to check on the CPU"; return 0; }
+  "$python" "$root/tests/gpu_determinism.py" 12
+}
+step sdpa-determinism sdpa_determinism
 
 # TROUPE_NCCL=1 on one GPU: the nodes each take GPU 0 (the machine's only one), see that
 # the members of every shard group and both ends of every link share it (NCCL puts one

@@ -104,6 +104,41 @@ TEST(Device, NodeProcessesOfAMachineTakeAGpuEach) {
   EXPECT_EQ(cuda_device_count() > 0, cuda_usable());
 }
 
+
+// deterministic = true: LibTorch's deterministic algorithms strict (not warn-only: only
+// then does LibTorch take its deterministic attention backwards) and cuDNN deterministic;
+// cuBLAS's workspace setting is set when unset, kept when it is one of cuBLAS's two
+// deterministic ones, refused otherwise; off again for the next job of the process.
+TEST(Device, DeterministicModeSetsLibTorchAndCublas) {
+  struct restore {
+    std::string saved;
+    bool had = false;
+    restore() {
+      if (const char* v = std::getenv("CUBLAS_WORKSPACE_CONFIG")) had = true, saved = v;
+    }
+    ~restore() {
+      had ? setenv("CUBLAS_WORKSPACE_CONFIG", saved.c_str(), 1) : unsetenv("CUBLAS_WORKSPACE_CONFIG");
+      use_deterministic_algorithms(false);
+    }
+  } env;
+  auto& ctx = at::globalContext();
+  unsetenv("CUBLAS_WORKSPACE_CONFIG");
+  use_deterministic_algorithms(true);
+  EXPECT_TRUE(ctx.deterministicAlgorithms());
+  EXPECT_FALSE(ctx.deterministicAlgorithmsWarnOnly());
+  EXPECT_TRUE(ctx.deterministicCuDNN());
+  ASSERT_NE(std::getenv("CUBLAS_WORKSPACE_CONFIG"), nullptr);
+  EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":4096:8");
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8", 1);
+  use_deterministic_algorithms(true);
+  EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":16:8");
+  use_deterministic_algorithms(false);
+  EXPECT_FALSE(ctx.deterministicAlgorithms());
+  EXPECT_FALSE(ctx.deterministicCuDNN());
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0", 1);
+  EXPECT_THROW(use_deterministic_algorithms(true), std::invalid_argument);
+  EXPECT_FALSE(ctx.deterministicAlgorithms());  // refused: nothing was turned on
+}
 // bf16 compute under autocast (on the CPU here, so CI runs it): every step's loss within
 // 2 % of fp32's, and the parameters do differ (bf16 did run).
 TEST(Precision, Bf16FollowsFp32OnTheCpu) {

@@ -157,6 +157,9 @@ def main():
     for p, m in ((1, 4), (4, 4), (4, 8)):
         runs.append((f"Troupe actors p={p} (stage actors share the GPU, own streams), {m} micro-batches, bf16",
                      troupe_tokens_per_s(build, steps, p, m)))
+    # What the same bits every run cost (LibTorch's deterministic kernels, strict).
+    runs.append(("Troupe actors p=4, deterministic = true, 4 micro-batches, bf16",
+                 troupe_tokens_per_s(build, steps, 4, 4, ("--deterministic", "true"))))
     for name, extra in (("zero-bubble", ("--schedule", "zero-bubble")),
                         ("dataflow, split backward", ("--schedule", "dataflow", "--split-backward", "true"))):
         runs.append((f"Troupe actors p=4, {name}, 8 micro-batches, bf16", troupe_tokens_per_s(build, steps, 4, 8, extra)))
