@@ -59,6 +59,14 @@ struct stage_state {
   std::map<key, saved_t> saved;           // forwarded, waiting for backward
   std::map<key, weight_grad_store> deferred;  // split backwards: backwarded, waiting for W
   int in_flight = 0, peak_in_flight = 0;
+  // On a GPU: each compute op's marks on the stage's stream (its event's index in
+  // `events`, start and end mark), put on the job clock as the step's events are reported.
+  std::unique_ptr<gpu_op_clock> gpu_clock;  // (kept across steps)
+  struct gpu_span {
+    std::size_t event;
+    int start, end;
+  };
+  std::vector<gpu_span> gpu_spans;
   bool tied_pending = false;
   torch::Tensor tied_in;
   // Gradient buckets (per chunk): a watch reports each bucket as the step's last backward
@@ -207,6 +215,7 @@ class stage_logic {
     auto& slice = *s_.chunks[op.chunk];
     const bool split = ctx.split_backward;
     trace_event ev{op_letter(op.kind), s_.replica, s_.stage, op.mb, op.chunk, s_.step, ctx.now_us(), 0};
+    const int gpu_start = s_.gpu_clock ? s_.gpu_clock->mark() : -1;
     if (op.kind == op_kind::weight) {
       s_.deferred[k].apply();
       s_.deferred.erase(k);
@@ -267,6 +276,7 @@ class stage_logic {
       if (!split) --s_.in_flight;  // split: the W's inputs stay until it runs
     }
     ev.end_us = ctx.now_us();
+    if (gpu_start >= 0) s_.gpu_spans.push_back({s_.events.size(), gpu_start, s_.gpu_clock->mark()});
     s_.events.push_back(std::move(ev));
     ++s_.ops_done;
     if (--s_.chunk_ops_left.at(op.chunk) == 0) chunk_done(op.chunk);
@@ -359,9 +369,17 @@ class stage_logic {
     const auto problem = check_payload(msg.data, {chunk.flat_params().numel()}, s_.ctx->compute_dtype);
     if (!problem.empty()) throw std::runtime_error(s_.name + ": parameters from the shard: " + problem);
     chunk.set_params(tensor_of(msg.data));
-    if (++s_.params_received == s_.ctx->v)
+    if (++s_.params_received == s_.ctx->v) {
+      // On a GPU the compute ops' spans are when the stream ran them (their kernels were
+      // done before the gradients they made were reduced), not when the host launched them.
+      for (const auto& g : s_.gpu_spans) {
+        s_.events[g.event].start_us = s_.gpu_clock->at_us(g.start);
+        s_.events[g.event].end_us = s_.gpu_clock->at_us(g.end);
+      }
+      s_.gpu_spans.clear();
       self_->send(s_.wiring->coordinator,
                   stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events)});
+    }
   }
 
   /// Drops per-step state; returns what was left over that should not have been.
@@ -392,6 +410,7 @@ class stage_logic {
     for (auto& h : s_.held) h.clear();
     s_.in_flight = s_.peak_in_flight = s_.forwards_done = 0;
     s_.events.clear();
+    s_.gpu_spans.clear();
     s_.running = false;
     for (auto& c : s_.chunks) {
       c->zero_grads();
@@ -603,6 +622,12 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
           use_own_stream(ctx->device);
           s.stream_set = true;
           make_watches();
+          if (ctx->device.is_cuda()) s.gpu_clock = std::make_unique<gpu_op_clock>(ctx->device);
+        }
+        // The stream's last step (its parameters' copy) is done by now: one wait per step.
+        if (s.gpu_clock) {
+          s.gpu_clock->anchor([&] { return ctx->now_us(); });
+          s.gpu_spans.clear();
         }
         s.step = msg.step;
         s.running = true;

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
@@ -146,11 +148,54 @@ void use_own_stream(torch::Device device) {
 void synchronize(torch::Device device) {
   if (device.is_cuda()) c10::cuda::device_synchronize();
 }
+
+struct gpu_op_clock::impl {
+  c10::DeviceIndex device = 0;
+  // Timing events (cudaEventDefault): the anchor, and the marks, reused step after step.
+  at::cuda::CUDAEvent anchor{cudaEventDefault};
+  std::vector<std::unique_ptr<at::cuda::CUDAEvent>> marks;
+  std::size_t used = 0;
+};
+
+gpu_op_clock::gpu_op_clock(torch::Device device) {
+  if (!device.is_cuda()) return;
+  impl_ = std::make_unique<impl>();
+  impl_->device = device.index();
+}
+
+void gpu_op_clock::anchor_wait() {
+  impl_->used = 0;
+  impl_->anchor.record(c10::cuda::getCurrentCUDAStream(impl_->device));
+  impl_->anchor.synchronize();
+}
+
+int gpu_op_clock::mark() {
+  if (!impl_) return -1;
+  auto& m = impl_->marks;
+  if (impl_->used == m.size()) m.push_back(std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault));
+  m[impl_->used]->record(c10::cuda::getCurrentCUDAStream(impl_->device));
+  return int(impl_->used++);
+}
+
+double gpu_op_clock::at_us(int i) {
+  if (!impl_ || i < 0 || std::size_t(i) >= impl_->used) throw std::out_of_range("gpu_op_clock: no mark " + std::to_string(i));
+  auto& ev = *impl_->marks[std::size_t(i)];
+  ev.synchronize();
+  return anchor_us_ + double(impl_->anchor.elapsed_time(ev)) * 1000.0;
+}
 #else
 ready_event record_ready(const torch::Tensor&) { return nullptr; }
 void wait_ready(const ready_event&, const torch::Tensor&) {}
 void use_own_stream(torch::Device) {}
 void synchronize(torch::Device) {}
+
+struct gpu_op_clock::impl {};
+gpu_op_clock::gpu_op_clock(torch::Device) {}
+void gpu_op_clock::anchor_wait() {}
+int gpu_op_clock::mark() { return -1; }
+double gpu_op_clock::at_us(int i) { throw std::out_of_range("gpu_op_clock: no mark " + std::to_string(i)); }
 #endif
+
+gpu_op_clock::~gpu_op_clock() = default;
 
 }  // namespace troupe

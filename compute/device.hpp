@@ -92,4 +92,37 @@ void use_own_stream(torch::Device device);
 /// Blocks until every kernel queued on `device` is done (no-op for CPU).
 void synchronize(torch::Device device);
 
+/// When a stage's ops ran on the GPU. A stage launches its kernels and goes on: the
+/// host's time around an op is its launch, not its run. Each mark records a timing event
+/// on the calling thread's current stream (at the point of the stream the caller reached);
+/// once per step `anchor` places the stream on the caller's clock (it waits for the
+/// stream's queued work and reads the clock: the anchor event completed then), and
+/// `at_us` gives a mark's time on that clock (waiting for it if it has not completed).
+/// Inactive on the CPU, whose ops run while the host calls them: marks are -1.
+class gpu_op_clock {
+ public:
+  explicit gpu_op_clock(torch::Device device);
+  ~gpu_op_clock();
+  gpu_op_clock(const gpu_op_clock&) = delete;
+  gpu_op_clock& operator=(const gpu_op_clock&) = delete;
+  bool active() const { return impl_ != nullptr; }
+  /// Drops the marks and anchors the stream at `now_us()` (read once its work is done).
+  template <class Now>
+  void anchor(Now now_us) {
+    if (!active()) return;
+    anchor_wait();
+    anchor_us_ = now_us();
+  }
+  /// Records a mark on the current stream; its index (-1 when inactive).
+  int mark();
+  /// Mark `i`'s time on the anchor's clock, in microseconds.
+  double at_us(int i);
+
+ private:
+  void anchor_wait();
+  struct impl;
+  std::unique_ptr<impl> impl_;
+  double anchor_us_ = 0;
+};
+
 }  // namespace troupe

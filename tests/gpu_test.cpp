@@ -5,6 +5,7 @@
 // device-name checks run everywhere.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -418,6 +419,43 @@ TEST(Gpu, Bf16LossCurveFollowsFp32For200Steps) {
   EXPECT_NEAR(mean_of_last(bf16.losses, 10) / mean_of_last(fp32.losses, 10), 1.0, 0.02);
   for (int i = 0; i < 200; i += 20) EXPECT_NEAR(bf16.losses[i] / fp32.losses[i], 1.0, 0.05) << "step " << i;
   EXPECT_LT(mean_of_last(bf16.losses, 10), bf16.losses[0] * 0.8) << "bf16 learns";
+}
+
+// The GPU op clock: on the CPU it marks nothing. On a GPU a mark pair around kernels
+// that take the GPU far longer than the host takes to launch them spans the GPU's time,
+// not the launch's, and the marks lie on the caller's clock: after the anchor, and
+// before the host saw the work done.
+TEST(Device, OpClockOnTheCpuMarksNothing) {
+  gpu_op_clock clock(torch::kCPU);
+  EXPECT_FALSE(clock.active());
+  clock.anchor([] { return 1.0; });
+  EXPECT_EQ(clock.mark(), -1);
+  EXPECT_THROW(clock.at_us(0), std::out_of_range);
+}
+
+TEST(Gpu, OpClockTimesTheGpuNotTheLaunch) {
+  if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
+  const torch::Device dev(torch::kCUDA, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto now_us = [&] { return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count(); };
+  auto a = torch::randn({4096, 4096}, torch::TensorOptions().device(dev));
+  a = torch::mm(a, a).tanh_();  // warm-up: cuBLAS's handle and workspace, the allocator's blocks
+  synchronize(dev);
+  gpu_op_clock clock(dev);
+  clock.anchor(now_us);
+  const double anchored = now_us();
+  const int m0 = clock.mark();
+  const double launch0 = now_us();
+  for (int i = 0; i < 40; ++i) a = torch::mm(a, a).tanh_();  // ~5.5 TFLOP: several ms on any GPU
+  const double launch1 = now_us();
+  const int m1 = clock.mark();
+  synchronize(dev);
+  const double done = now_us();
+  const double g0 = clock.at_us(m0), g1 = clock.at_us(m1);
+  EXPECT_GE(g0, anchored - 1000.0);
+  EXPECT_LE(g1, done + 1000.0);
+  EXPECT_GT(g1 - g0, 4.0 * (launch1 - launch0)) << "GPU " << g1 - g0 << " us, launch " << launch1 - launch0 << " us";
+  EXPECT_GT(done - launch1, 0.5 * (g1 - g0));  // the host did wait for the work after launching it
 }
 
 // A checkpoint folder written by a GPU run (parameters and AdamW moments gathered from
