@@ -44,6 +44,8 @@
 # 10. the bf16 jobs of 4. run with deterministic = true (LibTorch's deterministic
 #    algorithms, strict); sdpa-determinism (tests/gpu_determinism.py) shows per fused
 #    attention backend whether its bf16 backward repeats its bits, without and with them.
+# 11. op-times: a gpt-small job's trace on the GPU has its F/B slices from the GPU op clock
+#    (most of each step, not the launches; one stream's ops never overlap).
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 # TROUPE_GPU_CHECK_STEPS=REGEX runs only the steps whose whole name matches (e.g.
@@ -208,6 +210,36 @@ sdpa_determinism() {
   "$python" "$root/tests/gpu_determinism.py" 12
 }
 step sdpa-determinism sdpa_determinism
+
+# On the GPU the trace's F and B slices are when the stage's stream ran them
+# (gpu_op_clock), not their launches: a gpt-small p=1 job's forwards and backwards take
+# most of each step (their launches take a small part of it), and one stream's ops do
+# not overlap.
+op_times() {
+  [ "$device" = cpu ] && { echo "on the CPU the ops run while the host calls them: nothing to check"; return 0; }
+  "$build/troupe" train --workload gpt-small --device "$device" --precision bf16 --steps 5 --eval-interval 0 \
+    --trace "$out/op-times.trace.json" --metrics "$out/op-times.jsonl" >"$out/op-times.run" 2>&1 ||
+    { cat "$out/op-times.run"; return 1; }
+  "$python" - "$out/op-times.trace.json" "$out/op-times.jsonl" <<'PY'
+import json, re, statistics, sys
+ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X" and re.fullmatch(r"[FBW]\d+", e["name"])]
+steps = [json.loads(line) for line in open(sys.argv[2]) if '"step_seconds"' in line]
+share = []
+for r in steps[2:]:  # past the allocator's and cuBLAS's first steps
+    busy = []
+    for track in {(e["pid"], e["tid"]) for e in ev}:  # a stage: one stream
+        ops = sorted((e for e in ev if e["args"]["step"] == r["step"] and (e["pid"], e["tid"]) == track),
+                     key=lambda e: e["ts"])
+        assert ops, f"no F/B slices of step {r['step']} on track {track}"
+        for a, b in zip(ops, ops[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1.0, f"ops overlap on one stream: {a} {b}"
+        busy.append(sum(e["dur"] for e in ops) / 1e6)
+    share.append(max(busy) / r["step_seconds"])
+print("share of each step in its busiest stage's F/B slices:", ", ".join(f"{x:.2f}" for x in share))
+assert statistics.median(share) > 0.5, "the F/B slices are not the GPU's time (launches only?)"
+PY
+}
+step op-times op_times
 
 # TROUPE_NCCL=1 on one GPU: the nodes each take GPU 0 (the machine's only one), see that
 # the members of every shard group and both ends of every link share it (NCCL puts one
