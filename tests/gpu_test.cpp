@@ -105,7 +105,6 @@ TEST(Device, NodeProcessesOfAMachineTakeAGpuEach) {
   EXPECT_EQ(cuda_device_count() > 0, cuda_usable());
 }
 
-
 // deterministic = true: LibTorch's deterministic algorithms strict (not warn-only: only
 // then does LibTorch take its deterministic attention backwards) and cuDNN deterministic;
 // cuBLAS's workspace setting is set when unset, kept when it is one of cuBLAS's two
@@ -140,6 +139,7 @@ TEST(Device, DeterministicModeSetsLibTorchAndCublas) {
   EXPECT_THROW(use_deterministic_algorithms(true), std::invalid_argument);
   EXPECT_FALSE(ctx.deterministicAlgorithms());  // refused: nothing was turned on
 }
+
 // bf16 compute under autocast (on the CPU here, so CI runs it): every step's loss within
 // 2 % of fp32's, and the parameters do differ (bf16 did run).
 TEST(Precision, Bf16FollowsFp32OnTheCpu) {
