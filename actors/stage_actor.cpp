@@ -60,7 +60,8 @@ struct stage_state {
   std::map<key, weight_grad_store> deferred;  // split backwards: backwarded, waiting for W
   int in_flight = 0, peak_in_flight = 0;
   // On a GPU: each compute op's marks on the stage's stream (its event's index in
-  // `events`, start and end mark), put on the job clock as the step's events are reported.
+  // `events`, start and end mark), put on the job clock as the step's events are reported;
+  // dropped with the marks when the next step (or a retry) anchors the clock.
   std::unique_ptr<gpu_op_clock> gpu_clock;  // (kept across steps)
   struct gpu_span {
     std::size_t event;
@@ -376,7 +377,6 @@ class stage_logic {
         s_.events[g.event].start_us = s_.gpu_clock->at_us(g.start);
         s_.events[g.event].end_us = s_.gpu_clock->at_us(g.end);
       }
-      s_.gpu_spans.clear();
       self_->send(s_.wiring->coordinator,
                   stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events)});
     }
@@ -410,7 +410,6 @@ class stage_logic {
     for (auto& h : s_.held) h.clear();
     s_.in_flight = s_.peak_in_flight = s_.forwards_done = 0;
     s_.events.clear();
-    s_.gpu_spans.clear();
     s_.running = false;
     for (auto& c : s_.chunks) {
       c->zero_grads();
