@@ -1,8 +1,14 @@
 #include "compute/data.hpp"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -41,21 +47,6 @@ std::uint64_t require_bytes(const std::vector<std::string>& files, const std::st
   return total;
 }
 
-/// Reads `files` whole, in order, as one byte sequence (`what` names it in errors): sized
-/// up front and read in place (no regrowth, no byte-at-a-time copy).
-std::vector<std::uint8_t> read_files(const std::vector<std::string>& files, const std::string& what) {
-  const auto sizes = file_sizes(files, what);
-  std::vector<std::uint8_t> bytes(std::accumulate(sizes.begin(), sizes.end(), std::uint64_t{0}));
-  std::uint64_t at = 0;
-  for (std::size_t i = 0; i < files.size(); ++i) {
-    std::ifstream in(files[i], std::ios::binary);
-    if (!in || !in.read(reinterpret_cast<char*>(bytes.data() + at), std::streamsize(sizes[i])))
-      throw data_error("cannot read " + files[i] + " (" + what + ")" + (in.eof() ? ": it got shorter while read" : ""));
-    at += sizes[i];
-  }
-  return bytes;
-}
-
 }  // namespace
 
 void text_corpus::require(const std::string& dir) {
@@ -78,13 +69,86 @@ std::vector<std::string> text_corpus::fortunes_files(const std::string& dir) {
   return names;
 }
 
-text_corpus::text_corpus(const std::string& dir)
-    : text_corpus(read_files(fortunes_files(dir), "fortunes corpus " + dir)) {
-  if (bytes_.empty()) throw data_error("fortunes corpus in " + dir + " is empty (install it: apt-get install fortunes)");
+/// What a corpus's segments point into: its file mappings and the buffers it was given.
+struct text_corpus::storage {
+  std::vector<std::pair<void*, std::size_t>> mappings;
+  std::vector<std::vector<std::uint8_t>> buffers;
+  storage() = default;
+  storage(const storage&) = delete;
+  storage& operator=(const storage&) = delete;
+  ~storage() {
+    for (const auto& [addr, size] : mappings) ::munmap(addr, size);
+  }
+};
+
+void text_corpus::add(const std::uint8_t* data, std::size_t size) {
+  if (size == 0) return;
+  segments_.push_back({size_, data, size});
+  size_ += size;
 }
 
-text_corpus::text_corpus(std::vector<std::uint8_t> bytes) : bytes_(std::move(bytes)) {
-  n_train_ = bytes_.size() * 9 / 10;
+void text_corpus::add_buffer(std::vector<std::uint8_t> bytes) {
+  storage_->buffers.push_back(std::move(bytes));  // the vector's heap block stays where it is
+  add(storage_->buffers.back().data(), storage_->buffers.back().size());
+}
+
+void text_corpus::map_files(const std::vector<std::string>& files, const std::string& what) {
+  for (const auto& file : files) {
+    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw data_error("cannot read " + file + " (" + what + "): " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      ::close(fd);
+      throw data_error("cannot read " + file + " (" + what + "): " + std::strerror(err));
+    }
+    const auto size = static_cast<std::size_t>(st.st_size);
+    void* addr = size == 0 ? nullptr : ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = errno;
+    ::close(fd);  // the mapping keeps the file
+    if (size == 0) continue;
+    if (addr == MAP_FAILED)
+      throw data_error("cannot map " + file + " (" + what + ") into memory: " + std::strerror(err));
+    storage_->mappings.emplace_back(addr, size);
+    add(static_cast<const std::uint8_t*>(addr), size);
+    mapped_ += size;
+  }
+}
+
+void text_corpus::copy(std::size_t begin, std::size_t n, std::uint8_t* out) const {
+  if (n == 0) return;
+  if (begin > size_ || n > size_ - begin)
+    throw data_error("bytes " + std::to_string(begin) + " to " + std::to_string(begin + n) + " are past the end of a " +
+                     std::to_string(size_) + "-byte text corpus");
+  // The segment holding `begin`: the last one that starts at or before it.
+  auto it = std::upper_bound(segments_.begin(), segments_.end(), begin,
+                             [](std::size_t at, const segment& s) { return at < s.begin; });
+  for (--it; n > 0; ++it) {
+    const std::size_t from = begin - it->begin;
+    const std::size_t take = std::min(n, it->size - from);
+    std::memcpy(out, it->data + from, take);
+    out += take;
+    begin += take;
+    n -= take;
+  }
+}
+
+std::vector<std::uint8_t> text_corpus::bytes(std::size_t begin, std::size_t count) const {
+  begin = std::min(begin, size_);
+  std::vector<std::uint8_t> out(std::min(count, size_ - begin));
+  copy(begin, out.size(), out.data());
+  return out;
+}
+
+text_corpus::text_corpus(const std::string& dir) : storage_(std::make_shared<storage>()) {
+  map_files(fortunes_files(dir), "fortunes corpus " + dir);
+  if (size_ == 0) throw data_error("fortunes corpus in " + dir + " is empty (install it: apt-get install fortunes)");
+  n_train_ = size_ * 9 / 10;
+}
+
+text_corpus::text_corpus(std::vector<std::uint8_t> bytes) : storage_(std::make_shared<storage>()) {
+  add_buffer(std::move(bytes));
+  n_train_ = size_ * 9 / 10;
 }
 
 std::vector<std::string> text_corpus::text_files(const std::string& path) {
@@ -107,23 +171,28 @@ std::vector<std::string> text_corpus::text_files(const std::string& path) {
 }
 
 text_corpus::text_corpus(std::vector<std::uint8_t> train, const std::vector<std::uint8_t>& valid)
-    : bytes_(std::move(train)) {
-  n_train_ = bytes_.size();
-  bytes_.insert(bytes_.end(), valid.begin(), valid.end());
+    : storage_(std::make_shared<storage>()) {
+  add_buffer(std::move(train));
+  n_train_ = size_;
+  add_buffer(valid);
 }
 
 text_corpus text_corpus::read_text(const std::string& train, const std::string& valid) {
-  auto bytes = read_files(text_files(train), "text corpus " + train);
-  const auto val = read_files(text_files(valid), "validation text " + valid);
-  if (bytes.empty()) throw data_error("text corpus " + train + " is empty");
-  if (val.empty()) throw data_error("validation text " + valid + " is empty");
-  return text_corpus(std::move(bytes), val);
+  text_corpus c(std::vector<std::uint8_t>{});
+  c.map_files(text_files(train), "text corpus " + train);
+  if (c.size_ == 0) throw data_error("text corpus " + train + " is empty");
+  c.n_train_ = c.size_;
+  c.map_files(text_files(valid), "validation text " + valid);
+  if (c.size_ == c.n_train_) throw data_error("validation text " + valid + " is empty");
+  return c;
 }
 
 text_corpus text_corpus::read_text(const std::string& path) {
-  auto bytes = read_files(text_files(path), "text corpus " + path);
-  if (bytes.empty()) throw data_error("text corpus " + path + " is empty");
-  return text_corpus(std::move(bytes));
+  text_corpus c(std::vector<std::uint8_t>{});
+  c.map_files(text_files(path), "text corpus " + path);
+  if (c.size_ == 0) throw data_error("text corpus " + path + " is empty");
+  c.n_train_ = c.size_ * 9 / 10;
+  return c;
 }
 
 std::size_t text_corpus::min_bytes(int seq_len) {
@@ -158,8 +227,10 @@ batch text_corpus::windows(const std::vector<std::size_t>& offsets, int seq_len)
   auto target = torch::empty({n, seq_len}, torch::kInt64);
   auto in = input.accessor<std::int64_t, 2>();
   auto tg = target.accessor<std::int64_t, 2>();
+  std::vector<std::uint8_t> window(std::size_t(seq_len) + 1);
   for (std::int64_t i = 0; i < n; ++i) {
-    const std::uint8_t* w = bytes_.data() + offsets[i];
+    copy(offsets[i], window.size(), window.data());
+    const std::uint8_t* w = window.data();
     for (int t = 0; t < seq_len; ++t) {
       in[i][t] = w[t];
       tg[i][t] = w[t + 1];

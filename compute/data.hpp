@@ -2,6 +2,7 @@
 // Data sets of WORKLOADS.md, loaded from Debian packages, with deterministic sampling:
 // a sample depends only on the seed and its global index, never on the parallel layout.
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -24,6 +25,13 @@ struct batch {
 /// A byte-level text corpus (the tokens are the 256 byte values) split 90/10 into
 /// training and validation, sampled as WORKLOADS.md says: the fortunes corpus, or a
 /// user's own text (data.text).
+///
+/// Files are memory-mapped (read-only, private), not read: a window's bytes are paged in
+/// when it is sampled, and node processes of one machine share the page cache's copy
+/// instead of holding one each. The corpus is the files' concatenation (a window may span
+/// two files); empty files are left out. A file that shrinks while mapped makes the
+/// process fail (SIGBUS) when a window reads past its new end, as with any mapping.
+/// Copies of a text_corpus share the mappings.
 class text_corpus {
  public:
   static constexpr const char* default_dir = "/usr/share/games/fortunes";
@@ -63,10 +71,13 @@ class text_corpus {
   static void require_sizes(const std::vector<std::string>& train, const std::string& train_what,
                             const std::vector<std::string>& valid, const std::string& valid_what, int seq_len);
 
-  std::size_t size() const { return bytes_.size(); }
+  std::size_t size() const { return size_; }
   std::size_t n_train() const { return n_train_; }
-  std::size_t n_valid() const { return bytes_.size() - n_train_; }
-  const std::vector<std::uint8_t>& bytes() const { return bytes_; }
+  std::size_t n_valid() const { return size_ - n_train_; }
+  /// A copy of the bytes [begin, begin + count) (clipped to the end; tests).
+  std::vector<std::uint8_t> bytes(std::size_t begin = 0, std::size_t count = SIZE_MAX) const;
+  /// How many of the bytes are in memory-mapped files (the rest: bytes given in memory).
+  std::size_t mapped_bytes() const { return mapped_; }
 
   /// Start offset of training sample `g` (global index) for `seed`.
   std::size_t train_offset(std::uint64_t seed, std::uint64_t g, int seq_len) const;
@@ -78,9 +89,27 @@ class text_corpus {
   batch validation_batch(int seq_len, int windows = 32) const;
 
  private:
+  /// A run of the corpus's bytes in one file mapping (or one buffer given in memory).
+  struct segment {
+    std::size_t begin;          ///< offset of its first byte in the corpus
+    const std::uint8_t* data;   ///< its bytes
+    std::size_t size;
+  };
+  struct storage;
+  /// Appends the bytes of `files`, in order, each a mapping (`what` names them in errors).
+  void map_files(const std::vector<std::string>& files, const std::string& what);
+  /// Appends bytes given in memory.
+  void add_buffer(std::vector<std::uint8_t> bytes);
+  void add(const std::uint8_t* data, std::size_t size);
+  /// Copies the bytes [begin, begin + n) into `out`, across segments.
+  void copy(std::size_t begin, std::size_t n, std::uint8_t* out) const;
   batch windows(const std::vector<std::size_t>& offsets, int seq_len) const;
-  std::vector<std::uint8_t> bytes_;
+
+  std::shared_ptr<storage> storage_;  ///< the mappings and buffers `segments_` point into
+  std::vector<segment> segments_;
+  std::size_t size_ = 0;
   std::size_t n_train_ = 0;
+  std::size_t mapped_ = 0;
 };
 
 /// Fashion-MNIST from the gzipped IDX files of `dataset-fashion-mnist`.

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "compute/data.hpp"
+#include "compute/splitmix.hpp"
 #include "compute/trainer.hpp"
 #include "temp_dir.hpp"
 
@@ -20,8 +21,8 @@ TEST(Data, FortunesSampleDependsOnlyOnSeedAndGlobalIndex) {
   }
   // Target is the input shifted by one byte, taken from the corpus at the offset.
   const auto off = corpus.train_offset(1234, 64, 128);
-  EXPECT_EQ(whole.input[0][0].item<std::int64_t>(), corpus.bytes()[off]);
-  EXPECT_EQ(whole.target[0][127].item<std::int64_t>(), corpus.bytes()[off + 128]);
+  EXPECT_EQ(whole.input[0][0].item<std::int64_t>(), corpus.bytes(off, 1).at(0));
+  EXPECT_EQ(whole.target[0][127].item<std::int64_t>(), corpus.bytes(off + 128, 1).at(0));
   EXPECT_TRUE(torch::equal(whole.input[0].slice(0, 1), whole.target[0].slice(0, 0, 127)));
   EXPECT_FALSE(torch::equal(corpus.train_batch(1, 64, 1, 128).input, corpus.train_batch(2, 64, 1, 128).input));
 }
@@ -32,7 +33,7 @@ TEST(Data, FortunesValidationWindowsAreFixedAndInTheValidationSplit) {
   ASSERT_EQ(v.input.sizes(), (std::vector<std::int64_t>{32, 128}));
   const std::size_t stride = (corpus.n_valid() - 129) / 32;
   for (int i : {0, 17, 31})
-    EXPECT_EQ(v.input[i][0].item<std::int64_t>(), corpus.bytes()[corpus.n_train() + i * stride]);
+    EXPECT_EQ(v.input[i][0].item<std::int64_t>(), corpus.bytes(corpus.n_train() + i * stride, 1).at(0));
 }
 
 TEST(Data, MissingFortunesNamesThePackage) {
@@ -142,6 +143,112 @@ TEST(Data, TextCorpusIsAFileOrTheFilesOfAFolder) {
             "v holds 40 bytes: too few for seq_len 8, which needs at least 41 (32 validation windows)");
   std::ofstream(dir / "enough") << std::string(401, 'x');
   EXPECT_EQ(text_corpus::require_size({file, (dir / "enough").string()}, "t", 8), 412u);
+}
+
+namespace {
+/// This process's anonymous resident memory (heap, not file mappings), in bytes.
+std::int64_t anonymous_resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  std::int64_t kb = -1;
+  while (status >> key) {
+    if (key == "RssAnon:") {
+      status >> kb;
+      break;
+    }
+    status.ignore(1 << 12, '\n');
+  }
+  return kb * 1024;
+}
+
+std::vector<std::uint8_t> pseudo_text(std::size_t n, std::uint64_t seed) {
+  std::vector<std::uint8_t> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = std::uint8_t(splitmix64(seed + i) % 251);
+  return out;
+}
+
+void write_bytes(const std::string& path, const std::vector<std::uint8_t>& bytes) {
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+}
+}  // namespace
+
+// A text is mapped from its files, not read: the corpus of a folder is the
+// concatenation of its files (empty ones left out), windows spanning two files included,
+// and samples, validation windows and --val-text splits are those of the same bytes in
+// memory.
+TEST(Data, MappedTextGivesTheSamplesOfItsBytesInMemory) {
+  troupe::test::temp_dir dir;
+  std::filesystem::create_directories(dir.path / "texts");
+  const std::vector<std::size_t> sizes{300, 0, 517, 2, 9, 1200};
+  std::vector<std::uint8_t> all;
+  std::vector<std::size_t> ends;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const auto part = pseudo_text(sizes[i], 1000 * i);
+    write_bytes(dir / ("texts/part-" + std::to_string(i)), part);
+    all.insert(all.end(), part.begin(), part.end());
+    ends.push_back(all.size());
+  }
+  const auto mapped = text_corpus::read_text(dir / "texts");
+  const text_corpus in_memory(all);
+  ASSERT_EQ(mapped.size(), all.size());
+  EXPECT_EQ(mapped.mapped_bytes(), all.size());
+  EXPECT_EQ(in_memory.mapped_bytes(), 0u);
+  EXPECT_EQ(mapped.n_train(), in_memory.n_train());
+  EXPECT_EQ(mapped.bytes(), all);
+  EXPECT_EQ(mapped.bytes(299, 4), std::vector<std::uint8_t>(all.begin() + 299, all.begin() + 303));  // 2 files
+  EXPECT_EQ(mapped.bytes(all.size() - 3, 10).size(), 3u);
+  const int seq_len = 16;
+  int spanning = 0;
+  for (std::uint64_t g = 0; g < 1000; ++g) {
+    const auto off = mapped.train_offset(7, g, seq_len);
+    for (const auto end : ends) spanning += off < end && end < off + seq_len + 1;
+  }
+  EXPECT_GT(spanning, 10);  // windows across a file boundary (about 35 expected)
+  const auto a = mapped.train_batch(7, 0, 1000, seq_len), b = in_memory.train_batch(7, 0, 1000, seq_len);
+  EXPECT_TRUE(torch::equal(a.input, b.input));
+  EXPECT_TRUE(torch::equal(a.target, b.target));
+  EXPECT_TRUE(torch::equal(mapped.validation_batch(seq_len).input, in_memory.validation_batch(seq_len).input));
+  EXPECT_TRUE(torch::equal(mapped.validation_batch(seq_len).target, in_memory.validation_batch(seq_len).target));
+
+  // --val-text: all of the first text trains, the second gives the validation windows.
+  const auto valid = pseudo_text(700, 99);
+  write_bytes(dir / "valid.txt", valid);
+  const auto split = text_corpus::read_text(dir / "texts", dir / "valid.txt");
+  const text_corpus split_in_memory(all, valid);
+  EXPECT_EQ(split.n_train(), all.size());
+  EXPECT_EQ(split.n_valid(), valid.size());
+  EXPECT_TRUE(torch::equal(split.train_batch(3, 5, 64, seq_len).input, split_in_memory.train_batch(3, 5, 64, seq_len).input));
+  EXPECT_TRUE(torch::equal(split.validation_batch(seq_len).target, split_in_memory.validation_batch(seq_len).target));
+
+  // A copy shares the mappings, which outlive the original.
+  std::unique_ptr<text_corpus> original = std::make_unique<text_corpus>(text_corpus::read_text(dir / "texts"));
+  const text_corpus copy = *original;
+  original.reset();
+  EXPECT_EQ(copy.bytes(), all);
+  EXPECT_THROW(copy.bytes(all.size() + 1, 1).at(0), std::out_of_range);
+}
+
+// The point of mapping: a big text costs no heap. Reading the 64 MiB file into memory,
+// as before, grew this process's anonymous memory by 64 MiB; mapping it and sampling
+// from it grows it by the batches only.
+TEST(Data, MappedTextCostsNoHeap) {
+  troupe::test::temp_dir dir;
+  const std::size_t n = std::size_t(64) << 20;
+  {
+    std::vector<std::uint8_t> text(n);
+    for (std::size_t i = 0; i < n; ++i) text[i] = std::uint8_t('a' + i % 26);
+    write_bytes(dir / "big.txt", text);
+  }
+  const auto before = anonymous_resident_bytes();
+  ASSERT_GT(before, 0) << "no RssAnon in /proc/self/status";
+  const auto corpus = text_corpus::read_text(dir / "big.txt");
+  const auto b = corpus.train_batch(1, 0, 64, 1024);
+  const auto v = corpus.validation_batch(1024);
+  const auto grown = anonymous_resident_bytes() - before;
+  EXPECT_EQ(corpus.size(), n);
+  EXPECT_EQ(b.input[0][0].item<std::int64_t>(), 'a' + std::int64_t(corpus.train_offset(1, 0, 1024) % 26));
+  EXPECT_LT(grown, std::int64_t(8) << 20) << "anonymous memory grew by " << grown << " bytes for a " << n
+                                          << "-byte text";
 }
 
 // data.text replaces the fortunes corpus for the gpt workloads, in training samples and
