@@ -480,7 +480,8 @@ int main(int argc, char** argv) {
   // troupe elastic-layout (for launch/troupe --min-nodes): the job's layout on the hosts left
   auto* elastic = app.add_subcommand("elastic-layout",
                                      "the layout a job of these flags takes on fewer nodes (launch/troupe "
-                                     "--min-nodes): prints 'nodes data_parallel microbatches'");
+                                     "--min-nodes): prints 'nodes data_parallel microbatches', a line saying so, and "
+                                     "the job's checkpoint_dir (an empty line: none)");
   config_flags elastic_flags;
   elastic_flags.add_to(elastic);
   int elastic_hosts = 0, elastic_min = 1;
@@ -551,6 +552,7 @@ int main(int argc, char** argv) {
                   "micro-batches (of %d samples) on %d node(s)\n",
                   cfg.pipeline, cfg.data_parallel, cfg.microbatches, cfg.pipeline, l.data_parallel, l.microbatches,
                   cfg.microbatch_size(), l.nodes);
+      std::printf("%s\n", cfg.checkpoint_dir.c_str());  // the launcher regrows only a job it can resume
       return 0;
     } catch (const troupe::config_error& e) {
       return fail(exit_usage, e.what());

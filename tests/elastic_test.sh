@@ -11,11 +11,14 @@
 #     step's loss the same.
 #  2. p2 x d1 on 2 hosts, node 0's (the coordinator's) host dies: one node on the other
 #     host, the job's own layout: bit-identical to the fault-free run.
-#  3. hosts that answer but cannot run a node (checked before every launch with `troupe
+#  3. a host back while the job runs without it (--regrow-interval): node 0 ends the job
+#     after its step with a checkpoint and it goes on with the host again, bit-identical to
+#     the fault-free run; without a checkpoint_dir the job stays on the hosts it has.
+#  4. hosts that answer but cannot run a node (checked before every launch with `troupe
 #     check-host`): one with another fortunes corpus is left out before the start
 #     (bit-identical to a d2 run), one with none ends a job without --min-nodes (exit 1);
 #     a bad job ends with 2 before any node.
-#  4. refusals: --min-nodes above the hosts, or without --hostfile; `troupe elastic-layout`.
+#  5. refusals: --min-nodes above the hosts, or without --hostfile; `troupe elastic-layout`.
 #   tests/elastic_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/launcher_lib.sh" "$@"
 
@@ -107,7 +110,45 @@ rc=$?
 out=$(same_run ref2 e2 2 2>&1) && ok "bit-identical to the fault-free run ($out)" \
   || { echo "$out"; bad "node 0's host lost: results differ"; }
 
-# --- 3. hosts that answer ssh but cannot run a node of the job -------------------------
+# --- 3. a host back while the job runs without it: taken back without a failure -------
+# p1 x d2 on 2 hosts; node 1 dies as step index 5 begins, and its host refuses the next 3
+# connections (the launcher's probe when node 1 ended, the check before restart 1, the
+# first regrow check): the job goes on from the checkpoint of step 4 on 1 node (both
+# replicas there). A later regrow check (every second) finds the host back: node 0 ends
+# the job after its step with a checkpoint, and the job goes on from it on 2 nodes, a
+# launch that is no failure restart. Bit-identical to the fault-free run.
+rm -f gone-*
+job=(--pipeline 1 --data-parallel 2 --global-batch 8 --microbatches 4 --steps 30 --eval-interval 0 --threads 1)
+"$launcher" train --nodes 1 "${job[@]}" --metrics rg1.jsonl --save rg1.pt >rg1.log 2>&1 || bad "fault-free d2 run" rg1.log
+FAKE_SSH_DOOMED=127.0.0.2 FAKE_SSH_DOWN_FOR=3 TROUPE_FAULTS=kill_node=1:5 \
+  "$launcher" train --hostfile hosts2 --min-nodes 1 --regrow-interval 1 "${job[@]}" --checkpoint-dir ck6 \
+  --checkpoint-interval 2 --metrics g1.jsonl --save g1.pt >g1.log 2>&1
+rc=$?
+stopped=$(sed -n 's/.*stopped by SIGTERM after step \([0-9]*\) of 30.*/\1/p' g1.log | head -1)
+[ $rc = 0 ] && grep -q "going on without host(s) 127.0.0.2, .* on 1 node(s): 127.0.0.1$" g1.log \
+  && grep -q "checking host(s) 127.0.0.2 every 1 s to take them back (--regrow-interval)" g1.log \
+  && ok "host of node 1 lost: on 1 node, the host checked every second" || bad "host lost, regrow: exit $rc" g1.log
+grep -q "host(s) 127.0.0.2 can run a node again: node 0 ends the job after its step with a checkpoint, to go on with them (.* on 2 node(s))" g1.log \
+  && [ -n "$stopped" ] && [ "$stopped" -gt 4 ] && [ "$stopped" -lt 30 ] \
+  && grep -q "every host can run a node again: .* on 2 node(s): 127.0.0.1 127.0.0.2" g1.log \
+  && [ "$(grep -c "node 1 of 2: 127.0.0.2" g1.log)" = 2 ] \
+  && [ "$(grep -c "the job failed" g1.log)" = 1 ] && ! grep -q "not restarting" g1.log \
+  && ok "host back: stopped after step $stopped with a checkpoint, on 2 nodes again (one failure restart)" \
+  || bad "host back: not taken back while running (stopped: '$stopped')" g1.log
+out=$(/usr/bin/python3 "$root/tests/compare_runs.py" rg1 g1 2 2>&1) && ok "bit-identical to the fault-free run ($out)" \
+  || { echo "$out"; bad "host taken back: results differ from the fault-free run"; }
+# Without a checkpoint_dir nothing can go on from where the job is: it stays shrunk.
+rm -f gone-*
+job=(--pipeline 1 --global-batch 8 --steps 8 --eval-interval 0 --threads 1)
+FAKE_SSH_DOOMED=127.0.0.2 FAKE_SSH_DOWN_FOR=2 TROUPE_FAULTS=kill_node=1:3 \
+  "$launcher" train --hostfile hosts2 --min-nodes 1 --regrow-interval 1 "${job[@]}" --data-parallel 2 \
+  --microbatches 4 >g2.log 2>&1
+rc=$?
+[ $rc = 0 ] && grep -q "the job has no checkpoint_dir: it stays on 1 node(s) (taking host(s) 127.0.0.2 back needs a checkpoint to go on from)" g2.log \
+  && ! grep -q "stopped by SIGTERM" g2.log && ! grep -q "checking host(s)" g2.log \
+  && ok "no checkpoint_dir: stays on 1 node" || bad "no checkpoint_dir, regrow: exit $rc" g2.log
+
+# --- 4. hosts that answer ssh but cannot run a node of the job -------------------------
 rm -f gone-*  # every host is back
 if unshare -m true 2>/dev/null; then
   mkdir -p fewer empty
@@ -145,7 +186,7 @@ rc=$?
   && ! grep -q "node 0 of" e5.log && ! grep -q "cannot run a node" e5.log \
   && ok "a bad job: exit 2 before any node" || bad "a bad job over a hostfile: exit $rc" e5.log
 
-# --- 4. refusals ----------------------------------------------------------------------
+# --- 5. refusals ----------------------------------------------------------------------
 "$launcher" train --hostfile hosts2 --min-nodes 3 --steps 1 >r1.log 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "min-nodes must be a count from 1 to the hostfile's 2, not '3'" r1.log \
