@@ -354,7 +354,7 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
       }
     }
     if (stop) {
-      spdlog::error("{}", stopped_text(stop, trainer.next_step(), cfg));
+      spdlog::warn("{}", stopped_text(stop, trainer.next_step(), cfg));
       return exit_stopped;
     }
   }

@@ -42,6 +42,14 @@ int fail(int code, const std::string& msg) {
   return code;
 }
 
+/// A run's end other than 0: an error, or a stop on request (SIGTERM / SIGUSR1), which
+/// is no error (its checkpoint is written).
+int run_ended(int code, const std::string& msg) {
+  if (code != troupe::exit_stopped) return fail(code, msg);
+  std::fprintf(stderr, "troupe: %s\n", msg.c_str());
+  return code;
+}
+
 void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, const std::string& format) {
   if (format == "json") {
     nlohmann::json ranks = nlohmann::json::array();
@@ -200,7 +208,7 @@ int run_node_command(const config_flags& flags) {
   install_stop_handlers(o.node == 0);
   try {
     const auto result = troupe::run_node(o);
-    if (result.exit_code != 0) return fail(result.exit_code, result.error);
+    if (result.exit_code != 0) return run_ended(result.exit_code, result.error);
     return 0;
   } catch (const troupe::config_error& e) {
     return fail(exit_usage, e.what());
@@ -596,7 +604,7 @@ int main(int argc, char** argv) {
     install_stop_handlers(true);
     if (cfg.runtime == "local") return troupe::run_training(cfg, troupe::stop_requested);
     const auto result = troupe::run_actor_training(cfg);
-    if (result.exit_code != 0) return fail(result.exit_code, result.error);
+    if (result.exit_code != 0) return run_ended(result.exit_code, result.error);
     return 0;
   } catch (const troupe::config_error& e) {  // e.g. an output folder that does not exist
     return fail(exit_usage, e.what());

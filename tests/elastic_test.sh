@@ -13,7 +13,8 @@
 #     host, the job's own layout: bit-identical to the fault-free run.
 #  3. a host back while the job runs without it (--regrow-interval): node 0 ends the job
 #     after its step with a checkpoint and it goes on with the host again, bit-identical to
-#     the fault-free run; without a checkpoint_dir the job stays on the hosts it has.
+#     the fault-free run; a host lost for good and replaced in the hostfile meanwhile: the
+#     same with the new host; without a checkpoint_dir the job stays on the hosts it has.
 #  4. hosts that answer but cannot run a node (checked before every launch with `troupe
 #     check-host`): one with another fortunes corpus is left out before the start
 #     (bit-identical to a d2 run), one with none ends a job without --min-nodes (exit 1);
@@ -128,7 +129,7 @@ stopped=$(sed -n 's/.*stopped by SIGTERM after step \([0-9]*\) of 30.*/\1/p' g1.
 [ $rc = 0 ] && grep -q "going on without host(s) 127.0.0.2, .* on 1 node(s): 127.0.0.1$" g1.log \
   && grep -q "checking host(s) 127.0.0.2 every 1 s to take them back (--regrow-interval)" g1.log \
   && ok "host of node 1 lost: on 1 node, the host checked every second" || bad "host lost, regrow: exit $rc" g1.log
-grep -q "host(s) 127.0.0.2 can run a node again: node 0 ends the job after its step with a checkpoint, to go on with them (.* on 2 node(s))" g1.log \
+grep -q "host(s) 127.0.0.2 can run a node: node 0 ends the job after its step with a checkpoint, to go on with them (.* on 2 node(s))" g1.log \
   && [ -n "$stopped" ] && [ "$stopped" -gt 4 ] && [ "$stopped" -lt 30 ] \
   && grep -q "every host can run a node again: .* on 2 node(s): 127.0.0.1 127.0.0.2" g1.log \
   && [ "$(grep -c "node 1 of 2: 127.0.0.2" g1.log)" = 2 ] \
@@ -137,6 +138,24 @@ grep -q "host(s) 127.0.0.2 can run a node again: node 0 ends the job after its s
   || bad "host back: not taken back while running (stopped: '$stopped')" g1.log
 out=$(/usr/bin/python3 "$root/tests/compare_runs.py" rg1 g1 2 2>&1) && ok "bit-identical to the fault-free run ($out)" \
   || { echo "$out"; bad "host taken back: results differ from the fault-free run"; }
+# A host lost for good and replaced in the hostfile while the job runs without it: the
+# next check reads the hostfile again and takes the new host.
+printf '127.0.0.1\n127.0.0.2\n' >hosts-swap
+FAKE_SSH_DOOMED=127.0.0.2 TROUPE_FAULTS=kill_node=1:5 \
+  "$launcher" train --hostfile hosts-swap --min-nodes 1 --regrow-interval 1 "${job[@]}" --checkpoint-dir ck7 \
+  --checkpoint-interval 2 --metrics g3.jsonl --save g3.pt >g3.log 2>&1 &
+launch=$!
+for ((i = 0; i < 600; i++)); do grep -q "checking host(s) 127.0.0.2" g3.log && break; sleep 0.1; done
+printf '127.0.0.1\n127.0.0.3   # in place of 127.0.0.2\n' >hosts-swap.new && mv hosts-swap.new hosts-swap
+wait $launch
+rc=$?
+[ $rc = 0 ] && grep -q "hostfile hosts-swap now names: 127.0.0.1 127.0.0.3" g3.log \
+  && grep -q "host(s) 127.0.0.3 can run a node: node 0 ends the job after its step with a checkpoint" g3.log \
+  && grep -q "every host can run a node again: .* on 2 node(s): 127.0.0.1 127.0.0.3" g3.log \
+  && grep -q "node 1 of 2: 127.0.0.3" g3.log && [ "$(grep -c "the job failed" g3.log)" = 1 ] \
+  && ok "a lost host replaced in the hostfile: taken while the job runs" || bad "host replaced: exit $rc" g3.log
+out=$(/usr/bin/python3 "$root/tests/compare_runs.py" rg1 g3 2 2>&1) && ok "bit-identical to the fault-free run ($out)" \
+  || { echo "$out"; bad "host replaced: results differ from the fault-free run"; }
 # Without a checkpoint_dir nothing can go on from where the job is: it stays shrunk.
 rm -f gone-*
 job=(--pipeline 1 --global-batch 8 --steps 8 --eval-interval 0 --threads 1)
