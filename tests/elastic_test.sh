@@ -210,6 +210,10 @@ rc=$?
 rc=$?
 [ $rc = 2 ] && grep -q "min-nodes must be a count from 1 to the hostfile's 2, not '3'" r1.log \
   && ok "--min-nodes above the hosts: exit 2" || bad "--min-nodes 3 of 2 hosts: exit $rc" r1.log
+"$launcher" train --hostfile hosts2 --min-nodes 1 --regrow-interval 1.5 --steps 1 >r3.log 2>&1
+rc=$?
+[ $rc = 2 ] && grep -q "regrow-interval must be whole seconds, not '1.5'" r3.log && ! grep -q "node 0 of" r3.log \
+  && ok "--regrow-interval 1.5: exit 2" || bad "--regrow-interval 1.5: exit $rc" r3.log
 "$launcher" train --nodes 2 --min-nodes 1 --steps 1 >r2.log 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "min-nodes needs --hostfile" r2.log && ok "--min-nodes without --hostfile: exit 2" \
