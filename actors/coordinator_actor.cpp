@@ -338,9 +338,15 @@ void write_metrics(self_ptr self, const nlohmann::json& line) {
   auto& s = self->state;
   if (!s.metrics.is_open()) return;
   if (!s.recovery.is_null()) {
-    if (const char* failed = std::getenv("TROUPE_FAILED_AT")) {  // set by the launcher
-      const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    // Set by the launcher for a restart after a failure, or for a launch that takes hosts
+    // back (its stop request's time).
+    const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    if (const char* failed = std::getenv("TROUPE_FAILED_AT")) {
+      s.recovery["cause"] = "failure";
       s.recovery["seconds_from_failure_to_step"] = now - std::atof(failed);
+    } else if (const char* stopped = std::getenv("TROUPE_REGROW_AT")) {
+      s.recovery["cause"] = "hosts back";
+      s.recovery["seconds_from_stop_to_step"] = now - std::atof(stopped);
     }
     s.metrics << s.recovery.dump() << '\n';
     s.recovery = nullptr;

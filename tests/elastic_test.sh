@@ -138,6 +138,18 @@ grep -q "host(s) 127.0.0.2 can run a node: node 0 ends the job after its step wi
   || bad "host back: not taken back while running (stopped: '$stopped')" g1.log
 out=$(/usr/bin/python3 "$root/tests/compare_runs.py" rg1 g1 2 2>&1) && ok "bit-identical to the fault-free run ($out)" \
   || { echo "$out"; bad "host taken back: results differ from the fault-free run"; }
+# The metrics log says why each launch resumed, and how long the one taking the host back
+# took from its stop request to its first step.
+out=$(/usr/bin/python3 - g1.jsonl <<'PY' 2>&1
+import json, sys
+r = [j for j in map(json.loads, open(sys.argv[1])) if j.get("event") == "resume"]
+assert [j.get("cause") for j in r] == ["failure", "hosts back"], r
+assert "seconds_from_failure_to_step" in r[0] and "seconds_from_stop_to_step" not in r[0], r[0]
+s = r[1]["seconds_from_stop_to_step"]
+assert 0 < s < 60 and "seconds_from_failure_to_step" not in r[1], r[1]
+print(f"from the stop request to the next step: {s:.2f} s")
+PY
+) && ok "resume lines: cause failure, then hosts back ($out)" || bad "resume lines: $out"
 # A host lost for good and replaced in the hostfile while the job runs without it: the
 # next check reads the hostfile again and takes the new host.
 printf '127.0.0.1\n127.0.0.2\n' >hosts-swap
