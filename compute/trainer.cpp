@@ -189,16 +189,30 @@ std::vector<std::pair<std::string, double>> evaluation::fields() const {
   return {{"test_loss", loss}, {"test_accuracy", accuracy}};
 }
 
-evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step) {
+evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step,
+                          std::int64_t tokens_per_forward) {
   torch::NoGradGuard no_grad;
   evaluation e;
   e.text = text;
   auto& last = model.slice(model.virtual_stages() - 1);
   const auto device = last.flat_params().device();  // fp32, on the model's device
-  const auto target = set.target.to(device);
-  const auto out = model.forward(set.input.to(device));
-  e.loss = last.loss(out, target).item<double>();
-  if (!text) e.accuracy = last.logits(out).argmax(-1).eq(target).to(torch::kFloat64).mean().item<double>();
+  const std::int64_t rows = set.input.size(0);
+  const std::int64_t per =
+      text ? std::max<std::int64_t>(1, tokens_per_forward / std::max<std::int64_t>(1, set.input.size(1))) : rows;
+  if (per >= rows) {
+    const auto target = set.target.to(device);
+    const auto out = model.forward(set.input.to(device));
+    e.loss = last.loss(out, target).item<double>();
+    if (!text) e.accuracy = last.logits(out).argmax(-1).eq(target).to(torch::kFloat64).mean().item<double>();
+  } else {  // text only: windows of one length, each forward's loss a mean over its tokens
+    double weighted = 0;
+    for (std::int64_t b = 0; b < rows; b += per) {
+      const std::int64_t n = std::min(per, rows - b);
+      const auto out = model.forward(set.input.narrow(0, b, n).to(device));
+      weighted += last.loss(out, set.target.narrow(0, b, n).to(device)).item<double>() * double(n);
+    }
+    e.loss = weighted / double(rows);
+  }
   if (step <= 0) return e;
   if (text)
     spdlog::info("step {}: validation loss {:.4f}", step, e.loss);

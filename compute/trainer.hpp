@@ -67,9 +67,18 @@ struct evaluation {
   std::vector<std::pair<std::string, double>> fields() const;
 };
 
-/// Evaluates `model` (no autograd) on `set`; logs one line naming `step` (1-based; 0: no
-/// line).
-evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step);
+/// Tokens one evaluation forward takes at most (text: whole windows, at least one): the
+/// validation windows go through the model a few at a time, so evaluation holds the
+/// activations of those only. gpt-tiny's 32 windows of 128 tokens are one forward;
+/// gpt-small's of 1024 go 8 at a time (all 32 at once held 9 GB on the CPU). A test set of
+/// images is one forward.
+constexpr std::int64_t eval_tokens_per_forward = 8192;
+
+/// Evaluates `model` (no autograd) on `set`, `tokens_per_forward` at a time (text); logs
+/// one line naming `step` (1-based; 0: no line). The loss of several forwards is the mean
+/// of theirs weighted by their windows, summed in double (one forward: its loss as is).
+evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step,
+                          std::int64_t tokens_per_forward = eval_tokens_per_forward);
 
 class local_trainer {
  public:
