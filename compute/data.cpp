@@ -88,6 +88,7 @@ void text_corpus::add(const std::uint8_t* data, std::size_t size) {
 }
 
 void text_corpus::add_buffer(std::vector<std::uint8_t> bytes) {
+  if (bytes.empty()) return;
   storage_->buffers.push_back(std::move(bytes));  // the vector's heap block stays where it is
   add(storage_->buffers.back().data(), storage_->buffers.back().size());
 }

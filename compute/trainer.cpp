@@ -199,20 +199,19 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
   const std::int64_t rows = set.input.size(0);
   const std::int64_t per =
       text ? std::max<std::int64_t>(1, tokens_per_forward / std::max<std::int64_t>(1, set.input.size(1))) : rows;
-  if (per >= rows) {
-    const auto target = set.target.to(device);
-    const auto out = model.forward(set.input.to(device));
-    e.loss = last.loss(out, target).item<double>();
-    if (!text) e.accuracy = last.logits(out).argmax(-1).eq(target).to(torch::kFloat64).mean().item<double>();
-  } else {  // text only: windows of one length, each forward's loss a mean over its tokens
-    double weighted = 0;
-    for (std::int64_t b = 0; b < rows; b += per) {
-      const std::int64_t n = std::min(per, rows - b);
-      const auto out = model.forward(set.input.narrow(0, b, n).to(device));
-      weighted += last.loss(out, set.target.narrow(0, b, n).to(device)).item<double>() * double(n);
-    }
-    e.loss = weighted / double(rows);
+  // Each forward's loss is a mean over its rows' tokens (text windows are of one length).
+  // One forward gives its loss's bits as they are: a float times a row count below 2^29 is
+  // exact in double, and so is dividing it back.
+  double weighted = 0, correct = 0;
+  for (std::int64_t b = 0; b < rows; b += per) {
+    const std::int64_t n = std::min(per, rows - b);
+    const auto target = set.target.narrow(0, b, n).to(device);
+    const auto out = model.forward(set.input.narrow(0, b, n).to(device));
+    weighted += last.loss(out, target).item<double>() * double(n);
+    if (!text) correct += last.logits(out).argmax(-1).eq(target).sum().item<double>();
   }
+  e.loss = weighted / double(rows);
+  e.accuracy = text ? 0 : correct / double(rows);
   if (step <= 0) return e;
   if (text)
     spdlog::info("step {}: validation loss {:.4f}", step, e.loss);

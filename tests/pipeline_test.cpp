@@ -207,7 +207,12 @@ namespace troupe {
 // evaluation takes at its peak is a fraction (here 32 windows of 1024 tokens, as
 // gpt-small's: their attention scores alone were 268 MB per block at once).
 TEST(Evaluation, LongWindowsGoThroughTheModelAFewAtATime) {
+  const int threads = torch::get_num_threads();  // given back: later tests of this process compare at theirs
   torch::set_num_threads(1);
+  struct restore_threads {
+    int n;
+    ~restore_threads() { torch::set_num_threads(n); }
+  } restore{threads};
   model_spec spec;
   spec.gpt = {2, 2, 32, 64, 1024, 256};  // gpt-small's window length on a small model
   local_pipeline model(spec, initial_state(spec, 3), 1);
