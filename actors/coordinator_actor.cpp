@@ -62,6 +62,12 @@ struct coordinator_state {
   std::map<int, caf::actor> lost;  // lost nodes awaiting a restarted process: their old supervisor
   int rejoins = 0;           // node processes the launcher restarted so far (opts.node_restarts)
   int skipped_before = 0;    // `skipped` when the step began (a retry counts again)
+  // An evaluation through the pipeline (between steps): each forward's score, by forward.
+  bool evaluating = false;
+  std::vector<eval_score> eval_scores;
+  std::vector<bool> seen_evals;
+  int n_evals = 0;
+  std::function<void(evaluation)> eval_then;
 };
 
 using self_ptr = caf::stateful_actor<coordinator_state>*;
@@ -132,7 +138,8 @@ void fail(self_ptr self, const std::string& why, bool recoverable = true) {
               << '\n'
               << std::flush;
   // Steps count from 1 in what people read (progress lines), from 0 in metrics and faults.
-  const auto what = "step " + std::to_string(s.step + 1) + "/" + std::to_string(s.ctx->cfg.steps) + " aborted: " + why;
+  const auto what = (s.evaluating ? "the evaluation after step " : "step ") + std::to_string(s.step + 1) + "/" +
+                    std::to_string(s.ctx->cfg.steps) + (s.evaluating ? " failed: " : " aborted: ") + why;
   if (!in_place) return finish(self, recoverable ? exit_recoverable : 1, what);
   spdlog::warn("{}; retrying it in place ({} of at most {})", what, s.attempt + 1, s.ctx->cfg.max_step_retries);
   retry_in_place(self);
@@ -389,14 +396,75 @@ void open_metrics(self_ptr self) {
   if (!s.metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
 }
 
-void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line) {
+/// Writes an evaluation's fields and time (`eval_seconds`) into the step's metrics line and
+/// keeps it for the run's result.
+void record_evaluation(self_ptr self, const evaluation& e, double seconds, nlohmann::json& line) {
+  for (const auto& [key, value] : e.fields()) line[key] = value;
+  line["eval_seconds"] = seconds;
+  self->state.result->evaluations.push_back({int(self->state.step) + 1, e.loss, e.accuracy});
+}
+
+/// eval_mode gather: evaluates the whole model, gathered from the stages, here.
+void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line, double t0) {
   auto& s = self->state;
   torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   if (!s.eval_data) s.eval_data = std::make_unique<training_data>(s.ctx->cfg, training_data::use::evaluation);
   local_pipeline model(s.ctx->spec, state, 1, 1, {}, 1, s.ctx->device);  // on the job's device
   const auto e = evaluate_model(model, s.eval_data->evaluation_set(), s.ctx->spec.type == model_spec::kind::gpt,
-                                int(s.step) + 1);
-  for (const auto& [key, value] : e.fields()) line[key] = value;
+                                int(s.step) + 1, s.ctx->cfg.eval_tokens);
+  record_evaluation(self, e, (s.ctx->now_us() - t0) * 1e-6, line);
+}
+
+/// eval_mode pipeline (Megatron's forward-only schedule): the evaluation set's forwards
+/// go forward only through the stage actors, forward f through replica f mod d, all of
+/// them sent at once (a stage runs each as its input arrives, so the forwards pipeline);
+/// the last stages score them (`eval_result`). Once every forward is scored the stages
+/// hand over their ops' trace events, and `then` gets the evaluation, combined in forward
+/// order as evaluate_model combines it. Nothing is gathered: no process holds more of the
+/// model than its stages. A failure or a timeout (step_timeout) ends the run as a failure
+/// after a committed step does (exit 75: a restart from the newest checkpoint).
+void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
+  auto& s = self->state;
+  const auto& ctx = *s.ctx;
+  torch::set_num_threads(1);
+  if (!s.eval_data) s.eval_data = std::make_unique<training_data>(ctx.cfg, training_data::use::evaluation);
+  const auto& set = s.eval_data->evaluation_set();
+  const auto plan = plan_evaluation(set, ctx.spec.type == model_spec::kind::gpt, ctx.cfg.eval_tokens);
+  s.evaluating = true;
+  s.eval_scores.assign(plan.size(), {});
+  s.seen_evals.assign(plan.size(), false);
+  s.n_evals = 0;
+  s.eval_then = std::move(then);
+  for (std::size_t f = 0; f < plan.size(); ++f) {
+    const auto& row = s.wiring->stages[f % std::size_t(ctx.d)];
+    const auto rows = [&](const torch::Tensor& t) { return make_payload(t.narrow(0, plan[f].begin, plan[f].rows)); };
+    self->send(row.back(), eval_target{s.step, std::int32_t(f), rows(set.target)});
+    self->send(row.front(), eval_activation{s.step, std::int32_t(f), 0, rows(set.input)});
+  }
+  self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), eval_atom_v, s.step);
+}
+
+/// Every forward is scored: collects the stages' evaluation events (the trace), then
+/// hands the evaluation on.
+void end_evaluation(self_ptr self) {
+  auto& s = self->state;
+  const auto& ctx = *s.ctx;
+  auto pending = std::make_shared<int>(ctx.d * ctx.p);
+  for (const auto& row : s.wiring->stages)
+    for (const auto& stage : row)
+      self->request(stage, state_timeout, eval_atom_v, s.step)
+          .then(
+              [=](const std::vector<trace_event>& events) {
+                auto& s = self->state;
+                s.result->events.insert(s.result->events.end(), events.begin(), events.end());
+                if (--*pending > 0) return;
+                s.evaluating = false;
+                const auto e = combine_evaluation(s.eval_scores, s.eval_data->evaluation_set().input.size(0),
+                                                  s.ctx->spec.type == model_spec::kind::gpt, int(s.step) + 1);
+                auto then = std::move(s.eval_then);
+                then(e);
+              },
+              [=](caf::error& err) { fail(self, "no evaluation events from a stage: " + self->system().render(err)); });
 }
 
 /// After a clean reset: evaluation / checkpoint when due, then the next step or the end.
@@ -429,25 +497,36 @@ void after_reset(self_ptr self, nlohmann::json line) {
     s.attempt = 0;
     begin(self);
   };
-  if (!eval && !save && !folder && !last) {
-    write_metrics(self, line);
-    return proceed({});
-  }
-  const double t0 = s.ctx->now_us();
-  fetch_state(self, [=](model_state state) mutable {
-    if (eval) evaluate(self, state.full, line);  // with the parameters the stages compute with
-    write_metrics(self, line);
-    const bool rounded = self->state.ctx->compute_dtype != torch::kFloat32;
-    if (!save && !folder && !(last && rounded)) return proceed(std::move(state.full));
-    with_shard_state(self, std::move(state), [=](model_state state, named_moments moments) {
-      if ((save || folder) && !save_checkpoint(self, state, moments, save, folder, last || stop)) return;
-      auto& s = self->state;
-      if (folder && !eval) {
-        s.checkpoint_seconds += (s.ctx->now_us() - t0) * 1e-6;
-        ++s.checkpoints;
-      }
-      proceed(std::move(state.full));
+  const bool gathered_eval = eval && cfg.eval_mode == "gather";
+  // After the evaluation (if any): the gathered model where something needs it (a gathered
+  // evaluation, a checkpoint, the run's end), the metrics line, then the next step.
+  auto rest = [=](nlohmann::json line) {
+    if (!gathered_eval && !save && !folder && !last) {
+      write_metrics(self, line);
+      return proceed({});
+    }
+    const double t0 = self->state.ctx->now_us();
+    fetch_state(self, [=](model_state state) mutable {
+      if (gathered_eval) evaluate(self, state.full, line, t0);  // with the parameters the stages compute with
+      write_metrics(self, line);
+      const bool rounded = self->state.ctx->compute_dtype != torch::kFloat32;
+      if (!save && !folder && !(last && rounded)) return proceed(std::move(state.full));
+      with_shard_state(self, std::move(state), [=](model_state state, named_moments moments) {
+        if ((save || folder) && !save_checkpoint(self, state, moments, save, folder, last || stop)) return;
+        auto& s = self->state;
+        if (folder && !gathered_eval) {
+          s.checkpoint_seconds += (s.ctx->now_us() - t0) * 1e-6;
+          ++s.checkpoints;
+        }
+        proceed(std::move(state.full));
+      });
     });
+  };
+  if (!eval || gathered_eval) return rest(std::move(line));
+  const double t0 = s.ctx->now_us();
+  evaluate_in_pipeline(self, [=](const evaluation& e) mutable {
+    record_evaluation(self, e, (self->state.ctx->now_us() - t0) * 1e-6, line);
+    rest(std::move(line));
   });
 }
 
@@ -728,6 +807,20 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
           return;
         }
         fail(self, msg.actor + ": " + msg.what);
+      },
+      [=](const eval_result& msg) {
+        auto& s = self->state;
+        if (!s.evaluating || msg.step != s.step || msg.index < 0 || std::size_t(msg.index) >= s.eval_scores.size())
+          return;
+        if (!first_report(s.seen_evals, std::size_t(msg.index), "evaluation result", s.step)) return;
+        s.eval_scores[msg.index] = {msg.weighted, msg.correct};
+        if (++s.n_evals == int(s.eval_scores.size())) end_evaluation(self);
+      },
+      [=](eval_atom, std::int64_t step) {
+        auto& s = self->state;
+        if (!s.evaluating || step != s.step) return;
+        fail(self, "not finished within " + std::to_string(s.ctx->cfg.step_timeout) + " s (" +
+                       std::to_string(s.n_evals) + " of " + std::to_string(s.eval_scores.size()) + " forwards scored)");
       },
       [=](timeout_atom, std::int64_t step, std::int32_t attempt) {
         auto& s = self->state;

@@ -144,6 +144,11 @@ struct actor_run_result {
   std::vector<trace_event> events;   ///< every compute event of the run
   std::vector<double> bubbles;       ///< measured per step
   std::vector<double> step_seconds;  ///< wall time of each step (begin to last completion)
+  struct evaluation_record {
+    int step = 0;  ///< after this many steps
+    double loss = 0, accuracy = 0;  ///< accuracy: classifiers only
+  };
+  std::vector<evaluation_record> evaluations;  ///< every evaluation of the run
 };
 
 /// An actor's exception as its exit reason, with the exception's message (install with

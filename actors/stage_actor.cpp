@@ -14,6 +14,7 @@
 
 #include "compute/device.hpp"
 #include "compute/grad_buffer.hpp"
+#include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
 
 namespace troupe {
@@ -31,11 +32,13 @@ struct stage_state {
   const std::vector<pipeline_op>* order = nullptr;   // fixed-order kinds
   int throw_step = -1;                               // fault injection (tests)
   bool throw_late = false;                           //   when the updated parameters arrive
+  bool throw_eval = false;                           //   in the evaluation after that step
   int kill_step = -1;                                // fault injection: SIGKILL this process
   bool stream_set = false;                           // this actor's CUDA stream is its thread's
   std::string message_fault;                         // fault injection: drop|duplicate|corrupt|delay
   int message_fault_step = -1;                       //   of the first tensor message of this step,
-  bool message_fault_loss = false;                   //   or of its first loss report (":loss")
+  std::string message_fault_kind;                    //   or of its first loss report (":loss"), or
+                                                     //   of its first evaluation result (":eval")
 
   bool turn_asked = false;                           // dataflow: a run_atom for a W's turn is on its way
 
@@ -79,6 +82,11 @@ struct stage_state {
   int params_received = 0;
   std::vector<trace_event> events;
   std::vector<caf::message> stash;        // messages of a later step
+  // Evaluation between steps (forward only): the last virtual stage's outputs and the
+  // targets, by forward, until both are here; the evaluation ops' trace events until the
+  // coordinator collects them.
+  std::map<int, torch::Tensor> eval_outputs, eval_targets;
+  std::vector<trace_event> eval_events;
 
   int virtual_of(int chunk) const { return chunk * ctx->p + stage; }
   bool is_last_virtual(int chunk) const { return virtual_of(chunk) == ctx->n_virtual - 1; }
@@ -151,21 +159,24 @@ class stage_logic {
   void report_losses() {
     for (auto& [mb, loss] : s_.losses) {
       loss_report rep{s_.step, s_.replica, mb, loss.item<double>()};
-      if (s_.message_fault_loss && s_.message_fault_step == s_.step && s_.attempt == 0) {  // fault injection, once
-        s_.message_fault_step = -1;
-        const auto& action = s_.message_fault;
-        spdlog::warn("fault injected: {} {}s its first loss report of step {} (index {})", s_.name, action,
-                     s_.step + 1, s_.step);
-        if (action == "drop") continue;
-        if (action == "duplicate") self_->send(s_.wiring->coordinator, rep);
-        if (action == "delay") {
-          self_->delayed_send(s_.wiring->coordinator, std::chrono::milliseconds(300), rep);
-          continue;
-        }
-      }
-      self_->send(s_.wiring->coordinator, rep);
+      if (!report_fault("loss", "loss report", rep)) self_->send(s_.wiring->coordinator, rep);
     }
     s_.losses.clear();
+  }
+
+  /// Fault injection, once: the first report of `kind` ("loss", "eval") to the coordinator
+  /// of the faulty step is dropped, duplicated or delayed. True when it was taken care of
+  /// (dropped or delayed), false when it is still to be sent.
+  template <class Report>
+  bool report_fault(const char* kind, const char* what, const Report& rep) {
+    if (s_.message_fault_kind != kind || s_.message_fault_step != s_.step || s_.attempt != 0) return false;
+    s_.message_fault_step = -1;
+    const auto& action = s_.message_fault;
+    spdlog::warn("fault injected: {} {}s its first {} of step {} (index {})", s_.name, action, what, s_.step + 1,
+                 s_.step);
+    if (action == "duplicate") self_->send(s_.wiring->coordinator, rep);
+    if (action == "delay") self_->delayed_send(s_.wiring->coordinator, std::chrono::milliseconds(300), rep);
+    return action == "drop" || action == "delay";
   }
 
   std::optional<pipeline_op> next_dataflow_op() const {
@@ -207,7 +218,7 @@ class stage_logic {
 
   void execute(const pipeline_op& op) {
     const auto& ctx = *s_.ctx;
-    if (s_.throw_step == s_.step && !s_.throw_late && s_.ops_done == 1 && s_.attempt == 0) {
+    if (s_.throw_step == s_.step && !s_.throw_late && !s_.throw_eval && s_.ops_done == 1 && s_.attempt == 0) {
       spdlog::warn("fault injected: {} throws in step {} (index {})", s_.name, s_.step + 1, s_.step);
       throw std::runtime_error("injected fault: " + s_.name + " throws in step " + std::to_string(s_.step + 1));
     }
@@ -396,6 +407,11 @@ class stage_logic {
     leftover(s_.stash.size(), "stashed message(s)");
     leftover(s_.in_flight != 0, "nonzero in-flight count");
     leftover(s_.tied_pending || s_.tied_in.defined(), "pending tied gradient");
+    leftover(s_.eval_outputs.size(), "evaluation output(s) waiting for targets");
+    leftover(s_.eval_targets.size(), "evaluation target(s) waiting for outputs");
+    s_.eval_outputs.clear();
+    s_.eval_targets.clear();
+    s_.eval_events.clear();
     s_.seen.clear();
     s_.inputs.clear();
     s_.out_grads.clear();
@@ -476,7 +492,7 @@ class stage_logic {
   template <class Msg>
   void deliver(int dest_stage, const caf::actor& dest, Msg msg) {
     const auto& w = *s_.wiring;
-    if (!s_.message_fault_loss && s_.message_fault_step == s_.step && s_.attempt == 0) {  // fault injection, once
+    if (s_.message_fault_kind.empty() && s_.message_fault_step == s_.step && s_.attempt == 0) {  // fault injection, once
       s_.message_fault_step = -1;
       const auto& action = s_.message_fault;
       spdlog::warn("fault injected: {} {}s its first tensor message of step {} (index {})", s_.name, action,
@@ -494,8 +510,98 @@ class stage_logic {
         return;
       }
     }
+    send_to_stage(dest_stage, dest, std::move(msg));
+  }
+
+  /// Hands `msg` to stage `dest_stage` of this replica: in process, or its tensor over the
+  /// world communicator when that stage is on another node.
+  template <class Msg>
+  void send_to_stage(int dest_stage, const caf::actor& dest, Msg msg) {
+    const auto& w = *s_.wiring;
     if (w.remote(s_.replica, dest_stage)) msg.data = ship_payload(w, msg.data, w.nodes[s_.replica][dest_stage], s_.name);
     self_->send(dest, std::move(msg));
+  }
+
+  // --- evaluation: forward only, between steps ---
+
+  /// Evaluation messages belong to the step just committed (the stage is between steps);
+  /// anything else is stale and dropped.
+  bool eval_accepts(std::int64_t step, const char* what) {
+    if (step == s_.step && !s_.running) return true;
+    spdlog::warn("{}: evaluation {} after step {} dropped (the stage is at step {}{})", s_.name, what, step + 1,
+                 s_.step + 1, s_.running ? ", running" : "");
+    return false;
+  }
+
+  /// Runs evaluation forward `msg.index` through chunk `msg.chunk` (no autograd, the
+  /// training forward's precision), then hands the activation on, or keeps the last
+  /// virtual stage's output to score once its targets are here.
+  void on_eval_activation(const eval_activation& msg) {
+    if (!eval_accepts(msg.step, "activation")) return;
+    const auto& ctx = *s_.ctx;
+    const bool gpt = ctx.spec.type == model_spec::kind::gpt;
+    const int x = s_.virtual_of(msg.chunk);
+    if (msg.chunk < 0 || msg.chunk >= ctx.v) return fail("evaluation activation for chunk " + std::to_string(msg.chunk));
+    std::vector<std::int64_t> shape = x > 0 ? ctx.activation_shape(x)
+                                      : gpt ? std::vector<std::int64_t>{0, ctx.spec.gpt.seq_len}
+                                            : std::vector<std::int64_t>{0, ctx.spec.mlp_widths[0]};
+    shape[0] = msg.data.shape.empty() ? -1 : std::max<std::int64_t>(1, msg.data.shape[0]);
+    const auto dtype = x > 0 ? ctx.compute_dtype : gpt ? torch::kInt64 : torch::kFloat32;
+    const auto problem = check_payload(msg.data, shape, dtype);
+    if (!problem.empty()) return fail("evaluation activation of forward " + std::to_string(msg.index) + ": " + problem);
+    if (s_.throw_eval && s_.throw_step == s_.step) {  // fault injection
+      spdlog::warn("fault injected: {} throws in the evaluation after step {} (index {})", s_.name, s_.step + 1, s_.step);
+      throw std::runtime_error("injected fault: " + s_.name + " throws in the evaluation after step " +
+                               std::to_string(s_.step + 1));
+    }
+    auto in = tensor_of(msg.data).to(ctx.device);
+    if (x > 0) in = in.to(torch::kFloat32);  // the stage computes from fp32
+    trace_event ev{"eval F", s_.replica, s_.stage, msg.index, msg.chunk, s_.step, ctx.now_us(), 0};
+    torch::NoGradGuard no_grad;
+    torch::Tensor out;
+    {
+      precision_scope amp(ctx.device, ctx.compute_dtype);
+      out = s_.chunks[msg.chunk]->forward(in);
+    }
+    ev.end_us = ctx.now_us();
+    s_.eval_events.push_back(std::move(ev));
+    if (!s_.is_last_virtual(msg.chunk)) {
+      auto [next, chunk] = s_.owner(x + 1);
+      send_to_stage((x + 1) % ctx.p, next,
+                    eval_activation{s_.step, msg.index, chunk, make_payload(out.to(ctx.compute_dtype), ctx.cfg.checksum)});
+      return;
+    }
+    s_.eval_outputs[msg.index] = out;
+    score_eval(msg.index);
+  }
+
+  void on_eval_target(const eval_target& msg) {
+    if (!eval_accepts(msg.step, "target")) return;
+    const auto problem = check_payload(msg.data, msg.data.shape, torch::kInt64);
+    if (!problem.empty()) return fail("evaluation target of forward " + std::to_string(msg.index) + ": " + problem);
+    s_.eval_targets[msg.index] = tensor_of(msg.data).to(s_.ctx->device);
+    score_eval(msg.index);
+  }
+
+  /// Last stage: scores forward `index` once its output and its targets are both here.
+  void score_eval(int index) {
+    const auto out = s_.eval_outputs.find(index);
+    const auto target = s_.eval_targets.find(index);
+    if (out == s_.eval_outputs.end() || target == s_.eval_targets.end()) return;
+    const auto& ctx = *s_.ctx;
+    if (out->second.size(0) != target->second.size(0))
+      return fail("evaluation forward " + std::to_string(index) + ": " + std::to_string(out->second.size(0)) +
+                  " rows but " + std::to_string(target->second.size(0)) + " targets");
+    torch::NoGradGuard no_grad;
+    eval_score score;
+    {
+      precision_scope amp(ctx.device, ctx.compute_dtype);
+      score = score_evaluation(*s_.chunks.back(), out->second, target->second, ctx.spec.type == model_spec::kind::gpt);
+    }
+    s_.eval_outputs.erase(out);
+    s_.eval_targets.erase(target);
+    const eval_result result{s_.step, s_.replica, index, score.weighted, score.correct};
+    if (!report_fault("eval", "evaluation result", result)) self_->send(s_.wiring->coordinator, result);
   }
 
   /// True when `msg`'s tensor is here; otherwise starts receiving its bytes and sends the
@@ -563,6 +669,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     if (n >= 3 && r == replica && k == stage) {
       st.throw_step = s;
       st.throw_late = n == 4 && std::string(when) == "late";
+      st.throw_eval = n == 4 && std::string(when) == "eval";
     }
   }
   if (!ctx->cfg.message.empty() && ctx->faults_armed()) {
@@ -572,7 +679,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     if (n >= 4 && r == replica && k == stage) {
       st.message_fault = action;
       st.message_fault_step = s;
-      st.message_fault_loss = n == 5 && std::string(kind) == "loss";
+      st.message_fault_kind = n == 5 ? kind : "";
     }
   }
   if (!ctx->cfg.kill_node.empty() && ctx->faults_armed()) {
@@ -678,6 +785,16 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       [=](param_shard& msg) {
         if (!logic->accept(msg.step) || !logic->first_time(4, {msg.chunk, 0}, "parameter buffer")) return;
         logic->on_params(msg);
+      },
+      [=](eval_activation& msg) {
+        if (!logic->fetched(msg)) return;
+        logic->on_eval_activation(msg);
+      },
+      [=](const eval_target& msg) { logic->on_eval_target(msg); },
+      [=](eval_atom, std::int64_t) -> std::vector<trace_event> {  // the evaluation is over: its ops
+        auto events = std::move(self->state.eval_events);
+        self->state.eval_events.clear();
+        return events;
       },
       [=](run_atom) {  // dataflow: a W's turn (asked by run_ready)
         self->state.turn_asked = false;

@@ -17,6 +17,8 @@ namespace {
 bool is_compute(const trace_event& e) { return e.name == "F" || e.name == "B" || e.name == "W"; }
 /// A stage's tensor message: "send <what>" or "recv <what>".
 bool is_comm(const trace_event& e) { return e.name.rfind("send ", 0) == 0 || e.name.rfind("recv ", 0) == 0; }
+/// A forward of an evaluation between steps (its `mb`: the evaluation's forward).
+bool is_eval(const trace_event& e) { return e.name == "eval F"; }
 }  // namespace
 
 step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages) {
@@ -176,6 +178,13 @@ void write_chrome_trace(const std::string& path, const std::vector<trace_event>&
     if (compute) {
       args["op"] = e.name;
       by_track[{e.step, e.replica, e.stage}].push_back(&e);
+    }
+    if (is_eval(e)) {  // on the stage's track, outside the steps' idle gaps
+      out.push_back({{"ph", "X"}, {"name", "eval F" + std::to_string(e.mb)}, {"cat", "evaluation"}, {"pid", e.replica},
+                     {"tid", e.stage}, {"ts", e.start_us}, {"dur", e.end_us - e.start_us},
+                     {"args", {{"step", e.step}, {"stage", e.stage}, {"replica", e.replica}, {"forward", e.mb},
+                               {"chunk", e.chunk}}}});
+      continue;
     }
     if (is_comm(e)) {  // on the stage's track: sends as slices, receives as instants
       json ev{{"name", e.name}, {"cat", "comm"}, {"pid", e.replica}, {"tid", e.stage}, {"ts", e.start_us}, {"args", args}};

@@ -128,6 +128,14 @@ const std::vector<key_def>& key_defs() {
       int_key("train.seed", "seed of initial weights and data sampling", &job_config::seed, 0, 0xffffffffLL),
       int_key("train.threads", "LibTorch intra-op threads (0: every hardware thread)", &job_config::threads, 0, 1024),
       int_key("train.eval_interval", "validation every N steps and at the end", &job_config::eval_interval, 0, 10000000),
+      string_key("train.eval_mode",
+                 "actors: pipeline (the validation windows go forward only through the stage actors, each "
+                 "replica a share, as Megatron's forward-only schedule) or gather (node 0 gathers the whole "
+                 "model and evaluates it alone)",
+                 &job_config::eval_mode),
+      int_key("train.eval_tokens",
+              "tokens per evaluation forward (whole windows, at least one): bounds evaluation's activations",
+              &job_config::eval_tokens, 1, 1LL << 40),
       string_key("train.runtime", "actors (the actor runtime) or local (the plain loop)", &job_config::runtime),
       int_key("train.step_timeout", "seconds before an unfinished step is aborted", &job_config::step_timeout, 1, 1000000),
       int_key("train.max_skipped_steps", "NaN/inf gradients: updates skipped (actors) before the run stops",
@@ -220,16 +228,17 @@ const std::vector<key_def>& key_defs() {
       string_key("output.resume", "continue from a checkpoint folder (or checkpoint_dir's newest: auto)",
                  &job_config::resume),
       string_key("output.trace", "Chrome trace JSON of every executed op (actors runtime)", &job_config::trace),
-      string_key("faults.throw_at", "replica:stage:step[:late] - that stage actor throws in that step (0-based index; late: when its "
-                 "updated parameters arrive; testing)", &job_config::throw_at),
+      string_key("faults.throw_at", "replica:stage:step[:late|:eval] - that stage actor throws in that step (0-based index; late: "
+                 "when its updated parameters arrive; eval: in the evaluation after that step; testing)", &job_config::throw_at),
       int_key("faults.nan_at", "step (0-based index) whose losses the last stages make NaN (testing; -1: none)", &job_config::nan_at, -1,
               10000000),
       string_key("faults.kill_node", "node:step[+node:step...] - that node's process SIGKILLs itself as that step (0-based index) "
                  "begins (testing)",
                  &job_config::kill_node),
       string_key("faults.message",
-                 "ACTION@replica:stage:step[:loss] - drop, duplicate, corrupt or delay that stage's first tensor "
-                 "message of that step, or (:loss) the last stage's first loss report (0-based; testing)",
+                 "ACTION@replica:stage:step[:loss|:eval] - drop, duplicate, corrupt or delay that stage's first "
+                 "tensor message of that step, or (:loss) the last stage's first loss report, or (:eval) its first "
+                 "evaluation result after that step (0-based; testing)",
                  &job_config::message),
       string_key("faults.stall",
                  "stage:rank:step - that optimizer shard never starts its reduce-scatter of that step (testing)",
@@ -348,6 +357,8 @@ void job_config::validate() const {
   };
   check([&] { parse_precision(precision); });
   check([&] { parse_recompute(recompute); });
+  if (eval_mode != "pipeline" && eval_mode != "gather")
+    fail("unknown eval_mode '" + eval_mode + "' (expected pipeline or gather)");
   if (workload == "fmnist-mlp" && has_model_keys())
     fail("the [model] keys shape the gpt workloads (fmnist-mlp's layers are fixed)");
   if (workload != "fmnist-mlp") {
@@ -419,11 +430,13 @@ void job_config::validate() const {
     const int n = std::sscanf(message.c_str(), "%15[a-z]@%d:%d:%d:%7[a-z]%c", action, &r, &k, &step, kind, &extra);
     const std::string a = action;
     if ((n != 4 && n != 5) || (a != "drop" && a != "duplicate" && a != "corrupt" && a != "delay") ||
-        (n == 5 && std::string(kind) != "loss"))
-      fail("faults.message must be drop|duplicate|corrupt|delay@replica:stage:step[:loss], not '" + message + "'");
-    if (n == 5 && a == "corrupt") fail("faults.message: a loss report carries no checksum to corrupt (" + message + ")");
+        (n == 5 && std::string(kind) != "loss" && std::string(kind) != "eval"))
+      fail("faults.message must be drop|duplicate|corrupt|delay@replica:stage:step[:loss|:eval], not '" + message +
+           "'");
+    const std::string report = std::string(kind) == "loss" ? "loss report" : "evaluation result";
+    if (n == 5 && a == "corrupt") fail("faults.message: a " + report + " carries no checksum to corrupt (" + message + ")");
     if (n == 5 && k != pipeline - 1)
-      fail("faults.message: loss reports come from the last stage (" + std::to_string(pipeline - 1) + "), not " +
+      fail("faults.message: " + report + "s come from the last stage (" + std::to_string(pipeline - 1) + "), not " +
            std::to_string(k));
   }
 }

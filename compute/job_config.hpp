@@ -1,8 +1,8 @@
 #pragma once
 // A training job's configuration: workload defaults, then a TOML file, then flags.
 //
-//   [train]     workload, steps, seed, threads, eval_interval, runtime, step_timeout, checksum,
-//               device, precision, deterministic
+//   [train]     workload, steps, seed, threads, eval_interval, eval_mode, eval_tokens, runtime,
+//               step_timeout, checksum, device, precision, deterministic
 //   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split,
 //               max_in_flight, split_backward, credit_window, bucket_size
 //   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
@@ -29,6 +29,13 @@ struct config_error : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+/// Tokens one evaluation forward takes at most by default (`train.eval_tokens`; text: whole
+/// windows, at least one): the validation windows go through the model a few at a time, so
+/// evaluation holds the activations of those only. gpt-tiny's 32 windows of 128 tokens are
+/// one forward; gpt-small's of 1024 go 8 at a time (all 32 at once held 9 GB on the CPU). A
+/// test set of images is one forward.
+constexpr std::int64_t eval_tokens_per_forward = 8192;
+
 struct job_config {
   // [train]
   std::string workload = "gpt-tiny";  ///< gpt-tiny | gpt-small | fmnist-mlp
@@ -36,6 +43,8 @@ struct job_config {
   std::uint64_t seed = 1234;
   int threads = 0;                    ///< LibTorch intra-op threads (0: all hardware threads)
   int eval_interval = 50;             ///< validation every N steps (and at the end)
+  std::string eval_mode = "pipeline"; ///< actors: pipeline (forward-only through the stages) | gather
+  std::int64_t eval_tokens = eval_tokens_per_forward;  ///< tokens per evaluation forward (whole windows, at least one)
   std::string runtime = "actors";     ///< actors | local (the plain single-process loop)
   int step_timeout = 300;             ///< seconds before an unfinished step is aborted
   bool checksum = false;              ///< CRC-32 on every activation / gradient payload

@@ -189,26 +189,30 @@ std::vector<std::pair<std::string, double>> evaluation::fields() const {
   return {{"test_loss", loss}, {"test_accuracy", accuracy}};
 }
 
-evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step,
-                          std::int64_t tokens_per_forward) {
-  torch::NoGradGuard no_grad;
-  evaluation e;
-  e.text = text;
-  auto& last = model.slice(model.virtual_stages() - 1);
-  const auto device = last.flat_params().device();  // fp32, on the model's device
+std::vector<eval_forward> plan_evaluation(const batch& set, bool text, std::int64_t tokens_per_forward) {
   const std::int64_t rows = set.input.size(0);
   const std::int64_t per =
       text ? std::max<std::int64_t>(1, tokens_per_forward / std::max<std::int64_t>(1, set.input.size(1))) : rows;
-  // Each forward's loss is a mean over its rows' tokens (text windows are of one length).
-  // One forward gives its loss's bits as they are: a float times a row count below 2^29 is
-  // exact in double, and so is dividing it back.
+  std::vector<eval_forward> plan;
+  for (std::int64_t b = 0; b < rows; b += per) plan.push_back({b, std::min(per, rows - b)});
+  return plan;
+}
+
+eval_score score_evaluation(model_slice& last, const torch::Tensor& output, const torch::Tensor& target, bool text) {
+  // The loss is a mean over the rows' tokens (text windows are of one length).
+  eval_score s;
+  s.weighted = last.loss(output, target).item<double>() * double(target.size(0));
+  if (!text) s.correct = last.logits(output).argmax(-1).eq(target).sum().item<double>();
+  return s;
+}
+
+evaluation combine_evaluation(const std::vector<eval_score>& scores, std::int64_t rows, bool text, int step) {
+  evaluation e;
+  e.text = text;
   double weighted = 0, correct = 0;
-  for (std::int64_t b = 0; b < rows; b += per) {
-    const std::int64_t n = std::min(per, rows - b);
-    const auto target = set.target.narrow(0, b, n).to(device);
-    const auto out = model.forward(set.input.narrow(0, b, n).to(device));
-    weighted += last.loss(out, target).item<double>() * double(n);
-    if (!text) correct += last.logits(out).argmax(-1).eq(target).sum().item<double>();
+  for (const auto& s : scores) {
+    weighted += s.weighted;
+    correct += s.correct;
   }
   e.loss = weighted / double(rows);
   e.accuracy = text ? 0 : correct / double(rows);
@@ -220,8 +224,22 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
   return e;
 }
 
+evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step,
+                          std::int64_t tokens_per_forward) {
+  torch::NoGradGuard no_grad;
+  auto& last = model.slice(model.virtual_stages() - 1);
+  const auto device = last.flat_params().device();  // fp32, on the model's device
+  std::vector<eval_score> scores;
+  for (const auto& f : plan_evaluation(set, text, tokens_per_forward)) {
+    const auto target = set.target.narrow(0, f.begin, f.rows).to(device);
+    scores.push_back(score_evaluation(last, model.forward(set.input.narrow(0, f.begin, f.rows).to(device)), target, text));
+  }
+  return combine_evaluation(scores, set.input.size(0), text, step);
+}
+
 evaluation local_trainer::evaluate() {
-  return evaluate_model(*replicas_[0], data_.evaluation_set(), spec_.type == model_spec::kind::gpt, next_step_);
+  return evaluate_model(*replicas_[0], data_.evaluation_set(), spec_.type == model_spec::kind::gpt, next_step_,
+                        cfg_.eval_tokens);
 }
 
 state_dict local_trainer::state() const { return replicas_[0]->state(); }

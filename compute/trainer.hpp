@@ -67,16 +67,33 @@ struct evaluation {
   std::vector<std::pair<std::string, double>> fields() const;
 };
 
-/// Tokens one evaluation forward takes at most (text: whole windows, at least one): the
-/// validation windows go through the model a few at a time, so evaluation holds the
-/// activations of those only. gpt-tiny's 32 windows of 128 tokens are one forward;
-/// gpt-small's of 1024 go 8 at a time (all 32 at once held 9 GB on the CPU). A test set of
-/// images is one forward.
-constexpr std::int64_t eval_tokens_per_forward = 8192;
+/// One forward of an evaluation: rows [begin, begin + rows) of the evaluation set.
+struct eval_forward {
+  std::int64_t begin = 0, rows = 0;
+};
 
-/// Evaluates `model` (no autograd) on `set`, `tokens_per_forward` at a time (text); logs
-/// one line naming `step` (1-based; 0: no line). The loss of several forwards is the mean
-/// of theirs weighted by their windows, summed in double (one forward: its loss as is).
+/// The forwards an evaluation of `set` takes, in order: `tokens_per_forward` tokens each
+/// (text: whole windows, at least one; images: the whole set in one).
+std::vector<eval_forward> plan_evaluation(const batch& set, bool text, std::int64_t tokens_per_forward);
+
+/// One forward's share of an evaluation: its mean loss times its rows, and (classifiers)
+/// how many of its rows the model classified correctly.
+struct eval_score {
+  double weighted = 0, correct = 0;
+};
+
+/// Scores one forward: `output` is the last slice's forward output of the forward's rows,
+/// `target` their targets (call without autograd).
+eval_score score_evaluation(model_slice& last, const torch::Tensor& output, const torch::Tensor& target, bool text);
+
+/// The evaluation of `rows` rows from its forwards' scores, summed in forward order (one
+/// forward: its loss's bits as they are: a float times a row count below 2^29 is exact in
+/// double, and so is dividing it back). Logs one line naming `step` (1-based; 0: none).
+evaluation combine_evaluation(const std::vector<eval_score>& scores, std::int64_t rows, bool text, int step);
+
+/// Evaluates `model` (no autograd) on `set` as `plan_evaluation` splits it, scoring each
+/// forward and combining them as above: the actor runtime's evaluation in the pipeline
+/// gives the same numbers (fp32).
 evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step,
                           std::int64_t tokens_per_forward = eval_tokens_per_forward);
 

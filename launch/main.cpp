@@ -306,7 +306,7 @@ struct trained_model {
 /// Flags that apply to a checkpoint folder too: where to run and where the data is.
 bool applies_to_folders(const std::string& flag) {
   return flag == "--device" || flag == "--fortunes-dir" || flag == "--fmnist-dir" || flag == "--text" ||
-         flag == "--val-text";
+         flag == "--val-text" || flag == "--eval-tokens";
 }
 
 /// Reads the model of `from` (a folder or a file); `cfg`: the flags' configuration.
@@ -329,6 +329,7 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
   m.cfg.device = cfg.device;
   m.cfg.fortunes_dir = cfg.fortunes_dir;
   m.cfg.fmnist_dir = cfg.fmnist_dir;
+  m.cfg.eval_tokens = cfg.eval_tokens;
   const auto given = flags.given();  // the text the run trained on, unless the flag names another
   if (std::find(given.begin(), given.end(), "--text") != given.end()) m.cfg.text = cfg.text;
   if (std::find(given.begin(), given.end(), "--val-text") != given.end()) m.cfg.val_text = cfg.val_text;
@@ -421,7 +422,7 @@ int run_eval_command(const config_flags& flags, const std::string& from) {
                  set.input.size(0), text ? "validation windows" : "test images", m.cfg.data_label());
     const auto start = std::chrono::steady_clock::now();
     troupe::local_pipeline model(m.cfg.model(), m.state, 1, 1, {}, 1, device);
-    const auto e = troupe::evaluate_model(model, set, text, 0);
+    const auto e = troupe::evaluate_model(model, set, text, 0, m.cfg.eval_tokens);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     nlohmann::json line{{"workload", m.cfg.workload}, {"checkpoint", from}};
     if (m.step >= 0) line["step"] = m.step;
@@ -481,7 +482,7 @@ int main(int argc, char** argv) {
   // troupe eval
   auto* eval = app.add_subcommand("eval", "a trained model's loss on its workload's evaluation set");
   config_flags eval_flags;
-  eval_flags.add_to(eval, model_and_data_key);
+  eval_flags.add_to(eval, [](const std::string& k) { return model_and_data_key(k) || k == "train.eval_tokens"; });
   std::string eval_from;
   eval->add_option("--checkpoint", eval_from, checkpoint_help)->required();
 

@@ -59,6 +59,34 @@ struct tied_grad {
   tensor_payload data;
 };
 
+/// Evaluation, forward only (between steps, after step `step` committed): forward `index`
+/// of the evaluation set's rows. Coordinator -> a replica's first stage (virtual stage 0:
+/// the rows' inputs), stage -> the stage owning virtual chunk `chunk` downstream (the
+/// activations).
+struct eval_activation {
+  std::int64_t step = 0;
+  std::int32_t index = 0;
+  std::int32_t chunk = 0;  ///< the receiver's chunk index
+  tensor_payload data;
+};
+
+/// Coordinator -> a replica's last stage: evaluation forward `index`'s targets.
+struct eval_target {
+  std::int64_t step = 0;
+  std::int32_t index = 0;
+  tensor_payload data;
+};
+
+/// Last stage -> coordinator: evaluation forward `index`'s score (compute/trainer.hpp's
+/// eval_score: its mean loss times its rows; classifiers: its rows classified correctly).
+struct eval_result {
+  std::int64_t step = 0;
+  std::int32_t replica = 0;
+  std::int32_t index = 0;
+  double weighted = 0;
+  double correct = 0;
+};
+
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, microbatch_input& x) {
   return f(caf::meta::type_name("microbatch_input"), x.step, x.mb, x.data);
@@ -86,6 +114,19 @@ typename Inspector::result_type inspect(Inspector& f, loss_report& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, tied_grad& x) {
   return f(caf::meta::type_name("tied_grad"), x.step, x.data);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, eval_activation& x) {
+  return f(caf::meta::type_name("eval_activation"), x.step, x.index, x.chunk, x.data);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, eval_target& x) {
+  return f(caf::meta::type_name("eval_target"), x.step, x.index, x.data);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, eval_result& x) {
+  return f(caf::meta::type_name("eval_result"), x.step, x.replica, x.index, x.weighted, x.correct);
 }
 
 }  // namespace troupe

@@ -47,6 +47,9 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (troupe::shard_copy))
   CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::shard_copy>))
   CAF_ADD_TYPE_ID(troupe, (troupe::node_unfit))
+  CAF_ADD_TYPE_ID(troupe, (troupe::eval_activation))
+  CAF_ADD_TYPE_ID(troupe, (troupe::eval_target))
+  CAF_ADD_TYPE_ID(troupe, (troupe::eval_result))
 
   // Atoms (at most 10 characters).
   CAF_ADD_ATOM(troupe, troupe, run_atom, "run")
@@ -60,5 +63,6 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, buddy_atom, "buddy")
   CAF_ADD_ATOM(troupe, troupe, copied_atom, "copied")
   CAF_ADD_ATOM(troupe, troupe, clock_atom, "clock")
+  CAF_ADD_ATOM(troupe, troupe, eval_atom, "eval")
 
 CAF_END_TYPE_ID_BLOCK(troupe)

@@ -386,6 +386,116 @@ TEST(ActorRuntime, FmnistMlpEqualsTheReferenceLoop) {
   for (int i = 0; i < kSteps; ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5);
 }
 
+// eval_mode pipeline (Megatron's forward-only schedule): the validation windows go
+// forward only through the stage actors, forward f through replica f mod d, and give the
+// numbers of the whole model gathered on node 0 and evaluated there (eval_mode gather;
+// fp32: the same forwards, to float rounding). Every stage ran its replica's forwards
+// through each of its chunks, each evaluation; gather runs none there.
+TEST(ActorEvaluation, ThePipelineGivesTheGatheredModelsNumbers) {
+  for (const auto& l : {layout{2, 1, 1, "1f1b"}, layout{2, 2, 2, "interleaved-1f1b"}, layout{4, 1, 1, "dataflow"}}) {
+    auto c = gpt_layout(l);
+    c.steps = 4;
+    c.eval_interval = 2;
+    c.eval_tokens = 1024;  // 8 of the 32 windows of 128 tokens a forward: 4 forwards
+    c.eval_mode = "gather";
+    const auto gathered = run_actors(c);
+    c.eval_mode = "pipeline";
+    const auto piped = run_actors(c);
+    ASSERT_EQ(gathered.exit_code, 0) << gathered.error;
+    ASSERT_EQ(piped.exit_code, 0) << piped.error;
+    ASSERT_EQ(piped.evaluations.size(), 2u) << name_of(l);
+    ASSERT_EQ(gathered.evaluations.size(), 2u) << name_of(l);
+    for (std::size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(piped.evaluations[i].step, 2 * int(i + 1));
+      EXPECT_EQ(gathered.evaluations[i].step, piped.evaluations[i].step);
+      EXPECT_NEAR(piped.evaluations[i].loss, gathered.evaluations[i].loss, 1e-6) << name_of(l) << " evaluation " << i;
+    }
+    EXPECT_NE(piped.evaluations[0].loss, piped.evaluations[1].loss);  // trained between them
+    std::map<std::pair<int, int>, int> forwards;  // (replica, stage): eval ops
+    for (const auto& e : piped.events)
+      if (e.name == "eval F") ++forwards[{e.replica, e.stage}];
+    for (const auto& e : gathered.events) EXPECT_NE(e.name, "eval F");
+    ASSERT_EQ(forwards.size(), std::size_t(l.p * l.d)) << name_of(l);
+    for (const auto& [track, n] : forwards) EXPECT_EQ(n, 2 * (4 / l.d) * l.v) << name_of(l);
+  }
+}
+
+// The classifier's test loss and accuracy too; a bf16 job evaluates in the pipeline as it
+// trains (bf16 compute), within 2 % of its model evaluated in fp32.
+TEST(ActorEvaluation, FmnistAndBf16InThePipeline) {
+  auto m = job_config::defaults_for("fmnist-mlp");
+  m.steps = 2;
+  m.pipeline = m.data_parallel = m.microbatches = 2;
+  m.eval_mode = "gather";
+  const auto gathered = run_actors(m);
+  m.eval_mode = "pipeline";
+  const auto piped = run_actors(m);
+  ASSERT_EQ(piped.exit_code, 0) << piped.error;
+  ASSERT_EQ(piped.evaluations.size(), 1u);
+  ASSERT_EQ(gathered.evaluations.size(), 1u);
+  EXPECT_NEAR(piped.evaluations[0].loss, gathered.evaluations[0].loss, 1e-6);
+  EXPECT_EQ(piped.evaluations[0].accuracy, gathered.evaluations[0].accuracy);
+  EXPECT_GT(piped.evaluations[0].accuracy, 0.3);  // 10 classes: trained, not chance
+
+  auto c = gpt_layout({2, 1, 1, "1f1b"});
+  c.steps = 2;
+  c.precision = "bf16";
+  c.device = "cpu";
+  c.eval_mode = "gather";
+  const auto fp32_compute = run_actors(c);
+  c.eval_mode = "pipeline";
+  const auto bf16_compute = run_actors(c);
+  ASSERT_EQ(bf16_compute.exit_code, 0) << bf16_compute.error;
+  ASSERT_EQ(bf16_compute.evaluations.size(), 1u);
+  const double a = bf16_compute.evaluations[0].loss, b = fp32_compute.evaluations.at(0).loss;
+  EXPECT_NEAR(a / b, 1.0, 0.02);
+  EXPECT_NE(a, b) << "the pipeline's evaluation computes in bf16";
+}
+
+// A stage that fails during the evaluation ends the run as a failure after a committed
+// step does: exit 75 (the launcher restarts from the newest checkpoint), the step's
+// losses kept, no evaluation recorded.
+TEST(ActorEvaluation, AStageThatFailsInTheEvaluationEndsTheRunForARestart) {
+  auto c = gpt_layout({2, 1, 1, "1f1b"});
+  c.steps = 4;
+  c.eval_interval = 2;
+  c.throw_at = "0:1:1:eval";
+  c.step_timeout = 30;
+  const auto got = run_actors(c);
+  EXPECT_EQ(got.exit_code, exit_recoverable);
+  EXPECT_NE(got.error.find("stage[replica 0, stage 1]"), std::string::npos) << got.error;
+  EXPECT_NE(got.error.find("the evaluation after step 2/4 failed: "), std::string::npos) << got.error;
+  EXPECT_NE(got.error.find("throws in the evaluation after step 2"), std::string::npos) << got.error;
+  EXPECT_EQ(got.losses.size(), 2u);
+  EXPECT_TRUE(got.evaluations.empty());
+}
+
+// A lost evaluation result: the evaluation times out (step_timeout) and the run exits for a
+// restart; a duplicated one is dropped and counted once.
+TEST(ActorEvaluation, ALostResultTimesOutADuplicateCountsOnce) {
+  auto c = gpt_layout({2, 1, 1, "1f1b"});
+  c.steps = 2;
+  c.eval_interval = 0;
+  c.eval_tokens = 1024;
+  const auto clean = run_actors(c);
+  ASSERT_EQ(clean.exit_code, 0) << clean.error;
+  c.message = "duplicate@0:1:1:eval";
+  const auto duplicated = run_actors(c);
+  ASSERT_EQ(duplicated.exit_code, 0) << duplicated.error;
+  ASSERT_EQ(duplicated.evaluations.size(), 1u);
+  EXPECT_EQ(duplicated.evaluations[0].loss, clean.evaluations.at(0).loss);
+  c.message = "drop@0:1:1:eval";
+  c.step_timeout = 2;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto dropped = run_actors(c);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(dropped.exit_code, exit_recoverable);
+  EXPECT_NE(dropped.error.find("the evaluation after step 2/2 failed: not finished within 2 s (3 of 4 forwards scored)"),
+            std::string::npos)
+      << dropped.error;
+  EXPECT_LT(seconds, 15.0);
+}
+
 // A micro-batch is in flight from its F until its B, or with a split backward until its
 // W (its W still needs the activations); a W runs only when it is due.
 TEST(ActorRuntime, DataflowRespectsItsInFlightBound) {
@@ -468,7 +578,7 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
   std::ifstream in(c.trace);
   const auto trace = nlohmann::json::parse(in);
   std::set<std::pair<int, int>> tracks;
-  int compute = 0, idle = 0, sends = 0, recvs = 0;
+  int compute = 0, idle = 0, sends = 0, recvs = 0, evals = 0;
   for (const auto& e : trace["traceEvents"]) {
     if (e.value("cat", "") == "comm") {  // tensor messages between stages, on the stage tracks
       const std::string name = e["name"];
@@ -491,7 +601,14 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
       tracks.insert({e["pid"].get<int>(), e["tid"].get<int>()});
     }
     idle += e["cat"] == "idle";
+    if (e["cat"] == "evaluation") {  // the final evaluation: one forward (replica 0), through both stages
+      ++evals;
+      EXPECT_EQ(e["pid"], 0);
+      EXPECT_EQ(e["name"], "eval F0");
+      for (const char* key : {"step", "stage", "forward", "chunk", "replica"}) EXPECT_TRUE(e["args"].contains(key)) << key;
+    }
   }
+  EXPECT_EQ(evals, 2);
   EXPECT_EQ(compute, 2 * 2 * 2 * 2 * c.microbatches);  // steps x replicas x stages x (F + B)
   // Per step and replica: m activations, m gradients and the two tied-embedding gradients.
   EXPECT_EQ(sends, 2 * 2 * (2 * c.microbatches + 2));

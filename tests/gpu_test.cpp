@@ -163,6 +163,7 @@ TEST(Precision, Bf16StagesComputeWithTheMainParametersRoundedToBf16) {
   c.steps = 3;
   c.save = dir / "model.pt";
   c.metrics = dir / "metrics.jsonl";
+  c.eval_mode = "gather";  // the model as the stages hold it, evaluated in fp32 (see below)
   const auto got = run(c, c.steps);
   ASSERT_EQ(got.exit_code, 0) << got.error;
   const auto saved = load_state_dict(c.save);
@@ -174,8 +175,9 @@ TEST(Precision, Bf16StagesComputeWithTheMainParametersRoundedToBf16) {
     if (!torch::equal(t, saved_value(saved, name))) all_bf16_values = false;
   }
   EXPECT_FALSE(all_bf16_values) << "the saved parameters are the fp32 main parameters, not the rounded ones";
-  // The job's validation loss of its last step is that of the rounded parameters (the
-  // coordinator evaluates the stages' parameters, fp32 compute, one thread).
+  // The job's validation loss of its last step is that of the rounded parameters (with
+  // eval_mode gather the coordinator evaluates the stages' parameters, fp32 compute, one
+  // thread).
   std::ifstream in(c.metrics);
   std::string line;
   double job_val = NAN;

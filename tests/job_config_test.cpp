@@ -155,8 +155,8 @@ TEST(JobConfig, TomlTextRoundTripsEveryKey) {
   EXPECT_THROW(troupe::job_config_from_toml("pipeline = [", "test"), troupe::config_error);
 }
 
-// Message faults: tensor messages, or (":loss") the last stage's loss reports; what cannot
-// apply is refused up front.
+// Message faults: tensor messages, or (":loss") the last stage's loss reports, or (":eval")
+// its evaluation results; what cannot apply is refused up front.
 TEST(JobConfig, MessageFaultsAreCheckedUpFront) {
   auto with = [](const std::string& fault) {
     return troupe::load_job_config("", {{"pipeline", "2"}, {"message", fault}});
@@ -166,11 +166,23 @@ TEST(JobConfig, MessageFaultsAreCheckedUpFront) {
   EXPECT_THROW(with("corrupt@0:1:2:loss"), troupe::config_error);  // a loss report has no checksum
   EXPECT_THROW(with("drop@0:0:2:loss"), troupe::config_error);     // stage 0 reports no loss
   EXPECT_THROW(with("drop@0:1:2:grad"), troupe::config_error);
+  EXPECT_NO_THROW(with("drop@0:1:2:eval"));
+  EXPECT_THROW(with("corrupt@0:1:2:eval"), troupe::config_error);
+  EXPECT_THROW(with("duplicate@0:0:2:eval"), troupe::config_error);  // stage 0 scores nothing
   EXPECT_THROW(with("lose@0:1:2"), troupe::config_error);
 }
 
 // kill_node: one node:step, or several joined by '+' (one per node: a node 1 that rejoins,
 // then node 0 killed later in the same launch).
+TEST(JobConfig, EvalModeAndTokensAreChecked) {
+  const auto c = troupe::load_job_config("", {{"eval_mode", "gather"}, {"eval_tokens", "512"}});
+  EXPECT_EQ(c.eval_mode, "gather");
+  EXPECT_EQ(c.eval_tokens, 512);
+  EXPECT_EQ(troupe::load_job_config("", {}).eval_mode, "pipeline");
+  EXPECT_THROW(troupe::load_job_config("", {{"eval_mode", "gathered"}}), troupe::config_error);
+  EXPECT_THROW(troupe::load_job_config("", {{"eval_tokens", "0"}}), troupe::config_error);
+}
+
 TEST(JobConfig, KillNodeTakesOneStepPerNode) {
   auto kills = [](const std::string& fault) { return troupe::load_job_config("", {{"kill_node", fault}}).kill_steps(); };
   EXPECT_EQ(kills("1:7"), (std::map<int, int>{{1, 7}}));

@@ -92,7 +92,7 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
                                        "--threads", "1", "--precision", precision,
                                        "--bucket-size", std::to_string(bucket_size)};
   auto args = flags;
-  args.insert(args.end(), {"--save", dir / "multi.pt"});
+  args.insert(args.end(), {"--save", dir / "multi.pt", "--metrics", dir / "multi.jsonl", "--eval-tokens", "1024"});
   auto group = start({nodes, args}, dir, free_port());
   const auto results = group.wait(std::chrono::seconds(300));
   for (int i = 0; i < nodes; ++i) ASSERT_EQ(results[i].status, 0) << "node " << i << ":\n" << results[i].output;
@@ -106,6 +106,7 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
   cfg.threads = 1;
   cfg.precision = precision;
   cfg.bucket_size = bucket_size;
+  cfg.eval_tokens = 1024;
   cfg.save = dir / "single.pt";
   actor_run_options quiet;
   quiet.quiet = true;
@@ -114,6 +115,15 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
   EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt"), load_state_dict(dir / "single.pt")), 0.0);
   EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt.optim"), load_state_dict(dir / "single.pt.optim")),
             0.0);
+  // The final evaluation, in the pipeline: 4 forwards shared by the replicas, activations
+  // between nodes where a replica's stages are on several.
+  ASSERT_EQ(single.evaluations.size(), 1u);
+  std::ifstream metrics(dir / "multi.jsonl");
+  std::string line, last;
+  while (std::getline(metrics, line)) last = line;
+  const auto j = nlohmann::json::parse(last);
+  ASSERT_TRUE(j.contains("val_loss")) << last;
+  EXPECT_EQ(j.at("val_loss").get<double>(), single.evaluations[0].loss);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MultiProcess,
