@@ -8,10 +8,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+
+#include <spdlog/spdlog.h>
 
 #include "compute/splitmix.hpp"
 
@@ -93,6 +96,36 @@ void text_corpus::add_buffer(std::vector<std::uint8_t> bytes) {
   add(storage_->buffers.back().data(), storage_->buffers.back().size());
 }
 
+namespace {
+
+/// The rest of open file `fd` from its current offset, read to its end (not trusting the
+/// size fstat gave: a file of a special file system may hold more or less).
+std::vector<std::uint8_t> read_all(int fd, std::size_t size_hint, const std::string& file, const std::string& what) {
+  std::vector<std::uint8_t> out(size_hint + 1);  // one more: the end shows without growing
+  std::size_t got = 0;
+  for (;;) {
+    if (got == out.size()) out.resize(out.size() * 2);
+    const auto n = ::read(fd, out.data() + got, out.size() - got);
+    if (n == 0) break;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw data_error("cannot read " + file + " (" + what + "): " + std::strerror(errno));
+    }
+    got += std::size_t(n);
+  }
+  out.resize(got);
+  if (out.capacity() > got + got / 8) out.shrink_to_fit();  // a file that grew: no double buffer kept
+  return out;
+}
+
+/// TROUPE_TEXT_NO_MMAP=1 (testing): every text is read as if its mapping had failed.
+bool mapping_disabled() {
+  const char* v = std::getenv("TROUPE_TEXT_NO_MMAP");
+  return v && *v && std::string(v) != "0";
+}
+
+}  // namespace
+
 void text_corpus::map_files(const std::vector<std::string>& files, const std::string& what) {
   for (const auto& file : files) {
     const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
@@ -104,12 +137,29 @@ void text_corpus::map_files(const std::vector<std::string>& files, const std::st
       throw data_error("cannot read " + file + " (" + what + "): " + std::strerror(err));
     }
     const auto size = static_cast<std::size_t>(st.st_size);
-    void* addr = size == 0 ? nullptr : ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    const int err = errno;
+    void* addr = size == 0 ? nullptr
+                 : mapping_disabled() ? MAP_FAILED
+                                      : ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = mapping_disabled() ? ENODEV : errno;
+    if (size == 0) {
+      ::close(fd);
+      continue;
+    }
+    if (addr == MAP_FAILED) {
+      // A file system that cannot map files (some FUSE and network mounts): the file is
+      // read into memory instead, a copy in this process.
+      spdlog::warn("cannot map {} ({}) into memory ({}): reading its {} bytes into memory instead", file, what,
+                   std::strerror(err), size);
+      try {
+        add_buffer(read_all(fd, size, file, what));
+      } catch (...) {
+        ::close(fd);
+        throw;
+      }
+      ::close(fd);
+      continue;
+    }
     ::close(fd);  // the mapping keeps the file
-    if (size == 0) continue;
-    if (addr == MAP_FAILED)
-      throw data_error("cannot map " + file + " (" + what + ") into memory: " + std::strerror(err));
     storage_->mappings.emplace_back(addr, size);
     add(static_cast<const std::uint8_t*>(addr), size);
     mapped_ += size;

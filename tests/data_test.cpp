@@ -251,6 +251,33 @@ TEST(Data, MappedTextCostsNoHeap) {
                                           << "-byte text";
 }
 
+// A file system that cannot map a text (mmap fails; forced here with TROUPE_TEXT_NO_MMAP):
+// the text is read into memory instead, with a warning, and gives the same samples.
+TEST(Data, ATextThatCannotBeMappedIsReadIntoMemory) {
+  troupe::test::temp_dir dir;
+  std::filesystem::create_directories(dir.path / "texts");
+  std::vector<std::uint8_t> all;
+  for (std::size_t i = 0; i < 3; ++i) {
+    const auto part = pseudo_text(std::size_t(1) << (12 + 4 * i), 77 * i);  // 4 KiB, 64 KiB, 1 MiB
+    write_bytes(dir / ("texts/part-" + std::to_string(i)), part);
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  const auto mapped = text_corpus::read_text(dir / "texts");
+  ::setenv("TROUPE_TEXT_NO_MMAP", "1", 1);
+  const auto before = anonymous_resident_bytes();
+  const auto read = text_corpus::read_text(dir / "texts");
+  const auto grown = anonymous_resident_bytes() - before;
+  ::unsetenv("TROUPE_TEXT_NO_MMAP");
+  EXPECT_EQ(mapped.mapped_bytes(), all.size());
+  EXPECT_EQ(read.mapped_bytes(), 0u);
+  ASSERT_EQ(read.size(), all.size());
+  EXPECT_EQ(read.bytes(), all);
+  EXPECT_GE(grown, std::int64_t(all.size()) * 9 / 10) << "the text is in this process's memory";
+  const int seq_len = 64;
+  EXPECT_TRUE(torch::equal(read.train_batch(5, 0, 256, seq_len).input, mapped.train_batch(5, 0, 256, seq_len).input));
+  EXPECT_TRUE(torch::equal(read.validation_batch(seq_len).target, mapped.validation_batch(seq_len).target));
+}
+
 // data.text replaces the fortunes corpus for the gpt workloads, in training samples and
 // in the fingerprint the hosts compare; a text too short for seq_len fails already there.
 TEST(Data, TrainingDataReadsTheTextOfTheConfig) {
