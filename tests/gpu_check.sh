@@ -8,7 +8,8 @@
 #    checkpoint resumed on the CPU, NCCL) and the checkpoint tests (but the one that runs
 #    /usr/bin/python3: step 3 reads the files with this machine's python instead);
 # 2. in-place retries on the GPU (a stage that throws, one that throws after its update):
-#    bit-identical to the fault-free GPU run (tests/compare_runs.py);
+#    bit-identical to the fault-free GPU run (tests/compare_runs.py); the job evaluating
+#    its gathered model (eval_mode gather) against its evaluation in the pipeline (1e-5);
 # 3. checkpoint folders rotated on the GPU build (keep 2 of 8; PyTorch 2.x's libtorch.so
 #    once crashed removing them), every file read by this python's torch.load with
 #    weights_only=True.
@@ -106,6 +107,20 @@ repeats() {
   "$python" "$root/tests/compare_runs.py" "$out/$1" "$out/$2" 0
 }
 step ref-again repeats ref ref-again
+# The final evaluation of ref ran in the pipeline (eval_mode pipeline, the default): the
+# same job evaluating the gathered model on node 0 (gather) trains bit for bit as ref and
+# gets its validation loss within 1e-5 (fp32: the same forwards on the same device).
+eval_modes() {
+  run_job eval-gather --eval-mode gather >"$out/eval-gather.run" 2>&1 || { cat "$out/eval-gather.run"; return 1; }
+  "$python" "$root/tests/compare_runs.py" "$out/ref" "$out/eval-gather" 0 || return 1
+  "$python" - "$out/ref.jsonl" "$out/eval-gather.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["val_loss"] for l in open(f) if "val_loss" in l] for f in sys.argv[1:])
+print("validation loss, pipeline / gather:", a, b)
+assert len(a) == len(b) == 1 and abs(a[0] - b[0]) <= 1e-5 * b[0], (a, b)
+PY
+}
+step eval-modes eval_modes
 step inplace-throw inplace throw --throw-at 1:1:10
 step inplace-throw-after-update inplace late --throw-at 0:0:5:late
 

@@ -56,7 +56,7 @@ if [ -z "$build" ]; then
   tail -3 "$work/build.log"
 fi
 
-parts=(gtests 'ref|ref-again|inplace-.*|checkpoint-rotation|recompute-generate-eval|zero-bubble|check-host-text'
+parts=(gtests 'ref|ref-again|eval-modes|inplace-.*|checkpoint-rotation|recompute-generate-eval|zero-bubble|check-host-text'
   'ref|nodes-4|nodes-4-rejoin|nodes-4-staged|nodes-4-links|nodes-4-links-rejoin|nodes-4-auto|sdpa-determinism|op-times'
   'ref|nodes-4-links-schedules|nodes-4-bf16|nodes-4-nccl|gradient-buckets')
 phase "gpu_check, ${#parts[@]} parts side by side"
