@@ -812,7 +812,11 @@ actor_run_result run_node(const node_options& o) {
             self->receive([&](const caf::down_msg&) { ++down; }, caf::after(10s) >> [&] { waiting = false; });
           result = *shared_result;
         } else {
-          // Serve until the coordinator stops our supervisor, or node 0 is gone.
+          // Serve until the coordinator stops our supervisor, or node 0 is gone. Ending any
+          // other way, the process ends with the recoverable status: the launcher starts it
+          // again, and it rejoins the job if node 0 is still there (a link that was cut
+          // for a while, node 0 stalled past the connection timeout); if node 0 is gone
+          // for good, the launcher restarts the whole job anyway.
           self->monitor(supervisor);
           self->monitor(registrar_handle);
           bool running = true;
@@ -821,7 +825,7 @@ actor_run_result run_node(const node_options& o) {
               if (msg.source == supervisor.address()) {
                 running = false;
                 const bool clean = msg.reason == caf::exit_reason::user_shutdown;
-                result.exit_code = clean ? 0 : 1;
+                result.exit_code = clean ? 0 : exit_recoverable;
                 if (!clean) result.error = where + ": supervisor stopped: " + sys.render(msg.reason);
               } else {
                 // Node 0 gone: a clean end reaches our supervisor first; give it a moment.
@@ -830,7 +834,7 @@ actor_run_result run_node(const node_options& o) {
                 }, caf::after(2s) >> [] {});
                 if (running) {
                   running = false;
-                  result.exit_code = 1;
+                  result.exit_code = exit_recoverable;
                   result.error = where + ": lost the coordinator (node 0): " + sys.render(msg.reason);
                   self->send_exit(supervisor, caf::exit_reason::user_shutdown);
                 }

@@ -6,7 +6,8 @@
 # bit-identical to the fault-free one with the same loss log. Also: the last node (whose
 # buddy is node 0), a node that does not come back in time (exit 75, the launcher restarts
 # the job from its newest checkpoint), a node and its buddy lost together (the same), and
-# --max-node-restarts 0 (no buddy copies, a job restart).
+# --max-node-restarts 0 (no buddy copies, a job restart); node 0 stalled past the
+# connection timeout (node 1 ends, is started again and rejoins).
 #   tests/rejoin_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/launcher_lib.sh" "$@"
 job=(train --pipeline 2 --data-parallel 2 --steps 10 --eval-interval 0)
@@ -48,6 +49,40 @@ restarted() {  # reference, name, what must be in the log, then the flags
 two=(--nodes 2)
 reference ref "${two[@]}"
 rejoined ref kill-node-1 1 "${two[@]}" --kill-node 1:4
+# Node 0 stalled (SIGSTOP for 8 s: a paused VM, a swapped-out process) past the connection
+# timeout (5 s): node 1 loses it and ends with the recoverable status (75), the launcher
+# starts it again, and it rejoins the job in place once node 0 runs again (no job
+# restart); the run ends bit-identical to the fault-free one.
+stalled() {
+  local name=node-0-stalled i pid rc
+  "$launcher" "${job[@]}" "${two[@]}" --metrics "$tmp/$name.jsonl" --save "$tmp/$name.pt" >"$tmp/$name.log" 2>&1 &
+  local launch=$!
+  for ((i = 0; i < 600; i++)); do
+    grep -q "^step  3/10 |" "$tmp/$name.log" 2>/dev/null && break
+    sleep 0.1
+  done
+  pid=$(grep -o "node 0 of 2: localhost, pid [0-9]*" "$tmp/$name.log" | grep -o "[0-9]*$")
+  if [ -z "$pid" ] || ! grep -q "^step  3/10 |" "$tmp/$name.log"; then
+    wait $launch
+    bad "$name: no step 3 or no pid of node 0" "$tmp/$name.log"
+    return
+  fi
+  kill -STOP "$pid"
+  sleep 8
+  kill -CONT "$pid"
+  wait $launch
+  rc=$?
+  if [ $rc = 0 ] && grep -q "node 1: lost the coordinator (node 0)" "$tmp/$name.log" \
+    && grep -q "node 1 ended (status 75); starting it again" "$tmp/$name.log" \
+    && grep -q "node 1 rejoined .* rebuilding its actors from the copies on node 0" "$tmp/$name.log" \
+    && ! grep -q "the job failed" "$tmp/$name.log"; then
+    ok "$name: node 1 lost node 0, was started again and rejoined, no job restart"
+    same ref "$name" 0
+  else
+    bad "$name: exit $rc, or node 1 did not rejoin" "$tmp/$name.log"
+  fi
+}
+stalled
 # Over TCP only (nodes on different machines): the rejoined process's workers connect to
 # the others' fresh ones over TCP, the buddy copies travel over TCP.
 UCX_TLS=tcp,self rejoined ref kill-node-1-tcp 1 "${two[@]}" --kill-node 1:4
