@@ -460,7 +460,7 @@ void end_evaluation(self_ptr self) {
                 if (--*pending > 0) return;
                 s.evaluating = false;
                 const auto e = combine_evaluation(s.eval_scores, s.eval_data->evaluation_set().input.size(0),
-                                                  s.ctx->spec.type == model_spec::kind::gpt, int(s.step) + 1);
+                                                  s.ctx->spec.type == model_spec::kind::gpt, 0);  // logged with its time
                 auto then = std::move(s.eval_then);
                 then(e);
               },
@@ -499,9 +499,10 @@ void after_reset(self_ptr self, nlohmann::json line) {
   };
   const bool gathered_eval = eval && cfg.eval_mode == "gather";
   // After the evaluation (if any): the gathered model where something needs it (a gathered
-  // evaluation, a checkpoint, the run's end), the metrics line, then the next step.
+  // evaluation, a checkpoint, the run's end when the caller wants the final state), the
+  // metrics line, then the next step.
   auto rest = [=](nlohmann::json line) {
-    if (!gathered_eval && !save && !folder && !last) {
+    if (!gathered_eval && !save && !folder && !(last && self->state.opts.final_state)) {
       write_metrics(self, line);
       return proceed({});
     }
@@ -525,7 +526,11 @@ void after_reset(self_ptr self, nlohmann::json line) {
   if (!eval || gathered_eval) return rest(std::move(line));
   const double t0 = s.ctx->now_us();
   evaluate_in_pipeline(self, [=](const evaluation& e) mutable {
-    record_evaluation(self, e, (self->state.ctx->now_us() - t0) * 1e-6, line);
+    auto& s = self->state;
+    const double seconds = (s.ctx->now_us() - t0) * 1e-6;
+    spdlog::info("step {}: {} ({} forward(s) through the pipeline in {:.2f} s)", done_steps, e.summary(),
+                 s.eval_scores.size(), seconds);
+    record_evaluation(self, e, seconds, line);
     rest(std::move(line));
   });
 }
@@ -666,6 +671,7 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
             [=](bool) {
               if (--*pending > 0) return;
               if (self->state.step < self->state.ctx->cfg.steps) return begin(self);
+              if (!self->state.opts.final_state) return finish(self, 0, "");
               fetch_final_state(self, [=](state_dict state) {  // nothing left to run
                 self->state.result->final_state = std::move(state);
                 finish(self, 0, "");

@@ -134,6 +134,11 @@ struct actor_run_options {
   /// (TROUPE_NODE_RESTARTS); so often the coordinator waits for one to rejoin (up to
   /// train.rejoin_timeout each time).
   int node_restarts = 0;
+  /// Gather the whole model at the run's end into actor_run_result::final_state (tests and
+  /// callers of run_actor_training read it). `troupe train` and node processes do not:
+  /// there only --save and checkpoint_dir gather it, so without them node 0 never holds
+  /// more of the model than its own stages.
+  bool final_state = true;
 };
 
 struct actor_run_result {

@@ -216,12 +216,13 @@ evaluation combine_evaluation(const std::vector<eval_score>& scores, std::int64_
   }
   e.loss = weighted / double(rows);
   e.accuracy = text ? 0 : correct / double(rows);
-  if (step <= 0) return e;
-  if (text)
-    spdlog::info("step {}: validation loss {:.4f}", step, e.loss);
-  else
-    spdlog::info("step {}: test loss {:.4f}, test accuracy {:.2f} %", step, e.loss, 100 * e.accuracy);
+  if (step > 0) spdlog::info("step {}: {}", step, e.summary());
   return e;
+}
+
+std::string evaluation::summary() const {
+  if (text) return fmt::format("validation loss {:.4f}", loss);
+  return fmt::format("test loss {:.4f}, test accuracy {:.2f} %", loss, 100 * accuracy);
 }
 
 evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, int step,

@@ -65,6 +65,8 @@ struct evaluation {
   double accuracy = 0;  ///< fraction correct (mlp only)
   /// Metrics fields: val_loss, or test_loss and test_accuracy.
   std::vector<std::pair<std::string, double>> fields() const;
+  /// For the log: "validation loss 4.9058", or "test loss 0.5312, test accuracy 81.20 %".
+  std::string summary() const;
 };
 
 /// One forward of an evaluation: rows [begin, begin + rows) of the evaluation set.

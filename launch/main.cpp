@@ -188,6 +188,7 @@ int run_node_command(const config_flags& flags) {
   o.token = env_or("TROUPE_JOB_TOKEN", "");
   o.rejoin = env_or("TROUPE_REJOIN", "0") == "1";  // the launcher restarted this lost node
   o.run.node_restarts = std::max(0, std::atoi(env_or("TROUPE_NODE_RESTARTS", "0").c_str()));
+  o.run.final_state = false;  // nothing here reads it: --save and checkpoint_dir gather what they write
   o.version = std::stoi(env_or("TROUPE_PROTOCOL_VERSION", "0"));  // tests: present another version
   o.clock_skew_ns = std::stoll(env_or("TROUPE_TEST_CLOCK_SKEW_MS", "0")) * 1000000;  // tests: another machine's clock
   o.tls_certificate = env_or("TROUPE_TLS_CERT", "");
@@ -604,7 +605,9 @@ int main(int argc, char** argv) {
   try {
     install_stop_handlers(true);
     if (cfg.runtime == "local") return troupe::run_training(cfg, troupe::stop_requested);
-    const auto result = troupe::run_actor_training(cfg);
+    troupe::actor_run_options opts;
+    opts.final_state = false;  // nothing here reads it: --save and checkpoint_dir gather what they write
+    const auto result = troupe::run_actor_training(cfg, opts);
     if (result.exit_code != 0) return run_ended(result.exit_code, result.error);
     return 0;
   } catch (const troupe::config_error& e) {  // e.g. an output folder that does not exist

@@ -112,7 +112,8 @@ typename Inspector::result_type inspect(Inspector& f, runtime_failure& x) {
 
 namespace troupe {
 
-/// Stage -> coordinator: the stage's parameters by name (for evaluation, checkpoints).
+/// Stage -> coordinator: the stage's parameters by name (checkpoints, the run's end, and
+/// evaluation with eval_mode gather).
 struct state_reply {
   std::vector<std::string> names;
   std::vector<tensor_payload> tensors;

@@ -2,8 +2,9 @@
 // A tensor travelling beside a message: dtype, shape, and either the data as an
 // in-process hand-off (the tensor itself, no copy) or a transport handle (the sending node
 // and a tag: the bytes travel over UCX, never through CAF). Payloads without a handle
-// that do cross processes (the coordinator's state gathers for evaluation and checkpoints,
-// a loader's targets) have their bytes written by CAF's serializer after the metadata.
+// that do cross processes (the coordinator's state gathers for checkpoints, the
+// evaluation's inputs and targets, a loader's targets) have their bytes written by CAF's
+// serializer after the metadata.
 // An optional CRC-32 of the bytes lets the receiver detect corruption.
 #include <cstdint>
 #include <string>

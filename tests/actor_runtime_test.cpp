@@ -470,6 +470,29 @@ TEST(ActorEvaluation, AStageThatFailsInTheEvaluationEndsTheRunForARestart) {
   EXPECT_TRUE(got.evaluations.empty());
 }
 
+// `troupe train` and node processes ask for no final state: without --save or a
+// checkpoint_dir nothing gathers the whole model (the evaluations ran in the pipeline);
+// with --save the file holds the model the run with the final state reports.
+TEST(ActorEvaluation, NoFinalStateGathersNothingAtTheEnd) {
+  test::temp_dir dir;
+  auto c = gpt_layout({2, 1, 1, "1f1b"});
+  c.steps = 2;
+  const auto with = run_actors(c);
+  ASSERT_EQ(with.exit_code, 0) << with.error;
+  ASSERT_FALSE(with.final_state.empty());
+  actor_run_options opts;
+  opts.final_state = false;
+  const auto without = run_actors(c, opts);
+  ASSERT_EQ(without.exit_code, 0) << without.error;
+  EXPECT_TRUE(without.final_state.empty());
+  ASSERT_EQ(without.evaluations.size(), 1u);
+  EXPECT_EQ(without.evaluations[0].loss, with.evaluations.at(0).loss);
+  c.save = dir / "model.pt";
+  const auto saved = run_actors(c, opts);
+  ASSERT_EQ(saved.exit_code, 0) << saved.error;
+  EXPECT_EQ(test::max_abs_diff(load_state_dict(c.save), with.final_state), 0.0);
+}
+
 // A lost evaluation result: the evaluation times out (step_timeout) and the run exits for a
 // restart; a duplicated one is dropped and counted once.
 TEST(ActorEvaluation, ALostResultTimesOutADuplicateCountsOnce) {
