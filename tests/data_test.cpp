@@ -258,7 +258,7 @@ TEST(Data, ATextThatCannotBeMappedIsReadIntoMemory) {
   std::filesystem::create_directories(dir.path / "texts");
   std::vector<std::uint8_t> all;
   for (std::size_t i = 0; i < 3; ++i) {
-    const auto part = pseudo_text(std::size_t(1) << (12 + 4 * i), 77 * i);  // 4 KiB, 64 KiB, 1 MiB
+    const auto part = pseudo_text(std::size_t(1) << (12 + 6 * i), 77 * i);  // 4 KiB, 256 KiB, 16 MiB
     write_bytes(dir / ("texts/part-" + std::to_string(i)), part);
     all.insert(all.end(), part.begin(), part.end());
   }
@@ -272,7 +272,8 @@ TEST(Data, ATextThatCannotBeMappedIsReadIntoMemory) {
   EXPECT_EQ(read.mapped_bytes(), 0u);
   ASSERT_EQ(read.size(), all.size());
   EXPECT_EQ(read.bytes(), all);
-  EXPECT_GE(grown, std::int64_t(all.size()) * 9 / 10) << "the text is in this process's memory";
+  // (The kernel updates RssAnon in batches: 1.11 MB read showed as 1.00 MB grown.)
+  EXPECT_GE(grown, std::int64_t(all.size()) / 2) << "the text is in this process's memory";
   const int seq_len = 64;
   EXPECT_TRUE(torch::equal(read.train_batch(5, 0, 256, seq_len).input, mapped.train_batch(5, 0, 256, seq_len).input));
   EXPECT_TRUE(torch::equal(read.validation_batch(seq_len).target, mapped.validation_batch(seq_len).target));
