@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include <caf/all.hpp>
 #include <nlohmann/json.hpp>
@@ -33,7 +34,7 @@ struct coordinator_state {
   caf::response_promise done;
   bool finished = false;
   lr_schedule lrs;
-  std::unique_ptr<training_data> eval_data;
+  std::optional<batch> eval_set;  // read at the first evaluation
   std::ofstream metrics;
   // per step
   std::int64_t step = 0;
@@ -401,16 +402,23 @@ void open_metrics(self_ptr self) {
 void record_evaluation(self_ptr self, const evaluation& e, double seconds, nlohmann::json& line) {
   for (const auto& [key, value] : e.fields()) line[key] = value;
   line["eval_seconds"] = seconds;
-  self->state.result->evaluations.push_back({int(self->state.step) + 1, e.loss, e.accuracy});
+  self->state.result->evaluations.push_back({e, int(self->state.step) + 1});
+}
+
+/// The evaluation set, read at the first evaluation and kept.
+const batch& evaluation_set(self_ptr self) {
+  auto& s = self->state;
+  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
+  if (!s.eval_set) s.eval_set = training_data(s.ctx->cfg, training_data::use::evaluation).evaluation_set();
+  return *s.eval_set;
 }
 
 /// eval_mode gather: evaluates the whole model, gathered from the stages, here.
 void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line, double t0) {
   auto& s = self->state;
   torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
-  if (!s.eval_data) s.eval_data = std::make_unique<training_data>(s.ctx->cfg, training_data::use::evaluation);
   local_pipeline model(s.ctx->spec, state, 1, 1, {}, 1, s.ctx->device);  // on the job's device
-  const auto e = evaluate_model(model, s.eval_data->evaluation_set(), s.ctx->spec.type == model_spec::kind::gpt,
+  const auto e = evaluate_model(model, evaluation_set(self), s.ctx->spec.type == model_spec::kind::gpt,
                                 int(s.step) + 1, s.ctx->cfg.eval_tokens);
   record_evaluation(self, e, (s.ctx->now_us() - t0) * 1e-6, line);
 }
@@ -426,9 +434,7 @@ void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line, doub
 void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
   auto& s = self->state;
   const auto& ctx = *s.ctx;
-  torch::set_num_threads(1);
-  if (!s.eval_data) s.eval_data = std::make_unique<training_data>(ctx.cfg, training_data::use::evaluation);
-  const auto& set = s.eval_data->evaluation_set();
+  const auto& set = evaluation_set(self);
   const auto plan = plan_evaluation(set, ctx.spec.type == model_spec::kind::gpt, ctx.cfg.eval_tokens);
   s.evaluating = true;
   s.eval_scores.assign(plan.size(), {});
@@ -459,7 +465,7 @@ void end_evaluation(self_ptr self) {
                 s.result->events.insert(s.result->events.end(), events.begin(), events.end());
                 if (--*pending > 0) return;
                 s.evaluating = false;
-                const auto e = combine_evaluation(s.eval_scores, s.eval_data->evaluation_set().input.size(0),
+                const auto e = combine_evaluation(s.eval_scores, evaluation_set(self).input.size(0),
                                                   s.ctx->spec.type == model_spec::kind::gpt, 0);  // logged with its time
                 auto then = std::move(s.eval_then);
                 then(e);

@@ -58,9 +58,19 @@ std::vector<flat_range> runtime_context::buckets_of(const model_slice& slice) co
   return grad_buckets(slice.entries(), slice.flat_grads().numel(), d, d > 1 ? cfg.bucket_size : 0);
 }
 
-std::vector<std::int64_t> runtime_context::activation_shape(int x) const {
-  if (spec.type == model_spec::kind::gpt) return {mbs, spec.gpt.seq_len, spec.gpt.d_model};
-  return {mbs, spec.mlp_widths.at(ranges.at(x).first)};
+std::vector<std::int64_t> runtime_context::activation_shape(int x, std::int64_t rows) const {
+  if (rows < 0) rows = mbs;
+  if (spec.type == model_spec::kind::gpt) return {rows, spec.gpt.seq_len, spec.gpt.d_model};
+  return {rows, spec.mlp_widths.at(ranges.at(x).first)};
+}
+
+std::vector<std::int64_t> runtime_context::input_shape(std::int64_t rows) const {
+  if (rows < 0) rows = mbs;
+  return {rows, spec.type == model_spec::kind::gpt ? spec.gpt.seq_len : spec.mlp_widths.at(0)};
+}
+
+torch::ScalarType runtime_context::input_dtype() const {
+  return spec.type == model_spec::kind::gpt ? torch::kInt64 : torch::kFloat32;
 }
 
 namespace {

@@ -29,6 +29,7 @@
 #include "compute/model.hpp"
 #include "compute/partition.hpp"
 #include "compute/schedule.hpp"
+#include "compute/trainer.hpp"
 #include "messages/step_messages.hpp"
 #include "messages/tensor_payload.hpp"
 #include "transport/transport.hpp"
@@ -62,8 +63,12 @@ struct runtime_context {
 
   double now_us() const { return clock->now_us(); }
   /// Expected shape of the activation entering virtual stage `x` (> 0) and of the
-  /// gradient leaving it.
-  std::vector<std::int64_t> activation_shape(int x) const;
+  /// gradient leaving it: of a micro-batch, or (rows >= 0) of that many rows (evaluation).
+  std::vector<std::int64_t> activation_shape(int x, std::int64_t rows = -1) const;
+  /// Expected shape and dtype of the data entering virtual stage 0 (gpt: token ids; mlp:
+  /// images), likewise.
+  std::vector<std::int64_t> input_shape(std::int64_t rows = -1) const;
+  torch::ScalarType input_dtype() const;
   std::string stage_name(int replica, int stage) const;
   /// The gradient buckets of a chunk laid out as `slice` (stages and shards agree on
   /// them): parallel.bucket_size's with data parallelism, else one.
@@ -149,9 +154,8 @@ struct actor_run_result {
   std::vector<trace_event> events;   ///< every compute event of the run
   std::vector<double> bubbles;       ///< measured per step
   std::vector<double> step_seconds;  ///< wall time of each step (begin to last completion)
-  struct evaluation_record {
+  struct evaluation_record : evaluation {
     int step = 0;  ///< after this many steps
-    double loss = 0, accuracy = 0;  ///< accuracy: classifiers only
   };
   std::vector<evaluation_record> evaluations;  ///< every evaluation of the run
 };

@@ -539,15 +539,12 @@ class stage_logic {
   void on_eval_activation(const eval_activation& msg) {
     if (!eval_accepts(msg.step, "activation")) return;
     const auto& ctx = *s_.ctx;
-    const bool gpt = ctx.spec.type == model_spec::kind::gpt;
     const int x = s_.virtual_of(msg.chunk);
     if (msg.chunk < 0 || msg.chunk >= ctx.v) return fail("evaluation activation for chunk " + std::to_string(msg.chunk));
-    std::vector<std::int64_t> shape = x > 0 ? ctx.activation_shape(x)
-                                      : gpt ? std::vector<std::int64_t>{0, ctx.spec.gpt.seq_len}
-                                            : std::vector<std::int64_t>{0, ctx.spec.mlp_widths[0]};
-    shape[0] = msg.data.shape.empty() ? -1 : std::max<std::int64_t>(1, msg.data.shape[0]);
-    const auto dtype = x > 0 ? ctx.compute_dtype : gpt ? torch::kInt64 : torch::kFloat32;
-    const auto problem = check_payload(msg.data, shape, dtype);
+    // Any number of rows (a forward's windows), at least one: no rows or no shape fails the check.
+    const std::int64_t rows = msg.data.shape.empty() ? 1 : std::max<std::int64_t>(1, msg.data.shape[0]);
+    const auto problem = x > 0 ? check_payload(msg.data, ctx.activation_shape(x, rows), ctx.compute_dtype)
+                               : check_payload(msg.data, ctx.input_shape(rows), ctx.input_dtype());
     if (!problem.empty()) return fail("evaluation activation of forward " + std::to_string(msg.index) + ": " + problem);
     if (s_.throw_eval && s_.throw_step == s_.step) {  // fault injection
       spdlog::warn("fault injected: {} throws in the evaluation after step {} (index {})", s_.name, s_.step + 1, s_.step);
@@ -750,8 +747,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       [=](microbatch_input& msg) {
         if (!logic->accept(msg.step) || !logic->first_time(2, {msg.mb, 0}, "micro-batch input")) return;
         auto& s = self->state;
-        const auto problem = check_payload(msg.data, {ctx->mbs, ctx->spec.type == model_spec::kind::gpt ? ctx->spec.gpt.seq_len : ctx->spec.mlp_widths[0]},
-                                           ctx->spec.type == model_spec::kind::gpt ? torch::kInt64 : torch::kFloat32);
+        const auto problem = check_payload(msg.data, ctx->input_shape(), ctx->input_dtype());
         if (!problem.empty()) return logic->fail("micro-batch input " + std::to_string(msg.mb) + ": " + problem);
         s.inputs[{msg.mb, 0}] = tensor_of(msg.data).to(ctx->device);
         logic->run_ready();

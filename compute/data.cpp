@@ -127,39 +127,32 @@ bool mapping_disabled() {
 }  // namespace
 
 void text_corpus::map_files(const std::vector<std::string>& files, const std::string& what) {
+  struct closer {  // the file is closed however this iteration ends (a mapping keeps it)
+    int fd;
+    ~closer() { ::close(fd); }
+  };
   for (const auto& file : files) {
     const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw data_error("cannot read " + file + " (" + what + "): " + std::strerror(errno));
+    const closer close_it{fd};
     struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const int err = errno;
-      ::close(fd);
-      throw data_error("cannot read " + file + " (" + what + "): " + std::strerror(err));
-    }
+    if (::fstat(fd, &st) != 0) throw data_error("cannot read " + file + " (" + what + "): " + std::strerror(errno));
     const auto size = static_cast<std::size_t>(st.st_size);
-    void* addr = size == 0 ? nullptr
-                 : mapping_disabled() ? MAP_FAILED
-                                      : ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    const int err = mapping_disabled() ? ENODEV : errno;
-    if (size == 0) {
-      ::close(fd);
-      continue;
+    if (size == 0) continue;
+    void* addr = MAP_FAILED;
+    int err = ENODEV;  // TROUPE_TEXT_NO_MMAP
+    if (!mapping_disabled()) {
+      addr = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+      err = errno;
     }
     if (addr == MAP_FAILED) {
       // A file system that cannot map files (some FUSE and network mounts): the file is
       // read into memory instead, a copy in this process.
       spdlog::warn("cannot map {} ({}) into memory ({}): reading its {} bytes into memory instead", file, what,
                    std::strerror(err), size);
-      try {
-        add_buffer(read_all(fd, size, file, what));
-      } catch (...) {
-        ::close(fd);
-        throw;
-      }
-      ::close(fd);
+      add_buffer(read_all(fd, size, file, what));
       continue;
     }
-    ::close(fd);  // the mapping keeps the file
     storage_->mappings.emplace_back(addr, size);
     add(static_cast<const std::uint8_t*>(addr), size);
     mapped_ += size;

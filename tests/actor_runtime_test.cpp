@@ -391,16 +391,21 @@ TEST(ActorRuntime, FmnistMlpEqualsTheReferenceLoop) {
 // numbers of the whole model gathered on node 0 and evaluated there (eval_mode gather;
 // fp32: the same forwards, to float rounding). Every stage ran its replica's forwards
 // through each of its chunks, each evaluation; gather runs none there.
+/// The same job evaluating its gathered model (eval_mode gather), then in the pipeline.
+static std::pair<actor_run_result, actor_run_result> gathered_and_piped(job_config c) {
+  c.eval_mode = "gather";
+  auto gathered = run_actors(c);
+  c.eval_mode = "pipeline";
+  return {std::move(gathered), run_actors(c)};
+}
+
 TEST(ActorEvaluation, ThePipelineGivesTheGatheredModelsNumbers) {
   for (const auto& l : {layout{2, 1, 1, "1f1b"}, layout{2, 2, 2, "interleaved-1f1b"}, layout{4, 1, 1, "dataflow"}}) {
     auto c = gpt_layout(l);
     c.steps = 4;
     c.eval_interval = 2;
     c.eval_tokens = 1024;  // 8 of the 32 windows of 128 tokens a forward: 4 forwards
-    c.eval_mode = "gather";
-    const auto gathered = run_actors(c);
-    c.eval_mode = "pipeline";
-    const auto piped = run_actors(c);
+    const auto [gathered, piped] = gathered_and_piped(c);
     ASSERT_EQ(gathered.exit_code, 0) << gathered.error;
     ASSERT_EQ(piped.exit_code, 0) << piped.error;
     ASSERT_EQ(piped.evaluations.size(), 2u) << name_of(l);
@@ -426,10 +431,7 @@ TEST(ActorEvaluation, FmnistAndBf16InThePipeline) {
   auto m = job_config::defaults_for("fmnist-mlp");
   m.steps = 2;
   m.pipeline = m.data_parallel = m.microbatches = 2;
-  m.eval_mode = "gather";
-  const auto gathered = run_actors(m);
-  m.eval_mode = "pipeline";
-  const auto piped = run_actors(m);
+  const auto [gathered, piped] = gathered_and_piped(m);
   ASSERT_EQ(piped.exit_code, 0) << piped.error;
   ASSERT_EQ(piped.evaluations.size(), 1u);
   ASSERT_EQ(gathered.evaluations.size(), 1u);
@@ -441,10 +443,7 @@ TEST(ActorEvaluation, FmnistAndBf16InThePipeline) {
   c.steps = 2;
   c.precision = "bf16";
   c.device = "cpu";
-  c.eval_mode = "gather";
-  const auto fp32_compute = run_actors(c);
-  c.eval_mode = "pipeline";
-  const auto bf16_compute = run_actors(c);
+  const auto [fp32_compute, bf16_compute] = gathered_and_piped(c);
   ASSERT_EQ(bf16_compute.exit_code, 0) << bf16_compute.error;
   ASSERT_EQ(bf16_compute.evaluations.size(), 1u);
   const double a = bf16_compute.evaluations[0].loss, b = fp32_compute.evaluations.at(0).loss;
