@@ -23,6 +23,7 @@ namespace troupe {
 namespace {
 
 constexpr auto state_timeout = std::chrono::seconds(60);
+constexpr auto checkpoint_write_timeout = std::chrono::minutes(10);  // a stage's files, on a slow shared disk
 constexpr auto reset_check_timeout = std::chrono::seconds(60);
 
 struct coordinator_state {
@@ -51,7 +52,7 @@ struct coordinator_state {
   int timed = 0;
   int skipped = 0;           // updates skipped for NaN/inf gradients
   bool skipping = false;     // this step's update is skipped
-  double checkpoint_seconds = 0;  // spent on checkpoint folders (gather + write), without evaluations
+  double checkpoint_seconds = 0;  // spent on the checkpoint folders written
   int checkpoints = 0;
   int checkpoint_failures = 0;  // checkpoints due that could not be written (the run went on)
   nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
@@ -224,14 +225,9 @@ void retry_in_place(self_ptr self) {
   }
 }
 
-/// The model as replica 0's stages hold it: the full state (model order) and per stage.
-struct model_state {
-  state_dict full;
-  std::vector<state_dict> stages;
-};
-
-/// Fetches the full model from replica 0's stages (on the host), then calls `then`.
-void fetch_state(self_ptr self, std::function<void(model_state)> then) {
+/// Fetches the full model (model order, on the host) from replica 0's stages, then calls
+/// `then`.
+void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
   auto& s = self->state;
   auto parts = std::make_shared<std::vector<state_dict>>(s.ctx->p);
   auto pending = std::make_shared<int>(s.ctx->p);
@@ -244,10 +240,9 @@ void fetch_state(self_ptr self, std::function<void(model_state)> then) {
               if (--*pending > 0) return;
               std::map<std::string, torch::Tensor> by_name;
               for (const auto& stage : *parts) by_name.insert(stage.begin(), stage.end());
-              model_state state;
-              for (const auto& name : parameter_names(self->state.ctx->spec)) state.full.emplace_back(name, by_name.at(name));
-              state.stages = std::move(*parts);
-              then(std::move(state));
+              state_dict full;
+              for (const auto& name : parameter_names(self->state.ctx->spec)) full.emplace_back(name, by_name.at(name));
+              then(std::move(full));
             },
             [=](caf::error& err) { fail(self, "no parameters from a stage: " + self->system().render(err)); });
 }
@@ -263,19 +258,10 @@ void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
       self->request(shard, state_timeout, state_atom_v)
           .then(
               [=](const state_reply& rep) {
-                for (std::size_t i = 0; i < rep.names.size(); ++i) {
-                  const auto& name = rep.names[i];
-                  auto& map = name.rfind("exp_avg.", 0) == 0 ? sum->exp_avg
-                              : name.rfind("main.", 0) == 0  ? sum->main_params
-                                                             : sum->exp_avg_sq;
-                  const auto key = name.substr(name.find('.') + 1);
-                  auto& dst = map[key];
-                  // Shards hold disjoint pieces (zeros elsewhere): adding assembles them.
-                  // On the host, whatever device the shard computes on: checkpoints and
-                  // the run's result hold CPU tensors (a GPU run's files load anywhere).
-                  const auto t = tensor_of(rep.tensors[i]).to(torch::kCPU);
-                  dst = dst.defined() ? dst.add(t) : t.clone();
-                }
+                // On the host, whatever device the shard computes on: checkpoints and
+                // the run's result hold CPU tensors (a GPU run's files load anywhere).
+                for (std::size_t i = 0; i < rep.names.size(); ++i)
+                  add_moment_entry(*sum, rep.names[i], tensor_of(rep.tensors[i]).to(torch::kCPU));
                 if (--*pending == 0) then(std::move(*sum));
               },
               [=](caf::error& err) { fail(self, "no optimizer state from a shard: " + self->system().render(err)); });
@@ -283,62 +269,107 @@ void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
 
 /// The model to save and report: replica 0's stages' parameters, or where they are
 /// rounded (bf16 jobs) the shards' fp32 main parameters. Fetches the shards' state, puts
-/// their main parameters into `state`, then calls `then` with both.
-void with_shard_state(self_ptr self, model_state state, std::function<void(model_state, named_moments)> then) {
+/// their main parameters into `model`, then calls `then` with both.
+void with_shard_state(self_ptr self, state_dict model, std::function<void(state_dict, named_moments)> then) {
   fetch_moments(self, [=](named_moments moments) mutable {
-    auto use_main = [&](state_dict& sd) {
-      for (auto& [name, t] : sd)
-        if (auto it = moments.main_params.find(name); it != moments.main_params.end())
-          t = it->second.reshape(t.sizes());
-    };
-    use_main(state.full);
-    for (auto& stage : state.stages) use_main(stage);
-    then(std::move(state), std::move(moments));
+    use_main_params(model, moments);
+    then(std::move(model), std::move(moments));
   });
 }
 
 /// The model to report at the end (final_state), then `then`.
 void fetch_final_state(self_ptr self, std::function<void(state_dict)> then) {
-  fetch_state(self, [=](model_state state) {
-    if (self->state.ctx->compute_dtype == torch::kFloat32) return then(std::move(state.full));
-    with_shard_state(self, std::move(state), [=](model_state state, named_moments) { then(std::move(state.full)); });
+  fetch_state(self, [=](state_dict model) {
+    if (self->state.ctx->compute_dtype == torch::kFloat32) return then(std::move(model));
+    with_shard_state(self, std::move(model), [=](state_dict model, named_moments) { then(std::move(model)); });
   });
 }
 
-/// Writes the checkpoints due now: FILE.optim and FILE (--save, as the plain loop does)
-/// and / or a checkpoint folder in checkpoint_dir. One that cannot be written (a full
+/// A checkpoint due after this step that could not be written. An interim one (a full
 /// disk) does not end the run: the training state is whole in memory, so it is logged and
 /// the run goes on to the next one; but the run's last (`final`: the end, or a stop) must
-/// be written: false (the run failed) if it cannot.
-bool save_checkpoint(self_ptr self, const model_state& state, const named_moments& moments, bool file, bool folder,
-                     bool final) {
+/// be written: false (the run failed).
+bool checkpoint_failed(self_ptr self, const std::string& what, bool final) {
+  auto& s = self->state;
+  const auto next = s.step + 1;
+  if (final) {
+    fail(self, "cannot write the checkpoint of step " + std::to_string(next) + " (the run's last): " + what, false);
+    return false;
+  }
+  log_checkpoint_not_written(next, what, s.ctx->cfg.checkpoint_interval);
+  ++s.checkpoint_failures;
+  return true;
+}
+
+/// Writes FILE.optim and FILE (--save, as the plain loop does) from the gathered model.
+/// False where the run failed (see checkpoint_failed).
+bool save_file(self_ptr self, const state_dict& model, const named_moments& moments, bool final) {
+  const auto& cfg = self->state.ctx->cfg;
+  const auto next = self->state.step + 1;
+  try {
+    save_state_dict(cfg.save + ".optim", optimizer_state_dict(moments, model, next));
+    save_state_dict(cfg.save, model);
+    spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
+    return true;
+  } catch (const std::exception& e) {
+    return checkpoint_failed(self, e.what(), final);
+  }
+}
+
+/// Writes a checkpoint folder in checkpoint_dir. No process gathers the model for it:
+/// this one creates the step's temporary folder, replica 0's stages write their files
+/// into it from their own processes (write_checkpoint), and this one then writes the
+/// manifest and renames the folder. Calls `then` unless the run failed (see
+/// checkpoint_failed).
+void write_folder(self_ptr self, bool final, std::function<void()> then) {
   auto& s = self->state;
   const auto& cfg = s.ctx->cfg;
   const auto next = s.step + 1;
+  const double t0 = s.ctx->now_us();
+  std::string tmp;
   try {
-    if (file) {
-      save_state_dict(cfg.save + ".optim", optimizer_state_dict(moments, state.full, next));
-      save_state_dict(cfg.save, state.full);
-      spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
-    }
-    if (folder) {
-      std::vector<state_dict> optim;
-      for (const auto& stage : state.stages) optim.push_back(optimizer_state_dict(moments, stage, next));
-      const auto where =
-          write_checkpoint_dir(cfg.checkpoint_dir, cfg, state.stages, optim, next, cfg.keep_checkpoints);
-      spdlog::info("step {}: checkpoint written to {}", next, where);
-    }
+    tmp = begin_checkpoint_dir(cfg.checkpoint_dir, next);
   } catch (const std::exception& e) {
-    if (final) {
-      fail(self, "cannot write the checkpoint of step " + std::to_string(next) + " (the run's last): " + e.what(),
-           false);
-      return false;
-    }
-    log_checkpoint_not_written(next, e.what(), cfg.checkpoint_interval);
-    ++s.checkpoint_failures;
-    return true;
+    if (checkpoint_failed(self, e.what(), final)) then();
+    return;
   }
-  return true;
+  const int p = s.ctx->p;
+  auto files = std::make_shared<std::vector<checkpoint_file>>();
+  auto errors = std::make_shared<std::vector<std::string>>(p);  // per stage, reported in stage order
+  auto pending = std::make_shared<int>(p);
+  auto conclude = [=] {
+    auto& s = self->state;
+    const auto& cfg = s.ctx->cfg;
+    if (s.finished) return abandon_checkpoint_dir(cfg.checkpoint_dir, next);  // ended meanwhile (a node lost)
+    std::string what;
+    for (const auto& e : *errors)
+      if (!e.empty()) what += (what.empty() ? "" : "; ") + e;
+    try {
+      if (!what.empty()) throw checkpoint_error(what);
+      const auto where = finish_checkpoint_dir(cfg.checkpoint_dir, cfg, *files, next, cfg.keep_checkpoints);
+      const double seconds = (s.ctx->now_us() - t0) * 1e-6;
+      spdlog::info("step {}: checkpoint written to {} ({} stage(s) wrote their files in {:.2f} s)", next, where, p,
+                   seconds);
+      s.checkpoint_seconds += seconds;
+      ++s.checkpoints;
+    } catch (const std::exception& e) {
+      abandon_checkpoint_dir(cfg.checkpoint_dir, next);
+      if (!checkpoint_failed(self, e.what(), final)) return;
+    }
+    then();
+  };
+  for (int k = 0; k < p; ++k)
+    self->request(s.wiring->stages[0][k], checkpoint_write_timeout, write_checkpoint{tmp, next})
+        .then(
+            [=](stage_checkpoint& rep) {
+              if (!rep.error.empty()) (*errors)[k] = "stage " + std::to_string(k) + ": " + rep.error;
+              files->insert(files->end(), rep.files.begin(), rep.files.end());
+              if (--*pending == 0) conclude();
+            },
+            [=](caf::error& err) {
+              (*errors)[k] = "stage " + std::to_string(k) + ": no answer (" + self->system().render(err) + ")";
+              if (--*pending == 0) conclude();
+            });
 }
 
 /// Appends a step's line to the metrics log (after a resumed run's "resume" line).
@@ -492,7 +523,7 @@ void after_reset(self_ptr self, nlohmann::json line) {
       s.result->final_state = std::move(state);
       spdlog::info("done: {} steps in {}", s.timed, duration_text(s.elapsed));
       if (s.checkpoints > 0)
-        spdlog::info("checkpoint folders: {} written between steps in {:.2f} s ({:.0f} ms each, gather and write)",
+        spdlog::info("checkpoint folders: {} written between steps in {:.2f} s ({:.0f} ms each)",
                      s.checkpoints, s.checkpoint_seconds, s.checkpoint_seconds / s.checkpoints * 1e3);
       if (s.checkpoint_failures > 0)
         spdlog::warn("{} checkpoint(s) due during the run could not be written (see the errors above)",
@@ -504,28 +535,28 @@ void after_reset(self_ptr self, nlohmann::json line) {
     begin(self);
   };
   const bool gathered_eval = eval && cfg.eval_mode == "gather";
+  // The checkpoint folder (written by the stages, nothing gathered), then the next step.
+  auto write_then_proceed = [=](state_dict model) {
+    if (!folder) return proceed(std::move(model));
+    write_folder(self, last || stop, [=, model = std::move(model)]() mutable { proceed(std::move(model)); });
+  };
   // After the evaluation (if any): the gathered model where something needs it (a gathered
-  // evaluation, a checkpoint, the run's end when the caller wants the final state), the
-  // metrics line, then the next step.
+  // evaluation, --save, the run's end when the caller wants the final state), the metrics
+  // line, the checkpoints, then the next step.
   auto rest = [=](nlohmann::json line) {
-    if (!gathered_eval && !save && !folder && !(last && self->state.opts.final_state)) {
+    if (!gathered_eval && !save && !(last && self->state.opts.final_state)) {
       write_metrics(self, line);
-      return proceed({});
+      return write_then_proceed({});
     }
     const double t0 = self->state.ctx->now_us();
-    fetch_state(self, [=](model_state state) mutable {
-      if (gathered_eval) evaluate(self, state.full, line, t0);  // with the parameters the stages compute with
+    fetch_state(self, [=](state_dict model) mutable {
+      if (gathered_eval) evaluate(self, model, line, t0);  // with the parameters the stages compute with
       write_metrics(self, line);
       const bool rounded = self->state.ctx->compute_dtype != torch::kFloat32;
-      if (!save && !folder && !(last && rounded)) return proceed(std::move(state.full));
-      with_shard_state(self, std::move(state), [=](model_state state, named_moments moments) {
-        if ((save || folder) && !save_checkpoint(self, state, moments, save, folder, last || stop)) return;
-        auto& s = self->state;
-        if (folder && !gathered_eval) {
-          s.checkpoint_seconds += (s.ctx->now_us() - t0) * 1e-6;
-          ++s.checkpoints;
-        }
-        proceed(std::move(state.full));
+      if (!save && !(last && rounded)) return write_then_proceed(std::move(model));
+      with_shard_state(self, std::move(model), [=](state_dict model, named_moments moments) {
+        if (save && !save_file(self, model, moments, last || stop)) return;
+        write_then_proceed(std::move(model));
       });
     });
   };

@@ -359,12 +359,10 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         named_moments moments;
         for (const auto& ch : self->state.chunks) gather_moments(ch.entries, ch.layout, ch.opt, moments, main);
         state_reply rep;
-        for (auto [m, prefix] : {std::pair{&moments.exp_avg, "exp_avg."}, std::pair{&moments.exp_avg_sq, "exp_avg_sq."},
-                                 std::pair{&moments.main_params, "main."}})
-          for (auto& [name, t] : *m) {
-            rep.names.push_back(prefix + name);
-            rep.tensors.push_back(make_payload(t));
-          }
+        for (auto& [name, t] : moment_entries(moments)) {
+          rep.names.push_back(name);
+          rep.tensors.push_back(make_payload(t));
+        }
         return rep;
       },
       [=](const abort_step& msg) {

@@ -12,6 +12,7 @@
 #include <caf/all.hpp>
 #include <torch/torch.h>
 
+#include "compute/checkpoint_dir.hpp"
 #include "compute/device.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/trainer.hpp"
@@ -809,6 +810,43 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
             rep.tensors.push_back(make_payload(t));
           }
         return rep;
+      },
+      // Checkpoint folders: replica 0's stages write their own files into the step's
+      // temporary folder (no process gathers the whole model): the parameters, and the
+      // optimizer state assembled from the stage's shards, whose fp32 main parameters
+      // stand for the rounded ones in bf16 jobs.
+      [=](const write_checkpoint& msg) -> caf::result<stage_checkpoint> {
+        auto& s = self->state;
+        auto params = std::make_shared<state_dict>();
+        for (auto& c : s.chunks)
+          for (auto& entry : c->state()) params->push_back(std::move(entry));
+        auto moments = std::make_shared<named_moments>();
+        auto pending = std::make_shared<int>(int(wiring->shards[s.stage].size()));  // -1: answered
+        auto rp = self->make_response_promise<stage_checkpoint>();
+        for (const auto& shard : wiring->shards[s.stage])
+          self->request(shard, std::chrono::seconds(60), state_atom_v)
+              .then(
+                  [=, stage = s.stage](const state_reply& rep) mutable {
+                    if (*pending < 0) return;
+                    for (std::size_t i = 0; i < rep.names.size(); ++i)
+                      add_moment_entry(*moments, rep.names[i], tensor_of(rep.tensors[i]).to(torch::kCPU));
+                    if (--*pending > 0) return;
+                    stage_checkpoint out;
+                    try {
+                      use_main_params(*params, *moments);
+                      out.files = write_stage_files(msg.folder, stage, *params,
+                                                    optimizer_state_dict(*moments, *params, msg.step));
+                    } catch (const std::exception& e) {
+                      out.error = e.what();
+                    }
+                    rp.deliver(std::move(out));
+                  },
+                  [=](caf::error& err) mutable {
+                    if (*pending < 0) return;
+                    *pending = -1;
+                    rp.deliver(stage_checkpoint{{}, "no optimizer state from a shard: " + self->system().render(err)});
+                  });
+        return rp;
       },
       [=](plant_atom) {  // tests: a stray buffered tensor the next reset must report
         self->state.inputs[{-1, -1}] = torch::zeros({1});

@@ -60,6 +60,10 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
 }
 
 void save_state_dict(const std::string& path, const state_dict& state) {
+  write_file_atomically(path, serialize_state_dict(state));
+}
+
+std::string serialize_state_dict(const state_dict& state) {
   c10::Dict<std::string, torch::Tensor> dict;
   for (const auto& [name, t] : state) dict.insert(name, t.detach().contiguous());
   // What torch::jit::pickle_save writes (torch.save's zip format), but with the dict
@@ -78,7 +82,7 @@ void save_state_dict(const std::string& path, const state_dict& state) {
   });
   torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
   writer.writeEndOfFile();
-  write_file_atomically(path, bytes);
+  return bytes;
 }
 
 state_dict load_state_dict(const std::string& path) {

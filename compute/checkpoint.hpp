@@ -1,6 +1,7 @@
 #pragma once
 // Checkpoints in PyTorch's own format: `torch.load(path)` in Python returns a dict of
 // GPT-2-named tensors. Writes are atomic: temp file, fsync, rename, fsync of the folder.
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -8,12 +9,24 @@
 
 namespace troupe {
 
+/// One file of a step folder, as its manifest lists it.
+struct checkpoint_file {
+  std::string name;  ///< in the step folder: "stage-K.pt", "optim-stage-K.pt"
+  int stage = 0;
+  std::string kind;  ///< "parameters" or "optimizer"
+  std::uint64_t bytes = 0;
+  std::uint32_t crc32 = 0;
+};
+
 struct checkpoint_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
 /// Writes `state` as a PyTorch-readable `state_dict` file, atomically.
 void save_state_dict(const std::string& path, const state_dict& state);
+
+/// The bytes save_state_dict writes (torch.save's zip format).
+std::string serialize_state_dict(const state_dict& state);
 
 /// Reads a `state_dict` written by `save_state_dict` or by Python's `torch.save` of a
 /// dict / OrderedDict of tensors. Throws checkpoint_error naming the file on any problem.

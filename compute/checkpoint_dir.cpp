@@ -13,6 +13,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -54,6 +55,12 @@ std::string hash_of(const std::vector<std::pair<std::string, std::string>>& iden
   return buf;
 }
 
+fs::path tmp_folder(const fs::path& root, std::int64_t step) { return root / ("." + step_folder_name(step) + ".tmp"); }
+
+std::string stage_file_name(int stage, const std::string& kind) {
+  return (kind == "parameters" ? "stage-" : "optim-stage-") + std::to_string(stage) + ".pt";
+}
+
 /// The step folders of `root`, oldest first.
 std::vector<fs::path> step_folders(const fs::path& root) {
   std::vector<fs::path> out;
@@ -89,18 +96,39 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
   return out;
 }
 
-std::string write_checkpoint_dir(const std::string& root_path, const job_config& cfg,
-                                 const std::vector<state_dict>& stage_params,
-                                 const std::vector<state_dict>& stage_optim, std::int64_t next_step, int keep) {
+std::string begin_checkpoint_dir(const std::string& root_path, std::int64_t next_step) {
   const fs::path root(root_path);
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) throw checkpoint_error("cannot create checkpoint folder " + root_path + ": " + ec.message());
-  const auto name = step_folder_name(next_step);
-  const fs::path tmp = root / ("." + name + ".tmp");
+  const auto tmp = tmp_folder(root, next_step);
   remove_tree(tmp.string());
   fs::create_directory(tmp, ec);
   if (ec) throw checkpoint_error("cannot create " + tmp.string() + ": " + ec.message());
+  return tmp.string();
+}
+
+std::vector<checkpoint_file> write_stage_files(const std::string& tmp, int stage, const state_dict& params,
+                                               const state_dict& optim) {
+  // Made by the coordinator's process: a node that does not see it does not share
+  // checkpoint_dir with it.
+  if (!fs::is_directory(tmp))
+    throw checkpoint_error(tmp + ", which node 0 made, is not there (with nodes on several hosts, checkpoint_dir "
+                           "must be one folder they all share)");
+  std::vector<checkpoint_file> out;
+  for (auto [file, kind, state] : {std::tuple{stage_file_name(stage, "parameters"), "parameters", &params},
+                                   std::tuple{stage_file_name(stage, "optimizer"), "optimizer", &optim}}) {
+    const auto bytes = serialize_state_dict(*state);
+    write_file_atomically((fs::path(tmp) / file).string(), bytes);
+    out.push_back({file, stage, kind, bytes.size(), crc_of(bytes)});
+  }
+  return out;
+}
+
+std::string finish_checkpoint_dir(const std::string& root_path, const job_config& cfg,
+                                  const std::vector<checkpoint_file>& files, std::int64_t next_step, int keep) {
+  const fs::path root(root_path);
+  const auto tmp = tmp_folder(root, next_step);
   // A write that fails (a full disk) leaves no partial folder to take the space.
   struct remove_unless_done {
     fs::path path;
@@ -110,16 +138,25 @@ std::string write_checkpoint_dir(const std::string& root_path, const job_config&
     }
   } partial{tmp};
 
-  nlohmann::json files = nlohmann::json::array();
-  auto add = [&](const std::string& file, int stage, const char* kind, const state_dict& state) {
-    save_state_dict((tmp / file).string(), state);
-    const auto bytes = read_bytes(tmp / file);
-    files.push_back({{"name", file}, {"stage", stage}, {"kind", kind}, {"bytes", bytes.size()}, {"crc32", crc_of(bytes)}});
-  };
-  for (std::size_t k = 0; k < stage_params.size(); ++k) {
-    add("stage-" + std::to_string(k) + ".pt", int(k), "parameters", stage_params[k]);
-    add("optim-stage-" + std::to_string(k) + ".pt", int(k), "optimizer", stage_optim.at(k));
-  }
+  // Every stage's two files, each where this process sees it, as big as its writer says.
+  std::map<std::string, const checkpoint_file*> by_name;
+  for (const auto& f : files) by_name[f.name] = &f;
+  nlohmann::json entries = nlohmann::json::array();
+  for (int k = 0; k < cfg.pipeline; ++k)
+    for (const char* kind : {"parameters", "optimizer"}) {
+      const auto name = stage_file_name(k, kind);
+      auto it = by_name.find(name);
+      if (it == by_name.end()) throw checkpoint_error("no " + name + " was written for " + tmp.string());
+      const auto& f = *it->second;
+      std::error_code ec;
+      const auto size = fs::file_size(tmp / name, ec);
+      if (ec || size != f.bytes)
+        throw checkpoint_error(
+            name + " was written (" + std::to_string(f.bytes) + " bytes) but " + (tmp / name).string() +
+            (ec ? " is not there" : " has " + std::to_string(size) + " bytes") +
+            " (with nodes on several hosts, checkpoint_dir must be one folder they all share)");
+      entries.push_back({{"name", f.name}, {"stage", f.stage}, {"kind", f.kind}, {"bytes", f.bytes}, {"crc32", f.crc32}});
+    }
   const auto identity = training_identity(cfg);
   nlohmann::json config = nlohmann::json::object();
   for (const auto& [k, v] : identity) config[k] = v;
@@ -137,13 +174,15 @@ std::string write_checkpoint_dir(const std::string& root_path, const job_config&
         {"schedule", cfg.schedule}}},
       {"config", config},
       {"config_hash", hash_of(identity)},
-      {"files", files}};
+      {"files", entries}};
   write_file_atomically((tmp / "manifest.json").string(), manifest.dump(2) + "\n");
 
   // A folder of the same step (from a launch that failed later) is replaced; 'latest'
   // may name it meanwhile: find_checkpoint then takes the newest complete folder.
+  const auto name = step_folder_name(next_step);
   const fs::path final_path = root / name;
   remove_tree(final_path.string());
+  std::error_code ec;
   fs::rename(tmp, final_path, ec);
   if (ec) throw checkpoint_error("cannot rename " + tmp.string() + " to " + final_path.string() + ": " + ec.message());
   partial.done = true;
@@ -152,6 +191,10 @@ std::string write_checkpoint_dir(const std::string& root_path, const job_config&
   for (std::size_t i = 0; i + std::size_t(keep) < all.size(); ++i)
     if (all[i] != final_path) remove_tree(all[i].string());
   return final_path.string();
+}
+
+void abandon_checkpoint_dir(const std::string& root, std::int64_t next_step) {
+  remove_tree(tmp_folder(root, next_step).string());
 }
 
 std::string find_checkpoint(const std::string& path) {

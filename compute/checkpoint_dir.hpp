@@ -15,17 +15,40 @@
 #include <string>
 #include <vector>
 
+#include "compute/checkpoint.hpp"
 #include "compute/job_config.hpp"
 #include "compute/model.hpp"
 #include "compute/trainer.hpp"
 
 namespace troupe {
 
-/// Writes the checkpoint of a run that has finished `next_step` steps; returns the step
-/// folder. `stage_params[k]` / `stage_optim[k]`: stage k's parameters and optimizer state.
-std::string write_checkpoint_dir(const std::string& root, const job_config& cfg,
-                                 const std::vector<state_dict>& stage_params,
-                                 const std::vector<state_dict>& stage_optim, std::int64_t next_step, int keep);
+// Writing a step folder takes three calls, so that each stage can write its own files
+// from its own process (the distributed runtime: no process gathers the whole model):
+// begin_checkpoint_dir creates the temporary folder, write_stage_files writes a stage's
+// files into it, finish_checkpoint_dir writes the manifest and renames the folder.
+
+/// Creates the temporary folder of step `next_step`'s checkpoint in `root` (and `root`),
+/// empty (a leftover of a write that failed is removed), and returns it. Throws
+/// checkpoint_error.
+std::string begin_checkpoint_dir(const std::string& root, std::int64_t next_step);
+
+/// Writes stage `stage`'s parameters (stage-K.pt) and optimizer state (optim-stage-K.pt)
+/// into the temporary folder `tmp`; returns their manifest entries. Throws
+/// checkpoint_error.
+std::vector<checkpoint_file> write_stage_files(const std::string& tmp, int stage, const state_dict& params,
+                                               const state_dict& optim);
+
+/// Completes step `next_step`'s checkpoint: every stage of `cfg`'s pipeline must have its
+/// two files in the temporary folder, with the sizes `files` gives (a stage on another
+/// host writes through checkpoint_dir, which must be a folder every node shares); writes
+/// the manifest, renames the folder to its final name, replaces `latest`, keeps the
+/// newest `keep` step folders. Returns the step folder. Throws checkpoint_error, having
+/// removed the temporary folder.
+std::string finish_checkpoint_dir(const std::string& root, const job_config& cfg,
+                                  const std::vector<checkpoint_file>& files, std::int64_t next_step, int keep);
+
+/// Removes the temporary folder of a checkpoint that will not be finished.
+void abandon_checkpoint_dir(const std::string& root, std::int64_t next_step);
 
 /// The step folder `path` names: a step folder itself (it holds manifest.json) or a
 /// checkpoint root (its `latest`, or without a usable one its newest complete step

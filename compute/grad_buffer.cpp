@@ -130,6 +130,26 @@ void gather_moments(const std::vector<param_entry>& entries, const shard_layout&
   }
 }
 
+std::vector<std::pair<std::string, torch::Tensor>> moment_entries(const named_moments& moments) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto [m, prefix] : {std::pair{&moments.exp_avg, "exp_avg."}, std::pair{&moments.exp_avg_sq, "exp_avg_sq."},
+                           std::pair{&moments.main_params, "main."}})
+    for (const auto& [name, t] : *m) out.emplace_back(prefix + name, t);
+  return out;
+}
+
+void add_moment_entry(named_moments& out, const std::string& name, const torch::Tensor& t) {
+  auto& map = name.rfind("exp_avg.", 0) == 0 ? out.exp_avg : name.rfind("main.", 0) == 0 ? out.main_params : out.exp_avg_sq;
+  auto& dst = map[name.substr(name.find('.') + 1)];
+  // Shards hold disjoint pieces (zeros elsewhere): adding assembles them.
+  dst = dst.defined() ? dst.add(t) : t.clone();
+}
+
+void use_main_params(state_dict& model, const named_moments& moments) {
+  for (auto& [name, t] : model)
+    if (auto it = moments.main_params.find(name); it != moments.main_params.end()) t = it->second.reshape(t.sizes());
+}
+
 void restore_shard(const std::vector<param_entry>& entries, const shard_layout& range, adamw_shard& shard,
                    const std::map<std::string, torch::Tensor>& params,
                    const std::map<std::string, torch::Tensor>& optim, std::int64_t steps) {

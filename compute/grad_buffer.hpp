@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/types.h>
@@ -103,6 +104,16 @@ struct named_moments {
 /// slice assembles the whole.
 void gather_moments(const std::vector<param_entry>& entries, const shard_layout& layout, const adamw_shard& shard,
                     named_moments& out, bool main_params = false);
+
+/// `moments` as named tensors, the form a shard sends them in: "exp_avg.NAME",
+/// "exp_avg_sq.NAME" and "main.NAME".
+std::vector<std::pair<std::string, torch::Tensor>> moment_entries(const named_moments& moments);
+
+/// Adds one of moment_entries' tensors (a shard's piece, zero elsewhere) into `out`.
+void add_moment_entry(named_moments& out, const std::string& name, const torch::Tensor& t);
+
+/// Puts the fp32 main parameters of `moments` (bf16 jobs) in place of `model`'s rounded ones.
+void use_main_params(state_dict& model, const named_moments& moments);
 
 /// Restores shard `layout` from a checkpoint by name: main parameters from `params`,
 /// moments from `optim` ("exp_avg.<name>", "exp_avg_sq.<name>"), and the step count.

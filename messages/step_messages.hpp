@@ -6,6 +6,7 @@
 
 #include <caf/meta/type_name.hpp>
 
+#include "compute/checkpoint.hpp"
 #include "messages/tensor_payload.hpp"
 
 namespace troupe {
@@ -122,6 +123,32 @@ struct state_reply {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, state_reply& x) {
   return f(caf::meta::type_name("state_reply"), x.names, x.tensors);
+}
+
+/// Coordinator -> replica 0's stage K: write your files of a checkpoint folder into its
+/// temporary folder `folder` (the stage gathers its optimizer state from its shards).
+struct write_checkpoint {
+  std::string folder;
+  std::int64_t step = 0;  ///< the steps the checkpoint has finished
+};
+
+/// Stage -> coordinator: the files it wrote, or why it could not.
+struct stage_checkpoint {
+  std::vector<checkpoint_file> files;
+  std::string error;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, checkpoint_file& x) {
+  return f(caf::meta::type_name("checkpoint_file"), x.name, x.stage, x.kind, x.bytes, x.crc32);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, write_checkpoint& x) {
+  return f(caf::meta::type_name("write_checkpoint"), x.folder, x.step);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, stage_checkpoint& x) {
+  return f(caf::meta::type_name("stage_checkpoint"), x.files, x.error);
 }
 
 }  // namespace troupe

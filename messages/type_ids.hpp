@@ -50,6 +50,10 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (troupe::eval_activation))
   CAF_ADD_TYPE_ID(troupe, (troupe::eval_target))
   CAF_ADD_TYPE_ID(troupe, (troupe::eval_result))
+  CAF_ADD_TYPE_ID(troupe, (troupe::checkpoint_file))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::checkpoint_file>))
+  CAF_ADD_TYPE_ID(troupe, (troupe::write_checkpoint))
+  CAF_ADD_TYPE_ID(troupe, (troupe::stage_checkpoint))
 
   // Atoms (at most 10 characters).
   CAF_ADD_ATOM(troupe, troupe, run_atom, "run")

@@ -1,10 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
+#include "compute/grad_buffer.hpp"
 #include "compute/remove_tree.hpp"
 #include "test_util.hpp"
 
@@ -108,6 +110,82 @@ TEST(Checkpoint, OutputPathsAreCheckedBeforeTraining) {
   EXPECT_NE(error_of({{"checkpoint_dir", d + "/file/ck"}}).find("output.checkpoint_dir = '" + d + "/file/ck': cannot create it"),
             std::string::npos);
   EXPECT_EQ(error_of({}), "");  // nothing to write
+}
+
+// A step folder in three calls, as the distributed runtime writes it: each stage's files
+// come from its own process (write_stage_files), the manifest from the coordinator's. The
+// coordinator finds every stage's files where it sees them, or writes nothing.
+TEST(Checkpoint, AStepFolderIsFinishedOnlyWithEveryStagesFiles) {
+  test::temp_dir dir;
+  const std::string root = dir / "ck";
+  auto cfg = load_job_config("", {{"pipeline", "2"}, {"steps", "4"}});
+  const auto model = initial_state(model_spec::gpt_tiny(), 7);
+  std::vector<state_dict> stages(2);
+  for (std::size_t i = 0; i < model.size(); ++i) stages[i < model.size() / 2 ? 0 : 1].push_back(model[i]);
+  named_moments moments;
+  for (const auto& [name, t] : model) {
+    moments.exp_avg[name] = torch::full({t.numel()}, 0.5);
+    moments.exp_avg_sq[name] = torch::full({t.numel()}, 0.25);
+  }
+  auto write_stage = [&](const std::string& tmp, int k) {
+    return write_stage_files(tmp, k, stages[k], optimizer_state_dict(moments, stages[k], 2));
+  };
+  auto leftovers = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : std::filesystem::directory_iterator(root)) out.push_back(e.path().filename().string());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+
+  // Whole: read back as one model, the moments by name, latest naming it.
+  auto tmp = begin_checkpoint_dir(root, 2);
+  auto files = write_stage(tmp, 1);
+  const auto first = write_stage(tmp, 0);
+  files.insert(files.end(), first.begin(), first.end());  // in any order
+  const auto folder = finish_checkpoint_dir(root, cfg, files, 2, 3);
+  EXPECT_EQ(folder, root + "/step-00000002");
+  EXPECT_EQ(leftovers(), (std::vector<std::string>{"latest", "step-00000002"}));
+  const auto back = read_checkpoint_dir(folder, cfg);
+  EXPECT_EQ(back.step, 2);
+  ASSERT_EQ(back.params.size(), model.size());
+  for (const auto& [name, t] : model) {
+    EXPECT_TRUE(torch::equal(back.params.at(name), t)) << name;
+    EXPECT_EQ(back.optim.at("exp_avg_sq." + name).sum().item<double>(), 0.25 * t.numel()) << name;
+  }
+
+  // A stage's files missing (its process wrote them elsewhere), or not as big as written:
+  // no step folder, no temporary one, and latest still names step 2.
+  tmp = begin_checkpoint_dir(root, 3);
+  files = write_stage(tmp, 0);
+  try {
+    finish_checkpoint_dir(root, cfg, files, 3, 3);
+    ADD_FAILURE() << "finished without stage 1";
+  } catch (const checkpoint_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no stage-1.pt was written"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(leftovers(), (std::vector<std::string>{"latest", "step-00000002"}));
+  tmp = begin_checkpoint_dir(root, 3);
+  files = write_stage(tmp, 0);
+  const auto second = write_stage(tmp, 1);
+  files.insert(files.end(), second.begin(), second.end());
+  std::filesystem::resize_file(tmp + "/optim-stage-1.pt", 100);
+  try {
+    finish_checkpoint_dir(root, cfg, files, 3, 3);
+    ADD_FAILURE() << "finished with a truncated file";
+  } catch (const checkpoint_error& e) {
+    EXPECT_NE(std::string(e.what()).find("optim-stage-1.pt was written (" + std::to_string(second[1].bytes) +
+                                         " bytes) but " + tmp + "/optim-stage-1.pt has 100 bytes (with nodes on "
+                                         "several hosts, checkpoint_dir must be one folder they all share)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(leftovers(), (std::vector<std::string>{"latest", "step-00000002"}));
+  EXPECT_EQ(find_checkpoint(root), folder);
+  // A write given up: its temporary folder goes.
+  begin_checkpoint_dir(root, 4);
+  EXPECT_EQ(leftovers().size(), 3u);
+  abandon_checkpoint_dir(root, 4);
+  EXPECT_EQ(leftovers(), (std::vector<std::string>{"latest", "step-00000002"}));
 }
 
 }  // namespace troupe

@@ -38,6 +38,7 @@ struct job {
   std::string token = "test-token";
   std::vector<std::string> tokens;     // per node (empty: all `token`)
   std::vector<std::string> extra_env;  // nodes other than 0
+  std::vector<std::string> cwds;       // per node (empty: this process's)
 };
 
 test::process_group start(const job& j, const test::temp_dir& dir, int port) {
@@ -55,7 +56,7 @@ test::process_group start(const job& j, const test::temp_dir& dir, int port) {
         if (i > 0) env.insert(env.end(), j.extra_env.begin(), j.extra_env.end());
         return env;
       },
-      dir.path.string(), 0);
+      dir.path.string(), 0, j.cwds);
 }
 
 struct layout {
@@ -92,7 +93,8 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
                                        "--threads", "1", "--precision", precision,
                                        "--bucket-size", std::to_string(bucket_size)};
   auto args = flags;
-  args.insert(args.end(), {"--save", dir / "multi.pt", "--metrics", dir / "multi.jsonl", "--eval-tokens", "1024"});
+  args.insert(args.end(), {"--save", dir / "multi.pt", "--metrics", dir / "multi.jsonl", "--eval-tokens", "1024",
+                           "--checkpoint-dir", dir / "ck"});
   auto group = start({nodes, args}, dir, free_port());
   const auto results = group.wait(std::chrono::seconds(300));
   for (int i = 0; i < nodes; ++i) ASSERT_EQ(results[i].status, 0) << "node " << i << ":\n" << results[i].output;
@@ -115,6 +117,18 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
   EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt"), load_state_dict(dir / "single.pt")), 0.0);
   EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt.optim"), load_state_dict(dir / "single.pt.optim")),
             0.0);
+  // The checkpoint folder, each stage's files written by its own node process (no process
+  // gathers the model for it), holds what --save gathered: the model (in bf16 jobs the
+  // fp32 main parameters) and the optimizer state, by name.
+  const auto folder = dir / "ck/step-00000010";
+  state_dict params, optim;
+  for (int k = 0; k < p; ++k) {
+    for (auto& kv : load_state_dict(folder + "/stage-" + std::to_string(k) + ".pt")) params.push_back(kv);
+    for (auto& kv : load_state_dict(folder + "/optim-stage-" + std::to_string(k) + ".pt"))
+      if (kv.first != "step" || k == 0) optim.push_back(kv);
+  }
+  EXPECT_EQ(test::max_abs_diff(params, load_state_dict(dir / "multi.pt")), 0.0);  // by name
+  EXPECT_EQ(test::max_abs_diff(optim, load_state_dict(dir / "multi.pt.optim")), 0.0);
   // The final evaluation, in the pipeline: 4 forwards shared by the replicas, activations
   // between nodes where a replica's stages are on several.
   ASSERT_EQ(single.evaluations.size(), 1u);
@@ -365,6 +379,35 @@ TEST(MultiProcessJoin, WrongTokenOrVersionIsRefused) {
         << results[0].output;
     EXPECT_EQ(results[0].output.find("1/2 |"), std::string::npos) << "the job started without node 1";
   }
+}
+
+// Each stage's node process writes its files of a checkpoint folder itself, into
+// checkpoint_dir as it sees it. Nodes that do not share that folder (here a relative
+// checkpoint_dir and node processes in two working folders, as on hosts without a shared
+// file system) leave node 0 without stage 1's files: the checkpoint is not written, with
+// the reason, and none is half-written; the run's last one ends the run (status 1).
+TEST(MultiProcessCheckpoint, NodesThatDoNotShareTheFolderWriteNoCheckpoint) {
+  test::temp_dir dir;
+  namespace fs = std::filesystem;
+  fs::create_directories(dir / "a");
+  fs::create_directories(dir / "b");
+  job j{2, {"--pipeline", "2", "--steps", "2", "--eval-interval", "0", "--threads", "1", "--checkpoint-dir", "ck",
+            "--checkpoint-interval", "1"}};
+  j.cwds = {dir / "a", dir / "b"};
+  auto group = start(j, dir, free_port());
+  const auto results = group.wait(std::chrono::seconds(120));
+  const auto& out = results[0].output;
+  EXPECT_EQ(results[0].status, 1) << out;
+  // Said by node 1's process, which found no temporary folder where node 0 made one.
+  EXPECT_NE(out.find("step 1: checkpoint not written: stage 1: ck/.step-00000001.tmp, which node 0 made, is not there "
+                     "(with nodes on several hosts, checkpoint_dir must be one folder they all share); training goes on"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("cannot write the checkpoint of step 2 (the run's last): stage 1: ck/.step-00000002.tmp, which"),
+            std::string::npos)
+      << out;
+  EXPECT_TRUE(fs::is_empty(dir / "a/ck"));  // no step folder, no temporary one, no latest
+  EXPECT_EQ(out.find("checkpoint written"), std::string::npos) << out;
 }
 
 // A node killed mid-run: the coordinator notices, aborts the step and ends the job with

@@ -33,9 +33,11 @@ class process_group {
   process_group(int n, ArgvOf argv_of, const std::vector<std::string>& env, const std::string& log_dir)
       : process_group(n, argv_of, [&](int) { return env; }, log_dir, 0) {}
 
-  /// The same with an environment per process: `env_of(i)`.
+  /// The same with an environment per process: `env_of(i)`, and where `cwds` is given, a
+  /// working folder per process.
   template <class ArgvOf, class EnvOf>
-  process_group(int n, ArgvOf argv_of, EnvOf env_of, const std::string& log_dir, int /*per-process env*/) {
+  process_group(int n, ArgvOf argv_of, EnvOf env_of, const std::string& log_dir, int /*per-process env*/,
+                const std::vector<std::string>& cwds = {}) {
     for (int i = 0; i < n; ++i) {
       std::vector<std::string> envs;
       for (char** e = environ; *e; ++e) envs.emplace_back(*e);
@@ -52,6 +54,7 @@ class process_group {
       posix_spawn_file_actions_init(&fa);
       posix_spawn_file_actions_addopen(&fa, 1, logs_.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       posix_spawn_file_actions_adddup2(&fa, 1, 2);
+      if (!cwds.empty()) posix_spawn_file_actions_addchdir_np(&fa, cwds.at(i).c_str());
       posix_spawnattr_t attr;
       posix_spawnattr_init(&attr);
       posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
