@@ -363,6 +363,8 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
         .then(
             [=](stage_checkpoint& rep) {
               if (!rep.error.empty()) (*errors)[k] = "stage " + std::to_string(k) + ": " + rep.error;
+              auto& events = self->state.result->events;
+              events.insert(events.end(), rep.events.begin(), rep.events.end());
               files->insert(files->end(), rep.files.begin(), rep.files.end());
               if (--*pending == 0) conclude();
             },

@@ -823,15 +823,26 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         auto moments = std::make_shared<named_moments>();
         auto pending = std::make_shared<int>(int(wiring->shards[s.stage].size()));  // -1: answered
         auto rp = self->make_response_promise<stage_checkpoint>();
+        // Trace events on this stage's track (step: the one whose checkpoint it is).
+        auto gathered = std::make_shared<trace_event>(
+            trace_event{"checkpoint gather", s.replica, s.stage, -1, -1, msg.step - 1, ctx->now_us(), 0, 0});
         for (const auto& shard : wiring->shards[s.stage])
           self->request(shard, std::chrono::seconds(60), state_atom_v)
               .then(
                   [=, stage = s.stage](const state_reply& rep) mutable {
                     if (*pending < 0) return;
-                    for (std::size_t i = 0; i < rep.names.size(); ++i)
-                      add_moment_entry(*moments, rep.names[i], tensor_of(rep.tensors[i]).to(torch::kCPU));
+                    for (std::size_t i = 0; i < rep.names.size(); ++i) {
+                      const auto t = tensor_of(rep.tensors[i]).to(torch::kCPU);
+                      gathered->bytes += std::int64_t(t.nbytes());
+                      add_moment_entry(*moments, rep.names[i], t);
+                    }
                     if (--*pending > 0) return;
+                    gathered->end_us = ctx->now_us();
                     stage_checkpoint out;
+                    out.events.push_back(*gathered);
+                    auto written = *gathered;
+                    written.name = "checkpoint write";
+                    written.start_us = ctx->now_us();
                     try {
                       use_main_params(*params, *moments);
                       out.files = write_stage_files(msg.folder, stage, *params,
@@ -839,6 +850,10 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
                     } catch (const std::exception& e) {
                       out.error = e.what();
                     }
+                    written.end_us = ctx->now_us();
+                    written.bytes = 0;
+                    for (const auto& f : out.files) written.bytes += std::int64_t(f.bytes);
+                    out.events.push_back(written);
                     rp.deliver(std::move(out));
                   },
                   [=](caf::error& err) mutable {

@@ -19,6 +19,8 @@ bool is_compute(const trace_event& e) { return e.name == "F" || e.name == "B" ||
 bool is_comm(const trace_event& e) { return e.name.rfind("send ", 0) == 0 || e.name.rfind("recv ", 0) == 0; }
 /// A forward of an evaluation between steps (its `mb`: the evaluation's forward).
 bool is_eval(const trace_event& e) { return e.name == "eval F"; }
+/// A checkpoint-writing stage's fetch of its shards' optimizer state, or its file writes.
+bool is_checkpoint(const trace_event& e) { return e.name == "checkpoint gather" || e.name == "checkpoint write"; }
 }  // namespace
 
 step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages) {
@@ -184,6 +186,11 @@ void write_chrome_trace(const std::string& path, const std::vector<trace_event>&
                      {"tid", e.stage}, {"ts", e.start_us}, {"dur", e.end_us - e.start_us},
                      {"args", {{"step", e.step}, {"stage", e.stage}, {"replica", e.replica}, {"forward", e.mb},
                                {"chunk", e.chunk}}}});
+      continue;
+    }
+    if (is_checkpoint(e)) {  // on the stage's track, between steps
+      out.push_back({{"ph", "X"}, {"name", e.name}, {"cat", "checkpoint"}, {"pid", e.replica}, {"tid", e.stage},
+                     {"ts", e.start_us}, {"dur", e.end_us - e.start_us}, {"args", args}});
       continue;
     }
     if (is_comm(e)) {  // on the stage's track: sends as slices, receives as instants

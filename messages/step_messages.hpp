@@ -132,10 +132,12 @@ struct write_checkpoint {
   std::int64_t step = 0;  ///< the steps the checkpoint has finished
 };
 
-/// Stage -> coordinator: the files it wrote, or why it could not.
+/// Stage -> coordinator: the files it wrote, or why it could not, and the trace events
+/// of its work ("checkpoint gather": its shards' state; "checkpoint write": its files).
 struct stage_checkpoint {
   std::vector<checkpoint_file> files;
   std::string error;
+  std::vector<trace_event> events;
 };
 
 template <class Inspector>
@@ -148,7 +150,7 @@ typename Inspector::result_type inspect(Inspector& f, write_checkpoint& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, stage_checkpoint& x) {
-  return f(caf::meta::type_name("stage_checkpoint"), x.files, x.error);
+  return f(caf::meta::type_name("stage_checkpoint"), x.files, x.error, x.events);
 }
 
 }  // namespace troupe

@@ -595,12 +595,22 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
   auto c = gpt_layout({2, 2, 1, "1f1b"});
   c.steps = 2;
   c.trace = dir / "trace.json";
+  c.checkpoint_dir = dir / "ck";
+  c.checkpoint_interval = 1;
   const auto got = run_actors(c);
   ASSERT_EQ(got.exit_code, 0) << got.error;
   std::ifstream in(c.trace);
   const auto trace = nlohmann::json::parse(in);
   std::set<std::pair<int, int>> tracks;
   int compute = 0, idle = 0, sends = 0, recvs = 0, evals = 0;
+  // The checkpoints: on replica 0's stage tracks, each stage's fetch of its shards' state
+  // and its writes, with the bytes of its files (the newest checkpoint's manifest).
+  std::map<std::string, int> checkpoint_events;
+  std::map<int, std::int64_t> written;  // stage: bytes of its files after step 2
+  std::ifstream manifest_in(dir / "ck/step-00000002/manifest.json");
+  const auto manifest = nlohmann::json::parse(manifest_in);
+  std::map<int, std::int64_t> manifest_bytes;
+  for (const auto& f : manifest["files"]) manifest_bytes[f["stage"]] += f["bytes"].get<std::int64_t>();
   for (const auto& e : trace["traceEvents"]) {
     if (e.value("cat", "") == "comm") {  // tensor messages between stages, on the stage tracks
       const std::string name = e["name"];
@@ -623,6 +633,12 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
       tracks.insert({e["pid"].get<int>(), e["tid"].get<int>()});
     }
     idle += e["cat"] == "idle";
+    if (e["cat"] == "checkpoint") {
+      ++checkpoint_events[e["name"]];
+      EXPECT_EQ(e["pid"], 0);
+      EXPECT_GT(e["args"]["bytes"].get<std::int64_t>(), 0);
+      if (e["name"] == "checkpoint write" && e["args"]["step"] == 1) written[e["tid"]] = e["args"]["bytes"];
+    }
     if (e["cat"] == "evaluation") {  // the final evaluation: one forward (replica 0), through both stages
       ++evals;
       EXPECT_EQ(e["pid"], 0);
@@ -631,6 +647,8 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
     }
   }
   EXPECT_EQ(evals, 2);
+  EXPECT_EQ(checkpoint_events, (std::map<std::string, int>{{"checkpoint gather", 4}, {"checkpoint write", 4}}));
+  EXPECT_EQ(written, manifest_bytes);
   EXPECT_EQ(compute, 2 * 2 * 2 * 2 * c.microbatches);  // steps x replicas x stages x (F + B)
   // Per step and replica: m activations, m gradients and the two tied-embedding gradients.
   EXPECT_EQ(sends, 2 * 2 * (2 * c.microbatches + 2));
