@@ -257,11 +257,8 @@ void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
     for (const auto& shard : row)
       self->request(shard, state_timeout, state_atom_v)
           .then(
-              [=](const state_reply& rep) {
-                // On the host, whatever device the shard computes on: checkpoints and
-                // the run's result hold CPU tensors (a GPU run's files load anywhere).
-                for (std::size_t i = 0; i < rep.names.size(); ++i)
-                  add_moment_entry(*sum, rep.names[i], tensor_of(rep.tensors[i]).to(torch::kCPU));
+              [=](const shard_moments& rep) {
+                add_shard_moments(*sum, rep);
                 if (--*pending == 0) then(std::move(*sum));
               },
               [=](caf::error& err) { fail(self, "no optimizer state from a shard: " + self->system().render(err)); });

@@ -354,15 +354,16 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       [=](const reset_step&) -> reset_report { return drop_step_state(); },
       // Checkpoints: AdamW moments by parameter name, and the fp32 main parameters where
       // the stages hold them rounded (bf16 jobs).
-      [=](state_atom) -> state_reply {
+      [=](state_atom) -> shard_moments {
         const bool main = self->state.ctx->compute_dtype != torch::kFloat32;
-        named_moments moments;
-        for (const auto& ch : self->state.chunks) gather_moments(ch.entries, ch.layout, ch.opt, moments, main);
-        state_reply rep;
-        for (auto& [name, t] : moment_entries(moments)) {
-          rep.names.push_back(name);
-          rep.tensors.push_back(make_payload(t));
-        }
+        shard_moments rep;
+        for (const auto& ch : self->state.chunks)
+          for (auto& piece : moment_pieces(ch.entries, ch.layout, ch.opt, main)) {
+            rep.names.push_back(std::move(piece.name));
+            rep.offsets.push_back(piece.offset);
+            rep.numels.push_back(piece.numel);
+            rep.tensors.push_back(make_payload(piece.data));
+          }
         return rep;
       },
       [=](const abort_step& msg) {

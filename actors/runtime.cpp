@@ -173,4 +173,16 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
   return *result;
 }
 
+std::int64_t add_shard_moments(named_moments& out, const shard_moments& state) {
+  std::int64_t bytes = 0;
+  for (std::size_t i = 0; i < state.names.size(); ++i) {
+    // On the host, whatever device the shard computes on: checkpoints and the run's
+    // result hold CPU tensors (a GPU run's files load anywhere).
+    const auto data = tensor_of(state.tensors[i]).to(torch::kCPU);
+    bytes += std::int64_t(data.nbytes());
+    add_moment_piece(out, {state.names[i], state.offsets[i], state.numels[i], data});
+  }
+  return bytes;
+}
+
 }  // namespace troupe

@@ -119,6 +119,10 @@ void fetch_payload(const job_wiring& w, const tensor_payload& p,
                    std::function<void(tensor_payload, const std::string& error)> done,
                    torch::Device device = torch::kCPU);
 
+/// Puts a shard's pieces of optimizer state (its checkpoint answer) into `out`, on the
+/// host; returns their bytes.
+std::int64_t add_shard_moments(named_moments& out, const shard_moments& state);
+
 /// Exit status of a run that failed in a way a restart from its last checkpoint can
 /// cure (a node or actor lost, a step aborted); the launcher restarts such jobs.
 /// (EX_TEMPFAIL of sysexits.h.)

@@ -829,13 +829,9 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         for (const auto& shard : wiring->shards[s.stage])
           self->request(shard, std::chrono::seconds(60), state_atom_v)
               .then(
-                  [=, stage = s.stage](const state_reply& rep) mutable {
+                  [=, stage = s.stage](const shard_moments& rep) mutable {
                     if (*pending < 0) return;
-                    for (std::size_t i = 0; i < rep.names.size(); ++i) {
-                      const auto t = tensor_of(rep.tensors[i]).to(torch::kCPU);
-                      gathered->bytes += std::int64_t(t.nbytes());
-                      add_moment_entry(*moments, rep.names[i], t);
-                    }
+                    gathered->bytes += add_shard_moments(*moments, rep);
                     if (--*pending > 0) return;
                     gathered->end_us = ctx->now_us();
                     stage_checkpoint out;
@@ -859,7 +855,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
                   [=](caf::error& err) mutable {
                     if (*pending < 0) return;
                     *pending = -1;
-                    rp.deliver(stage_checkpoint{{}, "no optimizer state from a shard: " + self->system().render(err)});
+                    rp.deliver(stage_checkpoint{{}, "no optimizer state from a shard: " + self->system().render(err), {}});
                   });
         return rp;
       },

@@ -113,36 +113,34 @@ torch::Tensor norm_mask(const std::vector<param_entry>& entries, const shard_lay
   return mask_of(entries, shard, [](const param_entry& e) { return !e.shared_copy; });
 }
 
-void gather_moments(const std::vector<param_entry>& entries, const shard_layout& range, const adamw_shard& shard,
-                    named_moments& out, bool main_params) {
-  std::vector<std::pair<std::map<std::string, torch::Tensor>*, const torch::Tensor*>> parts{
-      {&out.exp_avg, &shard.exp_avg()}, {&out.exp_avg_sq, &shard.exp_avg_sq()}};
-  if (main_params) parts.emplace_back(&out.main_params, &shard.params());
+std::vector<moment_piece> moment_pieces(const std::vector<param_entry>& entries, const shard_layout& range,
+                                        const adamw_shard& shard, bool main_params) {
+  std::vector<std::pair<const char*, const torch::Tensor*>> parts{{"exp_avg.", &shard.exp_avg()},
+                                                                  {"exp_avg_sq.", &shard.exp_avg_sq()}};
+  if (main_params) parts.emplace_back("main.", &shard.params());
+  std::vector<moment_piece> out;
   for (const auto& piece : shard_pieces(entries, range)) {
     const auto& e = entries[piece.entry];
     if (e.shared_copy) continue;
-    for (auto [map, src] : parts) {
-      auto& dst = (*map)[e.name];
-      if (!dst.defined()) dst = torch::zeros({e.numel}, torch::kFloat32);
-      dst.narrow(0, piece.in_param.begin, piece.in_param.size())
-          .add_(src->narrow(0, piece.in_shard.begin, piece.in_shard.size()).to(torch::kCPU));  // shards may be on a GPU
-    }
+    for (auto [prefix, src] : parts)  // shards may be on a GPU; a copy: the shard's state moves on
+      out.push_back({prefix + e.name, piece.in_param.begin, e.numel,
+                     src->narrow(0, piece.in_shard.begin, piece.in_shard.size())
+                         .to(torch::kCPU, torch::kFloat32, /*non_blocking=*/false, /*copy=*/true)});
   }
-}
-
-std::vector<std::pair<std::string, torch::Tensor>> moment_entries(const named_moments& moments) {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (auto [m, prefix] : {std::pair{&moments.exp_avg, "exp_avg."}, std::pair{&moments.exp_avg_sq, "exp_avg_sq."},
-                           std::pair{&moments.main_params, "main."}})
-    for (const auto& [name, t] : *m) out.emplace_back(prefix + name, t);
   return out;
 }
 
-void add_moment_entry(named_moments& out, const std::string& name, const torch::Tensor& t) {
+void add_moment_piece(named_moments& out, const moment_piece& piece) {
+  const auto& name = piece.name;
   auto& map = name.rfind("exp_avg.", 0) == 0 ? out.exp_avg : name.rfind("main.", 0) == 0 ? out.main_params : out.exp_avg_sq;
   auto& dst = map[name.substr(name.find('.') + 1)];
-  // Shards hold disjoint pieces (zeros elsewhere): adding assembles them.
-  dst = dst.defined() ? dst.add(t) : t.clone();
+  if (!dst.defined()) dst = torch::zeros({piece.numel}, torch::kFloat32);
+  dst.narrow(0, piece.offset, piece.data.numel()).copy_(piece.data);
+}
+
+void gather_moments(const std::vector<param_entry>& entries, const shard_layout& range, const adamw_shard& shard,
+                    named_moments& out, bool main_params) {
+  for (const auto& piece : moment_pieces(entries, range, shard, main_params)) add_moment_piece(out, piece);
 }
 
 void use_main_params(state_dict& model, const named_moments& moments) {

@@ -98,19 +98,27 @@ struct named_moments {
   std::map<std::string, torch::Tensor> main_params;
 };
 
-/// Adds shard `shard`'s AdamW moments into `out` (per-parameter flat CPU tensors, zero
-/// outside the shard; shared copies of tied parameters are left out), and with
-/// `main_params` its main parameters too. Summing the `named_moments` of all shards of a
-/// slice assembles the whole.
+/// A piece of one parameter's optimizer state as a shard holds it: elements [offset,
+/// offset + data.numel()) of the flat parameter, `numel` elements in all.
+struct moment_piece {
+  std::string name;  ///< "exp_avg.NAME", "exp_avg_sq.NAME" or "main.NAME"
+  std::int64_t offset = 0, numel = 0;
+  torch::Tensor data;  ///< flat, on the host, a copy
+};
+
+/// Shard `shard`'s AdamW moments by parameter piece (shared copies of tied parameters
+/// are left out), and with `main_params` its main parameters too: what a shard sends for
+/// a checkpoint, its own elements only.
+std::vector<moment_piece> moment_pieces(const std::vector<param_entry>& entries, const shard_layout& layout,
+                                        const adamw_shard& shard, bool main_params = false);
+
+/// Puts `piece` into `out`, whose tensor for it is made at its first piece (zeros of the
+/// parameter's size). The pieces of all shards of a slice assemble the whole.
+void add_moment_piece(named_moments& out, const moment_piece& piece);
+
+/// Adds shard `shard`'s pieces (moment_pieces) into `out`.
 void gather_moments(const std::vector<param_entry>& entries, const shard_layout& layout, const adamw_shard& shard,
                     named_moments& out, bool main_params = false);
-
-/// `moments` as named tensors, the form a shard sends them in: "exp_avg.NAME",
-/// "exp_avg_sq.NAME" and "main.NAME".
-std::vector<std::pair<std::string, torch::Tensor>> moment_entries(const named_moments& moments);
-
-/// Adds one of moment_entries' tensors (a shard's piece, zero elsewhere) into `out`.
-void add_moment_entry(named_moments& out, const std::string& name, const torch::Tensor& t);
 
 /// Puts the fp32 main parameters of `moments` (bf16 jobs) in place of `model`'s rounded ones.
 void use_main_params(state_dict& model, const named_moments& moments);

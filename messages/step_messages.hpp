@@ -125,6 +125,20 @@ typename Inspector::result_type inspect(Inspector& f, state_reply& x) {
   return f(caf::meta::type_name("state_reply"), x.names, x.tensors);
 }
 
+/// Optimizer shard -> coordinator or checkpoint-writing stage: the shard's own pieces of
+/// its parameters' optimizer state (moment_piece: entry i is elements [offsets[i],
+/// offsets[i] + tensors[i]'s) of a flat parameter of numels[i] elements).
+struct shard_moments {
+  std::vector<std::string> names;  ///< "exp_avg.NAME", "exp_avg_sq.NAME", "main.NAME"
+  std::vector<std::int64_t> offsets, numels;
+  std::vector<tensor_payload> tensors;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, shard_moments& x) {
+  return f(caf::meta::type_name("shard_moments"), x.names, x.offsets, x.numels, x.tensors);
+}
+
 /// Coordinator -> replica 0's stage K: write your files of a checkpoint folder into its
 /// temporary folder `folder` (the stage gathers its optimizer state from its shards).
 struct write_checkpoint {

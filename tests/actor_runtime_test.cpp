@@ -606,7 +606,8 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
   // The checkpoints: on replica 0's stage tracks, each stage's fetch of its shards' state
   // and its writes, with the bytes of its files (the newest checkpoint's manifest).
   std::map<std::string, int> checkpoint_events;
-  std::map<int, std::int64_t> written;  // stage: bytes of its files after step 2
+  std::map<int, std::int64_t> written;   // stage: bytes of its files after step 2
+  std::map<int, std::int64_t> gathered;  // stage: bytes its 2 shards sent it then
   std::ifstream manifest_in(dir / "ck/step-00000002/manifest.json");
   const auto manifest = nlohmann::json::parse(manifest_in);
   std::map<int, std::int64_t> manifest_bytes;
@@ -638,6 +639,7 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
       EXPECT_EQ(e["pid"], 0);
       EXPECT_GT(e["args"]["bytes"].get<std::int64_t>(), 0);
       if (e["name"] == "checkpoint write" && e["args"]["step"] == 1) written[e["tid"]] = e["args"]["bytes"];
+      if (e["name"] == "checkpoint gather" && e["args"]["step"] == 1) gathered[e["tid"]] = e["args"]["bytes"];
     }
     if (e["cat"] == "evaluation") {  // the final evaluation: one forward (replica 0), through both stages
       ++evals;
@@ -649,6 +651,13 @@ TEST(ActorRuntime, TraceFileHasOneTrackPerStageAndReadableArgs) {
   EXPECT_EQ(evals, 2);
   EXPECT_EQ(checkpoint_events, (std::map<std::string, int>{{"checkpoint gather", 4}, {"checkpoint write", 4}}));
   EXPECT_EQ(written, manifest_bytes);
+  // Each shard sent only its own elements: the stage got both fp32 moments once.
+  for (int k = 0; k < 2; ++k) {
+    std::int64_t numel = 0;
+    for (const auto& [name, t] : load_state_dict(dir / ("ck/step-00000002/stage-" + std::to_string(k) + ".pt")))
+      numel += t.numel();
+    EXPECT_EQ(gathered[k], 2 * 4 * numel) << "stage " << k;
+  }
   EXPECT_EQ(compute, 2 * 2 * 2 * 2 * c.microbatches);  // steps x replicas x stages x (F + B)
   // Per step and replica: m activations, m gradients and the two tied-embedding gradients.
   EXPECT_EQ(sends, 2 * 2 * (2 * c.microbatches + 2));
