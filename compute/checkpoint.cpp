@@ -24,31 +24,52 @@ namespace {
 }  // namespace
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
+  write_file_atomically(path, [&](const byte_sink& sink) { sink(bytes.data(), bytes.size()); });
+}
+
+void write_file_atomically(const std::string& path, const std::function<void(const byte_sink&)>& produce) {
   namespace fs = std::filesystem;
   const fs::path target(path);
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   std::string tmp = (dir / ("." + target.filename().string() + ".tmp.XXXXXX")).string();
   int fd = mkstemp(tmp.data());
   if (fd < 0) fail("cannot create a temporary file for", path);
-  std::size_t written = 0;
-  while (written < bytes.size()) {
-    const auto n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      fail("cannot write", tmp);
+  int write_errno = 0;  // the first failed write's; later pieces are dropped
+  auto sink = [&](const char* data, std::size_t n) {
+    std::size_t written = 0;
+    while (write_errno == 0 && written < n) {
+      const auto w = ::write(fd, data + written, n - written);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) write_errno = errno;
+      else written += std::size_t(w);
     }
-    written += std::size_t(n);
-  }
-  if (::fchmod(fd, 0644) != 0 || ::fsync(fd) != 0) {
+  };
+  auto give_up = [&](const char* what) {
+    const int e = errno;
     ::close(fd);
     ::unlink(tmp.c_str());
-    fail("cannot sync", tmp);
+    errno = e;
+    fail(what, tmp);
+  };
+  try {
+    produce(sink);
+  } catch (...) {
+    if (write_errno == 0) {  // the producer's own failure
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw;
+    }
   }
+  if (write_errno != 0) {
+    errno = write_errno;
+    give_up("cannot write");
+  }
+  if (::fchmod(fd, 0644) != 0 || ::fsync(fd) != 0) give_up("cannot sync");
   ::close(fd);
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
     ::unlink(tmp.c_str());
+    errno = e;
     fail("cannot rename into", path);
   }
   // Make the rename itself durable.
@@ -60,10 +81,10 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
 }
 
 void save_state_dict(const std::string& path, const state_dict& state) {
-  write_file_atomically(path, serialize_state_dict(state));
+  write_file_atomically(path, [&](const byte_sink& sink) { write_state_dict(state, sink); });
 }
 
-std::string serialize_state_dict(const state_dict& state) {
+void write_state_dict(const state_dict& state, const byte_sink& sink) {
   c10::Dict<std::string, torch::Tensor> dict;
   for (const auto& [name, t] : state) dict.insert(name, t.detach().contiguous());
   // What torch::jit::pickle_save writes (torch.save's zip format), but with the dict
@@ -75,14 +96,12 @@ std::string serialize_state_dict(const state_dict& state) {
   pickler.protocol();
   pickler.pushIValue(c10::IValue(dict));
   pickler.stop();
-  std::string bytes;
   caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) {
-    bytes.append(static_cast<const char*>(p), n);
+    sink(static_cast<const char*>(p), n);
     return n;
   });
   torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
   writer.writeEndOfFile();
-  return bytes;
 }
 
 state_dict load_state_dict(const std::string& path) {

@@ -1,7 +1,9 @@
 #pragma once
 // Checkpoints in PyTorch's own format: `torch.load(path)` in Python returns a dict of
 // GPT-2-named tensors. Writes are atomic: temp file, fsync, rename, fsync of the folder.
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -25,8 +27,12 @@ struct checkpoint_error : std::runtime_error {
 /// Writes `state` as a PyTorch-readable `state_dict` file, atomically.
 void save_state_dict(const std::string& path, const state_dict& state);
 
-/// The bytes save_state_dict writes (torch.save's zip format).
-std::string serialize_state_dict(const state_dict& state);
+/// Takes a file's bytes, piece by piece.
+using byte_sink = std::function<void(const char* data, std::size_t n)>;
+
+/// The bytes save_state_dict writes (torch.save's zip format), to `sink` as they are
+/// made: no copy of the whole file is held in memory.
+void write_state_dict(const state_dict& state, const byte_sink& sink);
 
 /// Reads a `state_dict` written by `save_state_dict` or by Python's `torch.save` of a
 /// dict / OrderedDict of tensors. Throws checkpoint_error naming the file on any problem.
@@ -34,5 +40,9 @@ state_dict load_state_dict(const std::string& path);
 
 /// Writes `bytes` to `path` atomically (temp file in the same folder, fsync, rename).
 void write_file_atomically(const std::string& path, const std::string& bytes);
+
+/// The same with the bytes that `produce` gives its sink. Throws checkpoint_error (a
+/// failed write: the file as it was, no temporary file left).
+void write_file_atomically(const std::string& path, const std::function<void(const byte_sink&)>& produce);
 
 }  // namespace troupe

@@ -38,7 +38,7 @@ std::string read_bytes(const fs::path& path) {
 
 std::uint32_t crc_of(const std::string& bytes) {
   return static_cast<std::uint32_t>(
-      crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
+      crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
 }
 
 std::string step_folder_name(std::int64_t step) {
@@ -118,9 +118,16 @@ std::vector<checkpoint_file> write_stage_files(const std::string& tmp, int stage
   std::vector<checkpoint_file> out;
   for (auto [file, kind, state] : {std::tuple{stage_file_name(stage, "parameters"), "parameters", &params},
                                    std::tuple{stage_file_name(stage, "optimizer"), "optimizer", &optim}}) {
-    const auto bytes = serialize_state_dict(*state);
-    write_file_atomically((fs::path(tmp) / file).string(), bytes);
-    out.push_back({file, stage, kind, bytes.size(), crc_of(bytes)});
+    std::uint64_t size = 0;
+    uLong crc = crc32(0L, Z_NULL, 0);
+    write_file_atomically((fs::path(tmp) / file).string(), [&](const byte_sink& sink) {
+      write_state_dict(*state, [&](const char* data, std::size_t n) {
+        crc = crc32_z(crc, reinterpret_cast<const Bytef*>(data), n);
+        size += n;
+        sink(data, n);
+      });
+    });
+    out.push_back({file, stage, kind, size, static_cast<std::uint32_t>(crc)});
   }
   return out;
 }

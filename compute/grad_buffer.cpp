@@ -134,6 +134,10 @@ void add_moment_piece(named_moments& out, const moment_piece& piece) {
   const auto& name = piece.name;
   auto& map = name.rfind("exp_avg.", 0) == 0 ? out.exp_avg : name.rfind("main.", 0) == 0 ? out.main_params : out.exp_avg_sq;
   auto& dst = map[name.substr(name.find('.') + 1)];
+  if (!dst.defined() && piece.offset == 0 && piece.data.numel() == piece.numel) {
+    dst = piece.data;  // the whole parameter in one piece (a copy already): no second one
+    return;
+  }
   if (!dst.defined()) dst = torch::zeros({piece.numel}, torch::kFloat32);
   dst.narrow(0, piece.offset, piece.data.numel()).copy_(piece.data);
 }

@@ -83,6 +83,18 @@ TEST(Checkpoint, FailedWriteLeavesTheOldFileIntact) {
   save_state_dict(dir / "model.pt", state);
   EXPECT_THROW(save_state_dict(dir / "no-such-folder/model.pt", state), checkpoint_error);
   EXPECT_EQ(load_state_dict(dir / "model.pt").size(), state.size());
+  // A producer that fails half-way through a streamed write: its error, the old file, no
+  // temporary file.
+  EXPECT_THROW(write_file_atomically(dir / "model.pt",
+                                     [](const byte_sink& sink) {
+                                       sink("PK", 2);
+                                       throw std::runtime_error("producer failed");
+                                     }),
+               std::runtime_error);
+  EXPECT_EQ(load_state_dict(dir / "model.pt").size(), state.size());
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path)) files += e.is_regular_file();
+  EXPECT_EQ(files, 1);
 }
 
 // Where a run would write: checked before it trains, each bad path named with its key.
