@@ -1,6 +1,7 @@
 #include "actors/runtime.hpp"
 
 #include <cstdlib>
+#include <set>
 #include <thread>
 
 #include <caf/all.hpp>
@@ -52,6 +53,24 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
     init = c.init.empty() ? initial_state(spec, c.seed) : load_state_dict(c.init);
   }
   check_state(spec, init);
+}
+
+void runtime_context::keep_only(const std::vector<std::pair<int, int>>& slots) {
+  std::set<std::string> names;
+  for (const auto& slot : slots)
+    for (int c = 0; c < v; ++c)
+      for (auto& name : slice_parameter_names(spec, ranges.at(c * p + slot.second))) names.insert(std::move(name));
+  state_dict kept;
+  for (auto& entry : init)
+    if (names.count(entry.first)) kept.push_back(std::move(entry));
+  init = std::move(kept);
+  for (auto it = resume_optim.begin(); it != resume_optim.end();) {
+    const auto dot = it->first.find('.');  // "exp_avg.NAME", "exp_avg_sq.NAME"
+    if (dot != std::string::npos && !names.count(it->first.substr(dot + 1)))
+      it = resume_optim.erase(it);
+    else
+      ++it;
+  }
 }
 
 std::vector<flat_range> runtime_context::buckets_of(const model_slice& slice) const {

@@ -54,6 +54,10 @@ struct runtime_context {
   torch::ScalarType compute_dtype = torch::kFloat32;  ///< train.precision
   state_dict init;                   ///< initial full-model parameters (or the resumed ones)
   std::map<std::string, torch::Tensor> resume_optim;  ///< --load: AdamW moments by name
+  /// A node process that runs only the stages of `slots` ((replica, stage) pairs): keeps
+  /// of `init` and `resume_optim` what their slices take (the rest would stay in memory
+  /// for the whole run, on every node).
+  void keep_only(const std::vector<std::pair<int, int>>& slots);
   std::int64_t start_step = 0;       ///< --load / --resume: the checkpoint's next step
   /// How often the launcher has restarted this job (TROUPE_LAUNCH_ATTEMPT); injected
   /// faults fire in one launch only (faults.attempt, default the first).

@@ -104,6 +104,24 @@ std::vector<std::string> parameter_names(const model_spec& spec) {
   return out;
 }
 
+std::vector<std::string> slice_parameter_names(const model_spec& spec, const layer_range& range) {
+  std::vector<std::string> names;
+  if (spec.type != model_spec::kind::gpt) {
+    for (int i = range.first; i < range.last; ++i)
+      for (const auto& p : mlp_layer_params(spec.mlp_widths, i)) names.push_back(p.name);
+    return names;
+  }
+  if (range.first_slice)
+    for (const auto& p : gpt_embedding_params(spec.gpt)) names.push_back(p.name);
+  else if (range.last_slice)
+    names.push_back("wte.weight");  // the tied output layer's copy
+  for (int i = range.first; i < range.last; ++i)
+    for (const auto& p : gpt_block_params(spec.gpt, i)) names.push_back(p.name);
+  if (range.last_slice)
+    for (const auto& p : gpt_head_params(spec.gpt)) names.push_back(p.name);
+  return names;
+}
+
 std::int64_t parameter_count(const model_spec& spec) {
   std::int64_t n = 0;
   for (const auto& p : all_params(spec)) {
@@ -311,18 +329,9 @@ class gpt_slice final : public model_slice {
             std::int64_t pad_to, torch::Device device, torch::ScalarType param_dtype)
       : cfg_(spec.gpt) {
     range_ = range;
-    std::vector<std::string> names, shared;
-    if (range.first_slice)
-      for (const auto& p : gpt_embedding_params(cfg_)) names.push_back(p.name);
-    else if (range.last_slice) {
-      names.push_back("wte.weight");  // tied output layer: this stage's copy
-      shared.push_back("wte.weight");
-    }
-    for (int i = range.first; i < range.last; ++i)
-      for (const auto& p : gpt_block_params(cfg_, i)) names.push_back(p.name);
-    if (range.last_slice)
-      for (const auto& p : gpt_head_params(cfg_)) names.push_back(p.name);
-    allocate(spec, state, names, shared, pad_to, device, param_dtype);
+    std::vector<std::string> shared;
+    if (!range.first_slice && range.last_slice) shared.push_back("wte.weight");  // tied output layer: this stage's copy
+    allocate(spec, state, slice_parameter_names(spec, range), shared, pad_to, device, param_dtype);
     causal_ = torch::ones({cfg_.seq_len, cfg_.seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril();
   }
 
@@ -525,10 +534,7 @@ class mlp_slice final : public model_slice {
             std::int64_t pad_to, torch::Device device, torch::ScalarType param_dtype)
       : n_layers_(spec.n_layers()) {
     range_ = range;
-    std::vector<std::string> names;
-    for (int i = range.first; i < range.last; ++i)
-      for (const auto& p : mlp_layer_params(spec.mlp_widths, i)) names.push_back(p.name);
-    allocate(spec, state, names, {}, pad_to, device, param_dtype);
+    allocate(spec, state, slice_parameter_names(spec, range), {}, pad_to, device, param_dtype);
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {

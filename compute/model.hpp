@@ -72,6 +72,10 @@ state_dict initial_state(const model_spec& spec, std::uint64_t seed);
 /// The full model's parameter names in canonical (state_dict) order.
 std::vector<std::string> parameter_names(const model_spec& spec);
 
+/// The parameters of the slice for `range` (make_slice), in its order; a last slice of
+/// a gpt without the embeddings names "wte.weight", its copy of the tied output layer.
+std::vector<std::string> slice_parameter_names(const model_spec& spec, const layer_range& range);
+
 /// The full model's number of parameters (the tied output layer counted once).
 std::int64_t parameter_count(const model_spec& spec);
 

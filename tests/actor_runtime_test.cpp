@@ -134,6 +134,34 @@ TEST_P(ActorEquivalence, SameParametersAndLossesAsTheReferenceLoop) {
   }
 }
 
+// A node process keeps of the initial (or resumed) model and moments only what its own
+// stages' slices take: with 2 chunks, stage 1 of p2 holds blocks 2-3 and 6-7 of
+// gpt-tiny's 8, the final layer norm and its copy of the tied embedding.
+TEST(ActorRuntime, ANodeKeepsOnlyItsStagesParameters) {
+  auto c = test::gpt_config(2);
+  c.pipeline = 2;
+  c.chunks = 2;
+  c.schedule = "interleaved-1f1b";
+  runtime_context ctx(c);
+  const auto all = ctx.init;
+  for (const auto& [name, t] : all) {
+    ctx.resume_optim["exp_avg." + name] = t;
+    ctx.resume_optim["exp_avg_sq." + name] = t;
+  }
+  ctx.keep_only({{0, 1}, {1, 1}});  // stage 1 of both replicas
+  std::set<std::string> kept, expected{"wte.weight", "ln_f.weight", "ln_f.bias"};
+  for (const auto& [name, t] : ctx.init) kept.insert(name);
+  for (const auto& [name, t] : all)
+    for (const char* block : {"h.2.", "h.3.", "h.6.", "h.7."})
+      if (name.rfind(block, 0) == 0) expected.insert(name);
+  EXPECT_EQ(kept, expected);
+  EXPECT_EQ(ctx.resume_optim.size(), 2 * expected.size());
+  for (const auto& name : expected) EXPECT_EQ(ctx.resume_optim.count("exp_avg_sq." + name), 1u) << name;
+  // Its slices build from what it kept.
+  for (int chunk = 0; chunk < 2; ++chunk)
+    EXPECT_NO_THROW(make_slice(ctx.spec, ctx.ranges.at(chunk * 2 + 1), ctx.init, 1)) << chunk;
+}
+
 TEST(ActorRuntime, ChecksummedPayloadsGiveTheSameResult) {
   auto c = gpt_layout({2, 1, 1, "1f1b"});
   c.steps = 2;
