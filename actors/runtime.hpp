@@ -52,8 +52,8 @@ struct runtime_context {
   std::vector<layer_range> ranges;   ///< by virtual stage
   torch::Device device{torch::kCPU}; ///< where stages and shards compute (train.device)
   torch::ScalarType compute_dtype = torch::kFloat32;  ///< train.precision
-  state_dict init;                   ///< initial full-model parameters (or the resumed ones)
-  std::map<std::string, torch::Tensor> resume_optim;  ///< --load: AdamW moments by name
+  state_dict init;                   ///< initial parameters (or the resumed ones): the whole model's, a node process's stages' after keep_only
+  std::map<std::string, torch::Tensor> resume_optim;  ///< --load / --resume: AdamW moments by name (likewise)
   /// A node process that runs only the stages of `slots` ((replica, stage) pairs): keeps
   /// of `init` and `resume_optim` what their slices take (the rest would stay in memory
   /// for the whole run, on every node).
