@@ -13,7 +13,7 @@
 #include <iterator>
 #include <map>
 #include <set>
-#include <tuple>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -116,8 +116,8 @@ std::vector<checkpoint_file> write_stage_files(const std::string& tmp, int stage
     throw checkpoint_error(tmp + ", which node 0 made, is not there (with nodes on several hosts, checkpoint_dir "
                            "must be one folder they all share)");
   std::vector<checkpoint_file> out;
-  for (auto [file, kind, state] : {std::tuple{stage_file_name(stage, "parameters"), "parameters", &params},
-                                   std::tuple{stage_file_name(stage, "optimizer"), "optimizer", &optim}}) {
+  for (auto [kind, state] : {std::pair{"parameters", &params}, std::pair{"optimizer", &optim}}) {
+    const auto file = stage_file_name(stage, kind);
     std::uint64_t size = 0;
     uLong crc = crc32(0L, Z_NULL, 0);
     write_file_atomically((fs::path(tmp) / file).string(), [&](const byte_sink& sink) {
