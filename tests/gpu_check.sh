@@ -163,7 +163,38 @@ nodes() {  # nodes NAME ipc|staged|links FLAGS...: 4 node processes of "${job[@]
   fi
   "$python" "$root/tests/compare_runs.py" "$out/${ref:-ref}" "$out/$1" 0
 }
-step nodes-4 nodes nodes-4 ipc
+# nodes_with_folder NAME ipc|staged|links: nodes with checkpoint folders (every 7 steps and
+# at the end), which the nodes' stages write themselves (GPU tensors to host files): the
+# last folder's stage files, read by this python's torch.load (weights_only=True, CPU
+# tensors), are the --save file bit for bit (fp32 main parameters in bf16 jobs too), its
+# optimizer files hold both moments of every parameter, and the manifest is of the last step.
+nodes_with_folder() {
+  local i steps
+  for ((i = 0; i < ${#job[@]}; i++)); do [ "${job[$i]}" = --steps ] && steps=${job[$((i + 1))]}; done
+  nodes "$1" "$2" --checkpoint-dir "$out/$1.ckpt" --checkpoint-interval 7 "${@:3}" || return 1
+  "$python" - "$out/$1.ckpt" "$out/$1.pt" "$steps" <<'PY'
+import json, os, sys, torch
+root, save, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+folder = os.path.join(root, open(os.path.join(root, "latest")).read().strip())
+manifest = json.load(open(os.path.join(folder, "manifest.json")))
+want = torch.load(save, weights_only=True)
+got, optim = {}, {}
+for f in sorted(os.listdir(folder)):
+    if f.endswith(".pt"):
+        sd = torch.load(os.path.join(folder, f), weights_only=True)
+        assert all(v.device.type == "cpu" for v in sd.values()), f
+        (optim if f.startswith("optim-") else got).update(sd)
+assert manifest["step"] == steps, (manifest["step"], steps)
+assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+for k in want:
+    assert torch.equal(got[k], want[k]), f"{k}: folder and --save differ by {(got[k] - want[k]).abs().max().item()}"
+for k in want:
+    for m in ("exp_avg.", "exp_avg_sq."):
+        assert optim[m + k].shape == want[k].shape, m + k
+print(f"{os.path.basename(folder)}: {len(got)} parameters equal to the --save file, {len(optim)} optimizer entries")
+PY
+}
+step nodes-4 nodes_with_folder nodes-4 ipc
 step nodes-4-rejoin nodes nodes-4-rejoin ipc --kill-node 3:5
 step nodes-4-staged nodes nodes-4-staged staged
 step nodes-4-links nodes nodes-4-links links
@@ -208,7 +239,7 @@ bf16_nodes() {
   grep -F ", bf16, deterministic" "$out/$ref.run" || { echo "no deterministic mode in the log"; return 1; }
   local rc=0
   repeats "$ref" bf16-ref-again || rc=1  # else a difference below is the one-process run's own
-  nodes nodes-4-bf16 ipc || rc=1
+  nodes_with_folder nodes-4-bf16 ipc || rc=1
   [ "$device" = cpu ] || [ "$(grep -c "computes on cuda:0 with deterministic algorithms" "$out/nodes-4-bf16.run")" = 4 ] ||
     { echo "not every node computes with deterministic algorithms"; rc=1; }
   # the same with every tensor staged through host memory (no CUDA IPC)
