@@ -752,9 +752,8 @@ actor_run_result run_node(const node_options& o) {
           if (o.nodes_per_host > gpus && gpus > 0 && o.local_node == 0)
             spdlog::warn("{}: {} node processes share this machine's {} GPU(s)", where, o.nodes_per_host, gpus);
         }
-        auto node_ctx = std::make_shared<runtime_context>(cfg, clock);
-        node_ctx->keep_only(slots);  // this node's stages' parameters (and moments), not the whole model's
-        std::shared_ptr<const runtime_context> ctx = std::move(node_ctx);
+        // this node's stages' parameters (and moments), not the whole model's
+        std::shared_ptr<const runtime_context> ctx = std::make_shared<runtime_context>(cfg, clock, slots);
         const auto how = transport_for(*ctx, where);
         node_plan plan;
         if (o.rejoin) {  // communicators come with the coordinator's recovery round

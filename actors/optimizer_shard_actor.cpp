@@ -121,13 +121,14 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     if (ctx->compute_dtype != torch::kFloat32)
       ch.rounded = torch::empty({size}, layout->flat_params().options().dtype(ctx->compute_dtype));
     ch.start_us.assign(ch.buckets.size(), 0.0);
-    if (from) {  // restarted in place: the state before the step being retried
-      ch.opt.assign(from->chunks.at(c));
-    } else if (!ctx->resume_optim.empty()) {
-      restore_shard(layout->entries(), ch.layout, ch.opt, init_by_name, ctx->resume_optim, ctx->start_step);
-    }
+    if (from) ch.opt.assign(from->chunks.at(c));  // restarted in place: the state before the step being retried
     ch.entries = layout->entries();
   }
+  if (!from)  // started with the job: a resumed checkpoint's moments, if any
+    ctx->with_resume_moments([&](const std::map<std::string, torch::Tensor>& moments) {
+      if (!moments.empty())
+        for (auto& ch : st.chunks) restore_shard(ch.entries, ch.layout, ch.opt, init_by_name, moments, ctx->start_step);
+    });
   for (int c = ctx->v - 1; c >= 0; --c)
     for (int b = int(st.chunks[c].buckets.size()) - 1; b >= 0; --b) st.order.emplace_back(c, b);
   if (!from) take_snapshot(st, ctx->start_step);

@@ -16,7 +16,8 @@
 
 namespace troupe {
 
-runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock_)
+runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock_,
+                                 const std::optional<std::vector<std::pair<int, int>>>& slots)
     : cfg(c),
       spec(c.model()),
       p(c.pipeline),
@@ -40,7 +41,9 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   resolve_resume(cfg);
   if (const char* a = std::getenv("TROUPE_LAUNCH_ATTEMPT")) launch_attempt = std::atoi(a);
   if (!cfg.resume.empty()) {
-    auto ckpt = read_checkpoint_dir(cfg.resume, cfg);
+    std::function<bool(const std::string&)> keep;
+    if (slots) keep = [mine = parameters_of(*slots)](const std::string& name) { return mine.count(name) > 0; };
+    auto ckpt = read_checkpoint_dir(cfg.resume, cfg, keep);  // checks the whole model
     init = std::move(ckpt.model);
     resume_optim = std::move(ckpt.optim);
     start_step = ckpt.step;
@@ -52,14 +55,28 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   } else {
     init = c.init.empty() ? initial_state(spec, c.seed) : load_state_dict(c.init);
   }
-  check_state(spec, init);
+  if (cfg.resume.empty()) check_state(spec, init);
+  if (slots) keep_only(*slots);
+  resume_shards_left_ = slots ? int(slots->size()) : p * d;
 }
 
-void runtime_context::keep_only(const std::vector<std::pair<int, int>>& slots) {
+void runtime_context::with_resume_moments(
+    const std::function<void(const std::map<std::string, torch::Tensor>&)>& restore) const {
+  std::lock_guard<std::mutex> lock(resume_mutex_);
+  restore(resume_optim);
+  if (--resume_shards_left_ <= 0) resume_optim.clear();
+}
+
+std::set<std::string> runtime_context::parameters_of(const std::vector<std::pair<int, int>>& slots) const {
   std::set<std::string> names;
   for (const auto& slot : slots)
     for (int c = 0; c < v; ++c)
       for (auto& name : slice_parameter_names(spec, ranges.at(c * p + slot.second))) names.insert(std::move(name));
+  return names;
+}
+
+void runtime_context::keep_only(const std::vector<std::pair<int, int>>& slots) {
+  const auto names = parameters_of(slots);
   state_dict kept;
   for (auto& entry : init)
     if (names.count(entry.first)) kept.push_back(std::move(entry));

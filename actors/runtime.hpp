@@ -17,6 +17,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -39,8 +42,12 @@ namespace troupe {
 /// What every actor of a job knows; immutable once the job starts.
 struct runtime_context {
   /// `clock`: the timeline of trace events (nodes of a job: the coordinator's, see
-  /// job_clock); none: this process's steady clock from now.
-  explicit runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock = nullptr);
+  /// job_clock); none: this process's steady clock from now. `slots`: a node process that
+  /// runs only these stages ((replica, stage) pairs) keeps of the initial or resumed
+  /// parameters and moments only what their slices take (keep_only); a checkpoint folder
+  /// it resumes is read so, file by file, never whole. None: the whole model.
+  explicit runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock = nullptr,
+                           const std::optional<std::vector<std::pair<int, int>>>& slots = std::nullopt);
 
   job_config cfg;
   model_spec spec;
@@ -53,16 +60,31 @@ struct runtime_context {
   torch::Device device{torch::kCPU}; ///< where stages and shards compute (train.device)
   torch::ScalarType compute_dtype = torch::kFloat32;  ///< train.precision
   state_dict init;                   ///< initial parameters (or the resumed ones): the whole model's, a node process's stages' after keep_only
-  std::map<std::string, torch::Tensor> resume_optim;  ///< --load / --resume: AdamW moments by name (likewise)
+  /// --load / --resume: AdamW moments by name (likewise). Held only while the job starts:
+  /// emptied once every shard of this process has restored from it (with_resume_moments).
+  mutable std::map<std::string, torch::Tensor> resume_optim;
+  /// A shard that starts with the job restores from resume_optim in `restore` (under a
+  /// lock); once each of this process's shards has (slots, or p x d without), resume_optim
+  /// is emptied: the moments are in the shards, and a shard started later (an in-place
+  /// retry, a rejoin) starts from snapshots, not from the checkpoint.
+  void with_resume_moments(const std::function<void(const std::map<std::string, torch::Tensor>&)>& restore) const;
   /// A node process that runs only the stages of `slots` ((replica, stage) pairs): keeps
   /// of `init` and `resume_optim` what their slices take (the rest would stay in memory
   /// for the whole run, on every node).
   void keep_only(const std::vector<std::pair<int, int>>& slots);
+  /// The names of the parameters the slices of `slots` take.
+  std::set<std::string> parameters_of(const std::vector<std::pair<int, int>>& slots) const;
   std::int64_t start_step = 0;       ///< --load / --resume: the checkpoint's next step
   /// How often the launcher has restarted this job (TROUPE_LAUNCH_ATTEMPT); injected
   /// faults fire in one launch only (faults.attempt, default the first).
   int launch_attempt = 0;
   bool faults_armed() const { return launch_attempt == cfg.fault_attempt; }
+
+ private:
+  mutable std::mutex resume_mutex_;
+  mutable int resume_shards_left_ = 0;  ///< shards yet to restore from resume_optim
+
+ public:
   std::shared_ptr<const job_clock> clock;  ///< the timeline of trace events
 
   double now_us() const { return clock->now_us(); }

@@ -107,7 +107,11 @@ void write_state_dict(const state_dict& state, const byte_sink& sink) {
 state_dict load_state_dict(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw checkpoint_error("cannot open checkpoint " + path + ": " + std::strerror(errno));
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return load_state_dict(std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()),
+                         path);
+}
+
+state_dict load_state_dict(const std::vector<char>& bytes, const std::string& path) {
   if (bytes.empty()) throw checkpoint_error("checkpoint " + path + " is empty");
   c10::IValue value;
   try {

@@ -6,6 +6,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "compute/model.hpp"
 
@@ -37,6 +38,9 @@ void write_state_dict(const state_dict& state, const byte_sink& sink);
 /// Reads a `state_dict` written by `save_state_dict` or by Python's `torch.save` of a
 /// dict / OrderedDict of tensors. Throws checkpoint_error naming the file on any problem.
 state_dict load_state_dict(const std::string& path);
+
+/// The same from a file's bytes already in memory (`path` names it in errors).
+state_dict load_state_dict(const std::vector<char>& bytes, const std::string& path);
 
 /// Writes `bytes` to `path` atomically (temp file in the same folder, fsync, rename).
 void write_file_atomically(const std::string& path, const std::string& bytes);

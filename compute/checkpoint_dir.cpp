@@ -36,7 +36,8 @@ std::string read_bytes(const fs::path& path) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-std::uint32_t crc_of(const std::string& bytes) {
+template <class Bytes>
+std::uint32_t crc_of(const Bytes& bytes) {
   return static_cast<std::uint32_t>(
       crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
 }
@@ -225,7 +226,8 @@ std::string find_checkpoint(const std::string& path) {
   throw checkpoint_error(path + " is not a Troupe checkpoint (no manifest.json, no complete step folder)");
 }
 
-checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg) {
+checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
+                               const std::function<bool(const std::string&)>& keep) {
   const fs::path dir(folder);
   nlohmann::json manifest;
   try {
@@ -270,24 +272,31 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg)
                              std::to_string(cfg.steps) + " steps");
     checkpoint c;
     c.step = step;
+    // One file at a time, each read once (its CRC, then its tensors from the same bytes);
+    // of a parameter not kept only a stand-in of its shape and type stays (no memory),
+    // so that the whole model is still checked.
+    const auto kept = [&](const std::string& name) { return !keep || keep(name); };
     for (const auto& f : manifest.at("files")) {
       const auto file = f.at("name").get<std::string>();
-      std::string bytes;
-      try {
-        bytes = read_bytes(dir / file);
-      } catch (const checkpoint_error&) {
-        throw checkpoint_error("checkpoint " + folder + ": " + file + " is missing");
+      std::vector<char> bytes;
+      {
+        std::ifstream in(dir / file, std::ios::binary);
+        if (!in) throw checkpoint_error("checkpoint " + folder + ": " + file + " is missing");
+        bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
       }
       if (bytes.size() != f.at("bytes").get<std::size_t>() || crc_of(bytes) != f.at("crc32").get<std::uint32_t>())
         throw checkpoint_error("checkpoint " + folder + ": " + file + " is truncated or corrupt (" +
                                std::to_string(bytes.size()) + " bytes, manifest says " +
                                std::to_string(f.at("bytes").get<std::size_t>()) + "; CRC-32 " +
                                (crc_of(bytes) == f.at("crc32").get<std::uint32_t>() ? "matches" : "differs") + ")");
-      const auto state = load_state_dict((dir / file).string());
-      if (f.at("kind") == "parameters") {
-        for (const auto& [n, t] : state) c.params.emplace(n, t);
-      } else {
-        for (const auto& [n, t] : state) c.optim.emplace(n, t);
+      auto state = load_state_dict(bytes, (dir / file).string());
+      bytes = {};
+      const bool parameters = f.at("kind") == "parameters";
+      for (auto& [n, t] : state) {
+        if (parameters)
+          c.params.emplace(n, kept(n) ? std::move(t) : torch::zeros({}, t.options()).expand(t.sizes()));
+        else if (const auto dot = n.find('.'); dot == std::string::npos || kept(n.substr(dot + 1)))
+          c.optim.emplace(n, std::move(t));  // "exp_avg.NAME", "exp_avg_sq.NAME"
       }
     }
     // Model order as the spec names it; check_state says what is missing or mis-shaped.
@@ -301,7 +310,11 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg)
     } catch (const std::exception& e) {
       throw checkpoint_error("checkpoint " + folder + ": " + e.what());
     }
-    c.model = std::move(model);
+    c.model.clear();
+    for (auto& entry : model)
+      if (kept(entry.first)) c.model.push_back(std::move(entry));
+    for (auto it = c.params.begin(); it != c.params.end();)
+      it = kept(it->first) ? std::next(it) : c.params.erase(it);
     c.optim["step"] = torch::tensor({step}, torch::kInt64);
     const auto& layout = manifest.at("layout");
     if (layout.at("pipeline") != cfg.pipeline || layout.at("data_parallel") != cfg.data_parallel)

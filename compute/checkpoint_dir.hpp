@@ -12,6 +12,7 @@
 // A step folder is written under a temporary name and renamed when complete (atomic);
 // `latest` is replaced atomically after it. The newest `keep` folders stay.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,8 +58,12 @@ std::string find_checkpoint(const std::string& path);
 
 /// Reads a step folder for a run of `cfg`: verifies every file's size and CRC-32, that
 /// the training configuration is the one that wrote it (the keys that differ are named)
-/// and that the parameters fit `cfg`'s model. Throws checkpoint_error.
-checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg);
+/// and that the parameters fit `cfg`'s model. Throws checkpoint_error. With `keep`, only
+/// the parameters it keeps (by name) and their moments are returned: the files are read
+/// one at a time and every one is still checked, but no more than one file's tensors and
+/// the kept ones are held at once (a node process takes only its stages' share).
+checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
+                               const std::function<bool(const std::string&)>& keep = {});
 
 /// The training configuration a step folder's manifest records (the keys of
 /// training_identity; the others at their defaults): the model it holds, for tools that

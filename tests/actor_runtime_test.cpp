@@ -162,6 +162,46 @@ TEST(ActorRuntime, ANodeKeepsOnlyItsStagesParameters) {
     EXPECT_NO_THROW(make_slice(ctx.spec, ctx.ranges.at(chunk * 2 + 1), ctx.init, 1)) << chunk;
 }
 
+// Resuming, a node process reads the checkpoint folder file by file and keeps its share
+// as it reads (runtime_context's slots): the same tensors keep_only leaves of the whole.
+TEST(ActorRuntime, ANodeResumesOnlyItsStagesShareOfACheckpoint) {
+  test::temp_dir dir;
+  auto c = test::gpt_config(2);
+  c.pipeline = 2;
+  c.data_parallel = 2;
+  c.checkpoint_dir = dir / "ck";
+  const auto written = run_actors(c);
+  ASSERT_EQ(written.exit_code, 0) << written.error;
+  c.resume = c.checkpoint_dir;
+  const std::vector<std::pair<int, int>> slots{{1, 0}};  // stage 0 of replica 1
+  runtime_context whole(c);
+  ASSERT_EQ(whole.init.size(), written.final_state.size());
+  whole.keep_only(slots);
+  const runtime_context node(c, nullptr, slots);
+  EXPECT_EQ(node.start_step, 2);
+  ASSERT_EQ(node.init.size(), whole.init.size());
+  EXPECT_LT(node.init.size(), written.final_state.size());
+  for (std::size_t i = 0; i < node.init.size(); ++i) {
+    EXPECT_EQ(node.init[i].first, whole.init[i].first);
+    EXPECT_TRUE(torch::equal(node.init[i].second, whole.init[i].second)) << node.init[i].first;
+  }
+  ASSERT_EQ(node.resume_optim.size(), whole.resume_optim.size());
+  for (const auto& [name, t] : whole.resume_optim) {
+    ASSERT_EQ(node.resume_optim.count(name), 1u) << name;
+    EXPECT_TRUE(torch::equal(node.resume_optim.at(name), t)) << name;
+  }
+  // Its one shard restores from the moments; then they are let go.
+  std::size_t seen = 0;
+  node.with_resume_moments([&](const std::map<std::string, torch::Tensor>& moments) { seen = moments.size(); });
+  EXPECT_EQ(seen, whole.resume_optim.size());
+  EXPECT_TRUE(node.resume_optim.empty());
+  // Without slots every shard of the job (p x d) restores before they go.
+  for (int shard = 0; shard < 3; ++shard) whole.with_resume_moments([](const auto&) {});
+  EXPECT_FALSE(whole.resume_optim.empty());
+  whole.with_resume_moments([](const auto&) {});
+  EXPECT_TRUE(whole.resume_optim.empty());
+}
+
 TEST(ActorRuntime, ChecksummedPayloadsGiveTheSameResult) {
   auto c = gpt_layout({2, 1, 1, "1f1b"});
   c.steps = 2;

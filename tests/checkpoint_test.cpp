@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
@@ -124,6 +125,27 @@ TEST(Checkpoint, OutputPathsAreCheckedBeforeTraining) {
   EXPECT_EQ(error_of({}), "");  // nothing to write
 }
 
+namespace {
+
+// gpt-tiny's parameters as two stages' state_dicts (the first half, the second half), and
+// AdamW moments 0.5 and 0.25 for every one.
+std::vector<state_dict> two_stages(const state_dict& model) {
+  std::vector<state_dict> stages(2);
+  for (std::size_t i = 0; i < model.size(); ++i) stages[i < model.size() / 2 ? 0 : 1].push_back(model[i]);
+  return stages;
+}
+
+named_moments moments_of(const state_dict& model) {
+  named_moments moments;
+  for (const auto& [name, t] : model) {
+    moments.exp_avg[name] = torch::full({t.numel()}, 0.5);
+    moments.exp_avg_sq[name] = torch::full({t.numel()}, 0.25);
+  }
+  return moments;
+}
+
+}  // namespace
+
 // A step folder in three calls, as the distributed runtime writes it: each stage's files
 // come from its own process (write_stage_files), the manifest from the coordinator's. The
 // coordinator finds every stage's files where it sees them, or writes nothing.
@@ -132,13 +154,8 @@ TEST(Checkpoint, AStepFolderIsFinishedOnlyWithEveryStagesFiles) {
   const std::string root = dir / "ck";
   auto cfg = load_job_config("", {{"pipeline", "2"}, {"steps", "4"}});
   const auto model = initial_state(model_spec::gpt_tiny(), 7);
-  std::vector<state_dict> stages(2);
-  for (std::size_t i = 0; i < model.size(); ++i) stages[i < model.size() / 2 ? 0 : 1].push_back(model[i]);
-  named_moments moments;
-  for (const auto& [name, t] : model) {
-    moments.exp_avg[name] = torch::full({t.numel()}, 0.5);
-    moments.exp_avg_sq[name] = torch::full({t.numel()}, 0.25);
-  }
+  const auto stages = two_stages(model);
+  const auto moments = moments_of(model);
   auto write_stage = [&](const std::string& tmp, int k) {
     return write_stage_files(tmp, k, stages[k], optimizer_state_dict(moments, stages[k], 2));
   };
@@ -198,6 +215,59 @@ TEST(Checkpoint, AStepFolderIsFinishedOnlyWithEveryStagesFiles) {
   EXPECT_EQ(leftovers().size(), 3u);
   abandon_checkpoint_dir(root, 4);
   EXPECT_EQ(leftovers(), (std::vector<std::string>{"latest", "step-00000002"}));
+}
+
+// A node process resuming reads only its stages' parameters and moments (read_checkpoint_dir
+// with keep), yet every file is still checked: a corrupt file, or a parameter missing from
+// a file of which it keeps nothing, fails the read as it fails a whole one.
+TEST(Checkpoint, AReadKeepingSomeParametersStillChecksEveryFile) {
+  test::temp_dir dir;
+  auto cfg = load_job_config("", {{"pipeline", "2"}, {"steps", "4"}});
+  const auto model = initial_state(model_spec::gpt_tiny(), 7);
+  const auto stages = two_stages(model);
+  const auto moments = moments_of(model);
+  auto folder_of = [&](const std::string& root, const state_dict& first) {
+    const auto tmp = begin_checkpoint_dir(root, 2);
+    auto files = write_stage_files(tmp, 0, first, optimizer_state_dict(moments, first, 2));
+    const auto second = write_stage_files(tmp, 1, stages[1], optimizer_state_dict(moments, stages[1], 2));
+    files.insert(files.end(), second.begin(), second.end());
+    return finish_checkpoint_dir(root, cfg, files, 2, 3);
+  };
+  const auto folder = folder_of(dir / "ck", stages[0]);
+  std::set<std::string> mine;
+  for (const auto& [name, t] : stages[1]) mine.insert(name);
+  const auto keep = [&](const std::string& name) { return mine.count(name) > 0; };
+
+  const auto back = read_checkpoint_dir(folder, cfg, keep);
+  EXPECT_EQ(back.step, 2);
+  ASSERT_EQ(back.model.size(), stages[1].size());
+  for (std::size_t i = 0; i < stages[1].size(); ++i) {
+    EXPECT_EQ(back.model[i].first, stages[1][i].first);
+    EXPECT_TRUE(torch::equal(back.model[i].second, stages[1][i].second)) << stages[1][i].first;
+  }
+  EXPECT_EQ(back.params.size(), mine.size());
+  EXPECT_EQ(back.optim.size(), 2 * mine.size() + 1);  // both moments of each, and "step"
+  for (const auto& name : mine) EXPECT_EQ(back.optim.at("exp_avg." + name).sum().item<double>(), 0.5 * back.params.at(name).numel());
+
+  auto fails = [&](const std::string& folder, const std::string& expected) {
+    try {
+      read_checkpoint_dir(folder, cfg, keep);
+      ADD_FAILURE() << "read " << folder;
+    } catch (const checkpoint_error& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
+  const auto missing = stages[0].front().first;
+  const auto short_folder = folder_of(dir / "short", state_dict(stages[0].begin() + 1, stages[0].end()));
+  fails(short_folder, "missing " + missing);
+  {  // a byte of stage 0's parameters changed (its size unchanged)
+    std::fstream f(folder + "/stage-0.pt", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(200);
+    const char byte = char(f.get());
+    f.seekp(200);
+    f.put(char(~byte));
+  }
+  fails(folder, "stage-0.pt is truncated or corrupt");
 }
 
 }  // namespace troupe
