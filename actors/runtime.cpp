@@ -14,7 +14,24 @@
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 namespace troupe {
+
+namespace {
+
+/// Gives the C library's free heap pages back to the system: glibc keeps them, and the
+/// tensors of a checkpoint read and let go (parameter-sized blocks among the kept ones)
+/// would otherwise stay resident for the whole run.
+void release_freed_memory() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+}
+
+}  // namespace
 
 runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock_,
                                  const std::optional<std::vector<std::pair<int, int>>>& slots)
@@ -58,13 +75,17 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   if (cfg.resume.empty()) check_state(spec, init);
   if (slots) keep_only(*slots);
   resume_shards_left_ = slots ? int(slots->size()) : p * d;
+  release_freed_memory();  // of what was read and not kept
 }
 
 void runtime_context::with_resume_moments(
     const std::function<void(const std::map<std::string, torch::Tensor>&)>& restore) const {
   std::lock_guard<std::mutex> lock(resume_mutex_);
   restore(resume_optim);
-  if (--resume_shards_left_ <= 0) resume_optim.clear();
+  if (--resume_shards_left_ <= 0 && !resume_optim.empty()) {
+    resume_optim.clear();
+    release_freed_memory();
+  }
 }
 
 std::set<std::string> runtime_context::parameters_of(const std::vector<std::pair<int, int>>& slots) const {
