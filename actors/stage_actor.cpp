@@ -8,6 +8,7 @@
 #include <numeric>
 #include <map>
 #include <set>
+#include <stdexcept>
 
 #include <caf/all.hpp>
 #include <torch/torch.h>
@@ -818,8 +819,17 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       [=](const write_checkpoint& msg) -> caf::result<stage_checkpoint> {
         auto& s = self->state;
         auto params = std::make_shared<state_dict>();
-        for (auto& c : s.chunks)
-          for (auto& entry : c->state()) params->push_back(std::move(entry));
+        // bf16: the shards' fp32 main parameters are what is written, so the rounded ones
+        // are not copied (names and shapes only; each must be replaced, checked below).
+        const bool from_shards = ctx->compute_dtype != torch::kFloat32;
+        for (auto& c : s.chunks) {
+          if (!from_shards) {
+            for (auto& entry : c->state()) params->push_back(std::move(entry));
+            continue;
+          }
+          for (const auto& e : c->entries())
+            if (!e.shared_copy) params->emplace_back(e.name, torch::zeros({}).expand(e.shape));
+        }
         auto moments = std::make_shared<named_moments>();
         auto pending = std::make_shared<int>(int(wiring->shards[s.stage].size()));  // -1: answered
         auto rp = self->make_response_promise<stage_checkpoint>();
@@ -840,6 +850,10 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
                     written.name = "checkpoint write";
                     written.start_us = ctx->now_us();
                     try {
+                      if (from_shards)
+                        for (const auto& [name, t] : *params)
+                          if (!moments->main_params.count(name))
+                            throw std::runtime_error("no main parameters of " + name + " from this stage's shards");
                       use_main_params(*params, *moments);
                       out.files = write_stage_files(msg.folder, stage, *params,
                                                     optimizer_state_dict(*moments, *params, msg.step));
