@@ -8,7 +8,6 @@
 #include <numeric>
 #include <map>
 #include <set>
-#include <stdexcept>
 
 #include <caf/all.hpp>
 #include <torch/torch.h>
@@ -820,7 +819,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         auto& s = self->state;
         auto params = std::make_shared<state_dict>();
         // bf16: the shards' fp32 main parameters are what is written, so the rounded ones
-        // are not copied (names and shapes only; each must be replaced, checked below).
+        // are not copied (names and shapes only; use_main_params replaces every one).
         const bool from_shards = ctx->compute_dtype != torch::kFloat32;
         for (auto& c : s.chunks) {
           if (!from_shards) {
@@ -850,10 +849,6 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
                     written.name = "checkpoint write";
                     written.start_us = ctx->now_us();
                     try {
-                      if (from_shards)
-                        for (const auto& [name, t] : *params)
-                          if (!moments->main_params.count(name))
-                            throw std::runtime_error("no main parameters of " + name + " from this stage's shards");
                       use_main_params(*params, *moments);
                       out.files = write_stage_files(msg.folder, stage, *params,
                                                     optimizer_state_dict(*moments, *params, msg.step));

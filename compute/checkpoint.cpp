@@ -104,12 +104,18 @@ void write_state_dict(const state_dict& state, const byte_sink& sink) {
   writer.writeEndOfFile();
 }
 
-state_dict load_state_dict(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+std::vector<char> read_file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw checkpoint_error("cannot open checkpoint " + path + ": " + std::strerror(errno));
-  return load_state_dict(std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()),
-                         path);
+  if (!std::filesystem::is_regular_file(path)) throw checkpoint_error("checkpoint " + path + " is not a file");
+  std::vector<char> bytes(static_cast<std::size_t>(in.tellg()));
+  in.seekg(0);
+  if (!in.read(bytes.data(), std::streamsize(bytes.size())))
+    throw checkpoint_error("cannot read checkpoint " + path + ": " + std::strerror(errno));
+  return bytes;
 }
+
+state_dict load_state_dict(const std::string& path) { return load_state_dict(read_file_bytes(path), path); }
 
 state_dict load_state_dict(const std::vector<char>& bytes, const std::string& path) {
   if (bytes.empty()) throw checkpoint_error("checkpoint " + path + " is empty");

@@ -39,6 +39,9 @@ void write_state_dict(const state_dict& state, const byte_sink& sink);
 /// dict / OrderedDict of tensors. Throws checkpoint_error naming the file on any problem.
 state_dict load_state_dict(const std::string& path);
 
+/// A whole file's bytes, read in one allocation of its size. Throws checkpoint_error.
+std::vector<char> read_file_bytes(const std::string& path);
+
 /// The same from a file's bytes already in memory (`path` names it in errors).
 state_dict load_state_dict(const std::vector<char>& bytes, const std::string& path);
 

@@ -279,13 +279,10 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
     for (const auto& f : manifest.at("files")) {
       const auto file = f.at("name").get<std::string>();
       std::vector<char> bytes;
-      {
-        std::ifstream in(dir / file, std::ios::binary | std::ios::ate);
-        if (!in) throw checkpoint_error("checkpoint " + folder + ": " + file + " is missing");
-        bytes.resize(std::size_t(in.tellg()));  // one allocation of the file's size
-        in.seekg(0);
-        if (!in.read(bytes.data(), std::streamsize(bytes.size())))
-          throw checkpoint_error("checkpoint " + folder + ": cannot read " + file);
+      try {
+        bytes = read_file_bytes((dir / file).string());
+      } catch (const checkpoint_error&) {
+        throw checkpoint_error("checkpoint " + folder + ": " + file + " is missing");
       }
       if (bytes.size() != f.at("bytes").get<std::size_t>() || crc_of(bytes) != f.at("crc32").get<std::uint32_t>())
         throw checkpoint_error("checkpoint " + folder + ": " + file + " is truncated or corrupt (" +

@@ -148,8 +148,12 @@ void gather_moments(const std::vector<param_entry>& entries, const shard_layout&
 }
 
 void use_main_params(state_dict& model, const named_moments& moments) {
-  for (auto& [name, t] : model)
-    if (auto it = moments.main_params.find(name); it != moments.main_params.end()) t = it->second.reshape(t.sizes());
+  if (moments.main_params.empty()) return;  // fp32: the parameters are the main ones
+  for (auto& [name, t] : model) {
+    const auto it = moments.main_params.find(name);
+    if (it == moments.main_params.end()) throw std::logic_error("no main parameters of " + name + " from its shards");
+    t = it->second.reshape(t.sizes());
+  }
 }
 
 void restore_shard(const std::vector<param_entry>& entries, const shard_layout& range, adamw_shard& shard,

@@ -120,7 +120,9 @@ void add_moment_piece(named_moments& out, const moment_piece& piece);
 void gather_moments(const std::vector<param_entry>& entries, const shard_layout& layout, const adamw_shard& shard,
                     named_moments& out, bool main_params = false);
 
-/// Puts the fp32 main parameters of `moments` (bf16 jobs) in place of `model`'s rounded ones.
+/// Puts the fp32 main parameters of `moments` (bf16 jobs) in place of `model`'s rounded ones
+/// (every one must have them: std::logic_error names one that has not). Without main
+/// parameters in `moments` (fp32 jobs) `model` stays as it is.
 void use_main_params(state_dict& model, const named_moments& moments);
 
 /// Restores shard `layout` from a checkpoint by name: main parameters from `params`,
