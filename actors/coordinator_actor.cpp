@@ -3,14 +3,17 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <deque>
 #include <map>
 #include <optional>
 
 #include <caf/all.hpp>
 #include <nlohmann/json.hpp>
 
+#include "actors/request_all.hpp"
 #include "actors/supervisor_actor.hpp"
 #include "actors/trace.hpp"
+#include "actors/wait_graph.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
 #include "compute/optimizer.hpp"
@@ -25,6 +28,10 @@ namespace {
 constexpr auto state_timeout = std::chrono::seconds(60);
 constexpr auto checkpoint_write_timeout = std::chrono::minutes(10);  // a stage's files, on a slow shared disk
 constexpr auto reset_check_timeout = std::chrono::seconds(60);
+constexpr auto watchdog_tick = std::chrono::milliseconds(500);
+constexpr auto wait_answer_timeout = std::chrono::seconds(2);  // an actor's answer to the hang probe
+constexpr double first_step_hang_seconds = 60;               // the watchdog's limit before a step's time is known
+constexpr std::size_t recent_step_count = 16;                // the steps whose median sets the limit
 
 struct coordinator_state {
   std::shared_ptr<const runtime_context> ctx;
@@ -70,6 +77,15 @@ struct coordinator_state {
   std::vector<bool> seen_evals;
   int n_evals = 0;
   std::function<void(evaluation)> eval_then;
+  // The hang watchdog: the seconds of the last committed steps, when this step last made
+  // progress (a report arrived), and whether the actors are being asked what they wait for.
+  std::deque<double> recent_steps;
+  double last_progress_us = 0;
+  bool diagnosing = false;
+  std::vector<std::string> sent;     // message_key of what it sent this step (the wait-for graph)
+  bool in_step = false;              // between a step's begin and its commit or abort
+  std::vector<int> stage_nodes;      // [replica * p + stage]: the node of the stage (and of its shard)
+  std::vector<int> loader_nodes;     // [replica]
 };
 
 using self_ptr = caf::stateful_actor<coordinator_state>*;
@@ -86,6 +102,28 @@ bool first_report(std::vector<bool>& seen, std::size_t index, const char* what, 
 }
 
 void begin(self_ptr self);
+/// Aborts the step and ends the run, or retries it in place (see the definition).
+void fail(self_ptr self, const std::string& why, bool recoverable = true);
+
+/// request_all's `failed` that ends the wait and fails the step: "WHAT: the error".
+std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::string what) {
+  return [self, what](std::size_t, caf::error& err) {
+    fail(self, what + ": " + self->system().render(err));
+    return false;
+  };
+}
+
+/// Every actor of the rows of `grid`, row by row.
+std::vector<caf::actor> all_of(const std::vector<std::vector<caf::actor>>& grid) {
+  std::vector<caf::actor> out;
+  for (const auto& row : grid) out.insert(out.end(), row.begin(), row.end());
+  return out;
+}
+
+std::string shard_actor_name(int stage, int rank) {
+  return "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
+}
+std::string loader_actor_name(int replica) { return "loader[replica " + std::to_string(replica) + "]"; }
 
 /// Stops everything and answers the run request.
 void finish(self_ptr self, int code, const std::string& error) {
@@ -115,9 +153,10 @@ void finish(self_ptr self, int code, const std::string& error) {
 /// problem that would come back the same way (exit 1).
 void retry_in_place(self_ptr self);
 
-void fail(self_ptr self, const std::string& why, bool recoverable = true) {
+void fail(self_ptr self, const std::string& why, bool recoverable) {
   auto& s = self->state;
   if (s.finished || s.retrying) return;
+  s.in_step = false;
   // Step not committed, every node process alive: rebuild the actors from the snapshots
   // of the state before this step and run it again (bounded), instead of exiting for a
   // restart of the whole job.
@@ -230,38 +269,30 @@ void retry_in_place(self_ptr self) {
 void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
   auto& s = self->state;
   auto parts = std::make_shared<std::vector<state_dict>>(s.ctx->p);
-  auto pending = std::make_shared<int>(s.ctx->p);
-  for (int k = 0; k < s.ctx->p; ++k)
-    self->request(s.wiring->stages[0][k], state_timeout, state_atom_v)
-        .then(
-            [=](const state_reply& rep) {
-              for (std::size_t i = 0; i < rep.names.size(); ++i)
-                (*parts)[k].emplace_back(rep.names[i], tensor_of(rep.tensors[i]).to(torch::kCPU));
-              if (--*pending > 0) return;
-              std::map<std::string, torch::Tensor> by_name;
-              for (const auto& stage : *parts) by_name.insert(stage.begin(), stage.end());
-              state_dict full;
-              for (const auto& name : parameter_names(self->state.ctx->spec)) full.emplace_back(name, by_name.at(name));
-              then(std::move(full));
-            },
-            [=](caf::error& err) { fail(self, "no parameters from a stage: " + self->system().render(err)); });
+  request_all<state_reply>(
+      self, s.wiring->stages[0], state_timeout,
+      [parts](std::size_t k, state_reply& rep) {
+        for (std::size_t i = 0; i < rep.names.size(); ++i)
+          (*parts)[k].emplace_back(rep.names[i], tensor_of(rep.tensors[i]).to(torch::kCPU));
+      },
+      [self, parts, then] {
+        std::map<std::string, torch::Tensor> by_name;
+        for (const auto& stage : *parts) by_name.insert(stage.begin(), stage.end());
+        state_dict full;
+        for (const auto& name : parameter_names(self->state.ctx->spec)) full.emplace_back(name, by_name.at(name));
+        then(std::move(full));
+      },
+      fail_with(self, "no parameters from a stage"), state_atom_v);
 }
 
 /// Fetches every optimizer shard's AdamW moments (and, in bf16 jobs, main parameters) by
 /// parameter name, then calls `then`.
 void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
-  auto& s = self->state;
   auto sum = std::make_shared<named_moments>();
-  auto pending = std::make_shared<int>(s.ctx->p * s.ctx->d);
-  for (const auto& row : s.wiring->shards)
-    for (const auto& shard : row)
-      self->request(shard, state_timeout, state_atom_v)
-          .then(
-              [=](const shard_moments& rep) {
-                add_shard_moments(*sum, rep);
-                if (--*pending == 0) then(std::move(*sum));
-              },
-              [=](caf::error& err) { fail(self, "no optimizer state from a shard: " + self->system().render(err)); });
+  request_all<shard_moments>(
+      self, all_of(self->state.wiring->shards), state_timeout,
+      [sum](std::size_t, shard_moments& rep) { add_shard_moments(*sum, rep); }, [sum, then] { then(std::move(*sum)); },
+      fail_with(self, "no optimizer state from a shard"), state_atom_v);
 }
 
 /// The model to save and report: replica 0's stages' parameters, or where they are
@@ -333,7 +364,6 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
   const int p = s.ctx->p;
   auto files = std::make_shared<std::vector<checkpoint_file>>();
   auto errors = std::make_shared<std::vector<std::string>>(p);  // per stage, reported in stage order
-  auto pending = std::make_shared<int>(p);
   auto conclude = [=] {
     auto& s = self->state;
     const auto& cfg = s.ctx->cfg;
@@ -355,20 +385,20 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
     }
     then();
   };
-  for (int k = 0; k < p; ++k)
-    self->request(s.wiring->stages[0][k], checkpoint_write_timeout, write_checkpoint{tmp, next})
-        .then(
-            [=](stage_checkpoint& rep) {
-              if (!rep.error.empty()) (*errors)[k] = "stage " + std::to_string(k) + ": " + rep.error;
-              auto& events = self->state.result->events;
-              events.insert(events.end(), rep.events.begin(), rep.events.end());
-              files->insert(files->end(), rep.files.begin(), rep.files.end());
-              if (--*pending == 0) conclude();
-            },
-            [=](caf::error& err) {
-              (*errors)[k] = "stage " + std::to_string(k) + ": no answer (" + self->system().render(err) + ")";
-              if (--*pending == 0) conclude();
-            });
+  request_all<stage_checkpoint>(
+      self, s.wiring->stages[0], checkpoint_write_timeout,
+      [self, errors, files](std::size_t k, stage_checkpoint& rep) {
+        if (!rep.error.empty()) (*errors)[k] = "stage " + std::to_string(k) + ": " + rep.error;
+        auto& events = self->state.result->events;
+        events.insert(events.end(), rep.events.begin(), rep.events.end());
+        for (const auto& f : rep.files) files->push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
+      },
+      conclude,
+      [self, errors](std::size_t k, caf::error& err) {
+        (*errors)[k] = "stage " + std::to_string(k) + ": no answer (" + self->system().render(err) + ")";
+        return true;
+      },
+      write_checkpoint{tmp, next});
 }
 
 /// Appends a step's line to the metrics log (after a resumed run's "resume" line).
@@ -484,23 +514,21 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
 /// hands the evaluation on.
 void end_evaluation(self_ptr self) {
   auto& s = self->state;
-  const auto& ctx = *s.ctx;
-  auto pending = std::make_shared<int>(ctx.d * ctx.p);
-  for (const auto& row : s.wiring->stages)
-    for (const auto& stage : row)
-      self->request(stage, state_timeout, eval_atom_v, s.step)
-          .then(
-              [=](const std::vector<trace_event>& events) {
-                auto& s = self->state;
-                s.result->events.insert(s.result->events.end(), events.begin(), events.end());
-                if (--*pending > 0) return;
-                s.evaluating = false;
-                const auto e = combine_evaluation(s.eval_scores, evaluation_set(self).input.size(0),
-                                                  s.ctx->spec.type == model_spec::kind::gpt, 0);  // logged with its time
-                auto then = std::move(s.eval_then);
-                then(e);
-              },
-              [=](caf::error& err) { fail(self, "no evaluation events from a stage: " + self->system().render(err)); });
+  request_all<std::vector<trace_event>>(
+      self, all_of(s.wiring->stages), state_timeout,
+      [self](std::size_t, std::vector<trace_event>& events) {
+        auto& all = self->state.result->events;
+        all.insert(all.end(), events.begin(), events.end());
+      },
+      [self] {
+        auto& s = self->state;
+        s.evaluating = false;
+        const auto e = combine_evaluation(s.eval_scores, evaluation_set(self).input.size(0),
+                                          s.ctx->spec.type == model_spec::kind::gpt, 0);  // logged with its time
+        auto then = std::move(s.eval_then);
+        then(e);
+      },
+      fail_with(self, "no evaluation events from a stage"), eval_atom_v, s.step);
 }
 
 /// After a clean reset: evaluation / checkpoint when due, then the next step or the end.
@@ -571,10 +599,125 @@ void after_reset(self_ptr self, nlohmann::json line) {
   });
 }
 
+// --- the hang watchdog and the wait-for graph ---
+
+/// The watchdog's limit: a step without progress (no report arriving) for this long is a
+/// hang. A few times (train.hang_factor) the recent steps' median, never under
+/// train.hang_min_seconds; before a step's time is known, first_step_hang_seconds.
+/// train.step_timeout stays the hard limit.
+double hang_limit_seconds(const coordinator_state& s) {
+  const auto& cfg = s.ctx->cfg;
+  if (s.recent_steps.empty()) return std::max(first_step_hang_seconds, double(cfg.hang_min_seconds));
+  std::vector<double> v(s.recent_steps.begin(), s.recent_steps.end());
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return std::max(double(cfg.hang_min_seconds), cfg.hang_factor * v[v.size() / 2]);
+}
+
+/// The coordinator's own part of the graph: the reports of this step it still waits for.
+wait_report coordinator_waits(const coordinator_state& s) {
+  const auto& ctx = *s.ctx;
+  wait_report rep;
+  rep.actor = "coordinator";
+  rep.node = 0;
+  rep.sent = s.sent;
+  if (!s.in_step) {
+    rep.state = s.step < ctx.cfg.steps ? "between steps (an evaluation, a checkpoint or the next step's start)"
+                                       : "at the run's end";
+    return rep;
+  }
+  int missing[4] = {0, 0, 0, 0};
+  auto expect = [&](bool seen, int kind, const std::string& what, const std::string& actor) {
+    if (seen) return;
+    ++missing[kind];
+    rep.keys.push_back(message_key(what, actor, "coordinator"));
+    if (std::find(rep.from.begin(), rep.from.end(), actor) == rep.from.end()) rep.from.push_back(actor);
+  };
+  for (int r = 0; r < ctx.d; ++r)
+    for (int mb = 0; mb < ctx.m; ++mb)
+      expect(s.seen_losses.at(std::size_t(r) * ctx.m + mb), 0, "loss mb " + std::to_string(mb),
+             ctx.stage_name(r, ctx.p - 1));
+  for (int x = 0; x < ctx.n_virtual; ++x)
+    for (int rank = 0; rank < ctx.d; ++rank)
+      expect(s.seen_partials.at(std::size_t(x) * ctx.d + rank), 1,
+             "gradient-norm partial of chunk " + std::to_string(x / ctx.p), shard_actor_name(x % ctx.p, rank));
+  for (int r = 0; r < ctx.d; ++r)
+    for (int k = 0; k < ctx.p; ++k) expect(s.seen_stages.at(std::size_t(r) * ctx.p + k), 2, "stage done", ctx.stage_name(r, k));
+  for (int k = 0; k < ctx.p; ++k)
+    for (int r = 0; r < ctx.d; ++r) expect(s.seen_shards.at(std::size_t(k) * ctx.d + r), 3, "shard done", shard_actor_name(k, r));
+  const char* kinds[4] = {"loss reports", "gradient-norm partials", "stage-done reports", "shard-done reports"};
+  std::vector<std::string> parts;
+  for (int i = 0; i < 4; ++i)
+    if (missing[i]) parts.push_back(std::to_string(missing[i]) + " " + kinds[i]);
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    rep.waits_for += (i == 0 ? "" : i + 1 == parts.size() ? " and " : ", ") + parts[i];
+  rep.state = "step " + std::to_string(s.step + 1) + ", attempt " + std::to_string(s.attempt + 1);
+  return rep;
+}
+
+/// Asks every actor what it waits for in this step (each answers within
+/// wait_answer_timeout, or counts as blocked), logs the wait-for graph and its root, and
+/// then, for a hang (`hang`), aborts the step, which is retried in place; for a status
+/// request (SIGUSR2 to node 0) the job goes on undisturbed.
+void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
+  auto& s = self->state;
+  const auto& ctx = *s.ctx;
+  s.diagnosing = true;
+  const auto step = s.step;
+  const auto attempt = s.attempt;
+  struct asked_actor {
+    caf::actor handle;
+    wait_report stub;  // its name and node, should it not answer
+  };
+  auto asked = std::make_shared<std::vector<asked_actor>>();
+  for (int r = 0; r < ctx.d; ++r)
+    for (int k = 0; k < ctx.p; ++k)
+      asked->push_back({s.wiring->stages[r][k], {ctx.stage_name(r, k), s.stage_nodes.at(std::size_t(r) * ctx.p + k)}});
+  for (int k = 0; k < ctx.p; ++k)
+    for (int r = 0; r < ctx.d; ++r)
+      asked->push_back({s.wiring->shards[k][r], {shard_actor_name(k, r), s.stage_nodes.at(std::size_t(r) * ctx.p + k)}});
+  for (int r = 0; r < ctx.d; ++r) asked->push_back({s.wiring->loaders[r], {loader_actor_name(r), s.loader_nodes.at(r)}});
+  auto answers = std::make_shared<std::vector<std::optional<wait_report>>>(asked->size());
+  auto conclude = [=] {
+    auto& s = self->state;
+    s.diagnosing = false;
+    // Its own waits after every answer: what an actor sent it before answering has arrived
+    // (CAF keeps the order of one actor's messages to another).
+    const auto own = coordinator_waits(s);
+    std::vector<wait_report> reports{own}, silent;
+    for (std::size_t i = 0; i < asked->size(); ++i) {
+      if ((*answers)[i]) reports.push_back(std::move(*(*answers)[i]));
+      else silent.push_back((*asked)[i].stub);
+    }
+    const auto d =
+        diagnose_waits(reports, silent, std::chrono::duration<double>(wait_answer_timeout).count(), /*settled=*/hang);
+    std::string block;
+    for (const auto& line : d.lines) block += "\n  " + line;
+    const auto what = "step " + std::to_string(step + 1) + "/" + std::to_string(s.ctx->cfg.steps);
+    const bool same = step == s.step && attempt == s.attempt && s.in_step && !s.retrying && !s.finished;
+    if (!hang) {
+      spdlog::info("status of {} (the coordinator: {}; {:.1f} s since the step's last progress, hang limit {:.1f} "
+                   "s); what each actor waits for:{}\n  root: {}",
+                   what, own.state, idle_s, limit_s, block, d.root);
+    } else if (!same) {
+      spdlog::warn("{} was slow: no progress for {:.1f} s (hang limit {:.1f} s), then it went on", what, idle_s, limit_s);
+    } else {
+      spdlog::error("{}: no progress for {:.1f} s (hang limit {:.1f} s); what each actor waits for:{}\n  root: {}",
+                    what, idle_s, limit_s, block, d.root);
+      fail(self, fmt::format("no progress for {:.1f} s: {}", idle_s, d.root));
+    }
+  };
+  std::vector<caf::actor> handles;
+  for (const auto& a : *asked) handles.push_back(a.handle);
+  request_all<wait_report>(
+      self, handles, wait_answer_timeout, [answers](std::size_t i, wait_report& rep) { (*answers)[i] = std::move(rep); },
+      conclude, [](std::size_t, caf::error&) { return true; }, wait_atom_v, step);
+}
+
 void commit(self_ptr self) {
   auto& s = self->state;
   const auto& ctx = *s.ctx;
   s.committed = true;
+  s.in_step = false;
   s.stats.loss = 0;
   const double weight = double(ctx.mbs) / ctx.cfg.global_batch;
   for (double l : s.losses) s.stats.loss += l * weight;  // replica order, micro-batch order
@@ -584,6 +727,8 @@ void commit(self_ptr self) {
   if (!std::isfinite(s.stats.loss) && !s.skipping) return fail(self, "loss is " + std::to_string(s.stats.loss), false);
   s.elapsed += s.stats.seconds;
   ++s.timed;
+  s.recent_steps.push_back(s.stats.seconds);
+  if (s.recent_steps.size() > recent_step_count) s.recent_steps.pop_front();
   const auto timing = measure_step(s.events, ctx.d, ctx.p);
   s.result->losses.push_back(s.stats.loss);
   s.result->bubbles.push_back(timing.bubble);
@@ -609,20 +754,17 @@ void commit(self_ptr self) {
                       {"skipped", s.skipping}};
   // Reset: the supervisors drop every actor's per-step state and report leftovers.
   auto reports = std::make_shared<std::vector<reset_report>>();
-  auto pending = std::make_shared<std::size_t>(s.supervisors.size());
-  for (auto& sup : s.supervisors)
-    self->request(sup, reset_check_timeout, check_atom_v, reset_step{s.step})
-        .then(
-            [=](const std::vector<reset_report>& mine) {
-              reports->insert(reports->end(), mine.begin(), mine.end());
-              if (--*pending > 0) return;
-              if (reports->empty()) return after_reset(self, line);
-              std::string msg = "per-step state left after reset:";
-              for (const auto& r : *reports)
-                for (const auto& l : r.leftovers) msg += " " + r.actor + ": " + l + ";";
-              fail(self, msg, false);
-            },
-            [=](caf::error& err) { fail(self, "reset check failed: " + self->system().render(err)); });
+  request_all<std::vector<reset_report>>(
+      self, s.supervisors, reset_check_timeout,
+      [reports](std::size_t, std::vector<reset_report>& mine) { reports->insert(reports->end(), mine.begin(), mine.end()); },
+      [self, reports, line] {
+        if (reports->empty()) return after_reset(self, line);
+        std::string msg = "per-step state left after reset:";
+        for (const auto& r : *reports)
+          for (const auto& l : r.leftovers) msg += " " + r.actor + ": " + l + ";";
+        fail(self, msg, false);
+      },
+      fail_with(self, "reset check failed"), check_atom_v, reset_step{s.step});
 }
 
 void maybe_commit(self_ptr self) {
@@ -650,12 +792,20 @@ void begin(self_ptr self) {
   s.events.clear();
   s.peaks.assign(std::size_t(ctx.d) * ctx.p, 0);
   s.started_us = ctx.now_us();
-  if (!s.opts.plant_leftover.empty()) {
-    int r = -1, k = -1, st = -1;
-    if (std::sscanf(s.opts.plant_leftover.c_str(), "%d:%d:%d", &r, &k, &st) == 3 && st == s.step)
-      self->send(s.supervisors.front(), plant_atom_v, r, k);
-  }
+  if (const auto& plant = s.opts.plant_leftover; plant && plant->step == s.step)
+    self->send(s.supervisors.front(), plant_atom_v, plant->replica, plant->stage);
   s.skipped_before = s.skipped;
+  s.in_step = true;
+  s.last_progress_us = s.started_us;
+  s.sent.clear();
+  const auto begun = "begin of step " + std::to_string(s.step + 1);
+  for (int r = 0; r < ctx.d; ++r) {
+    s.sent.push_back(message_key(begun, "coordinator", loader_actor_name(r)));
+    for (int k = 0; k < ctx.p; ++k) {
+      s.sent.push_back(message_key(begun, "coordinator", ctx.stage_name(r, k)));
+      s.sent.push_back(message_key(begun, "coordinator", shard_actor_name(k, r)));
+    }
+  }
   const begin_step msg{s.step, s.stats.lr, s.attempt};
   for (const auto& row : s.wiring->shards)
     for (const auto& a : row) self->send(a, msg);
@@ -679,9 +829,13 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
   w.nodes.assign(std::size_t(ctx.d) * ctx.p, -1);
   // Buddy copies of the shards only where a lost node can come back (they cost time).
   if (s.opts.node_restarts > 0 && ctx.cfg.rejoin_timeout > 0) w.supervisors = s.supervisors;
+  s.stage_nodes.assign(std::size_t(ctx.d) * ctx.p, 0);
+  s.loader_nodes.assign(ctx.d, 0);
   for (const auto& n : *nodes) {
+    for (int r : n.loader_replicas) s.loader_nodes.at(r) = n.node;
     for (std::size_t i = 0; i < n.slot_replicas.size(); ++i) {
       const int r = n.slot_replicas[i], k = n.slot_stages[i];
+      s.stage_nodes.at(std::size_t(r) * ctx.p + k) = n.node;
       w.stages.at(std::size_t(r) * ctx.p + k) = n.stages.at(i);
       w.shards.at(std::size_t(k) * ctx.d + r) = n.shards.at(i);
       w.nodes.at(std::size_t(r) * ctx.p + k) = n.node;
@@ -700,20 +854,17 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
   for (int k = 0; k < ctx.p; ++k)
     s.wiring->shards[k].assign(w.shards.begin() + std::size_t(k) * ctx.d, w.shards.begin() + std::size_t(k + 1) * ctx.d);
   s.wiring->loaders = w.loaders;
-  auto pending = std::make_shared<std::size_t>(s.supervisors.size());
-  for (auto& sup : s.supervisors)
-    self->request(sup, std::chrono::seconds(60), w)
-        .then(
-            [=](bool) {
-              if (--*pending > 0) return;
-              if (self->state.step < self->state.ctx->cfg.steps) return begin(self);
-              if (!self->state.opts.final_state) return finish(self, 0, "");
-              fetch_final_state(self, [=](state_dict state) {  // nothing left to run
-                self->state.result->final_state = std::move(state);
-                finish(self, 0, "");
-              });
-            },
-            [=](caf::error& err) { fail(self, "a supervisor was not wired: " + self->system().render(err)); });
+  request_all<bool>(
+      self, s.supervisors, std::chrono::seconds(60), [](std::size_t, bool&) {},
+      [self] {
+        if (self->state.step < self->state.ctx->cfg.steps) return begin(self);
+        if (!self->state.opts.final_state) return finish(self, 0, "");
+        fetch_final_state(self, [=](state_dict state) {  // nothing left to run
+          self->state.result->final_state = std::move(state);
+          finish(self, 0, "");
+        });
+      },
+      fail_with(self, "a supervisor was not wired"), w);
 }
 
 caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_context> ctx,
@@ -774,19 +925,15 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       [=](run_atom) {
         auto& s = self->state;
         s.done = self->make_response_promise();
+        self->delayed_send(self, watchdog_tick, watchdog_atom_v);
         s.step = s.ctx->start_step;
         if (s.step > 0)
           spdlog::info("resumed from {}: continuing with step {}", s.ctx->cfg.resume.empty() ? s.ctx->cfg.load : s.ctx->cfg.resume,
                        s.step + 1);
         auto nodes = std::make_shared<std::vector<node_actors>>();
-        for (auto& sup : s.supervisors)
-          self->request(sup, std::chrono::seconds(60), run_atom_v)
-              .then(
-                  [=](const node_actors& n) {
-                    nodes->push_back(n);
-                    if (nodes->size() == self->state.supervisors.size()) wire_and_start(self, nodes);
-                  },
-                  [=](caf::error& err) { fail(self, "a supervisor did not start: " + self->system().render(err)); });
+        request_all<node_actors>(
+            self, s.supervisors, std::chrono::seconds(60), [nodes](std::size_t, node_actors& n) { nodes->push_back(n); },
+            [self, nodes] { wire_and_start(self, nodes); }, fail_with(self, "a supervisor did not start"), run_atom_v);
         return s.done;
       },
       [=](const loss_report& msg) {
@@ -796,6 +943,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         if (!first_report(s.seen_losses, i, "loss report", s.step)) return;
         s.losses.at(i) = msg.loss;
         ++s.n_losses;
+        s.last_progress_us = s.ctx->now_us();
         maybe_commit(self);
       },
       [=](const grad_norm_partial& msg) {
@@ -804,6 +952,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         const auto i = std::size_t(msg.virtual_stage) * s.ctx->d + msg.rank;
         if (!first_report(s.seen_partials, i, "grad-norm partial", s.step)) return;
         s.partials.at(i) = msg.sq_norm;
+        s.last_progress_us = s.ctx->now_us();
         if (++s.n_partials < s.ctx->n_virtual * s.ctx->d) return;
         double sq = 0;
         for (double x : s.partials) sq += x;  // (virtual stage, rank) order, as the reference
@@ -821,8 +970,11 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
                         false);
         }
         const double factor = s.skipping ? 0.0 : s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
-        for (const auto& row : s.wiring->shards)
-          for (const auto& a : row) self->send(a, clip_factor_msg{s.step, factor, s.skipping});
+        for (int k = 0; k < s.ctx->p; ++k)
+          for (int r = 0; r < s.ctx->d; ++r) {
+            s.sent.push_back(message_key("the clip factor", "coordinator", shard_actor_name(k, r)));
+            self->send(s.wiring->shards[k][r], clip_factor_msg{s.step, factor, s.skipping});
+          }
       },
       [=](stage_done& msg) {
         auto& s = self->state;
@@ -830,6 +982,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         if (!first_report(s.seen_stages, std::size_t(msg.replica) * s.ctx->p + msg.stage, "stage-done report", s.step))
           return;
         s.peaks.at(std::size_t(msg.replica) * s.ctx->p + msg.stage) = msg.peak_in_flight;
+        s.last_progress_us = s.ctx->now_us();
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_stages;
         maybe_commit(self);
@@ -841,6 +994,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
           return;
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_shards;
+        s.last_progress_us = s.ctx->now_us();
         maybe_commit(self);
       },
       [=](const runtime_failure& msg) {
@@ -863,6 +1017,17 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         if (!s.evaluating || step != s.step) return;
         fail(self, "not finished within " + std::to_string(s.ctx->cfg.step_timeout) + " s (" +
                        std::to_string(s.n_evals) + " of " + std::to_string(s.eval_scores.size()) + " forwards scored)");
+      },
+      [=](watchdog_atom) {
+        auto& s = self->state;
+        if (s.finished) return;
+        const double idle = (s.ctx->now_us() - s.last_progress_us) * 1e-6;
+        const double limit = hang_limit_seconds(s);
+        if (take_status_request())
+          diagnose(self, false, idle, limit);
+        else if (s.in_step && !s.diagnosing && s.ctx->cfg.hang_factor > 0 && idle > limit)
+          diagnose(self, true, idle, limit);
+        self->delayed_send(self, watchdog_tick, watchdog_atom_v);
       },
       [=](timeout_atom, std::int64_t step, std::int32_t attempt) {
         auto& s = self->state;

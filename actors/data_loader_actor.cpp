@@ -17,7 +17,32 @@ struct loader_state {
   std::unique_ptr<training_data> data;
   std::int64_t step = -1;
   int next_mb = 0;
+  std::string name;
+  std::vector<std::string> sent;  ///< message_key of what it sent this step (wait-for graph)
 };
+
+/// What loader `s` waits for in `step`: the credit of stage 0 for its next micro-batch.
+wait_report loader_waits(const loader_state& s, std::int64_t step) {
+  wait_report rep;
+  rep.actor = s.name;
+  rep.node = s.wiring->node;
+  if (s.step < step) {
+    rep.state = "still at step " + std::to_string(s.step + 1);
+    rep.waits_for = "begin of step " + std::to_string(step + 1);
+    rep.from = {"coordinator"};
+    rep.keys = {message_key(rep.waits_for, "coordinator", s.name)};
+    return rep;
+  }
+  rep.sent = s.sent;
+  rep.state = "sent " + std::to_string(s.next_mb) + " of " + std::to_string(s.ctx->m) + " micro-batches";
+  if (s.step == step && s.next_mb < s.ctx->m) {
+    const auto stage0 = s.ctx->stage_name(s.replica, 0);
+    rep.waits_for = "credit mb " + std::to_string(s.next_mb - s.ctx->cfg.credit_window);
+    rep.from = {stage0};
+    rep.keys = {message_key(rep.waits_for, stage0, s.name)};
+  }
+  return rep;
+}
 
 void send_next(caf::stateful_actor<loader_state>* self) {
   torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
@@ -28,7 +53,9 @@ void send_next(caf::stateful_actor<loader_state>* self) {
   // k-th contiguous block of that.
   auto b = s.data->samples(int(s.step), s.replica * ctx.m * ctx.mbs + k * ctx.mbs, ctx.mbs);
   const auto& row = s.wiring->stages[s.replica];
+  s.sent.push_back(message_key("input mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, 0)));
   self->send(row.front(), microbatch_input{s.step, k, make_payload(b.input)});
+  s.sent.push_back(message_key("target mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, ctx.p - 1)));
   self->send(row.back(), microbatch_target{s.step, k, make_payload(b.target)});
 }
 
@@ -39,20 +66,23 @@ caf::behavior loader_behavior(caf::stateful_actor<loader_state>* self, std::shar
   st.ctx = ctx;
   st.wiring = wiring;
   st.replica = replica;
+  st.name = "loader[replica " + std::to_string(replica) + "]";
   st.data = std::make_unique<training_data>(ctx->cfg, training_data::use::training);
   return {
       [=](const begin_step& msg) {
         auto& s = self->state;
         s.step = msg.step;
         s.next_mb = 0;
+        s.sent.clear();
         while (s.next_mb < s.ctx->m && s.next_mb < s.ctx->cfg.credit_window) send_next(self);
       },
       [=](const credit& msg) {
         auto& s = self->state;
         if (msg.step == s.step && s.next_mb < s.ctx->m) send_next(self);
       },
+      [=](wait_atom, std::int64_t step) -> wait_report { return loader_waits(self->state, step); },
       [=](const reset_step&) -> reset_report {
-        reset_report rep{"loader[replica " + std::to_string(self->state.replica) + "]", {}};
+        reset_report rep{self->state.name, {}};
         if (self->state.next_mb != self->state.ctx->m)
           rep.leftovers.push_back(std::to_string(self->state.ctx->m - self->state.next_mb) + " micro-batch(es) never sent");
         return rep;

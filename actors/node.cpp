@@ -17,7 +17,10 @@
 #include <caf/openssl/all.hpp>
 #include <torch/torch.h>
 
+#include "actors/clock_probe_actor.hpp"
 #include "actors/coordinator_actor.hpp"
+#include "actors/node_transport.hpp"
+#include "actors/registrar_actor.hpp"
 #include "actors/supervisor_actor.hpp"
 #include "actors/trace.hpp"
 #include "compute/trainer.hpp"
@@ -34,434 +37,10 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// --- the registrar (node 0): admits nodes, exchanges addresses, collects supervisors ---
-
-struct registrar_state {
-  std::string token, config_toml, data;
-  std::string unfit;  ///< why a node cannot run the job (node_unfit): the job does not start
-  std::int64_t epoch_ns = 0;
-  int nodes = 0;
-  std::set<int> joined;
-  // Address exchanges: round 0 as the nodes join, round n for the n-th in-place recovery.
-  struct address_round {
-    node_addresses table;
-    std::set<int> sent;
-    std::vector<caf::response_promise> waiters;
-  };
-  std::map<int, address_round> rounds;
-  std::vector<caf::actor> supervisors;
-  int ready = 0;
-  std::vector<caf::response_promise> run_waiters;
-  // Nodes whose supervisor is gone: a restarted process may take the place (rejoin).
-  std::set<int> lost;
-  std::map<int, caf::response_promise> early_rejoins;  // hellos that came before the loss was seen
-  std::map<int, std::vector<caf::response_promise>> rejoin_waiters;  // the coordinator's, per node
-};
-
-caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string token, int nodes,
-                        std::string config_toml, std::int64_t epoch_ns, std::string data) {
-  self->state.epoch_ns = epoch_ns;
-  self->state.data = std::move(data);
-  self->state.token = std::move(token);
-  self->state.nodes = nodes;
-  self->state.config_toml = std::move(config_toml);
-  self->state.supervisors.resize(nodes);
-  auto offer = [self] {
-    return job_offer{self->state.config_toml, self->state.epoch_ns, transport::machine_key(), self->state.data};
-  };
-  auto admit_rejoin = [self](int node, const std::string& host) {
-    auto& s = self->state;
-    s.lost.erase(node);
-    s.joined.insert(node);
-    spdlog::info("node {} of {} rejoined from {}", node, s.nodes, host);
-  };
-  // A node's supervisor is gone (its process lost): another process may rejoin as it.
-  self->set_down_handler([=](const caf::down_msg& msg) {
-    auto& s = self->state;
-    if (msg.reason == caf::exit_reason::user_shutdown) return;  // the job's end
-    for (int i = 0; i < s.nodes; ++i)
-      if (s.supervisors[i] && s.supervisors[i].address() == msg.source) {
-        s.supervisors[i] = nullptr;
-        s.joined.erase(i);
-        s.lost.insert(i);
-        --s.ready;
-        if (auto it = s.early_rejoins.find(i); it != s.early_rejoins.end()) {
-          admit_rejoin(i, "a process restarted by the launcher");
-          it->second.deliver(offer());
-          s.early_rejoins.erase(it);
-        }
-      }
-  });
-  return {
-      [](clock_atom) -> std::int64_t { return steady_clock_ns(); },  // a node's clock probe
-      [=](const node_hello& h) -> caf::result<job_offer> {
-        auto& s = self->state;
-        std::string why;
-        if (h.version != protocol_version)
-          why = "protocol version " + std::to_string(h.version) + ", this job speaks " + std::to_string(protocol_version);
-        else if (h.token != s.token)
-          why = "wrong job token";
-        else if (h.nodes != s.nodes || h.node < 0 || h.node >= s.nodes)
-          why = "node " + std::to_string(h.node) + " of " + std::to_string(h.nodes) + " does not fit a job of " +
-                std::to_string(s.nodes) + " nodes";
-        else if (h.rejoin && h.node == 0)
-          why = "node 0 cannot rejoin (the coordinator's node)";
-        else if (h.rejoin && s.joined.count(h.node) && !s.early_rejoins.count(h.node)) {
-          // The old process's connection is not seen closed yet: answer once it is.
-          auto rp = self->make_response_promise<job_offer>();
-          s.early_rejoins.emplace(h.node, rp);
-          return rp;
-        } else if (h.rejoin && !s.lost.count(h.node))
-          why = "node " + std::to_string(h.node) + " is not a lost node: it cannot rejoin";
-        else if (!h.rejoin && (s.joined.count(h.node) || s.lost.count(h.node)))
-          why = "node " + std::to_string(h.node) + " has already joined";
-        if (!why.empty()) {
-          spdlog::warn("refused a node claiming to be node {} from {}: {}", h.node, h.host, why);
-          return caf::make_error(caf::sec::runtime_error, "join refused: " + why);
-        }
-        if (h.rejoin) {
-          admit_rejoin(h.node, h.host);
-        } else {
-          s.joined.insert(h.node);
-          spdlog::info("node {} of {} joined from {}", h.node, s.nodes, h.host);
-        }
-        return offer();
-      },
-      [=](const node_addresses& a) -> caf::result<node_addresses> {
-        auto& s = self->state;
-        if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
-        if (!s.joined.count(a.node))
-          return caf::make_error(caf::sec::runtime_error, "addresses from a node that has not joined");
-        auto& round = s.rounds[a.round];
-        if (!round.sent.insert(a.node).second)
-          return caf::make_error(caf::sec::runtime_error, "node " + std::to_string(a.node) +
-                                                              " sent its addresses twice in round " +
-                                                              std::to_string(a.round));
-        auto& t = round.table;
-        t.round = a.round;
-        t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
-        t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
-        t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
-        t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
-        t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
-        t.nccl_ids.insert(t.nccl_ids.end(), a.nccl_ids.begin(), a.nccl_ids.end());
-        auto rp = self->make_response_promise<node_addresses>();
-        round.waiters.push_back(rp);
-        if (int(round.sent.size()) == s.nodes) {
-          assign_nccl_ids(t, [] {
-            try {
-              const auto bytes = transport::nccl_unique_id();
-              return std::string(bytes.begin(), bytes.end());
-            } catch (const std::exception& e) {
-              spdlog::warn("registrar: no NCCL id (that group or link stays on UCX): {}", e.what());
-              return std::string();
-            }
-          });
-          for (auto& w : round.waiters) w.deliver(t);
-          s.rounds.erase(a.round);
-        }
-        return rp;
-      },
-      [=](const node_ready& r) -> caf::result<bool> {
-        auto& s = self->state;
-        if (!s.joined.count(r.node) || s.supervisors.at(r.node))
-          return caf::make_error(caf::sec::runtime_error, "ready from a node that has not joined");
-        s.supervisors[r.node] = r.supervisor;
-        self->monitor(r.supervisor);
-        if (++s.ready == s.nodes) {
-          for (auto& w : s.run_waiters) w.deliver(s.supervisors);
-          s.run_waiters.clear();
-        }
-        for (auto& w : s.rejoin_waiters[r.node]) w.deliver(r.supervisor);
-        s.rejoin_waiters.erase(r.node);
-        return true;
-      },
-      // The coordinator: the supervisor of the process that takes the place of node
-      // `node`, whose supervisor `gone` was lost (answered once it is ready).
-      [=](rejoin_atom, std::int32_t node, const caf::actor& gone) -> caf::result<caf::actor> {
-        auto& s = self->state;
-        if (node <= 0 || node >= s.nodes) return caf::make_error(caf::sec::runtime_error, "no node " + std::to_string(node));
-        if (s.supervisors[node] && s.supervisors[node] != gone) return s.supervisors[node];
-        auto rp = self->make_response_promise<caf::actor>();
-        s.rejoin_waiters[node].push_back(rp);
-        return rp;
-      },
-      [=](const node_unfit& u) -> bool {
-        auto& s = self->state;
-        s.unfit = "node " + std::to_string(u.node) + " on " + u.host + " cannot run this job: " + u.reason;
-        spdlog::error("{}", s.unfit);
-        const auto why = caf::make_error(caf::sec::runtime_error, s.unfit);
-        for (auto& w : s.run_waiters) w.deliver(why);
-        s.run_waiters.clear();
-        for (auto& [round, r] : s.rounds)
-          for (auto& w : r.waiters) w.deliver(why);
-        s.rounds.clear();
-        for (auto& w : s.rejoin_waiters[u.node]) w.deliver(why);
-        s.rejoin_waiters.erase(u.node);
-        return true;
-      },
-      [=](run_atom) -> caf::result<std::vector<caf::actor>> {
-        auto& s = self->state;
-        if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
-        if (s.ready == s.nodes) return s.supervisors;
-        auto rp = self->make_response_promise<std::vector<caf::actor>>();
-        s.run_waiters.push_back(rp);
-        return rp;
-      },
-  };
-}
-
 std::string hostname() {
   char buf[256] = {0};
   ::gethostname(buf, sizeof buf - 1);
   return buf;
-}
-
-/// How a node's tensors travel to other nodes: through host copies (`staged`:
-/// transport/host_staging.hpp; GPU tensors over the UCX backend) and, between node
-/// processes of one machine, point-to-point through shared buffers (`ipc`:
-/// transport/ipc/ipc.hpp; CUDA IPC on a GPU).
-struct node_transport {
-  enum class staging { off, device_tensors, all_tensors } staged = staging::off;
-  enum class ipc_memory { off, host, cuda } ipc = ipc_memory::off;
-  int device = 0;  ///< the node's GPU (CUDA IPC buffers, NCCL)
-  /// The shard groups' collectives, and the tensors between stages on nodes of
-  /// link_pairs(), over NCCL where every member has a GPU of its own (TROUPE_NCCL=1).
-  bool nccl = false;
-  /// Tests of the links without NCCL: the tensors between stages on nodes of link_pairs()
-  /// through ordered_p2p over links on one UCX tag (TROUPE_LINKS=ucx).
-  bool ucx_links = false;
-};
-
-/// The UCX tag of tag links (TROUPE_LINKS=ucx): the callers' tags are below 2^31, the
-/// acknowledgements of ipc/ are 2^31 plus a buffer number.
-constexpr std::uint32_t kLinkTag = 0xfffffff0u;
-
-/// The table's `stages` entry of a link from node `from` (its `replicas` entry names the
-/// receiving node, its `nccl_ids` entry the id): -2 - from (-1 is the world).
-constexpr std::int32_t link_entry(int from) { return -2 - from; }
-
-/// A node's communicators: per slot (r, k) rank r of stage k's d shards, and the world of
-/// the nodes (rank = node), which carries activations between them. Made at join and
-/// again for every in-place recovery; addresses (and machine keys, GPU keys, NCCL ids) go
-/// through the registrar (stage -1: the world). The shard groups only run collectives:
-/// over NCCL where `transport.nccl` asks and every member has a GPU of its own
-/// (nccl_refusal), else over UCX. The world is UCX; its point-to-point to nodes of this
-/// machine goes through shared buffers where `transport.ipc` says so.
-class ucx_renewal : public comm_renewal {
- public:
-  ucx_renewal(int node, int nodes, int p, int d, std::vector<std::pair<int, int>> slots, node_transport transport)
-      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), transport_(transport),
-        machine_(transport::machine_key()), links_(transport.nccl || transport.ucx_links ? link_pairs(p, d, nodes)
-                                                                                          : decltype(links_){}) {
-    mine_.node = node;
-    std::string gpu;  // asks for NCCL: names its GPU
-    if (transport_.nccl) try {
-        gpu = transport::gpu_key(transport_.device);
-      } catch (const std::exception& e) {
-        spdlog::warn("node {}: the shard groups' collectives and the tensors between nodes stay off NCCL: {}", node_,
-                     e.what());
-      }
-    auto add = [this](int stage, int rank, const std::string& address, const std::string& gpu) {
-      mine_.stages.push_back(stage);
-      mine_.replicas.push_back(rank);
-      mine_.addresses.push_back(address);
-      mine_.machines.push_back(machine_);
-      mine_.gpus.push_back(gpu);
-      mine_.nccl_ids.emplace_back();  // the registrar adds the NCCL ids (assign_nccl_ids)
-    };
-    for (const auto& [r, k] : slots_) {
-      pending_.push_back(transport::prepare_ucx_communicator(r, d));
-      add(k, r, pending_.back()->address(), gpu);
-    }
-    pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
-    add(-1, node, pending_.back()->address(), gpu);  // the world: with this node's GPU key
-    if (!gpu.empty())  // the links this node sends on (no address: a NCCL id's place)
-      for (const auto& [from, to] : links_)
-        if (from == node_) add(link_entry(from), to, "", "");
-  }
-  node_addresses addresses() const override { return mine_; }
-  node_plan connect(const node_addresses& table) override {
-    // One field of the table for the ranks of `stage` (-1: the world), by rank.
-    auto column = [&](int stage, int size, const std::vector<std::string>& field) {
-      std::vector<std::string> out(size);
-      for (std::size_t i = 0; i < table.stages.size() && i < field.size(); ++i)
-        if (table.stages[i] == stage) out.at(table.replicas[i]) = field[i];
-      return out;
-    };
-    using staging = node_transport::staging;
-    auto staged = [this](std::shared_ptr<transport::communicator> c) {
-      if (transport_.staged == staging::off) return c;
-      return transport::stage_through_host(std::move(c), /*always=*/transport_.staged == staging::all_tensors);
-    };
-    node_plan plan;
-    plan.node = node_;
-    plan.slots = slots_;
-    // NCCL communicators are made in the order of the stages on every node (making one
-    // waits for its other ranks: no node may wait on a group another node makes later).
-    std::vector<std::size_t> order(slots_.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return slots_[a].second < slots_[b].second; });
-    plan.comms.resize(slots_.size());
-    for (const auto i : order) {
-      const auto [r, k] = slots_[i];
-      auto refusal = transport_.nccl ? nccl_refusal(column(k, d_, table.gpus)) : "not asked for";
-      const auto id = column(k, d_, table.nccl_ids).at(0);
-      if (refusal.empty() && id.empty()) refusal = "node 0 made no NCCL id for it (see its log)";
-      if (refusal.empty()) {
-        const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(transport_.device));
-        // Staged: a rejoined node's shard state (buddy copies) is in host memory.
-        plan.comms[i] = transport::stage_through_device(
-            transport::make_nccl_communicator(std::vector<char>(id.begin(), id.end()), r, d_, transport_.device), gpu);
-        spdlog::info("node {}: stage {}'s shard collectives (rank {} of {}) over NCCL on {}", node_, k, r, d_,
-                     gpu.str());
-      } else {
-        if (transport_.nccl) spdlog::info("node {}: stage {}'s shard collectives stay on UCX: {}", node_, k, refusal);
-        plan.comms[i] = staged(pending_[i]->connect(column(k, d_, table.addresses)));
-      }
-    }
-    for (const auto& [r, k] : slots_)
-      if (k == 0) plan.loader_replicas.push_back(r);
-    plan.world = staged(pending_.back()->connect(column(-1, nodes_, table.addresses)));
-    auto [to, from] = make_links(table, column(-1, nodes_, table.gpus), plan.world);
-    if (transport_.ipc != node_transport::ipc_memory::off) {
-      std::vector<bool> same(nodes_, false);
-      for (std::size_t i = 0; i < table.stages.size() && i < table.machines.size(); ++i)
-        if (table.stages[i] == -1 && table.replicas[i] != node_) same.at(table.replicas[i]) = table.machines[i] == machine_;
-      std::string peers;
-      for (int n = 0; n < nodes_; ++n)
-        if (same[n]) peers += (peers.empty() ? "" : ", ") + std::to_string(n);
-      std::shared_ptr<transport::ipc_memory> memory;
-      if (!peers.empty()) try {
-          memory = transport_.ipc == node_transport::ipc_memory::cuda ? transport::cuda_ipc_memory(transport_.device)
-                                                                       : transport::host_ipc_memory();
-        } catch (const std::exception& e) {
-          spdlog::warn("node {}: no shared buffers for node(s) {} (this machine), their tensors go over UCX: {}", node_,
-                       peers, e.what());
-        }
-      if (memory) {
-        plan.world = transport::ipc_p2p(plan.world, std::move(memory), same);
-        spdlog::info("node {}: tensors to node(s) {} (this machine): {}", node_, peers, plan.world->backend());
-      }
-    }
-    if (std::any_of(to.begin(), to.end(), [](const auto& l) { return l != nullptr; }) ||
-        std::any_of(from.begin(), from.end(), [](const auto& l) { return l != nullptr; })) {
-      plan.world = transport::ordered_p2p(plan.world, std::move(to), std::move(from));
-      spdlog::info("node {}: tensors between nodes: {}", node_, plan.world->backend());
-    }
-    return plan;
-  }
-
- private:
-  int node_, nodes_, d_;
-  std::vector<std::pair<int, int>> slots_;
-  node_transport transport_;
-  std::string machine_;  // transport::machine_key(), sent with the addresses
-  std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
-  node_addresses mine_;
-  std::vector<std::pair<int, int>> links_;  // link_pairs() where links are asked for
-
-  /// This node's links (by peer: to it, from it), made in the order of links_ on every
-  /// node (making a NCCL link waits for its peer). NCCL links where both ends asked and
-  /// have GPUs of their own (by the world entries' GPU keys); tag links over `world`
-  /// where TROUPE_LINKS=ucx asks.
-  using links = std::vector<std::shared_ptr<transport::ordered_link>>;
-  std::pair<links, links> make_links(const node_addresses& table, const std::vector<std::string>& gpus,
-                                     const std::shared_ptr<transport::communicator>& world) const {
-    links to(nodes_), from(nodes_);
-    for (const auto& [a, b] : links_) {
-      if (a != node_ && b != node_) continue;
-      const bool sends = a == node_;
-      auto& slot = sends ? to[b] : from[a];
-      if (transport_.ucx_links) {
-        slot = transport::tag_link(world, sends ? b : a, kLinkTag);
-        continue;
-      }
-      const auto refusal = nccl_refusal({gpus.at(a), gpus.at(b)});
-      std::string id;
-      for (std::size_t i = 0; i < table.stages.size() && i < table.nccl_ids.size(); ++i)
-        if (table.stages[i] == link_entry(a) && table.replicas[i] == b) id = table.nccl_ids[i];
-      if (!refusal.empty() || id.empty()) {
-        const auto why = refusal.empty() ? std::string("node 0 made no NCCL id for it (see its log)")
-                                         : "nodes " + std::to_string(a) + " and " + std::to_string(b) + " as " + refusal;
-        if (sends) spdlog::info("node {}: tensors to node {} stay off NCCL: {}", node_, b, why);
-        continue;
-      }
-      slot = transport::make_nccl_link(std::vector<char>(id.begin(), id.end()), sends, transport_.device);
-      spdlog::info("node {}: tensors {} node {} over a NCCL link on cuda:{}", node_, sends ? "to" : "from",
-                   sends ? b : a, transport_.device);
-    }
-    return {std::move(to), std::move(from)};
-  }
-};
-
-/// How this node's tensors travel, with the reasons logged. On a GPU: tensors staged
-/// through host memory, because the UCX backend moves host memory only (even where UCX
-/// itself could move CUDA memory), and point-to-point to node processes of this machine
-/// through CUDA IPC buffers (where the build has the CUDA runtime). On the CPU: plain UCX
-/// (its shared-memory transports already map host memory). For tests of these paths
-/// without a GPU: TROUPE_STAGE_THROUGH_HOST=1 stages CPU tensors too, TROUPE_IPC=host
-/// moves point-to-point through POSIX shared memory; TROUPE_IPC=0 turns the buffers off.
-node_transport transport_for(const runtime_context& ctx, const std::string& where) {
-  using staging = node_transport::staging;
-  using ipc_memory = node_transport::ipc_memory;
-  node_transport t;
-  const char* stage_env = std::getenv("TROUPE_STAGE_THROUGH_HOST");
-  const char* ipc_env = std::getenv("TROUPE_IPC");
-  const std::string ipc = ipc_env ? ipc_env : "";
-  if (stage_env && std::string(stage_env) == "1") {
-    spdlog::info("{}: TROUPE_STAGE_THROUGH_HOST=1: every tensor between nodes goes through a host copy", where);
-    t.staged = staging::all_tensors;
-  } else if (!ctx.device.is_cpu()) {
-    std::string types;
-    for (const auto& m : transport::ucx_memory_types()) types += (types.empty() ? "" : ", ") + m;
-    spdlog::info("{}: {} tensors between nodes are staged through host memory (copied out before sending, in after "
-                 "receiving): Troupe's UCX backend moves host memory (memory types this UCX can move: {})",
-                 where, ctx.device.str(), types);
-    t.staged = staging::device_tensors;
-  }
-  if (ctx.device.is_cuda()) t.device = ctx.device.has_index() ? ctx.device.index() : 0;
-  const char* nccl_env = std::getenv("TROUPE_NCCL");
-  const std::string nccl = nccl_env ? nccl_env : "";
-  if (nccl == "1") {
-    if (!ctx.device.is_cuda()) throw config_error("TROUPE_NCCL=1: the job does not run on a GPU (--device cuda)");
-    if (!transport::nccl_built()) throw config_error("TROUPE_NCCL=1: this build has no NCCL backend");
-    spdlog::info("{}: TROUPE_NCCL=1: the optimizer shards' collectives, and the tensors between stages on different "
-                 "nodes, go over NCCL where the nodes involved each have a GPU of their own (not yet run on GPUs: "
-                 "see README)", where);
-    t.nccl = true;
-  } else if (!nccl.empty() && nccl != "0") {
-    throw config_error("TROUPE_NCCL=" + nccl + ": expected 1 or 0");
-  }
-  const char* links_env = std::getenv("TROUPE_LINKS");
-  const std::string links = links_env ? links_env : "";
-  if (links == "ucx") {
-    spdlog::info("{}: TROUPE_LINKS=ucx: tensors between stages on different nodes go through in-order links over one "
-                 "UCX tag (the ordering that NCCL links need, without NCCL)", where);
-    t.ucx_links = true;
-  } else if (!links.empty() && links != "0") {
-    throw config_error("TROUPE_LINKS=" + links + ": expected ucx or 0");
-  }
-  if (ipc == "host") {
-    spdlog::info("{}: TROUPE_IPC=host: tensors to node processes of this machine go through POSIX shared memory", where);
-    t.ipc = ipc_memory::host;
-  } else if (ipc == "0" || ipc == "off") {
-    spdlog::info("{}: TROUPE_IPC={}: no shared buffers between node processes of this machine", where, ipc);
-  } else if (!ipc.empty() && ipc != "cuda") {
-    throw config_error("TROUPE_IPC=" + ipc + ": expected host, cuda, 0 or off");
-  } else if (ctx.device.is_cuda()) {
-    if (transport::cuda_ipc_built()) {
-      t.ipc = ipc_memory::cuda;
-      spdlog::info("{}: {} tensors to node processes of this machine go through CUDA IPC buffers (to other machines "
-                   "over UCX)", where, ctx.device.str());
-    } else {
-      spdlog::warn("{}: this build has no CUDA runtime: tensors to node processes of this machine are staged through "
-                   "host memory too", where);
-    }
-  } else if (ipc == "cuda") {
-    throw config_error("TROUPE_IPC=cuda: the job does not run on a GPU (--device cuda)");
-  }
-  return t;
 }
 
 struct node_failure : std::runtime_error {
@@ -552,45 +131,6 @@ std::shared_ptr<job_clock> node_job_clock(caf::scoped_actor& self, const caf::ac
                    ? fmt::format("; probed again, up to every {:.3g} s", o.clock_probe_interval.count() * 1e-3)
                    : std::string());
   return clock;
-}
-
-struct clock_probe_state {
-  std::vector<clock_sample> samples;
-  std::chrono::milliseconds wait{100};  ///< until the next round
-};
-
-/// A node on another machine than node 0's: probe rounds (8 round trips to the registrar,
-/// one at a time), each refitting `clock`'s line, so trace events stay on node 0's
-/// timeline while the two clocks drift apart. The first comes 0.1 s after the join probe
-/// and the waits double up to `interval`: the rate is known early, and each estimate of it
-/// (good to the offset's error over the span probed) is used for no longer than that span.
-caf::behavior clock_probe_keeper(caf::stateful_actor<clock_probe_state>* self, caf::actor registrar,
-                                 std::shared_ptr<job_clock> clock, std::chrono::milliseconds interval) {
-  self->state.wait = std::min(self->state.wait, interval);
-  self->delayed_send(self, self->state.wait, timeout_atom_v);
-  return {
-      [=](timeout_atom) {
-        const auto sent = clock->local_ns();
-        self->request(registrar, std::chrono::seconds(10), clock_atom_v)
-            .then(
-                [=](std::int64_t remote) {
-                  auto& s = self->state;
-                  s.samples.push_back({sent, remote, clock->local_ns()});
-                  if (s.samples.size() < 8) {
-                    self->send(self, timeout_atom_v);
-                    return;
-                  }
-                  clock->add_probe(s.samples);
-                  s.samples.clear();
-                  s.wait = std::min(2 * s.wait, interval);
-                  self->delayed_send(self, s.wait, timeout_atom_v);
-                },
-                [=](caf::error&) {  // no answer in 10 s: try a new round later (node 0 gone: the node ends)
-                  self->state.samples.clear();
-                  self->delayed_send(self, self->state.wait, timeout_atom_v);
-                });
-      },
-  };
 }
 
 caf::actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
@@ -712,7 +252,7 @@ actor_run_result run_node(const node_options& o) {
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
           const auto data = training_data::fingerprint(cfg);  // the data every node must read
           check_output_paths(cfg);
-          registrar_handle = sys.spawn(registrar, o.token, o.nodes, cfg.to_toml(), steady_clock_ns(), data);
+          registrar_handle = spawn_registrar(sys, o.token, o.nodes, cfg.to_toml(), steady_clock_ns(), data);
           auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)
                                  : sys.middleman().publish(registrar_handle, o.port, nullptr, true);
           if (!port)
@@ -725,7 +265,8 @@ actor_run_result run_node(const node_options& o) {
         const std::string where = "node " + std::to_string(o.node);
         const auto offer = ask<job_offer>(self, registrar_handle, o.join_timeout,
                                            node_hello{o.version ? o.version : protocol_version, o.token, o.node,
-                                                      o.nodes, hostname(), o.rejoin},
+                                                      o.nodes, hostname(), o.rejoin, transport::machine_key(),
+                                                      std::int32_t(::getpid())},
                                            where, 3);
         if (o.node != 0) {
           joined = true;  // from here a failure before node_ready is told to node 0
@@ -743,7 +284,7 @@ actor_run_result run_node(const node_options& o) {
         // coordinator's start (node_job_clock).
         const auto clock = node_job_clock(self, registrar_handle, offer, o, where);
         if (clock->probes() > 0 && o.clock_probe_interval.count() > 0)
-          clock_keeper = sys.spawn(clock_probe_keeper, registrar_handle, clock, o.clock_probe_interval);
+          clock_keeper = spawn_clock_probe(sys, registrar_handle, clock, o.clock_probe_interval);
         if (cfg.device == "cuda") {  // one GPU per node process of this machine, while there are enough
           const int gpus = cuda_device_count();
           cfg.device = node_device(cfg.device, o.local_node, gpus);
@@ -754,22 +295,22 @@ actor_run_result run_node(const node_options& o) {
         }
         // this node's stages' parameters (and moments), not the whole model's
         std::shared_ptr<const runtime_context> ctx = std::make_shared<runtime_context>(cfg, clock, slots);
-        const auto how = transport_for(*ctx, where);
+        const auto how = transport_for(*ctx, o.transport, where);
         node_plan plan;
         if (o.rejoin) {  // communicators come with the coordinator's recovery round
           plan.node = o.node;
           plan.slots = slots;
           plan.rejoining = true;
         } else {  // UCX communicators (round 0 of the address exchange)
-          ucx_renewal comms(o.node, o.nodes, ctx->p, ctx->d, slots, how);
-          const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, comms.addresses(),
+          const auto comms = make_node_comms(o.node, o.nodes, ctx->p, ctx->d, slots, how);
+          const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, comms->addresses(),
                                                  where + ": address exchange");
-          plan = comms.connect(table);
+          plan = comms->connect(table);
         }
         plan.registrar = registrar_handle;
         plan.renew = [node = o.node, nodes = o.nodes, p = ctx->p, d = ctx->d, slots,
                       how]() -> std::unique_ptr<comm_renewal> {
-          return std::make_unique<ucx_renewal>(node, nodes, p, d, slots, how);
+          return make_node_comms(node, nodes, p, d, slots, how);
         };
         std::string hosted;
         for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";

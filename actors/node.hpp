@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "actors/node_transport.hpp"
 #include "actors/runtime.hpp"
 
 namespace troupe {
@@ -59,6 +60,7 @@ struct node_options {
   /// A process the launcher started in place of a lost node (TROUPE_REJOIN=1): it joins
   /// the running job, which rebuilds its actors from its buddy's copies.
   bool rejoin = false;
+  node_transport_settings transport;  ///< how tensors travel between nodes (the launcher's environment)
   std::chrono::milliseconds join_timeout{60000};
   std::chrono::milliseconds heartbeat{500};           ///< CAF middleman heartbeats
   std::chrono::milliseconds connection_timeout{5000};  ///< a silent peer is gone after this

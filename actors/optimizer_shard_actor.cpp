@@ -1,7 +1,5 @@
 #include "actors/optimizer_shard_actor.hpp"
 
-#include <cstdio>
-
 #include <caf/all.hpp>
 #include <torch/torch.h>
 
@@ -16,6 +14,17 @@ namespace troupe {
 namespace {
 
 using transport::collective;
+
+/// Where a shard is in a step (its answer to the hang probe follows from it).
+enum class shard_phase {
+  between_steps,   ///< before the step's begin_step, or after reporting it done
+  collecting,      ///< receiving the stage's gradient buckets (reduce-scatters start as they come)
+  stalled,         ///< fault injection: holds every bucket, starts no reduce-scatter
+  reducing,        ///< every reduce-scatter started, not all finished
+  awaiting_clip,   ///< its gradient-norm partials sent: waits for the coordinator's clip factor
+  gathering,       ///< updated; the all-gather of the parameters runs
+  copying,         ///< all-gathered; waits for the buddy node to acknowledge its copy
+};
 
 struct shard_state {
   struct chunk_shard {
@@ -43,7 +52,7 @@ struct shard_state {
   std::int64_t step = -1;
   std::int32_t attempt = 0;
   double lr = 0;
-  std::int64_t stall_step = -1;  // fault injection: no reduce-scatter in this step
+  fault_injector faults;     // fault injection (tests): this actor's own
   int received = 0;          // buckets handed over this step
   std::size_t reduce_scatters = 0;  // reduce-scatters started this step (an index into `order`)
   std::size_t completed = 0; // collectives of the current phase that finished
@@ -62,7 +71,72 @@ struct shard_state {
   std::int64_t copied = -1;
   int copies_pending = 0;
   bool gathered = false;
+  shard_phase phase = shard_phase::between_steps;
+  std::vector<std::string> sent;  ///< message_key of what it sent this step (wait-for graph)
+
+  std::string stage_actor_name() const { return ctx->stage_name(rank, stage); }
+  void record_sent(const std::string& what, const std::string& to) { sent.push_back(message_key(what, name, to)); }
 };
+
+/// What shard `s` waits for in `step`, from whom, and what it sent.
+wait_report shard_waits(const shard_state& s, std::int64_t step) {
+  wait_report rep;
+  rep.actor = s.name;
+  rep.node = s.wiring->node;
+  if (s.step != step) {
+    rep.state = s.step < step ? "still at step " + std::to_string(s.step + 1) : "already at step " + std::to_string(s.step + 1);
+    if (s.step < step) {
+      rep.waits_for = "begin of step " + std::to_string(step + 1);
+      rep.from = {"coordinator"};
+      rep.keys = {message_key(rep.waits_for, "coordinator", s.name)};
+    }
+    return rep;
+  }
+  rep.sent = s.sent;
+  std::vector<std::string> peers;  // the other shards of the stage
+  for (int r = 0; r < s.ctx->d; ++r)
+    if (r != s.rank) peers.push_back("shard[stage " + std::to_string(s.stage) + ", rank " + std::to_string(r) + "]");
+  switch (s.phase) {
+    case shard_phase::between_steps:
+      rep.state = "done with the step";
+      break;
+    case shard_phase::collecting:
+      rep.state = "has " + std::to_string(s.received) + " of " + std::to_string(s.order.size()) + " gradient buckets";
+      for (const auto& [ci, b] : s.order)
+        if (!s.chunks[ci].here[b]) {
+          rep.waits_for = "gradient bucket " + std::to_string(b) + " of chunk " + std::to_string(ci);
+          rep.from = {s.stage_actor_name()};
+          rep.keys = {message_key(rep.waits_for, s.stage_actor_name(), s.name)};
+          break;
+        }
+      break;
+    case shard_phase::stalled:
+      rep.state = "holds every gradient bucket and started no reduce-scatter (injected stall)";
+      break;
+    case shard_phase::reducing:
+      rep.state = std::to_string(s.completed) + " of " + std::to_string(s.order.size()) + " reduce-scatters done";
+      rep.waits_for = "the reduce-scatter of its gradients";
+      rep.from = peers;
+      break;
+    case shard_phase::awaiting_clip:
+      rep.state = "gradients reduced, gradient-norm partials sent";
+      rep.waits_for = "the clip factor";
+      rep.from = {"coordinator"};
+      rep.keys = {message_key(rep.waits_for, "coordinator", s.name)};
+      break;
+    case shard_phase::gathering:
+      rep.state = "updated; " + std::to_string(s.completed) + " of " + std::to_string(s.order.size()) + " all-gathers done";
+      rep.waits_for = "the all-gather of the updated parameters";
+      rep.from = peers;
+      break;
+    case shard_phase::copying:
+      rep.state = "all-gathered";
+      rep.waits_for = "the acknowledgement of its optimizer state copy";
+      rep.from = {"supervisor of node " + std::to_string(s.wiring->buddy_node)};
+      break;
+  }
+  return rep;
+}
 
 /// Keeps the shard's state before step `step` in the node's snapshot store (shared with
 /// the double-buffered optimizer state, not copied: see snapshot.hpp).
@@ -132,11 +206,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   for (int c = ctx->v - 1; c >= 0; --c)
     for (int b = int(st.chunks[c].buckets.size()) - 1; b >= 0; --b) st.order.emplace_back(c, b);
   if (!from) take_snapshot(st, ctx->start_step);
-  if (!ctx->cfg.stall.empty() && ctx->faults_armed()) {
-    int k = -1, r = -1, step = -1;
-    if (std::sscanf(ctx->cfg.stall.c_str(), "%d:%d:%d", &k, &r, &step) == 3 && k == stage && r == rank)
-      st.stall_step = step;
-  }
+  st.faults = fault_injector(ctx->faults);
   auto accept = [self](std::int64_t step) {
     if (step == self->state.step) return true;
     if (step > self->state.step)
@@ -166,12 +236,14 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       report_to_self(s.comm->reduce_scatter(ch.grads.narrow(0, bucket.begin, bucket.size()),
                                             ch.reduced.narrow(0, ch.at[b], ch.layout[b].size())),
                      collective::reduce_scatter, ci, b);
+      if (s.reduce_scatters == s.order.size()) s.phase = shard_phase::reducing;
     }
   };
   // Starts every bucket's all-gather.
   auto start_all_gathers = [self, report_to_self] {
     auto& s = self->state;
     s.completed = 0;
+    s.phase = shard_phase::gathering;
     s.phase_start_us = s.ctx->now_us();
     for (auto& ch : s.chunks)
       if (ch.rounded.defined()) ch.rounded.copy_(ch.opt.params());
@@ -187,8 +259,14 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   // Reports the step done once its all-gather finished and the buddy holds its copies.
   auto maybe_done = [self] {
     auto& s = self->state;
-    if (!s.gathered || s.copies_pending > 0) return;
+    if (!s.gathered) return;
+    if (s.copies_pending > 0) {
+      s.phase = shard_phase::copying;
+      return;
+    }
     s.gathered = false;
+    s.phase = shard_phase::between_steps;
+    s.record_sent("shard done", "coordinator");
     self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
     s.events.clear();
   };
@@ -248,6 +326,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     self->state.received = 0;
     self->state.reduce_scatters = 0;
     self->state.events.clear();
+    self->state.phase = shard_phase::between_steps;
     return rep;
   };
   // A collective phase of all chunks, with the bytes of their whole buffers.
@@ -264,6 +343,8 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         s.received = 0;
         s.reduce_scatters = 0;
         s.gathered = false;
+        s.phase = shard_phase::collecting;
+        s.sent.clear();
         // A new or rebuilt shard: the buddy gets the state it starts from.
         if (s.copied < s.step) send_copy(s.step);
         auto stash = std::move(s.stash);
@@ -289,10 +370,12 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         }
         c.grads = tensor_of(msg.data);
         c.here[msg.bucket] = 1;
-        if (s.step == s.stall_step && s.attempt == 0) {
-          if (++s.received == int(s.order.size()))
+        if (s.faults.shard_stalls(s.stage, s.rank, s.step, s.attempt)) {
+          if (++s.received == int(s.order.size())) {
+            s.phase = shard_phase::stalled;
             spdlog::warn("fault injected: {} stalls: no reduce-scatter in step {} (index {})", s.name, s.step + 1,
                          s.step);
+          }
           return;
         }
         ++s.received;
@@ -323,16 +406,20 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
             auto& ch = s.chunks[ci];
             ch.grads = torch::Tensor();  // the stage's buffer is no longer read
             std::fill(ch.here.begin(), ch.here.end(), 0);
+            s.record_sent("gradient-norm partial of chunk " + std::to_string(ci), "coordinator");
             self->send(s.wiring->coordinator, grad_norm_partial{s.step, ci * s.ctx->p + s.stage, s.rank,
                                                                 partial_sq_norm(ch.reduced, ch.norm_mask)});
           }
+          s.phase = shard_phase::awaiting_clip;
         } else {
           std::int64_t bytes = 0;
           for (const auto& ch : s.chunks) bytes += ch.gathered.nbytes();
           trace_phase("all-gather", bytes);
-          for (int ci = 0; ci < s.ctx->v; ++ci)
+          for (int ci = 0; ci < s.ctx->v; ++ci) {
+            s.record_sent("parameters of chunk " + std::to_string(ci), s.stage_actor_name());
             self->send(s.wiring->stages[s.rank][s.stage],
                        param_shard{s.step, ci, s.rank, make_payload(s.chunks[ci].gathered)});
+          }
           s.gathered = true;
           maybe_done();
         }
@@ -353,6 +440,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
         send_copy(s.step + 1);
       },
       [=](const reset_step&) -> reset_report { return drop_step_state(); },
+      [=](wait_atom, std::int64_t step) -> wait_report { return shard_waits(self->state, step); },
       // Checkpoints: AdamW moments by parameter name, and the fp32 main parameters where
       // the stages hold them rounded (bf16 jobs).
       [=](state_atom) -> shard_moments {

@@ -57,6 +57,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   }
   resolve_resume(cfg);
   if (const char* a = std::getenv("TROUPE_LAUNCH_ATTEMPT")) launch_attempt = std::atoi(a);
+  if (launch_attempt == cfg.fault_attempt) faults = fault_plan::parse(cfg);
   if (!cfg.resume.empty()) {
     std::function<bool(const std::string&)> keep;
     if (slots) keep = [mine = parameters_of(*slots)](const std::string& name) { return mine.count(name) > 0; };
@@ -131,11 +132,14 @@ torch::ScalarType runtime_context::input_dtype() const {
 }
 
 namespace {
-std::atomic<int> stop_signal{0};  // lock-free: set from a signal handler
+std::atomic<int> stop_signal{0};        // lock-free: set from a signal handler
+std::atomic<bool> status_signal{false};  // likewise
 }  // namespace
 
 void request_stop(int signal) noexcept { stop_signal.store(signal); }
 int stop_requested() noexcept { return stop_signal.load(); }
+void request_status() noexcept { status_signal.store(true); }
+bool take_status_request() noexcept { return status_signal.exchange(false); }
 
 caf::error error_from_exception(std::exception_ptr& eptr) {
   try {

@@ -26,7 +26,9 @@
 #include <caf/actor.hpp>
 #include <caf/error.hpp>
 
+#include "actors/payload.hpp"
 #include "actors/trace.hpp"
+#include "compute/fault_plan.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/job_config.hpp"
 #include "compute/model.hpp"
@@ -34,7 +36,6 @@
 #include "compute/schedule.hpp"
 #include "compute/trainer.hpp"
 #include "messages/step_messages.hpp"
-#include "messages/tensor_payload.hpp"
 #include "transport/transport.hpp"
 
 namespace troupe {
@@ -78,7 +79,9 @@ struct runtime_context {
   /// How often the launcher has restarted this job (TROUPE_LAUNCH_ATTEMPT); injected
   /// faults fire in one launch only (faults.attempt, default the first).
   int launch_attempt = 0;
-  bool faults_armed() const { return launch_attempt == cfg.fault_attempt; }
+  /// The [faults] keys, parsed once; empty unless this launch is the one they fire in.
+  /// Each actor asks its own fault_injector made from it.
+  fault_plan faults;
 
  private:
   mutable std::mutex resume_mutex_;
@@ -160,11 +163,22 @@ constexpr int exit_recoverable = 75;
 void request_stop(int signal) noexcept;
 /// The signal of a pending stop request, 0 when there is none.
 int stop_requested() noexcept;
+/// Asks the coordinator of this process to log the job's wait-for graph (what every actor
+/// waits for) without disturbing it (SIGUSR2). Async-signal-safe.
+void request_status() noexcept;
+/// True once per request_status().
+bool take_status_request() noexcept;
 
 struct actor_run_options {
   bool quiet = false;          ///< no progress lines (tests)
   std::string trace_path;      ///< Chrome trace JSON (also cfg's trace key)
-  std::string plant_leftover;  ///< tests: "replica:stage:step" gets a stray buffered tensor
+  /// Tests: in `step`, stage (replica, stage) gets a stray buffered tensor (the reset
+  /// check must report it).
+  struct leftover_plant {
+    int replica = 0, stage = 0;
+    std::int64_t step = 0;
+  };
+  std::optional<leftover_plant> plant_leftover;
   /// Several nodes: how often the launcher starts a lost node process (not node 0) again
   /// (TROUPE_NODE_RESTARTS); so often the coordinator waits for one to rejoin (up to
   /// train.rejoin_timeout each time).

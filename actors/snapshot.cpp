@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "actors/payload.hpp"
+
 namespace troupe {
 
 shard_copy copy_of(int stage, int rank, const shard_snapshot& snap) {

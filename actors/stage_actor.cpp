@@ -7,11 +7,14 @@
 #include <limits>
 #include <numeric>
 #include <map>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include <caf/all.hpp>
 #include <torch/torch.h>
 
+#include "actors/request_all.hpp"
 #include "compute/checkpoint_dir.hpp"
 #include "compute/device.hpp"
 #include "compute/grad_buffer.hpp"
@@ -24,6 +27,10 @@ namespace {
 
 using key = std::pair<int, int>;  // (micro-batch, chunk)
 
+/// The kinds of tensor message a stage receives in a step; each (kind, key) is taken once
+/// (a duplicate is dropped).
+enum class received { activation, gradient, input, target, parameters, tied_gradient };
+
 struct stage_state {
   std::shared_ptr<const runtime_context> ctx;
   std::shared_ptr<const job_wiring> wiring;
@@ -31,15 +38,8 @@ struct stage_state {
   std::string name;
   std::vector<std::unique_ptr<model_slice>> chunks;  // chunk c: virtual stage c * p + stage
   const std::vector<pipeline_op>* order = nullptr;   // fixed-order kinds
-  int throw_step = -1;                               // fault injection (tests)
-  bool throw_late = false;                           //   when the updated parameters arrive
-  bool throw_eval = false;                           //   in the evaluation after that step
-  int kill_step = -1;                                // fault injection: SIGKILL this process
+  fault_injector faults;                             // fault injection (tests): this actor's own
   bool stream_set = false;                           // this actor's CUDA stream is its thread's
-  std::string message_fault;                         // fault injection: drop|duplicate|corrupt|delay
-  int message_fault_step = -1;                       //   of the first tensor message of this step,
-  std::string message_fault_kind;                    //   or of its first loss report (":loss"), or
-                                                     //   of its first evaluation result (":eval")
 
   bool turn_asked = false;                           // dataflow: a run_atom for a W's turn is on its way
 
@@ -56,7 +56,7 @@ struct stage_state {
   std::map<key, torch::Tensor> out_grads; // received gradients of outputs
   std::map<int, torch::Tensor> targets;
   std::vector<std::pair<int, torch::Tensor>> losses;  // (micro-batch, loss) until the step's ops are done
-  std::set<std::pair<int, key>> seen;     // (kind, key) of every tensor received this step
+  std::set<std::pair<received, key>> seen;  // (kind, key) of every tensor received this step
   struct saved_t {
     torch::Tensor input, output;
   };
@@ -83,6 +83,12 @@ struct stage_state {
   int params_received = 0;
   std::vector<trace_event> events;
   std::vector<caf::message> stash;        // messages of a later step
+  // What it sent this step (message_key of each, for the wait-for graph) and its last op.
+  // Under a lock: gradient buckets may be handed over from LibTorch's autograd thread.
+  std::vector<std::string> sent;
+  std::mutex sent_mutex;
+  std::string last_op;
+  bool done_reported = false;  // stage_done sent for this step
   // Evaluation between steps (forward only): the last virtual stage's outputs and the
   // targets, by forward, until both are here; the evaluation ops' trace events until the
   // coordinator collects them.
@@ -90,6 +96,14 @@ struct stage_state {
   std::vector<trace_event> eval_events;
 
   int virtual_of(int chunk) const { return chunk * ctx->p + stage; }
+  std::string shard_name() const { return "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(replica) + "]"; }
+  std::string loader_name() const { return "loader[replica " + std::to_string(replica) + "]"; }
+  /// The name of the stage actor owning virtual stage x (this replica's).
+  std::string owner_name(int x) const { return ctx->stage_name(replica, x % ctx->p); }
+  void record_sent(const std::string& what, const std::string& to) {
+    std::lock_guard<std::mutex> lock(sent_mutex);
+    sent.push_back(message_key(what, name, to));
+  }
   bool is_last_virtual(int chunk) const { return virtual_of(chunk) == ctx->n_virtual - 1; }
   /// The (replica's) stage actor owning virtual stage x, and the chunk index there.
   std::pair<caf::actor, int> owner(int x) const { return {wiring->stages[replica][x % ctx->p], x / ctx->p}; }
@@ -160,24 +174,28 @@ class stage_logic {
   void report_losses() {
     for (auto& [mb, loss] : s_.losses) {
       loss_report rep{s_.step, s_.replica, mb, loss.item<double>()};
-      if (!report_fault("loss", "loss report", rep)) self_->send(s_.wiring->coordinator, rep);
+      s_.record_sent("loss mb " + std::to_string(mb), "coordinator");
+      if (!report_fault(message_target::loss_report, "loss report", rep)) self_->send(s_.wiring->coordinator, rep);
     }
     s_.losses.clear();
   }
 
-  /// Fault injection, once: the first report of `kind` ("loss", "eval") to the coordinator
-  /// of the faulty step is dropped, duplicated or delayed. True when it was taken care of
-  /// (dropped or delayed), false when it is still to be sent.
+  /// Fault injection, once: the first report of `target` (a loss report, an evaluation
+  /// result) to the coordinator of the faulty step is dropped, duplicated or delayed. True
+  /// when it was taken care of (dropped or delayed), false when it is still to be sent.
   template <class Report>
-  bool report_fault(const char* kind, const char* what, const Report& rep) {
-    if (s_.message_fault_kind != kind || s_.message_fault_step != s_.step || s_.attempt != 0) return false;
-    s_.message_fault_step = -1;
-    const auto& action = s_.message_fault;
-    spdlog::warn("fault injected: {} {}s its first {} of step {} (index {})", s_.name, action, what, s_.step + 1,
-                 s_.step);
-    if (action == "duplicate") self_->send(s_.wiring->coordinator, rep);
-    if (action == "delay") self_->delayed_send(s_.wiring->coordinator, std::chrono::milliseconds(300), rep);
-    return action == "drop" || action == "delay";
+  bool report_fault(message_target target, const char* what, const Report& rep) {
+    const auto fault = s_.faults.take_message(s_.replica, s_.stage, s_.step, s_.attempt, target);
+    if (!fault) return false;
+    spdlog::warn("fault injected: {} {}s its first {} of step {} (index {})", s_.name, name(fault->action), what,
+                 s_.step + 1, s_.step);
+    if (fault->action == message_action::duplicate) self_->send(s_.wiring->coordinator, rep);
+    if (fault->action == message_action::delay) self_->delayed_send(s_.wiring->coordinator, delay_of(*fault), rep);
+    return fault->action == message_action::drop || fault->action == message_action::delay;
+  }
+
+  static std::chrono::microseconds delay_of(const message_fault& f) {
+    return std::chrono::microseconds(std::int64_t(f.delay_seconds * 1e6));
   }
 
   std::optional<pipeline_op> next_dataflow_op() const {
@@ -217,12 +235,23 @@ class stage_logic {
     return std::nullopt;
   }
 
-  void execute(const pipeline_op& op) {
-    const auto& ctx = *s_.ctx;
-    if (s_.throw_step == s_.step && !s_.throw_late && !s_.throw_eval && s_.ops_done == 1 && s_.attempt == 0) {
+  /// Fault injection at the step's second op: the stage throws, or its thread blocks (an
+  /// actor that stops answering: its mailbox is not read meanwhile).
+  void inject_op_faults() {
+    if (s_.faults.stage_throws(s_.replica, s_.stage, s_.step, s_.attempt, throw_point::in_step)) {
       spdlog::warn("fault injected: {} throws in step {} (index {})", s_.name, s_.step + 1, s_.step);
       throw std::runtime_error("injected fault: " + s_.name + " throws in step " + std::to_string(s_.step + 1));
     }
+    if (const auto seconds = s_.faults.take_freeze(s_.replica, s_.stage, s_.step, s_.attempt)) {
+      spdlog::warn("fault injected: {} blocks its thread for {} s in step {} (index {})", s_.name, *seconds,
+                   s_.step + 1, s_.step);
+      std::this_thread::sleep_for(std::chrono::duration<double>(*seconds));
+    }
+  }
+
+  void execute(const pipeline_op& op) {
+    const auto& ctx = *s_.ctx;
+    if (s_.ops_done == 1) inject_op_faults();
     const key k{op.mb, op.chunk};
     const int x = s_.virtual_of(op.chunk);
     auto& slice = *s_.chunks[op.chunk];
@@ -246,7 +275,7 @@ class stage_logic {
         if (s_.is_last_virtual(op.chunk)) loss = slice.loss(out, s_.targets[op.mb]);
       }
       if (s_.is_last_virtual(op.chunk)) {
-        if (s_.step == ctx.cfg.nan_at && ctx.faults_armed() && s_.attempt == 0)  // fault injection
+        if (s_.faults.nan_loss(s_.step, s_.attempt))  // fault injection
           loss = loss * std::numeric_limits<double>::quiet_NaN();
         s_.targets.erase(op.mb);
         s_.losses.emplace_back(op.mb, loss.detach());  // reported after the last op: no sync now
@@ -261,7 +290,10 @@ class stage_logic {
                     "activation", op.mb, op.chunk);
         deallocate(out);
       }
-      if (x == 0) self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
+      if (x == 0) {
+        s_.record_sent("credit mb " + std::to_string(op.mb), s_.loader_name());
+        self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
+      }
       s_.saved[k] = {in, out};
       s_.peak_in_flight = std::max(s_.peak_in_flight, ++s_.in_flight);
       ++s_.forwards_done;
@@ -288,6 +320,7 @@ class stage_logic {
       }
       if (!split) --s_.in_flight;  // split: the W's inputs stay until it runs
     }
+    s_.last_op = op_letter(op.kind) + std::to_string(op.mb) + (ctx.v > 1 ? " chunk " + std::to_string(op.chunk) : "");
     ev.end_us = ctx.now_us();
     if (gpu_start >= 0) s_.gpu_spans.push_back({s_.events.size(), gpu_start, s_.gpu_clock->mark()});
     s_.events.push_back(std::move(ev));
@@ -366,12 +399,13 @@ class stage_logic {
   /// process; the message carries the whole buffer). anon_send: it may run on another
   /// thread than the actor's (see bucket_ready).
   void send_bucket(int chunk, int b) {
+    s_.record_sent(bucket_text(chunk, b), s_.shard_name());
     caf::anon_send(s_.wiring->shards[s_.stage][s_.replica],
                    grad_shard{s_.step, chunk, s_.replica, b, make_payload(s_.chunks[chunk]->flat_grads())});
   }
 
   void on_params(const param_shard& msg) {
-    if (s_.throw_step == s_.step && s_.throw_late && s_.attempt == 0) {
+    if (s_.faults.stage_throws(s_.replica, s_.stage, s_.step, s_.attempt, throw_point::after_update)) {
       spdlog::warn("fault injected: {} throws in step {} (index {}) as its updated parameters arrive", s_.name,
                    s_.step + 1, s_.step);
       throw std::runtime_error("injected fault: " + s_.name + " throws after the update in step " +
@@ -389,6 +423,8 @@ class stage_logic {
         s_.events[g.event].start_us = s_.gpu_clock->at_us(g.start);
         s_.events[g.event].end_us = s_.gpu_clock->at_us(g.end);
       }
+      s_.record_sent("stage done", "coordinator");
+      s_.done_reported = true;
       self_->send(s_.wiring->coordinator,
                   stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events)});
     }
@@ -450,7 +486,7 @@ class stage_logic {
   void receive(std::map<key, torch::Tensor>& into, std::int64_t step, int mb, int chunk, const tensor_payload& data,
                const std::vector<std::int64_t>& shape, const char* what) {
     if (!accept(step)) return;
-    if (!first_time(&into == &s_.inputs ? 0 : 1, {mb, chunk}, what)) return;
+    if (!first_time(&into == &s_.inputs ? received::activation : received::gradient, {mb, chunk}, what)) return;
     const auto problem = check_payload(data, shape, s_.ctx->compute_dtype);
     if (!problem.empty()) return fail(std::string(what) + " of micro-batch " + std::to_string(mb) + ": " + problem);
     into[{mb, chunk}] = tensor_of(data).to(s_.ctx->device, torch::kFloat32);  // the stage computes from fp32
@@ -468,7 +504,7 @@ class stage_logic {
 
   /// False (and a warning) for a second copy of a tensor message of this step: a
   /// duplicate is dropped, never applied twice.
-  bool first_time(int kind, key k, const char* what) {
+  bool first_time(received kind, key k, const char* what) {
     if (s_.seen.insert({kind, k}).second) return true;
     spdlog::warn("{}: duplicate {} of micro-batch {} (chunk {}) in step {} dropped", s_.name, what, k.first, k.second,
                  s_.step + 1);
@@ -479,10 +515,108 @@ class stage_logic {
     self_->send(s_.wiring->coordinator, runtime_failure{s_.step, s_.name, what, s_.wiring->generation});
   }
 
+  // --- the wait-for graph (hang diagnosis) ---
+
+  static std::string message_text(const forward_activation& m) {
+    return "activation mb " + std::to_string(m.mb) + " chunk " + std::to_string(m.chunk);
+  }
+  static std::string message_text(const backward_grad& m) {
+    return "gradient mb " + std::to_string(m.mb) + " chunk " + std::to_string(m.chunk);
+  }
+  static std::string message_text(const tied_grad&) { return "tied gradient"; }
+  static std::string bucket_text(int chunk, int b) {
+    return "gradient bucket " + std::to_string(b) + " of chunk " + std::to_string(chunk);
+  }
+
+  /// What this stage waits for in `step`, from whom, and what it sent.
+  wait_report waits(std::int64_t step) {
+    wait_report rep;
+    rep.actor = s_.name;
+    rep.node = s_.wiring->node;
+    {
+      std::lock_guard<std::mutex> lock(s_.sent_mutex);
+      if (s_.step == step) rep.sent = s_.sent;
+    }
+    auto wait = [&](std::string what, const std::string& from) {
+      rep.keys = {message_key(what, from, s_.name)};
+      rep.waits_for = std::move(what);
+      rep.from = {from};
+    };
+    if (s_.step < step) {
+      rep.state = s_.step < 0 ? "has run no step" : "still at step " + std::to_string(s_.step + 1);
+      wait("begin of step " + std::to_string(step + 1), "coordinator");
+      return rep;
+    }
+    if (s_.step > step) {
+      rep.state = "already at step " + std::to_string(s_.step + 1);
+      return rep;
+    }
+    rep.state = "ran " + std::to_string(s_.ops_done) + " of " + std::to_string(s_.total_ops) + " ops" +
+                (s_.last_op.empty() ? "" : " (last " + s_.last_op + ")");
+    if (s_.running) {
+      const auto op = next_blocked_op();
+      if (!op) {
+        rep.state += ", runnable";
+        return rep;
+      }
+      const int x = s_.virtual_of(op->chunk);
+      const auto mb = std::to_string(op->mb), chunk = std::to_string(op->chunk);
+      if (op->kind == op_kind::backward)
+        wait("gradient mb " + mb + " chunk " + chunk, s_.owner_name(x + 1));
+      else if (s_.inputs.count({op->mb, op->chunk}))
+        wait("target mb " + mb, s_.loader_name());
+      else if (x == 0)
+        wait("input mb " + mb, s_.loader_name());
+      else
+        wait("activation mb " + mb + " chunk " + chunk, s_.owner_name(x - 1));
+      return rep;
+    }
+    if (s_.done_reported) {
+      rep.state += ", done";
+      return rep;
+    }
+    if (s_.tied_pending) {
+      wait("tied gradient", s_.ctx->stage_name(s_.replica, s_.stage == 0 ? s_.ctx->p - 1 : 0));
+      return rep;
+    }
+    for (int c = 0; c < s_.ctx->v; ++c)
+      if (!s_.seen.count({received::parameters, {c, 0}})) {
+        wait("parameters of chunk " + std::to_string(c), s_.shard_name());
+        return rep;
+      }
+    rep.state += ", done";
+    return rep;
+  }
+
+  /// The op this running stage cannot run for want of a message: in a fixed order the
+  /// next one; in dataflow the lowest micro-batch's backward waiting for its gradient,
+  /// else the next forward waiting for its input.
+  std::optional<pipeline_op> next_blocked_op() const {
+    if (s_.order) {
+      if (s_.next_op >= s_.order->size()) return std::nullopt;
+      const auto& op = (*s_.order)[s_.next_op];
+      return op.kind == op_kind::weight || ready(op) ? std::nullopt : std::optional<pipeline_op>(op);
+    }
+    for (const auto& [k, sv] : s_.saved) {
+      pipeline_op op{op_kind::backward, k.first, k.second};
+      if (!ready(op)) return op;
+    }
+    for (int c = 0; c < s_.ctx->v; ++c)
+      for (int mb = 0; mb < s_.ctx->m; ++mb) {
+        const key k{mb, c};
+        pipeline_op op{op_kind::forward, mb, c};
+        if (!s_.saved.count(k) && !s_.seen.count({received::activation, k}) &&
+            !(s_.virtual_of(c) == 0 && s_.seen.count({received::input, {mb, 0}})))
+          return op;
+      }
+    return std::nullopt;
+  }
+
   /// Sends a message with a tensor to stage `dest_stage` of this replica and traces it
   /// (`what`, and this stage's micro-batch and chunk).
   template <class Msg>
   void send_tensor(int dest_stage, const caf::actor& dest, Msg msg, const char* what, int mb, int chunk) {
+    s_.record_sent(message_text(msg), s_.ctx->stage_name(s_.replica, dest_stage));  // a message lost on the way counts as sent
     const double start = s_.ctx->now_us();
     const auto bytes = payload_bytes(msg.data);
     deliver(dest_stage, dest, std::move(msg));
@@ -493,22 +627,22 @@ class stage_logic {
   template <class Msg>
   void deliver(int dest_stage, const caf::actor& dest, Msg msg) {
     const auto& w = *s_.wiring;
-    if (s_.message_fault_kind.empty() && s_.message_fault_step == s_.step && s_.attempt == 0) {  // fault injection, once
-      s_.message_fault_step = -1;
-      const auto& action = s_.message_fault;
-      spdlog::warn("fault injected: {} {}s its first tensor message of step {} (index {})", s_.name, action,
-                   s_.step + 1, s_.step);
-      if (action == "drop") return;
-      if (action == "corrupt") {  // one value changes after the checksum was taken
-        msg.data.local = msg.data.local.clone();
-        msg.data.local.view(-1)[0].add_(1.0);
-      }
-      if (action == "duplicate") deliver(dest_stage, dest, msg);
-      if (action == "delay") {
-        if (w.remote(s_.replica, dest_stage))
-          msg.data = ship_payload(w, msg.data, w.nodes[s_.replica][dest_stage], s_.name);
-        self_->delayed_send(dest, std::chrono::milliseconds(300), std::move(msg));
-        return;
+    // Fault injection, once: the first tensor message of the step.
+    if (const auto fault = s_.faults.take_message(s_.replica, s_.stage, s_.step, s_.attempt, message_target::tensor)) {
+      spdlog::warn("fault injected: {} {}s its first tensor message of step {} (index {})", s_.name,
+                   name(fault->action), s_.step + 1, s_.step);
+      switch (fault->action) {
+        case message_action::drop: return;
+        case message_action::corrupt:  // one value changes after the checksum was taken
+          msg.data.local = msg.data.local.clone();
+          msg.data.local.view(-1)[0].add_(1.0);
+          break;
+        case message_action::duplicate: deliver(dest_stage, dest, msg); break;
+        case message_action::delay:
+          if (w.remote(s_.replica, dest_stage))
+            msg.data = ship_payload(w, msg.data, w.nodes[s_.replica][dest_stage], s_.name);
+          self_->delayed_send(dest, delay_of(*fault), std::move(msg));
+          return;
       }
     }
     send_to_stage(dest_stage, dest, std::move(msg));
@@ -547,7 +681,7 @@ class stage_logic {
     const auto problem = x > 0 ? check_payload(msg.data, ctx.activation_shape(x, rows), ctx.compute_dtype)
                                : check_payload(msg.data, ctx.input_shape(rows), ctx.input_dtype());
     if (!problem.empty()) return fail("evaluation activation of forward " + std::to_string(msg.index) + ": " + problem);
-    if (s_.throw_eval && s_.throw_step == s_.step) {  // fault injection
+    if (s_.faults.stage_throws(s_.replica, s_.stage, s_.step, 0, throw_point::in_evaluation)) {  // fault injection
       spdlog::warn("fault injected: {} throws in the evaluation after step {} (index {})", s_.name, s_.step + 1, s_.step);
       throw std::runtime_error("injected fault: " + s_.name + " throws in the evaluation after step " +
                                std::to_string(s_.step + 1));
@@ -599,7 +733,8 @@ class stage_logic {
     s_.eval_outputs.erase(out);
     s_.eval_targets.erase(target);
     const eval_result result{s_.step, s_.replica, index, score.weighted, score.correct};
-    if (!report_fault("eval", "evaluation result", result)) self_->send(s_.wiring->coordinator, result);
+    if (!report_fault(message_target::eval_result, "evaluation result", result))
+      self_->send(s_.wiring->coordinator, result);
   }
 
   /// True when `msg`'s tensor is here; otherwise starts receiving its bytes and sends the
@@ -660,30 +795,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     for (const auto& op : *st.order) ++st.chunk_ops.at(op.chunk);
   }
   st.total_ops = std::accumulate(st.chunk_ops.begin(), st.chunk_ops.end(), 0);
-  if (!ctx->cfg.throw_at.empty() && ctx->faults_armed()) {
-    int r = -1, k = -1, s = -1;
-    char when[8] = {0};
-    const int n = std::sscanf(ctx->cfg.throw_at.c_str(), "%d:%d:%d:%7s", &r, &k, &s, when);
-    if (n >= 3 && r == replica && k == stage) {
-      st.throw_step = s;
-      st.throw_late = n == 4 && std::string(when) == "late";
-      st.throw_eval = n == 4 && std::string(when) == "eval";
-    }
-  }
-  if (!ctx->cfg.message.empty() && ctx->faults_armed()) {
-    char action[16] = {0}, kind[8] = {0};
-    int r = -1, k = -1, s = -1;
-    const int n = std::sscanf(ctx->cfg.message.c_str(), "%15[a-z]@%d:%d:%d:%7s", action, &r, &k, &s, kind);
-    if (n >= 4 && r == replica && k == stage) {
-      st.message_fault = action;
-      st.message_fault_step = s;
-      st.message_fault_kind = n == 5 ? kind : "";
-    }
-  }
-  if (!ctx->cfg.kill_node.empty() && ctx->faults_armed()) {
-    const auto kills = ctx->cfg.kill_steps();
-    if (auto it = kills.find(wiring->node); it != kills.end()) st.kill_step = it->second;
-  }
+  st.faults = fault_injector(ctx->faults);
   // An exception ends the actor with its message as the exit reason (the supervisor
   // reports it to the coordinator, which aborts the step).
   self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
@@ -714,7 +826,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         s.attempt = msg.attempt;
         // Every stage of the node sees this begin_step; one of them logs and kills.
         static std::atomic_flag killing = ATOMIC_FLAG_INIT;
-        if (msg.step == s.kill_step && msg.attempt == 0 && !killing.test_and_set()) {
+        if (s.faults.kills_node(wiring->node, msg.step, msg.attempt) && !killing.test_and_set()) {
           spdlog::warn("fault injected: node {} kills its own process (SIGKILL) as step {} (index {}) begins",
                        wiring->node, msg.step + 1,
                        msg.step);
@@ -740,13 +852,19 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         s.forwards_done = 0;
         s.chunk_ops_left = s.chunk_ops;
         s.params_received = 0;
+        {
+          std::lock_guard<std::mutex> lock(s.sent_mutex);
+          s.sent.clear();
+        }
+        s.last_op.clear();
+        s.done_reported = false;
         auto stash = std::move(s.stash);
         s.stash.clear();
         for (auto& m : stash) self->send(self, std::move(m));
         logic->run_ready();
       },
       [=](microbatch_input& msg) {
-        if (!logic->accept(msg.step) || !logic->first_time(2, {msg.mb, 0}, "micro-batch input")) return;
+        if (!logic->accept(msg.step) || !logic->first_time(received::input, {msg.mb, 0}, "micro-batch input")) return;
         auto& s = self->state;
         const auto problem = check_payload(msg.data, ctx->input_shape(), ctx->input_dtype());
         if (!problem.empty()) return logic->fail("micro-batch input " + std::to_string(msg.mb) + ": " + problem);
@@ -754,7 +872,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         logic->run_ready();
       },
       [=](microbatch_target& msg) {
-        if (!logic->accept(msg.step) || !logic->first_time(3, {msg.mb, 0}, "micro-batch target")) return;
+        if (!logic->accept(msg.step) || !logic->first_time(received::target, {msg.mb, 0}, "micro-batch target")) return;
         self->state.targets[msg.mb] = tensor_of(msg.data).to(ctx->device);
         logic->run_ready();
       },
@@ -772,7 +890,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       },
       [=](tied_grad& msg) {
         if (!logic->fetched(msg)) return;
-        if (!logic->accept(msg.step) || !logic->first_time(5, {0, 0}, "tied gradient")) return;
+        if (!logic->accept(msg.step) || !logic->first_time(received::tied_gradient, {0, 0}, "tied gradient")) return;
         const auto problem = check_payload(msg.data, logic->tied_slice().param("wte.weight").sizes(), torch::kFloat32);
         if (!problem.empty()) return logic->fail("tied embedding gradient: " + problem);
         auto tied = tensor_of(msg.data).to(ctx->device);
@@ -780,7 +898,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         logic->on_tied(std::move(tied));
       },
       [=](param_shard& msg) {
-        if (!logic->accept(msg.step) || !logic->first_time(4, {msg.chunk, 0}, "parameter buffer")) return;
+        if (!logic->accept(msg.step) || !logic->first_time(received::parameters, {msg.chunk, 0}, "parameter buffer")) return;
         logic->on_params(msg);
       },
       [=](eval_activation& msg) {
@@ -798,6 +916,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         logic->run_ready(/*weight_turn=*/true);
       },
       [=](const reset_step&) -> reset_report { return logic->reset(); },
+      [=](wait_atom, std::int64_t step) -> wait_report { return logic->waits(step); },
       [=](const abort_step& msg) {
         logic->reset();
         self->state.step = msg.step;
@@ -830,42 +949,39 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
             if (!e.shared_copy) params->emplace_back(e.name, torch::zeros({}).expand(e.shape));
         }
         auto moments = std::make_shared<named_moments>();
-        auto pending = std::make_shared<int>(int(wiring->shards[s.stage].size()));  // -1: answered
         auto rp = self->make_response_promise<stage_checkpoint>();
         // Trace events on this stage's track (step: the one whose checkpoint it is).
         auto gathered = std::make_shared<trace_event>(
             trace_event{"checkpoint gather", s.replica, s.stage, -1, -1, msg.step - 1, ctx->now_us(), 0, 0});
-        for (const auto& shard : wiring->shards[s.stage])
-          self->request(shard, std::chrono::seconds(60), state_atom_v)
-              .then(
-                  [=, stage = s.stage](const shard_moments& rep) mutable {
-                    if (*pending < 0) return;
-                    gathered->bytes += add_shard_moments(*moments, rep);
-                    if (--*pending > 0) return;
-                    gathered->end_us = ctx->now_us();
-                    stage_checkpoint out;
-                    out.events.push_back(*gathered);
-                    auto written = *gathered;
-                    written.name = "checkpoint write";
-                    written.start_us = ctx->now_us();
-                    try {
-                      use_main_params(*params, *moments);
-                      out.files = write_stage_files(msg.folder, stage, *params,
-                                                    optimizer_state_dict(*moments, *params, msg.step));
-                    } catch (const std::exception& e) {
-                      out.error = e.what();
-                    }
-                    written.end_us = ctx->now_us();
-                    written.bytes = 0;
-                    for (const auto& f : out.files) written.bytes += std::int64_t(f.bytes);
-                    out.events.push_back(written);
-                    rp.deliver(std::move(out));
-                  },
-                  [=](caf::error& err) mutable {
-                    if (*pending < 0) return;
-                    *pending = -1;
-                    rp.deliver(stage_checkpoint{{}, "no optimizer state from a shard: " + self->system().render(err), {}});
-                  });
+        request_all<shard_moments>(
+            self, wiring->shards[s.stage], std::chrono::seconds(60),
+            [gathered, moments](std::size_t, shard_moments& rep) { gathered->bytes += add_shard_moments(*moments, rep); },
+            [=, stage = s.stage]() mutable {
+              gathered->end_us = ctx->now_us();
+              stage_checkpoint out;
+              out.events.push_back(*gathered);
+              auto written = *gathered;
+              written.name = "checkpoint write";
+              written.start_us = ctx->now_us();
+              try {
+                use_main_params(*params, *moments);
+                for (const auto& f : write_stage_files(msg.folder, stage, *params,
+                                                       optimizer_state_dict(*moments, *params, msg.step)))
+                  out.files.push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
+              } catch (const std::exception& e) {
+                out.error = e.what();
+              }
+              written.end_us = ctx->now_us();
+              written.bytes = 0;
+              for (const auto& f : out.files) written.bytes += std::int64_t(f.bytes);
+              out.events.push_back(written);
+              rp.deliver(std::move(out));
+            },
+            [=](std::size_t, caf::error& err) mutable {
+              rp.deliver(stage_checkpoint{{}, "no optimizer state from a shard: " + self->system().render(err), {}});
+              return false;
+            },
+            state_atom_v);
         return rp;
       },
       [=](plant_atom) {  // tests: a stray buffered tensor the next reset must report

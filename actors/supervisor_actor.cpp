@@ -11,6 +11,7 @@
 
 #include "actors/data_loader_actor.hpp"
 #include "actors/optimizer_shard_actor.hpp"
+#include "actors/request_all.hpp"
 #include "actors/stage_actor.hpp"
 #include "compute/job_config.hpp"
 #include "messages/type_ids.hpp"
@@ -364,20 +365,23 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         // Reset every actor and collect what each still held.
         auto rp = self->make_response_promise<std::vector<reset_report>>();
         auto reports = std::make_shared<std::vector<reset_report>>();
-        auto pending = std::make_shared<std::size_t>(children->size());
-        for (auto& [h, n] : *children) {
-          const std::string name = n;
-          self->request(h, reset_timeout, msg)
-              .then(
-                  [=](const reset_report& rep) mutable {
-                    if (!rep.leftovers.empty()) reports->push_back(rep);
-                    if (--*pending == 0) rp.deliver(*reports);
-                  },
-                  [=](caf::error& err) mutable {
-                    reports->push_back({name, {"no reset answer: " + self->system().render(err)}});
-                    if (--*pending == 0) rp.deliver(*reports);
-                  });
+        std::vector<caf::actor> handles;
+        auto names = std::make_shared<std::vector<std::string>>();
+        for (const auto& [h, n] : *children) {
+          handles.push_back(h);
+          names->push_back(n);
         }
+        request_all<reset_report>(
+            self, handles, reset_timeout,
+            [reports](std::size_t, reset_report& rep) {
+              if (!rep.leftovers.empty()) reports->push_back(rep);
+            },
+            [reports, rp]() mutable { rp.deliver(*reports); },
+            [self, reports, names](std::size_t i, caf::error& err) {
+              reports->push_back({(*names)[i], {"no reset answer: " + self->system().render(err)}});
+              return true;
+            },
+            msg);
         return rp;
       },
       [=](const abort_step& msg) {

@@ -8,7 +8,7 @@ namespace troupe {
 /// (glibc's highest threshold on 64-bit) come from the heap instead of a fresh mmap each
 /// time, and freed memory stays in the process (the heap is trimmed only above 1 GiB of
 /// free space at its top). Otherwise the kernel maps and zeroes those pages again and
-/// again (README "Performance": a zero-bubble gpt-tiny step took 30-45 % longer). The
+/// again (a zero-bubble gpt-tiny step took 30-45 % longer; docs/performance.md). The
 /// process keeps its peak heap (a few per cent more resident memory). Leaves the
 /// allocator alone where the user set GLIBC_TUNABLES or MALLOC_MMAP_THRESHOLD_ /
 /// MALLOC_TRIM_THRESHOLD_, and off glibc. Returns true when it changed the settings.

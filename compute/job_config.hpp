@@ -1,18 +1,7 @@
 #pragma once
-// A training job's configuration: workload defaults, then a TOML file, then flags.
-//
-//   [train]     workload, steps, seed, threads, eval_interval, eval_mode, eval_tokens, runtime,
-//               step_timeout, checksum, device, precision, deterministic
-//   [parallel]  pipeline, data_parallel, microbatches, chunks, schedule, split,
-//               max_in_flight, split_backward, credit_window, bucket_size
-//   [optimizer] lr, min_lr, warmup, weight_decay, beta1, beta2, eps, clip
-//   [data]      global_batch, fortunes_dir, text, val_text, fmnist_dir
-//   [output]    metrics, save, load, init, checkpoint_interval, checkpoint_dir,
-//               keep_checkpoints, resume, trace
-//   [faults]    throw_at, nan_at, kill_node (also TROUPE_FAULTS="key=value,...")
-//
-// Every key can also be given as a flag: the key's last part with '-' for '_'
-// (`--data-parallel 2`, `--lr 3e-4`).
+// A training job's configuration: workload defaults, then a TOML file, then flags. The
+// keys, their flags, checks and help come from one table (key_defs in job_config.cpp);
+// docs/configuration.md is generated from it (`troupe config-reference`).
 #include <cstdint>
 #include <map>
 #include <stdexcept>
@@ -47,6 +36,8 @@ struct job_config {
   std::int64_t eval_tokens = eval_tokens_per_forward;  ///< tokens per evaluation forward (whole windows, at least one)
   std::string runtime = "actors";     ///< actors | local (the plain single-process loop)
   int step_timeout = 300;             ///< seconds before an unfinished step is aborted
+  double hang_factor = 4;             ///< no progress for this many recent median steps: a hang (0: off)
+  int hang_min_seconds = 5;           ///< the hang watchdog's shortest limit
   bool checksum = false;              ///< CRC-32 on every activation / gradient payload
   std::string device = "auto";        ///< auto | cpu | cuda | cuda:N (auto: a GPU if usable)
   std::string precision = "fp32";     ///< fp32 | bf16 (autocast compute, bf16 param values, fp32 main params)
@@ -89,17 +80,13 @@ struct job_config {
   int keep_checkpoints = 3;           ///< newest step folders kept in checkpoint_dir
   std::string resume;                 ///< checkpoint folder to continue from, or "auto"
   std::string trace;                  ///< Chrome trace JSON of every executed op
-  // [faults]
-  std::string throw_at;               ///< "replica:stage:step": that stage throws (tests)
-  int nan_at = -1;                    ///< step whose losses are made NaN (tests; -1: none)
+  // [faults] (testing): parsed and checked by fault_plan (compute/fault_plan.hpp)
+  std::string throw_at;               ///< "replica:stage:step[:late|:eval]": that stage throws
+  int nan_at = -1;                    ///< step whose losses are made NaN (-1: none)
   std::string kill_node;              ///< "node:step[+node:step]": that node's process SIGKILLs itself
-  /// "ACTION@replica:stage:step": the first activation or gradient that stage sends in
-  /// that step is dropped, duplicated, corrupted (one value changed after its checksum)
-  /// or delayed (0.3 s); ACTION is drop | duplicate | corrupt | delay. With ":loss" at
-  /// the end, the last stage's first loss report to the coordinator instead (a control
-  /// message: drop | duplicate | delay).
-  std::string message;
+  std::string message;                ///< "ACTION[=SECONDS]@replica:stage:step[:loss|:eval]"
   std::string stall;                  ///< "stage:rank:step": that shard never starts its reduce-scatter
+  std::string freeze;                 ///< "replica:stage:step[:SECONDS]": that stage's thread blocks
   int fault_attempt = 0;              ///< the launch (0: first, 1: first restart, ...) they fire in
 
   /// The defaults of a workload of WORKLOADS.md.
@@ -109,8 +96,6 @@ struct job_config {
   void set(const std::string& key, const std::string& value, const std::string& origin);
   /// Throws config_error for contradictions (batch not divisible, bad schedule, ...).
   void validate() const;
-  /// kill_node by node: the step (0-based) whose beginning kills that node's process.
-  std::map<int, int> kill_steps() const;
 
   /// True when a [model] key is set (not 0): the shape differs from the workload's own.
   bool has_model_keys() const { return layers || heads || d_model || d_ff || seq_len; }
@@ -146,6 +131,8 @@ struct config_key {
   std::string flag() const;  ///< "--data-parallel" for "parallel.data_parallel"
 };
 const std::vector<config_key>& config_keys();
+/// Every key with its flag, gpt-tiny's default and its help, as Markdown (docs/configuration.md).
+std::string config_reference();
 
 /// Defaults for the workload (flag > file > gpt-tiny), then the TOML file (if any),
 /// then `overrides` (key, value) in order; validated.

@@ -32,23 +32,11 @@
 #include "compute/job_config.hpp"
 #include "compute/schedule.hpp"
 #include "compute/trainer.hpp"
+#include "launch/cli_common.hpp"
+
+using namespace troupe_cli;
 
 namespace {
-
-constexpr int exit_usage = 2;  ///< bad arguments or configuration
-
-int fail(int code, const std::string& msg) {
-  std::fprintf(stderr, "troupe: error: %s\n", msg.c_str());
-  return code;
-}
-
-/// A run's end other than 0: an error, or a stop on request (SIGTERM / SIGUSR1), which
-/// is no error (its checkpoint is written).
-int run_ended(int code, const std::string& msg) {
-  if (code != troupe::exit_stopped) return fail(code, msg);
-  std::fprintf(stderr, "troupe: %s\n", msg.c_str());
-  return code;
-}
 
 void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, const std::string& format) {
   if (format == "json") {
@@ -80,142 +68,6 @@ void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, co
     std::printf("   (peak activations %d)\n", sim.peak_activations[r]);
   }
   std::printf("bubble %.4f, makespan %.1f\n", sim.bubble, sim.makespan);
-}
-
-extern "C" void on_stop_signal(int sig) {
-  troupe::request_stop(sig);
-  std::signal(sig, sig == SIGUSR1 ? SIG_IGN : SIG_DFL);  // a second SIGTERM ends the process at once
-}
-
-/// SIGTERM and SIGUSR1 to the coordinator's process (or the local loop's) stop the run
-/// after its step, with a checkpoint (compute/trainer.hpp: exit_stopped). Other nodes
-/// ignore SIGUSR1 (SLURM's --signal reaches every task; node 0 ends the job) and end on
-/// SIGTERM as before.
-void install_stop_handlers(bool coordinator) {
-  if (coordinator) {
-    std::signal(SIGTERM, on_stop_signal);
-    std::signal(SIGUSR1, on_stop_signal);
-  } else {
-    std::signal(SIGUSR1, SIG_IGN);
-  }
-}
-
-std::string env_or(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : fallback;
-}
-
-/// One flag per configuration key on `cmd` (those `wanted` takes, or all), plus --config.
-struct config_flags {
-  struct flag {
-    CLI::Option* option = nullptr;
-    std::string value, key;
-  };
-  std::string config_path;
-  std::deque<flag> keys;  // stable addresses
-
-  /// `config_must_exist` false: a --config file that is not there is the command's to
-  /// report (check-host: a fault of the host, not of the job).
-  void add_to(CLI::App* cmd, const std::function<bool(const std::string&)>& wanted = {}, bool config_must_exist = true) {
-    auto* config = cmd->add_option("--config", config_path, "job config (TOML); flags override it");
-    if (config_must_exist) config->check(CLI::ExistingFile);
-    for (const auto& key : troupe::config_keys()) {
-      if (wanted && !wanted(key.name)) continue;
-      keys.push_back({nullptr, "", key.name});
-      keys.back().option = cmd->add_option(key.flag(), keys.back().value, key.help + " [" + key.name + "]");
-    }
-  }
-  /// The flags given on the command line, as "--flag" text.
-  std::vector<std::string> given() const {
-    std::vector<std::string> out;
-    for (const auto& k : keys)
-      if (k.option->count() > 0) out.push_back(k.option->get_name());
-    if (!config_path.empty()) out.push_back("--config");
-    return out;
-  }
-  /// The configuration: file, then the environment's faults, then flags, then `last`.
-  troupe::job_config load(const std::vector<std::pair<std::string, std::string>>& last = {}) const {
-    std::vector<std::pair<std::string, std::string>> overrides;
-    // TROUPE_FAULTS="kill_node=1:7,throw_at=0:1:3": [faults] keys from the environment;
-    // TROUPE_FAULTS_<N>: faults of the launcher's N-th restart (faults.attempt = N).
-    const std::string attempt = env_or("TROUPE_LAUNCH_ATTEMPT", "0");
-    std::string faults = env_or(("TROUPE_FAULTS_" + attempt).c_str(), "");
-    if (!faults.empty())
-      overrides.emplace_back("faults.attempt", attempt);
-    else
-      faults = env_or("TROUPE_FAULTS", "");
-    {
-      std::stringstream in(faults);
-      std::string item;
-      while (std::getline(in, item, ',')) {
-        if (item.empty()) continue;
-        const auto eq = item.find('=');
-        if (eq == std::string::npos)
-          throw troupe::config_error("TROUPE_FAULTS: '" + item + "' is not key=value (e.g. kill_node=1:7)");
-        overrides.emplace_back("faults." + item.substr(0, eq), item.substr(eq + 1));
-      }
-    }
-    for (const auto& k : keys)
-      if (k.option->count() > 0) overrides.emplace_back(k.key, k.value);
-    overrides.insert(overrides.end(), last.begin(), last.end());
-    return troupe::load_job_config(config_path, overrides);
-  }
-};
-
-/// `troupe node`: the node's place in the job comes from the environment the launcher
-/// sets (TROUPE_NODE, TROUPE_NODES, TROUPE_COORDINATOR=host:port, TROUPE_JOB_TOKEN).
-int run_node_command(const config_flags& flags) {
-  troupe::node_options o;
-  try {
-    o.node = std::stoi(env_or("TROUPE_NODE", "0"));
-    o.nodes = std::stoi(env_or("TROUPE_NODES", "1"));
-    o.nodes_per_host = std::stoi(env_or("TROUPE_NODES_PER_HOST", "1"));
-    o.local_node = std::stoi(env_or("TROUPE_LOCAL_NODE", "0"));
-    if (o.local_node < 0) throw std::invalid_argument("TROUPE_LOCAL_NODE must be 0 or more");
-    o.join_timeout = std::chrono::milliseconds(std::stoi(env_or("TROUPE_JOIN_TIMEOUT_MS", "60000")));
-    const auto coord = env_or("TROUPE_COORDINATOR", "127.0.0.1:0");
-    const auto colon = coord.rfind(':');
-    if (colon == std::string::npos) throw std::invalid_argument("TROUPE_COORDINATOR must be host:port");
-    o.host = coord.substr(0, colon);
-    o.port = static_cast<std::uint16_t>(std::stoi(coord.substr(colon + 1)));
-    const double probe_s = std::stod(env_or("TROUPE_CLOCK_PROBE_SECONDS", "10"));
-    if (!(probe_s >= 0)) throw std::invalid_argument("TROUPE_CLOCK_PROBE_SECONDS must be 0 or more seconds");
-    o.clock_probe_interval = std::chrono::milliseconds(std::int64_t(probe_s * 1000));
-    o.clock_drift_ppm = std::stod(env_or("TROUPE_TEST_CLOCK_DRIFT_PPM", "0"));  // tests: a clock at another rate
-  } catch (const std::exception& e) {
-    return fail(exit_usage, std::string("bad node environment: ") + e.what());
-  }
-  o.token = env_or("TROUPE_JOB_TOKEN", "");
-  o.rejoin = env_or("TROUPE_REJOIN", "0") == "1";  // the launcher restarted this lost node
-  o.run.node_restarts = std::max(0, std::atoi(env_or("TROUPE_NODE_RESTARTS", "0").c_str()));
-  o.run.final_state = false;  // nothing here reads it: --save and checkpoint_dir gather what they write
-  o.version = std::stoi(env_or("TROUPE_PROTOCOL_VERSION", "0"));  // tests: present another version
-  o.clock_skew_ns = std::stoll(env_or("TROUPE_TEST_CLOCK_SKEW_MS", "0")) * 1000000;  // tests: another machine's clock
-  o.tls_certificate = env_or("TROUPE_TLS_CERT", "");
-  o.tls_key = env_or("TROUPE_TLS_KEY", "");
-  o.tls_cafile = env_or("TROUPE_TLS_CA", "");
-  if (o.token.empty()) return fail(exit_usage, "TROUPE_JOB_TOKEN is not set (the launcher sets it: launch/troupe train --nodes N)");
-  if (o.node == 0) {
-    try {
-      o.cfg = flags.load();
-    } catch (const troupe::config_error& e) {
-      return fail(exit_usage, e.what());
-    }
-    // "auto" is decided once, here, for every node: the GPUs when node 0 has one (each
-    // node then takes a GPU of its machine, node_device), else the CPU. A node of another
-    // machine without a GPU then fails before it is ready, with the reason, and ends the job.
-    if (o.nodes > 1 && o.cfg.device == "auto") o.cfg.device = troupe::cuda_usable() ? "cuda" : "cpu";
-  }
-  install_stop_handlers(o.node == 0);
-  try {
-    const auto result = troupe::run_node(o);
-    if (result.exit_code != 0) return run_ended(result.exit_code, result.error);
-    return 0;
-  } catch (const troupe::config_error& e) {
-    return fail(exit_usage, e.what());
-  } catch (const std::exception& e) {
-    return fail(1, e.what());
-  }
 }
 
 /// Edit distance between two words (insertions, deletions, substitutions).
@@ -522,6 +374,10 @@ int main(int argc, char** argv) {
   sched->add_option("--weight-cost", w_cost, "zero-bubble: the part of the backward cost that is W (default: half)")
       ->check(CLI::NonNegativeNumber);
 
+  // troupe config-reference: docs/configuration.md
+  auto* reference = app.add_subcommand("config-reference", "print every configuration key as Markdown "
+                                                           "(docs/configuration.md)");
+
   // Run as `troupe-node`: the node subcommand.
   std::vector<std::string> args(argv + 1, argv + argc);
   const std::string self_name = argv[0];
@@ -541,6 +397,10 @@ int main(int argc, char** argv) {
     return fail(exit_usage, e.what());
   }
 
+  if (*reference) {
+    std::fputs(troupe::config_reference().c_str(), stdout);
+    return 0;
+  }
   if (*sched) {
     try {
       const auto s = troupe::make_schedule(troupe::parse_schedule_kind(kind), stages, microbatches, chunks);

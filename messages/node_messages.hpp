@@ -34,7 +34,7 @@
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 9;  // 9: job_offer.data, node_unfit; 8: clock probes (clock_atom), job_offer.machine
+constexpr std::int32_t protocol_version = 10;  // raised with every change of a message or the type-ID block
 
 struct node_hello {
   std::int32_t version = 0;
@@ -43,6 +43,8 @@ struct node_hello {
   std::int32_t nodes = 0;
   std::string host;
   bool rejoin = false;  ///< a node process restarted after the job lost it
+  std::string machine;  ///< transport::machine_key() of its machine
+  std::int32_t pid = 0; ///< its process (node 0 ends it when the job loses it: fencing)
 };
 
 /// UCX worker addresses of shards (stage, replica) hosted by one node, or, as the
@@ -121,7 +123,8 @@ struct shard_copy {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
-  return f(caf::meta::type_name("node_hello"), x.version, x.token, x.node, x.nodes, x.host, x.rejoin);
+  return f(caf::meta::type_name("node_hello"), x.version, x.token, x.node, x.nodes, x.host, x.rejoin, x.machine,
+           x.pid);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, job_offer& x) {

@@ -6,7 +6,6 @@
 
 #include <caf/meta/type_name.hpp>
 
-#include "compute/checkpoint.hpp"
 #include "messages/tensor_payload.hpp"
 
 namespace troupe {
@@ -146,17 +145,26 @@ struct write_checkpoint {
   std::int64_t step = 0;  ///< the steps the checkpoint has finished
 };
 
+/// A file a stage wrote into a checkpoint folder (compute/checkpoint.hpp's checkpoint_file).
+struct written_file {
+  std::string name;  ///< in the step folder: "stage-K.pt", "optim-stage-K.pt"
+  std::int32_t stage = 0;
+  std::string kind;  ///< "parameters" or "optimizer"
+  std::uint64_t bytes = 0;
+  std::uint32_t crc32 = 0;
+};
+
 /// Stage -> coordinator: the files it wrote, or why it could not, and the trace events
 /// of its work ("checkpoint gather": its shards' state; "checkpoint write": its files).
 struct stage_checkpoint {
-  std::vector<checkpoint_file> files;
+  std::vector<written_file> files;
   std::string error;
   std::vector<trace_event> events;
 };
 
 template <class Inspector>
-typename Inspector::result_type inspect(Inspector& f, checkpoint_file& x) {
-  return f(caf::meta::type_name("checkpoint_file"), x.name, x.stage, x.kind, x.bytes, x.crc32);
+typename Inspector::result_type inspect(Inspector& f, written_file& x) {
+  return f(caf::meta::type_name("written_file"), x.name, x.stage, x.kind, x.bytes, x.crc32);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, write_checkpoint& x) {

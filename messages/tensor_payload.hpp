@@ -7,6 +7,7 @@
 // serializer after the metadata.
 // An optional CRC-32 of the bytes lets the receiver detect corruption.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,8 +16,6 @@
 #include <caf/meta/type_name.hpp>
 #include <caf/serializer.hpp>
 #include <torch/types.h>
-
-#include "compute/device.hpp"
 
 namespace troupe {
 
@@ -31,22 +30,10 @@ struct tensor_payload {
   std::int32_t src_node = -1;
   std::uint32_t tag = 0;
   /// In-process hand-off of a GPU tensor: the event its producer recorded after the
-  /// kernels that write it (the consumer's stream waits on it; never serialised).
-  ready_event ready;
+  /// kernels that write it (compute/device.hpp's ready_event; the consumer's stream waits
+  /// on it; never serialised). actors/payload.hpp makes and reads payloads with it.
+  std::shared_ptr<void> ready;
 };
-
-/// Wraps `t` (contiguous; shares its storage) with an optional checksum; a GPU tensor
-/// gets a ready event on the calling thread's current stream.
-tensor_payload make_payload(const torch::Tensor& t, bool with_checksum = false);
-
-/// Checks a received payload against what the receiver expects (shape, dtype, bytes
-/// present, checksum). Returns an empty string when it is fine, else the problem.
-std::string check_payload(const tensor_payload& p, c10::IntArrayRef expected_shape,
-                          torch::ScalarType expected_dtype);
-
-/// The payload's tensor (no copy); for a GPU tensor the calling thread's current stream
-/// first waits for its producer's kernels.
-const torch::Tensor& tensor_of(const tensor_payload& p);
 
 std::uint32_t crc32_of(const torch::Tensor& t);
 

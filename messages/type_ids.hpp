@@ -11,6 +11,7 @@
 #include "messages/pipeline_messages.hpp"
 #include "messages/step_messages.hpp"
 #include "messages/tensor_payload.hpp"
+#include "messages/wait_messages.hpp"
 
 CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
 
@@ -51,10 +52,11 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (troupe::eval_activation))
   CAF_ADD_TYPE_ID(troupe, (troupe::eval_target))
   CAF_ADD_TYPE_ID(troupe, (troupe::eval_result))
-  CAF_ADD_TYPE_ID(troupe, (troupe::checkpoint_file))
-  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::checkpoint_file>))
+  CAF_ADD_TYPE_ID(troupe, (troupe::written_file))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::written_file>))
   CAF_ADD_TYPE_ID(troupe, (troupe::write_checkpoint))
   CAF_ADD_TYPE_ID(troupe, (troupe::stage_checkpoint))
+  CAF_ADD_TYPE_ID(troupe, (troupe::wait_report))
 
   // Atoms (at most 10 characters).
   CAF_ADD_ATOM(troupe, troupe, run_atom, "run")
@@ -69,5 +71,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, copied_atom, "copied")
   CAF_ADD_ATOM(troupe, troupe, clock_atom, "clock")
   CAF_ADD_ATOM(troupe, troupe, eval_atom, "eval")
+  CAF_ADD_ATOM(troupe, troupe, wait_atom, "wait")
+  CAF_ADD_ATOM(troupe, troupe, watchdog_atom, "watchdog")
 
 CAF_END_TYPE_ID_BLOCK(troupe)

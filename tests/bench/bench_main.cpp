@@ -1,5 +1,5 @@
 // Troupe benchmarks (Google Benchmark). Run them with tests/bench/run, which also runs
-// the Python reference and prints the ratios recorded in the README.
+// the Python reference and prints the ratios recorded in docs/performance.md.
 //
 //   BM_Sgemm/blas:openblas    LibTorch's matmul through libblas.so.3 (OpenBLAS after set-up)
 //   BM_Sgemm/blas:reference   Netlib's reference BLAS, loaded directly, same sizes

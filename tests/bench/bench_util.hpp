@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "../process_group.hpp"
-#include "../temp_dir.hpp"
+#include "../support/process_group.hpp"
+#include "../support/temp_dir.hpp"
 #include "transport/transport.hpp"
 
 namespace troupe::bench {

@@ -1,5 +1,5 @@
 """gpt-tiny with PyTorch DDP (gloo, 2 processes on this machine, 1 thread each): the
-reference for the default job's tokens/s (README "Performance"). Each rank trains half
+reference for the default job's tokens/s (docs/performance.md). Each rank trains half
 of the global batch of 32 as micro-batches of 4 (gradient accumulation with no_sync, one
 all-reduce per step), AdamW and global-norm clipping as the C++ job. Prints one JSON line.
 

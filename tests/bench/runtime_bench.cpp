@@ -11,7 +11,7 @@
 //                gpt-small), and the step time with each vs without (p=1 d=1, 1 thread)
 //   bf16 params  bf16 stages: bytes of the parameter buffer and bytes one bf16 micro-batch
 //                holds for its backward, with fp32 parameters holding the bf16 values (the
-//                layout before session 30) vs bf16 parameters (gpt-tiny, gpt-small)
+//                layout of an fp32 buffer of bf16 values) vs bf16 parameters (gpt-tiny, gpt-small)
 //   zero-bubble  p=2, 1 thread per stage: zero-bubble (ZB-H1), dataflow and dataflow
 //                with split_backward vs 1f1b step time and measured bubble, and the
 //                simulator's bubbles for the measured F, B, W
@@ -31,7 +31,7 @@
 #include "compute/grad_buffer.hpp"
 #include "compute/host_memory.hpp"
 #include "compute/trainer.hpp"
-#include "tests/held_bytes.hpp"
+#include "tests/support/held_bytes.hpp"
 
 namespace {
 

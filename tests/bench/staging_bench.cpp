@@ -1,4 +1,4 @@
-// Host-staging benchmark (README "GPU"): what a tensor between two node processes costs
+// Host-staging benchmark (docs/gpu.md): what a tensor between two node processes costs
 // on the path GPU jobs of several nodes take (transport/host_staging.hpp over the UCX
 // backend), against references measured in the same run.
 //

@@ -1,4 +1,4 @@
-// Transport benchmark (README "Performance"): point-to-point bandwidth between two
+// Transport benchmark (docs/performance.md): point-to-point bandwidth between two
 // processes and collective bus bandwidth (nccl-tests' definition) of Troupe's UCX backend
 // and of LibTorch's c10d::ProcessGroupGloo, measured in the same processes.
 //

@@ -1,0 +1,250 @@
+#include "actors/node_transport.hpp"
+
+#include <algorithm>
+#include <any>
+#include <map>
+#include <set>
+
+#include <spdlog/spdlog.h>
+
+#include "actors/node.hpp"
+#include "messages/node_messages.hpp"
+#include "transport/host_staging.hpp"
+#include "transport/ipc/ipc.hpp"
+#include "transport/nccl/nccl_communicator.hpp"
+#include "transport/ordered_p2p.hpp"
+#include "transport/ucx/ucx_communicator.hpp"
+
+namespace troupe {
+
+namespace {
+
+/// The UCX tag of tag links (TROUPE_LINKS=ucx): the callers' tags are below 2^31, the
+/// acknowledgements of ipc/ are 2^31 plus a buffer number.
+constexpr std::uint32_t kLinkTag = 0xfffffff0u;
+
+/// The table's `stages` entry of a link from node `from` (its `replicas` entry names the
+/// receiving node, its `nccl_ids` entry the id): -2 - from (-1 is the world).
+constexpr std::int32_t link_entry(int from) { return -2 - from; }
+
+/// A node's communicators: per slot (r, k) rank r of stage k's d shards, and the world of
+/// the nodes (rank = node), which carries activations between them. Made at join and
+/// again for every in-place recovery; addresses (and machine keys, GPU keys, NCCL ids) go
+/// through the registrar (stage -1: the world). The shard groups only run collectives:
+/// over NCCL where `transport.nccl` asks and every member has a GPU of its own
+/// (nccl_refusal), else over UCX. The world is UCX; its point-to-point to nodes of this
+/// machine goes through shared buffers where `transport.ipc` says so.
+class ucx_renewal : public comm_renewal {
+ public:
+  ucx_renewal(int node, int nodes, int p, int d, std::vector<std::pair<int, int>> slots, node_transport transport)
+      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), transport_(transport),
+        machine_(transport::machine_key()), links_(transport.nccl || transport.ucx_links ? link_pairs(p, d, nodes)
+                                                                                          : decltype(links_){}) {
+    mine_.node = node;
+    std::string gpu;  // asks for NCCL: names its GPU
+    if (transport_.nccl) try {
+        gpu = transport::gpu_key(transport_.device);
+      } catch (const std::exception& e) {
+        spdlog::warn("node {}: the shard groups' collectives and the tensors between nodes stay off NCCL: {}", node_,
+                     e.what());
+      }
+    auto add = [this](int stage, int rank, const std::string& address, const std::string& gpu) {
+      mine_.stages.push_back(stage);
+      mine_.replicas.push_back(rank);
+      mine_.addresses.push_back(address);
+      mine_.machines.push_back(machine_);
+      mine_.gpus.push_back(gpu);
+      mine_.nccl_ids.emplace_back();  // the registrar adds the NCCL ids (assign_nccl_ids)
+    };
+    for (const auto& [r, k] : slots_) {
+      pending_.push_back(transport::prepare_ucx_communicator(r, d));
+      add(k, r, pending_.back()->address(), gpu);
+    }
+    pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
+    add(-1, node, pending_.back()->address(), gpu);  // the world: with this node's GPU key
+    if (!gpu.empty())  // the links this node sends on (no address: a NCCL id's place)
+      for (const auto& [from, to] : links_)
+        if (from == node_) add(link_entry(from), to, "", "");
+  }
+  node_addresses addresses() const override { return mine_; }
+  node_plan connect(const node_addresses& table) override {
+    // One field of the table for the ranks of `stage` (-1: the world), by rank.
+    auto column = [&](int stage, int size, const std::vector<std::string>& field) {
+      std::vector<std::string> out(size);
+      for (std::size_t i = 0; i < table.stages.size() && i < field.size(); ++i)
+        if (table.stages[i] == stage) out.at(table.replicas[i]) = field[i];
+      return out;
+    };
+    using staging = node_transport::staging;
+    auto staged = [this](std::shared_ptr<transport::communicator> c) {
+      if (transport_.staged == staging::off) return c;
+      return transport::stage_through_host(std::move(c), /*always=*/transport_.staged == staging::all_tensors);
+    };
+    node_plan plan;
+    plan.node = node_;
+    plan.slots = slots_;
+    // NCCL communicators are made in the order of the stages on every node (making one
+    // waits for its other ranks: no node may wait on a group another node makes later).
+    std::vector<std::size_t> order(slots_.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return slots_[a].second < slots_[b].second; });
+    plan.comms.resize(slots_.size());
+    for (const auto i : order) {
+      const auto [r, k] = slots_[i];
+      auto refusal = transport_.nccl ? nccl_refusal(column(k, d_, table.gpus)) : "not asked for";
+      const auto id = column(k, d_, table.nccl_ids).at(0);
+      if (refusal.empty() && id.empty()) refusal = "node 0 made no NCCL id for it (see its log)";
+      if (refusal.empty()) {
+        const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(transport_.device));
+        // Staged: a rejoined node's shard state (buddy copies) is in host memory.
+        plan.comms[i] = transport::stage_through_device(
+            transport::make_nccl_communicator(std::vector<char>(id.begin(), id.end()), r, d_, transport_.device), gpu);
+        spdlog::info("node {}: stage {}'s shard collectives (rank {} of {}) over NCCL on {}", node_, k, r, d_,
+                     gpu.str());
+      } else {
+        if (transport_.nccl) spdlog::info("node {}: stage {}'s shard collectives stay on UCX: {}", node_, k, refusal);
+        plan.comms[i] = staged(pending_[i]->connect(column(k, d_, table.addresses)));
+      }
+    }
+    for (const auto& [r, k] : slots_)
+      if (k == 0) plan.loader_replicas.push_back(r);
+    plan.world = staged(pending_.back()->connect(column(-1, nodes_, table.addresses)));
+    auto [to, from] = make_links(table, column(-1, nodes_, table.gpus), plan.world);
+    if (transport_.ipc != node_transport::ipc_memory::off) {
+      std::vector<bool> same(nodes_, false);
+      for (std::size_t i = 0; i < table.stages.size() && i < table.machines.size(); ++i)
+        if (table.stages[i] == -1 && table.replicas[i] != node_) same.at(table.replicas[i]) = table.machines[i] == machine_;
+      std::string peers;
+      for (int n = 0; n < nodes_; ++n)
+        if (same[n]) peers += (peers.empty() ? "" : ", ") + std::to_string(n);
+      std::shared_ptr<transport::ipc_memory> memory;
+      if (!peers.empty()) try {
+          memory = transport_.ipc == node_transport::ipc_memory::cuda ? transport::cuda_ipc_memory(transport_.device)
+                                                                       : transport::host_ipc_memory();
+        } catch (const std::exception& e) {
+          spdlog::warn("node {}: no shared buffers for node(s) {} (this machine), their tensors go over UCX: {}", node_,
+                       peers, e.what());
+        }
+      if (memory) {
+        plan.world = transport::ipc_p2p(plan.world, std::move(memory), same);
+        spdlog::info("node {}: tensors to node(s) {} (this machine): {}", node_, peers, plan.world->backend());
+      }
+    }
+    if (std::any_of(to.begin(), to.end(), [](const auto& l) { return l != nullptr; }) ||
+        std::any_of(from.begin(), from.end(), [](const auto& l) { return l != nullptr; })) {
+      plan.world = transport::ordered_p2p(plan.world, std::move(to), std::move(from));
+      spdlog::info("node {}: tensors between nodes: {}", node_, plan.world->backend());
+    }
+    return plan;
+  }
+
+ private:
+  int node_, nodes_, d_;
+  std::vector<std::pair<int, int>> slots_;
+  node_transport transport_;
+  std::string machine_;  // transport::machine_key(), sent with the addresses
+  std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
+  node_addresses mine_;
+  std::vector<std::pair<int, int>> links_;  // link_pairs() where links are asked for
+
+  /// This node's links (by peer: to it, from it), made in the order of links_ on every
+  /// node (making a NCCL link waits for its peer). NCCL links where both ends asked and
+  /// have GPUs of their own (by the world entries' GPU keys); tag links over `world`
+  /// where TROUPE_LINKS=ucx asks.
+  using links = std::vector<std::shared_ptr<transport::ordered_link>>;
+  std::pair<links, links> make_links(const node_addresses& table, const std::vector<std::string>& gpus,
+                                     const std::shared_ptr<transport::communicator>& world) const {
+    links to(nodes_), from(nodes_);
+    for (const auto& [a, b] : links_) {
+      if (a != node_ && b != node_) continue;
+      const bool sends = a == node_;
+      auto& slot = sends ? to[b] : from[a];
+      if (transport_.ucx_links) {
+        slot = transport::tag_link(world, sends ? b : a, kLinkTag);
+        continue;
+      }
+      const auto refusal = nccl_refusal({gpus.at(a), gpus.at(b)});
+      std::string id;
+      for (std::size_t i = 0; i < table.stages.size() && i < table.nccl_ids.size(); ++i)
+        if (table.stages[i] == link_entry(a) && table.replicas[i] == b) id = table.nccl_ids[i];
+      if (!refusal.empty() || id.empty()) {
+        const auto why = refusal.empty() ? std::string("node 0 made no NCCL id for it (see its log)")
+                                         : "nodes " + std::to_string(a) + " and " + std::to_string(b) + " as " + refusal;
+        if (sends) spdlog::info("node {}: tensors to node {} stay off NCCL: {}", node_, b, why);
+        continue;
+      }
+      slot = transport::make_nccl_link(std::vector<char>(id.begin(), id.end()), sends, transport_.device);
+      spdlog::info("node {}: tensors {} node {} over a NCCL link on cuda:{}", node_, sends ? "to" : "from",
+                   sends ? b : a, transport_.device);
+    }
+    return {std::move(to), std::move(from)};
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, std::vector<std::pair<int, int>> slots,
+                                              node_transport transport) {
+  return std::make_unique<ucx_renewal>(node, nodes, p, d, std::move(slots), transport);
+}
+
+node_transport transport_for(const runtime_context& ctx, const node_transport_settings& settings,
+                             const std::string& where) {
+  using staging = node_transport::staging;
+  using ipc_memory = node_transport::ipc_memory;
+  node_transport t;
+  const std::string& ipc = settings.ipc;
+  if (settings.stage_through_host == "1") {
+    spdlog::info("{}: TROUPE_STAGE_THROUGH_HOST=1: every tensor between nodes goes through a host copy", where);
+    t.staged = staging::all_tensors;
+  } else if (!ctx.device.is_cpu()) {
+    std::string types;
+    for (const auto& m : transport::ucx_memory_types()) types += (types.empty() ? "" : ", ") + m;
+    spdlog::info("{}: {} tensors between nodes are staged through host memory (copied out before sending, in after "
+                 "receiving): Troupe's UCX backend moves host memory (memory types this UCX can move: {})",
+                 where, ctx.device.str(), types);
+    t.staged = staging::device_tensors;
+  }
+  if (ctx.device.is_cuda()) t.device = ctx.device.has_index() ? ctx.device.index() : 0;
+  const std::string& nccl = settings.nccl;
+  if (nccl == "1") {
+    if (!ctx.device.is_cuda()) throw config_error("TROUPE_NCCL=1: the job does not run on a GPU (--device cuda)");
+    if (!transport::nccl_built()) throw config_error("TROUPE_NCCL=1: this build has no NCCL backend");
+    spdlog::info("{}: TROUPE_NCCL=1: the optimizer shards' collectives, and the tensors between stages on different "
+                 "nodes, go over NCCL where the nodes involved each have a GPU of their own (not yet run on GPUs: "
+                 "see docs/gpu.md)", where);
+    t.nccl = true;
+  } else if (!nccl.empty() && nccl != "0") {
+    throw config_error("TROUPE_NCCL=" + nccl + ": expected 1 or 0");
+  }
+  const std::string& links = settings.links;
+  if (links == "ucx") {
+    spdlog::info("{}: TROUPE_LINKS=ucx: tensors between stages on different nodes go through in-order links over one "
+                 "UCX tag (the ordering that NCCL links need, without NCCL)", where);
+    t.ucx_links = true;
+  } else if (!links.empty() && links != "0") {
+    throw config_error("TROUPE_LINKS=" + links + ": expected ucx or 0");
+  }
+  if (ipc == "host") {
+    spdlog::info("{}: TROUPE_IPC=host: tensors to node processes of this machine go through POSIX shared memory", where);
+    t.ipc = ipc_memory::host;
+  } else if (ipc == "0" || ipc == "off") {
+    spdlog::info("{}: TROUPE_IPC={}: no shared buffers between node processes of this machine", where, ipc);
+  } else if (!ipc.empty() && ipc != "cuda") {
+    throw config_error("TROUPE_IPC=" + ipc + ": expected host, cuda, 0 or off");
+  } else if (ctx.device.is_cuda()) {
+    if (transport::cuda_ipc_built()) {
+      t.ipc = ipc_memory::cuda;
+      spdlog::info("{}: {} tensors to node processes of this machine go through CUDA IPC buffers (to other machines "
+                   "over UCX)", where, ctx.device.str());
+    } else {
+      spdlog::warn("{}: this build has no CUDA runtime: tensors to node processes of this machine are staged through "
+                   "host memory too", where);
+    }
+  } else if (ipc == "cuda") {
+    throw config_error("TROUPE_IPC=cuda: the job does not run on a GPU (--device cuda)");
+  }
+  return t;
+}
+
+}  // namespace troupe

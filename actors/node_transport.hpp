@@ -1,0 +1,54 @@
+#pragma once
+// How a node process's tensors travel to the other nodes, and the communicators it makes
+// for that (at its join and again for every in-place recovery).
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "actors/runtime.hpp"
+#include "actors/supervisor_actor.hpp"
+
+namespace troupe {
+
+/// The node's transport settings as the launcher's environment gives them (launch/
+/// parses them once; transport_for checks them): TROUPE_STAGE_THROUGH_HOST ("1"),
+/// TROUPE_IPC (host | cuda | 0 | off), TROUPE_NCCL (1 | 0), TROUPE_LINKS (ucx | 0).
+struct node_transport_settings {
+  std::string stage_through_host, ipc, nccl, links;
+};
+
+/// How a node's tensors travel to other nodes: through host copies (`staged`:
+/// transport/host_staging.hpp; GPU tensors over the UCX backend) and, between node
+/// processes of one machine, point-to-point through shared buffers (`ipc`:
+/// transport/ipc/ipc.hpp; CUDA IPC on a GPU).
+struct node_transport {
+  enum class staging { off, device_tensors, all_tensors } staged = staging::off;
+  enum class ipc_memory { off, host, cuda } ipc = ipc_memory::off;
+  int device = 0;  ///< the node's GPU (CUDA IPC buffers, NCCL)
+  /// The shard groups' collectives, and the tensors between stages on nodes of
+  /// link_pairs(), over NCCL where every member has a GPU of its own (TROUPE_NCCL=1).
+  bool nccl = false;
+  /// Tests of the links without NCCL: the tensors between stages on nodes of link_pairs()
+  /// through ordered_p2p over links on one UCX tag (TROUPE_LINKS=ucx).
+  bool ucx_links = false;
+};
+
+/// How this node's tensors travel, with the reasons logged. On a GPU: tensors staged
+/// through host memory, because the UCX backend moves host memory only (even where UCX
+/// itself could move CUDA memory), and point-to-point to node processes of this machine
+/// through CUDA IPC buffers (where the build has the CUDA runtime). On the CPU: plain UCX
+/// (its shared-memory transports already map host memory). For tests of these paths
+/// without a GPU: TROUPE_STAGE_THROUGH_HOST=1 stages CPU tensors too, TROUPE_IPC=host
+/// moves point-to-point through POSIX shared memory; TROUPE_IPC=0 turns the buffers off.
+/// A bad setting throws config_error.
+node_transport transport_for(const runtime_context& ctx, const node_transport_settings& settings,
+                             const std::string& where);
+
+/// The communicators of node `node` of `nodes` hosting `slots` ((replica, stage) pairs) of
+/// a p x d job, made as `transport` says: per slot rank r of stage k's d shards, and the
+/// world of the nodes (rank = node).
+std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, std::vector<std::pair<int, int>> slots,
+                                              node_transport transport);
+
+}  // namespace troupe

@@ -1,0 +1,246 @@
+#include "actors/registrar_actor.hpp"
+
+#include <signal.h>
+
+#include <fstream>
+#include <map>
+#include <set>
+#include <vector>
+
+#include <caf/all.hpp>
+#include <spdlog/spdlog.h>
+
+#include "actors/node.hpp"
+#include "actors/runtime.hpp"
+#include "messages/type_ids.hpp"
+#include "transport/ipc/ipc.hpp"
+#include "transport/nccl/nccl_communicator.hpp"
+#include "transport/transport.hpp"
+
+namespace troupe {
+
+namespace {
+
+struct registrar_state {
+  std::string token, config_toml, data;
+  std::string unfit;  ///< why a node cannot run the job (node_unfit): the job does not start
+  std::int64_t epoch_ns = 0;
+  int nodes = 0;
+  std::set<int> joined;
+  // Address exchanges: round 0 as the nodes join, round n for the n-th in-place recovery.
+  struct address_round {
+    node_addresses table;
+    std::set<int> sent;
+    std::vector<caf::response_promise> waiters;
+  };
+  std::map<int, address_round> rounds;
+  std::vector<caf::actor> supervisors;
+  int ready = 0;
+  std::vector<caf::response_promise> run_waiters;
+  // Nodes whose supervisor is gone: a restarted process may take the place (rejoin).
+  std::set<int> lost;
+  std::map<int, caf::response_promise> early_rejoins;  // hellos that came before the loss was seen
+  std::map<int, std::vector<caf::response_promise>> rejoin_waiters;  // the coordinator's, per node
+  // Each node's process as it said in its hello (machine key and pid): node 0 fences a
+  // lost node of its own machine.
+  std::map<int, std::pair<std::string, std::int32_t>> processes, early_processes;  // (early: of early_rejoins)
+};
+
+/// True when process `pid` is node `node` of the job of `token`: its environment holds
+/// both (a pid the kernel gave to another process since is left alone).
+bool is_node_process(std::int32_t pid, const std::string& token, int node) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+  bool has_token = false, has_node = false;
+  for (std::string entry; std::getline(in, entry, '\0');) {
+    has_token = has_token || entry == "TROUPE_JOB_TOKEN=" + token;
+    has_node = has_node || entry == "TROUPE_NODE=" + std::to_string(node);
+  }
+  return has_token && has_node;
+}
+
+/// Fencing: node `node`'s process is lost to the job (its connection closed or timed
+/// out). A process that lives on (stopped, frozen, cut off) would keep its place: where it
+/// runs on this machine, it is ended (SIGKILL), so that the launcher starts its
+/// replacement at once, which rejoins. On another machine it is left to its launcher.
+void fence(const registrar_state& s, int node) {
+  const auto it = s.processes.find(node);
+  if (it == s.processes.end() || it->second.second <= 0) return;
+  const auto [machine, pid] = it->second;
+  if (machine != transport::machine_key()) {
+    spdlog::warn("node {} (pid {} on another machine) is lost to the job; its process, if it lives on, is not "
+                 "ended from here",
+                 node, pid);
+    return;
+  }
+  if (!is_node_process(pid, s.token, node)) return;  // gone already (killed, crashed)
+  if (::kill(pid, SIGKILL) == 0)
+    spdlog::warn("node {} is lost to the job but its process (pid {}) lives on (stopped, frozen or cut off): "
+                 "ended it (SIGKILL), so that the launcher starts its replacement",
+                 node, pid);
+}
+
+caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string token, int nodes,
+                        std::string config_toml, std::int64_t epoch_ns, std::string data) {
+  self->state.epoch_ns = epoch_ns;
+  self->state.data = std::move(data);
+  self->state.token = std::move(token);
+  self->state.nodes = nodes;
+  self->state.config_toml = std::move(config_toml);
+  self->state.supervisors.resize(nodes);
+  auto offer = [self] {
+    return job_offer{self->state.config_toml, self->state.epoch_ns, transport::machine_key(), self->state.data};
+  };
+  auto admit_rejoin = [self](int node, const std::string& host) {
+    auto& s = self->state;
+    s.lost.erase(node);
+    s.joined.insert(node);
+    spdlog::info("node {} of {} rejoined from {}", node, s.nodes, host);
+  };
+  // A node's supervisor is gone (its process lost): another process may rejoin as it.
+  self->set_down_handler([=](const caf::down_msg& msg) {
+    auto& s = self->state;
+    if (msg.reason == caf::exit_reason::user_shutdown) return;  // the job's end
+    for (int i = 0; i < s.nodes; ++i)
+      if (s.supervisors[i] && s.supervisors[i].address() == msg.source) {
+        s.supervisors[i] = nullptr;
+        s.joined.erase(i);
+        s.lost.insert(i);
+        --s.ready;
+        fence(s, i);
+        if (auto it = s.early_rejoins.find(i); it != s.early_rejoins.end()) {
+          s.processes[i] = s.early_processes[i];
+          admit_rejoin(i, "a process restarted by the launcher");
+          it->second.deliver(offer());
+          s.early_rejoins.erase(it);
+        }
+      }
+  });
+  return {
+      [](clock_atom) -> std::int64_t { return steady_clock_ns(); },  // a node's clock probe
+      [=](const node_hello& h) -> caf::result<job_offer> {
+        auto& s = self->state;
+        std::string why;
+        if (h.version != protocol_version)
+          why = "protocol version " + std::to_string(h.version) + ", this job speaks " + std::to_string(protocol_version);
+        else if (h.token != s.token)
+          why = "wrong job token";
+        else if (h.nodes != s.nodes || h.node < 0 || h.node >= s.nodes)
+          why = "node " + std::to_string(h.node) + " of " + std::to_string(h.nodes) + " does not fit a job of " +
+                std::to_string(s.nodes) + " nodes";
+        else if (h.rejoin && h.node == 0)
+          why = "node 0 cannot rejoin (the coordinator's node)";
+        else if (h.rejoin && s.joined.count(h.node) && !s.early_rejoins.count(h.node)) {
+          // The old process's connection is not seen closed yet: answer once it is.
+          auto rp = self->make_response_promise<job_offer>();
+          s.early_rejoins.emplace(h.node, rp);
+          s.early_processes[h.node] = {h.machine, h.pid};
+          return rp;
+        } else if (h.rejoin && !s.lost.count(h.node))
+          why = "node " + std::to_string(h.node) + " is not a lost node: it cannot rejoin";
+        else if (!h.rejoin && (s.joined.count(h.node) || s.lost.count(h.node)))
+          why = "node " + std::to_string(h.node) + " has already joined";
+        if (!why.empty()) {
+          spdlog::warn("refused a node claiming to be node {} from {}: {}", h.node, h.host, why);
+          return caf::make_error(caf::sec::runtime_error, "join refused: " + why);
+        }
+        s.processes[h.node] = {h.machine, h.pid};
+        if (h.rejoin) {
+          admit_rejoin(h.node, h.host);
+        } else {
+          s.joined.insert(h.node);
+          spdlog::info("node {} of {} joined from {}", h.node, s.nodes, h.host);
+        }
+        return offer();
+      },
+      [=](const node_addresses& a) -> caf::result<node_addresses> {
+        auto& s = self->state;
+        if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
+        if (!s.joined.count(a.node))
+          return caf::make_error(caf::sec::runtime_error, "addresses from a node that has not joined");
+        auto& round = s.rounds[a.round];
+        if (!round.sent.insert(a.node).second)
+          return caf::make_error(caf::sec::runtime_error, "node " + std::to_string(a.node) +
+                                                              " sent its addresses twice in round " +
+                                                              std::to_string(a.round));
+        auto& t = round.table;
+        t.round = a.round;
+        t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
+        t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
+        t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
+        t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
+        t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
+        t.nccl_ids.insert(t.nccl_ids.end(), a.nccl_ids.begin(), a.nccl_ids.end());
+        auto rp = self->make_response_promise<node_addresses>();
+        round.waiters.push_back(rp);
+        if (int(round.sent.size()) == s.nodes) {
+          assign_nccl_ids(t, [] {
+            try {
+              const auto bytes = transport::nccl_unique_id();
+              return std::string(bytes.begin(), bytes.end());
+            } catch (const std::exception& e) {
+              spdlog::warn("registrar: no NCCL id (that group or link stays on UCX): {}", e.what());
+              return std::string();
+            }
+          });
+          for (auto& w : round.waiters) w.deliver(t);
+          s.rounds.erase(a.round);
+        }
+        return rp;
+      },
+      [=](const node_ready& r) -> caf::result<bool> {
+        auto& s = self->state;
+        if (!s.joined.count(r.node) || s.supervisors.at(r.node))
+          return caf::make_error(caf::sec::runtime_error, "ready from a node that has not joined");
+        s.supervisors[r.node] = r.supervisor;
+        self->monitor(r.supervisor);
+        if (++s.ready == s.nodes) {
+          for (auto& w : s.run_waiters) w.deliver(s.supervisors);
+          s.run_waiters.clear();
+        }
+        for (auto& w : s.rejoin_waiters[r.node]) w.deliver(r.supervisor);
+        s.rejoin_waiters.erase(r.node);
+        return true;
+      },
+      // The coordinator: the supervisor of the process that takes the place of node
+      // `node`, whose supervisor `gone` was lost (answered once it is ready).
+      [=](rejoin_atom, std::int32_t node, const caf::actor& gone) -> caf::result<caf::actor> {
+        auto& s = self->state;
+        if (node <= 0 || node >= s.nodes) return caf::make_error(caf::sec::runtime_error, "no node " + std::to_string(node));
+        if (s.supervisors[node] && s.supervisors[node] != gone) return s.supervisors[node];
+        auto rp = self->make_response_promise<caf::actor>();
+        s.rejoin_waiters[node].push_back(rp);
+        return rp;
+      },
+      [=](const node_unfit& u) -> bool {
+        auto& s = self->state;
+        s.unfit = "node " + std::to_string(u.node) + " on " + u.host + " cannot run this job: " + u.reason;
+        spdlog::error("{}", s.unfit);
+        const auto why = caf::make_error(caf::sec::runtime_error, s.unfit);
+        for (auto& w : s.run_waiters) w.deliver(why);
+        s.run_waiters.clear();
+        for (auto& [round, r] : s.rounds)
+          for (auto& w : r.waiters) w.deliver(why);
+        s.rounds.clear();
+        for (auto& w : s.rejoin_waiters[u.node]) w.deliver(why);
+        s.rejoin_waiters.erase(u.node);
+        return true;
+      },
+      [=](run_atom) -> caf::result<std::vector<caf::actor>> {
+        auto& s = self->state;
+        if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
+        if (s.ready == s.nodes) return s.supervisors;
+        auto rp = self->make_response_promise<std::vector<caf::actor>>();
+        s.run_waiters.push_back(rp);
+        return rp;
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_registrar(caf::actor_system& sys, std::string token, int nodes, std::string config_toml,
+                           std::int64_t epoch_ns, std::string data) {
+  return sys.spawn(registrar, std::move(token), nodes, std::move(config_toml), epoch_ns, std::move(data));
+}
+
+}  // namespace troupe

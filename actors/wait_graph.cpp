@@ -1,0 +1,144 @@
+#include "actors/wait_graph.hpp"
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+
+namespace troupe {
+
+namespace {
+
+struct graph_node {
+  const wait_report* report = nullptr;
+  bool silent = false;
+};
+
+std::string node_label(const wait_report& r) {
+  return r.node >= 0 ? fmt::format("{} (node {})", r.actor, r.node) : r.actor;
+}
+
+/// "A, B and C"; of more than `most`, the first `most` and how many more.
+std::string joined(const std::vector<std::string>& names, std::size_t most = 100) {
+  if (names.size() > most) {
+    std::vector<std::string> first(names.begin(), names.begin() + std::ptrdiff_t(most));
+    first.push_back(std::to_string(names.size() - most) + " more");
+    return joined(first);
+  }
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+  return out;
+}
+
+}  // namespace
+
+wait_diagnosis diagnose_waits(const std::vector<wait_report>& reports, const std::vector<wait_report>& silent,
+                              double answer_seconds, bool settled) {
+  std::map<std::string, graph_node> nodes;
+  std::vector<std::string> order;  // as given: the coordinator first
+  for (const auto& r : reports) {
+    nodes[r.actor] = {&r, false};
+    order.push_back(r.actor);
+  }
+  for (const auto& r : silent) {
+    nodes[r.actor] = {&r, true};
+    order.push_back(r.actor);
+  }
+  auto label = [&](const std::string& name) {
+    const auto it = nodes.find(name);
+    return it == nodes.end() ? name : node_label(*it->second.report);
+  };
+  std::set<std::string> waited_on;
+  for (const auto& r : reports)
+    for (const auto& f : r.from) waited_on.insert(f);
+
+  wait_diagnosis out;
+  for (const auto& name : order) {
+    const auto& n = nodes.at(name);
+    const auto& r = *n.report;
+    if (n.silent) {
+      out.lines.push_back(fmt::format("{} did not answer within {:.0f} s: its thread is blocked (a long op, or frozen)",
+                                      node_label(r), answer_seconds));
+    } else if (!r.waits_for.empty()) {
+      std::vector<std::string> from;
+      for (const auto& f : r.from) from.push_back(label(f));
+      out.lines.push_back(fmt::format("{} waits for {} from {}{}", node_label(r), r.waits_for, joined(from),
+                                      r.state.empty() ? "" : "; " + r.state));
+    } else if (waited_on.count(name)) {
+      out.lines.push_back(fmt::format("{} waits for nothing{}", node_label(r), r.state.empty() ? "" : ": " + r.state));
+    }
+  }
+
+  // 1. A message its receiver waits for and its sender has sent: lost on the way.
+  std::vector<std::string> lost;
+  for (const auto& r : reports)
+    for (const auto& key : r.keys)
+      for (const auto& f : r.from) {
+        const auto it = nodes.find(f);
+        if (it == nodes.end() || it->second.silent) continue;
+        const auto& sent = it->second.report->sent;
+        if (std::find(sent.begin(), sent.end(), key) != sent.end())
+          lost.push_back(key + (settled ? " was sent and never received: a lost message"
+                                        : " was sent and not received yet (in flight, or lost)"));
+      }
+  if (!lost.empty()) {
+    out.root = joined(lost, 3);
+    return out;
+  }
+
+  // 2. Following the waits from the first report (the coordinator's): actors that do not
+  // answer, or that wait for nothing, are where the waiting ends.
+  std::vector<std::string> ends, path;
+  std::set<std::string> visited;
+  std::vector<std::string> cycle;
+  std::set<std::string> on_path;
+  std::function<void(const std::string&)> visit = [&](const std::string& name) {
+    if (on_path.count(name)) {
+      if (cycle.empty()) {
+        const auto from = std::find(path.begin(), path.end(), name);
+        cycle.assign(from, path.end());
+        cycle.push_back(name);
+      }
+      return;
+    }
+    if (!visited.insert(name).second) return;
+    const auto it = nodes.find(name);
+    if (it == nodes.end()) return;  // not asked (a supervisor): no edges known
+    const auto& n = it->second;
+    if (n.silent) {
+      ends.push_back(fmt::format("{} does not answer (its thread is blocked: a long op, or frozen)", label(name)));
+      return;
+    }
+    if (n.report->waits_for.empty()) {
+      if (name != order.front())
+        ends.push_back(fmt::format("{} waits for nothing{}", label(name),
+                                   n.report->state.empty() ? "" : " (" + n.report->state + ")"));
+      return;
+    }
+    path.push_back(name);
+    on_path.insert(name);
+    for (const auto& f : n.report->from) visit(f);
+    on_path.erase(name);
+    path.pop_back();
+  };
+  if (!order.empty()) visit(order.front());
+  if (!ends.empty()) {
+    out.root = joined(ends, 3);
+    return out;
+  }
+  if (!cycle.empty()) {
+    std::vector<std::string> named;
+    for (const auto& c : cycle) named.push_back(label(c));
+    std::string text;
+    for (std::size_t i = 0; i < named.size(); ++i) text += (i ? " waits for " : "") + named[i];
+    out.root = "a deadlock: " + text;
+    return out;
+  }
+  out.root = "no actor waits for another (the step may have been about to finish)";
+  return out;
+}
+
+}  // namespace troupe

@@ -1,0 +1,24 @@
+#pragma once
+// The job's wait-for graph, built from what every actor says it waits for (wait_report),
+// and its root: a message sent and never received, an actor that does not answer or
+// waits for nothing while others wait on it, or a cycle (a deadlock).
+#include <string>
+#include <vector>
+
+#include "messages/wait_messages.hpp"
+
+namespace troupe {
+
+struct wait_diagnosis {
+  std::vector<std::string> lines;  ///< one per actor that waits or is waited on ("X (node n) waits for ...")
+  std::string root;                ///< the root, in one sentence
+};
+
+/// `reports`: the coordinator's own first, then every actor that answered; `silent`: the
+/// actors that did not answer within `answer_seconds` (name and node; nothing else set).
+/// `settled`: nothing has moved for a while (a hang), so a message sent and not received
+/// is lost; otherwise (a status request of a running job) it may be in flight.
+wait_diagnosis diagnose_waits(const std::vector<wait_report>& reports, const std::vector<wait_report>& silent,
+                              double answer_seconds, bool settled = true);
+
+}  // namespace troupe

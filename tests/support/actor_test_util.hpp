@@ -1,0 +1,102 @@
+#pragma once
+// Shared by the actor runtime's tests: the single-process reference run they compare
+// with, the layouts they sweep, and the ops each stage ran (from the trace).
+#include <algorithm>
+#include <map>
+#include <ostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "actors/runtime.hpp"
+#include "compute/schedule.hpp"
+#include "compute/trainer.hpp"
+#include "test_util.hpp"
+
+namespace troupe::actor_test {
+
+inline constexpr int kSteps = 10;
+
+struct reference_run {
+  state_dict state;
+  std::vector<double> losses;
+};
+
+inline reference_run reference_of(job_config c) {
+  c.pipeline = c.data_parallel = c.chunks = 1;
+  c.schedule = "1f1b";
+  c.runtime = "local";
+  local_trainer t(c);
+  reference_run out;
+  for (int i = 0; i < kSteps; ++i) out.losses.push_back(t.step().loss);
+  out.state = t.state();
+  return out;
+}
+
+/// gpt-tiny's reference run, computed once per build (test::shared_reference).
+inline const reference_run& gpt_reference() {
+  static const reference_run ref = [] {
+    reference_run r;
+    r.state = test::shared_reference(
+        "actors-gpt-tiny-reference",
+        [](std::vector<double>* losses) {
+          auto run = reference_of(test::gpt_config(200));
+          *losses = run.losses;
+          return run.state;
+        },
+        &r.losses);
+    return r;
+  }();
+  return ref;
+}
+
+inline actor_run_result run_actors(job_config c, actor_run_options opts = {}) {
+  opts.quiet = true;
+  c.steps = std::min(c.steps, kSteps);
+  return run_actor_training(c, opts);
+}
+
+struct layout {
+  int p, d, v;
+  const char* schedule;
+  bool split_backward = false;  // dataflow
+  std::int64_t bucket_size = 0;  // gradient buckets (parallel.bucket_size)
+};
+
+inline std::string name_of(const layout& l) {
+  std::string k = l.schedule;
+  if (k == "interleaved-1f1b") k = "interleaved";
+  if (k == "zero-bubble") k = "zero_bubble";  // gtest names: letters, digits, _
+  return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" + std::to_string(l.v) + "_" + k +
+         (l.split_backward ? "_split" : "") + (l.bucket_size ? "_buckets" : "");
+}
+
+inline void PrintTo(const layout& l, std::ostream* os) { *os << name_of(l); }
+
+inline job_config gpt_layout(const layout& l) {
+  auto c = test::gpt_config(200);  // the lr schedule of a 200-step run; 10 steps run
+  c.pipeline = l.p;
+  c.data_parallel = l.d;
+  c.chunks = l.v;
+  c.schedule = l.schedule;
+  c.split_backward = l.split_backward;
+  c.bucket_size = l.bucket_size;
+  c.microbatches = l.d == 1 ? 8 : 4;
+  return c;
+}
+
+/// Per (replica, stage): the F/B/W ops of step `step` in the order they ran.
+inline std::map<std::pair<int, int>, std::vector<pipeline_op>> executed(const std::vector<trace_event>& events,
+                                                                 std::int64_t step) {
+  std::vector<const trace_event*> evs;
+  for (const auto& e : events)
+    if (e.step == step && (e.name == "F" || e.name == "B" || e.name == "W")) evs.push_back(&e);
+  std::stable_sort(evs.begin(), evs.end(), [](auto* a, auto* b) { return a->start_us < b->start_us; });
+  std::map<std::pair<int, int>, std::vector<pipeline_op>> out;
+  for (auto* e : evs)
+    out[{e->replica, e->stage}].push_back(
+        {e->name == "F" ? op_kind::forward : e->name == "B" ? op_kind::backward : op_kind::weight, e->mb, e->chunk});
+  return out;
+}
+
+}  // namespace troupe::actor_test

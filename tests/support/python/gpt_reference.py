@@ -1,0 +1,50 @@
+"""Trains gpt-tiny in plain PyTorch for a few steps and writes what the C++ run is
+compared with: OUT/init.pt (initial state_dict), OUT/final.pt, OUT/losses.txt.
+
+usage: /usr/bin/python3 tests/support/python/gpt_reference.py OUT_DIR STEPS TOTAL_STEPS
+           [--layers L] [--heads H] [--d-model D] [--d-ff F] [--seq-len T]
+(the shape options are those of `troupe train`; the defaults are gpt-tiny's)
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_tiny  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("total", type=int)
+    gpt_tiny.add_shape_args(ap)
+    a = ap.parse_args()
+    out, steps, total, seq_len = a.out, a.steps, a.total, a.seq_len
+    torch.manual_seed(7)
+    torch.set_num_threads(2)
+    model = gpt_tiny.model_from_args(a)
+    torch.save(gpt_tiny.state_dict_of(model), os.path.join(out, "init.pt"))
+    data, n_train = gpt_tiny.load_fortunes()
+    opt = gpt_tiny.make_optimizer(model)
+    seed, batch = 1234, 32
+    losses = []
+    for t in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = gpt_tiny.lr_at(t, total)
+        x, y = gpt_tiny.train_batch(data, n_train, seed, t * batch, batch, seq_len)
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    torch.save(gpt_tiny.state_dict_of(model), os.path.join(out, "final.pt"))
+    with open(os.path.join(out, "losses.txt"), "w") as f:
+        f.write("\n".join(repr(x) for x in losses) + "\n")
+
+
+if __name__ == "__main__":
+    main()
