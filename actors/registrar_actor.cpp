@@ -21,6 +21,10 @@ namespace troupe {
 
 namespace {
 
+/// How long a lost node's process that is not stopped may take to end on its own before
+/// node 0 ends it.
+constexpr auto fence_grace = std::chrono::seconds(5);
+
 struct registrar_state {
   std::string token, config_toml, data;
   std::string unfit;  ///< why a node cannot run the job (node_unfit): the job does not start
@@ -58,25 +62,37 @@ bool is_node_process(std::int32_t pid, const std::string& token, int node) {
   return has_token && has_node;
 }
 
-/// Fencing: node `node`'s process is lost to the job (its connection closed or timed
-/// out). A process that lives on (stopped, frozen, cut off) would keep its place: where it
-/// runs on this machine, it is ended (SIGKILL), so that the launcher starts its
-/// replacement at once, which rejoins. On another machine it is left to its launcher.
-void fence(const registrar_state& s, int node) {
+/// The state letter of process `pid` (/proc/PID/stat: R, S, D, T stopped, t traced, Z,
+/// ...), or 0 when there is none.
+char process_state(std::int32_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  std::getline(in, stat);
+  const auto close = stat.rfind(')');  // after "pid (name)"
+  return close == std::string::npos || close + 2 >= stat.size() ? 0 : stat[close + 2];
+}
+
+/// The process of node `node` as it said in its hello, when it runs on this machine and
+/// still is that node's (its environment holds the job's token and the node number: a
+/// pid the kernel gave to another process since is left alone); else 0.
+std::int32_t live_node_process(const registrar_state& s, int node) {
   const auto it = s.processes.find(node);
-  if (it == s.processes.end() || it->second.second <= 0) return;
+  if (it == s.processes.end() || it->second.second <= 0) return 0;
   const auto [machine, pid] = it->second;
   if (machine != transport::machine_key()) {
     spdlog::warn("node {} (pid {} on another machine) is lost to the job; its process, if it lives on, is not "
                  "ended from here",
                  node, pid);
-    return;
+    return 0;
   }
-  if (!is_node_process(pid, s.token, node)) return;  // gone already (killed, crashed)
+  return is_node_process(pid, s.token, node) ? pid : 0;
+}
+
+void end_node_process(int node, std::int32_t pid, const char* why) {
   if (::kill(pid, SIGKILL) == 0)
-    spdlog::warn("node {} is lost to the job but its process (pid {}) lives on (stopped, frozen or cut off): "
-                 "ended it (SIGKILL), so that the launcher starts its replacement",
-                 node, pid);
+    spdlog::warn("node {} is lost to the job but its process (pid {}) {}: ended it (SIGKILL), so that the launcher "
+                 "starts its replacement",
+                 node, pid, why);
 }
 
 caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string token, int nodes,
@@ -106,7 +122,17 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
         s.joined.erase(i);
         s.lost.insert(i);
         --s.ready;
-        fence(s, i);
+        // Fencing: a lost node's process that lives on (stopped, frozen, cut off) keeps
+        // its place; on this machine it is ended so that the launcher starts its
+        // replacement at once. A stopped one at once; any other after fence_grace (one
+        // that lost node 0 itself ends on its own meanwhile, with the recoverable status).
+        if (const auto pid = live_node_process(s, i)) {
+          const char state = process_state(pid);
+          if (state == 'T' || state == 't')
+            end_node_process(i, pid, "is stopped");
+          else
+            self->delayed_send(self, fence_grace, check_atom_v, std::int32_t(i), pid);
+        }
         if (auto it = s.early_rejoins.find(i); it != s.early_rejoins.end()) {
           s.processes[i] = s.early_processes[i];
           admit_rejoin(i, "a process restarted by the launcher");
@@ -117,6 +143,10 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
   });
   return {
       [](clock_atom) -> std::int64_t { return steady_clock_ns(); },  // a node's clock probe
+      [=](check_atom, std::int32_t node, std::int32_t pid) {  // fencing, after the grace
+        if (self->state.lost.count(node) && live_node_process(self->state, node) == pid)
+          end_node_process(node, pid, "lives on (frozen or cut off)");
+      },
       [=](const node_hello& h) -> caf::result<job_offer> {
         auto& s = self->state;
         std::string why;

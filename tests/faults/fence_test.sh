@@ -19,10 +19,10 @@ stopped_at=$(date +%s.%N)
 kill -STOP "${node1:-0}" && ok "node 1 (pid $node1) stopped (SIGSTOP) after step 6" || bad "no node 1 to stop" "$tmp/frozen.log"
 wait $pid
 rc=$?
-[ $rc = 0 ] && grep -q "node 1 is lost to the job but its process (pid $node1) lives on .*: ended it (SIGKILL)" "$tmp/frozen.log" \
+[ $rc = 0 ] && grep -q "node 1 is lost to the job but its process (pid $node1) is stopped: ended it (SIGKILL)" "$tmp/frozen.log" \
   && grep -q "node 1 ended (status 137); starting it again" "$tmp/frozen.log" && grep -q "node 1 rejoined" "$tmp/frozen.log" \
   && ok "the frozen node was fenced and replaced; its replacement rejoined" || bad "not fenced and replaced (exit $rc)" "$tmp/frozen.log"
-! grep -q "restart 1 of at most" "$tmp/frozen.log" && ok "no job restart" || bad "the job was restarted" "$tmp/frozen.log"
+! grep -q "the job failed" "$tmp/frozen.log" && ok "no job restart" || bad "the job was restarted" "$tmp/frozen.log"
 out=$(/usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/ref" "$tmp/frozen" 0 2>&1) \
   && ok "bit-identical to the fault-free run, no step replayed ($out)" || { echo "$out"; bad "results differ" "$tmp/frozen.log"; }
 # From the SIGSTOP to the retried step's start (the log's clock: the same machine).
