@@ -120,10 +120,6 @@ std::vector<caf::actor> all_of(const std::vector<std::vector<caf::actor>>& grid)
   return out;
 }
 
-std::string shard_actor_name(int stage, int rank) {
-  return "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
-}
-std::string loader_actor_name(int replica) { return "loader[replica " + std::to_string(replica) + "]"; }
 
 /// Stops everything and answers the run request.
 void finish(self_ptr self, int code, const std::string& error) {
@@ -639,11 +635,11 @@ wait_report coordinator_waits(const coordinator_state& s) {
   for (int x = 0; x < ctx.n_virtual; ++x)
     for (int rank = 0; rank < ctx.d; ++rank)
       expect(s.seen_partials.at(std::size_t(x) * ctx.d + rank), 1,
-             "gradient-norm partial of chunk " + std::to_string(x / ctx.p), shard_actor_name(x % ctx.p, rank));
+             "gradient-norm partial of chunk " + std::to_string(x / ctx.p), ctx.shard_name(x % ctx.p, rank));
   for (int r = 0; r < ctx.d; ++r)
     for (int k = 0; k < ctx.p; ++k) expect(s.seen_stages.at(std::size_t(r) * ctx.p + k), 2, "stage done", ctx.stage_name(r, k));
   for (int k = 0; k < ctx.p; ++k)
-    for (int r = 0; r < ctx.d; ++r) expect(s.seen_shards.at(std::size_t(k) * ctx.d + r), 3, "shard done", shard_actor_name(k, r));
+    for (int r = 0; r < ctx.d; ++r) expect(s.seen_shards.at(std::size_t(k) * ctx.d + r), 3, "shard done", ctx.shard_name(k, r));
   const char* kinds[4] = {"loss reports", "gradient-norm partials", "stage-done reports", "shard-done reports"};
   std::vector<std::string> parts;
   for (int i = 0; i < 4; ++i)
@@ -674,8 +670,8 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
       asked->push_back({s.wiring->stages[r][k], {ctx.stage_name(r, k), s.stage_nodes.at(std::size_t(r) * ctx.p + k)}});
   for (int k = 0; k < ctx.p; ++k)
     for (int r = 0; r < ctx.d; ++r)
-      asked->push_back({s.wiring->shards[k][r], {shard_actor_name(k, r), s.stage_nodes.at(std::size_t(r) * ctx.p + k)}});
-  for (int r = 0; r < ctx.d; ++r) asked->push_back({s.wiring->loaders[r], {loader_actor_name(r), s.loader_nodes.at(r)}});
+      asked->push_back({s.wiring->shards[k][r], {ctx.shard_name(k, r), s.stage_nodes.at(std::size_t(r) * ctx.p + k)}});
+  for (int r = 0; r < ctx.d; ++r) asked->push_back({s.wiring->loaders[r], {ctx.loader_name(r), s.loader_nodes.at(r)}});
   auto answers = std::make_shared<std::vector<std::optional<wait_report>>>(asked->size());
   auto conclude = [=] {
     auto& s = self->state;
@@ -800,10 +796,10 @@ void begin(self_ptr self) {
   s.sent.clear();
   const auto begun = "begin of step " + std::to_string(s.step + 1);
   for (int r = 0; r < ctx.d; ++r) {
-    s.sent.push_back(message_key(begun, "coordinator", loader_actor_name(r)));
+    s.sent.push_back(message_key(begun, "coordinator", ctx.loader_name(r)));
     for (int k = 0; k < ctx.p; ++k) {
       s.sent.push_back(message_key(begun, "coordinator", ctx.stage_name(r, k)));
-      s.sent.push_back(message_key(begun, "coordinator", shard_actor_name(k, r)));
+      s.sent.push_back(message_key(begun, "coordinator", ctx.shard_name(k, r)));
     }
   }
   const begin_step msg{s.step, s.stats.lr, s.attempt};
@@ -972,7 +968,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         const double factor = s.skipping ? 0.0 : s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
         for (int k = 0; k < s.ctx->p; ++k)
           for (int r = 0; r < s.ctx->d; ++r) {
-            s.sent.push_back(message_key("the clip factor", "coordinator", shard_actor_name(k, r)));
+            s.sent.push_back(message_key("the clip factor", "coordinator", s.ctx->shard_name(k, r)));
             self->send(s.wiring->shards[k][r], clip_factor_msg{s.step, factor, s.skipping});
           }
       },

@@ -66,7 +66,7 @@ caf::behavior loader_behavior(caf::stateful_actor<loader_state>* self, std::shar
   st.ctx = ctx;
   st.wiring = wiring;
   st.replica = replica;
-  st.name = "loader[replica " + std::to_string(replica) + "]";
+  st.name = ctx->loader_name(replica);
   st.data = std::make_unique<training_data>(ctx->cfg, training_data::use::training);
   return {
       [=](const begin_step& msg) {

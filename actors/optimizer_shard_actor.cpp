@@ -95,7 +95,7 @@ wait_report shard_waits(const shard_state& s, std::int64_t step) {
   rep.sent = s.sent;
   std::vector<std::string> peers;  // the other shards of the stage
   for (int r = 0; r < s.ctx->d; ++r)
-    if (r != s.rank) peers.push_back("shard[stage " + std::to_string(s.stage) + ", rank " + std::to_string(r) + "]");
+    if (r != s.rank) peers.push_back(s.ctx->shard_name(s.stage, r));
   switch (s.phase) {
     case shard_phase::between_steps:
       rep.state = "done with the step";
@@ -162,7 +162,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   st.store = store;
   st.stage = stage;
   st.rank = rank;
-  st.name = "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
+  st.name = ctx->shard_name(stage, rank);
   if (comm->size() != ctx->d || comm->rank() != rank)
     throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
                            std::to_string(comm->size()));

@@ -178,6 +178,12 @@ std::string runtime_context::stage_name(int replica, int stage) const {
   return "stage[replica " + std::to_string(replica) + ", stage " + std::to_string(stage) + "]";
 }
 
+std::string runtime_context::shard_name(int stage, int rank) const {
+  return "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
+}
+
+std::string runtime_context::loader_name(int replica) const { return "loader[replica " + std::to_string(replica) + "]"; }
+
 actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_options& opts_in) {
   auto cfg = cfg_in;
   cfg.validate();

@@ -98,7 +98,10 @@ struct runtime_context {
   /// images), likewise.
   std::vector<std::int64_t> input_shape(std::int64_t rows = -1) const;
   torch::ScalarType input_dtype() const;
+  /// The actors' names, as logs and the wait-for graph give them.
   std::string stage_name(int replica, int stage) const;
+  std::string shard_name(int stage, int rank) const;
+  std::string loader_name(int replica) const;
   /// The gradient buckets of a chunk laid out as `slice` (stages and shards agree on
   /// them): parallel.bucket_size's with data parallelism, else one.
   std::vector<flat_range> buckets_of(const model_slice& slice) const;

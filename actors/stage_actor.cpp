@@ -96,8 +96,8 @@ struct stage_state {
   std::vector<trace_event> eval_events;
 
   int virtual_of(int chunk) const { return chunk * ctx->p + stage; }
-  std::string shard_name() const { return "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(replica) + "]"; }
-  std::string loader_name() const { return "loader[replica " + std::to_string(replica) + "]"; }
+  std::string shard_name() const { return ctx->shard_name(stage, replica); }
+  std::string loader_name() const { return ctx->loader_name(replica); }
   /// The name of the stage actor owning virtual stage x (this replica's).
   std::string owner_name(int x) const { return ctx->stage_name(replica, x % ctx->p); }
   void record_sent(const std::string& what, const std::string& to) {

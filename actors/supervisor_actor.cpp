@@ -86,7 +86,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       mine.slot_stages.push_back(k);
       mine.shards.push_back(wiring->shards[k][r] =
                                 add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan->comms.at(i), store, from),
-                                    "shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) + "]"));
+                                    ctx->shard_name(k, r)));
       mine.stages.push_back(wiring->stages[r][k] =
                                 add(spawn_stage_actor(self, ctx, wiring, r, k,
                                                       params.empty() ? std::vector<torch::Tensor>{} : params.at(i)),
@@ -95,7 +95,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
     for (int r : plan->loader_replicas) {
       mine.loader_replicas.push_back(r);
       mine.loaders.push_back(wiring->loaders[r] = add(spawn_data_loader_actor(self, ctx, wiring, r),
-                                                      "loader[replica " + std::to_string(r) + "]"));
+                                                      ctx->loader_name(r)));
     }
     spdlog::debug("supervisor of node {}: spawned {} actors", plan->node, children->size());
     return mine;
