@@ -1,4 +1,5 @@
 #include "compute/checkpoint.hpp"
+#include "compute/torch_file.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -12,7 +13,6 @@
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
 namespace troupe {
@@ -119,23 +119,14 @@ state_dict load_state_dict(const std::string& path) { return load_state_dict(rea
 
 state_dict load_state_dict(const std::vector<char>& bytes, const std::string& path) {
   if (bytes.empty()) throw checkpoint_error("checkpoint " + path + " is empty");
-  c10::IValue value;
   try {
-    value = torch::jit::pickle_load(bytes);
-  } catch (const std::exception& e) {
+    return read_torch_state_dict(bytes);
+  } catch (const c10::Error& e) {  // LibTorch's zip reader
     std::string msg = e.what();
-    msg = msg.substr(0, msg.find('\n'));
-    throw checkpoint_error("checkpoint " + path + " is not a readable PyTorch file (" + msg + ")");
+    throw checkpoint_error("checkpoint " + path + " is not a readable PyTorch file (" + msg.substr(0, msg.find('\n')) + ")");
+  } catch (const std::runtime_error& e) {
+    throw checkpoint_error("checkpoint " + path + " is not a readable PyTorch file: " + e.what());
   }
-  if (!value.isGenericDict())
-    throw checkpoint_error("checkpoint " + path + " does not hold a dict of tensors (a state_dict)");
-  state_dict out;
-  for (const auto& item : value.toGenericDict()) {
-    if (!item.key().isString() || !item.value().isTensor())
-      throw checkpoint_error("checkpoint " + path + " holds an entry that is not name -> tensor");
-    out.emplace_back(item.key().toStringRef(), item.value().toTensor());
-  }
-  return out;
 }
 
 }  // namespace troupe

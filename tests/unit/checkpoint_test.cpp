@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <set>
 
 #include "compute/checkpoint.hpp"
@@ -60,6 +62,63 @@ TEST(Checkpoint, PythonTorchLoadReadsItWithGpt2Names) {
   int n = 0;
   in >> n;
   EXPECT_EQ(n, 2 + 8 * 12 + 2);
+}
+
+// Files as users write them (tests/support/python/save_state_dicts.py): torch.save of a
+// module's state_dict (an OrderedDict with _metadata), non-contiguous and shared tensors,
+// bf16/fp16/fp64, PyTorch 2.x's archive layout. Each tensor must hold exactly the values
+// Python printed, in the file's order and dtype; what is no state_dict is refused by name.
+TEST(Checkpoint, PythonFilesAsUsersSaveThem) {
+  test::temp_dir dir;
+  const std::string cmd = std::string("/usr/bin/python3 ") + TROUPE_SOURCE_DIR +
+                          "/tests/support/python/save_state_dicts.py " + dir.path.string();
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  for (const std::string stem : {"module", "views", "half", "renamed"}) {
+    const auto got = load_state_dict(dir / (stem + ".pt"));
+    std::ifstream in(dir / (stem + ".expected"));
+    std::size_t i = 0;
+    for (std::string line; std::getline(in, line); ++i) {
+      std::istringstream words(line);
+      std::string name, dtype, w;
+      words >> name >> dtype;
+      std::vector<std::int64_t> shape;
+      while (words >> w && w != ":") shape.push_back(std::stoll(w));
+      std::vector<double> values;
+      for (double x; words >> x;) values.push_back(x);
+      ASSERT_LT(i, got.size()) << stem;
+      const auto& [got_name, t] = got[i];
+      EXPECT_EQ(got_name, name) << stem;
+      const std::map<std::string, torch::ScalarType> dtypes{
+          {"float32", torch::kFloat32}, {"bfloat16", torch::kBFloat16}, {"float16", torch::kHalf}, {"float64", torch::kFloat64}};
+      EXPECT_EQ(t.scalar_type(), dtypes.at(dtype)) << stem << " " << name;
+      EXPECT_EQ(t.sizes().vec(), shape) << stem << " " << name;
+      EXPECT_TRUE(t.is_contiguous()) << stem << " " << name;
+      const auto want = torch::tensor(values, torch::kFloat64).reshape(shape);
+      EXPECT_TRUE(torch::equal(t.to(torch::kFloat64), want)) << stem << " " << name;
+    }
+    EXPECT_EQ(i, got.size()) << stem;
+    EXPECT_GT(i, 0u) << stem;
+  }
+  // Tensors that shared a storage in the file are apart here: writing one leaves the other.
+  auto views = load_state_dict(dir / "views.pt");
+  const auto again = views[4].second.clone();
+  views[3].second.fill_(-1);
+  EXPECT_TRUE(torch::equal(views[4].second, again));
+  const std::vector<std::pair<std::string, std::string>> refused{
+      {"bad-nested.pt", "its entry 'model' is a dict, not a tensor"},
+      {"bad-list.pt", "it holds a list, not a state_dict"},
+      {"bad-big-endian.pt", "big-endian"},
+      {"bad-torchscript.pt", "TorchScript"},
+  };
+  for (const auto& [file, words] : refused) {
+    try {
+      load_state_dict(dir / file);
+      ADD_FAILURE() << file << " was read";
+    } catch (const checkpoint_error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Checkpoint, TruncatedOrForeignFilesGiveClearErrors) {

@@ -26,7 +26,7 @@ def main():
     torch.manual_seed(7)
     torch.set_num_threads(2)
     model = gpt_tiny.model_from_args(a)
-    torch.save(gpt_tiny.state_dict_of(model), os.path.join(out, "init.pt"))
+    torch.save(model.state_dict(), os.path.join(out, "init.pt"))  # as a user saves it
     data, n_train = gpt_tiny.load_fortunes()
     opt = gpt_tiny.make_optimizer(model)
     seed, batch = 1234, 32
@@ -41,7 +41,7 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-    torch.save(gpt_tiny.state_dict_of(model), os.path.join(out, "final.pt"))
+    torch.save(model.state_dict(), os.path.join(out, "final.pt"))
     with open(os.path.join(out, "losses.txt"), "w") as f:
         f.write("\n".join(repr(x) for x in losses) + "\n")
 

@@ -112,11 +112,6 @@ def lr_at(t, total, warmup=20, max_lr=1e-3, min_lr=1e-4):
         1 + math.cos(math.pi * (t - warmup) / max(1, total - 1 - warmup)))
 
 
-def state_dict_of(model):
-    """A plain dict of contiguous tensors with GPT-2 names (what torch.save writes)."""
-    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-
-
 def add_shape_args(parser):
     """The gpt shape flags of `troupe train` (defaults: gpt-tiny's)."""
     parser.add_argument("--layers", type=int, default=8)
