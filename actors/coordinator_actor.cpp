@@ -474,7 +474,7 @@ void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line, doub
   auto& s = self->state;
   torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   local_pipeline model(s.ctx->spec, state, 1, 1, {}, 1, s.ctx->device);  // on the job's device
-  const auto e = evaluate_model(model, evaluation_set(self), s.ctx->spec.type == model_spec::kind::gpt,
+  const auto e = evaluate_model(model, evaluation_set(self), s.ctx->spec.type == model_spec::kind::decoder,
                                 int(s.step) + 1, s.ctx->cfg.eval_tokens);
   record_evaluation(self, e, (s.ctx->now_us() - t0) * 1e-6, line);
 }
@@ -491,7 +491,7 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
   auto& s = self->state;
   const auto& ctx = *s.ctx;
   const auto& set = evaluation_set(self);
-  const auto plan = plan_evaluation(set, ctx.spec.type == model_spec::kind::gpt, ctx.cfg.eval_tokens);
+  const auto plan = plan_evaluation(set, ctx.spec.type == model_spec::kind::decoder, ctx.cfg.eval_tokens);
   s.evaluating = true;
   s.eval_scores.assign(plan.size(), {});
   s.seen_evals.assign(plan.size(), false);
@@ -520,7 +520,7 @@ void end_evaluation(self_ptr self) {
         auto& s = self->state;
         s.evaluating = false;
         const auto e = combine_evaluation(s.eval_scores, evaluation_set(self).input.size(0),
-                                          s.ctx->spec.type == model_spec::kind::gpt, 0);  // logged with its time
+                                          s.ctx->spec.type == model_spec::kind::decoder, 0);  // logged with its time
         auto then = std::move(s.eval_then);
         then(e);
       },
@@ -719,7 +719,7 @@ void commit(self_ptr self) {
   for (double l : s.losses) s.stats.loss += l * weight;  // replica order, micro-batch order
   s.stats.seconds = (ctx.now_us() - s.started_us) * 1e-6;
   s.stats.tokens = std::int64_t(ctx.cfg.global_batch) *
-                   (ctx.spec.type == model_spec::kind::gpt ? ctx.spec.gpt.seq_len : 1);
+                   (ctx.spec.type == model_spec::kind::decoder ? ctx.spec.decoder.seq_len : 1);
   if (!std::isfinite(s.stats.loss) && !s.skipping) return fail(self, "loss is " + std::to_string(s.stats.loss), false);
   s.elapsed += s.stats.seconds;
   ++s.timed;
@@ -730,7 +730,7 @@ void commit(self_ptr self) {
   s.result->bubbles.push_back(timing.bubble);
   s.result->step_seconds.push_back(s.stats.seconds);
   s.result->events.insert(s.result->events.end(), s.events.begin(), s.events.end());
-  const bool text = ctx.spec.type == model_spec::kind::gpt;
+  const bool text = ctx.spec.type == model_spec::kind::decoder;
   if (!s.opts.quiet) {
     const double eta = s.elapsed / s.timed * (ctx.cfg.steps - s.step - 1);
     std::printf("%s | bubble %.2f\n", progress_line(s.stats, ctx.cfg.steps, eta, text).c_str(), timing.bubble);

@@ -37,6 +37,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
                                  const std::optional<std::vector<std::pair<int, int>>>& slots)
     : cfg(c),
       spec(c.model()),
+      tied_name(tied_parameter(spec)),
       p(c.pipeline),
       d(c.data_parallel),
       m(c.microbatches),
@@ -118,17 +119,17 @@ std::vector<flat_range> runtime_context::buckets_of(const model_slice& slice) co
 
 std::vector<std::int64_t> runtime_context::activation_shape(int x, std::int64_t rows) const {
   if (rows < 0) rows = mbs;
-  if (spec.type == model_spec::kind::gpt) return {rows, spec.gpt.seq_len, spec.gpt.d_model};
+  if (spec.type == model_spec::kind::decoder) return {rows, spec.decoder.seq_len, spec.decoder.d_model};
   return {rows, spec.mlp_widths.at(ranges.at(x).first)};
 }
 
 std::vector<std::int64_t> runtime_context::input_shape(std::int64_t rows) const {
   if (rows < 0) rows = mbs;
-  return {rows, spec.type == model_spec::kind::gpt ? spec.gpt.seq_len : spec.mlp_widths.at(0)};
+  return {rows, spec.type == model_spec::kind::decoder ? spec.decoder.seq_len : spec.mlp_widths.at(0)};
 }
 
 torch::ScalarType runtime_context::input_dtype() const {
-  return spec.type == model_spec::kind::gpt ? torch::kInt64 : torch::kFloat32;
+  return spec.type == model_spec::kind::decoder ? torch::kInt64 : torch::kFloat32;
 }
 
 namespace {

@@ -52,6 +52,7 @@ struct runtime_context {
 
   job_config cfg;
   model_spec spec;
+  std::string tied_name;             ///< tied_parameter(spec): "" when the decoder is untied
   int p, d, m, v, mbs;
   int n_virtual;
   bool dataflow;                     ///< no fixed order (schedule = "dataflow")

@@ -108,7 +108,7 @@ struct stage_state {
   /// The (replica's) stage actor owning virtual stage x, and the chunk index there.
   std::pair<caf::actor, int> owner(int x) const { return {wiring->stages[replica][x % ctx->p], x / ctx->p}; }
   bool holds_tied_copy() const {
-    return ctx->spec.type == model_spec::kind::gpt && ctx->n_virtual > 1 &&
+    return !ctx->tied_name.empty() && ctx->n_virtual > 1 &&
            (virtual_of(0) == 0 || is_last_virtual(ctx->v - 1));
   }
   /// Whether `chunk` holds a copy of the tied embedding (the first virtual stage's, or
@@ -338,7 +338,7 @@ class stage_logic {
     s_.watches.at(chunk)->finish();
     if (!s_.is_tied_chunk(chunk)) return;
     if (ctx.p == 1) return;  // both copies here (v > 1): summed once every op ran (after_backward)
-    auto& mine = tied_slice().param("wte.weight").mutable_grad();
+    auto& mine = tied_slice().param(ctx.tied_name).mutable_grad();
     const auto peer = s_.stage == 0 ? ctx.p - 1 : 0;
     send_tensor(peer, s_.wiring->stages[s_.replica][peer],
                 tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)}, "tied gradient", -1, -1);
@@ -351,8 +351,8 @@ class stage_logic {
     s_.running = false;
     const auto& ctx = *s_.ctx;
     if (s_.holds_tied_copy() && ctx.p == 1) {  // both copies here (v > 1): sum locally, as the reference does
-      auto& first = s_.chunks.front()->param("wte.weight").mutable_grad();
-      auto& last = s_.chunks.back()->param("wte.weight").mutable_grad();
+      auto& first = s_.chunks.front()->param(ctx.tied_name).mutable_grad();
+      auto& last = s_.chunks.back()->param(ctx.tied_name).mutable_grad();
       {
         torch::NoGradGuard g;
         first.add_(last);
@@ -372,7 +372,7 @@ class stage_logic {
     }
     {
       torch::NoGradGuard g;
-      tied_slice().param("wte.weight").mutable_grad().add_(other);
+      tied_slice().param(s_.ctx->tied_name).mutable_grad().add_(other);
     }
     s_.tied_pending = false;
     s_.tied_in = torch::Tensor();
@@ -728,7 +728,7 @@ class stage_logic {
     eval_score score;
     {
       precision_scope amp(ctx.device, ctx.compute_dtype);
-      score = score_evaluation(*s_.chunks.back(), out->second, target->second, ctx.spec.type == model_spec::kind::gpt);
+      score = score_evaluation(*s_.chunks.back(), out->second, target->second, ctx.spec.type == model_spec::kind::decoder);
     }
     s_.eval_outputs.erase(out);
     s_.eval_targets.erase(target);
@@ -812,7 +812,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       std::vector<char> tied(watch->buckets().size(), 0);
       const auto& entries = slice.entries();
       for (std::size_t i = 0; i < entries.size(); ++i)
-        if (entries[i].name == "wte.weight")
+        if (entries[i].name == ctx->tied_name)
           for (int b : watch->buckets_holding(i)) tied[b] = 1;
       s.tied_bucket.push_back(std::move(tied));
       s.held.emplace_back();
@@ -891,7 +891,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       [=](tied_grad& msg) {
         if (!logic->fetched(msg)) return;
         if (!logic->accept(msg.step) || !logic->first_time(received::tied_gradient, {0, 0}, "tied gradient")) return;
-        const auto problem = check_payload(msg.data, logic->tied_slice().param("wte.weight").sizes(), torch::kFloat32);
+        const auto problem = check_payload(msg.data, logic->tied_slice().param(ctx->tied_name).sizes(), torch::kFloat32);
         if (!problem.empty()) return logic->fail("tied embedding gradient: " + problem);
         auto tied = tensor_of(msg.data).to(ctx->device);
         logic->trace_comm("recv", "tied gradient", -1, -1, ctx->now_us(), payload_bytes(msg.data));

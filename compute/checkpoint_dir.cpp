@@ -13,6 +13,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <sstream>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -89,10 +90,23 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
   // The model's shape as it resolves ([model] keys, or the workload's own): the weights
   // alone do not tell the number of heads.
   if (cfg.workload != "fmnist-mlp") {
-    const auto g = cfg.model().gpt;
+    const auto g = cfg.model().decoder;
     for (const auto& [k, v] : {std::pair<const char*, int>{"model.layers", g.n_layer}, {"model.heads", g.n_head},
                                {"model.d_model", g.d_model}, {"model.d_ff", g.d_ff}, {"model.seq_len", g.seq_len}})
       out.emplace_back(k, std::to_string(v));
+    // What the architecture adds (manifests from before these keys: gpt2's, as implied below).
+    auto fmt_double = [](double x) {
+      std::ostringstream o;
+      o.precision(17);
+      o << x;
+      return o.str();
+    };
+    out.emplace_back("model.architecture", std::string("\"") + decoder_arch_name(g.arch) + "\"");  // (TOML text)
+    out.emplace_back("model.kv_heads", std::to_string(g.kv_heads()));
+    out.emplace_back("model.vocab", std::to_string(g.vocab));
+    out.emplace_back("model.norm_eps", fmt_double(g.norm_eps));
+    out.emplace_back("model.tie_embeddings", g.tie_embeddings ? "true" : "false");
+    if (g.arch == decoder_arch::llama) out.emplace_back("model.rope_theta", fmt_double(g.rope_theta));
   }
   return out;
 }

@@ -19,7 +19,7 @@ void check_sampling(const sampling_options& s, const std::string& prompt) {
 
 std::string generate(const model_spec& spec, const state_dict& state, const std::string& prompt,
                      const sampling_options& s, torch::Device device, const std::function<void(char)>& on_byte) {
-  if (spec.type != model_spec::kind::gpt) throw model_error("generate needs a gpt model, not " + spec.name());
+  if (spec.type != model_spec::kind::decoder) throw model_error("generate needs a gpt model, not " + spec.name());
   check_sampling(s, prompt);
   check_state(spec, state);
   layer_range whole;
@@ -30,7 +30,7 @@ std::string generate(const model_spec& spec, const state_dict& state, const std:
   std::vector<std::int64_t> ids;
   for (unsigned char c : prompt) ids.push_back(c);
   std::string out = prompt;
-  const std::size_t context = std::size_t(spec.gpt.seq_len);
+  const std::size_t context = std::size_t(spec.decoder.seq_len);
   kv_cache cache;
   const auto tokens = [&](std::size_t from) {
     return torch::tensor(std::vector<std::int64_t>(ids.begin() + from, ids.end()), torch::kInt64)

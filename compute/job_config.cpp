@@ -122,9 +122,11 @@ key_def string_key(std::string name, std::string help, std::string job_config::*
           [=](const job_config& c) { return toml_string(c.*field); }};
 }
 
+const char* const workload_names = "gpt-tiny, gpt-small, llama-tiny, llama-small or fmnist-mlp";
+
 const std::vector<key_def>& key_defs() {
   static const std::vector<key_def> defs = {
-      string_key("train.workload", "gpt-tiny, gpt-small or fmnist-mlp", &job_config::workload),
+      string_key("train.workload", "gpt-tiny, gpt-small, llama-tiny, llama-small or fmnist-mlp", &job_config::workload),
       int_key("train.steps", "optimizer steps (also the lr schedule's length)", &job_config::steps, 1, 10000000),
       int_key("train.seed", "seed of initial weights and data sampling", &job_config::seed, 0, 0xffffffffLL),
       int_key("train.threads", "LibTorch intra-op threads (0: every hardware thread)", &job_config::threads, 0, 1024),
@@ -171,12 +173,38 @@ const std::vector<key_def>& key_defs() {
                  "full (each transformer block keeps only its input and runs again in the backward; least "
                  "memory, one more forward)",
                  &job_config::recompute),
-      int_key("model.layers", "gpt: transformer blocks (0: the workload's)", &job_config::layers, 0, 4096),
-      int_key("model.heads", "gpt: attention heads, dividing d_model (0: the workload's)", &job_config::heads, 0, 4096),
-      int_key("model.d_model", "gpt: model width (0: the workload's)", &job_config::d_model, 0, 1 << 16),
-      int_key("model.d_ff", "gpt: MLP hidden width (0: 4 x d_model)", &job_config::d_ff, 0, 1 << 18),
-      int_key("model.seq_len", "gpt: tokens per sample, also the position table's length (0: the workload's)",
+      {{"model.architecture",
+        "gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama (rotary positions, RMSNorm, "
+        "grouped-query attention, SwiGLU MLP, no biases; Hugging Face names); empty: the workload's"},
+       [](job_config& c, const std::string& v) {
+         if (!v.empty()) parse_decoder_arch(v);
+         c.architecture = v;
+       },
+       [](const job_config& c) { return toml_string(c.architecture); }},
+      int_key("model.layers", "decoders: transformer blocks (0: the workload's)", &job_config::layers, 0, 4096),
+      int_key("model.heads", "decoders: attention heads, dividing d_model (0: the workload's)", &job_config::heads, 0,
+              4096),
+      int_key("model.kv_heads",
+              "llama: key/value heads, dividing heads (grouped-query attention; 0: the workload's, gpt2's is heads)",
+              &job_config::kv_heads, 0, 4096),
+      int_key("model.d_model", "decoders: model width (0: the workload's)", &job_config::d_model, 0, 1 << 16),
+      int_key("model.d_ff", "decoders: MLP hidden width (0: the workload's d_ff scaled with d_model: 4 x d_model for "
+              "gpt, 3 x for llama-tiny)", &job_config::d_ff, 0, 1 << 18),
+      int_key("model.seq_len", "decoders: tokens per sample, also gpt2's position table's length (0: the workload's)",
               &job_config::seq_len, 0, 1 << 16),
+      int_key("model.vocab", "decoders: rows of the token embedding, at least the data's 256 byte values (0: 256)",
+              &job_config::vocab, 0, 1 << 24),
+      double_key("model.rope_theta", "llama: the rotary embedding's base (0: 10000)", &job_config::rope_theta, 0, 1e12),
+      double_key("model.norm_eps", "decoders: LayerNorm's / RMSNorm's epsilon (0: 1e-5)", &job_config::norm_eps, 0, 1),
+      {{"model.tie_embeddings",
+        "true: the output layer is the token embedding (gpt2's wte; with pipeline stages the first and last "
+        "hold a copy, their gradients summed), false: an lm_head of its own; auto: the architecture's "
+        "(gpt2 tied, llama not)"},
+       [](job_config& c, const std::string& v) {
+         if (v != "auto" && v != "true" && v != "false") bad("expected auto, true or false");
+         c.tie_embeddings = v;
+       },
+       [](const job_config& c) { return c.tie_embeddings == "auto" ? toml_string("auto") : c.tie_embeddings; }},
       int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
       int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
@@ -327,8 +355,8 @@ std::string config_reference() {
       "     checks that this file equals its output. Do not edit by hand. -->\n\n"
       "A job's configuration is the workload's defaults, then the TOML file (`--config FILE`), then\n"
       "flags. Every key is a TOML key in its section and a flag: the key's last part, `_` written\n"
-      "`-` (`parallel.data_parallel` is `--data-parallel`). Defaults are gpt-tiny's; gpt-small and\n"
-      "fmnist-mlp change some of them (`compute/job_config.cpp`, `defaults_for`). Fault keys are\n"
+      "`-` (`parallel.data_parallel` is `--data-parallel`). Defaults are gpt-tiny's; the other workloads\n"
+      "change some of them (`compute/job_config.cpp`, `defaults_for`). Fault keys are\n"
       "for testing; `TROUPE_FAULTS=\"key=value,...\"` sets them too ([faults](faults.md)).\n";
   std::string section;
   for (const auto& k : key_defs()) {
@@ -348,7 +376,11 @@ std::string config_reference() {
 job_config job_config::defaults_for(const std::string& workload) {
   job_config c;
   if (workload == "gpt-tiny") return c;
-  if (workload == "gpt-small") {  // GPT-2 124M shape, for GPUs
+  if (workload == "llama-tiny") {  // gpt-tiny's data and training, Llama's architecture
+    c.workload = workload;
+    return c;
+  }
+  if (workload == "gpt-small" || workload == "llama-small") {  // GPT-2 124M's shape / a Llama of that size, for GPUs
     c.workload = workload;
     c.steps = 200;
     c.global_batch = 16;
@@ -372,7 +404,7 @@ job_config job_config::defaults_for(const std::string& workload) {
     c.eval_interval = 0;
     return c;
   }
-  throw config_error("unknown workload '" + workload + "' (expected gpt-tiny, gpt-small or fmnist-mlp)");
+  throw config_error("unknown workload '" + workload + "' (expected " + workload_names + ")");
 }
 
 void job_config::set(const std::string& key, const std::string& value, const std::string& origin) {
@@ -386,8 +418,9 @@ void job_config::set(const std::string& key, const std::string& value, const std
 
 void job_config::validate() const {
   auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
-  if (workload != "gpt-tiny" && workload != "gpt-small" && workload != "fmnist-mlp")
-    fail("unknown workload '" + workload + "' (expected gpt-tiny, gpt-small or fmnist-mlp)");
+  if (workload != "gpt-tiny" && workload != "gpt-small" && workload != "llama-tiny" && workload != "llama-small" &&
+      workload != "fmnist-mlp")
+    fail("unknown workload '" + workload + "' (expected " + workload_names + ")");
   auto check = [&](auto f) {  // parse errors of compute/device.hpp as configuration errors
     try {
       f();
@@ -400,18 +433,28 @@ void job_config::validate() const {
   if (eval_mode != "pipeline" && eval_mode != "gather")
     fail("unknown eval_mode '" + eval_mode + "' (expected pipeline or gather)");
   if (workload == "fmnist-mlp" && has_model_keys())
-    fail("the [model] keys shape the gpt workloads (fmnist-mlp's layers are fixed)");
-  if (workload != "fmnist-mlp") {
-    const auto g = model().gpt;
+    fail("the [model] keys shape the decoder workloads (fmnist-mlp's layers are fixed)");
+  if (is_decoder()) {
+    const auto g = model().decoder;
     if (g.d_model % g.n_head != 0)
       fail("d_model " + std::to_string(g.d_model) + " is not a multiple of heads (" + std::to_string(g.n_head) + ")");
+    if (g.n_head % g.kv_heads() != 0)
+      fail("heads " + std::to_string(g.n_head) + " is not a multiple of kv_heads (" + std::to_string(g.kv_heads()) +
+           "): each key/value head serves a group of query heads");
+    if (g.arch == decoder_arch::gpt2 && g.kv_heads() != g.n_head)
+      fail("kv_heads " + std::to_string(g.kv_heads()) + " with architecture gpt2: its fused c_attn has one key/value "
+           "head per query head (grouped-query attention is llama's)");
+    if (g.arch == decoder_arch::llama && g.head_dim() % 2 != 0)
+      fail("head dimension " + std::to_string(g.head_dim()) + " (d_model / heads) is odd: the rotary embedding "
+           "rotates pairs");
+    if (g.vocab < 256) fail("vocab " + std::to_string(g.vocab) + " is below the data's 256 byte values");
   }
   if (!text.empty() && workload == "fmnist-mlp")
-    fail("text " + text + " is a corpus for the gpt workloads (fmnist-mlp reads Fashion-MNIST)");
+    fail("text " + text + " is a corpus for the decoder workloads (fmnist-mlp reads Fashion-MNIST)");
   if (!val_text.empty() && text.empty())
     fail("val_text " + val_text + " validates a text of your own: give its training text too (data.text)");
   if (recompute != "none" && workload == "fmnist-mlp")
-    fail("recompute " + recompute + " applies to the transformer blocks of the gpt workloads (fmnist-mlp has none)");
+    fail("recompute " + recompute + " applies to the transformer blocks of the decoder workloads (fmnist-mlp has none)");
   // The plain loop is the fp32 reference on the CPU: asking it for more would be ignored.
   if (runtime == "local" && precision != "fp32")
     fail("precision " + precision + " needs the actors runtime (the local loop computes in fp32)");
@@ -462,23 +505,40 @@ void job_config::validate() const {
 
 model_spec job_config::model() const {
   if (workload == "fmnist-mlp") return model_spec::fmnist_mlp();
-  auto spec = workload == "gpt-small" ? model_spec::gpt_small() : model_spec::gpt_tiny();
-  auto& g = spec.gpt;
+  const auto own = workload == "gpt-small"     ? model_spec::gpt_small()
+                   : workload == "llama-tiny"  ? model_spec::llama_tiny()
+                   : workload == "llama-small" ? model_spec::llama_small()
+                                               : model_spec::gpt_tiny();
+  auto spec = own;
+  auto& g = spec.decoder;
+  if (!architecture.empty()) g.arch = parse_decoder_arch(architecture);
   if (layers > 0) g.n_layer = layers;
   if (heads > 0) g.n_head = heads;
+  if (kv_heads > 0) g.n_kv_head = kv_heads;
   if (d_model > 0) g.d_model = d_model;
   if (seq_len > 0) g.seq_len = seq_len;
-  g.d_ff = d_ff > 0 ? d_ff : 4 * g.d_model;  // both workloads' own d_ff is 4 x d_model
+  if (vocab > 0) g.vocab = vocab;
+  if (rope_theta > 0) g.rope_theta = rope_theta;
+  if (norm_eps > 0) g.norm_eps = norm_eps;
+  // The workload's MLP width scaled with the model's (gpt: 4 x d_model).
+  g.d_ff = d_ff > 0 ? d_ff : int(std::int64_t(own.decoder.d_ff) * g.d_model / own.decoder.d_model);
+  g.tie_embeddings = tie_embeddings == "auto" ? g.arch == decoder_arch::gpt2 : tie_embeddings == "true";
   return spec;
 }
 
 std::string job_config::model_label() const {
   if (!has_model_keys()) return workload;
-  const auto g = model().gpt;
-  char text[200];
-  std::snprintf(text, sizeof text, " (%d layers, d_model %d, %d heads, d_ff %d, seq_len %d: %.2f M parameters)",
-                g.n_layer, g.d_model, g.n_head, g.d_ff, g.seq_len, double(parameter_count(model())) / 1e6);
-  return workload + text;
+  const auto g = model().decoder;
+  const bool arch_ties = g.arch == decoder_arch::gpt2;
+  std::string text = std::string(" (") + decoder_arch_name(g.arch) + ", " + std::to_string(g.n_layer) + " layers, d_model " +
+                     std::to_string(g.d_model) + ", " + std::to_string(g.n_head) + " heads";
+  if (g.kv_heads() != g.n_head) text += ", " + std::to_string(g.kv_heads()) + " kv heads";
+  text += ", d_ff " + std::to_string(g.d_ff) + ", seq_len " + std::to_string(g.seq_len);
+  if (g.vocab != 256) text += ", vocab " + std::to_string(g.vocab);
+  if (g.tie_embeddings != arch_ties) text += g.tie_embeddings ? ", tied embeddings" : ", untied embeddings";
+  char params[64];
+  std::snprintf(params, sizeof params, ": %.2f M parameters)", double(parameter_count(model())) / 1e6);
+  return workload + text + params;
 }
 
 std::string job_config::data_label() const {

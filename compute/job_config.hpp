@@ -27,7 +27,7 @@ constexpr std::int64_t eval_tokens_per_forward = 8192;
 
 struct job_config {
   // [train]
-  std::string workload = "gpt-tiny";  ///< gpt-tiny | gpt-small | fmnist-mlp
+  std::string workload = "gpt-tiny";  ///< gpt-tiny | gpt-small | llama-tiny | llama-small | fmnist-mlp
   int steps = 200;                    ///< also the lr schedule's length
   std::uint64_t seed = 1234;
   int threads = 0;                    ///< LibTorch intra-op threads (0: all hardware threads)
@@ -46,8 +46,12 @@ struct job_config {
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
   int max_step_retries = 2;           ///< in-place retries of a failed step (no node process lost)
   int rejoin_timeout = 60;            ///< seconds to wait for a restarted node process to rejoin
-  // [model]: the gpt workloads' shape (0: the workload's own; d_ff 0: 4 x d_model)
-  int layers = 0, heads = 0, d_model = 0, d_ff = 0, seq_len = 0;
+  // [model]: the decoder workloads' architecture and shape (0 / "": the workload's own;
+  // d_ff 0: the workload's d_ff scaled with d_model)
+  std::string architecture;            ///< gpt2 | llama ("": the workload's)
+  int layers = 0, heads = 0, kv_heads = 0, d_model = 0, d_ff = 0, seq_len = 0, vocab = 0;
+  double rope_theta = 0, norm_eps = 0;
+  std::string tie_embeddings = "auto"; ///< auto (the architecture's: gpt2 tied, llama not) | true | false
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;
@@ -98,7 +102,12 @@ struct job_config {
   void validate() const;
 
   /// True when a [model] key is set (not 0): the shape differs from the workload's own.
-  bool has_model_keys() const { return layers || heads || d_model || d_ff || seq_len; }
+  bool has_model_keys() const {
+    return !architecture.empty() || layers || heads || kv_heads || d_model || d_ff || seq_len || vocab || rope_theta ||
+           norm_eps || tie_embeddings != "auto";
+  }
+  /// A decoder workload (not fmnist-mlp).
+  bool is_decoder() const { return workload != "fmnist-mlp"; }
   /// The model to train: the workload's, with the [model] keys that are set applied.
   model_spec model() const;
   /// For the start-of-training log line: the workload, and its shape and parameter count

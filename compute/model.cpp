@@ -30,7 +30,7 @@ struct param_spec {
   bool decay = false;
 };
 
-std::vector<param_spec> gpt_block_params(const gpt_config& c, int i) {
+std::vector<param_spec> gpt_block_params(const decoder_config& c, int i) {
   const std::string p = "h." + std::to_string(i) + ".";
   const std::int64_t d = c.d_model, f = c.d_ff;
   const double proj_std = 0.02 / std::sqrt(2.0 * c.n_layer);
@@ -51,15 +51,45 @@ std::vector<param_spec> gpt_block_params(const gpt_config& c, int i) {
   };
 }
 
-std::vector<param_spec> gpt_embedding_params(const gpt_config& c) {
+/// WORKLOADS.md "llama-tiny": Hugging Face's LlamaForCausalLM names, no biases.
+std::vector<param_spec> llama_block_params(const decoder_config& c, int i) {
+  const std::string p = "model.layers." + std::to_string(i) + ".";
+  const std::int64_t d = c.d_model, f = c.d_ff, q = std::int64_t(c.n_head) * c.head_dim(),
+                     kv = std::int64_t(c.kv_heads()) * c.head_dim();
+  const double proj_std = 0.02 / std::sqrt(2.0 * c.n_layer);
   using I = param_spec::init;
+  return {
+      {p + "input_layernorm.weight", {d}, I::ones},
+      {p + "self_attn.q_proj.weight", {q, d}, I::normal, 0.02, true},
+      {p + "self_attn.k_proj.weight", {kv, d}, I::normal, 0.02, true},
+      {p + "self_attn.v_proj.weight", {kv, d}, I::normal, 0.02, true},
+      {p + "self_attn.o_proj.weight", {d, q}, I::normal, proj_std, true},
+      {p + "post_attention_layernorm.weight", {d}, I::ones},
+      {p + "mlp.gate_proj.weight", {f, d}, I::normal, 0.02, true},
+      {p + "mlp.up_proj.weight", {f, d}, I::normal, 0.02, true},
+      {p + "mlp.down_proj.weight", {d, f}, I::normal, proj_std, true},
+  };
+}
+
+std::vector<param_spec> block_params(const decoder_config& c, int i) {
+  return c.arch == decoder_arch::llama ? llama_block_params(c, i) : gpt_block_params(c, i);
+}
+
+std::vector<param_spec> embedding_params(const decoder_config& c) {
+  using I = param_spec::init;
+  if (c.arch == decoder_arch::llama) return {{"model.embed_tokens.weight", {c.vocab, c.d_model}, I::normal, 0.02, true}};
   return {{"wte.weight", {c.vocab, c.d_model}, I::normal, 0.02, true},
           {"wpe.weight", {c.seq_len, c.d_model}, I::normal, 0.02, false}};
 }
 
-std::vector<param_spec> gpt_head_params(const gpt_config& c) {
+/// The final norm, and the output layer when it is not the tied embedding.
+std::vector<param_spec> head_params(const decoder_config& c) {
   using I = param_spec::init;
-  return {{"ln_f.weight", {c.d_model}, I::ones}, {"ln_f.bias", {c.d_model}, I::zeros}};
+  std::vector<param_spec> out;
+  if (c.arch == decoder_arch::llama) out = {{"model.norm.weight", {c.d_model}, I::ones}};
+  else out = {{"ln_f.weight", {c.d_model}, I::ones}, {"ln_f.bias", {c.d_model}, I::zeros}};
+  if (!c.tie_embeddings) out.push_back({"lm_head.weight", {c.vocab, c.d_model}, I::normal, 0.02, true});
+  return out;
 }
 
 std::vector<param_spec> mlp_layer_params(const std::vector<int>& w, int i) {
@@ -74,10 +104,10 @@ std::vector<param_spec> mlp_layer_params(const std::vector<int>& w, int i) {
 std::vector<param_spec> all_params(const model_spec& spec) {
   std::vector<param_spec> out;
   auto append = [&](std::vector<param_spec> v) { out.insert(out.end(), v.begin(), v.end()); };
-  if (spec.type == model_spec::kind::gpt) {
-    append(gpt_embedding_params(spec.gpt));
-    for (int i = 0; i < spec.gpt.n_layer; ++i) append(gpt_block_params(spec.gpt, i));
-    append(gpt_head_params(spec.gpt));
+  if (spec.type == model_spec::kind::decoder) {
+    append(embedding_params(spec.decoder));
+    for (int i = 0; i < spec.decoder.n_layer; ++i) append(block_params(spec.decoder, i));
+    append(head_params(spec.decoder));
   } else {
     for (int i = 0; i < spec.n_layers(); ++i) append(mlp_layer_params(spec.mlp_widths, i));
   }
@@ -106,20 +136,33 @@ std::vector<std::string> parameter_names(const model_spec& spec) {
 
 std::vector<std::string> slice_parameter_names(const model_spec& spec, const layer_range& range) {
   std::vector<std::string> names;
-  if (spec.type != model_spec::kind::gpt) {
+  if (spec.type != model_spec::kind::decoder) {
     for (int i = range.first; i < range.last; ++i)
       for (const auto& p : mlp_layer_params(spec.mlp_widths, i)) names.push_back(p.name);
     return names;
   }
   if (range.first_slice)
-    for (const auto& p : gpt_embedding_params(spec.gpt)) names.push_back(p.name);
-  else if (range.last_slice)
-    names.push_back("wte.weight");  // the tied output layer's copy
+    for (const auto& p : embedding_params(spec.decoder)) names.push_back(p.name);
+  else if (range.last_slice && !tied_parameter(spec).empty())
+    names.push_back(tied_parameter(spec));  // the tied output layer's copy
   for (int i = range.first; i < range.last; ++i)
-    for (const auto& p : gpt_block_params(spec.gpt, i)) names.push_back(p.name);
+    for (const auto& p : block_params(spec.decoder, i)) names.push_back(p.name);
   if (range.last_slice)
-    for (const auto& p : gpt_head_params(spec.gpt)) names.push_back(p.name);
+    for (const auto& p : head_params(spec.decoder)) names.push_back(p.name);
   return names;
+}
+
+decoder_arch parse_decoder_arch(const std::string& name) {
+  if (name == "gpt2") return decoder_arch::gpt2;
+  if (name == "llama") return decoder_arch::llama;
+  throw std::invalid_argument("unknown architecture '" + name + "' (expected gpt2 or llama)");
+}
+
+const char* decoder_arch_name(decoder_arch arch) { return arch == decoder_arch::llama ? "llama" : "gpt2"; }
+
+std::string tied_parameter(const model_spec& spec) {
+  if (spec.type != model_spec::kind::decoder || !spec.decoder.tie_embeddings) return "";
+  return spec.is_llama() ? "model.embed_tokens.weight" : "wte.weight";
 }
 
 std::int64_t parameter_count(const model_spec& spec) {
@@ -175,6 +218,14 @@ void check_state(const model_spec& spec, const state_dict& state) {
   for (const auto& [name, t] : given) problems.push_back("unexpected " + name);
   if (!problems.empty()) {
     std::string msg = "state_dict does not fit model " + spec.name() + ": ";
+    // Weights of the other architecture: say which, before the list of names.
+    const bool llama_names = given.count("model.embed_tokens.weight") > 0, gpt_names = given.count("wte.weight") > 0;
+    if (spec.type == model_spec::kind::decoder && !spec.is_llama() && llama_names)
+      msg += "it holds a llama model's names (model.embed_tokens.weight): give --workload llama-tiny (or "
+             "--architecture llama and its shape); ";
+    else if (spec.is_llama() && gpt_names)
+      msg += "it holds a gpt2 model's names (wte.weight): give --workload gpt-tiny (or --architecture gpt2 and its "
+             "shape); ";
     for (std::size_t i = 0; i < problems.size() && i < 8; ++i) msg += (i ? "; " : "") + problems[i];
     if (problems.size() > 8) msg += "; and " + std::to_string(problems.size() - 8) + " more";
     throw model_error(msg);
@@ -212,7 +263,7 @@ struct deferred_linear : torch::autograd::Function<deferred_linear> {
     ctx->saved_data["store"] = reinterpret_cast<std::int64_t>(store);
     ctx->saved_data["x_dtype"] = std::int64_t(x.scalar_type());
     ctx->saved_data["b_dtype"] = std::int64_t(b.scalar_type());
-    return torch::linear(xc, wc, b.to(dt));
+    return b.numel() > 0 ? torch::linear(xc, wc, b.to(dt)) : torch::linear(xc, wc);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -220,7 +271,9 @@ struct deferred_linear : torch::autograd::Function<deferred_linear> {
     if (!dy.defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
     const auto saved = ctx->get_saved_variables();
     auto dx = dy.matmul(saved[1]).to(torch::ScalarType(ctx->saved_data["x_dtype"].toInt()));
-    auto db = dy.reshape({-1, dy.size(-1)}).sum(0).to(torch::ScalarType(ctx->saved_data["b_dtype"].toInt()));
+    const bool bias = ctx->needs_input_grad(2);
+    auto db = bias ? dy.reshape({-1, dy.size(-1)}).sum(0).to(torch::ScalarType(ctx->saved_data["b_dtype"].toInt()))
+                   : torch::Tensor();
     reinterpret_cast<weight_grad_store*>(ctx->saved_data["store"].toInt())->add(saved[2], saved[0], dy);
     return {dx, torch::Tensor(), db, torch::Tensor()};
   }
@@ -231,7 +284,9 @@ struct deferred_linear : torch::autograd::Function<deferred_linear> {
 // --- model_slice ---------------------------------------------------------------------
 
 torch::Tensor model_slice::linear_layer(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (defer_ && torch::GradMode::is_enabled()) return deferred_linear::apply(x, w, b, defer_);
+  // (A custom function's inputs must be defined tensors: no bias is an empty one there.)
+  if (defer_ && torch::GradMode::is_enabled())
+    return deferred_linear::apply(x, w, b.defined() ? b : torch::empty({0}, w.options().requires_grad(false)), defer_);
   return torch::linear(x, w, b);
 }
 
@@ -252,10 +307,11 @@ state_dict model_slice::state(bool include_shared_copies) const {
 
 namespace {
 
-/// gpt parameters used outside matrix products (layer norms, embedding lookups), where
+/// Decoder parameters used outside matrix products (norms, embedding lookups), where
 /// autocast computes in fp32: a bf16 slice keeps them as fp32 copies of its buffer's values.
 bool computes_in_fp32(const std::string& name) {
-  return name.find("ln_") != std::string::npos || name == "wte.weight" || name == "wpe.weight";
+  return name.find("ln_") != std::string::npos || name.find("norm.") != std::string::npos ||
+         name == "wte.weight" || name == "wpe.weight" || name == "model.embed_tokens.weight";
 }
 
 }  // namespace
@@ -323,16 +379,32 @@ namespace {
 
 // --- gpt-tiny --------------------------------------------------------------------------
 
-class gpt_slice final : public model_slice {
+class decoder_slice final : public model_slice {
  public:
-  gpt_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
+  decoder_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
             std::int64_t pad_to, torch::Device device, torch::ScalarType param_dtype)
-      : cfg_(spec.gpt) {
+      : cfg_(spec.decoder) {
     range_ = range;
     std::vector<std::string> shared;
-    if (!range.first_slice && range.last_slice) shared.push_back("wte.weight");  // tied output layer: this stage's copy
+    if (!range.first_slice && range.last_slice && !tied_parameter(spec).empty())
+      shared.push_back(tied_parameter(spec));  // tied output layer: this stage's copy
     allocate(spec, state, slice_parameter_names(spec, range), shared, pad_to, device, param_dtype);
     causal_ = torch::ones({cfg_.seq_len, cfg_.seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril();
+    embedding_ = spec.is_llama() ? "model.embed_tokens.weight" : "wte.weight";
+    output_ = cfg_.tie_embeddings ? embedding_ : "lm_head.weight";
+    if (spec.is_llama()) {
+      // Rotary tables as Hugging Face computes them, in fp32: inv_freq[j] = 1 / theta^(2j / hd),
+      // angle = position * inv_freq[j]; cos and sin of [angles, angles] (length hd).
+      const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+      const std::int64_t hd = cfg_.head_dim();
+      const auto inv_freq =
+          torch::reciprocal(torch::pow(cfg_.rope_theta, torch::arange(0, hd, 2, f32.dtype(torch::kInt64)).to(torch::kFloat32) / hd));
+      const auto angles = torch::arange(0, cfg_.seq_len, f32.dtype(torch::kInt64)).to(torch::kFloat32).unsqueeze(1) *
+                          inv_freq.unsqueeze(0);
+      const auto emb = torch::cat({angles, angles}, /*dim=*/1);
+      rope_cos_ = emb.cos().to(device);
+      rope_sin_ = emb.sin().to(device);
+    }
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {
@@ -343,7 +415,7 @@ class gpt_slice final : public model_slice {
     if (recompute && !x.requires_grad()) x = x.detach().requires_grad_(true);
     for (int i = range_.first; i < range_.last; ++i)
       x = recompute ? recomputed_block::apply(x, this, std::int64_t(i)) : block(x, i);
-    if (is_last()) x = layer_norm(x, "ln_f");
+    if (is_last()) x = final_norm(x);
     return x;
   }
 
@@ -367,12 +439,10 @@ class gpt_slice final : public model_slice {
     torch::Tensor x = is_first() ? embed(input, from) : input;
     for (int i = range_.first; i < range_.last; ++i) x = block(x, i, &cache);
     cache.length = from + T;
-    return is_last() ? layer_norm(x, "ln_f") : x;
+    return is_last() ? final_norm(x) : x;
   }
 
-  torch::Tensor logits(const torch::Tensor& output) override {
-    return torch::linear(output, param("wte.weight"));
-  }
+  torch::Tensor logits(const torch::Tensor& output) override { return torch::linear(output, param(output_)); }
 
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override {
     auto l = logits(output);
@@ -386,7 +456,7 @@ class gpt_slice final : public model_slice {
   /// forward ran in, and back-propagates through it (the parameters' gradients accumulate
   /// into the flat buffer as usual; the input's gradient is returned).
   struct recomputed_block : torch::autograd::Function<recomputed_block> {
-    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, gpt_slice* slice,
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, decoder_slice* slice,
                                  std::int64_t i) {
       ctx->save_for_backward({x});
       ctx->saved_data["slice"] = reinterpret_cast<std::int64_t>(slice);
@@ -398,7 +468,7 @@ class gpt_slice final : public model_slice {
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grads) {
       if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
-      auto* slice = reinterpret_cast<gpt_slice*>(ctx->saved_data["slice"].toInt());
+      auto* slice = reinterpret_cast<decoder_slice*>(ctx->saved_data["slice"].toInt());
       const auto x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
       torch::Tensor y;
       {
@@ -418,9 +488,13 @@ class gpt_slice final : public model_slice {
 
   /// The attention core, softmax(q k^T / sqrt(hd)) v, causal, for queries at positions
   /// past, past + 1, ... and keys from position 0 (q: (B, H, T, hd); k, v: (B, H, past + T, hd)).
-  torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                          std::int64_t past) const {
+  torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, std::int64_t past) const {
     const auto T = q.size(2), hd = q.size(3);
+    if (k.size(1) != q.size(1)) {  // grouped-query: query head h uses key/value head h / (H / KV)
+      const auto group = q.size(1) / k.size(1);
+      k = k.repeat_interleave(group, /*dim=*/1);
+      v = v.repeat_interleave(group, /*dim=*/1);
+    }
     // Query t (position past + t) sees keys 0 .. past + t: rows past.. of the causal mask.
     // One new token sees them all: no mask.
     const bool masked = T > 1;
@@ -445,7 +519,7 @@ class gpt_slice final : public model_slice {
   /// gradients of q, k and v.
   struct recomputed_attention : torch::autograd::Function<recomputed_attention> {
     static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v, const gpt_slice* slice) {
+                                 const torch::Tensor& v, const decoder_slice* slice) {
       ctx->save_for_backward({q, k, v});
       ctx->saved_data["slice"] = reinterpret_cast<std::int64_t>(slice);
       ctx->saved_data["precision"] = std::int64_t(current_precision(q.device()));
@@ -454,7 +528,7 @@ class gpt_slice final : public model_slice {
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grads) {
       if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-      const auto* slice = reinterpret_cast<const gpt_slice*>(ctx->saved_data["slice"].toInt());
+      const auto* slice = reinterpret_cast<const decoder_slice*>(ctx->saved_data["slice"].toInt());
       const auto saved = ctx->get_saved_variables();
       std::vector<torch::Tensor> in;
       for (const auto& t : saved) in.push_back(t.detach().requires_grad_(true));
@@ -470,22 +544,85 @@ class gpt_slice final : public model_slice {
     }
   };
 
-  /// Token and position embeddings of `tokens` (batch, T) at positions from, from + 1, ...
+  /// Token (and gpt2's position) embeddings of `tokens` (batch, T) at positions from, from + 1, ...
   torch::Tensor embed(const torch::Tensor& tokens, std::int64_t from) {
+    auto x = torch::embedding(param(embedding_), tokens);
+    if (cfg_.arch == decoder_arch::llama) return x;  // positions enter through the rotary embedding
     auto pos = torch::arange(from, from + tokens.size(1), torch::TensorOptions().dtype(torch::kInt64).device(tokens.device()));
-    return torch::embedding(param("wte.weight"), tokens) + torch::embedding(param("wpe.weight"), pos);
+    return x + torch::embedding(param("wpe.weight"), pos);
   }
 
+  torch::Tensor final_norm(const torch::Tensor& x) {
+    return cfg_.arch == decoder_arch::llama ? rms_norm(x, "model.norm") : layer_norm(x, "ln_f");
+  }
   torch::Tensor layer_norm(const torch::Tensor& x, const std::string& p) {
-    return torch::layer_norm(x, {cfg_.d_model}, param(p + ".weight"), param(p + ".bias"), 1e-5);
+    return torch::layer_norm(x, {cfg_.d_model}, param(p + ".weight"), param(p + ".bias"), cfg_.norm_eps);
+  }
+  /// Llama's RMSNorm as Hugging Face computes it: the statistics in fp32, then the weight
+  /// times the normalised input in the input's dtype.
+  torch::Tensor rms_norm(const torch::Tensor& x, const std::string& p) {
+    const auto xf = x.to(torch::kFloat32);
+    const auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + cfg_.norm_eps);
+    return param(p + ".weight") * normed.to(x.scalar_type());
   }
   torch::Tensor linear(const torch::Tensor& x, const std::string& p) {
     return linear_layer(x, param(p + ".weight"), param(p + ".bias"));
+  }
+  torch::Tensor projection(const torch::Tensor& x, const std::string& p) {  // no bias
+    return linear_layer(x, param(p + ".weight"), torch::Tensor());
+  }
+  /// The rotary embedding of q or k (B, heads, T, hd) at positions from, from + 1, ...
+  /// (Hugging Face's rotate_half convention; the tables cast to x's dtype as it does).
+  torch::Tensor rotate(const torch::Tensor& x, std::int64_t from) const {
+    const auto T = x.size(2), half = x.size(3) / 2;
+    const auto cos = rope_cos_.narrow(0, from, T).to(x.scalar_type());
+    const auto sin = rope_sin_.narrow(0, from, T).to(x.scalar_type());
+    const auto rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, /*dim=*/3);
+    return x * cos + rotated * sin;
+  }
+
+  /// Appends k and v (B, KV, T, hd) to block i's cache and returns all its keys and values
+  /// so far. `past`: the tokens the cache holds.
+  std::pair<torch::Tensor, torch::Tensor> cached(kv_cache& cache, int i, std::int64_t past, const torch::Tensor& k,
+                                                 const torch::Tensor& v) const {
+    const std::size_t j = std::size_t(i - range_.first);
+    const auto B = k.size(0), KV = k.size(1), T = k.size(2), hd = k.size(3);
+    auto& keys = cache.keys[j];
+    auto& values = cache.values[j];
+    if (past == 0) {  // (a cache that starts again keeps its buffers when they fit)
+      const std::vector<std::int64_t> shape{B, KV, cfg_.seq_len, hd};
+      if (!keys.defined() || keys.sizes() != c10::IntArrayRef(shape) || keys.scalar_type() != k.scalar_type() ||
+          keys.device() != k.device()) {
+        keys = torch::empty(shape, k.options());
+        values = torch::empty(shape, v.options());
+      }
+    }
+    keys.narrow(2, past, T).copy_(k);
+    values.narrow(2, past, T).copy_(v);
+    return {keys.narrow(2, 0, past + T), values.narrow(2, 0, past + T)};
+  }
+
+  /// The attention core for q (B, H, T, hd), k and v (B, KV, T, hd), with or without a
+  /// cache, with selective recompute when it applies; returns (B, T, H * hd).
+  torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int i, kv_cache* cache) {
+    std::int64_t past = 0;
+    if (cache) {
+      past = cache->length;
+      std::tie(k, v) = cached(*cache, i, past, k, v);
+    }
+    const bool selective = recompute_ == recompute_mode::selective && !cache && torch::GradMode::is_enabled();
+    auto y = selective ? recomputed_attention::apply(q, k, v, this) : attention(q, k, v, past);
+    const auto B = q.size(0), T = q.size(2);
+    return y.transpose(1, 2).contiguous().view({B, T, q.size(1) * q.size(3)});
   }
 
   /// Block i. With a cache, `x` holds the tokens after the cache's: their keys and values
   /// are appended to the block's, and they attend to all of them.
   torch::Tensor block(torch::Tensor x, int i, kv_cache* cache = nullptr) {
+    return cfg_.arch == decoder_arch::llama ? llama_block(std::move(x), i, cache) : gpt_block(std::move(x), i, cache);
+  }
+
+  torch::Tensor gpt_block(torch::Tensor x, int i, kv_cache* cache) {
     const std::string p = "h." + std::to_string(i) + ".";
     const auto B = x.size(0), T = x.size(1), d = x.size(2);
     const std::int64_t H = cfg_.n_head, hd = d / H;
@@ -494,36 +631,33 @@ class gpt_slice final : public model_slice {
     auto q = qkv[0].view({B, T, H, hd}).transpose(1, 2);
     auto k = qkv[1].view({B, T, H, hd}).transpose(1, 2);
     auto v = qkv[2].view({B, T, H, hd}).transpose(1, 2);
-    std::int64_t past = 0;
-    if (cache) {
-      const std::size_t j = std::size_t(i - range_.first);
-      past = cache->length;
-      auto& keys = cache->keys[j];
-      auto& values = cache->values[j];
-      if (past == 0) {  // (a cache that starts again keeps its buffers when they fit)
-        const std::vector<std::int64_t> shape{B, H, cfg_.seq_len, hd};
-        if (!keys.defined() || keys.sizes() != c10::IntArrayRef(shape) || keys.scalar_type() != k.scalar_type() ||
-            keys.device() != k.device()) {
-          keys = torch::empty(shape, k.options());
-          values = torch::empty(shape, v.options());
-        }
-      }
-      keys.narrow(2, past, T).copy_(k);
-      values.narrow(2, past, T).copy_(v);
-      k = keys.narrow(2, 0, past + T);
-      v = values.narrow(2, 0, past + T);
-    }
-    const bool selective = recompute_ == recompute_mode::selective && !cache && torch::GradMode::is_enabled();
-    auto y = selective ? recomputed_attention::apply(q, k, v, this) : attention(q, k, v, past);
-    y = y.transpose(1, 2).contiguous().view({B, T, d});
-    x = x + linear(y, p + "attn.c_proj");
+    x = x + linear(attend(q, k, v, i, cache), p + "attn.c_proj");
     // mlp: c_fc, exact GELU, c_proj
     auto h = torch::gelu(linear(layer_norm(x, p + "ln_2"), p + "mlp.c_fc"));
     return x + linear(h, p + "mlp.c_proj");
   }
 
-  gpt_config cfg_;
+  /// WORKLOADS.md "llama-tiny": h = x + o_proj(attn(input_layernorm(x))), then
+  /// h + down_proj(silu(gate_proj(g)) * up_proj(g)) with g = post_attention_layernorm(h).
+  torch::Tensor llama_block(torch::Tensor x, int i, kv_cache* cache) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    const auto B = x.size(0), T = x.size(1);
+    const std::int64_t H = cfg_.n_head, KV = cfg_.kv_heads(), hd = cfg_.head_dim();
+    const std::int64_t from = cache ? cache->length : 0;
+    const auto a = rms_norm(x, p + "input_layernorm");
+    auto q = rotate(projection(a, p + "self_attn.q_proj").view({B, T, H, hd}).transpose(1, 2), from);
+    auto k = rotate(projection(a, p + "self_attn.k_proj").view({B, T, KV, hd}).transpose(1, 2), from);
+    auto v = projection(a, p + "self_attn.v_proj").view({B, T, KV, hd}).transpose(1, 2);
+    x = x + projection(attend(q, k, v, i, cache), p + "self_attn.o_proj");
+    const auto g = rms_norm(x, p + "post_attention_layernorm");
+    const auto h = torch::silu(projection(g, p + "mlp.gate_proj")) * projection(g, p + "mlp.up_proj");
+    return x + projection(h, p + "mlp.down_proj");
+  }
+
+  decoder_config cfg_;
   torch::Tensor causal_;
+  torch::Tensor rope_cos_, rope_sin_;  ///< llama: (seq_len, head dim), fp32
+  std::string embedding_, output_;     ///< the token embedding's and the output layer's names
 };
 
 // --- fmnist-mlp ------------------------------------------------------------------------
@@ -578,8 +712,8 @@ std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_rang
     throw model_error("layer range [" + std::to_string(range.first) + ", " +
                       std::to_string(range.last) + ") does not fit " + spec.name() + " with " +
                       std::to_string(spec.n_layers()) + " layers");
-  if (spec.type == model_spec::kind::gpt)
-    return std::make_unique<gpt_slice>(spec, range, state, pad_to, device, param_dtype);
+  if (spec.type == model_spec::kind::decoder)
+    return std::make_unique<decoder_slice>(spec, range, state, pad_to, device, param_dtype);
   return std::make_unique<mlp_slice>(spec, range, state, pad_to, device, param_dtype);
 }
 

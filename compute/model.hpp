@@ -24,28 +24,53 @@ struct model_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// GPT-2 style decoder (WORKLOADS.md "gpt-tiny").
-struct gpt_config {
+/// A decoder's architecture: GPT-2's (WORKLOADS.md "gpt-tiny": learned positions,
+/// LayerNorm with biases, fused qkv, GELU MLP) or Llama's ("llama-tiny": rotary
+/// positions, RMSNorm, grouped-query attention, SwiGLU MLP, no biases; Hugging Face names).
+enum class decoder_arch { gpt2, llama };
+
+/// A decoder's shape (Megatron's TransformerConfig, for the two architectures).
+struct decoder_config {
   int n_layer = 8;
   int n_head = 4;
   int d_model = 128;
   int d_ff = 512;
   int seq_len = 128;
   int vocab = 256;
+  decoder_arch arch = decoder_arch::gpt2;
+  int n_kv_head = 0;            ///< llama: key/value heads (grouped-query attention); 0: n_head
+  double rope_theta = 10000;    ///< llama: the rotary embedding's base
+  double norm_eps = 1e-5;       ///< LayerNorm's / RMSNorm's epsilon
+  bool tie_embeddings = true;   ///< the output layer is the token embedding (no lm_head)
+
+  int head_dim() const { return d_model / n_head; }
+  int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
 };
 
 /// Which model and its shape.
 struct model_spec {
-  enum class kind { gpt, mlp };
-  kind type = kind::gpt;
-  gpt_config gpt;
+  enum class kind { decoder, mlp };
+  kind type = kind::decoder;
+  decoder_config decoder;
   std::vector<int> mlp_widths{784, 512, 512, 256, 10};  ///< fmnist-mlp
 
   static model_spec gpt_tiny() { return {}; }
   /// GPT-2 124M's shape (12 layers, 12 heads, d_model 768, seq 1024) on 256 byte values.
   static model_spec gpt_small() {
     model_spec s;
-    s.gpt = {12, 12, 768, 3072, 1024, 256};
+    s.decoder = {12, 12, 768, 3072, 1024, 256};
+    return s;
+  }
+  /// WORKLOADS.md "llama-tiny": 8 layers, 4 heads, 2 key/value heads, d_model 128, d_ff 384.
+  static model_spec llama_tiny() {
+    model_spec s;
+    s.decoder = {8, 4, 128, 384, 128, 256, decoder_arch::llama, 2, 10000, 1e-5, false};
+    return s;
+  }
+  /// For GPUs: 12 layers, d_model 768, 12 heads, 4 key/value heads, d_ff 2048, seq 1024.
+  static model_spec llama_small() {
+    model_spec s;
+    s.decoder = {12, 12, 768, 2048, 1024, 256, decoder_arch::llama, 4, 10000, 1e-5, false};
     return s;
   }
   static model_spec fmnist_mlp() {
@@ -53,10 +78,20 @@ struct model_spec {
     s.type = kind::mlp;
     return s;
   }
+  bool is_llama() const { return type == kind::decoder && decoder.arch == decoder_arch::llama; }
   /// Number of sliceable layers (transformer blocks or Linear layers).
-  int n_layers() const { return type == kind::gpt ? gpt.n_layer : int(mlp_widths.size()) - 1; }
-  std::string name() const { return type == kind::gpt ? "gpt" : "fmnist-mlp"; }
+  int n_layers() const { return type == kind::decoder ? decoder.n_layer : int(mlp_widths.size()) - 1; }
+  std::string name() const { return type == kind::mlp ? "fmnist-mlp" : is_llama() ? "llama" : "gpt"; }
 };
+
+/// "gpt2" or "llama"; throws std::invalid_argument otherwise.
+decoder_arch parse_decoder_arch(const std::string& name);
+const char* decoder_arch_name(decoder_arch arch);
+
+/// The parameter that the first and the last pipeline stage each hold a copy of (the
+/// token embedding, tied to the output layer): "wte.weight" (gpt2),
+/// "model.embed_tokens.weight" (llama); "" for untied decoders and the MLP.
+std::string tied_parameter(const model_spec& spec);
 
 /// Activation recomputation (see model_slice::set_recompute).
 enum class recompute_mode { none, selective, full };
@@ -73,7 +108,8 @@ state_dict initial_state(const model_spec& spec, std::uint64_t seed);
 std::vector<std::string> parameter_names(const model_spec& spec);
 
 /// The parameters of the slice for `range` (make_slice), in its order; a last slice of
-/// a gpt without the embeddings names "wte.weight", its copy of the tied output layer.
+/// a tied decoder without the embeddings names tied_parameter(spec), its copy of the
+/// tied output layer.
 std::vector<std::string> slice_parameter_names(const model_spec& spec, const layer_range& range);
 
 /// The full model's number of parameters (the tied output layer counted once).
@@ -85,17 +121,17 @@ void check_state(const model_spec& spec, const state_dict& state);
 
 /// One parameter's place in a slice's flat buffers.
 struct param_entry {
-  std::string name;              ///< global (GPT-2) name, e.g. "h.3.attn.c_attn.weight"
+  std::string name;              ///< global name, e.g. "h.3.attn.c_attn.weight"
   std::vector<std::int64_t> shape;
   std::int64_t offset = 0;       ///< first element in the flat buffers
   std::int64_t numel = 0;
-  bool decay = false;            ///< weight decay applies (2-D weights, not wpe)
-  bool shared_copy = false;      ///< a second copy of a tied parameter (last stage's wte):
+  bool decay = false;            ///< weight decay applies (2-D weights, not gpt2's wpe)
+  bool shared_copy = false;      ///< a second copy of a tied parameter (last stage's embedding):
                                  ///< its gradient is summed with the owner's, it is not
                                  ///< counted twice in the grad norm nor saved twice
 };
 
-/// The keys and values a gpt slice's attention has computed for the tokens it has seen
+/// The keys and values a decoder slice's attention has computed for the tokens it has seen
 /// (generation: each new token attends to them instead of running the earlier ones again).
 /// Each block's keys and values live in a buffer of the model's whole context, allocated
 /// by the first call: later tokens are written after the earlier ones, nothing is copied.
@@ -151,7 +187,7 @@ class model_slice {
   virtual torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) = 0;
   /// Last slice only: logits from `output` (for accuracy).
   virtual torch::Tensor logits(const torch::Tensor& output) = 0;
-  /// gpt slices, for inference (no graph): `input` holds the tokens (or the previous
+  /// Decoder slices, for inference (no graph): `input` holds the tokens (or the previous
   /// slice's activations) that follow the `cache.length` tokens `cache` has seen, at
   /// positions cache.length, cache.length + 1, ...; they attend to the cached keys and
   /// values and to each other (causally), and theirs are appended. The result equals the
@@ -188,7 +224,7 @@ class model_slice {
   /// of them. selective (Megatron's selective recompute): only the attention core
   /// (softmax(q k^T / sqrt(d)) v) keeps just q, k and v and runs again in the backward:
   /// no T x T scores or probabilities held, for little compute. Gradients are
-  /// bit-identical to those without it. gpt slices only (the MLP has no blocks: it
+  /// bit-identical to those without it. Decoder slices only (the MLP has no blocks: it
   /// ignores the setting, which the job config refuses for it).
   void set_recompute(recompute_mode mode) { recompute_ = mode; }
   void set_recompute(bool full) { recompute_ = full ? recompute_mode::full : recompute_mode::none; }

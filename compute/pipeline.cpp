@@ -67,10 +67,11 @@ std::vector<double> local_pipeline::run_step(const schedule& sched,
 }
 
 void local_pipeline::sum_tied_grads() {
-  if (spec_.type != model_spec::kind::gpt || slices_.size() < 2) return;
+  const auto tied = tied_parameter(spec_);
+  if (tied.empty() || slices_.size() < 2) return;
   torch::NoGradGuard no_grad;
-  auto& first = slices_.front()->param("wte.weight").mutable_grad();
-  auto& last = slices_.back()->param("wte.weight").mutable_grad();
+  auto& first = slices_.front()->param(tied).mutable_grad();
+  auto& last = slices_.back()->param(tied).mutable_grad();
   first.add_(last);
   last.copy_(first);
 }

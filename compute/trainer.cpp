@@ -50,7 +50,7 @@ training_data::training_data(const job_config& cfg, use what) : cfg_(cfg) {
 
 void training_data::check_available(const job_config& cfg) {
   if (cfg.workload == "fmnist-mlp") return fashion_mnist::require(cfg.fmnist_dir);
-  const auto seq_len = cfg.model().gpt.seq_len;
+  const auto seq_len = cfg.model().decoder.seq_len;
   if (!cfg.val_text.empty())
     text_corpus::require_sizes(text_corpus::text_files(cfg.text), "text corpus " + cfg.text,
                                text_corpus::text_files(cfg.val_text), "validation text " + cfg.val_text, seq_len);
@@ -91,7 +91,7 @@ std::string training_data::fingerprint(const job_config& cfg) {
 
 batch training_data::samples(int step, int first, int count) {
   const std::int64_t B = cfg_.global_batch;
-  if (text_) return text_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().gpt.seq_len);
+  if (text_) return text_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().decoder.seq_len);
   // Fashion-MNIST: step t of epoch e takes positions [B t, B t + B) of e's order.
   const int per_epoch = images_->train_size() / int(B);
   const int epoch = step / per_epoch;
@@ -103,10 +103,10 @@ batch training_data::samples(int step, int first, int count) {
 }
 
 batch training_data::evaluation_set() const {
-  return text_ ? text_->validation_batch(cfg_.model().gpt.seq_len) : images_->test_set();
+  return text_ ? text_->validation_batch(cfg_.model().decoder.seq_len) : images_->test_set();
 }
 
-std::int64_t training_data::tokens_per_sample() const { return text_ ? cfg_.model().gpt.seq_len : 1; }
+std::int64_t training_data::tokens_per_sample() const { return text_ ? cfg_.model().decoder.seq_len : 1; }
 
 // --- local_trainer ---------------------------------------------------------------------
 
@@ -239,7 +239,7 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
 }
 
 evaluation local_trainer::evaluate() {
-  return evaluate_model(*replicas_[0], data_.evaluation_set(), spec_.type == model_spec::kind::gpt, next_step_,
+  return evaluate_model(*replicas_[0], data_.evaluation_set(), spec_.type == model_spec::kind::decoder, next_step_,
                         cfg_.eval_tokens);
 }
 

@@ -238,7 +238,7 @@ struct generate_args {
 int run_generate_command(const config_flags& flags, const generate_args& a) {
   const auto gpt_only = [&](troupe::job_config& cfg) {
     troupe::check_sampling(a.sampling, a.prompt);
-    if (cfg.model().type != troupe::model_spec::kind::gpt)
+    if (cfg.model().type != troupe::model_spec::kind::decoder)
       throw troupe::config_error("generate needs a gpt workload, not " + cfg.workload);
   };
   const auto run = [&](trained_model& m) {
@@ -269,7 +269,7 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
 int run_eval_command(const config_flags& flags, const std::string& from) {
   return with_trained_model(flags, from, [&](trained_model& m) {
     const auto device = troupe::resolve_device(m.cfg.device);
-    const bool text = m.cfg.model().type == troupe::model_spec::kind::gpt;
+    const bool text = m.cfg.model().type == troupe::model_spec::kind::decoder;
     const auto set = troupe::training_data(m.cfg, troupe::training_data::use::evaluation).evaluation_set();
     spdlog::info("evaluating {} from {} on {}: {} {}{}", m.cfg.model_label(), m.source, device.str(),
                  set.input.size(0), text ? "validation windows" : "test images", m.cfg.data_label());

@@ -78,8 +78,8 @@ double gpt_step_flops(const troupe::job_config& c) {
   double n = 0;
   for (const auto& [name, t] : troupe::initial_state(spec, 1))
     if (name != "wpe.weight") n += double(t.numel());
-  const double tokens = double(c.global_batch) * spec.gpt.seq_len;
-  return 6.0 * n * tokens + 12.0 * spec.gpt.n_layer * spec.gpt.d_model * spec.gpt.seq_len * tokens;
+  const double tokens = double(c.global_batch) * spec.decoder.seq_len;
+  return 6.0 * n * tokens + 12.0 * spec.decoder.n_layer * spec.decoder.d_model * spec.decoder.seq_len * tokens;
 }
 
 void BM_TrainStep(benchmark::State& state) {
@@ -90,7 +90,7 @@ void BM_TrainStep(benchmark::State& state) {
   troupe::local_trainer t(c);
   t.step();  // warm-up
   for (auto _ : state) benchmark::DoNotOptimize(t.step());
-  const double tokens = double(c.global_batch) * c.model().gpt.seq_len;
+  const double tokens = double(c.global_batch) * c.model().decoder.seq_len;
   state.counters["tokens/s"] = benchmark::Counter(tokens * state.iterations(), benchmark::Counter::kIsRate);
   set_flops(state, gpt_step_flops(c));
 }

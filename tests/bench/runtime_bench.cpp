@@ -116,8 +116,8 @@ void split_backward_row(int reps) {
   const auto spec = model_spec::gpt_tiny();
   const auto init = initial_state(spec, 1);
   auto slice = make_slice(spec, partition_layers(spec.n_layers(), 1)[0], init);
-  const auto input = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
-  const auto target = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
+  const auto input = torch::randint(256, {4, spec.decoder.seq_len}, torch::kInt64);
+  const auto target = torch::randint(256, {4, spec.decoder.seq_len}, torch::kInt64);
   using clock = std::chrono::steady_clock;
   const auto ms = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
   std::vector<double> plain, b, w;
@@ -283,7 +283,7 @@ int main(int argc, char** argv) {
                           model_case{"gpt-small", model_spec::gpt_small(), 1}}) {
       auto init = initial_state(m.spec, 1);
       const auto whole = partition_layers(m.spec.n_layers(), 1)[0];
-      const auto seq = m.spec.gpt.seq_len;
+      const auto seq = m.spec.decoder.seq_len;
       const auto input = torch::randint(256, {m.mbs, seq}, torch::kInt64);
       const auto target = torch::randint(256, {m.mbs, seq}, torch::kInt64);
       {

@@ -219,8 +219,8 @@ std::vector<torch::Tensor> bf16_grads(const state_dict& init, torch::ScalarType 
   std::vector<torch::Tensor> out;
   for (std::uint64_t mb = 0; mb < 2; ++mb) {
     torch::manual_seed(mb);
-    const auto input = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
-    const auto target = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
+    const auto input = torch::randint(256, {4, spec.decoder.seq_len}, torch::kInt64);
+    const auto target = torch::randint(256, {4, spec.decoder.seq_len}, torch::kInt64);
     torch::Tensor act, in, loss;
     {
       precision_scope amp(torch::kCPU, torch::kBFloat16);
@@ -283,7 +283,7 @@ TEST(Precision, Bf16SlicesHoldTwoBytesPerParameterAndComputeAsBefore) {
   b->set_params(other);
   EXPECT_TRUE(torch::equal(b->flat_params(), other.to(torch::kBFloat16)));
   EXPECT_TRUE(torch::equal(b->param("ln_f.weight"),
-                           other.narrow(0, b->entries().back().offset - spec.gpt.d_model, spec.gpt.d_model)
+                           other.narrow(0, b->entries().back().offset - spec.decoder.d_model, spec.decoder.d_model)
                                .to(torch::kBFloat16)
                                .to(torch::kFloat32)))
       << "ln_f.weight's fp32 copy was not refreshed";
@@ -303,8 +303,8 @@ TEST(Precision, Bf16SlicesHoldTwoBytesPerParameterAndComputeAsBefore) {
   // Bytes a micro-batch's forward holds for its backward: the fp32-parameter slice's
   // graph keeps a bf16 copy of every matrix weight (autocast's casts), the bf16 one none.
   torch::manual_seed(7);
-  const auto input = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
-  const auto target = torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64);
+  const auto input = torch::randint(256, {4, spec.decoder.seq_len}, torch::kInt64);
+  const auto target = torch::randint(256, {4, spec.decoder.seq_len}, torch::kInt64);
   auto held = [&](model_slice& slice) { return test::bytes_held_for_backward(slice, input, target, torch::kBFloat16); };
   auto f = make_slice(spec, whole, rounded, 4, torch::kCPU, torch::kFloat32);
   held(*f);  // one-off buffers outside the measure
@@ -332,7 +332,7 @@ TEST(Precision, Bf16HalvesTheBytesBetweenStagesAndOfTheAllGather) {
   };
   const auto fp32 = bytes_of("fp32"), bf16 = bytes_of("bf16");
   const auto c = tiny(2, 2, 1, "1f1b", "cpu");
-  const auto spec = c.model().gpt;
+  const auto spec = c.model().decoder;
   const std::int64_t act = std::int64_t(c.microbatch_size()) * spec.seq_len * spec.d_model;
   const std::int64_t tied = std::int64_t(spec.vocab) * spec.d_model;
   for (const char* name : {"send activation", "recv activation", "send gradient", "recv gradient"}) {

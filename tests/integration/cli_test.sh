@@ -107,14 +107,14 @@ check train-shape-mlp 2 "$troupe" train --workload fmnist-mlp --d-model 64
 expect_in train-shape-mlp-msg "$err" "fmnist-mlp's layers are fixed"
 printf '[model]\nlayers = 2\nd_model = 32\nheads = 2\nseq_len = 64\n' > "$tmp/shape.toml"
 check train-model-shape 0 "$troupe" train --config "$tmp/shape.toml" --heads 4 --steps 1 --threads 1 --pipeline 2 --eval-interval 0
-expect_in train-model-shape-log "$err" "training gpt-tiny (2 layers, d_model 32, 4 heads, d_ff 128, seq_len 64: 0.04 M parameters)"
+expect_in train-model-shape-log "$err" "training gpt-tiny (gpt2, 2 layers, d_model 32, 4 heads, d_ff 128, seq_len 64: 0.04 M parameters)"
 expect_in train-model-shape-progress "$out" "step 1/1 | loss"
 # troupe generate: from a checkpoint folder (its model recorded) and from a state_dict file.
 check gen-train 0 "$troupe" train --config "$tmp/shape.toml" --steps 2 --threads 1 --eval-interval 0 \
   --checkpoint-dir "$tmp/gen-ckpt" --save "$tmp/gen.pt" --metrics "$tmp/gen-metrics.jsonl"
 check gen-folder 0 "$troupe" generate --checkpoint "$tmp/gen-ckpt" --prompt "Q: " --tokens 30 --seed 3
 cp "$out" "$tmp/gen-1.txt"
-expect_in gen-folder-log "$err" "generating 30 bytes with gpt-tiny (2 layers, d_model 32, 2 heads"
+expect_in gen-folder-log "$err" "generating 30 bytes with gpt-tiny (gpt2, 2 layers, d_model 32, 2 heads"
 expect_in gen-folder-log-step "$err" "(after step 2)"
 [ "$(head -c 3 "$tmp/gen-1.txt")" = "Q: " ] && [ "$(wc -c < "$tmp/gen-1.txt")" = 34 ] \
   && echo "ok   gen-folder-text" || { echo "FAIL gen-folder-text: not 'Q: ' + 30 bytes + newline:"; cat "$tmp/gen-1.txt"; fail=1; }
@@ -180,7 +180,7 @@ text_job=(train --config "$tmp/shape.toml" --steps 3 --threads 1 --pipeline 2 --
 check text-reference 0 "$troupe" "${text_job[@]}" --metrics "$tmp/text-ref.jsonl"
 check text-file 0 "$troupe" "${text_job[@]}" --metrics "$tmp/text-file.jsonl" --text "$tmp/fortunes.txt" \
   --checkpoint-dir "$tmp/text-ckpt"
-expect_in text-file-log "$err" "training gpt-tiny (2 layers, d_model 32, 2 heads, d_ff 128, seq_len 64: 0.04 M parameters) on the text in $tmp/fortunes.txt for 3 steps"
+expect_in text-file-log "$err" "training gpt-tiny (gpt2, 2 layers, d_model 32, 2 heads, d_ff 128, seq_len 64: 0.04 M parameters) on the text in $tmp/fortunes.txt for 3 steps"
 check text-folder 0 "$troupe" "${text_job[@]}" --metrics "$tmp/text-folder.jsonl" --text "$tmp/texts"
 same_run() {  # same_run NAME A.jsonl B.jsonl: every step's loss, grad_norm and val_loss equal
   /usr/bin/python3 - "$2" "$3" <<'PY' && echo "ok   $1" || { echo "FAIL $1"; fail=1; }
@@ -238,7 +238,7 @@ expect_in text-missing-msg "$err" "text corpus not found: $tmp/none.txt does not
 check text-generate 2 "$troupe" generate --checkpoint "$tmp/text-ckpt" --text "$tmp/fortunes.txt"
 expect_in text-generate-msg "$err" "unknown flag --text"
 check text-mlp 2 "$troupe" train --workload fmnist-mlp --text "$tmp/fortunes.txt"
-expect_in text-mlp-msg "$err" "is a corpus for the gpt workloads"
+expect_in text-mlp-msg "$err" "is a corpus for the decoder workloads"
 check gen-bad-temperature 2 "$troupe" generate --checkpoint "$tmp/gen.pt" --temperature -1
 expect_in gen-bad-temperature-msg "$err" "temperature must be in [0, 100]"
 check train-bad-device 2 "$troupe" train --device tpu
@@ -326,6 +326,17 @@ expect_in train-extras-msg "$err" "unexpected argument(s): foo bar; see troupe t
 check train-unknown-flag 2 "$troupe" train --warmup-steps 5 --pipline 2
 expect_in train-unknown-flag-msg "$err" "unknown flag --warmup-steps (did you mean --warmup?); unknown flag --pipline (did you mean --pipeline?); see troupe train --help"
 check train-dataflow-chunks 2 "$troupe" train --schedule dataflow --chunks 2 --pipeline 2
+# The [model] keys of the architectures: each bad combination named.
+check llama-kv-heads 2 "$troupe" train --workload llama-tiny --heads 3 --d-model 96
+expect_in llama-kv-heads-msg "$err" "heads 3 is not a multiple of kv_heads (2)"
+check gpt2-kv-heads 2 "$troupe" train --kv-heads 2
+expect_in gpt2-kv-heads-msg "$err" "kv_heads 2 with architecture gpt2"
+check bad-architecture 2 "$troupe" train --architecture mamba
+expect_in bad-architecture-msg "$err" "unknown architecture 'mamba' (expected gpt2 or llama)"
+check bad-tie 2 "$troupe" train --tie-embeddings maybe
+expect_in bad-tie-msg "$err" "expected auto, true or false"
+check llama-odd-head-dim 2 "$troupe" train --workload llama-tiny --d-model 132 --heads 4 --kv-heads 4
+expect_in llama-odd-head-dim-msg "$err" "head dimension 33 (d_model / heads) is odd"
 check train-bad-init 1 "$troupe" train --steps 1 --init "$tmp/m.jsonl"
 expect_in train-bad-init-msg "$err" "not a readable PyTorch file"
 # docs/configuration.md is generated from the keys' table (troupe config-reference): it

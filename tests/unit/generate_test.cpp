@@ -107,7 +107,7 @@ TEST(Generate, SamplingIsSeededAndKeepsToTheTopK) {
   torch::NoGradGuard no_grad;
   const auto ids = bytes_of(text);
   for (std::size_t i = 1; i < ids.size(); ++i) {
-    const auto top = std::get<1>(next_logits(*model, ids, i, spec.gpt.seq_len).topk(3));
+    const auto top = std::get<1>(next_logits(*model, ids, i, spec.decoder.seq_len).topk(3));
     EXPECT_TRUE((top == ids[i]).any().item<bool>()) << "byte " << i << " (" << ids[i] << ") is not in the top 3";
   }
 }
@@ -134,7 +134,7 @@ TEST(Generate, BadInputIsRefused) {
 
 TEST(Generate, CachedForwardEqualsTheFullForward) {
   const auto spec = small_gpt().model();  // 2 layers, context 24
-  const auto ids = torch::randint(0, 256, {2, spec.gpt.seq_len}, torch::kInt64);
+  const auto ids = torch::randint(0, 256, {2, spec.decoder.seq_len}, torch::kInt64);
   layer_range whole, front, back;
   whole.last = spec.n_layers();
   front.last = back.first = 1;
@@ -160,15 +160,15 @@ TEST(Generate, CachedForwardEqualsTheFullForward) {
     if (!buffer) buffer = cache.keys[0].data_ptr();
     EXPECT_EQ(cache.keys[0].data_ptr(), buffer) << "the keys were copied to a new buffer at " << at;
   }
-  ASSERT_EQ(at, spec.gpt.seq_len);
+  ASSERT_EQ(at, spec.decoder.seq_len);
   EXPECT_TRUE(torch::allclose(torch::cat(pieces, 1), full, 1e-5, 1e-5))
       << (torch::cat(pieces, 1) - full).abs().max().item<double>();
   EXPECT_TRUE(torch::allclose(torch::cat(split_pieces, 1), full, 1e-5, 1e-5))
       << (torch::cat(split_pieces, 1) - full).abs().max().item<double>();
   EXPECT_EQ(cache.keys.size(), 2u);
   EXPECT_EQ(cache_2.keys.size(), 1u);
-  EXPECT_EQ(cache.keys[0].sizes(), (std::vector<std::int64_t>{2, spec.gpt.n_head, spec.gpt.seq_len,
-                                                              spec.gpt.d_model / spec.gpt.n_head}));
+  EXPECT_EQ(cache.keys[0].sizes(), (std::vector<std::int64_t>{2, spec.decoder.n_head, spec.decoder.seq_len,
+                                                              spec.decoder.d_model / spec.decoder.n_head}));
 
   // Past the context: refused, and the cache is left as it was.
   try {
@@ -177,7 +177,7 @@ TEST(Generate, CachedForwardEqualsTheFullForward) {
   } catch (const model_error& e) {
     EXPECT_NE(std::string(e.what()).find("past the model's context of 24"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(cache.length, spec.gpt.seq_len);
+  EXPECT_EQ(cache.length, spec.decoder.seq_len);
   // A cache filled by a slice of 2 blocks does not fit a slice of 1.
   kv_cache two_blocks;
   model->forward_cached(ids.slice(1, 0, 3), two_blocks);

@@ -217,11 +217,11 @@ TEST(GradReadyWatch, ReportsEachBucketDuringTheLastBackwardWithItsFinalGradients
       EXPECT_GE(held, entries.size());
       torch::manual_seed(1);
       auto backward = [&] {
-        auto tokens = torch::randint(0, 256, {2, spec.gpt.seq_len}, torch::kLong);
+        auto tokens = torch::randint(0, 256, {2, spec.decoder.seq_len}, torch::kLong);
         torch::Tensor loss;
         {
           precision_scope amp(torch::kCPU, precision);
-          loss = slice->loss(slice->forward(tokens), torch::randint(0, 256, {2, spec.gpt.seq_len}, torch::kLong));
+          loss = slice->loss(slice->forward(tokens), torch::randint(0, 256, {2, spec.decoder.seq_len}, torch::kLong));
         }
         loss.backward();
       };

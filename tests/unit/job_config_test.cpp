@@ -86,7 +86,7 @@ TEST(JobConfig, ModelKeysShapeTheGptWorkloads) {
   test::temp_dir dir;
   const auto path = write(dir, "[model]\nlayers = 3\nheads = 8\nd_model = 96\n");
   const auto c = load_job_config(path, {{"seq_len", "32"}, {"model.heads", "6"}});
-  const auto g = c.model().gpt;
+  const auto g = c.model().decoder;
   EXPECT_EQ(g.n_layer, 3);
   EXPECT_EQ(g.n_head, 6);  // the flag over the file
   EXPECT_EQ(g.d_model, 96);
@@ -94,7 +94,7 @@ TEST(JobConfig, ModelKeysShapeTheGptWorkloads) {
   EXPECT_EQ(g.seq_len, 32);
   EXPECT_EQ(g.vocab, 256);
   EXPECT_EQ(c.model().n_layers(), 3);
-  EXPECT_EQ(load_job_config(path, {{"d_ff", "200"}}).model().gpt.d_ff, 200);
+  EXPECT_EQ(load_job_config(path, {{"d_ff", "200"}}).model().decoder.d_ff, 200);
   // parameter_count against GPT-2's formula: V d + T d + L (4 d^2 + 2 d f + 9 d + f) + 2 d.
   auto formula = [](std::int64_t V, std::int64_t T, std::int64_t L, std::int64_t d, std::int64_t f) {
     return V * d + T * d + L * (4 * d * d + 2 * d * f + 9 * d + f) + 2 * d;
@@ -104,9 +104,9 @@ TEST(JobConfig, ModelKeysShapeTheGptWorkloads) {
   EXPECT_EQ(parameter_count(load_job_config("", {{"workload", "gpt-small"}}).model()), formula(256, 1024, 12, 768, 3072));
   // The label names the shape only when it differs from the workload's.
   EXPECT_EQ(load_job_config("", {}).model_label(), "gpt-tiny");
-  EXPECT_EQ(c.model_label(), "gpt-tiny (3 layers, d_model 96, 6 heads, d_ff 384, seq_len 32: 0.36 M parameters)");
+  EXPECT_EQ(c.model_label(), "gpt-tiny (gpt2, 3 layers, d_model 96, 6 heads, d_ff 384, seq_len 32: 0.36 M parameters)");
   // gpt-small's shape with fewer layers.
-  const auto s = load_job_config("", {{"workload", "gpt-small"}, {"layers", "2"}}).model().gpt;
+  const auto s = load_job_config("", {{"workload", "gpt-small"}, {"layers", "2"}}).model().decoder;
   EXPECT_EQ(s.n_layer, 2);
   EXPECT_EQ(s.d_model, 768);
   EXPECT_EQ(s.d_ff, 3072);
@@ -119,6 +119,49 @@ TEST(JobConfig, ModelKeysShapeTheGptWorkloads) {
   EXPECT_NE(error_of("", {{"layers", "2"}, {"pipeline", "3"}}).find("gpt-tiny has 2 layers, too few for 3 stages"),
             std::string::npos);
   EXPECT_NE(error_of("", {{"heads", "-1"}}).find("model.heads"), std::string::npos);
+}
+
+// The llama workloads and the architecture keys: WORKLOADS.md's shapes, parameter counts
+// by formula, defaults that follow the workload, and each bad combination refused.
+TEST(JobConfig, LlamaWorkloadsAndArchitectureKeys) {
+  const auto tiny = load_job_config("", {{"workload", "llama-tiny"}}).model();
+  ASSERT_TRUE(tiny.is_llama());
+  const auto& g = tiny.decoder;
+  EXPECT_EQ(std::vector<int>({g.n_layer, g.n_head, g.kv_heads(), g.d_model, g.head_dim(), g.d_ff, g.seq_len, g.vocab}),
+            std::vector<int>({8, 4, 2, 128, 32, 384, 128, 256}));
+  EXPECT_FALSE(g.tie_embeddings);
+  EXPECT_EQ(g.rope_theta, 10000);
+  EXPECT_EQ(g.norm_eps, 1e-5);
+  // embed_tokens + L (2 norms + q, k, v, o + gate, up, down) + norm + lm_head.
+  auto formula = [](std::int64_t V, std::int64_t L, std::int64_t d, std::int64_t H, std::int64_t KV, std::int64_t f) {
+    const std::int64_t hd = d / H;
+    return V * d + L * (2 * d + 2 * d * H * hd + 2 * d * KV * hd + 3 * d * f) + d + V * d;
+  };
+  EXPECT_EQ(parameter_count(tiny), formula(256, 8, 128, 4, 2, 384));
+  const auto small = load_job_config("", {{"workload", "llama-small"}}).model();
+  EXPECT_EQ(parameter_count(small), formula(256, 12, 768, 12, 4, 2048));
+  EXPECT_EQ(small.decoder.seq_len, 1024);
+  // d_ff follows d_model (3 x for llama-tiny); tie_embeddings ties lm_head to the embedding.
+  const auto wide = load_job_config("", {{"workload", "llama-tiny"}, {"d_model", "256"}, {"heads", "8"}}).model();
+  EXPECT_EQ(wide.decoder.d_ff, 768);
+  EXPECT_EQ(wide.decoder.kv_heads(), 2);
+  const auto tied = load_job_config("", {{"workload", "llama-tiny"}, {"tie_embeddings", "true"}}).model();
+  EXPECT_EQ(parameter_count(tied), formula(256, 8, 128, 4, 2, 384) - 256 * 128);
+  EXPECT_EQ(tied_parameter(tied), "model.embed_tokens.weight");
+  // The architecture key on a gpt workload: a llama of gpt-tiny's shape.
+  const auto arch = load_job_config("", {{"architecture", "llama"}}).model();
+  EXPECT_TRUE(arch.is_llama());
+  EXPECT_EQ(arch.decoder.kv_heads(), 4);
+  EXPECT_EQ(arch.decoder.d_ff, 512);
+  EXPECT_EQ(load_job_config("", {{"workload", "llama-tiny"}, {"kv_heads", "1"}}).model_label(),
+            "llama-tiny (llama, 8 layers, d_model 128, 4 heads, 1 kv heads, d_ff 384, seq_len 128: 1.58 M parameters)");
+  // Refusals.
+  EXPECT_NE(error_of("", {{"workload", "llama-tiny"}, {"kv_heads", "3"}}).find("heads 4 is not a multiple of kv_heads (3)"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {{"kv_heads", "2"}}).find("kv_heads 2 with architecture gpt2"), std::string::npos);
+  EXPECT_NE(error_of("", {{"architecture", "rwkv"}}).find("unknown architecture 'rwkv'"), std::string::npos);
+  EXPECT_NE(error_of("", {{"vocab", "100"}}).find("vocab 100 is below the data's 256 byte values"), std::string::npos);
+  EXPECT_NE(error_of("", {{"workload", "fmnist-mlp"}, {"architecture", "llama"}}).find("[model] keys"), std::string::npos);
 }
 
 
@@ -149,9 +192,9 @@ TEST(JobConfig, TomlTextRoundTripsEveryKey) {
   EXPECT_NE(c.to_toml().find("text = \"/data/my text's \\\"best\\\" \\\\ part\\tone.txt\"\n"), std::string::npos)
       << c.to_toml();
   EXPECT_DOUBLE_EQ(back.lr, 0.00123);
-  EXPECT_EQ(back.model().gpt.n_layer, 6);
-  EXPECT_EQ(back.model().gpt.d_model, 64);
-  EXPECT_EQ(back.model().gpt.seq_len, 96);
+  EXPECT_EQ(back.model().decoder.n_layer, 6);
+  EXPECT_EQ(back.model().decoder.d_model, 64);
+  EXPECT_EQ(back.model().decoder.seq_len, 96);
   EXPECT_THROW(troupe::job_config_from_toml("pipeline = [", "test"), troupe::config_error);
 }
 

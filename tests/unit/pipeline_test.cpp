@@ -180,6 +180,18 @@ TEST(PytorchReference, AnotherShapeGivesTheSameLossesAndParametersAsPlainPytorch
                          {1, 3});
 }
 
+// llama-tiny (WORKLOADS.md section 3) against tests/support/python/llama_tiny.py, whole
+// and in two stages; then another shape, with three query heads per key/value head.
+TEST(PytorchReference, LlamaTinyGivesTheSameLossesAndParametersAsPlainPytorch) {
+  expect_same_as_pytorch({{"workload", "llama-tiny"}}, {1, 2});
+}
+
+TEST(PytorchReference, AnotherLlamaShapeGivesTheSameLossesAndParametersAsPlainPytorch) {
+  expect_same_as_pytorch({{"workload", "llama-tiny"}, {"layers", "3"}, {"heads", "6"}, {"kv_heads", "2"},
+                          {"d_model", "48"}, {"d_ff", "100"}, {"seq_len", "40"}},
+                         {1, 3});
+}
+
 TEST(FmnistMlp, OneEpochReachesEightyThreePercent) {
   auto c = job_config::defaults_for("fmnist-mlp");
   local_trainer t(c);
@@ -216,7 +228,7 @@ TEST(Evaluation, LongWindowsGoThroughTheModelAFewAtATime) {
     ~restore_threads() { torch::set_num_threads(n); }
   } restore{threads};
   model_spec spec;
-  spec.gpt = {2, 2, 32, 64, 1024, 256};  // gpt-small's window length on a small model
+  spec.decoder = {2, 2, 32, 64, 1024, 256};  // gpt-small's window length on a small model
   local_pipeline model(spec, initial_state(spec, 3), 1);
   std::vector<std::uint8_t> text(text_corpus::min_bytes(1024) + 5000);
   for (std::size_t i = 0; i < text.size(); ++i) text[i] = std::uint8_t(" etaoinshrdlu\n"[(i * 7919 + i / 13) % 14]);
@@ -250,7 +262,7 @@ TEST(Evaluation, LongWindowsGoThroughTheModelAFewAtATime) {
   EXPECT_LT(default_peak, whole_peak / 2) << "peaks: " << default_peak << " (8 windows) vs " << whole_peak << " (32)";
   EXPECT_LT(one_peak, default_peak) << "peaks: " << one_peak << " (1 window) vs " << default_peak << " (8)";
   // gpt-tiny's validation windows stay one forward, as before.
-  EXPECT_GE(eval_tokens_per_forward / model_spec::gpt_tiny().gpt.seq_len, 32);
+  EXPECT_GE(eval_tokens_per_forward / model_spec::gpt_tiny().decoder.seq_len, 32);
 }
 
 }  // namespace troupe

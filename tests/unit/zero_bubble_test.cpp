@@ -30,11 +30,11 @@ std::vector<torch::Tensor> grads_of(const model_spec& spec, bool split, bool rec
   last->set_recompute(recompute);
   std::vector<weight_grad_store> stores(4);
   std::vector<torch::Tensor> out;
-  const bool gpt = spec.type == model_spec::kind::gpt;
+  const bool gpt = spec.type == model_spec::kind::decoder;
   for (std::uint64_t mb = 0; mb < 2; ++mb) {
     torch::manual_seed(mb);
-    const auto input = gpt ? torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64) : torch::randn({8, 784});
-    const auto target = gpt ? torch::randint(256, {4, spec.gpt.seq_len}, torch::kInt64) : torch::randint(10, {8});
+    const auto input = gpt ? torch::randint(256, {4, spec.decoder.seq_len}, torch::kInt64) : torch::randn({8, 784});
+    const auto target = gpt ? torch::randint(256, {4, spec.decoder.seq_len}, torch::kInt64) : torch::randint(10, {8});
     torch::Tensor act, in, loss;
     {
       precision_scope amp(torch::kCPU, precision);
@@ -68,7 +68,7 @@ void expect_same_gradients(const model_spec& spec, bool recompute, torch::Scalar
   const std::string what = spec.name() + (recompute ? " recompute " : " ") + c10::toString(precision);
   // The forwards deferred every linear layer's weight gradient: 4 per transformer block,
   // one per MLP layer; B left those at zero (and computed the rest).
-  const std::size_t per_slice = spec.type == model_spec::kind::gpt ? 4 * spec.n_layers() / 2 : 2;
+  const std::size_t per_slice = spec.type == model_spec::kind::decoder ? 4 * spec.n_layers() / 2 : 2;
   EXPECT_EQ(deferred, std::vector<std::size_t>(4, per_slice)) << what;
   for (int i = 0; i < 2; ++i) {
     EXPECT_GT(after_b[i].abs().sum().item<double>(), 0.0) << what << ": B computed no gradient";

@@ -1,9 +1,10 @@
-"""Trains gpt-tiny in plain PyTorch for a few steps and writes what the C++ run is
-compared with: OUT/init.pt (initial state_dict), OUT/final.pt, OUT/losses.txt.
+"""Trains gpt-tiny (or llama-tiny) in plain PyTorch for a few steps and writes what the
+C++ run is compared with: OUT/init.pt (initial state_dict), OUT/final.pt, OUT/losses.txt.
 
 usage: /usr/bin/python3 tests/support/python/gpt_reference.py OUT_DIR STEPS TOTAL_STEPS
-           [--layers L] [--heads H] [--d-model D] [--d-ff F] [--seq-len T]
-(the shape options are those of `troupe train`; the defaults are gpt-tiny's)
+           [--workload gpt-tiny|llama-tiny] [--layers L] [--heads H] [--kv-heads K]
+           [--d-model D] [--d-ff F] [--seq-len T]
+(the options are those of `troupe train`; the defaults are the workload's)
 """
 import argparse
 import os
@@ -28,7 +29,7 @@ def main():
     model = gpt_tiny.model_from_args(a)
     torch.save(model.state_dict(), os.path.join(out, "init.pt"))  # as a user saves it
     data, n_train = gpt_tiny.load_fortunes()
-    opt = gpt_tiny.make_optimizer(model)
+    opt = gpt_tiny.optimizer_for(a, model)
     seed, batch = 1234, 32
     losses = []
     for t in range(steps):

@@ -113,14 +113,27 @@ def lr_at(t, total, warmup=20, max_lr=1e-3, min_lr=1e-4):
 
 
 def add_shape_args(parser):
-    """The gpt shape flags of `troupe train` (defaults: gpt-tiny's)."""
+    """The workload and shape flags of `troupe train` (0: the workload's own)."""
+    parser.add_argument("--workload", default="gpt-tiny", choices=["gpt-tiny", "llama-tiny"])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=0, help="llama: 0: 2")
     parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--d-ff", type=int, default=0, help="0: 4 x d_model")
+    parser.add_argument("--d-ff", type=int, default=0, help="0: 4 x d_model (gpt), 3 x d_model (llama)")
     parser.add_argument("--seq-len", type=int, default=128)
 
 
 def model_from_args(a):
-    """A GPT of the shape add_shape_args's flags give."""
+    """The model (GPT, or llama_tiny.Llama) of the workload and shape add_shape_args's flags give."""
+    if a.workload == "llama-tiny":
+        import llama_tiny
+        return llama_tiny.Llama(a.layers, a.heads, a.kv_heads or 2, a.d_model, a.d_ff or 3 * a.d_model, a.seq_len)
     return GPT(a.layers, a.heads, a.d_model, a.d_ff or 4 * a.d_model, a.seq_len)
+
+
+def optimizer_for(a, model):
+    """The workload's AdamW parameter groups (WORKLOADS.md)."""
+    if a.workload == "llama-tiny":
+        import llama_tiny
+        return llama_tiny.make_optimizer(model)
+    return make_optimizer(model)
