@@ -519,7 +519,7 @@ void end_evaluation(self_ptr self) {
       [self] {
         auto& s = self->state;
         s.evaluating = false;
-        const auto e = combine_evaluation(s.eval_scores, evaluation_set(self).input.size(0),
+        const auto e = combine_evaluation(s.eval_scores, evaluation_set(self),
                                           s.ctx->spec.type == model_spec::kind::decoder, 0);  // logged with its time
         auto then = std::move(s.eval_then);
         then(e);

@@ -76,7 +76,7 @@ bool use_tls(const node_options& o) { return !o.tls_certificate.empty(); }
 void check_node_data(const job_config& cfg, const job_offer& offer, const std::string& where) {
   std::string reason;
   try {
-    const auto mine = training_data::fingerprint(cfg);
+    const auto mine = training_data::identity(cfg);
     if (mine != offer.data)
       reason = "its data (" + mine + ") is not node 0's (" + offer.data + "): every node must read the same";
   } catch (const data_error& e) {
@@ -250,7 +250,7 @@ actor_run_result run_node(const node_options& o) {
           cfg.validate();
           resolve_resume(cfg);  // one checkpoint folder for every node (they get this config)
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
-          const auto data = training_data::fingerprint(cfg);  // the data every node must read
+          const auto data = training_data::identity(cfg);  // the data every node must read
           check_output_paths(cfg);
           registrar_handle = spawn_registrar(sys, o.token, o.nodes, cfg.to_toml(), steady_clock_ns(), data);
           auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)

@@ -10,6 +10,7 @@
 #include "actors/coordinator_actor.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
+#include "compute/hf_folder.hpp"
 #include "compute/device.hpp"
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
@@ -72,7 +73,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
     resume_optim = std::move(ckpt.optim);
     start_step = ckpt.step;
   } else {
-    init = c.init.empty() ? initial_state(spec, c.seed) : load_state_dict(c.init);
+    init = c.init.empty() ? initial_state(spec, c.seed) : read_initial_weights(c.init, spec);
   }
   if (cfg.resume.empty()) check_state(spec, init);
   if (slots) keep_only(*slots);

@@ -22,6 +22,7 @@
 #include "compute/checkpoint.hpp"
 #include "compute/model.hpp"
 #include "compute/remove_tree.hpp"
+#include "compute/tokenizer.hpp"
 
 namespace troupe {
 
@@ -182,7 +183,7 @@ std::string finish_checkpoint_dir(const std::string& root_path, const job_config
   const auto identity = training_identity(cfg);
   nlohmann::json config = nlohmann::json::object();
   for (const auto& [k, v] : identity) config[k] = v;
-  const nlohmann::json manifest{
+  nlohmann::json manifest{
       {"format", "troupe-checkpoint"},
       {"version", manifest_version},
       {"step", next_step},
@@ -197,6 +198,9 @@ std::string finish_checkpoint_dir(const std::string& root_path, const job_config
       {"config", config},
       {"config_hash", hash_of(identity)},
       {"files", entries}};
+  // The tokenizer by its bytes (a moved file is the same tokenizer), and where it was.
+  if (!cfg.tokenizer.empty())
+    manifest["tokenizer"] = {{"fingerprint", tokenizer_info_of(cfg.tokenizer).fingerprint}, {"path", cfg.tokenizer}};
   write_file_atomically((tmp / "manifest.json").string(), manifest.dump(2) + "\n");
 
   // A folder of the same step (from a launch that failed later) is replaced; 'latest'
@@ -280,6 +284,14 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
     if (!differ.empty())
       throw checkpoint_error("checkpoint " + folder + " was written by another training configuration: " + differ +
                              "; it would not continue the same run");
+    // The tokenizer's bytes, not only its path: the same file name with other pieces is another run.
+    const std::string theirs =
+        manifest.contains("tokenizer") ? manifest.at("tokenizer").at("fingerprint").get<std::string>() : "";
+    const std::string mine_tok = cfg.tokenizer.empty() ? "" : tokenizer_info_of(cfg.tokenizer).fingerprint;
+    if (theirs != mine_tok)
+      throw checkpoint_error("checkpoint " + folder + " was trained " +
+                             (theirs.empty() ? std::string("on bytes") : "with a tokenizer of " + theirs) + "; this run's " +
+                             (mine_tok.empty() ? std::string("has none") : "tokenizer " + cfg.tokenizer + " has " + mine_tok));
     const std::int64_t step = manifest.at("step").get<std::int64_t>();
     if (step < 0 || step > cfg.steps)
       throw checkpoint_error("checkpoint " + folder + " is at step " + std::to_string(step) + ", outside a run of " +
@@ -352,6 +364,8 @@ job_config checkpoint_job_config(const std::string& folder) {
       sections[key.substr(0, dot)] += key.substr(dot + 1) + " = " + value.get<std::string>() + "\n";
     }
     sections["parallel"] += "microbatches = 1\n";  // one process: whatever batch it was, it divides
+    if (manifest.contains("tokenizer"))  // where the run's tokenizer was (read_checkpoint_dir checks its bytes)
+      sections["data"] += "tokenizer = " + nlohmann::json(manifest.at("tokenizer").at("path").get<std::string>()).dump() + "\n";
     std::string text;
     for (const auto& [section, body] : sections) text += "[" + section + "]\n" + body;
     return job_config_from_toml(text, "checkpoint " + folder + "/manifest.json");

@@ -20,6 +20,9 @@ struct data_error : std::runtime_error {
 struct batch {
   torch::Tensor input;   ///< gpt: int64 [B, T] bytes; mlp: float [B, 784]
   torch::Tensor target;  ///< gpt: int64 [B, T] next bytes; mlp: int64 [B]
+  /// Text: the bytes a target stands for, on average (1 for bytes; a tokenizer's
+  /// validation windows: their pieces' bytes), for bits per byte.
+  double bytes_per_target = 1.0;
 };
 
 /// A byte-level text corpus (the tokens are the 256 byte values) split 90/10 into

@@ -6,6 +6,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "compute/partition.hpp"
+#include "compute/tokenizer.hpp"
 
 namespace troupe {
 
@@ -18,7 +19,8 @@ void check_sampling(const sampling_options& s, const std::string& prompt) {
 }
 
 std::string generate(const model_spec& spec, const state_dict& state, const std::string& prompt,
-                     const sampling_options& s, torch::Device device, const std::function<void(char)>& on_byte) {
+                     const sampling_options& s, torch::Device device, const std::function<void(char)>& on_byte,
+                     const tokenizer* tok) {
   if (spec.type != model_spec::kind::decoder) throw model_error("generate needs a gpt model, not " + spec.name());
   check_sampling(s, prompt);
   check_state(spec, state);
@@ -28,8 +30,13 @@ std::string generate(const model_spec& spec, const state_dict& state, const std:
   torch::NoGradGuard no_grad;
   auto gen = at::detail::createCPUGenerator(s.seed);
   std::vector<std::int64_t> ids;
-  for (unsigned char c : prompt) ids.push_back(c);
+  if (tok)
+    for (int id : tok->encode(prompt)) ids.push_back(id);
+  else
+    for (unsigned char c : prompt) ids.push_back(c);
   std::string out = prompt;
+  std::vector<int> added;  // with a tokenizer: the pieces added, decoded together (a character may span pieces)
+  std::size_t shown = 0;   // bytes of their decoded text already given to on_byte
   const std::size_t context = std::size_t(spec.decoder.seq_len);
   kv_cache cache;
   const auto tokens = [&](std::size_t from) {
@@ -58,8 +65,27 @@ std::string generate(const model_spec& spec, const state_dict& state, const std:
       next = torch::multinomial(torch::softmax(logits, 0), 1, false, gen).item<std::int64_t>();
     }
     ids.push_back(next);
-    out.push_back(char(next));
-    if (on_byte) on_byte(char(next));
+    if (!tok) {
+      out.push_back(char(next));
+      if (on_byte) on_byte(char(next));
+      continue;
+    }
+    added.push_back(int(next));
+    // A character split over byte pieces decodes as U+FFFD until its last piece comes: the
+    // text is shown up to such a tail.
+    const auto text = tok->decode(added);
+    static const std::string replacement = "\xef\xbf\xbd";
+    std::size_t stable = text.size();
+    while (stable >= shown + 3 && text.compare(stable - 3, 3, replacement) == 0) stable -= 3;
+    if (on_byte)
+      for (std::size_t k = shown; k < stable; ++k) on_byte(text[k]);
+    shown = std::max(shown, stable);
+  }
+  if (tok) {
+    const auto text = tok->decode(added);
+    if (on_byte)
+      for (std::size_t k = shown; k < text.size(); ++k) on_byte(text[k]);
+    out += text;
   }
   return out;
 }

@@ -9,6 +9,8 @@
 
 namespace troupe {
 
+class tokenizer;
+
 struct sampling_options {
   int tokens = 200;          ///< bytes to add to the prompt
   double temperature = 0.8;  ///< logits are divided by it; 0: always the most likely byte
@@ -27,8 +29,12 @@ void check_sampling(const sampling_options& s, const std::string& prompt);
 /// it, the window slides, every position changes, and each byte costs a forward of the
 /// whole window (the model's positions are learned, absolute ones). `on_byte` sees each
 /// byte as it is chosen.
+///
+/// With a tokenizer (a model trained on its pieces): the prompt is encoded with it, `s.tokens`
+/// pieces are sampled, and their decoded text follows the prompt (on_byte sees its bytes
+/// as they become known).
 std::string generate(const model_spec& spec, const state_dict& state, const std::string& prompt,
                      const sampling_options& s, torch::Device device = torch::kCPU,
-                     const std::function<void(char)>& on_byte = {});
+                     const std::function<void(char)>& on_byte = {}, const tokenizer* tok = nullptr);
 
 }  // namespace troupe

@@ -1,4 +1,5 @@
 #include "compute/job_config.hpp"
+#include "compute/tokenizer.hpp"
 
 #include "compute/device.hpp"
 #include "compute/fault_plan.hpp"
@@ -249,9 +250,16 @@ const std::vector<key_def>& key_defs() {
       int_key("data.global_batch", "sequences (or images) per optimizer step", &job_config::global_batch, 1, 100000000),
       string_key("data.fortunes_dir", "fortunes corpus folder", &job_config::fortunes_dir),
       string_key("data.text", "gpt: a text of your own to train and evaluate on, a file or a folder of files (bytes "
-                 "are the tokens; default: the fortunes corpus)", &job_config::text),
+                 "or data.tokenizer's pieces are the tokens; default: the fortunes corpus)", &job_config::text),
       string_key("data.val_text", "with --text: the validation windows' text, a file or a folder (then all of --text "
                  "trains; default: its last 10 %)", &job_config::val_text),
+      string_key("data.tokenizer",
+                 "decoders: a SentencePiece model (troupe tokenizer makes one): the text is encoded once into a "
+                 "token cache and trained on as tokens, the model's vocabulary its size rounded up to a multiple "
+                 "of 128 (empty: the 256 byte values)",
+                 &job_config::tokenizer),
+      string_key("data.cache_dir", "the token cache's folder (empty: $XDG_CACHE_HOME/troupe, else ~/.cache/troupe)",
+                 &job_config::cache_dir),
       string_key("data.fmnist_dir", "Fashion-MNIST folder", &job_config::fmnist_dir),
       string_key("output.metrics", "JSON-lines metrics file (one line per step)", &job_config::metrics),
       string_key("output.save", "checkpoint to write (PyTorch state_dict; optimizer in FILE.optim)", &job_config::save),
@@ -432,6 +440,14 @@ void job_config::validate() const {
   check([&] { parse_recompute(recompute); });
   if (eval_mode != "pipeline" && eval_mode != "gather")
     fail("unknown eval_mode '" + eval_mode + "' (expected pipeline or gather)");
+  if (!tokenizer.empty()) {
+    if (!is_decoder()) fail("tokenizer " + tokenizer + " is for the decoder workloads (fmnist-mlp reads images)");
+    try {
+      tokenizer_info_of(tokenizer);
+    } catch (const std::exception& e) {
+      fail(e.what());
+    }
+  }
   if (workload == "fmnist-mlp" && has_model_keys())
     fail("the [model] keys shape the decoder workloads (fmnist-mlp's layers are fixed)");
   if (is_decoder()) {
@@ -447,7 +463,9 @@ void job_config::validate() const {
     if (g.arch == decoder_arch::llama && g.head_dim() % 2 != 0)
       fail("head dimension " + std::to_string(g.head_dim()) + " (d_model / heads) is odd: the rotary embedding "
            "rotates pairs");
-    if (g.vocab < 256) fail("vocab " + std::to_string(g.vocab) + " is below the data's 256 byte values");
+    if (tokenizer.empty() && g.vocab < 256) fail("vocab " + std::to_string(g.vocab) + " is below the data's 256 byte values");
+    if (g.vocab_used > g.vocab)
+      fail("vocab " + std::to_string(g.vocab) + " is below the tokenizer's " + std::to_string(g.vocab_used) + " pieces");
   }
   if (!text.empty() && workload == "fmnist-mlp")
     fail("text " + text + " is a corpus for the decoder workloads (fmnist-mlp reads Fashion-MNIST)");
@@ -517,6 +535,10 @@ model_spec job_config::model() const {
   if (kv_heads > 0) g.n_kv_head = kv_heads;
   if (d_model > 0) g.d_model = d_model;
   if (seq_len > 0) g.seq_len = seq_len;
+  if (!tokenizer.empty()) {  // the tokenizer's pieces, the rows padded to a multiple of 128
+    g.vocab_used = tokenizer_info_of(tokenizer).size;
+    g.vocab = padded_vocab(g.vocab_used);
+  }
   if (vocab > 0) g.vocab = vocab;
   if (rope_theta > 0) g.rope_theta = rope_theta;
   if (norm_eps > 0) g.norm_eps = norm_eps;
@@ -542,8 +564,10 @@ std::string job_config::model_label() const {
 }
 
 std::string job_config::data_label() const {
-  if (text.empty()) return "";
-  return " on the text in " + text + (val_text.empty() ? "" : ", validated on " + val_text);
+  const std::string tokens = tokenizer.empty() ? "" : " tokenized by " + tokenizer + " (" +
+                             std::to_string(tokenizer_info_of(tokenizer).size) + " pieces)";
+  if (text.empty()) return tokens;
+  return " on the text in " + text + (val_text.empty() ? "" : ", validated on " + val_text) + tokens;
 }
 
 std::vector<std::pair<std::string, std::string>> job_config::values() const {

@@ -76,6 +76,8 @@ struct job_config {
   std::string fortunes_dir = "/usr/share/games/fortunes";
   std::string text;                   ///< gpt: a corpus of one's own (file or folder) instead of fortunes
   std::string val_text;               ///< with text: the validation text (then all of `text` trains)
+  std::string tokenizer;              ///< decoders: a SentencePiece model: train on its tokens ("": bytes)
+  std::string cache_dir;              ///< the token cache's folder ("": $XDG_CACHE_HOME/troupe or ~/.cache/troupe)
   std::string fmnist_dir = "/usr/share/datasets/fashion-mnist";
   // [output]
   std::string metrics, save, load, init;

@@ -442,7 +442,15 @@ class decoder_slice final : public model_slice {
     return is_last() ? final_norm(x) : x;
   }
 
-  torch::Tensor logits(const torch::Tensor& output) override { return torch::linear(output, param(output_)); }
+  torch::Tensor logits(const torch::Tensor& output) override {
+    auto l = torch::linear(output, param(output_));
+    if (cfg_.vocab_used > 0 && cfg_.vocab_used < cfg_.vocab) {  // padded rows: never a token
+      if (!padded_.defined() || padded_.device() != l.device())
+        padded_ = torch::arange(cfg_.vocab, torch::TensorOptions().device(l.device())) >= cfg_.vocab_used;
+      l = l.masked_fill(padded_, -std::numeric_limits<float>::infinity());
+    }
+    return l;
+  }
 
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override {
     auto l = logits(output);
@@ -658,6 +666,7 @@ class decoder_slice final : public model_slice {
   torch::Tensor causal_;
   torch::Tensor rope_cos_, rope_sin_;  ///< llama: (seq_len, head dim), fp32
   std::string embedding_, output_;     ///< the token embedding's and the output layer's names
+  torch::Tensor padded_;               ///< (vocab) bool: the rows past the tokenizer's pieces
 };
 
 // --- fmnist-mlp ------------------------------------------------------------------------

@@ -36,12 +36,14 @@ struct decoder_config {
   int d_model = 128;
   int d_ff = 512;
   int seq_len = 128;
-  int vocab = 256;
+  int vocab = 256;              ///< rows of the token embedding (and of the output layer)
   decoder_arch arch = decoder_arch::gpt2;
   int n_kv_head = 0;            ///< llama: key/value heads (grouped-query attention); 0: n_head
   double rope_theta = 10000;    ///< llama: the rotary embedding's base
   double norm_eps = 1e-5;       ///< LayerNorm's / RMSNorm's epsilon
   bool tie_embeddings = true;   ///< the output layer is the token embedding (no lm_head)
+  int vocab_used = 0;           ///< a tokenizer's pieces, below vocab: the padded rows' logits are
+                                ///< left out of the softmax (as minus infinity); 0: every row is used
 
   int head_dim() const { return d_model / n_head; }
   int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }

@@ -13,6 +13,7 @@
 
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
+#include "compute/hf_folder.hpp"
 #include "compute/device.hpp"
 
 namespace troupe {
@@ -41,11 +42,35 @@ std::shared_ptr<const text_corpus> shared_corpus(const job_config& cfg) {
 }
 }  // namespace
 
+/// The token streams of data.text (or fortunes) under data.tokenizer, once per process
+/// while in use; the cache file is written by the first process that needs it.
+std::shared_ptr<const token_corpus> shared_tokens(const job_config& cfg, const text_corpus& text, const tokenizer& tok) {
+  static std::mutex m;
+  static std::map<std::string, std::weak_ptr<const token_corpus>> held;
+  const auto text_fingerprint = training_data::fingerprint(cfg);
+  const std::string key = text_fingerprint + "\n" + tok.fingerprint() + "\n" + cfg.cache_dir;
+  std::lock_guard<std::mutex> lock(m);
+  if (auto tokens = held[key].lock()) return tokens;
+  const auto start = std::chrono::steady_clock::now();
+  auto tokens = std::make_shared<const token_corpus>(text, text_fingerprint, tok, cfg.cache_dir);
+  if (tokens->written_here())
+    spdlog::info("encoded {} bytes into {} + {} tokens with {} in {:.1f} s: {}", text.size(), tokens->n_train(),
+                 tokens->n_valid(), tok.path(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), tokens->cache_file());
+  held[key] = tokens;
+  return tokens;
+}
+
 training_data::training_data(const job_config& cfg, use what) : cfg_(cfg) {
-  if (cfg.workload == "fmnist-mlp")
+  if (cfg.workload == "fmnist-mlp") {
     images_ = std::make_unique<fashion_mnist>(cfg.fmnist_dir, what != use::evaluation, what != use::training);
-  else
-    text_ = shared_corpus(cfg);
+    return;
+  }
+  text_ = shared_corpus(cfg);
+  if (!cfg.tokenizer.empty()) {
+    tok_ = std::make_shared<const tokenizer>(cfg.tokenizer);
+    tokens_ = shared_tokens(cfg, *text_, *tok_);
+  }
 }
 
 void training_data::check_available(const job_config& cfg) {
@@ -89,8 +114,14 @@ std::string training_data::fingerprint(const job_config& cfg) {
   return text;
 }
 
+std::string training_data::identity(const job_config& cfg) {
+  // The tokenizer too: every node must encode the text the same way.
+  return fingerprint(cfg) + (cfg.tokenizer.empty() ? "" : "; tokenizer " + tokenizer_info_of(cfg.tokenizer).fingerprint);
+}
+
 batch training_data::samples(int step, int first, int count) {
   const std::int64_t B = cfg_.global_batch;
+  if (tokens_) return tokens_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().decoder.seq_len);
   if (text_) return text_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().decoder.seq_len);
   // Fashion-MNIST: step t of epoch e takes positions [B t, B t + B) of e's order.
   const int per_epoch = images_->train_size() / int(B);
@@ -103,6 +134,7 @@ batch training_data::samples(int step, int first, int count) {
 }
 
 batch training_data::evaluation_set() const {
+  if (tokens_) return tokens_->validation_batch(cfg_.model().decoder.seq_len, *tok_);
   return text_ ? text_->validation_batch(cfg_.model().decoder.seq_len) : images_->test_set();
 }
 
@@ -118,7 +150,7 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
       data_(cfg) {
   cfg_.runtime = "local";  // this is the plain loop, whatever the job asked for
   cfg_.validate();
-  if (!init) init = cfg.init.empty() ? initial_state(spec_, cfg.seed) : load_state_dict(cfg.init);
+  if (!init) init = cfg.init.empty() ? initial_state(spec_, cfg.seed) : read_initial_weights(cfg.init, spec_);
   check_state(spec_, *init);
   const int d = cfg.data_parallel;
   for (int r = 0; r < d; ++r) {
@@ -184,8 +216,10 @@ step_stats local_trainer::step() {
   return st;
 }
 
+double evaluation::bits_per_byte() const { return loss / std::log(2.0) / bytes_per_target; }
+
 std::vector<std::pair<std::string, double>> evaluation::fields() const {
-  if (text) return {{"val_loss", loss}};
+  if (text) return {{"val_loss", loss}, {"val_bpb", bits_per_byte()}};
   return {{"test_loss", loss}, {"test_accuracy", accuracy}};
 }
 
@@ -206,9 +240,11 @@ eval_score score_evaluation(model_slice& last, const torch::Tensor& output, cons
   return s;
 }
 
-evaluation combine_evaluation(const std::vector<eval_score>& scores, std::int64_t rows, bool text, int step) {
+evaluation combine_evaluation(const std::vector<eval_score>& scores, const batch& set, bool text, int step) {
+  const std::int64_t rows = set.input.size(0);
   evaluation e;
   e.text = text;
+  e.bytes_per_target = set.bytes_per_target;
   double weighted = 0, correct = 0;
   for (const auto& s : scores) {
     weighted += s.weighted;
@@ -221,7 +257,7 @@ evaluation combine_evaluation(const std::vector<eval_score>& scores, std::int64_
 }
 
 std::string evaluation::summary() const {
-  if (text) return fmt::format("validation loss {:.4f}", loss);
+  if (text) return fmt::format("validation loss {:.4f}, {:.4f} bits per byte", loss, bits_per_byte());
   return fmt::format("test loss {:.4f}, test accuracy {:.2f} %", loss, 100 * accuracy);
 }
 
@@ -235,7 +271,7 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
     const auto target = set.target.narrow(0, f.begin, f.rows).to(device);
     scores.push_back(score_evaluation(last, model.forward(set.input.narrow(0, f.begin, f.rows).to(device)), target, text));
   }
-  return combine_evaluation(scores, set.input.size(0), text, step);
+  return combine_evaluation(scores, set, text, step);
 }
 
 evaluation local_trainer::evaluate() {

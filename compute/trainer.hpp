@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "compute/data.hpp"
+#include "compute/tokenizer.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/job_config.hpp"
 #include "compute/optimizer.hpp"
@@ -42,6 +43,8 @@ class training_data {
   /// same): "4123456 bytes, fnv1a 0123456789abcdef" over the files the workload reads, in
   /// the order it reads them. Throws data_error as reading them would.
   static std::string fingerprint(const job_config& cfg);
+  /// fingerprint, and the tokenizer's (data.tokenizer): what every node must agree on.
+  static std::string identity(const job_config& cfg);
   /// Samples [first, first + count) of step `step`'s global batch.
   batch samples(int step, int first, int count);
   /// gpt: the validation windows; mlp: the test set.
@@ -49,10 +52,14 @@ class training_data {
   std::int64_t tokens_per_sample() const;
   /// The text it samples (null for Fashion-MNIST).
   const text_corpus* corpus() const { return text_.get(); }
+  /// data.tokenizer: the token streams it samples instead of the text's bytes.
+  const token_corpus* tokens() const { return tokens_.get(); }
 
  private:
   job_config cfg_;
   std::shared_ptr<const text_corpus> text_;  ///< shared by the process's users of the same corpus
+  std::shared_ptr<const tokenizer> tok_;
+  std::shared_ptr<const token_corpus> tokens_;  ///< shared too (one mapping of the cache per process)
   std::unique_ptr<fashion_mnist> images_;
   int order_epoch_ = -1;
   std::vector<std::int64_t> order_;
@@ -63,9 +70,14 @@ struct evaluation {
   bool text = true;     ///< gpt: validation windows; mlp: test set with accuracy
   double loss = 0;
   double accuracy = 0;  ///< fraction correct (mlp only)
-  /// Metrics fields: val_loss, or test_loss and test_accuracy.
+  double bytes_per_target = 1.0;  ///< text: the bytes a target token stands for, on average
+  /// Text: the validation targets' summed cross-entropy / ln 2 / their bytes (WORKLOADS.md
+  /// section 5), so that runs with different tokenizers, and bytes, compare.
+  double bits_per_byte() const;
+  /// Metrics fields: val_loss and val_bpb, or test_loss and test_accuracy.
   std::vector<std::pair<std::string, double>> fields() const;
-  /// For the log: "validation loss 4.9058", or "test loss 0.5312, test accuracy 81.20 %".
+  /// For the log: "validation loss 4.9058, 7.0776 bits per byte", or "test loss 0.5312,
+  /// test accuracy 81.20 %".
   std::string summary() const;
 };
 
@@ -88,10 +100,10 @@ struct eval_score {
 /// `target` their targets (call without autograd).
 eval_score score_evaluation(model_slice& last, const torch::Tensor& output, const torch::Tensor& target, bool text);
 
-/// The evaluation of `rows` rows from its forwards' scores, summed in forward order (one
+/// The evaluation of `set`'s rows from its forwards' scores, summed in forward order (one
 /// forward: its loss's bits as they are: a float times a row count below 2^29 is exact in
 /// double, and so is dividing it back). Logs one line naming `step` (1-based; 0: none).
-evaluation combine_evaluation(const std::vector<eval_score>& scores, std::int64_t rows, bool text, int step);
+evaluation combine_evaluation(const std::vector<eval_score>& scores, const batch& set, bool text, int step);
 
 /// Evaluates `model` (no autograd) on `set` as `plan_evaluation` splits it, scoring each
 /// forward and combining them as above: the actor runtime's evaluation in the pipeline

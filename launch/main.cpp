@@ -28,6 +28,8 @@
 #include "compute/data.hpp"
 #include "compute/device.hpp"
 #include "compute/generate.hpp"
+#include "compute/hf_folder.hpp"
+#include "compute/tokenizer.hpp"
 #include "compute/host_memory.hpp"
 #include "compute/job_config.hpp"
 #include "compute/schedule.hpp"
@@ -123,7 +125,7 @@ std::string extras_text(const CLI::App* cmd, const std::vector<std::string>& ext
 /// with the reason. `quick`: no kernel on the device (other nodes of the job may be using
 /// it).
 std::string check_host(const troupe::job_config& cfg, bool quick) {
-  const auto data = troupe::training_data::fingerprint(cfg);  // read, as a node would
+  const auto data = troupe::training_data::identity(cfg);  // read, as a node would
   const auto device = troupe::resolve_device(troupe::node_device(cfg.device, 0, troupe::cuda_device_count()));
   if (device.is_cuda() && !quick) {
     // A GPU that is listed but broken (an Xid error, a lost device) fails here, not in a
@@ -168,8 +170,8 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
   trained_model m;
   m.cfg = cfg;
   m.source = from;
-  if (!std::filesystem::is_directory(from)) {
-    m.state = troupe::load_state_dict(from);
+  if (!std::filesystem::is_directory(from) || troupe::is_hf_folder(from)) {
+    m.state = troupe::read_initial_weights(from, cfg.model());  // a state_dict file or a Hugging Face folder
     troupe::check_state(cfg.model(), m.state);  // before anything is logged or computed
     return m;
   }
@@ -195,7 +197,7 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
 
 /// The flags of `troupe generate`: a file's model and where to run.
 bool model_source_key(const std::string& k) {
-  return k == "train.workload" || k == "train.device" || k.rfind("model.", 0) == 0;
+  return k == "train.workload" || k == "train.device" || k.rfind("model.", 0) == 0 || k == "data.tokenizer";
 }
 
 /// The flags of `troupe eval`: those and the data.
@@ -243,24 +245,94 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
   };
   const auto run = [&](trained_model& m) {
     const auto device = troupe::resolve_device(m.cfg.device);
-    spdlog::info("generating {} bytes with {} from {} on {}: temperature {}, top-k {}, seed {}", a.sampling.tokens,
+    const char* unit = m.cfg.tokenizer.empty() ? "bytes" : "pieces";
+    spdlog::info("generating {} {} with {} from {} on {}: temperature {}, top-k {}, seed {}", a.sampling.tokens, unit,
                  m.cfg.model_label(), m.source, device.str(), a.sampling.temperature, a.sampling.top_k,
                  a.sampling.seed);
     std::fwrite(a.prompt.data(), 1, a.prompt.size(), stdout);
     std::fflush(stdout);
     const auto start = std::chrono::steady_clock::now();
-    troupe::generate(m.cfg.model(), m.state, a.prompt, a.sampling, device, [](char c) {
-      std::fputc(c, stdout);
-      std::fflush(stdout);
-    });
+    std::unique_ptr<troupe::tokenizer> tok;
+    if (!m.cfg.tokenizer.empty()) tok = std::make_unique<troupe::tokenizer>(m.cfg.tokenizer);
+    troupe::generate(
+        m.cfg.model(), m.state, a.prompt, a.sampling, device,
+        [](char c) {
+          std::fputc(c, stdout);
+          std::fflush(stdout);
+        },
+        tok.get());
     std::fputc('\n', stdout);
     std::fflush(stdout);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    spdlog::info("generated {} bytes in {:.2f} s ({:.1f} bytes/s; key/value cache {})", a.sampling.tokens, s,
-                 s > 0 ? a.sampling.tokens / s : 0.0, a.sampling.kv_cache ? "on" : "off");
+    spdlog::info("generated {} {} in {:.2f} s ({:.1f} {}/s; key/value cache {})", a.sampling.tokens, unit, s,
+                 s > 0 ? a.sampling.tokens / s : 0.0, unit, a.sampling.kv_cache ? "on" : "off");
     return 0;
   };
   return with_trained_model(flags, a.from, run, gpt_only);
+}
+
+struct tokenizer_args {
+  std::string text, val_text, fortunes_dir = troupe::text_corpus::default_dir, out;
+  int vocab_size = 0;
+};
+
+/// `troupe tokenizer`: a SentencePiece BPE model trained on the lines of a corpus's
+/// training split (WORKLOADS.md section 5's options).
+int run_tokenizer_command(const tokenizer_args& a) {
+  try {
+    const auto corpus = a.text.empty()       ? troupe::text_corpus(a.fortunes_dir)
+                        : a.val_text.empty() ? troupe::text_corpus::read_text(a.text)
+                                             : troupe::text_corpus::read_text(a.text, a.val_text);
+    const auto bytes = corpus.bytes(0, corpus.n_train());
+    std::vector<std::string> lines;
+    std::string line;
+    for (const auto b : bytes) {
+      if (b != '\n') {
+        line.push_back(char(b));
+      } else if (!line.empty()) {
+        lines.push_back(std::move(line));
+        line.clear();
+      }
+    }
+    if (!line.empty()) lines.push_back(std::move(line));
+    const auto start = std::chrono::steady_clock::now();
+    troupe::tokenizer::train(lines, a.vocab_size, a.out);
+    const troupe::tokenizer tok(a.out);
+    spdlog::info("trained a BPE tokenizer of {} pieces on {} lines ({} bytes) of the training split of {} in {:.1f} s: "
+                 "{} ({})",
+                 tok.size(), lines.size(), bytes.size(), a.text.empty() ? "the fortunes corpus" : a.text,
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), a.out,
+                 tok.fingerprint());
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(1, e.what());
+  }
+}
+
+/// `troupe export`: a trained model as a Hugging Face folder (config.json, model.safetensors).
+int run_export_command(const config_flags& flags, const std::string& from, const std::string& to,
+                       const std::string& dtype) {
+  const auto decoders_only = [&](troupe::job_config& cfg) {
+    if (cfg.model().type != troupe::model_spec::kind::decoder)
+      throw troupe::config_error("export writes the decoder workloads' models, not " + cfg.workload);
+  };
+  return with_trained_model(
+      flags, from,
+      [&](trained_model& m) {
+        troupe::hf_export_options opts;
+        opts.dtype = dtype == "bfloat16" ? torch::kBFloat16 : dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
+        const auto n = troupe::export_hf_folder(to, m.cfg.model(), m.state, opts);
+        if (!m.cfg.tokenizer.empty())  // the pieces the model was trained on, as tokenizer.model
+          troupe::write_file_atomically((std::filesystem::path(to) / "tokenizer.model").string(),
+                                        [&](const troupe::byte_sink& sink) {
+                                          const auto bytes = troupe::read_file_bytes(m.cfg.tokenizer);
+                                          sink(bytes.data(), bytes.size());
+                                        });
+        spdlog::info("exported {} from {} to {}: config.json and model.safetensors ({} tensors, {})", m.cfg.model_label(),
+                     m.source, to, n, dtype);
+        return 0;
+      },
+      decoders_only);
 }
 
 /// `troupe eval`: a trained model's loss on its workload's evaluation set (the validation
@@ -282,9 +354,9 @@ int run_eval_command(const config_flags& flags, const std::string& from) {
     for (const auto& [key, value] : e.fields()) line[key] = value;
     if (text) {
       line["perplexity"] = std::exp(e.loss);
-      line["bits_per_byte"] = e.loss / std::log(2.0);
+      line["bits_per_byte"] = e.bits_per_byte();
       spdlog::info("validation loss {:.4f} (perplexity {:.2f}, {:.3f} bits per byte) in {:.2f} s", e.loss,
-                   std::exp(e.loss), e.loss / std::log(2.0), s);
+                   std::exp(e.loss), e.bits_per_byte(), s);
     } else {
       spdlog::info("test loss {:.4f}, test accuracy {:.2f} % in {:.2f} s", e.loss, 100 * e.accuracy, s);
     }
@@ -338,6 +410,30 @@ int main(int argc, char** argv) {
   eval_flags.add_to(eval, [](const std::string& k) { return model_and_data_key(k) || k == "train.eval_tokens"; });
   std::string eval_from;
   eval->add_option("--checkpoint", eval_from, checkpoint_help)->required();
+
+  // troupe tokenizer
+  auto* tokc = app.add_subcommand("tokenizer", "train a SentencePiece BPE tokenizer on a corpus's training split "
+                                               "(for --tokenizer; WORKLOADS.md section 5)");
+  tokenizer_args tok_args;
+  tokc->add_option("--text", tok_args.text, "a file or a folder of files (default: the fortunes corpus)");
+  tokc->add_option("--val-text", tok_args.val_text, "with --text: its validation text (then all of --text trains)");
+  tokc->add_option("--fortunes-dir", tok_args.fortunes_dir, "the fortunes corpus's folder");
+  tokc->add_option("--vocab-size", tok_args.vocab_size, "pieces (at least the 256 byte pieces, 3 special ones and "
+                                                        "every character of the text)")
+      ->required()
+      ->check(CLI::Range(260, 1 << 20));
+  tokc->add_option("--out", tok_args.out, "the model file to write")->required();
+
+  // troupe export
+  auto* exp = app.add_subcommand("export", "write a trained model as a Hugging Face folder (config.json, "
+                                           "model.safetensors) that transformers' from_pretrained loads");
+  config_flags exp_flags;  // for a state_dict file: its model
+  exp_flags.add_to(exp, model_source_key);
+  std::string exp_from, exp_to, exp_dtype = "float32";
+  exp->add_option("checkpoint", exp_from, checkpoint_help)->required();
+  exp->add_option("--to", exp_to, "the folder to write (made if missing)")->required();
+  exp->add_option("--dtype", exp_dtype, "of the written tensors: float32 (default), bfloat16 or float16")
+      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
 
   // troupe elastic-layout (for launch/troupe --min-nodes): the job's layout on the hosts left
   auto* elastic = app.add_subcommand("elastic-layout",
@@ -455,6 +551,8 @@ int main(int argc, char** argv) {
   if (*node) return run_node_command(node_flags);
   if (*gen) return run_generate_command(gen_flags, gen_args);
   if (*eval) return run_eval_command(eval_flags, eval_from);
+  if (*exp) return run_export_command(exp_flags, exp_from, exp_to, exp_dtype);
+  if (*tokc) return run_tokenizer_command(tok_args);
 
   troupe::job_config cfg;
   try {

@@ -326,6 +326,15 @@ expect_in train-extras-msg "$err" "unexpected argument(s): foo bar; see troupe t
 check train-unknown-flag 2 "$troupe" train --warmup-steps 5 --pipline 2
 expect_in train-unknown-flag-msg "$err" "unknown flag --warmup-steps (did you mean --warmup?); unknown flag --pipline (did you mean --pipeline?); see troupe train --help"
 check train-dataflow-chunks 2 "$troupe" train --schedule dataflow --chunks 2 --pipeline 2
+# Tokenizers and exports: bad input named.
+check tokenizer-small-vocab 1 "$troupe" tokenizer --vocab-size 300 --out "$tmp/small.model"
+expect_in tokenizer-small-vocab-msg "$err" "Vocabulary size is smaller than required_chars"
+check tokenizer-missing-text 1 "$troupe" tokenizer --text "$tmp/no-such-text" --vocab-size 400 --out "$tmp/t.model"
+expect_in tokenizer-missing-text-msg "$err" "no-such-text"
+check train-missing-tokenizer 2 "$troupe" train --tokenizer "$tmp/no-such.model"
+expect_in train-missing-tokenizer-msg "$err" "tokenizer $tmp/no-such.model does not exist"
+check export-mlp 2 "$troupe" export "$tmp/no-such.pt" --workload fmnist-mlp --to "$tmp/hf"
+expect_in export-mlp-msg "$err" "export writes the decoder workloads' models"
 # The [model] keys of the architectures: each bad combination named.
 check llama-kv-heads 2 "$troupe" train --workload llama-tiny --heads 3 --d-model 96
 expect_in llama-kv-heads-msg "$err" "heads 3 is not a multiple of kv_heads (2)"
