@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support", "python"))
 import gpt_tiny  # noqa: E402  (data loading: the same samples as Troupe)
 
 L, H, D, FF, T, V = 12, 12, 768, 3072, 1024, 256

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "actor_test_util.hpp"
+#include "cached_forward.hpp"
 #include "compute/generate.hpp"
 #include "compute/partition.hpp"
 #include "quiet_run.hpp"
@@ -201,33 +202,7 @@ TEST(Llama, PipelineEvaluationEqualsThePlainLoop) {
 // The cache holds the rotated keys of the grouped key/value heads: a forward in pieces
 // with it equals the full forward, through the whole model and through two slices.
 TEST(Llama, CachedForwardEqualsTheFullForward) {
-  const auto spec = small_llama().model();
-  const auto ids = torch::randint(0, 256, {2, spec.decoder.seq_len}, torch::kInt64);
-  layer_range whole, front, back;
-  whole.last = spec.n_layers();
-  front.last = back.first = 1;
-  front.last_slice = back.first_slice = false;
-  back.last = spec.n_layers();
-  const auto model = make_slice(spec, whole, small_trained());
-  const auto first = make_slice(spec, front, small_trained()), second = make_slice(spec, back, small_trained());
-  torch::NoGradGuard no_grad;
-  const auto full = model->forward(ids);
-  kv_cache cache, cache_1, cache_2;
-  std::vector<torch::Tensor> pieces, split_pieces;
-  std::int64_t at = 0;
-  for (std::int64_t n : {5, 1, 1, 3, 7, 1, 6}) {
-    const auto x = ids.slice(1, at, at + n);
-    pieces.push_back(model->forward_cached(x, cache));
-    split_pieces.push_back(second->forward_cached(first->forward_cached(x, cache_1), cache_2));
-    at += n;
-  }
-  ASSERT_EQ(at, spec.decoder.seq_len);
-  EXPECT_TRUE(torch::allclose(torch::cat(pieces, 1), full, 1e-5, 1e-5))
-      << (torch::cat(pieces, 1) - full).abs().max().item<double>();
-  EXPECT_TRUE(torch::allclose(torch::cat(split_pieces, 1), full, 1e-5, 1e-5))
-      << (torch::cat(split_pieces, 1) - full).abs().max().item<double>();
-  EXPECT_EQ(cache.keys[0].sizes(), (std::vector<std::int64_t>{2, spec.decoder.kv_heads(), spec.decoder.seq_len,
-                                                              spec.decoder.head_dim()}));
+  test::expect_cached_forward_equals_full(small_llama().model(), small_trained());
 }
 
 TEST(Llama, GenerationWithTheCacheEqualsGenerationWithout) {

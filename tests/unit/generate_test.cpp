@@ -10,6 +10,7 @@
 #include "compute/generate.hpp"
 #include "compute/partition.hpp"
 #include "compute/trainer.hpp"
+#include "cached_forward.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
@@ -134,41 +135,14 @@ TEST(Generate, BadInputIsRefused) {
 
 TEST(Generate, CachedForwardEqualsTheFullForward) {
   const auto spec = small_gpt().model();  // 2 layers, context 24
-  const auto ids = torch::randint(0, 256, {2, spec.decoder.seq_len}, torch::kInt64);
-  layer_range whole, front, back;
-  whole.last = spec.n_layers();
-  front.last = back.first = 1;
-  front.last_slice = back.first_slice = false;
-  back.last = spec.n_layers();
-  const auto model = make_slice(spec, whole, trained());
-  const auto first = make_slice(spec, front, trained()), second = make_slice(spec, back, trained());
+  auto run = test::expect_cached_forward_equals_full(spec, trained());
+  auto& model = run.model;
+  auto& first = run.first;
+  auto& second = run.second;
+  auto& cache = run.cache;
+  const auto& ids = run.ids;
+  const auto& full = run.full;
   torch::NoGradGuard no_grad;
-  const auto full = model->forward(ids);
-  // The tokens in pieces of 5, 1, 1, 3, ... (the last piece ends at the context), through
-  // the whole model and through two slices with a cache each.
-  kv_cache cache, cache_1, cache_2;
-  std::vector<torch::Tensor> pieces, split_pieces;
-  const std::vector<std::int64_t> lengths{5, 1, 1, 3, 7, 1, 6};
-  std::int64_t at = 0;
-  const void* buffer = nullptr;  // the first block's keys: allocated once, for the whole context
-  for (auto n : lengths) {
-    const auto x = ids.slice(1, at, at + n);
-    pieces.push_back(model->forward_cached(x, cache));
-    split_pieces.push_back(second->forward_cached(first->forward_cached(x, cache_1), cache_2));
-    at += n;
-    EXPECT_EQ(cache.length, at);
-    if (!buffer) buffer = cache.keys[0].data_ptr();
-    EXPECT_EQ(cache.keys[0].data_ptr(), buffer) << "the keys were copied to a new buffer at " << at;
-  }
-  ASSERT_EQ(at, spec.decoder.seq_len);
-  EXPECT_TRUE(torch::allclose(torch::cat(pieces, 1), full, 1e-5, 1e-5))
-      << (torch::cat(pieces, 1) - full).abs().max().item<double>();
-  EXPECT_TRUE(torch::allclose(torch::cat(split_pieces, 1), full, 1e-5, 1e-5))
-      << (torch::cat(split_pieces, 1) - full).abs().max().item<double>();
-  EXPECT_EQ(cache.keys.size(), 2u);
-  EXPECT_EQ(cache_2.keys.size(), 1u);
-  EXPECT_EQ(cache.keys[0].sizes(), (std::vector<std::int64_t>{2, spec.decoder.n_head, spec.decoder.seq_len,
-                                                              spec.decoder.d_model / spec.decoder.n_head}));
 
   // Past the context: refused, and the cache is left as it was.
   try {
