@@ -82,6 +82,12 @@ TEST(Tokenizer, RoundTripsTheCorpusAndEncodesAsPythonDoes) {
   EXPECT_FALSE(again.written_here());
   EXPECT_EQ(again.cache_file(), tokens.cache_file());
   EXPECT_EQ(again.n_train(), tokens.n_train());
+  // The bytes each piece stands for (WORKLOADS.md section 5: a byte piece 1, another its
+  // UTF-8 bytes with each U+2581 counted 1) add up to the split's bytes exactly.
+  const auto piece_bytes = tok.piece_bytes();
+  std::int64_t valid_total = 0;
+  for (std::size_t i = 0; i < tokens.n_valid(); ++i) valid_total += piece_bytes.at(std::size_t(tokens.valid_token(i)));
+  EXPECT_EQ(valid_total, std::int64_t(fortunes.n_valid()));
   // Validation windows over tokens, with the bytes their targets stand for.
   const auto v = tokens.validation_batch(128, tok);
   EXPECT_EQ(v.input.size(0), 32);
