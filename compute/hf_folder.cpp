@@ -16,17 +16,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-/// gpt2 weights that GPT2LMHeadModel keeps as Conv1D ([in, out]).
-bool conv1d_weight(const std::string& name) {
-  for (const char* end : {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"}) {
-    const std::string e = end;
-    if (name.size() >= e.size() && name.compare(name.size() - e.size(), e.size(), e) == 0) return true;
-  }
-  return false;
-}
-
 bool ends_with(const std::string& s, const std::string& end) {
   return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
+}
+
+/// gpt2 weights that GPT2LMHeadModel keeps as Conv1D ([in, out]).
+bool conv1d_weight(const std::string& name) {
+  for (const char* end : {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"})
+    if (ends_with(name, end)) return true;
+  return false;
 }
 
 /// The embedding-sized tensors (vocab rows): padded rows are not exported.

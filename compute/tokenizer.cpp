@@ -26,11 +26,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::uint64_t fnv1a(const char* p, std::size_t n, std::uint64_t hash = 0xcbf29ce484222325ULL) {
-  for (std::size_t i = 0; i < n; ++i) hash = (hash ^ std::uint8_t(p[i])) * 0x100000001b3ULL;
-  return hash;
-}
-
 std::string hex64(std::uint64_t x) {
   char text[20];
   std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(x));

@@ -15,6 +15,7 @@
 #include "compute/checkpoint_dir.hpp"
 #include "compute/hf_folder.hpp"
 #include "compute/device.hpp"
+#include "compute/splitmix.hpp"
 
 namespace troupe {
 
@@ -27,13 +28,18 @@ text_corpus read_corpus(const job_config& cfg) {
   return cfg.val_text.empty() ? text_corpus::read_text(cfg.text) : text_corpus::read_text(cfg.text, cfg.val_text);
 }
 
+/// What names a corpus among a process's users: its paths.
+std::string corpus_key(const job_config& cfg) {
+  return cfg.text.empty() ? "fortunes:" + cfg.fortunes_dir : "text:" + cfg.text + "\nval:" + cfg.val_text;
+}
+
 /// read_corpus, once per process while it is in use: the data loaders of a node's
 /// replicas and its evaluation share one copy of the bytes (a text of gigabytes is held
 /// once, not once per replica).
 std::shared_ptr<const text_corpus> shared_corpus(const job_config& cfg) {
   static std::mutex m;
   static std::map<std::string, std::weak_ptr<const text_corpus>> held;
-  const std::string key = cfg.text.empty() ? "fortunes:" + cfg.fortunes_dir : "text:" + cfg.text + "\nval:" + cfg.val_text;
+  const std::string key = corpus_key(cfg);
   std::lock_guard<std::mutex> lock(m);
   if (auto corpus = held[key].lock()) return corpus;
   auto corpus = std::make_shared<const text_corpus>(read_corpus(cfg));
@@ -42,24 +48,36 @@ std::shared_ptr<const text_corpus> shared_corpus(const job_config& cfg) {
 }
 }  // namespace
 
-/// The token streams of data.text (or fortunes) under data.tokenizer, once per process
-/// while in use; the cache file is written by the first process that needs it.
-std::shared_ptr<const token_corpus> shared_tokens(const job_config& cfg, const text_corpus& text, const tokenizer& tok) {
+/// data.tokenizer and the token streams of data.text (or fortunes) it encodes to.
+struct tokenized_text {
+  tokenized_text(const job_config& cfg, const text_corpus& text)
+      : tok(cfg.tokenizer), tokens(text, training_data::fingerprint(cfg), tok, cfg.cache_dir) {}
+  tokenizer tok;
+  token_corpus tokens;
+};
+
+namespace {
+
+/// tokenized_text, once per process while in use (keyed as shared_corpus is: the text is
+/// hashed and the tokenizer loaded only for the first user); the cache file is written by
+/// the first process that needs it.
+std::shared_ptr<const tokenized_text> shared_tokens(const job_config& cfg, const text_corpus& text) {
   static std::mutex m;
-  static std::map<std::string, std::weak_ptr<const token_corpus>> held;
-  const auto text_fingerprint = training_data::fingerprint(cfg);
-  const std::string key = text_fingerprint + "\n" + tok.fingerprint() + "\n" + cfg.cache_dir;
+  static std::map<std::string, std::weak_ptr<const tokenized_text>> held;
+  const std::string key = corpus_key(cfg) + "\ntokenizer:" + cfg.tokenizer + "\ncache:" + cfg.cache_dir;
   std::lock_guard<std::mutex> lock(m);
-  if (auto tokens = held[key].lock()) return tokens;
+  if (auto t = held[key].lock()) return t;
   const auto start = std::chrono::steady_clock::now();
-  auto tokens = std::make_shared<const token_corpus>(text, text_fingerprint, tok, cfg.cache_dir);
-  if (tokens->written_here())
-    spdlog::info("encoded {} bytes into {} + {} tokens with {} in {:.1f} s: {}", text.size(), tokens->n_train(),
-                 tokens->n_valid(), tok.path(),
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), tokens->cache_file());
-  held[key] = tokens;
-  return tokens;
+  auto t = std::make_shared<const tokenized_text>(cfg, text);
+  if (t->tokens.written_here())
+    spdlog::info("encoded {} bytes into {} + {} tokens with {} in {:.1f} s: {}", text.size(), t->tokens.n_train(),
+                 t->tokens.n_valid(), t->tok.path(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), t->tokens.cache_file());
+  held[key] = t;
+  return t;
 }
+
+}  // namespace
 
 training_data::training_data(const job_config& cfg, use what) : cfg_(cfg) {
   if (cfg.workload == "fmnist-mlp") {
@@ -67,11 +85,10 @@ training_data::training_data(const job_config& cfg, use what) : cfg_(cfg) {
     return;
   }
   text_ = shared_corpus(cfg);
-  if (!cfg.tokenizer.empty()) {
-    tok_ = std::make_shared<const tokenizer>(cfg.tokenizer);
-    tokens_ = shared_tokens(cfg, *text_, *tok_);
-  }
+  if (!cfg.tokenizer.empty()) tokenized_ = shared_tokens(cfg, *text_);
 }
+
+const token_corpus* training_data::tokens() const { return tokenized_ ? &tokenized_->tokens : nullptr; }
 
 void training_data::check_available(const job_config& cfg) {
   if (cfg.workload == "fmnist-mlp") return fashion_mnist::require(cfg.fmnist_dir);
@@ -95,7 +112,7 @@ std::string training_data::fingerprint(const job_config& cfg) {
     const auto valid = text_corpus::text_files(cfg.val_text);
     files.insert(files.end(), valid.begin(), valid.end());
   }
-  std::uint64_t hash = 0xcbf29ce484222325ULL, bytes = 0;  // FNV-1a, 64 bits, over the files streamed in order
+  std::uint64_t hash = fnv1a_basis, bytes = 0;  // over the files streamed in order
   std::vector<char> chunk(1 << 20);
   for (const auto& file : files) {
     std::ifstream in(file, std::ios::binary);
@@ -103,7 +120,7 @@ std::string training_data::fingerprint(const job_config& cfg) {
     while (in) {
       in.read(chunk.data(), std::streamsize(chunk.size()));
       const auto n = std::size_t(in.gcount());
-      for (std::size_t i = 0; i < n; ++i) hash = (hash ^ std::uint8_t(chunk[i])) * 0x100000001b3ULL;
+      hash = fnv1a(chunk.data(), n, hash);
       bytes += n;
     }
     if (in.bad()) throw data_error("cannot read " + file);
@@ -121,7 +138,7 @@ std::string training_data::identity(const job_config& cfg) {
 
 batch training_data::samples(int step, int first, int count) {
   const std::int64_t B = cfg_.global_batch;
-  if (tokens_) return tokens_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().decoder.seq_len);
+  if (tokenized_) return tokenized_->tokens.train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().decoder.seq_len);
   if (text_) return text_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().decoder.seq_len);
   // Fashion-MNIST: step t of epoch e takes positions [B t, B t + B) of e's order.
   const int per_epoch = images_->train_size() / int(B);
@@ -134,7 +151,7 @@ batch training_data::samples(int step, int first, int count) {
 }
 
 batch training_data::evaluation_set() const {
-  if (tokens_) return tokens_->validation_batch(cfg_.model().decoder.seq_len, *tok_);
+  if (tokenized_) return tokenized_->tokens.validation_batch(cfg_.model().decoder.seq_len, tokenized_->tok);
   return text_ ? text_->validation_batch(cfg_.model().decoder.seq_len) : images_->test_set();
 }
 

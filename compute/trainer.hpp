@@ -53,13 +53,12 @@ class training_data {
   /// The text it samples (null for Fashion-MNIST).
   const text_corpus* corpus() const { return text_.get(); }
   /// data.tokenizer: the token streams it samples instead of the text's bytes.
-  const token_corpus* tokens() const { return tokens_.get(); }
+  const token_corpus* tokens() const;
 
  private:
   job_config cfg_;
   std::shared_ptr<const text_corpus> text_;  ///< shared by the process's users of the same corpus
-  std::shared_ptr<const tokenizer> tok_;
-  std::shared_ptr<const token_corpus> tokens_;  ///< shared too (one mapping of the cache per process)
+  std::shared_ptr<const struct tokenized_text> tokenized_;  ///< data.tokenizer's; shared as the text is
   std::unique_ptr<fashion_mnist> images_;
   int order_epoch_ = -1;
   std::vector<std::int64_t> order_;
