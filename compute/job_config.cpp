@@ -1,4 +1,5 @@
 #include "compute/job_config.hpp"
+#include "compute/tensor_parallel.hpp"
 #include "compute/tokenizer.hpp"
 
 #include "compute/device.hpp"
@@ -208,6 +209,14 @@ const std::vector<key_def>& key_defs() {
        [](const job_config& c) { return c.tie_embeddings == "auto" ? toml_string("auto") : c.tie_embeddings; }},
       int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
+      int_key("parallel.tensor_parallel",
+              "ranks each decoder layer is split over (Megatron's tensor parallelism: heads, MLP width and "
+              "vocabulary; the local runtime for now)",
+              &job_config::tensor_parallel, 1, 1024),
+      bool_key("parallel.sequence_parallel",
+               "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
+               "(all-gather and reduce-scatter instead of all-reduce)",
+               &job_config::sequence_parallel),
       int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
       int_key("parallel.chunks", "virtual chunks per stage (interleaved-1f1b)", &job_config::chunks, 1, 64),
       string_key("parallel.schedule", "gpipe, 1f1b, interleaved-1f1b, zero-bubble or dataflow", &job_config::schedule),
@@ -466,6 +475,17 @@ void job_config::validate() const {
     if (tokenizer.empty() && g.vocab < 256) fail("vocab " + std::to_string(g.vocab) + " is below the data's 256 byte values");
     if (g.vocab_used > g.vocab)
       fail("vocab " + std::to_string(g.vocab) + " is below the tokenizer's " + std::to_string(g.vocab_used) + " pieces");
+  }
+  if (tensor_parallel > 1) {
+    try {
+      check_tensor_parallel(model(), tensor_parallel, sequence_parallel);
+    } catch (const model_error& e) {
+      fail(e.what());
+    }
+    if (runtime != "local")
+      fail("tensor_parallel " + std::to_string(tensor_parallel) +
+           " runs in the local runtime for now (train.runtime = \"local\", --runtime local): the actor runtime's "
+           "tensor-parallel stage actors are not built yet");
   }
   if (!text.empty() && workload == "fmnist-mlp")
     fail("text " + text + " is a corpus for the decoder workloads (fmnist-mlp reads Fashion-MNIST)");

@@ -55,6 +55,8 @@ struct job_config {
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;
+  int tensor_parallel = 1;            ///< ranks each layer is split over (Megatron's tensor parallelism)
+  bool sequence_parallel = false;     ///< tensor_parallel > 1: norms and residuals hold 1/T of the sequence
   int microbatches = 8;               ///< per replica per step
   int chunks = 1;
   std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | zero-bubble | dataflow
@@ -124,6 +126,13 @@ struct job_config {
   std::string compute_note() const {
     return (precision != "fp32" ? ", " + precision : "") + (recompute != "none" ? ", recompute " + recompute : "") +
            (deterministic ? ", deterministic" : "");
+  }
+  /// For the start-of-training log line: "tensor-parallel 2 (sequence parallel) x " (empty
+  /// without tensor parallelism).
+  std::string tensor_parallel_label() const {
+    if (tensor_parallel == 1) return "";
+    return "tensor-parallel " + std::to_string(tensor_parallel) + (sequence_parallel ? " (sequence parallel)" : "") +
+           " x ";
   }
   /// For the start-of-training log line: "1f1b", "dataflow, split backward".
   std::string schedule_label() const {

@@ -7,6 +7,7 @@
 #include <torch/nn/functional.h>
 
 #include "compute/device.hpp"
+#include "compute/tensor_parallel.hpp"
 
 #include <atomic>
 #include <cmath>
@@ -381,14 +382,35 @@ namespace {
 
 class decoder_slice final : public model_slice {
  public:
-  decoder_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
-            std::int64_t pad_to, torch::Device device, torch::ScalarType param_dtype)
-      : cfg_(spec.decoder) {
+  decoder_slice(const model_spec& spec, const layer_range& range, const state_dict& state, std::int64_t pad_to,
+                torch::Device device, torch::ScalarType param_dtype, const tensor_parallel& tp)
+      : cfg_(spec.decoder), tp_(tp) {
     range_ = range;
     std::vector<std::string> shared;
     if (!range.first_slice && range.last_slice && !tied_parameter(spec).empty())
       shared.push_back(tied_parameter(spec));  // tied output layer: this stage's copy
-    allocate(spec, state, slice_parameter_names(spec, range), shared, pad_to, device, param_dtype);
+    const auto names = slice_parameter_names(spec, range);
+    if (!tp_.active()) {
+      allocate(spec, state, names, shared, pad_to, device, param_dtype);
+    } else {
+      check_tensor_parallel(spec, tp_.size, tp_.sequence);
+      if (!tp_.group || tp_.group->size() != tp_.size || tp_.group->rank() != tp_.rank)
+        throw model_error("tensor-parallel rank " + std::to_string(tp_.rank) + " of " + std::to_string(tp_.size) +
+                          " without a group of that size and rank");
+      // This rank's part of each parameter, under the whole model's names.
+      std::map<std::string, torch::Tensor> given(state.begin(), state.end());
+      state_dict part;
+      for (const auto& name : names) {
+        auto it = given.find(name);
+        if (it == given.end()) throw model_error("state_dict has no parameter " + name);
+        part.emplace_back(name, shard_parameter(spec, name, it->second, tp_.size, tp_.rank));
+        if (tp_.rank > 0 && tp_split_of(spec, name) == tp_split::replicated) shared.push_back(name);
+      }
+      allocate(spec, part, names, shared, pad_to, device, param_dtype);
+      heads_ = cfg_.n_head / tp_.size;
+      kv_heads_ = cfg_.kv_heads() / tp_.size;
+      vocab_first_ = std::int64_t(cfg_.vocab / tp_.size) * tp_.rank;
+    }
     causal_ = torch::ones({cfg_.seq_len, cfg_.seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril();
     embedding_ = spec.is_llama() ? "model.embed_tokens.weight" : "wte.weight";
     output_ = cfg_.tie_embeddings ? embedding_ : "lm_head.weight";
@@ -408,7 +430,9 @@ class decoder_slice final : public model_slice {
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {
-    torch::Tensor x = is_first() ? embed(input, 0) : input;
+    // Sequence parallelism: between the layers, this rank's positions only; a stage's
+    // activations travel whole.
+    torch::Tensor x = is_first() ? embed(input, 0, tp_.sequence) : sequence() ? tp::scatter_sequence(input, group()) : input;
     const bool recompute = recompute_ == recompute_mode::full && torch::GradMode::is_enabled();
     // (Function::apply builds no backward node for an input without a gradient: the
     // blocks' parameters would get none.)
@@ -416,6 +440,9 @@ class decoder_slice final : public model_slice {
     for (int i = range_.first; i < range_.last; ++i)
       x = recompute ? recomputed_block::apply(x, this, std::int64_t(i)) : block(x, i);
     if (is_last()) x = final_norm(x);
+    // (The last stage's enters its column-parallel output layer: each rank's share of the
+    // gradient summed.)
+    if (sequence()) x = tp::gather_sequence(x, group(), /*reduce_grad=*/is_last());
     return x;
   }
 
@@ -436,24 +463,20 @@ class decoder_slice final : public model_slice {
       throw model_error("positions " + std::to_string(from) + ".." + std::to_string(from + T - 1) +
                         " are past the model's context of " + std::to_string(cfg_.seq_len));
     torch::NoGradGuard no_grad;
-    torch::Tensor x = is_first() ? embed(input, from) : input;
+    torch::Tensor x = is_first() ? embed(input, from, /*sequence=*/false) : input;
     for (int i = range_.first; i < range_.last; ++i) x = block(x, i, &cache);
     cache.length = from + T;
     return is_last() ? final_norm(x) : x;
   }
 
   torch::Tensor logits(const torch::Tensor& output) override {
-    auto l = torch::linear(output, param(output_));
-    if (cfg_.vocab_used > 0 && cfg_.vocab_used < cfg_.vocab) {  // padded rows: never a token
-      if (!padded_.defined() || padded_.device() != l.device())
-        padded_ = torch::arange(cfg_.vocab, torch::TensorOptions().device(l.device())) >= cfg_.vocab_used;
-      l = l.masked_fill(padded_, -std::numeric_limits<float>::infinity());
-    }
-    return l;
+    auto l = own_logits(output);
+    return tp_.active() ? tp::gather_dim(l, -1, group()) : l;
   }
 
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override {
-    auto l = logits(output);
+    auto l = own_logits(output);
+    if (tp_.active()) return tp::vocab_cross_entropy(l.to(torch::kFloat32), target, vocab_first_, group());
     return F::cross_entropy(l.view({-1, l.size(-1)}), target.reshape({-1}));
   }
 
@@ -552,12 +575,54 @@ class decoder_slice final : public model_slice {
     }
   };
 
-  /// Token (and gpt2's position) embeddings of `tokens` (batch, T) at positions from, from + 1, ...
-  torch::Tensor embed(const torch::Tensor& tokens, std::int64_t from) {
-    auto x = torch::embedding(param(embedding_), tokens);
+  /// The logits of this rank's vocabulary columns (all of them without tensor
+  /// parallelism); the padded rows' are minus infinity.
+  torch::Tensor own_logits(const torch::Tensor& output) {
+    // Tensor parallelism: the output layer is column-parallel (f before it; with sequence
+    // parallelism forward's gather is its f).
+    auto l = torch::linear(tp_.active() && !tp_.sequence ? tp::copy_to(output, group()) : output, param(output_));
+    if (cfg_.vocab_used > 0 && cfg_.vocab_used < cfg_.vocab) {  // padded rows: never a token
+      if (!padded_.defined() || padded_.device() != l.device())
+        padded_ = torch::arange(vocab_first_, vocab_first_ + l.size(-1), torch::TensorOptions().device(l.device())) >=
+                  cfg_.vocab_used;
+      l = l.masked_fill(padded_, -std::numeric_limits<float>::infinity());
+    }
+    return l;
+  }
+
+  /// Token (and gpt2's position) embeddings of `tokens` (batch, T) at positions from, from
+  /// + 1, ... Tensor parallelism: vocab-parallel, summed over the group (with `sequence`,
+  /// reduce-scattered: this rank's positions only).
+  torch::Tensor embed(const torch::Tensor& tokens, std::int64_t from, bool sequence) {
+    torch::Tensor x;
+    if (!tp_.active()) {
+      x = torch::embedding(param(embedding_), tokens);
+    } else {
+      x = tp::vocab_embedding(tokens, param(embedding_), vocab_first_);
+      x = sequence ? tp::reduce_scatter_sequence(x, group()) : tp::reduce_from(x, group());
+      if (sequence) from += x.size(1) * tp_.rank;
+    }
     if (cfg_.arch == decoder_arch::llama) return x;  // positions enter through the rotary embedding
-    auto pos = torch::arange(from, from + tokens.size(1), torch::TensorOptions().dtype(torch::kInt64).device(tokens.device()));
+    auto pos = torch::arange(from, from + x.size(1), torch::TensorOptions().dtype(torch::kInt64).device(tokens.device()));
     return x + torch::embedding(param("wpe.weight"), pos);
+  }
+
+  bool sequence() const { return tp_.active() && tp_.sequence; }
+  collective_group& group() const { return *tp_.group; }
+  /// Tensor parallelism, entering a column-parallel layer: f, or with sequence
+  /// parallelism (`sequence`) the gather of the sequence.
+  torch::Tensor enter(const torch::Tensor& x, bool sequence) {
+    if (!tp_.active()) return x;
+    return sequence ? tp::gather_sequence(x, group(), /*reduce_grad=*/true) : tp::copy_to(x, group());
+  }
+  /// A row-parallel layer (its bias, if any, added after the sum over the group: g, or with
+  /// sequence parallelism the reduce-scatter of the sequence).
+  torch::Tensor row_parallel(const torch::Tensor& x, const std::string& p, bool sequence) {
+    const auto& bias = cfg_.arch == decoder_arch::gpt2 ? param(p + ".bias") : torch::Tensor();
+    if (!tp_.active()) return linear_layer(x, param(p + ".weight"), bias);
+    auto y = linear_layer(x, param(p + ".weight"), torch::Tensor());
+    y = sequence ? tp::reduce_scatter_sequence(y, group()) : tp::reduce_from(y, group());
+    return bias.defined() ? y + bias : y;
   }
 
   torch::Tensor final_norm(const torch::Tensor& x) {
@@ -632,37 +697,43 @@ class decoder_slice final : public model_slice {
 
   torch::Tensor gpt_block(torch::Tensor x, int i, kv_cache* cache) {
     const std::string p = "h." + std::to_string(i) + ".";
-    const auto B = x.size(0), T = x.size(1), d = x.size(2);
-    const std::int64_t H = cfg_.n_head, hd = d / H;
+    const bool seq = sequence() && !cache;
+    const std::int64_t H = heads_, hd = cfg_.head_dim();
     // attention: fused qkv, causal softmax(q k^T / sqrt(hd)) v, output projection
-    auto qkv = linear(layer_norm(x, p + "ln_1"), p + "attn.c_attn").split(d, /*dim=*/2);
+    const auto a = enter(layer_norm(x, p + "ln_1"), seq);
+    const auto B = a.size(0), T = a.size(1);
+    auto qkv = linear(a, p + "attn.c_attn").split(H * hd, /*dim=*/2);
     auto q = qkv[0].view({B, T, H, hd}).transpose(1, 2);
     auto k = qkv[1].view({B, T, H, hd}).transpose(1, 2);
     auto v = qkv[2].view({B, T, H, hd}).transpose(1, 2);
-    x = x + linear(attend(q, k, v, i, cache), p + "attn.c_proj");
+    x = x + row_parallel(attend(q, k, v, i, cache), p + "attn.c_proj", seq);
     // mlp: c_fc, exact GELU, c_proj
-    auto h = torch::gelu(linear(layer_norm(x, p + "ln_2"), p + "mlp.c_fc"));
-    return x + linear(h, p + "mlp.c_proj");
+    auto h = torch::gelu(linear(enter(layer_norm(x, p + "ln_2"), seq), p + "mlp.c_fc"));
+    return x + row_parallel(h, p + "mlp.c_proj", seq);
   }
 
   /// WORKLOADS.md "llama-tiny": h = x + o_proj(attn(input_layernorm(x))), then
   /// h + down_proj(silu(gate_proj(g)) * up_proj(g)) with g = post_attention_layernorm(h).
   torch::Tensor llama_block(torch::Tensor x, int i, kv_cache* cache) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    const auto B = x.size(0), T = x.size(1);
-    const std::int64_t H = cfg_.n_head, KV = cfg_.kv_heads(), hd = cfg_.head_dim();
+    const bool seq = sequence() && !cache;
+    const std::int64_t H = heads_, KV = kv_heads_, hd = cfg_.head_dim();
     const std::int64_t from = cache ? cache->length : 0;
-    const auto a = rms_norm(x, p + "input_layernorm");
+    const auto a = enter(rms_norm(x, p + "input_layernorm"), seq);
+    const auto B = a.size(0), T = a.size(1);
     auto q = rotate(projection(a, p + "self_attn.q_proj").view({B, T, H, hd}).transpose(1, 2), from);
     auto k = rotate(projection(a, p + "self_attn.k_proj").view({B, T, KV, hd}).transpose(1, 2), from);
     auto v = projection(a, p + "self_attn.v_proj").view({B, T, KV, hd}).transpose(1, 2);
-    x = x + projection(attend(q, k, v, i, cache), p + "self_attn.o_proj");
-    const auto g = rms_norm(x, p + "post_attention_layernorm");
+    x = x + row_parallel(attend(q, k, v, i, cache), p + "self_attn.o_proj", seq);
+    const auto g = enter(rms_norm(x, p + "post_attention_layernorm"), seq);
     const auto h = torch::silu(projection(g, p + "mlp.gate_proj")) * projection(g, p + "mlp.up_proj");
-    return x + projection(h, p + "mlp.down_proj");
+    return x + row_parallel(h, p + "mlp.down_proj", seq);
   }
 
   decoder_config cfg_;
+  tensor_parallel tp_;
+  std::int64_t heads_ = cfg_.n_head, kv_heads_ = cfg_.kv_heads();  ///< this rank's
+  std::int64_t vocab_first_ = 0;  ///< this rank's first vocabulary row (tensor parallelism)
   torch::Tensor causal_;
   torch::Tensor rope_cos_, rope_sin_;  ///< llama: (seq_len, head dim), fp32
   std::string embedding_, output_;     ///< the token embedding's and the output layer's names
@@ -716,13 +787,14 @@ torch::Tensor model_slice::forward_cached(const torch::Tensor&, kv_cache&) {
 
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
                                         const state_dict& state, std::int64_t pad_to, torch::Device device,
-                                        torch::ScalarType param_dtype) {
+                                        torch::ScalarType param_dtype, const tensor_parallel& tp) {
   if (range.first < 0 || range.last > spec.n_layers() || range.first >= range.last)
     throw model_error("layer range [" + std::to_string(range.first) + ", " +
                       std::to_string(range.last) + ") does not fit " + spec.name() + " with " +
                       std::to_string(spec.n_layers()) + " layers");
   if (spec.type == model_spec::kind::decoder)
-    return std::make_unique<decoder_slice>(spec, range, state, pad_to, device, param_dtype);
+    return std::make_unique<decoder_slice>(spec, range, state, pad_to, device, param_dtype, tp);
+  check_tensor_parallel(spec, tp.size, tp.sequence);  // (refuses a split of the MLP)
   return std::make_unique<mlp_slice>(spec, range, state, pad_to, device, param_dtype);
 }
 

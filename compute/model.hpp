@@ -16,6 +16,7 @@
 
 #include <torch/types.h>
 
+#include "compute/collective_group.hpp"
 #include "compute/partition.hpp"
 
 namespace troupe {
@@ -128,9 +129,10 @@ struct param_entry {
   std::int64_t offset = 0;       ///< first element in the flat buffers
   std::int64_t numel = 0;
   bool decay = false;            ///< weight decay applies (2-D weights, not gpt2's wpe)
-  bool shared_copy = false;      ///< a second copy of a tied parameter (last stage's embedding):
-                                 ///< its gradient is summed with the owner's, it is not
-                                 ///< counted twice in the grad norm nor saved twice
+  bool shared_copy = false;      ///< a second copy of a tied parameter (last stage's embedding),
+                                 ///< or of a parameter every tensor-parallel rank holds whole
+                                 ///< (on ranks other than 0): it is not counted twice in the
+                                 ///< grad norm nor saved twice
 };
 
 /// The keys and values a decoder slice's attention has computed for the tokens it has seen
@@ -268,10 +270,15 @@ class model_slice {
 /// Builds the slice for `range`, taking its parameters from a full-model `state`.
 /// `pad_to`: flat buffers are padded to a multiple of this (the data-parallel width);
 /// `device`: where the buffers (and the computation) live; `param_dtype`: fp32, or bf16
-/// (the parameters are `state`'s rounded to bf16; see model_slice).
+/// (the parameters are `state`'s rounded to bf16; see model_slice). `tp`: the slice's
+/// rank in a tensor-parallel group (decoders): it holds that rank's part of each parameter
+/// (compute/tensor_parallel.hpp; the names stay the whole model's), and its forward and
+/// backward run the group's collectives. The parameters every rank holds whole are
+/// shared copies on ranks other than 0 (counted once in the grad norm, saved once).
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
                                         const state_dict& state, std::int64_t pad_to = 1,
                                         torch::Device device = torch::kCPU,
-                                        torch::ScalarType param_dtype = torch::kFloat32);
+                                        torch::ScalarType param_dtype = torch::kFloat32,
+                                        const tensor_parallel& tp = {});
 
 }  // namespace troupe

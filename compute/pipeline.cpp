@@ -6,11 +6,11 @@ namespace troupe {
 
 local_pipeline::local_pipeline(const model_spec& spec, const state_dict& init, int stages,
                                int chunks, const std::vector<int>& split, std::int64_t pad_to,
-                               torch::Device device)
+                               torch::Device device, const tensor_parallel& tp)
     : spec_(spec), stages_(stages), chunks_(chunks) {
   check_state(spec, init);
   for (const auto& range : partition_layers(spec.n_layers(), stages, chunks, split))
-    slices_.push_back(make_slice(spec, range, init, pad_to, device));
+    slices_.push_back(make_slice(spec, range, init, pad_to, device, torch::kFloat32, tp));
 }
 
 std::vector<double> local_pipeline::run_step(const schedule& sched,
@@ -90,7 +90,7 @@ torch::Tensor local_pipeline::forward(const torch::Tensor& input) {
 state_dict local_pipeline::state() const {
   std::map<std::string, torch::Tensor> all;
   for (const auto& s : slices_)
-    for (auto& [name, t] : s->state()) all.emplace(name, t);
+    for (auto& [name, t] : s->state(/*include_shared_copies=*/true)) all.emplace(name, t);
   state_dict out;
   for (const auto& name : parameter_names(spec_)) out.emplace_back(name, all.at(name));
   return out;

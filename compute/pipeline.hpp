@@ -14,10 +14,12 @@ namespace troupe {
 class local_pipeline {
  public:
   /// `split`: explicit layer counts per virtual stage (empty: even split);
-  /// `pad_to`: flat buffers padded to a multiple of this (data-parallel width).
+  /// `pad_to`: flat buffers padded to a multiple of this (data-parallel width); `tp`:
+  /// the pipeline of one tensor-parallel rank (its slices hold that rank's parts; the
+  /// group's pipelines each run on a thread of their own, in the same order).
   local_pipeline(const model_spec& spec, const state_dict& init, int stages, int chunks = 1,
                  const std::vector<int>& split = {}, std::int64_t pad_to = 1,
-                 torch::Device device = torch::kCPU);
+                 torch::Device device = torch::kCPU, const tensor_parallel& tp = {});
 
   int stages() const { return stages_; }
   int chunks() const { return chunks_; }
@@ -42,7 +44,8 @@ class local_pipeline {
   /// Forward through every slice without autograd; returns the last slice's output.
   torch::Tensor forward(const torch::Tensor& input);
 
-  /// Full-model parameters (each once, canonical order), cloned.
+  /// Full-model parameters (each once, canonical order), cloned. Tensor parallelism:
+  /// this rank's parts of them (unshard_state puts the ranks' together).
   state_dict state() const;
 
  private:

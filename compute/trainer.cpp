@@ -16,6 +16,7 @@
 #include "compute/hf_folder.hpp"
 #include "compute/device.hpp"
 #include "compute/splitmix.hpp"
+#include "compute/tensor_parallel.hpp"
 
 namespace troupe {
 
@@ -159,7 +160,7 @@ std::int64_t training_data::tokens_per_sample() const { return text_ ? cfg_.mode
 
 // --- local_trainer ---------------------------------------------------------------------
 
-local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> init)
+local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> init, const group_factory& groups)
     : cfg_(cfg),
       spec_(cfg.model()),
       sched_(make_schedule(parse_schedule_kind(cfg.schedule), cfg.pipeline, cfg.microbatches, cfg.chunks)),
@@ -170,24 +171,34 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
   if (!init) init = cfg.init.empty() ? initial_state(spec_, cfg.seed) : read_initial_weights(cfg.init, spec_);
   check_state(spec_, *init);
   const int d = cfg.data_parallel;
+  tp_ = cfg.tensor_parallel;
+  if (tp_ > 1 && !groups)
+    throw config_error("tensor_parallel " + std::to_string(tp_) + ": this loop was given no tensor-parallel groups");
   for (int r = 0; r < d; ++r) {
-    replicas_.push_back(std::make_unique<local_pipeline>(spec_, *init, cfg.pipeline, cfg.chunks, cfg.split, d));
-    for (int x = 0; x < replicas_.back()->virtual_stages(); ++x)
-      replicas_.back()->slice(x).set_recompute(parse_recompute(cfg.recompute));
-  }
-  const adamw_options opts{cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
-  auto& first = *replicas_.front();
-  for (int x = 0; x < first.virtual_stages(); ++x) {
-    auto& s = first.slice(x);
-    const auto ranges = shard_ranges(s.flat_params().numel(), d);
-    for (int r = 0; r < d; ++r) {
-      const auto& range = ranges[r];
-      shards_.push_back({x, r, range,
-                         adamw_shard(s.flat_params().narrow(0, range.begin, range.size()),
-                                     decay_mask(s.entries(), {range}), opts),
-                         norm_mask(s.entries(), {range})});
+    if (tp_ > 1) groups_.push_back(groups(tp_));
+    for (int t = 0; t < tp_; ++t) {
+      const tensor_parallel tp{t, tp_, cfg.sequence_parallel, tp_ > 1 ? groups_.back().at(std::size_t(t)) : nullptr};
+      replicas_.push_back(
+          std::make_unique<local_pipeline>(spec_, *init, cfg.pipeline, cfg.chunks, cfg.split, d, torch::kCPU, tp));
+      for (int x = 0; x < replicas_.back()->virtual_stages(); ++x)
+        replicas_.back()->slice(x).set_recompute(parse_recompute(cfg.recompute));
     }
   }
+  // One distributed optimizer per (virtual stage, tensor-parallel rank), sharded over the
+  // replicas.
+  const adamw_options opts{cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
+  for (int x = 0; x < replicas_.front()->virtual_stages(); ++x)
+    for (int t = 0; t < tp_; ++t) {
+      auto& s = replica(0, t).slice(x);
+      const auto ranges = shard_ranges(s.flat_params().numel(), d);
+      for (int r = 0; r < d; ++r) {
+        const auto& range = ranges[r];
+        shards_.push_back({x, t, r, range,
+                           adamw_shard(s.flat_params().narrow(0, range.begin, range.size()),
+                                       decay_mask(s.entries(), {range}), opts),
+                           norm_mask(s.entries(), {range})});
+      }
+    }
   if (!cfg.load.empty()) load_checkpoint(cfg.load);
 }
 
@@ -198,12 +209,19 @@ step_stats local_trainer::step() {
   st.lr = lrs_.at(next_step_, cfg_.steps);
   const int d = cfg_.data_parallel, m = cfg_.microbatches, mbs = cfg_.microbatch_size();
   const double weight = double(mbs) / cfg_.global_batch;  // each micro-batch's share
-  // Forward and backward of every replica, in schedule order.
+  // Forward and backward of every replica, in schedule order (each tensor-parallel rank's
+  // pipeline on a thread of its own: they meet in the collectives).
   for (int r = 0; r < d; ++r) {
     std::vector<batch> mb;
     for (int k = 0; k < m; ++k) mb.push_back(data_.samples(next_step_, r * m * mbs + k * mbs, mbs));
-    for (double l : replicas_[r]->run_step(sched_, mb, weight)) st.loss += l * weight;
-    replicas_[r]->sum_tied_grads();
+    std::vector<double> losses;
+    on_every_rank(r, [&](int t) {
+      auto l = replica(r, t).run_step(sched_, mb, weight);
+      replica(r, t).sum_tied_grads();
+      if (t == 0) losses = l;  // (every rank computed the same losses)
+    });
+    for (double l : losses) st.loss += l * weight;
+    if (cfg_.sequence_parallel) sum_replicated_grads(r);
   }
   torch::NoGradGuard no_grad;
   // Reduce-scatter: each shard receives the sum over replicas of its range (rank order).
@@ -211,9 +229,9 @@ step_stats local_trainer::step() {
   double sq_norm = 0;
   for (std::size_t i = 0; i < shards_.size(); ++i) {
     const auto& sh = shards_[i];
-    auto sum = replicas_[0]->slice(sh.virtual_stage).flat_grads().narrow(0, sh.range.begin, sh.range.size()).clone();
+    auto sum = replica(0, sh.tp).slice(sh.virtual_stage).flat_grads().narrow(0, sh.range.begin, sh.range.size()).clone();
     for (int r = 1; r < d; ++r)
-      sum.add_(replicas_[r]->slice(sh.virtual_stage).flat_grads().narrow(0, sh.range.begin, sh.range.size()));
+      sum.add_(replica(r, sh.tp).slice(sh.virtual_stage).flat_grads().narrow(0, sh.range.begin, sh.range.size()));
     sq_norm += partial_sq_norm(sum, sh.norm_mask);
     reduced[i] = sum;
   }
@@ -223,8 +241,9 @@ step_stats local_trainer::step() {
   for (std::size_t i = 0; i < shards_.size(); ++i) {
     auto& sh = shards_[i];
     sh.opt.step(reduced[i], st.lr, scale, torch::get_num_threads());
-    for (auto& rep : replicas_)
-      rep->slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(sh.opt.params());
+    for (int r = 0; r < d; ++r)
+      replica(r, sh.tp).slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(
+          sh.opt.params());
   }
   for (auto& rep : replicas_) rep->zero_grads();
   ++next_step_;
@@ -291,18 +310,102 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
   return combine_evaluation(scores, set, text, step);
 }
 
-evaluation local_trainer::evaluate() {
-  return evaluate_model(*replicas_[0], data_.evaluation_set(), spec_.type == model_spec::kind::decoder, next_step_,
-                        cfg_.eval_tokens);
+void local_trainer::on_every_rank(int replica, const std::function<void(int tp)>& fn) {
+  if (tp_ == 1) return fn(0);
+  std::vector<std::exception_ptr> failed(static_cast<std::size_t>(tp_));
+  std::vector<std::thread> threads;
+  // The ranks share this process's intra-op threads (each rank's OpenMP team would
+  // otherwise be as large as the whole, and the teams spin against each other).
+  const int threads_before = torch::get_num_threads(), each = std::max(1, threads_before / tp_);
+  for (int t = 0; t < tp_; ++t)
+    threads.emplace_back([&, t] {
+      torch::set_num_threads(each);
+      try {
+        fn(t);
+      } catch (const std::exception& e) {
+        failed[std::size_t(t)] = std::current_exception();
+        for (auto& member : groups_.at(std::size_t(replica)))
+          member->abort("tensor-parallel rank " + std::to_string(t) + " failed: " + e.what());
+      }
+    });
+  for (auto& th : threads) th.join();
+  torch::set_num_threads(threads_before);
+  for (auto& f : failed)  // the first rank's own failure, not another's abort
+    if (f) std::rethrow_exception(f);
 }
 
-state_dict local_trainer::state() const { return replicas_[0]->state(); }
+void local_trainer::sum_replicated_grads(int r) {
+  if (tp_ == 1) return;
+  torch::NoGradGuard no_grad;
+  for (int x = 0; x < replica(r).virtual_stages(); ++x)
+    for (const auto& e : replica(r).slice(x).entries()) {
+      if (tp_split_of(spec_, e.name) != tp_split::replicated) continue;
+      auto sum = replica(r, 0).slice(x).param(e.name).grad().clone();
+      for (int t = 1; t < tp_; ++t) sum.add_(replica(r, t).slice(x).param(e.name).grad());
+      for (int t = 0; t < tp_; ++t) replica(r, t).slice(x).param(e.name).mutable_grad().copy_(sum);
+    }
+}
+
+evaluation local_trainer::evaluate() {
+  const auto set = data_.evaluation_set();
+  std::vector<evaluation> by_rank(static_cast<std::size_t>(tp_));
+  on_every_rank(0, [&](int t) {
+    by_rank[std::size_t(t)] = evaluate_model(replica(0, t), set, spec_.type == model_spec::kind::decoder,
+                                             t == 0 ? next_step_ : 0, cfg_.eval_tokens);
+  });
+  return by_rank.front();
+}
+
+namespace {
+
+/// The whole model's tensors by name from each tensor-parallel rank's parts (`shapes`:
+/// each rank's parameter shapes by name; flat parts are shaped so, and the result is flat
+/// again).
+std::map<std::string, torch::Tensor> unshard_flat(const model_spec& spec,
+                                                  const std::vector<std::map<std::string, torch::Tensor>>& parts,
+                                                  const std::vector<std::map<std::string, torch::Tensor>>& shapes) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, first] : parts.front()) {
+    std::vector<torch::Tensor> each;
+    for (std::size_t t = 0; t < parts.size(); ++t)
+      each.push_back(parts[t].at(name).view(shapes[t].at(name).sizes()));
+    out[name] = unshard_parameter(spec, name, each).reshape({-1});
+  }
+  return out;
+}
+
+}  // namespace
+
+state_dict local_trainer::state() const {
+  if (tp_ == 1) return replicas_[0]->state();
+  std::vector<state_dict> parts;
+  for (int t = 0; t < tp_; ++t) parts.push_back(replicas_[std::size_t(t)]->state());
+  state_dict out;
+  for (std::size_t i = 0; i < parts.front().size(); ++i) {
+    std::vector<torch::Tensor> each;
+    for (const auto& p : parts) each.push_back(p[i].second);
+    out.emplace_back(parts.front()[i].first, unshard_parameter(spec_, parts.front()[i].first, each));
+  }
+  return out;
+}
 
 state_dict local_trainer::optimizer_state() const {
-  named_moments moments;
+  std::vector<named_moments> by_rank(static_cast<std::size_t>(tp_));
   for (const auto& sh : shards_)
-    gather_moments(replicas_[0]->slice(sh.virtual_stage).entries(), {sh.range}, sh.opt, moments);
-  return optimizer_state_dict(moments, replicas_[0]->state(), next_step_);
+    gather_moments(replicas_[std::size_t(sh.tp)]->slice(sh.virtual_stage).entries(), {sh.range}, sh.opt,
+                   by_rank[std::size_t(sh.tp)]);
+  if (tp_ == 1) return optimizer_state_dict(by_rank.front(), replicas_[0]->state(), next_step_);
+  std::vector<std::map<std::string, torch::Tensor>> shapes, avg, avg_sq;
+  for (int t = 0; t < tp_; ++t) {
+    const auto part = replicas_[std::size_t(t)]->state();
+    shapes.emplace_back(part.begin(), part.end());
+    avg.push_back(by_rank[std::size_t(t)].exp_avg);
+    avg_sq.push_back(by_rank[std::size_t(t)].exp_avg_sq);
+  }
+  named_moments whole;
+  whole.exp_avg = unshard_flat(spec_, avg, shapes);
+  whole.exp_avg_sq = unshard_flat(spec_, avg_sq, shapes);
+  return optimizer_state_dict(whole, state(), next_step_);
 }
 
 void local_trainer::save_checkpoint(const std::string& path) const {
@@ -313,15 +416,34 @@ void local_trainer::save_checkpoint(const std::string& path) const {
 
 void local_trainer::load_checkpoint(const std::string& path) {
   const auto ckpt = read_checkpoint(path, spec_, cfg_.steps);
+  // Each tensor-parallel rank's parts of the parameters and moments (whole in the files).
+  std::vector<std::map<std::string, torch::Tensor>> params(static_cast<std::size_t>(tp_)), optim(static_cast<std::size_t>(tp_));
+  for (int t = 0; t < tp_; ++t) {
+    if (tp_ == 1) {
+      params[0] = ckpt.params;
+      optim[0] = ckpt.optim;
+      break;
+    }
+    for (const auto& [name, p] : ckpt.params) {
+      params[std::size_t(t)][name] = shard_parameter(spec_, name, p, tp_, t);
+      for (const std::string moment : {"exp_avg.", "exp_avg_sq."})
+        if (ckpt.optim.count(moment + name))
+          optim[std::size_t(t)][moment + name] =
+              shard_parameter(spec_, name, ckpt.optim.at(moment + name).view(p.sizes()), tp_, t);
+    }
+    optim[std::size_t(t)]["step"] = ckpt.optim.at("step");
+  }
   for (auto& sh : shards_) {
     try {
-      restore_shard(replicas_[0]->slice(sh.virtual_stage).entries(), {sh.range}, sh.opt, ckpt.params, ckpt.optim, ckpt.step);
+      restore_shard(replica(0, sh.tp).slice(sh.virtual_stage).entries(), {sh.range}, sh.opt,
+                    params[std::size_t(sh.tp)], optim[std::size_t(sh.tp)], ckpt.step);
     } catch (const std::runtime_error& e) {
       throw checkpoint_error("optimizer checkpoint " + path + ".optim: " + e.what());
     }
     torch::NoGradGuard no_grad;
-    for (auto& rep : replicas_)
-      rep->slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(sh.opt.params());
+    for (int r = 0; r < cfg_.data_parallel; ++r)
+      replica(r, sh.tp).slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(
+          sh.opt.params());
   }
   next_step_ = int(ckpt.step);
 }
@@ -386,7 +508,7 @@ void log_checkpoint_not_written(std::int64_t step, const std::string& why, int i
                 why, step + interval);
 }
 
-int run_training(const job_config& cfg, const std::function<int()>& stop_requested) {
+int run_training(const job_config& cfg, const std::function<int()>& stop_requested, const group_factory& groups) {
   // LibTorch's own default counts physical cores (1 on a 2-vCPU machine): use them all.
   torch::set_num_threads(cfg.threads > 0 ? cfg.threads : int(std::max(1u, std::thread::hardware_concurrency())));
   try {
@@ -394,11 +516,12 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
   } catch (const std::invalid_argument& e) {
     throw config_error(std::string("invalid configuration: ") + e.what());
   }
-  spdlog::info("training {}{} for {} steps: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
-               "{} threads on the CPU{}", cfg.model_label(), cfg.data_label(), cfg.steps, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
-               cfg.microbatch_size(), cfg.schedule, torch::get_num_threads(), cfg.compute_note());
+  spdlog::info("training {}{} for {} steps: {}pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
+               "{} threads on the CPU{}", cfg.model_label(), cfg.data_label(), cfg.steps, cfg.tensor_parallel_label(),
+               cfg.pipeline, cfg.data_parallel, cfg.microbatches, cfg.microbatch_size(), cfg.schedule,
+               torch::get_num_threads(), cfg.compute_note());
   check_output_paths(cfg);  // not at the end, after the training
-  local_trainer trainer(cfg);
+  local_trainer trainer(cfg, std::nullopt, groups);
   if (trainer.next_step() > 0) spdlog::info("resumed from {} at step {}", cfg.load, trainer.next_step());
   std::ofstream metrics;
   if (!cfg.metrics.empty()) {

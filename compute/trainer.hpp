@@ -16,6 +16,7 @@
 #include "compute/optimizer.hpp"
 #include "compute/pipeline.hpp"
 #include "compute/schedule.hpp"
+#include "compute/collective_group.hpp"
 
 namespace troupe {
 
@@ -113,7 +114,11 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
 class local_trainer {
  public:
   /// Initial weights: `init` if given, else the file cfg.init, else initial_state(seed).
-  explicit local_trainer(const job_config& cfg, std::optional<state_dict> init = std::nullopt);
+  /// Tensor parallelism (parallel.tensor_parallel = T > 1): each replica is T pipelines,
+  /// one per tensor-parallel rank, each run on a thread of its own in every step and
+  /// evaluation, over a group that `groups` makes (config_error without one).
+  explicit local_trainer(const job_config& cfg, std::optional<state_dict> init = std::nullopt,
+                         const group_factory& groups = {});
 
   /// Runs optimizer step `next_step()`.
   step_stats step();
@@ -133,11 +138,21 @@ class local_trainer {
   void load_checkpoint(const std::string& path);
 
   const job_config& config() const { return cfg_; }
-  local_pipeline& replica(int r) { return *replicas_.at(r); }
+  /// Replica r's pipeline (tensor parallelism: of rank `tp`).
+  local_pipeline& replica(int r, int tp = 0) { return *replicas_.at(std::size_t(r * tp_ + tp)); }
 
  private:
+  /// Runs `fn(t)` for every tensor-parallel rank t, each on a thread of its own (one rank:
+  /// on this one); an exception on one rank aborts its group (the others would wait in a
+  /// collective for ever) and is rethrown.
+  void on_every_rank(int replica, const std::function<void(int tp)>& fn);
+  /// Sums the gradients of the parameters every tensor-parallel rank of a replica holds
+  /// whole over the ranks (sequence parallelism: each computed its positions' share).
+  void sum_replicated_grads(int replica);
+
   struct shard {
     int virtual_stage = 0;
+    int tp = 0;  ///< tensor-parallel rank of the slice
     int rank = 0;
     flat_range range;
     adamw_shard opt;
@@ -149,7 +164,9 @@ class local_trainer {
   schedule sched_;
   lr_schedule lrs_;
   training_data data_;
-  std::vector<std::unique_ptr<local_pipeline>> replicas_;
+  int tp_ = 1;                                             ///< tensor-parallel ranks
+  std::vector<std::vector<std::shared_ptr<collective_group>>> groups_;  ///< per replica, per rank
+  std::vector<std::unique_ptr<local_pipeline>> replicas_;  ///< [replica * tp_ + rank]
   std::vector<shard> shards_;
   int next_step_ = 0;
 };
@@ -188,6 +205,8 @@ void log_checkpoint_not_written(std::int64_t step, const std::string& why, int i
 /// checkpoints. Returns the process exit code. `stop_requested` (when given) is asked
 /// after each step: a signal number ends the run there, with a checkpoint (cfg.save) and
 /// exit_stopped.
-int run_training(const job_config& cfg, const std::function<int()>& stop_requested = {});
+/// `groups`: what tensor-parallel jobs compute over (see local_trainer).
+int run_training(const job_config& cfg, const std::function<int()>& stop_requested = {},
+                 const group_factory& groups = {});
 
 }  // namespace troupe

@@ -23,6 +23,7 @@
 
 #include "actors/node.hpp"
 #include "actors/runtime.hpp"
+#include "actors/tp_groups.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
 #include "compute/data.hpp"
@@ -562,7 +563,7 @@ int main(int argc, char** argv) {
   }
   try {
     install_stop_handlers(true);
-    if (cfg.runtime == "local") return troupe::run_training(cfg, troupe::stop_requested);
+    if (cfg.runtime == "local") return troupe::run_training(cfg, troupe::stop_requested, troupe::in_process_groups);
     troupe::actor_run_options opts;
     opts.final_state = false;  // nothing here reads it: --save and checkpoint_dir gather what they write
     const auto result = troupe::run_actor_training(cfg, opts);

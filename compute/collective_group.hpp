@@ -1,0 +1,50 @@
+#pragma once
+// What compute/ needs of a group of ranks that compute together (a tensor-parallel group):
+// three blocking collectives. compute/ knows no transport: whoever composes the layers
+// gives them a group (actors/tp_groups.hpp: transport communicators as groups).
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+namespace troupe {
+
+/// A group of `size()` ranks; this member is rank `rank()`. Every rank calls the same
+/// collectives in the same order with tensors of the same size and dtype. The calls block
+/// until the group's result is in: each rank must call from a thread of its own (a rank
+/// waiting in a collective holds its thread). Sums are computed in one fixed order, so
+/// every rank gets bit-identical results.
+class collective_group {
+ public:
+  virtual ~collective_group() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// `t` (contiguous) = the sum of every rank's `t`, in place.
+  virtual void all_reduce(torch::Tensor t) = 0;
+  /// `out` (contiguous, size() times `in`'s elements) = every rank's `in`, in rank order.
+  virtual void all_gather(const torch::Tensor& in, torch::Tensor out) = 0;
+  /// `out` (contiguous, 1/size() of `in`'s elements) = this rank's piece of the sum of
+  /// every rank's `in` (piece i: elements [i n/size, (i+1) n/size)).
+  virtual void reduce_scatter(const torch::Tensor& in, torch::Tensor out) = 0;
+  /// Fails the collectives every rank waits in, and the later ones, with `why` (a rank
+  /// that failed: the others would wait for it forever).
+  virtual void abort(const std::string& why) = 0;
+};
+
+/// A model slice's place in its tensor-parallel group (size 1: no tensor parallelism;
+/// compute/tensor_parallel.hpp says what is split).
+struct tensor_parallel {
+  int rank = 0;
+  int size = 1;
+  bool sequence = false;                    ///< sequence parallelism
+  std::shared_ptr<collective_group> group;  ///< size > 1: the group's member of this rank
+  bool active() const { return size > 1; }
+};
+
+/// Makes the `size` members of one group whose ranks are threads of this process (member
+/// i is rank i).
+using group_factory = std::function<std::vector<std::shared_ptr<collective_group>>(int size)>;
+
+}  // namespace troupe
