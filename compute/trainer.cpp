@@ -366,6 +366,10 @@ std::map<std::string, torch::Tensor> unshard_flat(const model_spec& spec,
                                                   const std::vector<std::map<std::string, torch::Tensor>>& shapes) {
   std::map<std::string, torch::Tensor> out;
   for (const auto& [name, first] : parts.front()) {
+    if (tp_split_of(spec, name) == tp_split::replicated) {  // (rank 0's: the others hold shared copies)
+      out[name] = first;
+      continue;
+    }
     std::vector<torch::Tensor> each;
     for (std::size_t t = 0; t < parts.size(); ++t)
       each.push_back(parts[t].at(name).view(shapes[t].at(name).sizes()));

@@ -1,0 +1,345 @@
+// Tensor and sequence parallelism (compute/tensor_parallel.hpp): each parallel layer
+// against its unsplit counterpart, and the local loop split over T ranks against the
+// unsplit run (WORKLOADS.md's equivalence rule), resumed across widths, and its errors.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include <torch/nn/functional.h>
+
+#include "actors/tp_groups.hpp"
+#include "compute/tensor_parallel.hpp"
+#include "compute/trainer.hpp"
+#include "test_util.hpp"
+
+namespace troupe {
+
+namespace {
+
+namespace F = torch::nn::functional;
+
+/// Runs fn(rank, group) on `size` threads, one per rank of an in-process group.
+void on_ranks(int size, const std::function<void(int, collective_group&)>& fn) {
+  auto groups = in_process_groups(size);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(static_cast<std::size_t>(size));
+  for (int t = 0; t < size; ++t)
+    threads.emplace_back([&, t] {
+      try {
+        fn(t, *groups[std::size_t(t)]);
+      } catch (const std::exception& e) {
+        errors[std::size_t(t)] = e.what();
+        for (auto& g : groups) g->abort(e.what());
+      }
+    });
+  for (auto& th : threads) th.join();
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+}
+
+double diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+torch::Tensor leaf(const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); }
+
+}  // namespace
+
+TEST(TensorParallelLayers, PartsPutBackTogetherAsTheWholeParameter) {
+  auto llama = model_spec::llama_tiny();
+  llama.decoder.n_kv_head = 4;
+  for (const auto& spec : {model_spec::gpt_tiny(), llama})
+    for (int size : {2, 4}) {
+      for (const auto& [name, full] : initial_state(spec, 7)) {
+        std::vector<torch::Tensor> parts;
+        for (int t = 0; t < size; ++t) parts.push_back(shard_parameter(spec, name, full, size, t));
+        EXPECT_TRUE(torch::equal(unshard_parameter(spec, name, parts), full)) << name << " over " << size;
+        if (tp_split_of(spec, name) != tp_split::replicated)
+          EXPECT_EQ(parts[1].numel() * size, full.numel()) << name;
+      }
+    }
+  // gpt2's fused c_attn: rank 1 of 2 holds the second half of q's rows, then of k's, then of v's.
+  const auto spec = model_spec::gpt_tiny();
+  const auto w = torch::arange(3 * 128 * 2, torch::kFloat32).view({3 * 128, 2});
+  const auto part = shard_parameter(spec, "h.0.attn.c_attn.weight", w, 2, 1);
+  EXPECT_TRUE(torch::equal(part, torch::cat({w.slice(0, 64, 128), w.slice(0, 192, 256), w.slice(0, 320, 384)})));
+  EXPECT_EQ(tp_split_of(spec, "h.0.attn.c_proj.weight"), tp_split::columns);
+  EXPECT_EQ(tp_split_of(spec, "h.0.attn.c_proj.bias"), tp_split::replicated);
+  EXPECT_EQ(tp_split_of(spec, "wpe.weight"), tp_split::replicated);
+  EXPECT_EQ(tp_split_of(llama, "model.layers.3.mlp.down_proj.weight"), tp_split::columns);
+  EXPECT_EQ(tp_split_of(llama, "model.layers.3.self_attn.k_proj.weight"), tp_split::rows);
+}
+
+TEST(TensorParallelLayers, FAndGAndTheSequenceCollectivesHaveMegatronsGradients) {
+  const int size = 4;
+  torch::manual_seed(3);
+  const auto x = torch::randn({size, 2, 8, 3});       // per rank (batch 2, sequence 8, features 3)
+  const auto w = torch::randn({size, 2, 8 * size, 3});  // per rank: the upstream gradient's weights
+  const auto sum_w = w.sum(0);
+  on_ranks(size, [&](int t, collective_group& g) {
+    const auto mine = x[t], weight = w[t];
+    // f: identity forward; the backward sums every rank's gradient.
+    auto a = leaf(mine);
+    auto y = tp::copy_to(a, g);
+    EXPECT_TRUE(torch::equal(y, mine));
+    (y * weight.narrow(1, 0, 8)).sum().backward();
+    EXPECT_LT(diff(a.grad(), sum_w.narrow(1, 0, 8)), 1e-6);
+    // g: the sum forward, identity backward.
+    auto b = leaf(mine);
+    y = tp::reduce_from(b, g);
+    EXPECT_LT(diff(y, x.sum(0)), 1e-6);
+    (y * weight.narrow(1, 0, 8)).sum().backward();
+    EXPECT_TRUE(torch::equal(b.grad(), weight.narrow(1, 0, 8)));
+    // Entering a column-parallel layer: gather forward, reduce-scatter backward.
+    auto c = leaf(mine);
+    y = tp::gather_sequence(c, g, /*reduce_grad=*/true);
+    EXPECT_TRUE(torch::equal(y, torch::cat(x.unbind(0), 1)));
+    (y * weight).sum().backward();
+    EXPECT_LT(diff(c.grad(), sum_w.narrow(1, 8 * t, 8)), 1e-6);
+    // Leaving a stage: gather forward, this rank's positions of a gradient all hold.
+    auto d = leaf(mine);
+    (tp::gather_sequence(d, g, /*reduce_grad=*/false) * w[0]).sum().backward();
+    EXPECT_TRUE(torch::equal(d.grad(), w[0].narrow(1, 8 * t, 8)));
+    // Leaving a row-parallel layer: reduce-scatter forward, gather backward.
+    auto e = leaf(torch::cat({mine, mine * 2, mine * 3, mine * 4}, 1));  // (2, 32, 3)
+    y = tp::reduce_scatter_sequence(e, g);
+    const auto whole = torch::cat({x.sum(0), x.sum(0) * 2, x.sum(0) * 3, x.sum(0) * 4}, 1);
+    EXPECT_LT(diff(y, whole.narrow(1, 8 * t, 8)), 1e-5);
+    (y * weight.narrow(1, 0, 8)).sum().backward();
+    EXPECT_TRUE(torch::equal(e.grad(), torch::cat(w.narrow(2, 0, 8).unbind(0), 1)));
+    // Entering a stage: this rank's positions forward, gather backward.
+    auto f = leaf(w[0]);
+    y = tp::scatter_sequence(f, g);
+    EXPECT_TRUE(torch::equal(y, w[0].narrow(1, 8 * t, 8)));
+    (y * weight.narrow(1, 0, 8)).sum().backward();
+    EXPECT_TRUE(torch::equal(f.grad(), torch::cat(w.narrow(2, 0, 8).unbind(0), 1)));
+  });
+}
+
+TEST(TensorParallelLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheWholeOnes) {
+  torch::manual_seed(5);
+  const std::int64_t V = 12, N = 10, used = 9;  // 3 padded columns: rank 3 of 4 holds only padding
+  const auto weight = torch::randn({V, 4});
+  const auto ids = torch::randint(0, used, {2, 5});
+  const auto logits = torch::randn({N, V});
+  const auto target = torch::randint(0, used, {N});
+  const auto padded = torch::arange(V) >= used;
+  const auto inf = -std::numeric_limits<float>::infinity();
+  // The whole ones.
+  auto w = leaf(weight);
+  auto e = torch::embedding(w, ids);
+  (e * e).sum().backward();
+  auto l = leaf(logits);
+  auto loss = F::cross_entropy(l.masked_fill(padded, inf), target);
+  loss.backward();
+  for (int size : {2, 4}) {
+    std::vector<torch::Tensor> w_grads(static_cast<std::size_t>(size)), l_grads(static_cast<std::size_t>(size));
+    on_ranks(size, [&](int t, collective_group& g) {
+      const std::int64_t width = V / size, first = width * t;
+      auto wt = leaf(weight.narrow(0, first, width));
+      auto et = tp::reduce_from(tp::vocab_embedding(ids, wt, first), g);
+      EXPECT_LT(diff(et, e), 1e-6);
+      (et * et).sum().backward();
+      w_grads[std::size_t(t)] = wt.grad();
+      auto lt = leaf(logits.narrow(1, first, width));
+      auto part = tp::vocab_cross_entropy(lt.masked_fill(padded.narrow(0, first, width), inf), target, first, g);
+      EXPECT_LT(std::abs(part.item<double>() - loss.item<double>()), 1e-6) << "rank " << t << " of " << size;
+      part.backward();
+      l_grads[std::size_t(t)] = lt.grad();
+    });
+    EXPECT_LT(diff(torch::cat(w_grads), w.grad()), 1e-6) << size;
+    EXPECT_LT(diff(torch::cat(l_grads, 1), l.grad()), 1e-7) << size;
+  }
+}
+
+namespace {
+
+/// A small gpt2 (or llama) job for the local loop: 10 steps take about a second.
+job_config small_job(const std::string& workload = "gpt-tiny") {
+  auto c = job_config::defaults_for(workload);
+  c.steps = 10;
+  c.device = "cpu";
+  c.runtime = "local";
+  c.layers = 4;
+  c.d_model = 64;
+  c.heads = 4;
+  c.seq_len = 32;
+  c.global_batch = 8;
+  c.microbatches = 2;
+  c.eval_interval = 0;
+  return c;
+}
+
+state_dict train(const job_config& c, std::vector<double>* losses = nullptr) {
+  local_trainer t(c, std::nullopt, in_process_groups);
+  for (int i = 0; i < c.steps; ++i) {
+    const auto st = t.step();
+    if (losses) losses->push_back(st.loss);
+  }
+  return t.state();
+}
+
+struct tp_layout {
+  int t, p, d;
+  bool sp;
+  const char* workload;
+  const char* schedule;
+  const char* recompute;
+};
+
+std::string name_of(const tp_layout& l) {
+  std::string s = std::string(l.workload[0] == 'g' ? "gpt2" : "llama") + "_t" + std::to_string(l.t) + (l.sp ? "_sp" : "") + "_p" +
+                  std::to_string(l.p) + "_d" + std::to_string(l.d);
+  const std::string schedule = l.schedule;
+  if (schedule != "1f1b") s += "_" + (schedule == "zero-bubble" ? "zero_bubble" : schedule == "gpipe" ? schedule : "interleaved");
+  if (std::string(l.recompute) != "none") s += std::string("_recompute_") + l.recompute;
+  return s;
+}
+
+void PrintTo(const tp_layout& l, std::ostream* os) { *os << name_of(l); }
+
+class TensorParallelTraining : public ::testing::TestWithParam<tp_layout> {};
+
+}  // namespace
+
+TEST_P(TensorParallelTraining, ParametersEqualTheUnsplitRunAfterTenSteps) {
+  const auto l = GetParam();
+  const auto base = small_job(l.workload);
+  std::vector<double> ref_losses, losses;
+  const auto ref = test::shared_reference(std::string("tp-unsplit-") + l.workload, [&](std::vector<double>* out) {
+    return train(base, out);
+  }, &ref_losses);
+  auto c = base;
+  c.tensor_parallel = l.t;
+  c.sequence_parallel = l.sp;
+  c.pipeline = l.p;
+  c.data_parallel = l.d;
+  c.schedule = l.schedule;
+  c.recompute = l.recompute;
+  if (c.schedule == "interleaved-1f1b") c.chunks = 2;
+  const auto got = train(c, &losses);
+  EXPECT_LE(test::max_abs_diff(got, ref), 1e-5) << name_of(l);
+  ASSERT_EQ(losses.size(), ref_losses.size());
+  for (std::size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(losses[i], ref_losses[i], 1e-5) << "step " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, TensorParallelTraining,
+    ::testing::Values(
+        // gpt2: T x SP x P x D
+        tp_layout{2, 1, 1, false, "gpt-tiny", "1f1b", "none"}, tp_layout{2, 1, 1, true, "gpt-tiny", "1f1b", "none"},
+        tp_layout{4, 1, 1, false, "gpt-tiny", "1f1b", "none"}, tp_layout{4, 1, 1, true, "gpt-tiny", "1f1b", "none"},
+        tp_layout{2, 2, 1, false, "gpt-tiny", "1f1b", "none"}, tp_layout{2, 2, 1, true, "gpt-tiny", "1f1b", "none"},
+        tp_layout{2, 1, 2, false, "gpt-tiny", "1f1b", "none"}, tp_layout{2, 1, 2, true, "gpt-tiny", "1f1b", "none"},
+        tp_layout{4, 2, 2, false, "gpt-tiny", "1f1b", "none"}, tp_layout{4, 2, 2, true, "gpt-tiny", "1f1b", "none"},
+        tp_layout{2, 2, 2, true, "gpt-tiny", "gpipe", "none"},
+        // every schedule kind and recompute mode with sequence parallelism
+        tp_layout{2, 2, 1, true, "gpt-tiny", "zero-bubble", "none"},
+        tp_layout{2, 2, 1, true, "gpt-tiny", "interleaved-1f1b", "none"},
+        tp_layout{2, 2, 1, true, "gpt-tiny", "1f1b", "full"}, tp_layout{2, 1, 1, true, "gpt-tiny", "1f1b", "selective"},
+        // llama (2 key/value heads: T = 2)
+        tp_layout{2, 1, 1, false, "llama-tiny", "1f1b", "none"}, tp_layout{2, 1, 1, true, "llama-tiny", "1f1b", "none"},
+        tp_layout{2, 2, 2, true, "llama-tiny", "1f1b", "none"}, tp_layout{2, 2, 1, false, "llama-tiny", "zero-bubble", "full"}),
+    [](const ::testing::TestParamInfo<tp_layout>& info) { return name_of(info.param); });
+
+TEST(TensorParallelCheckpoint, AWidthTwoCheckpointResumesWithWidthsOneAndFour) {
+  test::temp_dir dir;
+  const auto path = dir / "tp2.pt";
+  auto two = small_job();
+  two.tensor_parallel = 2;
+  two.sequence_parallel = true;
+  two.steps = 10;
+  local_trainer first(two, std::nullopt, in_process_groups);
+  for (int i = 0; i < 5; ++i) first.step();
+  first.save_checkpoint(path);
+  // The files hold the whole model, as the unsplit loop writes it.
+  const auto saved = load_state_dict(path);
+  check_state(two.model(), saved);
+  EXPECT_EQ(test::max_abs_diff(saved, first.state()), 0.0);
+  for (int width : {1, 4}) {
+    auto c = two;
+    c.tensor_parallel = width;
+    c.load = path;
+    local_trainer resumed(c, std::nullopt, in_process_groups);
+    EXPECT_EQ(resumed.next_step(), 5);
+    EXPECT_EQ(test::max_abs_diff(resumed.state(), saved), 0.0) << width;
+    // ... and the optimizer state comes back whole: the next steps follow the width-2 run.
+    for (int i = 5; i < 10; ++i) resumed.step();
+    if (width == 1) {
+      for (int i = 5; i < 10; ++i) first.step();
+    }
+    EXPECT_LE(test::max_abs_diff(resumed.state(), first.state()), 1e-5) << width;
+  }
+}
+
+TEST(TensorParallelConfig, LayoutsThatCannotWorkSayWhichNumberAndWhatFits) {
+  const auto error_of = [](job_config c) -> std::string {
+    try {
+      c.validate();
+    } catch (const config_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto c = small_job();
+  c.tensor_parallel = 3;
+  EXPECT_NE(error_of(c).find("tensor_parallel = 3 does not divide model.heads = 4"), std::string::npos) << error_of(c);
+  EXPECT_NE(error_of(c).find("fit this model: 1, 2, 4"), std::string::npos) << error_of(c);
+  auto llama = small_job("llama-tiny");
+  llama.tensor_parallel = 4;
+  EXPECT_NE(error_of(llama).find("does not divide model.kv_heads = 2"), std::string::npos) << error_of(llama);
+  EXPECT_NE(error_of(llama).find("fit this model: 1, 2"), std::string::npos) << error_of(llama);
+  c.tensor_parallel = 2;
+  c.d_ff = 33;
+  EXPECT_NE(error_of(c).find("does not divide model.d_ff = 33"), std::string::npos) << error_of(c);
+  c.d_ff = 0;
+  c.seq_len = 33;
+  EXPECT_EQ(error_of(c), "");  // without sequence parallelism the sequence stays whole
+  c.sequence_parallel = true;
+  EXPECT_NE(error_of(c).find("model.seq_len (with parallel.sequence_parallel) = 33"), std::string::npos)
+      << error_of(c);
+  auto mlp = job_config::defaults_for("fmnist-mlp");
+  mlp.runtime = "local";
+  mlp.tensor_parallel = 2;
+  EXPECT_NE(error_of(mlp).find("fmnist-mlp has none"), std::string::npos) << error_of(mlp);
+  auto actors = small_job();
+  actors.runtime = "actors";
+  actors.tensor_parallel = 2;
+  EXPECT_NE(error_of(actors).find("--runtime local"), std::string::npos) << error_of(actors);
+  // A loop given no groups says so.
+  auto two = small_job();
+  two.tensor_parallel = 2;
+  EXPECT_THROW(local_trainer t(two), config_error);
+}
+
+}  // namespace troupe
+
+namespace troupe {
+
+TEST(TensorParallelEvaluation, ValidationLossAndLogitsEqualTheUnsplitModels) {
+  auto one = small_job("llama-tiny");
+  auto two = one;
+  two.tensor_parallel = 2;
+  two.sequence_parallel = true;
+  local_trainer a(one), b(two, std::nullopt, in_process_groups);
+  for (int i = 0; i < 3; ++i) {
+    a.step();
+    b.step();
+  }
+  const auto ea = a.evaluate(), eb = b.evaluate();
+  EXPECT_NEAR(ea.loss, eb.loss, 1e-5);
+  EXPECT_NEAR(ea.bits_per_byte(), eb.bits_per_byte(), 1e-5);
+  // The logits, gathered over the vocabulary, on each rank.
+  const auto tokens = torch::randint(0, 256, {2, 32});
+  torch::NoGradGuard no_grad;
+  auto& whole = a.replica(0).slice(0);
+  const auto want = whole.logits(whole.forward(tokens));
+  std::vector<torch::Tensor> got(2);
+  std::vector<std::thread> ranks;
+  for (int t = 0; t < 2; ++t)
+    ranks.emplace_back([&, t] {
+      auto& part = b.replica(0, t).slice(0);
+      got[std::size_t(t)] = part.logits(part.forward(tokens));
+    });
+  for (auto& r : ranks) r.join();
+  for (const auto& g : got) EXPECT_LT(diff(g, want), 1e-5);
+}
+
+}  // namespace troupe
