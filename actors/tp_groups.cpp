@@ -10,39 +10,63 @@ namespace {
 
 class communicator_group final : public collective_group {
  public:
-  explicit communicator_group(std::shared_ptr<transport::communicator> comm) : comm_(std::move(comm)) {}
+  communicator_group(std::shared_ptr<transport::communicator> comm, std::shared_ptr<collective_traffic> traffic)
+      : comm_(std::move(comm)), traffic_(std::move(traffic)) {}
   int rank() const override { return comm_->rank(); }
   int size() const override { return comm_->size(); }
   // (The transports take flat tensors: views of the same memory.)
-  void all_reduce(torch::Tensor t) override { wait(comm_->all_reduce(t.view({-1}))); }
+  void all_reduce(torch::Tensor t) override {
+    run(&collective_traffic::all_reduce, t.numel(), [&] { return comm_->all_reduce(t.view({-1})); });
+  }
   void all_gather(const torch::Tensor& in, torch::Tensor out) override {
-    wait(comm_->all_gather(in.view({-1}), out.view({-1})));
+    run(&collective_traffic::all_gather, out.numel(), [&] { return comm_->all_gather(in.view({-1}), out.view({-1})); });
   }
   void reduce_scatter(const torch::Tensor& in, torch::Tensor out) override {
-    wait(comm_->reduce_scatter(in.view({-1}), out.view({-1})));
+    run(&collective_traffic::reduce_scatter, in.numel(),
+          [&] { return comm_->reduce_scatter(in.view({-1}), out.view({-1})); });
   }
   void abort(const std::string& why) override { comm_->abort(why); }
 
  private:
-  /// A collective waits for the slowest rank's compute: no deadline of its own (a rank
-  /// that fails aborts the group, and the runtime's step timeout covers the rest).
-  static void wait(const transport::work_ptr& w) {
+  /// Starts a collective and waits for it, counting it into `kind` of the traffic. It
+  /// waits for the slowest rank's compute: no deadline of its own (a rank that fails
+  /// aborts the group, and the runtime's step timeout covers the rest).
+  template <class Start>
+  void run(std::atomic<std::int64_t> collective_traffic::*kind, std::int64_t elements, Start start) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto w = start();
     while (!w->wait(std::chrono::seconds(60))) {
     }
+    if (!traffic_) return;
+    (traffic_.get()->*kind) += elements;
+    ++traffic_->calls;
+    traffic_->wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   }
   std::shared_ptr<transport::communicator> comm_;
+  std::shared_ptr<collective_traffic> traffic_;
 };
 
 }  // namespace
 
-std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm) {
-  return std::make_shared<communicator_group>(std::move(comm));
+double collective_traffic::ring_bytes(int size) const {
+  const double share = double(size - 1) / size;
+  return 4.0 * share * (2.0 * double(all_reduce) + double(all_gather) + double(reduce_scatter));
+}
+
+std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm,
+                                                      std::shared_ptr<collective_traffic> traffic) {
+  return std::make_shared<communicator_group>(std::move(comm), std::move(traffic));
+}
+
+std::vector<std::shared_ptr<collective_group>> counted_in_process_groups(int size,
+                                                                         std::shared_ptr<collective_traffic> traffic) {
+  std::vector<std::shared_ptr<collective_group>> out;
+  for (auto& member : transport::make_local_group(size)) out.push_back(as_collective_group(member, traffic));
+  return out;
 }
 
 std::vector<std::shared_ptr<collective_group>> in_process_groups(int size) {
-  std::vector<std::shared_ptr<collective_group>> out;
-  for (auto& member : transport::make_local_group(size)) out.push_back(as_collective_group(member));
-  return out;
+  return counted_in_process_groups(size, nullptr);
 }
 
 }  // namespace troupe

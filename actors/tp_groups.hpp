@@ -1,6 +1,8 @@
 #pragma once
 // Tensor-parallel groups over transport/ communicators: compute/'s collective_group (the
 // blocking collectives the parallel layers call) as the transport's asynchronous ones.
+#include <atomic>
+#include <cstdint>
 #include <memory>
 
 #include "compute/collective_group.hpp"
@@ -8,11 +10,28 @@
 
 namespace troupe {
 
-/// `comm` as a collective_group: each collective is started and waited for.
-std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm);
+/// What the members of groups made with `traffic` moved, summed over their ranks.
+struct collective_traffic {
+  std::atomic<std::int64_t> all_reduce{0};      ///< elements all-reduced (each rank's tensor)
+  std::atomic<std::int64_t> all_gather{0};      ///< elements all-gathered (each rank's output)
+  std::atomic<std::int64_t> reduce_scatter{0};  ///< elements reduce-scattered (each rank's input)
+  std::atomic<std::int64_t> calls{0};
+  std::atomic<std::int64_t> wait_ns{0};         ///< time the ranks spent in collectives
+  /// Bytes a ring moves out of each rank for these (fp32): 2 (T-1)/T of an all-reduce's,
+  /// (T-1)/T of an all-gather's output and of a reduce-scatter's input, summed over the ranks.
+  double ring_bytes(int size) const;
+};
+
+/// `comm` as a collective_group: each collective is started and waited for (and counted
+/// into `traffic` when given).
+std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm,
+                                                      std::shared_ptr<collective_traffic> traffic = nullptr);
 
 /// Groups whose ranks are threads of this process (transport/local/: bit-identical sums
 /// to the UCX backend's).
 std::vector<std::shared_ptr<collective_group>> in_process_groups(int size);
+/// The same, counting what they move into `traffic` (benchmarks).
+std::vector<std::shared_ptr<collective_group>> counted_in_process_groups(int size,
+                                                                         std::shared_ptr<collective_traffic> traffic);
 
 }  // namespace troupe

@@ -346,6 +346,13 @@ check bad-tie 2 "$troupe" train --tie-embeddings maybe
 expect_in bad-tie-msg "$err" "expected auto, true or false"
 check llama-odd-head-dim 2 "$troupe" train --workload llama-tiny --d-model 132 --heads 4 --kv-heads 4
 expect_in llama-odd-head-dim-msg "$err" "head dimension 33 (d_model / heads) is odd"
+# Tensor parallelism: the local loop runs it and says so; layouts that cannot work say what fits.
+check tp-local 0 "$troupe" train --runtime local --tensor-parallel 2 --sequence-parallel true --steps 2 --layers 2 --eval-interval 0
+expect_in tp-local-log "$err" "tensor-parallel 2 (sequence parallel) x pipeline 1"
+check tp-heads 2 "$troupe" train --runtime local --tensor-parallel 3
+expect_in tp-heads-msg "$err" "parallel.tensor_parallel = 3 does not divide model.heads = 4 (each rank holds an equal part); tensor_parallel values that fit this model: 1, 2, 4"
+check tp-actors 2 "$troupe" train --tensor-parallel 2
+expect_in tp-actors-msg "$err" "runs in the local runtime for now"
 check train-bad-init 1 "$troupe" train --steps 1 --init "$tmp/m.jsonl"
 expect_in train-bad-init-msg "$err" "not a readable PyTorch file"
 # docs/configuration.md is generated from the keys' table (troupe config-reference): it

@@ -1,0 +1,100 @@
+// Tensor-parallel benchmark (tests/bench/tensor_parallel runs it): the local loop with
+// tensor parallelism against the unsplit loop in the same run, at the same number of
+// cores (the T ranks share them: 1 intra-op thread each with T = 2 on 2 cores):
+//   traffic  elements each kind of collective moved per step, summed over the ranks,
+//            against Megatron's count: per layer and micro-batch 2 all-reduces forward and
+//            2 backward of b*s*h elements (the embedding's forward and the output layer's
+//            f backward add one each, the vocab-parallel cross-entropy 2*b*s and an
+//            all-gather of the row maxima); with sequence parallelism the same as
+//            all-gathers and reduce-scatters; and the bytes a ring moves for them
+//   time     step time with T = 2 (and sequence parallelism) against T = 1, and the share
+//            of the ranks' time spent in collectives
+// Prints the table recorded in docs/performance.md; nothing is asserted.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "actors/tp_groups.hpp"
+#include "compute/trainer.hpp"
+
+namespace {
+
+using namespace troupe;
+
+struct measured {
+  double step_seconds = 0;  ///< median over the timed steps
+  double all_reduce = 0, all_gather = 0, reduce_scatter = 0, ring_bytes = 0, wait_seconds = 0;  ///< per step
+};
+
+measured run(job_config c, int steps) {
+  auto traffic = std::make_shared<collective_traffic>();
+  local_trainer t(c, std::nullopt, [traffic](int size) { return counted_in_process_groups(size, traffic); });
+  t.step();  // warm-up, not counted
+  const auto zero = [&] {
+    traffic->all_reduce = traffic->all_gather = traffic->reduce_scatter = traffic->calls = traffic->wait_ns = 0;
+  };
+  zero();
+  std::vector<double> times;
+  for (int i = 0; i < steps; ++i) times.push_back(t.step().seconds);
+  std::sort(times.begin(), times.end());
+  measured m;
+  m.step_seconds = times[times.size() / 2];
+  m.all_reduce = double(traffic->all_reduce) / steps;
+  m.all_gather = double(traffic->all_gather) / steps;
+  m.reduce_scatter = double(traffic->reduce_scatter) / steps;
+  m.ring_bytes = traffic->ring_bytes(c.tensor_parallel) / steps;
+  m.wait_seconds = double(traffic->wait_ns) * 1e-9 / steps;
+  return m;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int steps = argc > 1 ? std::atoi(argv[1]) : 5;
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  torch::set_num_threads(cores);
+  auto c = job_config::defaults_for("gpt-tiny");
+  c.runtime = "local";
+  c.device = "cpu";
+  c.steps = steps + 1;
+  const auto g = c.model().decoder;
+  const double T = 2, L = g.n_layer, b = c.microbatch_size(), s = g.seq_len, h = g.d_model,
+               mb = double(c.microbatches) * c.data_parallel;
+  const double bsh = b * s * h;
+  // Megatron's count, summed over the T ranks, per step.
+  const double all_reduce = T * mb * ((4 * L + 2) * bsh + 2 * b * s);
+  const double gather_max = T * mb * b * s * T;
+  const double sp_each = T * mb * (4 * L + 2) * bsh;
+
+  const auto one = run(c, steps);
+  c.tensor_parallel = 2;
+  const auto two = run(c, steps);
+  c.sequence_parallel = true;
+  const auto sp = run(c, steps);
+
+  std::printf("| measure (gpt-tiny, local loop, %d cores, %d steps) | value |\n| --- | --- |\n", cores, steps);
+  std::printf("%s", fmt::format("| T=2 all-reduced elements per step: measured / formula (4L+2) b s h + 2 b s per rank and micro-batch | {:.0f} / {:.0f} = {:.3f} |\n",
+                                two.all_reduce, all_reduce, two.all_reduce / all_reduce).c_str());
+  std::printf("%s", fmt::format("| T=2 all-gathered elements per step (cross-entropy row maxima): measured / formula | {:.0f} / {:.0f} = {:.3f} |\n",
+                                two.all_gather, gather_max, two.all_gather / gather_max).c_str());
+  std::printf("%s", fmt::format("| T=2 SP all-gathered elements per step: measured / formula (4L+2) b s h + maxima | {:.0f} / {:.0f} = {:.3f} |\n",
+                                sp.all_gather, sp_each + gather_max, sp.all_gather / (sp_each + gather_max)).c_str());
+  std::printf("%s", fmt::format("| T=2 SP reduce-scattered elements per step: measured / formula (4L+2) b s h | {:.0f} / {:.0f} = {:.3f} |\n",
+                                sp.reduce_scatter, sp_each, sp.reduce_scatter / sp_each).c_str());
+  std::printf("%s", fmt::format("| bytes a ring moves per step, SP / without SP | {:.1f} MB / {:.1f} MB = {:.3f} |\n",
+                                sp.ring_bytes / 1e6, two.ring_bytes / 1e6, sp.ring_bytes / two.ring_bytes).c_str());
+  std::printf("%s", fmt::format("| step time T=2 / T=1 (1 / {} intra-op threads per rank) | {:.3f} s / {:.3f} s = {:.2f} |\n",
+                                cores, two.step_seconds, one.step_seconds, two.step_seconds / one.step_seconds).c_str());
+  std::printf("%s", fmt::format("| step time T=2 with SP / T=1 | {:.3f} s / {:.3f} s = {:.2f} |\n", sp.step_seconds,
+                                one.step_seconds, sp.step_seconds / one.step_seconds).c_str());
+  std::printf("%s", fmt::format("| share of the ranks' time in collectives, T=2 / T=2 with SP | {:.1f} % / {:.1f} % |\n",
+                                100 * two.wait_seconds / (T * two.step_seconds),
+                                100 * sp.wait_seconds / (T * sp.step_seconds)).c_str());
+  return 0;
+}
