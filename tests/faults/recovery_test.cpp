@@ -274,14 +274,16 @@ TEST(Recovery, ACorruptOrLostMessageAbortsTheStepAndAResumeRepairsIt) {
 
 // One process: a failed step is retried in place. The supervisor kills every actor and
 // rebuilds them from the in-memory snapshots of the state before the step (fresh
-// in-process communicators); the step runs again and the run ends bit-identical, with one
-// abort and one retry line in the metrics log, without exiting.
+// in-process communicators); the step runs again and the run ends bit-identical, with an
+// abort and a retry line in the metrics log for each retry, without exiting. (A lost
+// message or a stall is found by the step timeout: 5 s, so that a step slowed down by
+// the tests around it is not taken for one; were it, it would be one more retry.)
 TEST(Recovery, AFailedStepIsRetriedInPlaceInOneProcess) {
   test::temp_dir dir;
   auto c = small_job();
   c.steps = 4;
   c.checksum = true;
-  c.step_timeout = 2;
+  c.step_timeout = 5;
   c.max_step_retries = 2;
   const auto straight = run(c);
   ASSERT_EQ(straight.exit_code, 0) << straight.error;
@@ -305,8 +307,8 @@ TEST(Recovery, AFailedStepIsRetriedInPlaceInOneProcess) {
       aborts += j.value("event", "") == "abort" && j.at("retry_in_place") == true;
       retries += j.value("event", "") == "retry";
     }
-    EXPECT_EQ(aborts, 1) << value;
-    EXPECT_EQ(retries, 1) << value;
+    EXPECT_GE(aborts, 1) << value;
+    EXPECT_EQ(retries, aborts) << value;
   }
 }
 

@@ -8,6 +8,7 @@
 #include <torch/nn/functional.h>
 
 #include "actors/tp_groups.hpp"
+#include "transport/ucx/ucx_communicator.hpp"
 #include "compute/tensor_parallel.hpp"
 #include "compute/trainer.hpp"
 #include "test_util.hpp"
@@ -340,6 +341,33 @@ TEST(TensorParallelEvaluation, ValidationLossAndLogitsEqualTheUnsplitModels) {
     });
   for (auto& r : ranks) r.join();
   for (const auto& g : got) EXPECT_LT(diff(g, want), 1e-5);
+}
+
+}  // namespace troupe
+
+namespace troupe {
+
+/// Tensor-parallel groups over UCX (shared memory between the threads of this process):
+/// what node processes would use between processes.
+TEST(TensorParallelOverUcx, GroupsOfUcxCommunicatorsGiveTheInProcessGroupsBits) {
+  const group_factory ucx = [](int size) {
+    std::vector<std::unique_ptr<transport::ucx_pending>> pending;
+    std::vector<std::string> addresses;
+    for (int r = 0; r < size; ++r) {
+      pending.push_back(transport::prepare_ucx_communicator(r, size));
+      addresses.push_back(pending.back()->address());
+    }
+    std::vector<std::shared_ptr<collective_group>> out;
+    for (auto& p : pending) out.push_back(as_collective_group(p->connect(addresses)));
+    return out;
+  };
+  auto c = small_job("llama-tiny");
+  c.tensor_parallel = 2;
+  c.sequence_parallel = true;
+  c.pipeline = 2;
+  local_trainer over_ucx(c, std::nullopt, ucx), in_process(c, std::nullopt, in_process_groups);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(over_ucx.step().loss, in_process.step().loss) << "step " << i;
+  EXPECT_EQ(test::max_abs_diff(over_ucx.state(), in_process.state()), 0.0);
 }
 
 }  // namespace troupe

@@ -1,5 +1,7 @@
 #include "transport/ucx/ucx_communicator.hpp"
 
+#include <c10/core/GradMode.h>
+
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -394,6 +396,7 @@ void ucx_comm::posted(pending_op* op, ucs_status_ptr_t req) {
 }
 
 void ucx_comm::progress_loop() {
+  c10::AutoGradMode no_grad(false);  // tensors here are data (see executor_loop)
   int idle = 0;
   while (true) {
     if (driving_) {
@@ -433,6 +436,9 @@ void ucx_comm::progress_loop() {
 }
 
 void ucx_comm::executor_loop() {
+  // Tensors are data to the transport: writing into a caller's view (made without grad
+  // mode, as inside a custom autograd function) must not be recorded by the autograd.
+  c10::AutoGradMode no_grad(false);
   while (true) {
     std::function<void()> job;
     {
