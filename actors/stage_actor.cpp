@@ -779,6 +779,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device,
                                    ctx->compute_dtype));
     st.chunks.back()->set_recompute(parse_recompute(ctx->cfg.recompute));
+    st.chunks.back()->set_aux_loss_scale(double(ctx->mbs) / ctx->cfg.global_batch);  // (experts)
   }
   // Restarted in place: the parameters before the step being retried (the shards' fp32
   // main parameters; bf16 stages round them as the all-gather does).

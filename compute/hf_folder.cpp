@@ -222,6 +222,9 @@ nlohmann::ordered_json hf_config(const model_spec& spec, const hf_export_options
 std::size_t export_hf_folder(const std::string& dir, const model_spec& spec, const state_dict& state,
                              const hf_export_options& opts) {
   check_state(spec, state);
+  if (spec.decoder.n_experts > 0)
+    throw checkpoint_error("Hugging Face folder " + dir + ": a model with experts would be a Mixtral folder, which "
+                           "export does not write yet (the checkpoint's state_dict has Mixtral's names)");
   const auto config = hf_config(spec, opts);
   const std::int64_t vocab = config.at("vocab_size").get<std::int64_t>();
   if (vocab > spec.decoder.vocab)
@@ -253,6 +256,8 @@ bool is_hf_folder(const std::string& dir) {
 state_dict read_hf_folder(const std::string& dir, const model_spec& spec) {
   if (spec.type != model_spec::kind::decoder)
     throw checkpoint_error("Hugging Face folder " + dir + ": only the decoder workloads read them");
+  if (spec.decoder.n_experts > 0)
+    throw checkpoint_error("Hugging Face folder " + dir + ": Mixtral folders (experts) are not read yet");
   const fs::path p(dir);
   if (!fs::exists(p / "config.json")) throw checkpoint_error("Hugging Face folder " + dir + " has no config.json");
   const auto config = read_json(p / "config.json");

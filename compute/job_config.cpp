@@ -124,11 +124,12 @@ key_def string_key(std::string name, std::string help, std::string job_config::*
           [=](const job_config& c) { return toml_string(c.*field); }};
 }
 
-const char* const workload_names = "gpt-tiny, gpt-small, llama-tiny, llama-small or fmnist-mlp";
+const char* const workload_names = "gpt-tiny, gpt-small, llama-tiny, llama-small, moe-tiny, moe-small or fmnist-mlp";
 
 const std::vector<key_def>& key_defs() {
   static const std::vector<key_def> defs = {
-      string_key("train.workload", "gpt-tiny, gpt-small, llama-tiny, llama-small or fmnist-mlp", &job_config::workload),
+      string_key("train.workload", "gpt-tiny, gpt-small, llama-tiny, llama-small, moe-tiny, moe-small or fmnist-mlp",
+                 &job_config::workload),
       int_key("train.steps", "optimizer steps (also the lr schedule's length)", &job_config::steps, 1, 10000000),
       int_key("train.seed", "seed of initial weights and data sampling", &job_config::seed, 0, 0xffffffffLL),
       int_key("train.threads", "LibTorch intra-op threads (0: every hardware thread)", &job_config::threads, 0, 1024),
@@ -198,6 +199,18 @@ const std::vector<key_def>& key_defs() {
               &job_config::vocab, 0, 1 << 24),
       double_key("model.rope_theta", "llama: the rotary embedding's base (0: 10000)", &job_config::rope_theta, 0, 1e12),
       double_key("model.norm_eps", "decoders: LayerNorm's / RMSNorm's epsilon (0: 1e-5)", &job_config::norm_eps, 0, 1),
+      int_key("model.experts",
+              "llama: a mixture of experts (Mixtral's sparse MLP) with this many experts in place of the MLP "
+              "(0: the workload's: moe-tiny 4, moe-small 8, the others dense)",
+              &job_config::experts, 0, 1024),
+      int_key("model.moe_top_k", "experts per token (0: the workload's, 2)", &job_config::moe_top_k, 0, 1024),
+      int_key("model.moe_d_ff", "each expert's width (0: the workload's: moe-tiny 192, else d_ff)",
+              &job_config::moe_d_ff, 0, 1 << 20),
+      int_key("model.moe_every", "experts in blocks 0, N, 2N, ... (0: the workload's, 1: every block)",
+              &job_config::moe_every, 0, 1024),
+      double_key("model.moe_aux_loss_coeff",
+                 "the load-balancing loss's coefficient (negative: the workload's, 0.01; 0: none)",
+                 &job_config::moe_aux_loss_coeff, -1, 1e3),
       {{"model.tie_embeddings",
         "true: the output layer is the token embedding (gpt2's wte; with pipeline stages the first and last "
         "hold a copy, their gradients summed), false: an lm_head of its own; auto: the architecture's "
@@ -393,11 +406,11 @@ std::string config_reference() {
 job_config job_config::defaults_for(const std::string& workload) {
   job_config c;
   if (workload == "gpt-tiny") return c;
-  if (workload == "llama-tiny") {  // gpt-tiny's data and training, Llama's architecture
+  if (workload == "llama-tiny" || workload == "moe-tiny") {  // gpt-tiny's data and training, Llama's architecture
     c.workload = workload;
     return c;
   }
-  if (workload == "gpt-small" || workload == "llama-small") {  // GPT-2 124M's shape / a Llama of that size, for GPUs
+  if (workload == "gpt-small" || workload == "llama-small" || workload == "moe-small") {  // for GPUs
     c.workload = workload;
     c.steps = 200;
     c.global_batch = 16;
@@ -436,7 +449,7 @@ void job_config::set(const std::string& key, const std::string& value, const std
 void job_config::validate() const {
   auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
   if (workload != "gpt-tiny" && workload != "gpt-small" && workload != "llama-tiny" && workload != "llama-small" &&
-      workload != "fmnist-mlp")
+      workload != "moe-tiny" && workload != "moe-small" && workload != "fmnist-mlp")
     fail("unknown workload '" + workload + "' (expected " + workload_names + ")");
   auto check = [&](auto f) {  // parse errors of compute/device.hpp as configuration errors
     try {
@@ -473,6 +486,15 @@ void job_config::validate() const {
       fail("head dimension " + std::to_string(g.head_dim()) + " (d_model / heads) is odd: the rotary embedding "
            "rotates pairs");
     if (tokenizer.empty() && g.vocab < 256) fail("vocab " + std::to_string(g.vocab) + " is below the data's 256 byte values");
+    if (g.n_experts > 0 && g.arch != decoder_arch::llama)
+      fail("experts " + std::to_string(g.n_experts) + " with architecture gpt2: the mixture of experts is llama's "
+           "(Mixtral's; --workload moe-tiny)");
+    if (g.n_experts > 0 && (g.moe_top_k < 1 || g.moe_top_k > g.n_experts))
+      fail("moe_top_k " + std::to_string(g.moe_top_k) + " with " + std::to_string(g.n_experts) +
+           " experts: expected 1 to " + std::to_string(g.n_experts));
+    if (g.n_experts > 0 && tensor_parallel > 1)
+      fail("experts with tensor_parallel " + std::to_string(tensor_parallel) +
+           ": the experts' own parallelism (expert parallelism) is not built yet; use tensor_parallel 1");
     if (g.vocab_used > g.vocab)
       fail("vocab " + std::to_string(g.vocab) + " is below the tokenizer's " + std::to_string(g.vocab_used) + " pieces");
   }
@@ -546,6 +568,8 @@ model_spec job_config::model() const {
   const auto own = workload == "gpt-small"     ? model_spec::gpt_small()
                    : workload == "llama-tiny"  ? model_spec::llama_tiny()
                    : workload == "llama-small" ? model_spec::llama_small()
+                   : workload == "moe-tiny"    ? model_spec::moe_tiny()
+                   : workload == "moe-small"   ? model_spec::moe_small()
                                                : model_spec::gpt_tiny();
   auto spec = own;
   auto& g = spec.decoder;
@@ -565,6 +589,11 @@ model_spec job_config::model() const {
   // The workload's MLP width scaled with the model's (gpt: 4 x d_model).
   g.d_ff = d_ff > 0 ? d_ff : int(std::int64_t(own.decoder.d_ff) * g.d_model / own.decoder.d_model);
   g.tie_embeddings = tie_embeddings == "auto" ? g.arch == decoder_arch::gpt2 : tie_embeddings == "true";
+  if (experts > 0) g.n_experts = experts;
+  if (moe_top_k > 0) g.moe_top_k = moe_top_k;
+  if (moe_d_ff > 0) g.moe_d_ff = moe_d_ff;
+  if (moe_every > 0) g.moe_every = moe_every;
+  if (moe_aux_loss_coeff >= 0) g.moe_aux_coeff = moe_aux_loss_coeff;
   return spec;
 }
 
@@ -576,6 +605,9 @@ std::string job_config::model_label() const {
                      std::to_string(g.d_model) + ", " + std::to_string(g.n_head) + " heads";
   if (g.kv_heads() != g.n_head) text += ", " + std::to_string(g.kv_heads()) + " kv heads";
   text += ", d_ff " + std::to_string(g.d_ff) + ", seq_len " + std::to_string(g.seq_len);
+  if (g.n_experts > 0)
+    text += ", " + std::to_string(g.n_experts) + " experts of d_ff " + std::to_string(g.expert_d_ff()) + ", top-" +
+            std::to_string(g.moe_top_k);
   if (g.vocab != 256) text += ", vocab " + std::to_string(g.vocab);
   if (g.tie_embeddings != arch_ties) text += g.tie_embeddings ? ", tied embeddings" : ", untied embeddings";
   char params[64];

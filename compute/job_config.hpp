@@ -27,7 +27,7 @@ constexpr std::int64_t eval_tokens_per_forward = 8192;
 
 struct job_config {
   // [train]
-  std::string workload = "gpt-tiny";  ///< gpt-tiny | gpt-small | llama-tiny | llama-small | fmnist-mlp
+  std::string workload = "gpt-tiny";  ///< gpt-tiny | gpt-small | llama-tiny | llama-small | moe-tiny | moe-small | fmnist-mlp
   int steps = 200;                    ///< also the lr schedule's length
   std::uint64_t seed = 1234;
   int threads = 0;                    ///< LibTorch intra-op threads (0: all hardware threads)
@@ -52,6 +52,8 @@ struct job_config {
   int layers = 0, heads = 0, kv_heads = 0, d_model = 0, d_ff = 0, seq_len = 0, vocab = 0;
   double rope_theta = 0, norm_eps = 0;
   std::string tie_embeddings = "auto"; ///< auto (the architecture's: gpt2 tied, llama not) | true | false
+  int experts = 0, moe_top_k = 0, moe_d_ff = 0, moe_every = 0;  ///< mixture of experts (0: the workload's)
+  double moe_aux_loss_coeff = -1;     ///< the load-balancing loss's coefficient (negative: the workload's)
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;
@@ -108,7 +110,8 @@ struct job_config {
   /// True when a [model] key is set (not 0): the shape differs from the workload's own.
   bool has_model_keys() const {
     return !architecture.empty() || layers || heads || kv_heads || d_model || d_ff || seq_len || vocab || rope_theta ||
-           norm_eps || tie_embeddings != "auto";
+           norm_eps || tie_embeddings != "auto" || experts || moe_top_k || moe_d_ff || moe_every ||
+           moe_aux_loss_coeff >= 0;
   }
   /// A decoder workload (not fmnist-mlp).
   bool is_decoder() const { return workload != "fmnist-mlp"; }

@@ -59,17 +59,30 @@ std::vector<param_spec> llama_block_params(const decoder_config& c, int i) {
                      kv = std::int64_t(c.kv_heads()) * c.head_dim();
   const double proj_std = 0.02 / std::sqrt(2.0 * c.n_layer);
   using I = param_spec::init;
-  return {
+  std::vector<param_spec> out{
       {p + "input_layernorm.weight", {d}, I::ones},
       {p + "self_attn.q_proj.weight", {q, d}, I::normal, 0.02, true},
       {p + "self_attn.k_proj.weight", {kv, d}, I::normal, 0.02, true},
       {p + "self_attn.v_proj.weight", {kv, d}, I::normal, 0.02, true},
       {p + "self_attn.o_proj.weight", {d, q}, I::normal, proj_std, true},
       {p + "post_attention_layernorm.weight", {d}, I::ones},
-      {p + "mlp.gate_proj.weight", {f, d}, I::normal, 0.02, true},
-      {p + "mlp.up_proj.weight", {f, d}, I::normal, 0.02, true},
-      {p + "mlp.down_proj.weight", {d, f}, I::normal, proj_std, true},
   };
+  if (!c.is_moe_block(i)) {
+    out.insert(out.end(), {{p + "mlp.gate_proj.weight", {f, d}, I::normal, 0.02, true},
+                           {p + "mlp.up_proj.weight", {f, d}, I::normal, 0.02, true},
+                           {p + "mlp.down_proj.weight", {d, f}, I::normal, proj_std, true}});
+    return out;
+  }
+  // WORKLOADS.md "moe-tiny": Mixtral's router and experts (w1: gate, w3: up, w2: down).
+  const std::int64_t ef = c.expert_d_ff();
+  out.push_back({p + "block_sparse_moe.gate.weight", {c.n_experts, d}, I::normal, 0.02, true});
+  for (int e = 0; e < c.n_experts; ++e) {
+    const std::string x = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
+    out.insert(out.end(), {{x + "w1.weight", {ef, d}, I::normal, 0.02, true},
+                           {x + "w2.weight", {d, ef}, I::normal, proj_std, true},
+                           {x + "w3.weight", {ef, d}, I::normal, 0.02, true}});
+  }
+  return out;
 }
 
 std::vector<param_spec> block_params(const decoder_config& c, int i) {
@@ -494,7 +507,10 @@ class decoder_slice final : public model_slice {
       ctx->saved_data["block"] = i;
       ctx->saved_data["precision"] = std::int64_t(current_precision(x.device()));
       ctx->saved_data["defer"] = reinterpret_cast<std::int64_t>(slice->defer_);
-      return slice->block(x, int(i));
+      slice->checkpointing_ = true;  // (no graph, but a training forward: its load-balancing loss counts)
+      auto y = slice->block(x, int(i));
+      slice->checkpointing_ = false;
+      return y;
     }
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grads) {
@@ -508,7 +524,9 @@ class decoder_slice final : public model_slice {
         // The store the forward deferred into (the backward may run while another is set).
         auto* const before = slice->defer_;
         slice->defer_ = reinterpret_cast<weight_grad_store*>(ctx->saved_data["defer"].toInt());
+        slice->recomputing_ = true;  // (its load-balancing loss was counted by the forward)
         y = slice->block(x, int(ctx->saved_data["block"].toInt()));
+        slice->recomputing_ = false;
         slice->defer_ = before;
       }
       ++recomputed_blocks;
@@ -726,12 +744,76 @@ class decoder_slice final : public model_slice {
     auto v = projection(a, p + "self_attn.v_proj").view({B, T, KV, hd}).transpose(1, 2);
     x = x + row_parallel(attend(q, k, v, i, cache), p + "self_attn.o_proj", seq);
     const auto g = enter(rms_norm(x, p + "post_attention_layernorm"), seq);
+    if (cfg_.is_moe_block(i)) return x + experts(g, p + "block_sparse_moe.");
     const auto h = torch::silu(projection(g, p + "mlp.gate_proj")) * projection(g, p + "mlp.up_proj");
     return x + row_parallel(h, p + "mlp.down_proj", seq);
   }
 
+  /// The gradient of the load-balancing loss, entering where the block's output leaves:
+  /// identity forward; backward, the output's gradient and `scale` for the loss.
+  struct add_aux_loss : torch::autograd::Function<add_aux_loss> {
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& y,
+                                 const torch::Tensor& aux, double scale) {
+      ctx->saved_data["scale"] = scale;
+      ctx->saved_data["aux_dtype"] = std::int64_t(aux.scalar_type());
+      return y;
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+      const auto dtype = torch::ScalarType(ctx->saved_data["aux_dtype"].toInt());
+      const auto d_aux = torch::full({}, ctx->saved_data["scale"].toDouble(), grads[0].options().dtype(dtype));
+      return {grads[0], d_aux, torch::Tensor()};
+    }
+  };
+
+  /// WORKLOADS.md "moe-tiny": Mixtral's sparse MLP on g (B, T, d). Per token the router's
+  /// softmax in fp32 over every expert; the top_k largest (ties: the lower index, a stable
+  /// sort) with weights renormalised to sum 1; no token dropped. With a graph, the
+  /// per-sequence load-balancing loss joins the backward (add_aux_loss).
+  torch::Tensor experts(const torch::Tensor& g, const std::string& p) {
+    const auto B = g.size(0), T = g.size(1), d = g.size(2);
+    const std::int64_t E = cfg_.n_experts, k = cfg_.moe_top_k;
+    const auto x = g.reshape({B * T, d});
+    const auto probs = torch::softmax(projection(x, p + "gate").to(torch::kFloat32), -1);  // (N, E)
+    const auto chosen = std::get<1>(torch::sort(probs.detach(), /*stable=*/true, /*dim=*/-1, /*descending=*/true))
+                            .narrow(1, 0, k);  // (N, k)
+    const auto picked = probs.gather(1, chosen);
+    const auto weights = picked / picked.sum(1, /*keepdim=*/true);  // (N, k), fp32
+    torch::Tensor out = torch::zeros_like(x);
+    for (std::int64_t e = 0; e < E; ++e) {
+      const auto hit = chosen.eq(e);  // (N, k)
+      const auto rows = hit.any(1).nonzero().squeeze(1);
+      if (rows.numel() == 0) continue;  // no token for this expert: no gradient either
+      const std::string w = p + "experts." + std::to_string(e) + ".";
+      const auto xe = x.index_select(0, rows);
+      const auto ye = projection(torch::silu(projection(xe, w + "w1")) * projection(xe, w + "w3"), w + "w2");
+      const auto we = (weights * hit.to(weights.scalar_type())).sum(1).index_select(0, rows);
+      // (Summed in the block's activation dtype, as Hugging Face's Mixtral does: under bf16
+      // autocast the experts compute in bf16, their weighted outputs add up in fp32.)
+      out = out.index_add(0, rows, (ye * we.unsqueeze(1).to(ye.scalar_type())).to(out.scalar_type()));
+    }
+    out = out.view({B, T, d});
+    // A training forward counts its load-balancing loss once (not when a full recompute
+    // runs the block again) and back-propagates it where a graph is built.
+    const bool graph = torch::GradMode::is_enabled(), counts_aux = !recomputing_ && (graph || checkpointing_);
+    if ((!graph && !counts_aux) || cfg_.moe_aux_coeff == 0) return out;
+    // Per sequence: f_e = its tokens' choices of e / (k T), P_e = the mean of p_e over its
+    // tokens; aux = coeff E sum_e f_e P_e, the mean over the micro-batch's sequences.
+    const auto counts = torch::zeros({B * T, E}, probs.options()).scatter_add_(1, chosen, torch::ones_like(picked.detach()));
+    const auto f = counts.view({B, T, E}).sum(1) / double(k * T);
+    const auto P = probs.view({B, T, E}).mean(1);
+    const auto aux = (f * P).sum(1).mean() * (cfg_.moe_aux_coeff * double(E));
+    if (counts_aux) {
+      const auto counted = aux.detach() * aux_scale_;
+      aux_sum_ = aux_sum_.defined() ? aux_sum_ + counted : counted;
+    }
+    return graph ? add_aux_loss::apply(out, aux, aux_scale_) : out;
+  }
+
   decoder_config cfg_;
   tensor_parallel tp_;
+  bool recomputing_ = false;   ///< a block runs again in its backward (full recompute)
+  bool checkpointing_ = false; ///< a block runs without a graph in a full recompute's forward
   std::int64_t heads_ = cfg_.n_head, kv_heads_ = cfg_.kv_heads();  ///< this rank's
   std::int64_t vocab_first_ = 0;  ///< this rank's first vocabulary row (tensor parallelism)
   torch::Tensor causal_;
@@ -772,6 +854,13 @@ class mlp_slice final : public model_slice {
 }  // namespace
 
 std::int64_t model_slice::blocks_recomputed() { return recomputed_blocks.load(); }
+
+double model_slice::take_aux_loss() {
+  if (!aux_sum_.defined()) return 0;
+  const double v = aux_sum_.item<double>();
+  aux_sum_ = torch::Tensor();
+  return v;
+}
 std::int64_t model_slice::attentions_recomputed() { return recomputed_attentions.load(); }
 
 recompute_mode parse_recompute(const std::string& name) {

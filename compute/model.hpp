@@ -45,9 +45,18 @@ struct decoder_config {
   bool tie_embeddings = true;   ///< the output layer is the token embedding (no lm_head)
   int vocab_used = 0;           ///< a tokenizer's pieces, below vocab: the padded rows' logits are
                                 ///< left out of the softmax (as minus infinity); 0: every row is used
+  // Mixture of experts (WORKLOADS.md "moe-tiny"; llama): Mixtral's sparse MLP in place of
+  // the MLP of every moe_every-th block (blocks 0, moe_every, 2 moe_every, ...).
+  int n_experts = 0;            ///< 0: dense
+  int moe_top_k = 2;            ///< experts per token
+  int moe_d_ff = 0;             ///< each expert's width (0: d_ff)
+  double moe_aux_coeff = 0.01;  ///< the load-balancing loss's coefficient
+  int moe_every = 1;
 
   int head_dim() const { return d_model / n_head; }
   int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  bool is_moe_block(int i) const { return n_experts > 0 && i % moe_every == 0; }
+  int expert_d_ff() const { return moe_d_ff > 0 ? moe_d_ff : d_ff; }
 };
 
 /// Which model and its shape.
@@ -74,6 +83,19 @@ struct model_spec {
   static model_spec llama_small() {
     model_spec s;
     s.decoder = {12, 12, 768, 2048, 1024, 256, decoder_arch::llama, 4, 10000, 1e-5, false};
+    return s;
+  }
+  /// WORKLOADS.md "moe-tiny": llama-tiny whose every MLP is 4 SwiGLU experts of d_ff 192, top-2.
+  static model_spec moe_tiny() {
+    model_spec s = llama_tiny();
+    s.decoder.n_experts = 4;
+    s.decoder.moe_d_ff = 192;
+    return s;
+  }
+  /// For GPUs: llama-small with 8 experts (each of llama-small's d_ff), top-2.
+  static model_spec moe_small() {
+    model_spec s = llama_small();
+    s.decoder.n_experts = 8;
     return s;
   }
   static model_spec fmnist_mlp() {
@@ -246,10 +268,22 @@ class model_slice {
   /// backward's gradients. The store must outlive that backward. nullptr: plain backward.
   void defer_weight_grads(weight_grad_store* store) { defer_ = store; }
 
+  /// Mixture of experts: each forward that builds a graph adds its blocks' load-balancing
+  /// loss (the mean over its sequences) to the loss it back-propagates, times `scale`, the
+  /// weight its micro-batch's loss gets (micro-batch size / global batch), as Megatron's
+  /// MoEAuxLossAutoScaler does: the gradient enters at the block's output.
+  void set_aux_loss_scale(double scale) { aux_scale_ = scale; }
+  /// The load-balancing loss those forwards added, times the scale (summed over blocks and
+  /// forwards), and zeroes it: after a step's forwards, the step's auxiliary loss (for
+  /// the log; 0 without experts).
+  double take_aux_loss();
+
  protected:
   /// x w^T + b, its weight gradient left to `defer_` when that is set and a graph is built.
   torch::Tensor linear_layer(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
   weight_grad_store* defer_ = nullptr;
+  double aux_scale_ = 1.0;
+  torch::Tensor aux_sum_;  ///< take_aux_loss's, undefined when nothing was added
 
   /// Lays out `names` (taken from `state`) into the flat buffers.
   void allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,

@@ -33,6 +33,7 @@ std::vector<double> local_pipeline::run_step(const schedule& sched,
   // Split backwards: the weight gradients each (virtual stage, micro-batch) left for its W.
   std::vector<weight_grad_store> deferred(sched.split_backward() ? inputs.size() : 0);
   std::vector<double> losses(m, 0.0);
+  for (auto& s : slices_) s->set_aux_loss_scale(loss_weight);
   for (const auto& [r, index] : execution_order(sched)) {
     const auto& op = sched.ranks[r][index];
     const int x = op.chunk * p + r;
@@ -74,6 +75,12 @@ void local_pipeline::sum_tied_grads() {
   auto& last = slices_.back()->param(tied).mutable_grad();
   first.add_(last);
   last.copy_(first);
+}
+
+double local_pipeline::take_aux_loss() {
+  double sum = 0;
+  for (auto& s : slices_) sum += s->take_aux_loss();
+  return sum;
 }
 
 void local_pipeline::zero_grads() {

@@ -40,6 +40,8 @@ class local_pipeline {
   /// stage) into both, as Megatron's embedding-group all-reduce does.
   void sum_tied_grads();
   void zero_grads();
+  /// The load-balancing loss of the forwards since the last call (see model_slice).
+  double take_aux_loss();
 
   /// Forward through every slice without autograd; returns the last slice's output.
   torch::Tensor forward(const torch::Tensor& input);

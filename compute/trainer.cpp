@@ -215,11 +215,14 @@ step_stats local_trainer::step() {
     std::vector<batch> mb;
     for (int k = 0; k < m; ++k) mb.push_back(data_.samples(next_step_, r * m * mbs + k * mbs, mbs));
     std::vector<double> losses;
+    double aux = 0;
     on_every_rank(r, [&](int t) {
       auto l = replica(r, t).run_step(sched_, mb, weight);
       replica(r, t).sum_tied_grads();
-      if (t == 0) losses = l;  // (every rank computed the same losses)
+      const double a = replica(r, t).take_aux_loss();
+      if (t == 0) losses = l, aux = a;  // (every rank computed the same losses)
     });
+    st.aux_loss += aux;
     for (double l : losses) st.loss += l * weight;
     if (cfg_.sequence_parallel) sum_replicated_grads(r);
   }
@@ -494,7 +497,12 @@ std::string progress_line(const step_stats& st, int total_steps, double eta_seco
   std::snprintf(buf, sizeof buf, "step %*d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f %s/s | ETA %s",
                 int(std::to_string(total_steps).size()), st.step + 1, total_steps, st.loss, st.lr, st.grad_norm,
                 st.tokens / st.seconds, tokens ? "tok" : "img", duration_text(eta_seconds).c_str());
-  return buf;
+  if (st.aux_loss == 0) return buf;
+  std::string line = buf;  // experts: the load-balancing loss beside the cross-entropy
+  const auto at = line.find(" | lr ");
+  char aux[48];
+  std::snprintf(aux, sizeof aux, " | aux_loss %.4f", st.aux_loss);
+  return line.insert(at, aux);
 }
 
 std::string stopped_text(int signal, int done_steps, const job_config& cfg) {
@@ -534,6 +542,7 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
     if (!metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
   }
   const bool is_text = cfg.workload != "fmnist-mlp";
+  const bool experts = is_text && cfg.model().decoder.n_experts > 0;
   double elapsed = 0;
   int timed = 0;
   while (trainer.next_step() < cfg.steps) {
@@ -550,6 +559,7 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
     std::fflush(stdout);
     nlohmann::json line{{"step", st.step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
                         {"tokens_per_s", tps}, {"step_seconds", st.seconds}};
+    if (experts) line["aux_loss"] = st.aux_loss;
     const bool last = trainer.next_step() == cfg.steps;
     const int stop = last || !stop_requested ? 0 : stop_requested();
     if (last || (cfg.eval_interval > 0 && trainer.next_step() % cfg.eval_interval == 0))

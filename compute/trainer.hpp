@@ -22,7 +22,8 @@ namespace troupe {
 
 struct step_stats {
   int step = 0;
-  double loss = 0;       ///< mean loss over the global batch
+  double loss = 0;       ///< mean loss over the global batch (the cross-entropy)
+  double aux_loss = 0;   ///< experts: the load-balancing loss added to it in the backward
   double lr = 0;
   double grad_norm = 0;  ///< global L2 norm before clipping
   double seconds = 0;

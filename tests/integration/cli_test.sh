@@ -353,6 +353,12 @@ check tp-heads 2 "$troupe" train --runtime local --tensor-parallel 3
 expect_in tp-heads-msg "$err" "parallel.tensor_parallel = 3 does not divide model.heads = 4 (each rank holds an equal part); tensor_parallel values that fit this model: 1, 2, 4"
 check tp-actors 2 "$troupe" train --tensor-parallel 2
 expect_in tp-actors-msg "$err" "runs in the local runtime for now"
+# Experts: the load-balancing loss beside the cross-entropy; bad settings say what fits.
+check moe-local 0 "$troupe" train --runtime local --workload moe-tiny --steps 1 --layers 2 --eval-interval 0 --metrics "$tmp/moe.jsonl"
+expect_in moe-local-aux "$out" "| aux_loss 0.0"
+expect_in moe-local-metrics "$tmp/moe.jsonl" '"aux_loss":'
+check moe-top-k 2 "$troupe" train --workload moe-tiny --moe-top-k 5
+expect_in moe-top-k-msg "$err" "moe_top_k 5 with 4 experts: expected 1 to 4"
 check train-bad-init 1 "$troupe" train --steps 1 --init "$tmp/m.jsonl"
 expect_in train-bad-init-msg "$err" "not a readable PyTorch file"
 # docs/configuration.md is generated from the keys' table (troupe config-reference): it

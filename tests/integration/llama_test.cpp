@@ -10,6 +10,7 @@
 #include "actor_test_util.hpp"
 #include "cached_forward.hpp"
 #include "compute/generate.hpp"
+#include "compute/hf_folder.hpp"
 #include "compute/partition.hpp"
 #include "quiet_run.hpp"
 
@@ -219,6 +220,95 @@ TEST(Llama, GenerationWithTheCacheEqualsGenerationWithout) {
   const auto sampled = generate(spec, small_trained(), "The ", s);
   s.kv_cache = true;
   EXPECT_EQ(generate(spec, small_trained(), "The ", s), sampled);
+}
+
+}  // namespace troupe
+
+namespace troupe {
+
+using namespace actor_test;
+
+// moe-tiny's experts in the actor runtime: every kind of layout (replicas, zero-bubble's
+// split backward through the router and the experts, dataflow with gradient buckets that
+// an expert without tokens leaves without gradient) follows the plain loop, bf16 follows
+// fp32, and full recomputation (the router runs again) changes no bit and counts the
+// load-balancing loss once.
+TEST(Moe, ActorLayoutsFollowThePlainLoop) {
+  auto c = test::gpt_config(200);
+  c.workload = "moe-tiny";
+  c.layers = 4;
+  c.d_model = 64;
+  c.seq_len = 32;
+  c.eval_interval = 0;
+  const auto ref = reference_of(c);
+  for (const auto& l : {layout{2, 2, 1, "1f1b"}, layout{2, 1, 1, "zero-bubble"}, layout{2, 2, 1, "dataflow", true, 20000}}) {
+    auto a = c;
+    a.pipeline = l.p;
+    a.data_parallel = l.d;
+    a.schedule = l.schedule;
+    a.split_backward = l.split_backward;
+    a.bucket_size = l.bucket_size;
+    const auto got = run_actors(a);
+    ASSERT_EQ(got.exit_code, 0) << got.error;
+    EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5) << name_of(l);
+    for (std::size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i;
+  }
+  // bf16: the experts compute under autocast, their outputs add up in fp32.
+  auto bf16 = c;
+  bf16.precision = "bf16";
+  bf16.pipeline = 2;
+  const auto low = run_actors(bf16);
+  ASSERT_EQ(low.exit_code, 0) << low.error;
+  for (std::size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(low.losses[i], ref.losses[i], 0.03) << "bf16 step " << i;
+  auto local = c;
+  local.runtime = "local";
+  local.pipeline = 2;
+  local_trainer plain(local);
+  local.recompute = "full";
+  local_trainer recomputed(local);
+  for (int i = 0; i < 3; ++i) {
+    const auto a = plain.step(), b = recomputed.step();
+    EXPECT_EQ(a.loss, b.loss);
+    EXPECT_GT(a.aux_loss, 0.0);
+    EXPECT_EQ(a.aux_loss, b.aux_loss) << "step " << i;
+  }
+  EXPECT_EQ(test::max_abs_diff(plain.state(), recomputed.state()), 0.0);
+}
+
+}  // namespace troupe
+
+namespace troupe {
+
+TEST(Moe, NamesAreMixtralsAndBadSettingsSaySo) {
+  const auto spec = job_config::defaults_for("moe-tiny").model();
+  const auto names = parameter_names(spec);
+  for (const char* name : {"model.layers.0.block_sparse_moe.gate.weight", "model.layers.7.block_sparse_moe.experts.3.w1.weight",
+                           "model.layers.7.block_sparse_moe.experts.3.w2.weight"})
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  EXPECT_EQ(std::find(names.begin(), names.end(), "model.layers.0.mlp.up_proj.weight"), names.end());
+  const auto init = initial_state(spec, 1);
+  for (const auto& [name, t] : init)
+    if (name == "model.layers.0.block_sparse_moe.experts.2.w3.weight") EXPECT_EQ(t.sizes(), (c10::IntArrayRef{192, 128}));
+  const auto error_of = [](job_config c) -> std::string {
+    try {
+      c.validate();
+    } catch (const config_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto gpt = job_config::defaults_for("gpt-tiny");
+  gpt.experts = 4;
+  EXPECT_NE(error_of(gpt).find("the mixture of experts is llama's"), std::string::npos) << error_of(gpt);
+  auto moe = job_config::defaults_for("moe-tiny");
+  moe.moe_top_k = 5;
+  EXPECT_NE(error_of(moe).find("moe_top_k 5 with 4 experts: expected 1 to 4"), std::string::npos) << error_of(moe);
+  moe.moe_top_k = 0;
+  moe.runtime = "local";
+  moe.tensor_parallel = 2;
+  EXPECT_NE(error_of(moe).find("expert parallelism) is not built yet"), std::string::npos) << error_of(moe);
+  test::temp_dir dir;
+  EXPECT_THROW(export_hf_folder(dir / "hf", spec, init, {}), checkpoint_error);
 }
 
 }  // namespace troupe

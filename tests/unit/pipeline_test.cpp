@@ -192,6 +192,20 @@ TEST(PytorchReference, AnotherLlamaShapeGivesTheSameLossesAndParametersAsPlainPy
                          {1, 3});
 }
 
+// moe-tiny (WORKLOADS.md section 4: Mixtral's top-2 experts, the per-sequence
+// load-balancing loss in the backward) against tests/support/python/llama_tiny.py, whole
+// and in two stages; then 3 experts, top-1, every block but one dense (moe_every 2).
+TEST(PytorchReference, MoeTinyGivesTheSameLossesAndParametersAsPlainPytorch) {
+  expect_same_as_pytorch({{"workload", "moe-tiny"}}, {1, 2});
+}
+
+TEST(PytorchReference, AnotherMoeShapeGivesTheSameLossesAndParametersAsPlainPytorch) {
+  expect_same_as_pytorch({{"workload", "moe-tiny"}, {"layers", "3"}, {"heads", "6"}, {"kv_heads", "2"},
+                          {"d_model", "48"}, {"experts", "3"}, {"moe_top_k", "1"}, {"moe_d_ff", "40"},
+                          {"moe_every", "2"}, {"seq_len", "40"}},
+                         {1, 3});
+}
+
 TEST(FmnistMlp, OneEpochReachesEightyThreePercent) {
   auto c = job_config::defaults_for("fmnist-mlp");
   local_trainer t(c);

@@ -2,8 +2,8 @@
 C++ run is compared with: OUT/init.pt (initial state_dict), OUT/final.pt, OUT/losses.txt.
 
 usage: /usr/bin/python3 tests/support/python/gpt_reference.py OUT_DIR STEPS TOTAL_STEPS
-           [--workload gpt-tiny|llama-tiny] [--layers L] [--heads H] [--kv-heads K]
-           [--d-model D] [--d-ff F] [--seq-len T]
+           [--workload gpt-tiny|llama-tiny|moe-tiny] [--layers L] [--heads H] [--kv-heads K]
+           [--d-model D] [--d-ff F] [--seq-len T] [--experts E] [--moe-top-k K] [--moe-d-ff F]
 (the options are those of `troupe train`; the defaults are the workload's)
 """
 import argparse
@@ -37,8 +37,11 @@ def main():
             g["lr"] = gpt_tiny.lr_at(t, total)
         x, y = gpt_tiny.train_batch(data, n_train, seed, t * batch, batch, seq_len)
         loss = model(x, y)
+        aux = 0.0
+        if isinstance(loss, tuple):  # experts: the load-balancing loss joins the backward only
+            loss, aux = loss
         opt.zero_grad()
-        loss.backward()
+        (loss + aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())

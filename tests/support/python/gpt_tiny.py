@@ -114,26 +114,32 @@ def lr_at(t, total, warmup=20, max_lr=1e-3, min_lr=1e-4):
 
 def add_shape_args(parser):
     """The workload and shape flags of `troupe train` (0: the workload's own)."""
-    parser.add_argument("--workload", default="gpt-tiny", choices=["gpt-tiny", "llama-tiny"])
+    parser.add_argument("--workload", default="gpt-tiny", choices=["gpt-tiny", "llama-tiny", "moe-tiny"])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=0, help="llama: 0: 2")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--d-ff", type=int, default=0, help="0: 4 x d_model (gpt), 3 x d_model (llama)")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--experts", type=int, default=0, help="0: moe-tiny 4")
+    parser.add_argument("--moe-top-k", type=int, default=2)
+    parser.add_argument("--moe-d-ff", type=int, default=0, help="0: moe-tiny 192")
+    parser.add_argument("--moe-every", type=int, default=1)
 
 
 def model_from_args(a):
     """The model (GPT, or llama_tiny.Llama) of the workload and shape add_shape_args's flags give."""
-    if a.workload == "llama-tiny":
+    if a.workload in ("llama-tiny", "moe-tiny"):
         import llama_tiny
-        return llama_tiny.Llama(a.layers, a.heads, a.kv_heads or 2, a.d_model, a.d_ff or 3 * a.d_model, a.seq_len)
+        experts = (a.experts or 4, a.moe_d_ff or 192, a.moe_top_k, 0.01, a.moe_every) if a.workload == "moe-tiny" else None
+        return llama_tiny.Llama(a.layers, a.heads, a.kv_heads or 2, a.d_model, a.d_ff or 3 * a.d_model, a.seq_len,
+                                experts=experts)
     return GPT(a.layers, a.heads, a.d_model, a.d_ff or 4 * a.d_model, a.seq_len)
 
 
 def optimizer_for(a, model):
     """The workload's AdamW parameter groups (WORKLOADS.md)."""
-    if a.workload == "llama-tiny":
+    if a.workload in ("llama-tiny", "moe-tiny"):
         import llama_tiny
         return llama_tiny.make_optimizer(model)
     return make_optimizer(model)

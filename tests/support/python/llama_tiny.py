@@ -1,6 +1,8 @@
 """Plain PyTorch reference of WORKLOADS.md's llama-tiny (section 3), written from its text:
 RMSNorm (statistics in fp32), rotary embeddings in the rotate_half convention (tables in
-fp32), grouped-query attention, SwiGLU, no biases, an untied lm_head, Hugging Face names.
+fp32), grouped-query attention, SwiGLU, no biases, an untied lm_head, Hugging Face names;
+and of moe-tiny (section 4): Mixtral's top-2 sparse MLP with the per-sequence
+load-balancing loss.
 Data, sampling and training are gpt-tiny's (gpt_tiny.py). Run with Debian's
 /usr/bin/python3 and python3-torch.
 """
@@ -36,8 +38,49 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class Expert(nn.Module):
+    def __init__(self, d, d_ff):
+        super().__init__()
+        self.w1 = nn.Linear(d, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d, bias=False)
+        self.w3 = nn.Linear(d, d_ff, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoe(nn.Module):
+    """WORKLOADS.md section 4: router softmax in fp32, the top-k experts (ties: the lower
+    index), weights renormalised, no token dropped; forward returns the output and the
+    load-balancing loss (mean over the sequences)."""
+
+    def __init__(self, d, d_ff, n_experts, top_k, coeff):
+        super().__init__()
+        self.gate = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d, d_ff) for _ in range(n_experts))
+        self.top_k, self.coeff = top_k, coeff
+
+    def forward(self, g):
+        B, T, d = g.shape
+        E, k = len(self.experts), self.top_k
+        x = g.reshape(B * T, d)
+        p = torch.softmax(self.gate(x).float(), dim=-1)
+        chosen = torch.sort(p.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+        picked = p.gather(1, chosen)
+        w = picked / picked.sum(1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel():
+                out = out.index_add(0, token, expert(x[token]) * w[token, slot].unsqueeze(1).to(x.dtype))
+        f = F.one_hot(chosen, E).float().view(B, T * k, E).sum(1) / (k * T)
+        P = p.view(B, T, E).mean(1)
+        aux = self.coeff * E * (f * P).sum(1).mean()
+        return out.view(B, T, d), aux
+
+
 class Layer(nn.Module):
-    def __init__(self, d, n_head, n_kv_head, d_ff, eps):
+    def __init__(self, d, n_head, n_kv_head, d_ff, eps, experts=None):
         super().__init__()
         self.n_head, self.n_kv_head, self.hd = n_head, n_kv_head, d // n_head
         self.input_layernorm = RMSNorm(d, eps)
@@ -47,12 +90,16 @@ class Layer(nn.Module):
         self.self_attn.v_proj = nn.Linear(d, n_kv_head * self.hd, bias=False)
         self.self_attn.o_proj = nn.Linear(n_head * self.hd, d, bias=False)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(d, d_ff, bias=False)
-        self.mlp.up_proj = nn.Linear(d, d_ff, bias=False)
-        self.mlp.down_proj = nn.Linear(d_ff, d, bias=False)
+        if experts:  # (n_experts, d_ff of each, top_k, coeff, every)
+            self.block_sparse_moe = SparseMoe(d, experts[1], experts[0], experts[2], experts[3])
+        else:
+            self.mlp = nn.Module()
+            self.mlp.gate_proj = nn.Linear(d, d_ff, bias=False)
+            self.mlp.up_proj = nn.Linear(d, d_ff, bias=False)
+            self.mlp.down_proj = nn.Linear(d_ff, d, bias=False)
 
     def forward(self, x, cos, sin, causal):
+        """The layer's output and its load-balancing loss (0 without experts)."""
         B, T, _ = x.shape
         H, KV, hd = self.n_head, self.n_kv_head, self.hd
         a = self.input_layernorm(x)
@@ -69,16 +116,24 @@ class Layer(nn.Module):
         y = torch.matmul(torch.softmax(att, dim=-1), v).transpose(1, 2).contiguous().view(B, T, H * hd)
         h = x + self.self_attn.o_proj(y)
         g = self.post_attention_layernorm(h)
-        return h + self.mlp.down_proj(F.silu(self.mlp.gate_proj(g)) * self.mlp.up_proj(g))
+        if hasattr(self, "block_sparse_moe"):
+            y, aux = self.block_sparse_moe(g)
+            return h + y, aux
+        return h + self.mlp.down_proj(F.silu(self.mlp.gate_proj(g)) * self.mlp.up_proj(g)), 0.0
 
 
 class Llama(nn.Module):
     def __init__(self, n_layer=8, n_head=4, n_kv_head=2, d=128, d_ff=384, seq_len=128, vocab=256,
-                 theta=10000.0, eps=1e-5):
+                 theta=10000.0, eps=1e-5, experts=None):
+        """experts: (n_experts, d_ff of each, top_k, coeff, every) for moe-tiny; None: dense."""
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(vocab, d)
-        self.model.layers = nn.ModuleList(Layer(d, n_head, n_kv_head, d_ff, eps) for _ in range(n_layer))
+        # Experts in layers 0, every, 2 every, ... (the others dense).
+        self.model.layers = nn.ModuleList(
+            Layer(d, n_head, n_kv_head, d_ff, eps, experts if experts and i % experts[4] == 0 else None)
+            for i in range(n_layer))
+        self.experts = experts
         self.model.norm = RMSNorm(d, eps)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         cos, sin = rope_tables(d // n_head, seq_len, theta)
@@ -88,20 +143,24 @@ class Llama(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 nn.init.ones_(p)  # the norms
-            elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight") or name.endswith("w2.weight"):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
             else:
                 nn.init.normal_(p, 0.0, 0.02)
 
     def forward(self, idx, targets=None):
-        """The mean loss against `targets`; without them, the logits."""
+        """The mean loss against `targets` (with experts: and the load-balancing loss summed
+        over the layers); without them, the logits."""
         x = self.model.embed_tokens(idx)
+        aux = 0.0
         for layer in self.model.layers:
-            x = layer(x, self.cos, self.sin, self.causal)
+            x, a = layer(x, self.cos, self.sin, self.causal)
+            aux = aux + a
         logits = self.lm_head(self.model.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return (loss, aux) if self.experts else loss
 
 
 def make_optimizer(model, lr=1e-3):
