@@ -289,14 +289,7 @@ TEST(Moe, NamesAreMixtralsAndBadSettingsSaySo) {
   const auto init = initial_state(spec, 1);
   for (const auto& [name, t] : init)
     if (name == "model.layers.0.block_sparse_moe.experts.2.w3.weight") EXPECT_EQ(t.sizes(), (c10::IntArrayRef{192, 128}));
-  const auto error_of = [](job_config c) -> std::string {
-    try {
-      c.validate();
-    } catch (const config_error& e) {
-      return e.what();
-    }
-    return "";
-  };
+  const auto error_of = test::config_error_of;
   auto gpt = job_config::defaults_for("gpt-tiny");
   gpt.experts = 4;
   EXPECT_NE(error_of(gpt).find("the mixture of experts is llama's"), std::string::npos) << error_of(gpt);

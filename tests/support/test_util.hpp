@@ -33,6 +33,16 @@ inline double max_abs_diff(const state_dict& a, const state_dict& b) {
   return a.size() == b.size() ? worst : INFINITY;
 }
 
+/// The message of the config_error that `c.validate()` throws; "" when `c` is valid.
+inline std::string config_error_of(const job_config& c) {
+  try {
+    c.validate();
+  } catch (const config_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 /// gpt-tiny's configuration with a short run, on the CPU (the reference loop's device,
 /// also on GPU machines; tests/gpu/gpu_test.cpp compares devices).
 inline job_config gpt_config(int steps) {

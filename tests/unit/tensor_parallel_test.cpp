@@ -271,14 +271,7 @@ TEST(TensorParallelCheckpoint, AWidthTwoCheckpointResumesWithWidthsOneAndFour) {
 }
 
 TEST(TensorParallelConfig, LayoutsThatCannotWorkSayWhichNumberAndWhatFits) {
-  const auto error_of = [](job_config c) -> std::string {
-    try {
-      c.validate();
-    } catch (const config_error& e) {
-      return e.what();
-    }
-    return "";
-  };
+  const auto error_of = test::config_error_of;
   auto c = small_job();
   c.tensor_parallel = 3;
   EXPECT_NE(error_of(c).find("tensor_parallel = 3 does not divide model.heads = 4"), std::string::npos) << error_of(c);
