@@ -333,7 +333,7 @@ void local_trainer::on_every_rank(int replica, const std::function<void(int tp)>
     });
   for (auto& th : threads) th.join();
   torch::set_num_threads(threads_before);
-  for (auto& f : failed)  // the first rank's own failure, not another's abort
+  for (auto& f : failed)  // (the failed rank's own error, or the abort that names it)
     if (f) std::rethrow_exception(f);
 }
 
