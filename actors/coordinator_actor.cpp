@@ -748,6 +748,7 @@ void commit(self_ptr self) {
                       {"grad_reduce_tail_s", timing.reduce_tail_s},
                       {"peak_in_flight", s.peaks},
                       {"skipped", s.skipping}};
+  if (ctx.spec.type == model_spec::kind::decoder && ctx.spec.decoder.n_experts > 0) line["aux_loss"] = s.stats.aux_loss;
   // Reset: the supervisors drop every actor's per-step state and report leftovers.
   auto reports = std::make_shared<std::vector<reset_report>>();
   request_all<std::vector<reset_report>>(
@@ -978,6 +979,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         if (!first_report(s.seen_stages, std::size_t(msg.replica) * s.ctx->p + msg.stage, "stage-done report", s.step))
           return;
         s.peaks.at(std::size_t(msg.replica) * s.ctx->p + msg.stage) = msg.peak_in_flight;
+        s.stats.aux_loss += msg.aux_loss;
         s.last_progress_us = s.ctx->now_us();
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_stages;

@@ -425,8 +425,10 @@ class stage_logic {
       }
       s_.record_sent("stage done", "coordinator");
       s_.done_reported = true;
+      double aux = 0;  // (experts)
+      for (auto& chunk : s_.chunks) aux += chunk->take_aux_loss();
       self_->send(s_.wiring->coordinator,
-                  stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events)});
+                  stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events), aux});
     }
   }
 

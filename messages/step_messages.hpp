@@ -37,6 +37,7 @@ struct stage_done {
   std::int32_t stage = 0;
   std::int32_t peak_in_flight = 0;  ///< max micro-batches forwarded, not yet backwarded
   std::vector<trace_event> events;
+  double aux_loss = 0;  ///< experts: the load-balancing loss its forwards added, each times its weight
 };
 
 /// Optimizer shard -> coordinator: update done and parameters sent.
@@ -85,7 +86,7 @@ typename Inspector::result_type inspect(Inspector& f, trace_event& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, stage_done& x) {
-  return f(caf::meta::type_name("stage_done"), x.step, x.replica, x.stage, x.peak_in_flight, x.events);
+  return f(caf::meta::type_name("stage_done"), x.step, x.replica, x.stage, x.peak_in_flight, x.events, x.aux_loss);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, shard_done& x) {

@@ -7,6 +7,10 @@
 // tests/integration/multiprocess_test.cpp (MultiProcessLlama).
 #include <gtest/gtest.h>
 
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
 #include "actor_test_util.hpp"
 #include "cached_forward.hpp"
 #include "compute/generate.hpp"
@@ -241,8 +245,10 @@ TEST(Moe, ActorLayoutsFollowThePlainLoop) {
   c.seq_len = 32;
   c.eval_interval = 0;
   const auto ref = reference_of(c);
+  test::temp_dir dir;
   for (const auto& l : {layout{2, 2, 1, "1f1b"}, layout{2, 1, 1, "zero-bubble"}, layout{2, 2, 1, "dataflow", true, 20000}}) {
     auto a = c;
+    a.metrics = dir / (name_of(l) + ".jsonl");
     a.pipeline = l.p;
     a.data_parallel = l.d;
     a.schedule = l.schedule;
@@ -252,6 +258,14 @@ TEST(Moe, ActorLayoutsFollowThePlainLoop) {
     ASSERT_EQ(got.exit_code, 0) << got.error;
     EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5) << name_of(l);
     for (std::size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i;
+    // The load-balancing loss every stage added, summed by the coordinator: the plain loop's.
+    std::ifstream metrics(a.metrics);
+    std::string first;
+    std::getline(metrics, first);
+    auto plain = c;
+    plain.runtime = "local";
+    local_trainer one(plain);
+    EXPECT_NEAR(nlohmann::json::parse(first).at("aux_loss").get<double>(), one.step().aux_loss, 1e-6) << name_of(l);
   }
   // bf16: the experts compute under autocast, their outputs add up in fp32.
   auto bf16 = c;
