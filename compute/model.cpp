@@ -29,6 +29,7 @@ struct param_spec {
   enum class init { normal, zeros, ones, uniform_fan_in } how;
   double stddev = 0;
   bool decay = false;
+  tp_split split = tp_split::replicated;
 };
 
 std::vector<param_spec> gpt_block_params(const decoder_config& c, int i) {
@@ -36,18 +37,19 @@ std::vector<param_spec> gpt_block_params(const decoder_config& c, int i) {
   const std::int64_t d = c.d_model, f = c.d_ff;
   const double proj_std = 0.02 / std::sqrt(2.0 * c.n_layer);
   using I = param_spec::init;
+  using S = tp_split;
   return {
       {p + "ln_1.weight", {d}, I::ones},
       {p + "ln_1.bias", {d}, I::zeros},
-      {p + "attn.c_attn.weight", {3 * d, d}, I::normal, 0.02, true},
-      {p + "attn.c_attn.bias", {3 * d}, I::zeros},
-      {p + "attn.c_proj.weight", {d, d}, I::normal, proj_std, true},
+      {p + "attn.c_attn.weight", {3 * d, d}, I::normal, 0.02, true, S::qkv_rows},
+      {p + "attn.c_attn.bias", {3 * d}, I::zeros, 0, false, S::qkv_rows},
+      {p + "attn.c_proj.weight", {d, d}, I::normal, proj_std, true, S::columns},
       {p + "attn.c_proj.bias", {d}, I::zeros},
       {p + "ln_2.weight", {d}, I::ones},
       {p + "ln_2.bias", {d}, I::zeros},
-      {p + "mlp.c_fc.weight", {f, d}, I::normal, 0.02, true},
-      {p + "mlp.c_fc.bias", {f}, I::zeros},
-      {p + "mlp.c_proj.weight", {d, f}, I::normal, proj_std, true},
+      {p + "mlp.c_fc.weight", {f, d}, I::normal, 0.02, true, S::rows},
+      {p + "mlp.c_fc.bias", {f}, I::zeros, 0, false, S::rows},
+      {p + "mlp.c_proj.weight", {d, f}, I::normal, proj_std, true, S::columns},
       {p + "mlp.c_proj.bias", {d}, I::zeros},
   };
 }
@@ -59,18 +61,19 @@ std::vector<param_spec> llama_block_params(const decoder_config& c, int i) {
                      kv = std::int64_t(c.kv_heads()) * c.head_dim();
   const double proj_std = 0.02 / std::sqrt(2.0 * c.n_layer);
   using I = param_spec::init;
+  using S = tp_split;
   std::vector<param_spec> out{
       {p + "input_layernorm.weight", {d}, I::ones},
-      {p + "self_attn.q_proj.weight", {q, d}, I::normal, 0.02, true},
-      {p + "self_attn.k_proj.weight", {kv, d}, I::normal, 0.02, true},
-      {p + "self_attn.v_proj.weight", {kv, d}, I::normal, 0.02, true},
-      {p + "self_attn.o_proj.weight", {d, q}, I::normal, proj_std, true},
+      {p + "self_attn.q_proj.weight", {q, d}, I::normal, 0.02, true, S::rows},
+      {p + "self_attn.k_proj.weight", {kv, d}, I::normal, 0.02, true, S::rows},
+      {p + "self_attn.v_proj.weight", {kv, d}, I::normal, 0.02, true, S::rows},
+      {p + "self_attn.o_proj.weight", {d, q}, I::normal, proj_std, true, S::columns},
       {p + "post_attention_layernorm.weight", {d}, I::ones},
   };
   if (!c.is_moe_block(i)) {
-    out.insert(out.end(), {{p + "mlp.gate_proj.weight", {f, d}, I::normal, 0.02, true},
-                           {p + "mlp.up_proj.weight", {f, d}, I::normal, 0.02, true},
-                           {p + "mlp.down_proj.weight", {d, f}, I::normal, proj_std, true}});
+    out.insert(out.end(), {{p + "mlp.gate_proj.weight", {f, d}, I::normal, 0.02, true, S::rows},
+                           {p + "mlp.up_proj.weight", {f, d}, I::normal, 0.02, true, S::rows},
+                           {p + "mlp.down_proj.weight", {d, f}, I::normal, proj_std, true, S::columns}});
     return out;
   }
   // WORKLOADS.md "moe-tiny": Mixtral's router and experts (w1: gate, w3: up, w2: down).
@@ -91,8 +94,9 @@ std::vector<param_spec> block_params(const decoder_config& c, int i) {
 
 std::vector<param_spec> embedding_params(const decoder_config& c) {
   using I = param_spec::init;
-  if (c.arch == decoder_arch::llama) return {{"model.embed_tokens.weight", {c.vocab, c.d_model}, I::normal, 0.02, true}};
-  return {{"wte.weight", {c.vocab, c.d_model}, I::normal, 0.02, true},
+  if (c.arch == decoder_arch::llama)
+    return {{"model.embed_tokens.weight", {c.vocab, c.d_model}, I::normal, 0.02, true, tp_split::rows}};
+  return {{"wte.weight", {c.vocab, c.d_model}, I::normal, 0.02, true, tp_split::rows},
           {"wpe.weight", {c.seq_len, c.d_model}, I::normal, 0.02, false}};
 }
 
@@ -102,7 +106,7 @@ std::vector<param_spec> head_params(const decoder_config& c) {
   std::vector<param_spec> out;
   if (c.arch == decoder_arch::llama) out = {{"model.norm.weight", {c.d_model}, I::ones}};
   else out = {{"ln_f.weight", {c.d_model}, I::ones}, {"ln_f.bias", {c.d_model}, I::zeros}};
-  if (!c.tie_embeddings) out.push_back({"lm_head.weight", {c.vocab, c.d_model}, I::normal, 0.02, true});
+  if (!c.tie_embeddings) out.push_back({"lm_head.weight", {c.vocab, c.d_model}, I::normal, 0.02, true, tp_split::rows});
   return out;
 }
 
@@ -128,10 +132,11 @@ std::vector<param_spec> all_params(const model_spec& spec) {
   return out;
 }
 
-bool decays(const model_spec& spec, const std::string& name) {
-  for (const auto& p : all_params(spec))
-    if (p.name == name) return p.decay;
-  return false;
+/// The table's row of parameter `name` (a default one for an unknown name).
+param_spec spec_of(const model_spec& spec, const std::string& name) {
+  for (auto& p : all_params(spec))
+    if (p.name == name) return p;
+  return {};
 }
 
 std::string shape_str(c10::IntArrayRef s) {
@@ -141,6 +146,8 @@ std::string shape_str(c10::IntArrayRef s) {
 }
 
 }  // namespace
+
+tp_split tp_split_of(const model_spec& spec, const std::string& name) { return spec_of(spec, name).split; }
 
 std::vector<std::string> parameter_names(const model_spec& spec) {
   std::vector<std::string> out;
@@ -346,7 +353,9 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, cons
     e.shape = it->second.sizes().vec();
     e.offset = offset;
     e.numel = it->second.numel();
-    e.decay = decays(spec, name);
+    const auto row = spec_of(spec, name);
+    e.decay = row.decay;
+    e.split = row.split;
     e.shared_copy = std::find(shared_copies.begin(), shared_copies.end(), name) != shared_copies.end();
     offset += e.numel;
     entries_.push_back(e);

@@ -144,6 +144,14 @@ std::int64_t parameter_count(const model_spec& spec);
 /// throws model_error naming every missing, unexpected or mis-shaped entry.
 void check_state(const model_spec& spec, const state_dict& state);
 
+/// How a parameter is split over a tensor-parallel group (compute/tensor_parallel.hpp).
+enum class tp_split {
+  replicated,  ///< every rank holds all of it (norms, row-parallel biases, positions)
+  rows,        ///< dim 0 (column-parallel weights and their biases, vocab-parallel rows)
+  columns,     ///< dim 1 (row-parallel weights)
+  qkv_rows,    ///< gpt2's c_attn: dim 0 as three blocks [q; k; v], each split in rows
+};
+
 /// One parameter's place in a slice's flat buffers.
 struct param_entry {
   std::string name;              ///< global name, e.g. "h.3.attn.c_attn.weight"
@@ -151,6 +159,7 @@ struct param_entry {
   std::int64_t offset = 0;       ///< first element in the flat buffers
   std::int64_t numel = 0;
   bool decay = false;            ///< weight decay applies (2-D weights, not gpt2's wpe)
+  tp_split split = tp_split::replicated;  ///< how tensor parallelism splits it
   bool shared_copy = false;      ///< a second copy of a tied parameter (last stage's embedding),
                                  ///< or of a parameter every tensor-parallel rank holds whole
                                  ///< (on ranks other than 0): it is not counted twice in the

@@ -4,26 +4,6 @@
 
 namespace troupe {
 
-namespace {
-
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
-}  // namespace
-
-tp_split tp_split_of(const model_spec& spec, const std::string& name) {
-  if (spec.type != model_spec::kind::decoder) return tp_split::replicated;
-  for (const char* rows : {"wte.weight", "lm_head.weight", "model.embed_tokens.weight", "mlp.c_fc.weight",
-                           "mlp.c_fc.bias", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                           "self_attn.v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"})
-    if (ends_with(name, rows)) return tp_split::rows;
-  for (const char* cols : {"attn.c_proj.weight", "mlp.c_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"})
-    if (ends_with(name, cols)) return tp_split::columns;
-  if (ends_with(name, "attn.c_attn.weight") || ends_with(name, "attn.c_attn.bias")) return tp_split::qkv_rows;
-  return tp_split::replicated;  // norms, row-parallel biases, wpe
-}
-
 torch::Tensor shard_parameter(const model_spec& spec, const std::string& name, const torch::Tensor& full, int size,
                               int rank) {
   switch (tp_split_of(spec, name)) {
@@ -98,10 +78,14 @@ collective_group& group_of(AutogradContext* ctx) {
 }
 std::int64_t handle(collective_group& g) { return reinterpret_cast<std::int64_t>(&g); }
 
-/// The sum over the group of `x` (a new tensor); reduced precisions are summed in fp32
-/// (the transports sum fp32 and fp64).
+/// Reduced precisions are summed in fp32 (the transports sum fp32 and fp64).
+bool summed_in_fp32(const torch::Tensor& x) {
+  return x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf;
+}
+
+/// The sum over the group of `x` (a new tensor).
 torch::Tensor summed(const torch::Tensor& x, collective_group& g) {
-  const bool low = x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf;
+  const bool low = summed_in_fp32(x);
   auto y = low ? x.to(torch::kFloat32).contiguous() : x.contiguous().clone();
   g.all_reduce(y);
   return low ? y.to(x.scalar_type()) : y;
@@ -119,8 +103,7 @@ torch::Tensor gathered(const torch::Tensor& x, std::int64_t dim, collective_grou
 
 /// This rank's part along `dim` of the sum over the group.
 torch::Tensor reduce_scattered(const torch::Tensor& x, std::int64_t dim, collective_group& g) {
-  const bool low = x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf;
-  const auto front = x.movedim(dim, 0).to(low ? torch::kFloat32 : x.scalar_type()).contiguous();
+  const auto front = x.movedim(dim, 0).to(summed_in_fp32(x) ? torch::kFloat32 : x.scalar_type()).contiguous();
   auto sizes = front.sizes().vec();
   if (sizes[0] % g.size() != 0)
     throw model_error("a reduce-scatter of " + std::to_string(sizes[0]) + " positions over " +

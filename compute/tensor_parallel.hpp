@@ -31,13 +31,8 @@
 
 namespace troupe {
 
-/// How a parameter is split over a tensor-parallel group.
-enum class tp_split {
-  replicated,  ///< every rank holds all of it
-  rows,        ///< dim 0 (column-parallel weights and their biases, vocab-parallel rows)
-  columns,     ///< dim 1 (row-parallel weights)
-  qkv_rows,    ///< gpt2's c_attn: dim 0 as three blocks [q; k; v], each split in rows
-};
+/// How parameter `name` of `spec` is split (tp_split, model.hpp; a column of the
+/// parameters' table in model.cpp).
 tp_split tp_split_of(const model_spec& spec, const std::string& name);
 
 /// Rank `rank`'s part of parameter `name` (the whole tensor `full`) when split over `size`

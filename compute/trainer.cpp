@@ -342,7 +342,7 @@ void local_trainer::sum_replicated_grads(int r) {
   torch::NoGradGuard no_grad;
   for (int x = 0; x < replica(r).virtual_stages(); ++x)
     for (const auto& e : replica(r).slice(x).entries()) {
-      if (tp_split_of(spec_, e.name) != tp_split::replicated) continue;
+      if (e.split != tp_split::replicated) continue;
       auto sum = replica(r, 0).slice(x).param(e.name).grad().clone();
       for (int t = 1; t < tp_; ++t) sum.add_(replica(r, t).slice(x).param(e.name).grad());
       for (int t = 0; t < tp_; ++t) replica(r, t).slice(x).param(e.name).mutable_grad().copy_(sum);
@@ -424,13 +424,9 @@ void local_trainer::save_checkpoint(const std::string& path) const {
 void local_trainer::load_checkpoint(const std::string& path) {
   const auto ckpt = read_checkpoint(path, spec_, cfg_.steps);
   // Each tensor-parallel rank's parts of the parameters and moments (whole in the files).
-  std::vector<std::map<std::string, torch::Tensor>> params(static_cast<std::size_t>(tp_)), optim(static_cast<std::size_t>(tp_));
+  std::vector<std::map<std::string, torch::Tensor>> params(static_cast<std::size_t>(tp_)),
+      optim(static_cast<std::size_t>(tp_));
   for (int t = 0; t < tp_; ++t) {
-    if (tp_ == 1) {
-      params[0] = ckpt.params;
-      optim[0] = ckpt.optim;
-      break;
-    }
     for (const auto& [name, p] : ckpt.params) {
       params[std::size_t(t)][name] = shard_parameter(spec_, name, p, tp_, t);
       for (const std::string moment : {"exp_avg.", "exp_avg_sq."})
@@ -493,16 +489,13 @@ std::string duration_text(double seconds) {
 }
 
 std::string progress_line(const step_stats& st, int total_steps, double eta_seconds, bool tokens) {
+  // (Experts: the load-balancing loss beside the cross-entropy.)
+  const std::string aux = st.aux_loss != 0 ? fmt::format(" | aux_loss {:.4f}", st.aux_loss) : "";
   char buf[256];
-  std::snprintf(buf, sizeof buf, "step %*d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f %s/s | ETA %s",
-                int(std::to_string(total_steps).size()), st.step + 1, total_steps, st.loss, st.lr, st.grad_norm,
-                st.tokens / st.seconds, tokens ? "tok" : "img", duration_text(eta_seconds).c_str());
-  if (st.aux_loss == 0) return buf;
-  std::string line = buf;  // experts: the load-balancing loss beside the cross-entropy
-  const auto at = line.find(" | lr ");
-  char aux[48];
-  std::snprintf(aux, sizeof aux, " | aux_loss %.4f", st.aux_loss);
-  return line.insert(at, aux);
+  std::snprintf(buf, sizeof buf, "step %*d/%d | loss %.4f%s | lr %.3e | grad_norm %.3f | %.0f %s/s | ETA %s",
+                int(std::to_string(total_steps).size()), st.step + 1, total_steps, st.loss, aux.c_str(), st.lr,
+                st.grad_norm, st.tokens / st.seconds, tokens ? "tok" : "img", duration_text(eta_seconds).c_str());
+  return buf;
 }
 
 std::string stopped_text(int signal, int done_steps, const job_config& cfg) {
