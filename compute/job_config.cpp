@@ -232,7 +232,7 @@ const std::vector<key_def>& key_defs() {
                &job_config::sequence_parallel),
       int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
       int_key("parallel.chunks", "virtual chunks per stage (interleaved-1f1b)", &job_config::chunks, 1, 64),
-      string_key("parallel.schedule", "gpipe, 1f1b, interleaved-1f1b, zero-bubble or dataflow", &job_config::schedule),
+      string_key("parallel.schedule", "gpipe, 1f1b, interleaved-1f1b, zero-bubble, combined-1f1b, zbv, dualpipev (zbv and dualpipev: chunks = 2) or dataflow", &job_config::schedule),
       int_key("parallel.max_in_flight", "dataflow: micro-batches in flight per stage (0: stages)", &job_config::max_in_flight, 0, 1000000),
       bool_key("parallel.split_backward",
                "dataflow: split each backward into B (the input's gradient) and W (the weights'); a W runs "

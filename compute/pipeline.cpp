@@ -32,11 +32,15 @@ std::vector<double> local_pipeline::run_step(const schedule& sched,
       grads(inputs.size());
   // Split backwards: the weight gradients each (virtual stage, micro-batch) left for its W.
   std::vector<weight_grad_store> deferred(sched.split_backward() ? inputs.size() : 0);
+  std::vector<char> split(inputs.size(), 0);  // whose backward leaves its W (known at the forward)
+  for (int r = 0; r < p; ++r)
+    for (const auto& op : sched.ranks[r])
+      if (op.split) split[at(sched.virtual_stage(r, op.chunk), op.mb)] = 1;
   std::vector<double> losses(m, 0.0);
   for (auto& s : slices_) s->set_aux_loss_scale(loss_weight);
   for (const auto& [r, index] : execution_order(sched)) {
     const auto& op = sched.ranks[r][index];
-    const int x = op.chunk * p + r;
+    const int x = sched.virtual_stage(r, op.chunk);
     auto& s = *slices_[x];
     const auto i = at(x, op.mb);
     if (op.kind == op_kind::forward) {
@@ -44,7 +48,7 @@ std::vector<double> local_pipeline::run_step(const schedule& sched,
       // gradient to hand back to the previous slice.
       auto in = x == 0 ? microbatches[op.mb].input : outputs[at(x - 1, op.mb)].detach().requires_grad_(true);
       inputs[i] = in;
-      if (sched.split_backward()) s.defer_weight_grads(&deferred[i]);
+      if (split[i]) s.defer_weight_grads(&deferred[i]);
       auto out = s.forward(in);
       s.defer_weight_grads(nullptr);
       if (x == n_virtual - 1) {

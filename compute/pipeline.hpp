@@ -25,7 +25,6 @@ class local_pipeline {
   int chunks() const { return chunks_; }
   int virtual_stages() const { return int(slices_.size()); }
   model_slice& slice(int virtual_stage) { return *slices_.at(virtual_stage); }
-  model_slice& slice(int stage, int chunk) { return *slices_.at(chunk * stages_ + stage); }
   const model_spec& spec() const { return spec_; }
 
   /// Runs one step's forwards and backwards: each stage follows its order in `sched`,

@@ -11,6 +11,20 @@
 //                     and W (the weights' gradients, which nothing waits for); 1f1b's
 //                     order of F and B, with stage r running each W up to r ops late so
 //                     that the W's fill the cool-down's bubbles
+//   combined-1f1b     Megatron-Core's combined 1F1B: interleaved-1f1b with one more warm-up
+//                     micro-batch, its steady phase's forward and backward run as one
+//                     overlapped pair (F&B), whose members are independent, so that one's
+//                     all-to-all hides behind the other's compute; v >= 2 when p > 1
+//   zbv               ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", the
+//                     zero-bubble V schedule): two chunks per stage in a V, split backwards,
+//                     the peak activation memory of 1f1b
+//   dualpipev         DeepSeek's DualPipeV ("cut-in-half" DualPipe): two chunks per stage in
+//                     a V, the reference's eight steps per rank with overlapped F&B pairs, some
+//                     backwards split into B and W
+//
+// Placement: virtual stage x is chunk c of stage k. Loop kinds place x = c p + k
+// (Megatron's interleaving); V kinds place chunk 0 of stage k at x = k and chunk 1 at
+// x = 2p - 1 - k, so stage 0 holds the first and the last virtual stage (the loss).
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -32,15 +46,26 @@ struct pipeline_op {
   op_kind kind = op_kind::forward;
   std::int32_t mb = 0;
   std::int32_t chunk = 0;
-  bool operator==(const pipeline_op& o) const { return kind == o.kind && mb == o.mb && chunk == o.chunk; }
+  /// A backward that leaves the weights' gradients to a later W op of the same micro-batch
+  /// and chunk (zero-bubble kinds); a backward without it computes them itself.
+  bool split = false;
+  /// Runs overlapped with the stage's next op, as one F&B pair (combined-1f1b, dualpipev).
+  bool paired = false;
+  bool operator==(const pipeline_op& o) const {
+    return kind == o.kind && mb == o.mb && chunk == o.chunk && split == o.split && paired == o.paired;
+  }
 };
 
-enum class schedule_kind { gpipe, one_f_one_b, interleaved, zero_bubble };
+enum class schedule_kind { gpipe, one_f_one_b, interleaved, zero_bubble, combined_1f1b, zbv, dualpipev };
 
 std::string to_string(schedule_kind k);
 /// "gpipe", "1f1b", "interleaved-1f1b" (also "interleaved"), "zero-bubble" (also
-/// "zb-h1"); throws schedule_error.
+/// "zb-h1"), "combined-1f1b", "zbv" (also "zb-v"), "dualpipev"; throws schedule_error.
 schedule_kind parse_schedule_kind(const std::string& s);
+/// The kinds' names, for messages and help: "gpipe, 1f1b, ..., or dualpipev".
+std::string schedule_kind_names();
+/// Virtual chunks per stage a kind takes when none are asked for: 2 for the V kinds, else 1.
+int default_chunks(schedule_kind k);
 
 struct schedule {
   schedule_kind kind = schedule_kind::one_f_one_b;
@@ -48,23 +73,45 @@ struct schedule {
   int microbatches = 1;
   int chunks = 1;
   std::vector<std::vector<pipeline_op>> ranks;  ///< ranks[r]: stage r's order
-  /// True when the backward is split into B and W ops (zero-bubble).
-  bool split_backward() const { return kind == schedule_kind::zero_bubble; }
+  /// True when some backwards are split into B and W ops (zero-bubble, zbv, dualpipev).
+  bool split_backward() const {
+    return kind == schedule_kind::zero_bubble || kind == schedule_kind::zbv || kind == schedule_kind::dualpipev;
+  }
+  /// True for the kinds placing two chunks per stage in a V (zbv, dualpipev).
+  bool v_shape() const { return kind == schedule_kind::zbv || kind == schedule_kind::dualpipev; }
+  int virtual_stages() const { return stages * chunks; }
+  /// The virtual stage chunk `chunk` of stage `stage` runs (see Placement above).
+  int virtual_stage(int stage, int chunk) const {
+    if (v_shape()) return chunk == 0 ? stage : 2 * stages - 1 - stage;
+    return chunk * stages + stage;
+  }
+  /// The (stage, chunk) running virtual stage `x`.
+  std::pair<int, int> place(int x) const {
+    if (v_shape()) return x < stages ? std::pair<int, int>{x, 0} : std::pair<int, int>{2 * stages - 1 - x, 1};
+    return {x % stages, x / stages};
+  }
+  /// Stage `stage`'s ops of chunk `chunk` in one step (F, B and W).
+  int ops_of_chunk(int stage, int chunk) const;
 };
 
 /// Generates a schedule. Throws schedule_error for illegal arguments (e.g. stages < 1,
-/// chunks != 1 for a non-interleaved kind, microbatches not a multiple of stages for
-/// interleaving).
-schedule make_schedule(schedule_kind kind, int stages, int microbatches, int chunks = 1);
+/// chunks != 1 for a kind without chunks, microbatches not a multiple of stages for
+/// interleaving, a V kind with chunks other than 2, dualpipev with fewer than 2p
+/// micro-batches). chunks 0: the kind's default_chunks.
+schedule make_schedule(schedule_kind kind, int stages, int microbatches, int chunks = 0);
 
 /// "F", "B" or "W" (also the trace's names of the ops).
 const char* op_letter(op_kind k);
 /// Short text of an op: "F3" / "B3" / "W3", with ".c" for chunk when the schedule has chunks.
 std::string to_string(const pipeline_op& op, bool with_chunk);
+/// A stage's order as text: ops separated by spaces, an F&B pair's two joined by "&"
+/// ("F4.0&B1.1").
+std::string order_text(const schedule& s, int stage);
 
-/// Checks a schedule: every (mb, chunk) forward and backward exactly once per stage (and
-/// weight pass, when the schedule splits the backward; none otherwise), each forward
-/// before its backward, each backward before its weight pass, and all cross-stage
+/// Checks a schedule: every (mb, chunk) forward and backward exactly once per stage, a
+/// weight pass exactly for each split backward (and none in kinds that do not split),
+/// each forward before its backward, each backward before its weight pass, a pair's two
+/// ops a forward and a backward and not its own last op, and all cross-stage
 /// dependencies satisfiable in the given orders (no deadlock). Returns an empty string
 /// when valid, else the reason.
 std::string validate(const schedule& s);
@@ -74,22 +121,42 @@ std::string validate(const schedule& s);
 /// Throws schedule_error if the schedule deadlocks.
 std::vector<std::pair<int, std::size_t>> execution_order(const schedule& s);
 
-/// Result of simulating a schedule with fixed per-op costs and free communication.
+/// Result of simulating a schedule with fixed per-op costs and free point-to-point
+/// communication.
 struct simulation {
   double makespan = 0;
   double bubble = 0;                  ///< 1 - busy time / (stages x makespan)
-  std::vector<double> busy;           ///< per stage
-  /// Per stage: the most micro-batches whose forward ran and whose backward has not
-  /// finished (for split backwards: whose W has not run; B frees only part of them).
+  std::vector<double> busy;           ///< per stage (an F&B pair counts its time once)
+  std::vector<double> idle;           ///< per stage: makespan - busy
+  /// Per stage: the most (micro-batch, chunk) activations held at once: forwards run whose
+  /// backward has not finished (for split backwards: whose W has not run; B frees only
+  /// part of them). In chunks' activations: 1f1b's p equals a V kind's 2p.
   std::vector<int> peak_activations;
-  /// Per stage, per op in order: start and end times.
+  /// Per stage, per op in order: start and end times (a pair's two ops share theirs).
   std::vector<std::vector<std::pair<double, double>>> times;
 };
 
-/// Simulates `s` with forward cost `f` and backward cost `b` per op (one chunk). For a
-/// split backward, `b` is still the whole backward's: B costs b - w and W costs w
-/// (w < 0: half of b; ignored for other kinds). Throws schedule_error if the schedule
-/// deadlocks, and for a split backward's w above b.
+/// Per-op costs of the simulator (one chunk's op).
+struct op_costs {
+  double forward = 1.0;
+  /// The whole backward's. A split backward's B costs backward - weight, its W weight.
+  double backward = 2.0;
+  /// < 0: half the backward's (kinds that split; 0 for the others).
+  double weight = -1.0;
+  /// An F&B pair's time (DualPipe's F&B). < 0: the two ops' compute back to back, or
+  /// their all-to-alls back to back where those take longer.
+  double pair = -1.0;
+  /// The all-to-all time of one op (an expert layer's dispatch and combine, summed over
+  /// the chunk's layers). An op outside a pair waits for its own; in a pair each op's
+  /// all-to-all hides behind the other op's compute (ideal overlap).
+  double alltoall = 0.0;
+};
+
+/// Simulates `s`: an op starts when its stage is free and its inputs exist. Throws
+/// schedule_error if the schedule deadlocks, for a negative cost, and for a weight cost
+/// above the backward's.
+simulation simulate(const schedule& s, const op_costs& costs);
+/// simulate with forward cost f, backward cost b and weight cost w.
 simulation simulate(const schedule& s, double f = 1.0, double b = 2.0, double w = -1.0);
 
 }  // namespace troupe

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <sstream>
@@ -23,6 +24,7 @@
 
 #include "actors/node.hpp"
 #include "actors/runtime.hpp"
+#include "actors/timeline_svg.hpp"
 #include "actors/tp_groups.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
@@ -46,8 +48,12 @@ void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, co
     nlohmann::json ranks = nlohmann::json::array();
     for (const auto& ops : s.ranks) {
       nlohmann::json row = nlohmann::json::array();
-      for (const auto& op : ops)
-        row.push_back({{"op", troupe::op_letter(op.kind)}, {"mb", op.mb}, {"chunk", op.chunk}});
+      for (const auto& op : ops) {
+        nlohmann::json o{{"op", troupe::op_letter(op.kind)}, {"mb", op.mb}, {"chunk", op.chunk}};
+        if (op.split) o["split"] = true;
+        if (op.paired) o["paired"] = true;
+        row.push_back(std::move(o));
+      }
       ranks.push_back(std::move(row));
     }
     nlohmann::json out{{"kind", troupe::to_string(s.kind)},
@@ -57,20 +63,23 @@ void print_schedule(const troupe::schedule& s, const troupe::simulation& sim, co
                        {"ranks", ranks},
                        {"bubble", sim.bubble},
                        {"makespan", sim.makespan},
+                       {"idle", sim.idle},
                        {"peak_activations", sim.peak_activations}};
     std::cout << out.dump() << "\n";
     return;
   }
   const char* mb = s.chunks > 1 ? "mb.chunk" : "mb";
-  std::printf("%s: %d stages x %d micro-batches x %d chunks (F%s, B%s%s%s: micro-batch%s)\n",
+  std::printf("%s: %d stages x %d micro-batches x %d chunks (F%s, B%s%s%s: micro-batch%s%s%s)\n",
               troupe::to_string(s.kind).c_str(), s.stages, s.microbatches, s.chunks, mb, mb,
-              s.split_backward() ? ", W" : "", s.split_backward() ? mb : "", s.chunks > 1 ? ".chunk" : "");
-  for (int r = 0; r < s.stages; ++r) {
-    std::printf("stage %d |", r);
-    for (const auto& op : s.ranks[r]) std::printf(" %s", troupe::to_string(op, s.chunks > 1).c_str());
-    std::printf("   (peak activations %d)\n", sim.peak_activations[r]);
-  }
-  std::printf("bubble %.4f, makespan %.1f\n", sim.bubble, sim.makespan);
+              s.split_backward() ? ", W" : "", s.split_backward() ? mb : "", s.chunks > 1 ? ".chunk" : "",
+              s.v_shape() ? "; chunks in a V: stage r runs virtual stages r and 2p-1-r" : "",
+              s.kind == troupe::schedule_kind::combined_1f1b || s.kind == troupe::schedule_kind::dualpipev
+                  ? "; F&B: an overlapped pair"
+                  : "");
+  for (int r = 0; r < s.stages; ++r)
+    std::printf("stage %d | %s   (peak activations %d, idle %g)\n", r, troupe::order_text(s, r).c_str(),
+                sim.peak_activations[r], sim.idle[r]);
+  std::printf("bubble %.4f, makespan %g\n", sim.bubble, sim.makespan);
 }
 
 /// Edit distance between two words (insertions, deletions, substitutions).
@@ -459,17 +468,38 @@ int main(int argc, char** argv) {
   // troupe schedule
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");
   std::string kind = "1f1b", format = "table";
-  int stages = 4, microbatches = 8, chunks = 1;
-  double f_cost = 1.0, b_cost = 2.0, w_cost = -1.0;
-  sched->add_option("--kind", kind, "gpipe, 1f1b, interleaved-1f1b or zero-bubble");
+  int stages = 4, microbatches = 8, chunks = 0;
+  troupe::op_costs costs;
+  sched->add_option("--kind", kind, troupe::schedule_kind_names());
   sched->add_option("--stages", stages, "pipeline stages");
   sched->add_option("--microbatches", microbatches, "micro-batches");
-  sched->add_option("--chunks", chunks, "virtual chunks per stage (interleaved-1f1b)");
-  sched->add_option("--format", format, "table or json")->check(CLI::IsMember({"table", "json"}));
-  sched->add_option("--forward-cost", f_cost, "simulated cost of one forward");
-  sched->add_option("--backward-cost", b_cost, "simulated cost of one backward (zero-bubble: of its B and W together)");
-  sched->add_option("--weight-cost", w_cost, "zero-bubble: the part of the backward cost that is W (default: half)")
+  sched->add_option("--chunks", chunks, "virtual chunks per stage (default: the kind's, 2 for zbv and dualpipev)");
+  sched->add_option("--format", format, "table, json, or svg (the simulated timeline)")
+      ->check(CLI::IsMember({"table", "json", "svg"}));
+  sched->add_option("--forward-cost", costs.forward, "simulated cost of one forward");
+  sched->add_option("--backward-cost", costs.backward,
+                    "simulated cost of one backward (kinds that split it: of its B and W together)");
+  sched->add_option("--weight-cost", costs.weight, "the part of the backward cost that is W (default: half)")
       ->check(CLI::NonNegativeNumber);
+  sched->add_option("--pair-cost", costs.pair,
+                    "cost of an overlapped F&B pair (combined-1f1b, dualpipev; default: F + B, or the two "
+                    "all-to-alls where longer)")
+      ->check(CLI::NonNegativeNumber);
+  sched->add_option("--alltoall-cost", costs.alltoall,
+                    "an op's expert all-to-all time: waited for outside a pair, hidden behind the other op "
+                    "inside one (default 0)")
+      ->check(CLI::NonNegativeNumber);
+
+  // troupe trace-svg
+  auto* trace_svg = app.add_subcommand("trace-svg", "draw one step of a run's trace (trace = true) as the "
+                                                    "schedule drawing of `troupe schedule --format svg`");
+  std::string trace_path, svg_out;
+  long long svg_step = -1;
+  int svg_replica = 0;
+  trace_svg->add_option("trace", trace_path, "the Chrome trace (trace.json)")->required()->check(CLI::ExistingFile);
+  trace_svg->add_option("--step", svg_step, "the step to draw (default: the trace's last)");
+  trace_svg->add_option("--replica", svg_replica, "the data-parallel replica to draw (default 0)");
+  trace_svg->add_option("-o,--output", svg_out, "write the SVG there (default: standard output)");
 
   // troupe config-reference: docs/configuration.md
   auto* reference = app.add_subcommand("config-reference", "print every configuration key as Markdown "
@@ -501,10 +531,31 @@ int main(int argc, char** argv) {
   if (*sched) {
     try {
       const auto s = troupe::make_schedule(troupe::parse_schedule_kind(kind), stages, microbatches, chunks);
-      print_schedule(s, troupe::simulate(s, f_cost, b_cost, w_cost), format);
+      if (format == "svg")
+        std::fputs(troupe::to_svg(troupe::timeline_of(s, costs)).c_str(), stdout);
+      else
+        print_schedule(s, troupe::simulate(s, costs), format);
       return 0;
     } catch (const troupe::schedule_error& e) {
       return fail(exit_usage, e.what());
+    }
+  }
+  if (*trace_svg) {
+    try {
+      std::ifstream in(trace_path);
+      std::stringstream text;
+      text << in.rdbuf();
+      const auto svg = troupe::to_svg(troupe::timeline_of_trace(text.str(), svg_step, svg_replica));
+      if (svg_out.empty()) {
+        std::fputs(svg.c_str(), stdout);
+      } else {
+        std::ofstream out(svg_out);
+        out << svg;
+        if (!out) return fail(1, "cannot write " + svg_out);
+      }
+      return 0;
+    } catch (const std::runtime_error& e) {
+      return fail(exit_usage, trace_path + ": " + e.what());
     }
   }
 
