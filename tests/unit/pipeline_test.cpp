@@ -45,9 +45,10 @@ struct layout {
 };
 
 std::string name_of(const layout& l) {
+  std::string kind = std::string(l.schedule) == "interleaved-1f1b" ? "interleaved" : l.schedule;
+  std::replace(kind.begin(), kind.end(), '-', '_');
   return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_m" + std::to_string(l.m) + "_v" +
-         std::to_string(l.v) + "_" + (std::string(l.schedule) == "interleaved-1f1b" ? "interleaved"
-          : std::string(l.schedule) == "zero-bubble" ? "zero_bubble" : l.schedule);
+         std::to_string(l.v) + "_" + kind;
 }
 
 void PrintTo(const layout& l, std::ostream* os) { *os << name_of(l); }
@@ -73,10 +74,12 @@ TEST_P(Equivalence, ParametersEqualTheFullBatchRunAfterTenSteps) {
 INSTANTIATE_TEST_SUITE_P(
     Layouts, Equivalence,
     // One layout per schedule kind and dimension: micro-batches alone, a deep pipeline,
-    // replicas alone and with a pipeline.
+    // replicas alone and with a pipeline. The V kinds put the tied embedding's two
+    // copies on one stage; dualpipev splits some backwards and not others.
     ::testing::Values(layout{1, 1, 8, 1, "1f1b"}, layout{4, 1, 8, 1, "1f1b"}, layout{4, 1, 4, 1, "gpipe"},
                       layout{2, 1, 4, 2, "interleaved-1f1b"}, layout{1, 4, 2, 1, "1f1b"}, layout{2, 2, 4, 1, "1f1b"},
-                      layout{4, 1, 8, 1, "zero-bubble"}),
+                      layout{4, 1, 8, 1, "zero-bubble"}, layout{1, 1, 4, 1, "combined-1f1b"},
+                      layout{2, 2, 4, 2, "combined-1f1b"}, layout{2, 1, 4, 2, "zbv"}, layout{2, 1, 4, 2, "dualpipev"}),
     [](const auto& info) { return name_of(info.param); });
 
 TEST(Equivalence, TiedEmbeddingStaysTiedAcrossStages) {
