@@ -500,7 +500,7 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
   for (std::size_t f = 0; f < plan.size(); ++f) {
     const auto& row = s.wiring->stages[f % std::size_t(ctx.d)];
     const auto rows = [&](const torch::Tensor& t) { return make_payload(t.narrow(0, plan[f].begin, plan[f].rows)); };
-    self->send(row.back(), eval_target{s.step, std::int32_t(f), rows(set.target)});
+    self->send(row.at(ctx.loss_stage()), eval_target{s.step, std::int32_t(f), rows(set.target)});
     self->send(row.front(), eval_activation{s.step, std::int32_t(f), 0, rows(set.input)});
   }
   self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), eval_atom_v, s.step);
@@ -631,11 +631,11 @@ wait_report coordinator_waits(const coordinator_state& s) {
   for (int r = 0; r < ctx.d; ++r)
     for (int mb = 0; mb < ctx.m; ++mb)
       expect(s.seen_losses.at(std::size_t(r) * ctx.m + mb), 0, "loss mb " + std::to_string(mb),
-             ctx.stage_name(r, ctx.p - 1));
+             ctx.stage_name(r, ctx.loss_stage()));
   for (int x = 0; x < ctx.n_virtual; ++x)
     for (int rank = 0; rank < ctx.d; ++rank)
       expect(s.seen_partials.at(std::size_t(x) * ctx.d + rank), 1,
-             "gradient-norm partial of chunk " + std::to_string(x / ctx.p), ctx.shard_name(x % ctx.p, rank));
+             "gradient-norm partial of chunk " + std::to_string(ctx.place(x).second), ctx.shard_name(ctx.place(x).first, rank));
   for (int r = 0; r < ctx.d; ++r)
     for (int k = 0; k < ctx.p; ++k) expect(s.seen_stages.at(std::size_t(r) * ctx.p + k), 2, "stage done", ctx.stage_name(r, k));
   for (int k = 0; k < ctx.p; ++k)

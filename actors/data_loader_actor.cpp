@@ -55,8 +55,8 @@ void send_next(caf::stateful_actor<loader_state>* self) {
   const auto& row = s.wiring->stages[s.replica];
   s.sent.push_back(message_key("input mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, 0)));
   self->send(row.front(), microbatch_input{s.step, k, make_payload(b.input)});
-  s.sent.push_back(message_key("target mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, ctx.p - 1)));
-  self->send(row.back(), microbatch_target{s.step, k, make_payload(b.target)});
+  s.sent.push_back(message_key("target mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, ctx.loss_stage())));
+  self->send(row.at(ctx.loss_stage()), microbatch_target{s.step, k, make_payload(b.target)});
 }
 
 caf::behavior loader_behavior(caf::stateful_actor<loader_state>* self, std::shared_ptr<const runtime_context> ctx,

@@ -170,7 +170,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   const std::map<std::string, torch::Tensor> init_by_name(ctx->init.begin(), ctx->init.end());
   for (int c = 0; c < ctx->v; ++c) {
     // A slice only to learn the layout and initial values of this range; dropped at once.
-    auto layout = make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device);
+    auto layout = make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device);
     const auto n = layout->flat_params().numel();
     st.chunks.emplace_back();
     auto& ch = st.chunks.back();
@@ -407,7 +407,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
             ch.grads = torch::Tensor();  // the stage's buffer is no longer read
             std::fill(ch.here.begin(), ch.here.end(), 0);
             s.record_sent("gradient-norm partial of chunk " + std::to_string(ci), "coordinator");
-            self->send(s.wiring->coordinator, grad_norm_partial{s.step, ci * s.ctx->p + s.stage, s.rank,
+            self->send(s.wiring->coordinator, grad_norm_partial{s.step, s.ctx->virtual_stage(s.stage, ci), s.rank,
                                                                 partial_sq_norm(ch.reduced, ch.norm_mask)});
           }
           s.phase = shard_phase::awaiting_clip;

@@ -95,7 +95,7 @@ std::set<std::string> runtime_context::parameters_of(const std::vector<std::pair
   std::set<std::string> names;
   for (const auto& slot : slots)
     for (int c = 0; c < v; ++c)
-      for (auto& name : slice_parameter_names(spec, ranges.at(c * p + slot.second))) names.insert(std::move(name));
+      for (auto& name : slice_parameter_names(spec, ranges.at(virtual_stage(slot.second, c)))) names.insert(std::move(name));
   return names;
 }
 

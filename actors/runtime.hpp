@@ -59,6 +59,12 @@ struct runtime_context {
   schedule sched;                    ///< fixed-order kinds (for dataflow: 1f1b, unused)
   bool split_backward;               ///< B and W ops (zero-bubble; dataflow with split_backward)
   std::vector<layer_range> ranges;   ///< by virtual stage
+  /// Placement (schedule.hpp): the virtual stage chunk `chunk` of stage `stage` runs, the
+  /// (stage, chunk) of virtual stage x, and the stage computing the loss (p - 1; stage 0
+  /// for the V kinds).
+  int virtual_stage(int stage, int chunk) const { return sched.virtual_stage(stage, chunk); }
+  std::pair<int, int> place(int x) const { return sched.place(x); }
+  int loss_stage() const { return place(n_virtual - 1).first; }
   torch::Device device{torch::kCPU}; ///< where stages and shards compute (train.device)
   torch::ScalarType compute_dtype = torch::kFloat32;  ///< train.precision
   state_dict init;                   ///< initial parameters (or the resumed ones): the whole model's, a node process's stages' after keep_only

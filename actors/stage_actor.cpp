@@ -36,7 +36,7 @@ struct stage_state {
   std::shared_ptr<const job_wiring> wiring;
   int replica = 0, stage = 0;
   std::string name;
-  std::vector<std::unique_ptr<model_slice>> chunks;  // chunk c: virtual stage c * p + stage
+  std::vector<std::unique_ptr<model_slice>> chunks;  // chunk c: virtual stage ctx->virtual_stage(stage, c)
   const std::vector<pipeline_op>* order = nullptr;   // fixed-order kinds
   fault_injector faults;                             // fault injection (tests): this actor's own
   bool stream_set = false;                           // this actor's CUDA stream is its thread's
@@ -95,29 +95,45 @@ struct stage_state {
   std::map<int, torch::Tensor> eval_outputs, eval_targets;
   std::vector<trace_event> eval_events;
 
-  int virtual_of(int chunk) const { return chunk * ctx->p + stage; }
+  int virtual_of(int chunk) const { return ctx->virtual_stage(stage, chunk); }
   std::string shard_name() const { return ctx->shard_name(stage, replica); }
   std::string loader_name() const { return ctx->loader_name(replica); }
   /// The name of the stage actor owning virtual stage x (this replica's).
-  std::string owner_name(int x) const { return ctx->stage_name(replica, x % ctx->p); }
+  std::string owner_name(int x) const { return ctx->stage_name(replica, ctx->place(x).first); }
   void record_sent(const std::string& what, const std::string& to) {
     std::lock_guard<std::mutex> lock(sent_mutex);
     sent.push_back(message_key(what, name, to));
   }
   bool is_last_virtual(int chunk) const { return virtual_of(chunk) == ctx->n_virtual - 1; }
-  /// The (replica's) stage actor owning virtual stage x, and the chunk index there.
-  std::pair<caf::actor, int> owner(int x) const { return {wiring->stages[replica][x % ctx->p], x / ctx->p}; }
+  /// The (replica's) stage actor owning virtual stage x, its stage index, and the chunk index there.
+  struct place_of {
+    caf::actor actor;
+    int stage, chunk;
+  };
+  place_of owner(int x) const {
+    const auto [k, c] = ctx->place(x);
+    return {wiring->stages[replica][k], k, c};
+  }
+  /// The stages holding the first and the last virtual stage: the tied embedding's copies.
+  int first_stage() const { return ctx->place(0).first; }
   bool holds_tied_copy() const {
-    return !ctx->tied_name.empty() && ctx->n_virtual > 1 &&
-           (virtual_of(0) == 0 || is_last_virtual(ctx->v - 1));
+    return !ctx->tied_name.empty() && ctx->n_virtual > 1 && (stage == first_stage() || stage == ctx->loss_stage());
   }
+  /// Both copies on this stage (p = 1 with chunks, the V kinds' stage 0): summed here.
+  bool tied_here() const { return first_stage() == ctx->loss_stage(); }
+  /// The stage holding the other copy (when not tied_here).
+  int tied_peer() const { return stage == first_stage() ? ctx->loss_stage() : first_stage(); }
   /// Whether `chunk` holds a copy of the tied embedding (the first virtual stage's, or
-  /// the last one's; with p = 1 this stage holds both).
+  /// the last one's).
   bool is_tied_chunk(int chunk) const {
-    return holds_tied_copy() && ((chunk == 0 && virtual_of(0) == 0) || is_last_virtual(chunk));
+    return holds_tied_copy() && (virtual_of(chunk) == 0 || is_last_virtual(chunk));
   }
-  /// With p > 1: the chunk holding this stage's copy of the tied embedding.
-  int tied_chunk() const { return virtual_of(0) == 0 ? 0 : ctx->v - 1; }
+  /// Unless tied_here: the chunk holding this stage's copy of the tied embedding.
+  int tied_chunk() const { return virtual_of(0) == 0 ? 0 : ctx->place(ctx->n_virtual - 1).second; }
+  /// Whether the backward of (micro-batch, chunk) leaves its weights' gradients to a W op:
+  /// the schedule's op says (dataflow: split_backward says for all).
+  bool splits(const std::pair<int, int>& k) const { return ctx->dataflow ? ctx->split_backward : split_keys.count(k) > 0; }
+  std::set<std::pair<int, int>> split_keys;  // fixed orders: the (mb, chunk) of split backwards
 };
 
 /// Megatron's deallocate_output_tensor: the output's data goes (the receiver holds its
@@ -255,7 +271,6 @@ class stage_logic {
     const key k{op.mb, op.chunk};
     const int x = s_.virtual_of(op.chunk);
     auto& slice = *s_.chunks[op.chunk];
-    const bool split = ctx.split_backward;
     trace_event ev{op_letter(op.kind), s_.replica, s_.stage, op.mb, op.chunk, s_.step, ctx.now_us(), 0};
     const int gpu_start = s_.gpu_clock ? s_.gpu_clock->mark() : -1;
     if (op.kind == op_kind::weight) {
@@ -269,7 +284,7 @@ class stage_logic {
       torch::Tensor out, loss;
       {
         precision_scope amp(ctx.device, ctx.compute_dtype);
-        if (split) slice.defer_weight_grads(&s_.deferred[k]);
+        if (s_.splits(k)) slice.defer_weight_grads(&s_.deferred[k]);
         out = slice.forward(in);
         slice.defer_weight_grads(nullptr);
         if (s_.is_last_virtual(op.chunk)) loss = slice.loss(out, s_.targets[op.mb]);
@@ -281,11 +296,11 @@ class stage_logic {
         s_.losses.emplace_back(op.mb, loss.detach());  // reported after the last op: no sync now
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
       } else {
-        auto [next, chunk] = s_.owner(x + 1);
+        const auto next = s_.owner(x + 1);
         // Activations travel in the compute dtype (bf16 jobs: half the bytes, as Megatron's
         // pipeline sends bf16); the receiver widens them to fp32.
-        send_tensor((x + 1) % ctx.p, next,
-                    forward_activation{s_.step, op.mb, chunk,
+        send_tensor(next.stage, next.actor,
+                    forward_activation{s_.step, op.mb, next.chunk,
                                        make_payload(out.detach().to(ctx.compute_dtype), ctx.cfg.checksum)},
                     "activation", op.mb, op.chunk);
         deallocate(out);
@@ -302,6 +317,7 @@ class stage_logic {
       s_.saved.erase(k);
       // The chunk's last op: its buckets go to the shard as this backward finishes them
       // (split backwards: after their W's, in chunk_done).
+      const bool split = s_.splits(k);
       if (!split && s_.chunk_ops_left.at(op.chunk) == 1) s_.watches.at(op.chunk)->arm();
       if (s_.is_last_virtual(op.chunk)) {
         sv.output.backward();
@@ -311,9 +327,9 @@ class stage_logic {
         torch::autograd::backward({sv.output}, {g.to(sv.output.scalar_type())});
       }
       if (x > 0) {
-        auto [prev, chunk] = s_.owner(x - 1);
-        send_tensor((x - 1) % ctx.p, prev,
-                    backward_grad{s_.step, op.mb, chunk,
+        const auto prev = s_.owner(x - 1);
+        send_tensor(prev.stage, prev.actor,
+                    backward_grad{s_.step, op.mb, prev.chunk,
                                   make_payload(sv.input.grad().to(ctx.compute_dtype), ctx.cfg.checksum)},
                     "gradient",
                     op.mb, op.chunk);
@@ -337,9 +353,9 @@ class stage_logic {
     const auto& ctx = *s_.ctx;
     s_.watches.at(chunk)->finish();
     if (!s_.is_tied_chunk(chunk)) return;
-    if (ctx.p == 1) return;  // both copies here (v > 1): summed once every op ran (after_backward)
+    if (s_.tied_here()) return;  // both copies here: summed once every op ran (after_backward)
     auto& mine = tied_slice().param(ctx.tied_name).mutable_grad();
-    const auto peer = s_.stage == 0 ? ctx.p - 1 : 0;
+    const auto peer = s_.tied_peer();
     send_tensor(peer, s_.wiring->stages[s_.replica][peer],
                 tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)}, "tied gradient", -1, -1);
     s_.tied_pending = true;
@@ -350,20 +366,19 @@ class stage_logic {
   void after_backward() {
     s_.running = false;
     const auto& ctx = *s_.ctx;
-    if (s_.holds_tied_copy() && ctx.p == 1) {  // both copies here (v > 1): sum locally, as the reference does
-      auto& first = s_.chunks.front()->param(ctx.tied_name).mutable_grad();
-      auto& last = s_.chunks.back()->param(ctx.tied_name).mutable_grad();
+    if (s_.holds_tied_copy() && s_.tied_here()) {  // both copies here: sum locally, as the reference does
+      auto& first = s_.chunks.at(ctx.place(0).second)->param(ctx.tied_name).mutable_grad();
+      auto& last = s_.chunks.at(ctx.place(ctx.n_virtual - 1).second)->param(ctx.tied_name).mutable_grad();
       {
         torch::NoGradGuard g;
         first.add_(last);
         last.copy_(first);
       }
-      send_held(0);
-      send_held(ctx.v - 1);
+      for (int c = 0; c < ctx.v; ++c) send_held(c);
     }
   }
 
-  model_slice& tied_slice() { return s_.stage == 0 ? *s_.chunks.front() : *s_.chunks.back(); }
+  model_slice& tied_slice() { return *s_.chunks.at(s_.tied_chunk()); }
 
   void on_tied(torch::Tensor other) {
     if (!s_.tied_pending) {  // our own tied chunk is not done yet: keep it for later
@@ -578,7 +593,7 @@ class stage_logic {
       return rep;
     }
     if (s_.tied_pending) {
-      wait("tied gradient", s_.ctx->stage_name(s_.replica, s_.stage == 0 ? s_.ctx->p - 1 : 0));
+      wait("tied gradient", s_.ctx->stage_name(s_.replica, s_.tied_peer()));
       return rep;
     }
     for (int c = 0; c < s_.ctx->v; ++c)
@@ -700,9 +715,10 @@ class stage_logic {
     ev.end_us = ctx.now_us();
     s_.eval_events.push_back(std::move(ev));
     if (!s_.is_last_virtual(msg.chunk)) {
-      auto [next, chunk] = s_.owner(x + 1);
-      send_to_stage((x + 1) % ctx.p, next,
-                    eval_activation{s_.step, msg.index, chunk, make_payload(out.to(ctx.compute_dtype), ctx.cfg.checksum)});
+      const auto next = s_.owner(x + 1);
+      send_to_stage(next.stage, next.actor,
+                    eval_activation{s_.step, msg.index, next.chunk,
+                                    make_payload(out.to(ctx.compute_dtype), ctx.cfg.checksum)});
       return;
     }
     s_.eval_outputs[msg.index] = out;
@@ -730,7 +746,7 @@ class stage_logic {
     eval_score score;
     {
       precision_scope amp(ctx.device, ctx.compute_dtype);
-      score = score_evaluation(*s_.chunks.back(), out->second, target->second, ctx.spec.type == model_spec::kind::decoder);
+      score = score_evaluation(*s_.chunks.at(ctx.place(ctx.n_virtual - 1).second), out->second, target->second, ctx.spec.type == model_spec::kind::decoder);
     }
     s_.eval_outputs.erase(out);
     s_.eval_targets.erase(target);
@@ -778,7 +794,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   st.name = ctx->stage_name(replica, stage);
   for (int c = 0; c < ctx->v; ++c) {
     // bf16 jobs: bf16 parameters (the initial ones rounded, as the all-gather rounds).
-    st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[c * ctx->p + stage], ctx->init, ctx->d, ctx->device,
+    st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device,
                                    ctx->compute_dtype));
     st.chunks.back()->set_recompute(parse_recompute(ctx->cfg.recompute));
     st.chunks.back()->set_aux_loss_scale(double(ctx->mbs) / ctx->cfg.global_batch);  // (experts)
@@ -791,6 +807,9 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     for (int c = 0; c < ctx->v; ++c)
       st.chunks[c]->set_params(from_rank_order(params.at(c), ctx->buckets_of(*st.chunks[c]), ctx->d));
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
+  if (st.order)
+    for (const auto& op : *st.order)
+      if (op.split) st.split_keys.insert({op.mb, op.chunk});
   // Ops per chunk: counted in the fixed order, or m F's and B's (and W's) each.
   st.chunk_ops.assign(ctx->v, (ctx->split_backward ? 3 : 2) * ctx->m);
   if (st.order) {

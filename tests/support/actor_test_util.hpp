@@ -66,7 +66,7 @@ struct layout {
 inline std::string name_of(const layout& l) {
   std::string k = l.schedule;
   if (k == "interleaved-1f1b") k = "interleaved";
-  if (k == "zero-bubble") k = "zero_bubble";  // gtest names: letters, digits, _
+  std::replace(k.begin(), k.end(), '-', '_');  // gtest names: letters, digits, _
   return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" + std::to_string(l.v) + "_" + k +
          (l.split_backward ? "_split" : "") + (l.bucket_size ? "_buckets" : "");
 }
@@ -97,6 +97,13 @@ inline std::map<std::pair<int, int>, std::vector<pipeline_op>> executed(const st
     out[{e->replica, e->stage}].push_back(
         {e->name == "F" ? op_kind::forward : e->name == "B" ? op_kind::backward : op_kind::weight, e->mb, e->chunk});
   return out;
+}
+
+/// A stage's order as the trace can show it: kind, micro-batch and chunk of each op (not
+/// whether a backward was split or an op paired).
+inline std::vector<pipeline_op> as_traced(std::vector<pipeline_op> ops) {
+  for (auto& op : ops) op.split = op.paired = false;
+  return ops;
 }
 
 }  // namespace troupe::actor_test
