@@ -57,6 +57,52 @@ assert abs(d["bubble"] - 3 / 27) < 1e-9, d["bubble"]  # (p-1)/(3m+p-1) with B = 
 assert d["peak_activations"] == [4, 4, 4, 4], d
 print("ok   schedule-zero-bubble-content")
 PY
+# The V kinds and the overlapped pairs: table, JSON flags, the drawing (one block per op
+# and row), the bad layouts' one-line errors.
+check schedule-dualpipev 0 "$troupe" schedule --kind dualpipev --stages 2 --microbatches 4
+expect_in schedule-dualpipev-row "$out" "stage 1 | F0.0 F0.1 F1.0 F1.1 F2.0 B0.1 F2.1&B0.0 F3.0&B1.1"
+check schedule-dualpipev-json 0 "$troupe" schedule --kind dualpipev --stages 2 --microbatches 4 --format json --pair-cost 2.5 --weight-cost 1
+/usr/bin/python3 - "$out" <<'PY' || fail=1
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["chunks"] == 2 and len(d["idle"]) == 2, d
+pairs = sum(1 for row in d["ranks"] for o in row if o.get("paired"))
+assert pairs == 6, pairs  # rank 0: 3, rank 1: 3
+assert abs(max(d["idle"]) - (2 - 1) * (2.5 + 2 - 3 * 1)) < 1e-9, d["idle"]  # (PP/2-1)(F&B+B-3W)
+print("ok   schedule-dualpipev-json-content")
+PY
+check schedule-svg 0 "$troupe" schedule --kind zbv --stages 4 --microbatches 8 --format svg
+/usr/bin/python3 - "$out" <<'PY' || fail=1
+import re, sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+rows = {}
+for r in root.iter("{http://www.w3.org/2000/svg}rect"):
+    if r.get("class") == "op":
+        rows[r.get("data-row")] = rows.get(r.get("data-row"), 0) + 1
+assert rows == {"0": 48, "1": 48, "2": 48, "3": 48}, rows  # 8 micro-batches x 2 chunks x F, B, W
+print("ok   schedule-svg-content")
+PY
+check dualpipev-few-microbatches 2 "$troupe" schedule --kind dualpipev --stages 4 --microbatches 6
+expect_in dualpipev-few-microbatches-msg "$err" "dualpipev needs at least 2p = 8 micro-batches on 4 stages (got 6)"
+check train-dualpipev-one-chunk 2 "$troupe" train --schedule dualpipev --pipeline 2 --microbatches 4
+expect_in train-dualpipev-one-chunk-msg "$err" "set chunks = 2"
+check train-combined-one-chunk 2 "$troupe" train --schedule combined-1f1b --pipeline 2 --microbatches 4
+expect_in train-combined-one-chunk-msg "$err" "needs at least 2 virtual chunks"
+# A run's trace drawn: one block per op the schedule gave each stage.
+check train-dualpipev-trace 0 "$troupe" train --steps 2 --threads 1 --pipeline 2 --chunks 2 --microbatches 4 \
+  --schedule dualpipev --eval-interval 0 --trace "$tmp/dpv-trace.json"
+check trace-svg 0 "$troupe" trace-svg "$tmp/dpv-trace.json" -o "$tmp/dpv.svg"
+/usr/bin/python3 - "$tmp/dpv.svg" <<'PY' || fail=1
+import sys, xml.etree.ElementTree as ET
+rows = {}
+for r in ET.parse(sys.argv[1]).getroot().iter("{http://www.w3.org/2000/svg}rect"):
+    if r.get("class") == "op":
+        rows[r.get("data-row")] = rows.get(r.get("data-row"), 0) + 1
+assert rows == {"0": 19, "1": 18}, rows  # dualpipev's ops per rank at p = 2, m = 4
+print("ok   trace-svg-content")
+PY
+check trace-svg-no-step 2 "$troupe" trace-svg "$tmp/dpv-trace.json" --step 9
+expect_in trace-svg-no-step-msg "$err" "no compute events of step 9"
 check schedule-weight-cost 2 "$troupe" schedule --kind zero-bubble --stages 2 --microbatches 4 --weight-cost 5
 expect_in schedule-weight-cost-msg "$err" "exceeds the backward's (2)"
 check train-zero-bubble-chunks 2 "$troupe" train --schedule zero-bubble --chunks 2 --pipeline 2
