@@ -41,6 +41,11 @@ const char* dtype_name(torch::ScalarType t) {
   }
 }
 
+/// config.json's model_type for the model: gpt2, llama, or mixtral (llama with experts).
+std::string hf_model_type(const model_spec& spec) {
+  return !spec.is_llama() ? "gpt2" : spec.decoder.n_experts > 0 ? "mixtral" : "llama";
+}
+
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
   if (!in) throw checkpoint_error("cannot read " + path.string());
@@ -56,12 +61,13 @@ nlohmann::json read_json(const fs::path& path) {
 void check_config(const std::string& dir, const nlohmann::json& c, const model_spec& spec) {
   const auto& g = spec.decoder;
   const std::string type = c.value("model_type", std::string("(none)"));
-  const std::string want = spec.is_llama() ? "llama" : "gpt2";
+  const std::string want = hf_model_type(spec);
   if (type != want)
     throw checkpoint_error("Hugging Face folder " + dir + " holds a " + type + " model (config.json model_type); the job's model is " +
                            want + (type == "llama" ? ": give --workload llama-tiny (or --architecture llama and its shape)"
                                    : type == "gpt2" ? ": give --workload gpt-tiny (or --architecture gpt2 and its shape)"
-                                                    : ""));
+                                   : type == "mixtral" ? ": give --workload moe-tiny (or llama with its experts)"
+                                                       : ""));
   std::vector<std::string> differ;
   auto number = [&](const char* key, double fallback) {
     const auto it = c.find(key);
@@ -94,7 +100,13 @@ void check_config(const std::string& dir, const nlohmann::json& c, const model_s
                      (g.tie_embeddings ? "true" : "false") + ")");
   if (spec.is_llama()) {
     same_int("hidden_size", -1, g.d_model, "d_model");
-    same_int("intermediate_size", -1, g.d_ff, "d_ff");
+    if (g.n_experts > 0) {  // Mixtral: every block's MLP is the experts
+      same_int("intermediate_size", -1, g.expert_d_ff(), "moe_d_ff");
+      same_int("num_local_experts", 8, g.n_experts, "experts");
+      same_int("num_experts_per_tok", 2, g.moe_top_k, "moe_top_k");
+    } else {
+      same_int("intermediate_size", -1, g.d_ff, "d_ff");
+    }
     same_int("num_hidden_layers", -1, g.n_layer, "layers");
     same_int("num_attention_heads", -1, g.n_head, "heads");
     same_int("num_key_value_heads", number("num_attention_heads", -1), g.kv_heads(), "kv_heads");
@@ -174,11 +186,20 @@ nlohmann::ordered_json hf_config(const model_spec& spec, const hf_export_options
   const std::int64_t vocab = opts.vocab > 0 ? opts.vocab : g.vocab_used > 0 ? g.vocab_used : g.vocab;
   nlohmann::ordered_json c;
   if (spec.is_llama()) {
-    c["architectures"] = {"LlamaForCausalLM"};
-    c["model_type"] = "llama";
+    const bool mixtral = g.n_experts > 0;
+    c["architectures"] = {mixtral ? "MixtralForCausalLM" : "LlamaForCausalLM"};
+    c["model_type"] = hf_model_type(spec);
     c["vocab_size"] = vocab;
     c["hidden_size"] = g.d_model;
-    c["intermediate_size"] = g.d_ff;
+    c["intermediate_size"] = mixtral ? g.expert_d_ff() : g.d_ff;
+    if (mixtral) {
+      c["num_local_experts"] = g.n_experts;
+      c["num_experts_per_tok"] = g.moe_top_k;
+      c["router_aux_loss_coef"] = g.moe_aux_coeff;
+      c["output_router_logits"] = false;
+      c["router_jitter_noise"] = 0.0;
+      c["sliding_window"] = nullptr;
+    }
     c["num_hidden_layers"] = g.n_layer;
     c["num_attention_heads"] = g.n_head;
     c["num_key_value_heads"] = g.kv_heads();
@@ -222,9 +243,10 @@ nlohmann::ordered_json hf_config(const model_spec& spec, const hf_export_options
 std::size_t export_hf_folder(const std::string& dir, const model_spec& spec, const state_dict& state,
                              const hf_export_options& opts) {
   check_state(spec, state);
-  if (spec.decoder.n_experts > 0)
-    throw checkpoint_error("Hugging Face folder " + dir + ": a model with experts would be a Mixtral folder, which "
-                           "export does not write yet (the checkpoint's state_dict has Mixtral's names)");
+  if (spec.decoder.n_experts > 0 && spec.decoder.moe_every != 1)
+    throw checkpoint_error("Hugging Face folder " + dir + ": a Mixtral folder makes every block's MLP experts; this "
+                           "model has experts in every " + std::to_string(spec.decoder.moe_every) +
+                           "th block only (moe_every), which Hugging Face's Mixtral cannot load");
   const auto config = hf_config(spec, opts);
   const std::int64_t vocab = config.at("vocab_size").get<std::int64_t>();
   if (vocab > spec.decoder.vocab)
@@ -256,8 +278,9 @@ bool is_hf_folder(const std::string& dir) {
 state_dict read_hf_folder(const std::string& dir, const model_spec& spec) {
   if (spec.type != model_spec::kind::decoder)
     throw checkpoint_error("Hugging Face folder " + dir + ": only the decoder workloads read them");
-  if (spec.decoder.n_experts > 0)
-    throw checkpoint_error("Hugging Face folder " + dir + ": Mixtral folders (experts) are not read yet");
+  if (spec.decoder.n_experts > 0 && spec.decoder.moe_every != 1)
+    throw checkpoint_error("Hugging Face folder " + dir + ": a Mixtral folder has experts in every block; the job's "
+                           "model has them in every " + std::to_string(spec.decoder.moe_every) + "th (moe_every)");
   const fs::path p(dir);
   if (!fs::exists(p / "config.json")) throw checkpoint_error("Hugging Face folder " + dir + " has no config.json");
   const auto config = read_json(p / "config.json");

@@ -1,5 +1,5 @@
 // The real client: transformers' from_pretrained loads the folders `troupe export`
-// writes, unchanged (LlamaForCausalLM, GPT2LMHeadModel), and its logits equal Troupe's
+// writes, unchanged (LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel), and its logits equal Troupe's
 // forward within 1e-4. The clients live in a virtual environment the test makes once per
 // build folder (tests/support/python/hf_venv.sh, pinned versions, wheels from pip's
 // cache); where Python's package registry cannot be reached, the test is skipped.
@@ -84,6 +84,10 @@ TEST(HuggingFaceClient, TransformersLoadsExportedFoldersWithTheSameLogits) {
   auto g = test::gpt_config(1);  // gpt-tiny: GPT2LMHeadModel, Conv1D weights, tied, exact GELU
   g.layers = 3;
   expect_transformers_agree(g);
+  auto m = test::gpt_config(1);  // moe-tiny: MixtralForCausalLM, top-2 of 4 experts in every block
+  m.workload = "moe-tiny";
+  m.layers = 2;
+  expect_transformers_agree(m);
 }
 
 }  // namespace troupe

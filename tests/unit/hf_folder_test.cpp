@@ -58,8 +58,8 @@ void write_config(const std::string& dir, const nlohmann::json& c) {
 
 }  // namespace
 
-TEST(HuggingFaceFolder, ExportThenReadIsBitIdenticalForBothFamilies) {
-  for (const std::string workload : {"gpt-tiny", "llama-tiny"}) {
+TEST(HuggingFaceFolder, ExportThenReadIsBitIdenticalForEveryFamily) {
+  for (const std::string workload : {"gpt-tiny", "llama-tiny", "moe-tiny"}) {
     test::temp_dir dir;
     const auto spec = small(workload);
     const auto state = initial_state(spec, 7);
@@ -109,6 +109,29 @@ TEST(HuggingFaceFolder, NamesLayoutAndConfigAreHuggingFaces) {
   const auto names = read_safetensors(dir / "llama/model.safetensors");
   EXPECT_EQ(names.front().first, "model.embed_tokens.weight");
   EXPECT_EQ(names.back().first, "lm_head.weight");
+  // Experts: a Mixtral folder (its names are the state_dict's), and a job without the
+  // same experts is told what differs.
+  const auto moe = small("moe-tiny");
+  export_hf_folder(dir / "mixtral", moe, initial_state(moe, 7));
+  const auto m = config_of(dir / "mixtral");
+  EXPECT_EQ(m.at("architectures"), nlohmann::json({"MixtralForCausalLM"}));
+  EXPECT_EQ(m.at("model_type"), "mixtral");
+  EXPECT_EQ(m.at("num_local_experts"), 4);
+  EXPECT_EQ(m.at("num_experts_per_tok"), 2);
+  EXPECT_EQ(m.at("intermediate_size"), moe.decoder.expert_d_ff());
+  bool gate = false;
+  for (const auto& [name, t] : read_safetensors(dir / "mixtral/model.safetensors"))
+    gate = gate || name == "model.layers.1.block_sparse_moe.gate.weight";
+  EXPECT_TRUE(gate);
+  auto other = moe;
+  other.decoder.moe_top_k = 1;
+  EXPECT_NE(error_of(dir / "mixtral", other).find("num_experts_per_tok 2 (the job's moe_top_k 1)"), std::string::npos)
+      << error_of(dir / "mixtral", other);
+  EXPECT_NE(error_of(dir / "mixtral", llama).find("holds a mixtral model"), std::string::npos)
+      << error_of(dir / "mixtral", llama);
+  auto every_other = moe;
+  every_other.decoder.moe_every = 2;
+  EXPECT_THROW(export_hf_folder(dir / "mixed", every_other, initial_state(every_other, 7)), checkpoint_error);
 }
 
 // Shards listed by model.safetensors.index.json, as save_pretrained writes large models.
