@@ -8,6 +8,13 @@ namespace troupe {
 
 namespace {
 
+/// Elements per row along dim 0 (a 1-D tensor: 1).
+std::int64_t row_elements(const torch::Tensor& t) {
+  std::int64_t n = 1;
+  for (std::int64_t i = 1; i < t.dim(); ++i) n *= t.size(i);
+  return n;
+}
+
 class communicator_group final : public collective_group {
  public:
   communicator_group(std::shared_ptr<transport::communicator> comm, std::shared_ptr<collective_traffic> traffic)
@@ -24,6 +31,20 @@ class communicator_group final : public collective_group {
   void reduce_scatter(const torch::Tensor& in, torch::Tensor out) override {
     run(&collective_traffic::reduce_scatter, in.numel(),
           [&] { return comm_->reduce_scatter(in.view({-1}), out.view({-1})); });
+  }
+  torch::Tensor all_to_all(const torch::Tensor& in, const std::vector<std::int64_t>& send_rows,
+                           const std::vector<std::int64_t>& recv_rows) override {
+    std::int64_t rows = 0;
+    for (auto r : recv_rows) rows += r;
+    auto shape = in.sizes().vec();
+    shape.at(0) = rows;
+    auto out = torch::empty(shape, in.options());
+    std::vector<std::int64_t> send(send_rows), recv(recv_rows);  // in elements
+    for (auto& c : send) c *= row_elements(in);
+    for (auto& c : recv) c *= row_elements(in);
+    run(&collective_traffic::all_to_all, out.numel(),
+        [&] { return comm_->all_to_all(in.contiguous().view({-1}), send, out.view({-1}), recv); });
+    return out;
   }
   void abort(const std::string& why) override { comm_->abort(why); }
 

@@ -15,6 +15,7 @@ struct collective_traffic {
   std::atomic<std::int64_t> all_reduce{0};      ///< elements all-reduced (each rank's tensor)
   std::atomic<std::int64_t> all_gather{0};      ///< elements all-gathered (each rank's output)
   std::atomic<std::int64_t> reduce_scatter{0};  ///< elements reduce-scattered (each rank's input)
+  std::atomic<std::int64_t> all_to_all{0};      ///< elements all-to-all'ed (each rank's output)
   std::atomic<std::int64_t> calls{0};
   std::atomic<std::int64_t> wait_ns{0};         ///< time the ranks spent in collectives
   /// Bytes a ring moves out of each rank for these (fp32): 2 (T-1)/T of an all-reduce's,

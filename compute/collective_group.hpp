@@ -1,6 +1,6 @@
 #pragma once
-// What compute/ needs of a group of ranks that compute together (a tensor-parallel group):
-// three blocking collectives. compute/ knows no transport: whoever composes the layers
+// What compute/ needs of a group of ranks that compute together (a tensor-parallel or an
+// expert-parallel group): four blocking collectives. compute/ knows no transport: whoever composes the layers
 // gives them a group (actors/tp_groups.hpp: transport communicators as groups).
 #include <functional>
 #include <memory>
@@ -28,6 +28,12 @@ class collective_group {
   /// `out` (contiguous, 1/size() of `in`'s elements) = this rank's piece of the sum of
   /// every rank's `in` (piece i: elements [i n/size, (i+1) n/size)).
   virtual void reduce_scatter(const torch::Tensor& in, torch::Tensor out) = 0;
+  /// All-to-all with per-rank sizes along dim 0: `in` holds send_rows[0] rows for rank 0,
+  /// then send_rows[1] for rank 1, ...; returns recv_rows[s] rows from each rank s in rank
+  /// order (the rows' other dimensions and dtype are `in`'s). Rank r's send_rows[q] must
+  /// be rank q's recv_rows[r]. Zero rows move nothing.
+  virtual torch::Tensor all_to_all(const torch::Tensor& in, const std::vector<std::int64_t>& send_rows,
+                                   const std::vector<std::int64_t>& recv_rows) = 0;
   /// Fails the collectives every rank waits in, and the later ones, with `why` (a rank
   /// that failed: the others would wait for it forever).
   virtual void abort(const std::string& why) = 0;
@@ -39,6 +45,17 @@ struct tensor_parallel {
   int rank = 0;
   int size = 1;
   bool sequence = false;                    ///< sequence parallelism
+  std::shared_ptr<collective_group> group;  ///< size > 1: the group's member of this rank
+  bool active() const { return size > 1; }
+};
+
+/// A model slice's place in its expert-parallel group (size 1: every expert here). Rank r
+/// of EP computes experts [r E/EP, (r+1) E/EP) for the tokens of all the group's ranks:
+/// each rank routes its own tokens, sends each to its expert's rank and gets the results
+/// back (compute/expert_parallel.hpp).
+struct expert_parallel {
+  int rank = 0;
+  int size = 1;
   std::shared_ptr<collective_group> group;  ///< size > 1: the group's member of this rank
   bool active() const { return size > 1; }
 };

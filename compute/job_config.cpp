@@ -226,6 +226,10 @@ const std::vector<key_def>& key_defs() {
               "ranks each decoder layer is split over (Megatron's tensor parallelism: heads, MLP width and "
               "vocabulary; the local runtime for now)",
               &job_config::tensor_parallel, 1, 1024),
+      int_key("parallel.expert_parallel",
+              "ranks each expert layer's experts are spread over (expert parallelism: an all-to-all sends each "
+              "token to its experts' rank); divides data_parallel and the experts; the local runtime for now",
+              &job_config::expert_parallel, 1, 1024),
       bool_key("parallel.sequence_parallel",
                "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
                "(all-gather and reduce-scatter instead of all-reduce)",
@@ -497,6 +501,22 @@ void job_config::validate() const {
            ": the experts' own parallelism (expert parallelism) is not built yet; use tensor_parallel 1");
     if (g.vocab_used > g.vocab)
       fail("vocab " + std::to_string(g.vocab) + " is below the tokenizer's " + std::to_string(g.vocab_used) + " pieces");
+  }
+  if (expert_parallel > 1) {
+    const auto& g = model().decoder;
+    const std::string ep = "expert_parallel " + std::to_string(expert_parallel);
+    if (model().type != model_spec::kind::decoder || g.n_experts == 0)
+      fail(ep + ": the model has no experts (--workload moe-tiny, or --experts N)");
+    if (g.n_experts % expert_parallel != 0)
+      fail(ep + ": the " + std::to_string(g.n_experts) + " experts do not split over " +
+           std::to_string(expert_parallel) + " ranks (expert_parallel must divide the experts)");
+    if (data_parallel % expert_parallel != 0)
+      fail(ep + " does not divide data_parallel " + std::to_string(data_parallel) +
+           ": an expert-parallel group is expert_parallel data-parallel replicas (Megatron's folding: EP divides "
+           "DP x TP, and TP is 1 with experts for now)");
+    if (runtime != "local")
+      fail(ep + " runs in the local runtime for now (train.runtime = \"local\", --runtime local): the actor "
+           "runtime's all-to-all between stage actors is not built yet");
   }
   if (tensor_parallel > 1) {
     try {

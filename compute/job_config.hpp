@@ -59,9 +59,10 @@ struct job_config {
   int data_parallel = 1;
   int tensor_parallel = 1;            ///< ranks each layer is split over (Megatron's tensor parallelism)
   bool sequence_parallel = false;     ///< tensor_parallel > 1: norms and residuals hold 1/T of the sequence
+  int expert_parallel = 1;            ///< ranks each expert layer's experts are spread over (divides data_parallel)
   int microbatches = 8;               ///< per replica per step
   int chunks = 1;
-  std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | zero-bubble | dataflow
+  std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | zero-bubble | combined-1f1b | zbv | dualpipev | dataflow
   int max_in_flight = 0;              ///< dataflow: micro-batches in flight per stage (0: p)
   bool split_backward = false;        ///< dataflow: backward split into B and W, a W run when nothing else
                                       ///< can and it is due (zero-bubble always splits)
@@ -130,12 +131,15 @@ struct job_config {
     return (precision != "fp32" ? ", " + precision : "") + (recompute != "none" ? ", recompute " + recompute : "") +
            (deterministic ? ", deterministic" : "");
   }
-  /// For the start-of-training log line: "tensor-parallel 2 (sequence parallel) x " (empty
-  /// without tensor parallelism).
-  std::string tensor_parallel_label() const {
-    if (tensor_parallel == 1) return "";
-    return "tensor-parallel " + std::to_string(tensor_parallel) + (sequence_parallel ? " (sequence parallel)" : "") +
-           " x ";
+  /// For the start-of-training log line: "tensor-parallel 2 (sequence parallel) x " and/or
+  /// "expert-parallel 2 x " (empty without either).
+  std::string model_parallel_label() const {
+    std::string out;
+    if (tensor_parallel > 1)
+      out = "tensor-parallel " + std::to_string(tensor_parallel) + (sequence_parallel ? " (sequence parallel)" : "") +
+            " x ";
+    if (expert_parallel > 1) out += "expert-parallel " + std::to_string(expert_parallel) + " x ";
+    return out;
   }
   /// For the start-of-training log line: "1f1b", "dataflow, split backward".
   std::string schedule_label() const {

@@ -7,6 +7,7 @@
 #include <torch/nn/functional.h>
 
 #include "compute/device.hpp"
+#include "compute/expert_parallel.hpp"
 #include "compute/tensor_parallel.hpp"
 
 #include <atomic>
@@ -788,19 +789,7 @@ class decoder_slice final : public model_slice {
                             .narrow(1, 0, k);  // (N, k)
     const auto picked = probs.gather(1, chosen);
     const auto weights = picked / picked.sum(1, /*keepdim=*/true);  // (N, k), fp32
-    torch::Tensor out = torch::zeros_like(x);
-    for (std::int64_t e = 0; e < E; ++e) {
-      const auto hit = chosen.eq(e);  // (N, k)
-      const auto rows = hit.any(1).nonzero().squeeze(1);
-      if (rows.numel() == 0) continue;  // no token for this expert: no gradient either
-      const std::string w = p + "experts." + std::to_string(e) + ".";
-      const auto xe = x.index_select(0, rows);
-      const auto ye = projection(torch::silu(projection(xe, w + "w1")) * projection(xe, w + "w3"), w + "w2");
-      const auto we = (weights * hit.to(weights.scalar_type())).sum(1).index_select(0, rows);
-      // (Summed in the block's activation dtype, as Hugging Face's Mixtral does: under bf16
-      // autocast the experts compute in bf16, their weighted outputs add up in fp32.)
-      out = out.index_add(0, rows, (ye * we.unsqueeze(1).to(ye.scalar_type())).to(out.scalar_type()));
-    }
+    torch::Tensor out = ep_.active() ? parallel_experts(x, chosen, weights, p) : local_experts(x, chosen, weights, p);
     out = out.view({B, T, d});
     // A training forward counts its load-balancing loss once (not when a full recompute
     // runs the block again) and back-propagates it where a graph is built.
@@ -817,6 +806,55 @@ class decoder_slice final : public model_slice {
       aux_sum_ = aux_sum_.defined() ? aux_sum_ + counted : counted;
     }
     return graph ? add_aux_loss::apply(out, aux, aux_scale_) : out;
+  }
+
+  /// Expert e of the layer named `p`: w2(silu(w1(x)) * w3(x)).
+  torch::Tensor expert(const torch::Tensor& x, const std::string& p, std::int64_t e) {
+    const std::string w = p + "experts." + std::to_string(e) + ".";
+    return projection(torch::silu(projection(x, w + "w1")) * projection(x, w + "w3"), w + "w2");
+  }
+
+  /// Every expert here, each on the tokens that chose it, summed into the tokens' rows in
+  /// expert order.
+  torch::Tensor local_experts(const torch::Tensor& x, const torch::Tensor& chosen, const torch::Tensor& weights,
+                              const std::string& p) {
+    torch::Tensor out = torch::zeros_like(x);
+    for (std::int64_t e = 0; e < cfg_.n_experts; ++e) {
+      const auto hit = chosen.eq(e);  // (N, k)
+      const auto rows = hit.any(1).nonzero().squeeze(1);
+      if (rows.numel() == 0) continue;  // no token for this expert: no gradient either
+      const auto ye = expert(x.index_select(0, rows), p, e);
+      const auto we = (weights * hit.to(weights.scalar_type())).sum(1).index_select(0, rows);
+      // (Summed in the block's activation dtype, as Hugging Face's Mixtral does: under bf16
+      // autocast the experts compute in bf16, their weighted outputs add up in fp32.)
+      out = out.index_add(0, rows, (ye * we.unsqueeze(1).to(ye.scalar_type())).to(out.scalar_type()));
+    }
+    return out;
+  }
+
+  /// Expert parallelism (compute/expert_parallel.hpp): this rank's tokens' (token, choice)
+  /// pairs go to their experts' ranks, this rank's experts run on what came, the results
+  /// go back; each token sums its choices in expert order, as the loop above does.
+  torch::Tensor parallel_experts(const torch::Tensor& x, const torch::Tensor& chosen, const torch::Tensor& weights,
+                                 const std::string& p) {
+    auto& g = *ep_.group;
+    const std::int64_t k = chosen.size(1), local = cfg_.n_experts / g.size(), first = local * g.rank();
+    const auto plan = ep::plan_dispatch(chosen, cfg_.n_experts, g);
+    const auto token = plan.order.div(k, "floor").to(x.device());  // each sorted pair's token
+    const auto received = ep::all_to_all(x.index_select(0, token), g, plan.send_rows, plan.recv_rows);
+    // Every received row is some local expert's, so each is overwritten below; starting
+    // from the rows times 0 keeps both all-to-alls in the graph on every rank, also on one
+    // whose experts got no row (its backward must still take part in theirs).
+    torch::Tensor results = received.mul(0);
+    for (std::int64_t j = 0; j < local; ++j) {
+      const auto rows = plan.rows_of_expert[std::size_t(j)].to(x.device());
+      if (rows.numel() == 0) continue;  // no token for this expert: no gradient either
+      const auto ye = expert(received.index_select(0, rows), p, first + j);
+      results = results.index_copy(0, rows, ye.to(results.scalar_type()));
+    }
+    const auto back = ep::all_to_all(results, g, plan.recv_rows, plan.send_rows);  // in the sorted pairs' order
+    const auto we = weights.reshape({-1}).index_select(0, plan.order.to(x.device()));
+    return torch::zeros_like(x).index_add(0, token, back * we.unsqueeze(1).to(back.scalar_type()));
   }
 
   decoder_config cfg_;

@@ -282,6 +282,11 @@ class model_slice {
   /// weight its micro-batch's loss gets (micro-batch size / global batch), as Megatron's
   /// MoEAuxLossAutoScaler does: the gradient enters at the block's output.
   void set_aux_loss_scale(double scale) { aux_scale_ = scale; }
+  /// Expert parallelism: this slice computes only rank `ep.rank`'s experts (E/EP of each
+  /// expert layer), for the tokens of every rank of the group, whose other members run
+  /// the same forwards and backwards in the same order (compute/expert_parallel.hpp). The
+  /// slice still holds every expert's parameters; the other ranks' get no gradient here.
+  void set_expert_parallel(expert_parallel ep) { ep_ = std::move(ep); }
   /// The load-balancing loss those forwards added, times the scale (summed over blocks and
   /// forwards), and zeroes it: after a step's forwards, the step's auxiliary loss (for
   /// the log; 0 without experts).
@@ -292,6 +297,7 @@ class model_slice {
   torch::Tensor linear_layer(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
   weight_grad_store* defer_ = nullptr;
   double aux_scale_ = 1.0;
+  expert_parallel ep_;
   torch::Tensor aux_sum_;  ///< take_aux_loss's, undefined when nothing was added
 
   /// Lays out `names` (taken from `state`) into the flat buffers.

@@ -172,16 +172,22 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
   check_state(spec_, *init);
   const int d = cfg.data_parallel;
   tp_ = cfg.tensor_parallel;
-  if (tp_ > 1 && !groups)
-    throw config_error("tensor_parallel " + std::to_string(tp_) + ": this loop was given no tensor-parallel groups");
+  ep_ = cfg.expert_parallel;
+  if ((tp_ > 1 || ep_ > 1) && !groups)
+    throw config_error("tensor_parallel " + std::to_string(tp_) + ", expert_parallel " + std::to_string(ep_) +
+                       ": this loop was given no groups to compute in");
   for (int r = 0; r < d; ++r) {
     if (tp_ > 1) groups_.push_back(groups(tp_));
+    if (ep_ > 1 && r % ep_ == 0) ep_groups_.push_back(groups(ep_));  // replicas r .. r + ep_ - 1
     for (int t = 0; t < tp_; ++t) {
       const tensor_parallel tp{t, tp_, cfg.sequence_parallel, tp_ > 1 ? groups_.back().at(std::size_t(t)) : nullptr};
       replicas_.push_back(
           std::make_unique<local_pipeline>(spec_, *init, cfg.pipeline, cfg.chunks, cfg.split, d, torch::kCPU, tp));
-      for (int x = 0; x < replicas_.back()->virtual_stages(); ++x)
-        replicas_.back()->slice(x).set_recompute(parse_recompute(cfg.recompute));
+      for (int x = 0; x < replicas_.back()->virtual_stages(); ++x) {
+        auto& slice = replicas_.back()->slice(x);
+        slice.set_recompute(parse_recompute(cfg.recompute));
+        if (ep_ > 1) slice.set_expert_parallel({r % ep_, ep_, ep_groups_.back().at(std::size_t(r % ep_))});
+      }
     }
   }
   // One distributed optimizer per (virtual stage, tensor-parallel rank), sharded over the
@@ -210,21 +216,26 @@ step_stats local_trainer::step() {
   const int d = cfg_.data_parallel, m = cfg_.microbatches, mbs = cfg_.microbatch_size();
   const double weight = double(mbs) / cfg_.global_batch;  // each micro-batch's share
   // Forward and backward of every replica, in schedule order (each tensor-parallel rank's
-  // pipeline on a thread of its own: they meet in the collectives).
-  for (int r = 0; r < d; ++r) {
-    std::vector<batch> mb;
-    for (int k = 0; k < m; ++k) mb.push_back(data_.samples(next_step_, r * m * mbs + k * mbs, mbs));
-    std::vector<double> losses;
-    double aux = 0;
-    on_every_rank(r, [&](int t) {
-      auto l = replica(r, t).run_step(sched_, mb, weight);
+  // pipeline, and each replica of an expert-parallel group, on a thread of its own: they
+  // meet in the collectives).
+  for (int first = 0; first < d; first += ep_) {
+    std::vector<std::vector<batch>> mb(static_cast<std::size_t>(ep_));
+    for (int r = first; r < first + ep_; ++r)
+      for (int k = 0; k < m; ++k) mb[std::size_t(r - first)].push_back(data_.samples(next_step_, r * m * mbs + k * mbs, mbs));
+    std::vector<std::vector<double>> losses(static_cast<std::size_t>(ep_));
+    std::vector<double> aux(static_cast<std::size_t>(ep_), 0.0);
+    together(first, ep_, [&](int r, int t) {
+      const auto i = std::size_t(r - first);
+      auto l = replica(r, t).run_step(sched_, mb[i], weight);
       replica(r, t).sum_tied_grads();
       const double a = replica(r, t).take_aux_loss();
-      if (t == 0) losses = l, aux = a;  // (every rank computed the same losses)
+      if (t == 0) losses[i] = l, aux[i] = a;  // (every rank computed the same losses)
     });
-    st.aux_loss += aux;
-    for (double l : losses) st.loss += l * weight;
-    if (cfg_.sequence_parallel) sum_replicated_grads(r);
+    for (std::size_t i = 0; i < losses.size(); ++i) {
+      st.aux_loss += aux[i];
+      for (double l : losses[i]) st.loss += l * weight;
+      if (cfg_.sequence_parallel) sum_replicated_grads(first + int(i));
+    }
   }
   torch::NoGradGuard no_grad;
   // Reduce-scatter: each shard receives the sum over replicas of its range (rank order).
@@ -313,22 +324,31 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
   return combine_evaluation(scores, set, text, step);
 }
 
-void local_trainer::on_every_rank(int replica, const std::function<void(int tp)>& fn) {
-  if (tp_ == 1) return fn(0);
-  std::vector<std::exception_ptr> failed(static_cast<std::size_t>(tp_));
+void local_trainer::together(int first, int count, const std::function<void(int replica, int tp)>& fn) {
+  const int n = count * tp_;
+  if (n == 1) return fn(first, 0);
+  std::vector<std::exception_ptr> failed(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;
   // The ranks share this process's intra-op threads (each rank's OpenMP team would
   // otherwise be as large as the whole, and the teams spin against each other).
-  const int threads_before = torch::get_num_threads(), each = std::max(1, threads_before / tp_);
-  for (int t = 0; t < tp_; ++t)
-    threads.emplace_back([&, t] {
+  const int threads_before = torch::get_num_threads(), each = std::max(1, threads_before / n);
+  auto abort_all = [&](const std::string& why) {
+    for (int r = first; r < first + count; ++r)
+      if (tp_ > 1)
+        for (auto& member : groups_.at(std::size_t(r))) member->abort(why);
+    if (ep_ > 1)
+      for (auto& member : ep_groups_.at(std::size_t(first / ep_))) member->abort(why);
+  };
+  for (int i = 0; i < n; ++i)
+    threads.emplace_back([&, i] {
+      const int r = first + i / tp_, t = i % tp_;
       torch::set_num_threads(each);
       try {
-        fn(t);
+        fn(r, t);
       } catch (const std::exception& e) {
-        failed[std::size_t(t)] = std::current_exception();
-        for (auto& member : groups_.at(std::size_t(replica)))
-          member->abort("tensor-parallel rank " + std::to_string(t) + " failed: " + e.what());
+        failed[std::size_t(i)] = std::current_exception();
+        abort_all("replica " + std::to_string(r) + (tp_ > 1 ? " tensor-parallel rank " + std::to_string(t) : "") +
+                  " failed: " + e.what());
       }
     });
   for (auto& th : threads) th.join();
@@ -351,10 +371,13 @@ void local_trainer::sum_replicated_grads(int r) {
 
 evaluation local_trainer::evaluate() {
   const auto set = data_.evaluation_set();
-  std::vector<evaluation> by_rank(static_cast<std::size_t>(tp_));
-  on_every_rank(0, [&](int t) {
-    by_rank[std::size_t(t)] = evaluate_model(replica(0, t), set, spec_.type == model_spec::kind::decoder,
-                                             t == 0 ? next_step_ : 0, cfg_.eval_tokens);
+  // Every rank of replica 0's groups takes part (an expert-parallel group's replicas each
+  // evaluate the same set: their experts serve each other's tokens); replica 0's rank 0
+  // reports.
+  std::vector<evaluation> by_rank(static_cast<std::size_t>(tp_ * ep_));
+  together(0, ep_, [&](int r, int t) {
+    by_rank[std::size_t(r * tp_ + t)] = evaluate_model(replica(r, t), set, spec_.type == model_spec::kind::decoder,
+                                                       r == 0 && t == 0 ? next_step_ : 0, cfg_.eval_tokens);
   });
   return by_rank.front();
 }
@@ -522,7 +545,7 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
     throw config_error(std::string("invalid configuration: ") + e.what());
   }
   spdlog::info("training {}{} for {} steps: {}pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
-               "{} threads on the CPU{}", cfg.model_label(), cfg.data_label(), cfg.steps, cfg.tensor_parallel_label(),
+               "{} threads on the CPU{}", cfg.model_label(), cfg.data_label(), cfg.steps, cfg.model_parallel_label(),
                cfg.pipeline, cfg.data_parallel, cfg.microbatches, cfg.microbatch_size(), cfg.schedule,
                torch::get_num_threads(), cfg.compute_note());
   check_output_paths(cfg);  // not at the end, after the training

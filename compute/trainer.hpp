@@ -143,10 +143,10 @@ class local_trainer {
   local_pipeline& replica(int r, int tp = 0) { return *replicas_.at(std::size_t(r * tp_ + tp)); }
 
  private:
-  /// Runs `fn(t)` for every tensor-parallel rank t, each on a thread of its own (one rank:
-  /// on this one); an exception on one rank aborts its group (the others would wait in a
-  /// collective for ever) and is rethrown.
-  void on_every_rank(int replica, const std::function<void(int tp)>& fn);
+  /// Runs `fn(r, t)` for every tensor-parallel rank t of replicas [first, first + count),
+  /// each on a thread of its own (one in all: on this one); an exception on one aborts
+  /// their groups (the others would wait in a collective for ever) and is rethrown.
+  void together(int first, int count, const std::function<void(int replica, int tp)>& fn);
   /// Sums the gradients of the parameters every tensor-parallel rank of a replica holds
   /// whole over the ranks (sequence parallelism: each computed its positions' share).
   void sum_replicated_grads(int replica);
@@ -166,7 +166,9 @@ class local_trainer {
   lr_schedule lrs_;
   training_data data_;
   int tp_ = 1;                                             ///< tensor-parallel ranks
+  int ep_ = 1;                                             ///< expert-parallel ranks (replicas per group)
   std::vector<std::vector<std::shared_ptr<collective_group>>> groups_;  ///< per replica, per rank
+  std::vector<std::vector<std::shared_ptr<collective_group>>> ep_groups_;  ///< per group, per member
   std::vector<std::unique_ptr<local_pipeline>> replicas_;  ///< [replica * tp_ + rank]
   std::vector<shard> shards_;
   int next_step_ = 0;

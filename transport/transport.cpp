@@ -83,6 +83,72 @@ const char* collective_name(collective c) {
   return "unknown collective";
 }
 
+work_ptr communicator::all_to_all(torch::Tensor input, const std::vector<std::int64_t>& send_counts,
+                                  torch::Tensor output, const std::vector<std::int64_t>& recv_counts) {
+  const int n = size(), me = rank();
+  if (int(send_counts.size()) != n || int(recv_counts.size()) != n)
+    throw std::invalid_argument("all_to_all: " + std::to_string(send_counts.size()) + " send and " +
+                                std::to_string(recv_counts.size()) + " receive counts for " + std::to_string(n) + " ranks");
+  std::int64_t sent = 0, received = 0;
+  for (int r = 0; r < n; ++r) {
+    if (send_counts[r] < 0 || recv_counts[r] < 0) throw std::invalid_argument("all_to_all: a negative count");
+    sent += send_counts[r];
+    received += recv_counts[r];
+  }
+  check_tensor(input, sent, "all_to_all input", true);
+  check_tensor(output, received, "all_to_all output", true);
+  input = input.view({-1});
+  output = output.view({-1});
+  if (input.scalar_type() != output.scalar_type()) throw std::invalid_argument("all_to_all: input and output dtypes differ");
+  if (send_counts[me] != recv_counts[me])
+    throw std::invalid_argument("all_to_all: sends " + std::to_string(send_counts[me]) + " elements to itself, receives " +
+                                std::to_string(recv_counts[me]));
+  const std::uint32_t tag = all_to_all_tag + (all_to_alls_++ & 0xFFFFFu);
+  auto done = std::make_shared<work>("all_to_all #" + std::to_string(tag - all_to_all_tag) + " (rank " +
+                                     std::to_string(me) + ")");
+  std::vector<work_ptr> parts;
+  std::int64_t in_at = 0, out_at = 0;
+  for (int r = 0; r < n; ++r) {
+    const auto in = input.narrow(0, in_at, send_counts[r]), out = output.narrow(0, out_at, recv_counts[r]);
+    in_at += send_counts[r];
+    out_at += recv_counts[r];
+    if (r == me) {
+      out.copy_(in);
+      continue;
+    }
+    if (recv_counts[r] > 0) parts.push_back(recv(out, r, tag));
+    if (send_counts[r] > 0) parts.push_back(send(in, r, tag));
+  }
+  if (parts.empty()) {
+    done->complete();
+    return done;
+  }
+  // Complete once every part has: with the first error, if any.
+  struct tally {
+    std::mutex mu;
+    std::size_t left;
+    std::string error;
+  };
+  auto t = std::make_shared<tally>();
+  t->left = parts.size();
+  for (auto& part : parts)
+    part->on_complete([t, done](const std::string& error) {
+      std::string finished;
+      bool last = false;
+      {
+        std::lock_guard<std::mutex> lock(t->mu);
+        if (!error.empty() && t->error.empty()) t->error = error;
+        last = --t->left == 0;
+        finished = t->error;
+      }
+      if (last) done->complete(finished);
+    });
+  done->set_abort_hook([parts] {
+    for (auto& part : parts) part->abort("all_to_all aborted");
+  });
+  return done;
+}
+
 void check_tensor(const torch::Tensor& t, std::int64_t numel, const char* what, bool any_device) {
   if (!t.defined()) throw std::invalid_argument(std::string(what) + ": undefined tensor");
   if (!any_device && !t.device().is_cpu()) throw std::invalid_argument(std::string(what) + ": not a CPU tensor");

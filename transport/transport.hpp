@@ -105,10 +105,25 @@ class communicator {
   virtual work_ptr all_gather(torch::Tensor input, torch::Tensor output) = 0;
   /// `t` of rank `root` to every rank.
   virtual work_ptr broadcast(torch::Tensor t, int root) = 0;
+  /// All-to-all with per-rank sizes (alltoallv): `input` holds send_counts[0] elements for
+  /// rank 0, then send_counts[1] for rank 1, ...; `output` receives recv_counts[s]
+  /// elements from each rank s, in rank order. Every rank's send_counts[r] must equal
+  /// rank r's recv_counts[this rank]; zero counts move nothing. The default posts every
+  /// transfer as a point-to-point send or receive, all in flight together, with a tag of
+  /// the reserved range (all_to_all_tag: a per-communicator call number); a backend may do
+  /// better (NCCL: grouped send/recv).
+  virtual work_ptr all_to_all(torch::Tensor input, const std::vector<std::int64_t>& send_counts, torch::Tensor output,
+                              const std::vector<std::int64_t>& recv_counts);
 
   /// Fails every pending operation with `why` (a peer is gone, the step was aborted).
   virtual void abort(const std::string& why) = 0;
+
+ private:
+  std::uint32_t all_to_alls_ = 0;  // calls so far (every rank calls them in the same order)
 };
+
+/// Point-to-point tags from this one up are the all-to-alls' (callers use lower tags).
+constexpr std::uint32_t all_to_all_tag = 0xA2A00000u;
 
 /// Checks a tensor handed to a collective: contiguous, `numel` elements (-1: any), and on
 /// the CPU unless `any_device` (the in-process backend works on any device).

@@ -8,7 +8,7 @@
 #include <torch/nn/functional.h>
 
 #include "actors/tp_groups.hpp"
-#include "transport/ucx/ucx_communicator.hpp"
+#include "ucx_groups.hpp"
 #include "compute/tensor_parallel.hpp"
 #include "compute/trainer.hpp"
 #include "test_util.hpp"
@@ -343,17 +343,7 @@ namespace troupe {
 /// Tensor-parallel groups over UCX (shared memory between the threads of this process):
 /// what node processes would use between processes.
 TEST(TensorParallelOverUcx, GroupsOfUcxCommunicatorsGiveTheInProcessGroupsBits) {
-  const group_factory ucx = [](int size) {
-    std::vector<std::unique_ptr<transport::ucx_pending>> pending;
-    std::vector<std::string> addresses;
-    for (int r = 0; r < size; ++r) {
-      pending.push_back(transport::prepare_ucx_communicator(r, size));
-      addresses.push_back(pending.back()->address());
-    }
-    std::vector<std::shared_ptr<collective_group>> out;
-    for (auto& p : pending) out.push_back(as_collective_group(p->connect(addresses)));
-    return out;
-  };
+  const group_factory ucx = test::ucx_groups;
   auto c = small_job("llama-tiny");
   c.tensor_parallel = 2;
   c.sequence_parallel = true;
