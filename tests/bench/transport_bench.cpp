@@ -116,6 +116,21 @@ void coll(communicator& c, c10d::ProcessGroupGloo& gloo) {
                       std::vector<torch::Tensor> in{piece_t};
                       gloo.allgather(outs, in)->wait();
                     })});
+    // All-to-all with equal pieces (what expert parallelism's dispatch does with a balanced
+    // router): count / n elements to every rank.
+    const std::vector<std::int64_t> pieces(std::size_t(n), count / n);
+    auto t_out = torch::empty({count});
+    double gloo_a2a = -1;
+    try {
+      gloo_a2a = time_best(reps, [&] {
+        auto out_split = pieces, in_split = pieces;  // (gloo takes them over)
+        gloo.alltoall_base(t_out, t, out_split, in_split)->wait();
+      });
+    } catch (const std::exception&) {
+    }
+    rows.push_back({"all_to_all", rs_factor,
+                    time_best(reps, [&] { c.all_to_all(t, pieces, t_out, pieces)->wait_or_throw(kTimeout); }),
+                    gloo_a2a});
     if (r == 0)
       for (auto& x : rows) {
         const double b = double(count) * 4;
@@ -124,7 +139,7 @@ void coll(communicator& c, c10d::ProcessGroupGloo& gloo) {
           const double g = b / x.gloo * x.factor / 1e9;
           std::printf("| %s | %d | %lld | %.2f | %.2f | %.1fx |\n", x.name, n, (long long)b, u, g, u / g);
         } else {
-          std::printf("| %s | %d | %lld | %.2f | n/a (not in LibTorch 1.13's gloo) | |\n", x.name, n, (long long)b, u);
+          std::printf("| %s | %d | %lld | %.2f | n/a (not in this LibTorch's gloo) | |\n", x.name, n, (long long)b, u);
         }
       }
   }
