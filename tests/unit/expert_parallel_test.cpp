@@ -203,3 +203,31 @@ TEST(ExpertParallel, BadLayoutsSaySo) {
 }
 
 }  // namespace troupe
+
+namespace troupe {
+
+// A checkpoint written with EP 2 resumes with EP 4 (and another data-parallel width): the
+// run continues as one process's does.
+TEST(ExpertParallel, ACheckpointResumesWithAnotherExpertWidth) {
+  auto one = moe_job();
+  const auto ref = train(one);
+  test::temp_dir dir;
+  auto a = one;
+  a.expert_parallel = 2;
+  a.data_parallel = 2;
+  {
+    local_trainer t(a, std::nullopt, in_process_groups);
+    for (int i = 0; i < 5; ++i) t.step();
+    t.save_checkpoint(dir / "ep2.pt");
+  }
+  auto b = one;
+  b.expert_parallel = 4;
+  b.data_parallel = 4;
+  b.load = dir / "ep2.pt";
+  local_trainer t(b, std::nullopt, in_process_groups);
+  ASSERT_EQ(t.next_step(), 5);
+  for (int i = 5; i < one.steps; ++i) EXPECT_NEAR(t.step().loss, ref.losses[std::size_t(i)], 1e-5) << "step " << i;
+  EXPECT_LE(test::max_abs_diff(t.state(), ref.state), 1e-5);
+}
+
+}  // namespace troupe
