@@ -441,9 +441,18 @@ class stage_logic {
       s_.record_sent("stage done", "coordinator");
       s_.done_reported = true;
       double aux = 0;  // (experts)
-      for (auto& chunk : s_.chunks) aux += chunk->take_aux_loss();
-      self_->send(s_.wiring->coordinator,
-                  stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight, std::move(s_.events), aux});
+      expert_counts routed;
+      for (auto& chunk : s_.chunks) {
+        aux += chunk->take_aux_loss();
+        add_expert_counts(routed, chunk->take_expert_tokens());
+      }
+      std::vector<std::int64_t> flat;
+      for (const auto& [layer, counts] : routed) {
+        flat.push_back(layer);
+        flat.insert(flat.end(), counts.begin(), counts.end());
+      }
+      self_->send(s_.wiring->coordinator, stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight,
+                                                     std::move(s_.events), aux, std::move(flat)});
     }
   }
 

@@ -1,5 +1,7 @@
 #include "compute/model.hpp"
 
+#include <algorithm>
+
 #include <torch/version.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -754,7 +756,7 @@ class decoder_slice final : public model_slice {
     auto v = projection(a, p + "self_attn.v_proj").view({B, T, KV, hd}).transpose(1, 2);
     x = x + row_parallel(attend(q, k, v, i, cache), p + "self_attn.o_proj", seq);
     const auto g = enter(rms_norm(x, p + "post_attention_layernorm"), seq);
-    if (cfg_.is_moe_block(i)) return x + experts(g, p + "block_sparse_moe.");
+    if (cfg_.is_moe_block(i)) return x + experts(g, i);
     const auto h = torch::silu(projection(g, p + "mlp.gate_proj")) * projection(g, p + "mlp.up_proj");
     return x + row_parallel(h, p + "mlp.down_proj", seq);
   }
@@ -780,7 +782,8 @@ class decoder_slice final : public model_slice {
   /// softmax in fp32 over every expert; the top_k largest (ties: the lower index, a stable
   /// sort) with weights renormalised to sum 1; no token dropped. With a graph, the
   /// per-sequence load-balancing loss joins the backward (add_aux_loss).
-  torch::Tensor experts(const torch::Tensor& g, const std::string& p) {
+  torch::Tensor experts(const torch::Tensor& g, int layer) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".block_sparse_moe.";
     const auto B = g.size(0), T = g.size(1), d = g.size(2);
     const std::int64_t E = cfg_.n_experts, k = cfg_.moe_top_k;
     const auto x = g.reshape({B * T, d});
@@ -794,6 +797,11 @@ class decoder_slice final : public model_slice {
     // A training forward counts its load-balancing loss once (not when a full recompute
     // runs the block again) and back-propagates it where a graph is built.
     const bool graph = torch::GradMode::is_enabled(), counts_aux = !recomputing_ && (graph || checkpointing_);
+    if (counts_aux) {  // the choices per expert (metrics), counted once per training forward
+      const auto n = torch::bincount(chosen.reshape({-1}), /*weights=*/{}, E);
+      auto& sum = expert_tokens_[layer];
+      sum = sum.defined() ? sum + n : n;
+    }
     if ((!graph && !counts_aux) || cfg_.moe_aux_coeff == 0) return out;
     // Per sequence: f_e = its tokens' choices of e / (k T), P_e = the mean of p_e over its
     // tokens; aux = coeff E sum_e f_e P_e, the mean over the micro-batch's sequences.
@@ -901,6 +909,24 @@ class mlp_slice final : public model_slice {
 }  // namespace
 
 std::int64_t model_slice::blocks_recomputed() { return recomputed_blocks.load(); }
+
+expert_counts model_slice::take_expert_tokens() {
+  expert_counts out;
+  for (auto& [layer, t] : expert_tokens_) {
+    const auto c = t.to(torch::kCPU, torch::kInt64).contiguous();
+    out[layer].assign(c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel());
+  }
+  expert_tokens_.clear();
+  return out;
+}
+
+void add_expert_counts(expert_counts& into, const expert_counts& from) {
+  for (const auto& [layer, counts] : from) {
+    auto& sum = into[layer];
+    sum.resize(std::max(sum.size(), counts.size()), 0);
+    for (std::size_t e = 0; e < counts.size(); ++e) sum[e] += counts[e];
+  }
+}
 
 double model_slice::take_aux_loss() {
   if (!aux_sum_.defined()) return 0;

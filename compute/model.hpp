@@ -153,6 +153,11 @@ enum class tp_split {
 };
 
 /// One parameter's place in a slice's flat buffers.
+/// Tokens routed to each expert, per expert layer: block index -> one count per expert.
+using expert_counts = std::map<int, std::vector<std::int64_t>>;
+/// Adds `from`'s counts into `into`.
+void add_expert_counts(expert_counts& into, const expert_counts& from);
+
 struct param_entry {
   std::string name;              ///< global name, e.g. "h.3.attn.c_attn.weight"
   std::vector<std::int64_t> shape;
@@ -291,6 +296,10 @@ class model_slice {
   /// forwards), and zeroes it: after a step's forwards, the step's auxiliary loss (for
   /// the log; 0 without experts).
   double take_aux_loss();
+  /// Experts: the (token, choice) pairs each expert got in those forwards, per expert layer
+  /// (block index -> one count per expert; a rank's own tokens under expert parallelism),
+  /// and zeroes them.
+  expert_counts take_expert_tokens();
 
  protected:
   /// x w^T + b, its weight gradient left to `defer_` when that is set and a graph is built.
@@ -299,6 +308,7 @@ class model_slice {
   double aux_scale_ = 1.0;
   expert_parallel ep_;
   torch::Tensor aux_sum_;  ///< take_aux_loss's, undefined when nothing was added
+  std::map<int, torch::Tensor> expert_tokens_;  ///< take_expert_tokens's, on the slice's device
 
   /// Lays out `names` (taken from `state`) into the flat buffers.
   void allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,

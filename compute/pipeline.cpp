@@ -81,6 +81,12 @@ void local_pipeline::sum_tied_grads() {
   last.copy_(first);
 }
 
+expert_counts local_pipeline::take_expert_tokens() {
+  expert_counts sum;
+  for (auto& s : slices_) add_expert_counts(sum, s->take_expert_tokens());
+  return sum;
+}
+
 double local_pipeline::take_aux_loss() {
   double sum = 0;
   for (auto& s : slices_) sum += s->take_aux_loss();

@@ -41,6 +41,8 @@ class local_pipeline {
   void zero_grads();
   /// The load-balancing loss of the forwards since the last call (see model_slice).
   double take_aux_loss();
+  /// The choices per expert of those forwards, summed over the slices (see model_slice).
+  expert_counts take_expert_tokens();
 
   /// Forward through every slice without autograd; returns the last slice's output.
   torch::Tensor forward(const torch::Tensor& input);

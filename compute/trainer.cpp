@@ -224,15 +224,18 @@ step_stats local_trainer::step() {
       for (int k = 0; k < m; ++k) mb[std::size_t(r - first)].push_back(data_.samples(next_step_, r * m * mbs + k * mbs, mbs));
     std::vector<std::vector<double>> losses(static_cast<std::size_t>(ep_));
     std::vector<double> aux(static_cast<std::size_t>(ep_), 0.0);
+    std::vector<expert_counts> routed(static_cast<std::size_t>(ep_));
     together(first, ep_, [&](int r, int t) {
       const auto i = std::size_t(r - first);
       auto l = replica(r, t).run_step(sched_, mb[i], weight);
       replica(r, t).sum_tied_grads();
       const double a = replica(r, t).take_aux_loss();
-      if (t == 0) losses[i] = l, aux[i] = a;  // (every rank computed the same losses)
+      auto counts = replica(r, t).take_expert_tokens();
+      if (t == 0) losses[i] = l, aux[i] = a, routed[i] = std::move(counts);  // (every rank computed the same)
     });
     for (std::size_t i = 0; i < losses.size(); ++i) {
       st.aux_loss += aux[i];
+      add_expert_counts(st.expert_tokens, routed[i]);
       for (double l : losses[i]) st.loss += l * weight;
       if (cfg_.sequence_parallel) sum_replicated_grads(first + int(i));
     }
@@ -264,6 +267,16 @@ step_stats local_trainer::step() {
   st.tokens = std::int64_t(cfg_.global_batch) * data_.tokens_per_sample();
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
+}
+
+std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> expert_token_range(const expert_counts& counts) {
+  std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> out;
+  for (const auto& [layer, c] : counts) {
+    if (c.empty()) continue;
+    out.first.push_back(*std::min_element(c.begin(), c.end()));
+    out.second.push_back(*std::max_element(c.begin(), c.end()));
+  }
+  return out;
 }
 
 double evaluation::bits_per_byte() const { return loss / std::log(2.0) / bytes_per_target; }
@@ -575,7 +588,10 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
     std::fflush(stdout);
     nlohmann::json line{{"step", st.step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
                         {"tokens_per_s", tps}, {"step_seconds", st.seconds}};
-    if (experts) line["aux_loss"] = st.aux_loss;
+    if (experts) {
+      line["aux_loss"] = st.aux_loss;
+      std::tie(line["expert_tokens_min"], line["expert_tokens_max"]) = expert_token_range(st.expert_tokens);
+    }
     const bool last = trainer.next_step() == cfg.steps;
     const int stop = last || !stop_requested ? 0 : stop_requested();
     if (last || (cfg.eval_interval > 0 && trainer.next_step() % cfg.eval_interval == 0))

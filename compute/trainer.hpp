@@ -24,6 +24,7 @@ struct step_stats {
   int step = 0;
   double loss = 0;       ///< mean loss over the global batch (the cross-entropy)
   double aux_loss = 0;   ///< experts: the load-balancing loss added to it in the backward
+  expert_counts expert_tokens;  ///< experts: (token, choice) pairs per expert per layer, whole batch
   double lr = 0;
   double grad_norm = 0;  ///< global L2 norm before clipping
   double seconds = 0;
@@ -185,6 +186,10 @@ struct checkpoint {
 checkpoint read_checkpoint(const std::string& path, const model_spec& spec, int total_steps);
 /// FILE.optim's content from gathered moments (`model` gives names, order and shapes).
 state_dict optimizer_state_dict(const named_moments& moments, const state_dict& model, std::int64_t next_step);
+
+/// The metrics of `counts`: per expert layer in block order, the fewest and the most
+/// (token, choice) pairs an expert got ("expert_tokens_min", "expert_tokens_max").
+std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> expert_token_range(const expert_counts& counts);
 
 /// "1m05s" / "2h03m".
 std::string duration_text(double seconds);

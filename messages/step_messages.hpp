@@ -38,6 +38,9 @@ struct stage_done {
   std::int32_t peak_in_flight = 0;  ///< max micro-batches forwarded, not yet backwarded
   std::vector<trace_event> events;
   double aux_loss = 0;  ///< experts: the load-balancing loss its forwards added, each times its weight
+  /// Experts: its blocks' choices per expert, flat: for each expert block, its index then
+  /// one count per expert.
+  std::vector<std::int64_t> expert_tokens;
 };
 
 /// Optimizer shard -> coordinator: update done and parameters sent.
@@ -86,7 +89,8 @@ typename Inspector::result_type inspect(Inspector& f, trace_event& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, stage_done& x) {
-  return f(caf::meta::type_name("stage_done"), x.step, x.replica, x.stage, x.peak_in_flight, x.events, x.aux_loss);
+  return f(caf::meta::type_name("stage_done"), x.step, x.replica, x.stage, x.peak_in_flight, x.events, x.aux_loss,
+                            x.expert_tokens);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, shard_done& x) {

@@ -265,7 +265,14 @@ TEST(Moe, ActorLayoutsFollowThePlainLoop) {
     auto plain = c;
     plain.runtime = "local";
     local_trainer one(plain);
-    EXPECT_NEAR(nlohmann::json::parse(first).at("aux_loss").get<double>(), one.step().aux_loss, 1e-6) << name_of(l);
+    const auto plain_step = one.step();
+    const auto metrics_line = nlohmann::json::parse(first);
+    EXPECT_NEAR(metrics_line.at("aux_loss").get<double>(), plain_step.aux_loss, 1e-6) << name_of(l);
+    // Tokens per expert per layer, summed by the coordinator over stages and replicas.
+    const auto [fewest, most] = expert_token_range(plain_step.expert_tokens);
+    EXPECT_EQ(metrics_line.at("expert_tokens_min").get<std::vector<std::int64_t>>(), fewest) << name_of(l);
+    EXPECT_EQ(metrics_line.at("expert_tokens_max").get<std::vector<std::int64_t>>(), most) << name_of(l);
+    EXPECT_EQ(most.size(), std::size_t(c.layers));
   }
   // bf16: the experts compute under autocast, their outputs add up in fp32.
   auto bf16 = c;

@@ -3,6 +3,7 @@
 // one process.
 #include <gtest/gtest.h>
 
+#include <numeric>
 #include <thread>
 
 #include "actors/tp_groups.hpp"
@@ -41,6 +42,7 @@ job_config moe_job() {
 
 struct run {
   std::vector<double> losses, aux;
+  std::vector<expert_counts> routed;  ///< per step
   state_dict state;
 };
 
@@ -51,6 +53,7 @@ run train(const job_config& c, const group_factory& groups = in_process_groups) 
     const auto st = t.step();
     out.losses.push_back(st.loss);
     out.aux.push_back(st.aux_loss);
+    out.routed.push_back(st.expert_tokens);
   }
   out.state = t.state();
   return out;
@@ -153,6 +156,13 @@ TEST(ExpertParallel, ARankThatReceivesNoTokensWorks) {
 TEST(ExpertParallel, TrainingWithExpertRanksEqualsOneProcess) {
   auto one = moe_job();
   const auto ref = train(one);
+  // The metrics' counts: every layer's pairs are k per token of the global batch.
+  ASSERT_EQ(ref.routed.front().size(), std::size_t(one.layers));
+  for (const auto& [layer, counts] : ref.routed.front()) {
+    ASSERT_EQ(counts.size(), 4u);
+    EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), std::int64_t(0)),
+              std::int64_t(2) * one.global_batch * one.seq_len) << "layer " << layer;
+  }
   struct layout {
     int ep, d, p;
     const char* schedule;
@@ -171,6 +181,8 @@ TEST(ExpertParallel, TrainingWithExpertRanksEqualsOneProcess) {
     for (int i = 0; i < one.steps; ++i) {
       EXPECT_NEAR(got.losses[std::size_t(i)], ref.losses[std::size_t(i)], 1e-5) << at << " step " << i;
       EXPECT_NEAR(got.aux[std::size_t(i)], ref.aux[std::size_t(i)], 1e-6) << at << " step " << i;
+      // The same routing: every expert got the same (token, choice) pairs in every layer.
+      EXPECT_EQ(got.routed[std::size_t(i)], ref.routed[std::size_t(i)]) << at << " step " << i;
     }
   }
   auto c = one;
