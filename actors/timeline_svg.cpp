@@ -12,20 +12,13 @@ namespace troupe {
 
 timeline timeline_of(const schedule& s, const op_costs& costs) {
   const auto sim = simulate(s, costs);
-  const double w = !s.split_backward() ? 0 : costs.weight < 0 ? costs.backward / 2 : costs.weight;
-  auto compute = [&](const pipeline_op& op) {
-    return op.kind == op_kind::forward ? costs.forward : op.kind == op_kind::weight ? w
-                                                        : op.split             ? costs.backward - w
-                                                                               : costs.backward;
-  };
+  auto compute = [&](const pipeline_op& op) { return compute_cost(s, costs, op); };
+  std::ostringstream title;
+  title << to_string(s.kind) << ": " << s.stages << " stages x " << s.microbatches << " micro-batches"
+        << (s.chunks > 1 ? " x " + std::to_string(s.chunks) + " chunks" : "") << " (simulated, makespan "
+        << sim.makespan << ")";
   timeline t;
-  t.title = to_string(s.kind) + ": " + std::to_string(s.stages) + " stages x " + std::to_string(s.microbatches) +
-            " micro-batches" + (s.chunks > 1 ? " x " + std::to_string(s.chunks) + " chunks" : "") +
-            " (simulated, makespan " + [&] {
-              std::ostringstream m;
-              m << sim.makespan;
-              return m.str();
-            }() + ")";
+  t.title = title.str();
   t.rows = s.stages;
   t.chunks = s.chunks > 1;
   t.unit = "op costs";

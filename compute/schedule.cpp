@@ -170,6 +170,12 @@ struct v_builder {
   void weights_left() {
     while (next_w < waiting_w.size()) weight();
   }
+  /// Whether a split backward of chunk c still waits for its W.
+  bool waiting(int c) const {
+    for (std::size_t i = next_w; i < waiting_w.size(); ++i)
+      if (waiting_w[i].second == c) return true;
+    return false;
+  }
 };
 
 // ZB-V as the paper draws it (F = B = W). Stage r:
@@ -208,11 +214,8 @@ void zbv(schedule& s) {
       v.backward(0, true);
       v.weight_of(0);
     }
-    while (v.next_w < v.waiting_w.size()) {  // chunk 1's W's, then chunk 0's
-      bool any = false;
-      for (std::size_t i = v.next_w; i < v.waiting_w.size() && !any; ++i) any = v.waiting_w[i].second == 1;
-      v.weight_of(any ? 1 : 0);
-    }
+    while (v.waiting(1)) v.weight_of(1);  // chunk 1's W's, then chunk 0's
+    while (v.waiting(0)) v.weight_of(0);
   }
 }
 

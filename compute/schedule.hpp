@@ -152,6 +152,11 @@ struct op_costs {
   double alltoall = 0.0;
 };
 
+/// One op's compute time under `c` in schedule `s` (its all-to-all not included): a
+/// forward's, a W's (the weight part: c.weight, or half the backward's in kinds that
+/// split, 0 in the others), a split B's (the backward's less the weight part), a whole B's.
+double compute_cost(const schedule& s, const op_costs& c, const pipeline_op& op);
+
 /// Simulates `s`: an op starts when its stage is free and its inputs exist. Throws
 /// schedule_error if the schedule deadlocks, for a negative cost, and for a weight cost
 /// above the backward's.

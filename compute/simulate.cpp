@@ -141,13 +141,23 @@ std::vector<std::pair<int, std::size_t>> execution_order(const schedule& s) {
   return order;
 }
 
+namespace {
+/// The weight part of a backward: none in kinds without W ops, half by default.
+double weight_part(const schedule& s, const op_costs& c) {
+  return !s.split_backward() ? 0 : c.weight < 0 ? c.backward / 2 : c.weight;
+}
+}  // namespace
+
+double compute_cost(const schedule& s, const op_costs& c, const pipeline_op& op) {
+  const double w = weight_part(s, c);
+  if (op.kind == op_kind::forward) return c.forward;
+  if (op.kind == op_kind::weight) return w;
+  return op.split ? c.backward - w : c.backward;
+}
+
 simulation simulate(const schedule& s, const op_costs& costs) {
   op_costs c = costs;
-  if (!s.split_backward()) {
-    c.weight = 0;  // no W ops: B is the whole backward
-  } else if (c.weight < 0) {
-    c.weight = c.backward / 2;
-  }
+  c.weight = weight_part(s, costs);
   for (double x : {c.forward, c.backward, c.weight, c.alltoall})
     if (x < 0) throw schedule_error("simulated costs must not be negative");
   if (c.weight > c.backward) {
@@ -155,11 +165,7 @@ simulation simulate(const schedule& s, const op_costs& costs) {
     why << "the weight pass's cost (" << c.weight << ") exceeds the backward's (" << c.backward << ")";
     throw schedule_error(why.str());
   }
-  auto compute = [&](const pipeline_op& op) {
-    if (op.kind == op_kind::forward) return c.forward;
-    if (op.kind == op_kind::weight) return c.weight;
-    return op.split ? c.backward - c.weight : c.backward;
-  };
+  auto compute = [&](const pipeline_op& op) { return compute_cost(s, c, op); };
   auto cost = [&](const pipeline_op& op) { return compute(op) + (op.kind == op_kind::weight ? 0.0 : c.alltoall); };
   auto pair_cost = [&](const pipeline_op& a, const pipeline_op& b) {
     return c.pair >= 0 ? c.pair : std::max(compute(a) + compute(b), 2 * c.alltoall);

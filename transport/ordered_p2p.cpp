@@ -12,33 +12,6 @@ namespace troupe::transport {
 
 namespace {
 
-/// A work that completes once all of `parts` have, with the first error among them.
-work_ptr all_of(std::vector<work_ptr> parts, const char* what) {
-  auto outer = std::make_shared<work>(what);
-  struct state {
-    std::mutex mu;
-    std::size_t left;
-    std::string error;
-  };
-  auto st = std::make_shared<state>();
-  st->left = parts.size();
-  outer->set_abort_hook([parts] {
-    for (const auto& p : parts) p->abort("aborted");
-  });
-  for (const auto& p : parts)
-    p->on_complete([st, outer](const std::string& err) {
-      std::string error;
-      {
-        std::lock_guard<std::mutex> lk(st->mu);
-        if (!err.empty() && st->error.empty()) st->error = err;
-        if (--st->left != 0) return;
-        error = st->error;
-      }
-      outer->complete(error);
-    });
-  return outer;
-}
-
 class ordered_comm final : public communicator, public std::enable_shared_from_this<ordered_comm> {
  public:
   ordered_comm(std::shared_ptr<communicator> inner, std::vector<std::shared_ptr<ordered_link>> to,

@@ -104,8 +104,6 @@ work_ptr communicator::all_to_all(torch::Tensor input, const std::vector<std::in
     throw std::invalid_argument("all_to_all: sends " + std::to_string(send_counts[me]) + " elements to itself, receives " +
                                 std::to_string(recv_counts[me]));
   const std::uint32_t tag = all_to_all_tag + (all_to_alls_++ & 0xFFFFFu);
-  auto done = std::make_shared<work>("all_to_all #" + std::to_string(tag - all_to_all_tag) + " (rank " +
-                                     std::to_string(me) + ")");
   std::vector<work_ptr> parts;
   std::int64_t in_at = 0, out_at = 0;
   for (int r = 0; r < n; ++r) {
@@ -119,34 +117,38 @@ work_ptr communicator::all_to_all(torch::Tensor input, const std::vector<std::in
     if (recv_counts[r] > 0) parts.push_back(recv(out, r, tag));
     if (send_counts[r] > 0) parts.push_back(send(in, r, tag));
   }
+  return all_of(std::move(parts), "all_to_all #" + std::to_string(tag - all_to_all_tag) + " (rank " +
+                                      std::to_string(me) + ")");
+}
+
+work_ptr all_of(std::vector<work_ptr> parts, const std::string& what) {
+  auto outer = std::make_shared<work>(what);
   if (parts.empty()) {
-    done->complete();
-    return done;
+    outer->complete();
+    return outer;
   }
-  // Complete once every part has: with the first error, if any.
-  struct tally {
+  struct state {
     std::mutex mu;
     std::size_t left;
     std::string error;
   };
-  auto t = std::make_shared<tally>();
-  t->left = parts.size();
-  for (auto& part : parts)
-    part->on_complete([t, done](const std::string& error) {
-      std::string finished;
-      bool last = false;
-      {
-        std::lock_guard<std::mutex> lock(t->mu);
-        if (!error.empty() && t->error.empty()) t->error = error;
-        last = --t->left == 0;
-        finished = t->error;
-      }
-      if (last) done->complete(finished);
-    });
-  done->set_abort_hook([parts] {
-    for (auto& part : parts) part->abort("all_to_all aborted");
+  auto st = std::make_shared<state>();
+  st->left = parts.size();
+  outer->set_abort_hook([parts] {
+    for (const auto& p : parts) p->abort("aborted");
   });
-  return done;
+  for (const auto& p : parts)
+    p->on_complete([st, outer](const std::string& err) {
+      std::string error;
+      {
+        std::lock_guard<std::mutex> lk(st->mu);
+        if (!err.empty() && st->error.empty()) st->error = err;
+        if (--st->left != 0) return;
+        error = st->error;
+      }
+      outer->complete(error);
+    });
+  return outer;
 }
 
 void check_tensor(const torch::Tensor& t, std::int64_t numel, const char* what, bool any_device) {

@@ -77,6 +77,10 @@ class work {
 };
 using work_ptr = std::shared_ptr<work>;
 
+/// A work that completes once all of `parts` have (at once when there are none), with the
+/// first error among them; aborting it aborts them.
+work_ptr all_of(std::vector<work_ptr> parts, const std::string& what);
+
 /// Element range [begin, end) of piece `i` when `n` elements are split into `parts`
 /// pieces: the first n % parts pieces have one element more (uneven sizes are allowed).
 std::pair<std::int64_t, std::int64_t> piece(std::int64_t n, int parts, int i);
