@@ -480,8 +480,8 @@ void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line, doub
 }
 
 /// eval_mode pipeline (Megatron's forward-only schedule): the evaluation set's forwards
-/// go forward only through the stage actors, forward f through replica f mod d, all of
-/// them sent at once (a stage runs each as its input arrives, so the forwards pipeline);
+/// go forward only through the stage actors, forward f through replica f mod d (expert
+/// parallelism: through each replica of group f mod (d / EP)), all of them sent at once (a stage runs each as its input arrives, so the forwards pipeline);
 /// the last stages score them (`eval_result`). Once every forward is scored the stages
 /// hand over their ops' trace events, and `then` gets the evaluation, combined in forward
 /// order as evaluate_model combines it. Nothing is gathered: no process holds more of the
@@ -497,11 +497,15 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
   s.seen_evals.assign(plan.size(), false);
   s.n_evals = 0;
   s.eval_then = std::move(then);
+  // Expert parallelism: forward f through every replica of group f mod (d / EP), scored
+  // by the group's first (the others serve its tokens' experts).
+  const int ep = ctx.cfg.expert_parallel, groups = ctx.d / ep;
   for (std::size_t f = 0; f < plan.size(); ++f) {
-    const auto& row = s.wiring->stages[f % std::size_t(ctx.d)];
+    const int first = int(f % std::size_t(groups)) * ep;
     const auto rows = [&](const torch::Tensor& t) { return make_payload(t.narrow(0, plan[f].begin, plan[f].rows)); };
-    self->send(row.at(ctx.loss_stage()), eval_target{s.step, std::int32_t(f), rows(set.target)});
-    self->send(row.front(), eval_activation{s.step, std::int32_t(f), 0, rows(set.input)});
+    self->send(s.wiring->stages[first].at(ctx.loss_stage()), eval_target{s.step, std::int32_t(f), rows(set.target)});
+    for (int r = first; r < first + ep; ++r)
+      self->send(s.wiring->stages[r].front(), eval_activation{s.step, std::int32_t(f), 0, rows(set.input)});
   }
   self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), eval_atom_v, s.step);
 }

@@ -199,7 +199,7 @@ int assign_nccl_ids(node_addresses& table, const std::function<std::string()>& m
     std::string refusal;
     if (stage >= 0 && rank == 0)
       refusal = nccl_refusal(keys[stage]);
-    else if (stage <= -2)
+    else if (stage <= -2 && stage > expert_group_base)
       refusal = nccl_refusal({world_key(-2 - stage), world_key(rank)});
     else
       continue;  // no id: the world, and a shard group's other ranks
@@ -302,15 +302,15 @@ actor_run_result run_node(const node_options& o) {
           plan.slots = slots;
           plan.rejoining = true;
         } else {  // UCX communicators (round 0 of the address exchange)
-          const auto comms = make_node_comms(o.node, o.nodes, ctx->p, ctx->d, slots, how);
+          const auto comms = make_node_comms(o.node, o.nodes, ctx->p, ctx->d, cfg.expert_parallel, slots, how);
           const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, comms->addresses(),
                                                  where + ": address exchange");
           plan = comms->connect(table);
         }
         plan.registrar = registrar_handle;
-        plan.renew = [node = o.node, nodes = o.nodes, p = ctx->p, d = ctx->d, slots,
+        plan.renew = [node = o.node, nodes = o.nodes, p = ctx->p, d = ctx->d, ep = cfg.expert_parallel, slots,
                       how]() -> std::unique_ptr<comm_renewal> {
-          return make_node_comms(node, nodes, p, d, slots, how);
+          return make_node_comms(node, nodes, p, d, ep, slots, how);
         };
         std::string hosted;
         for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";
@@ -326,9 +326,10 @@ actor_run_result run_node(const node_options& o) {
           const auto supervisors = ask<std::vector<caf::actor>>(self, registrar_handle, o.join_timeout, run_atom_v,
                                                                 "node 0: waiting for the other nodes");
           if (!o.run.quiet)
-            spdlog::info("training {}{} for {} steps on {} nodes: pipeline {} x data-parallel {}, {} micro-batches of {} "
+            spdlog::info("training {}{} for {} steps on {} nodes: {}pipeline {} x data-parallel {}, {} micro-batches of {} "
                          "({}), {} intra-op thread(s) per stage{}",
-                         cfg.model_label(), cfg.data_label(), cfg.steps, o.nodes, cfg.pipeline, cfg.data_parallel, cfg.microbatches,
+                         cfg.model_label(), cfg.data_label(), cfg.steps, o.nodes, cfg.model_parallel_label(), cfg.pipeline,
+                         cfg.data_parallel, cfg.microbatches,
                          cfg.microbatch_size(), cfg.schedule_label(), cfg.threads, cfg.compute_note());
           auto run_opts = o.run;
           if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;

@@ -81,10 +81,19 @@ std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes);
 
 struct node_addresses;  // messages/node_messages.hpp
 
+/// The address table's entries (node_addresses::stages) of expert-parallel groups: the
+/// stage actors of replicas EP g .. EP g + EP - 1 at stage k are group g of `groups`, entry
+/// expert_group_entry(k, g, groups); below every link entry (-2 - node). They run over
+/// UCX (no NCCL id).
+constexpr std::int32_t expert_group_base = -(1 << 24);
+constexpr std::int32_t expert_group_entry(int stage, int group, int groups) {
+  return expert_group_base - (stage * groups + group);
+}
+
 /// The registrar's part of NCCL, once every node has sent its entries of an address
 /// round: a NCCL unique id (`make_id()`; empty where making one failed) for each shard
 /// group whose members' GPU keys nccl_refusal accepts (into its rank 0's entry), and for
-/// each link entry (stage -2 - from, replica = to) whose two nodes' world entries'
+/// each link entry (stage -2 - from, replica = to; not an expert group's) whose two nodes' world entries'
 /// keys it accepts. No other ids are made: NCCL keeps a thread waiting for the ranks of
 /// every id it made, so an id nobody uses would leave one behind per round. Returns the
 /// number of ids given.

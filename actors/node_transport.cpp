@@ -27,8 +27,9 @@ constexpr std::uint32_t kLinkTag = 0xfffffff0u;
 /// receiving node, its `nccl_ids` entry the id): -2 - from (-1 is the world).
 constexpr std::int32_t link_entry(int from) { return -2 - from; }
 
-/// A node's communicators: per slot (r, k) rank r of stage k's d shards, and the world of
-/// the nodes (rank = node), which carries activations between them. Made at join and
+/// A node's communicators: per slot (r, k) rank r of stage k's d shards, the world of the
+/// nodes (rank = node), which carries activations between them, and (expert parallelism)
+/// per slot rank r mod EP of its stage's expert-parallel group. Made at join and
 /// again for every in-place recovery; addresses (and machine keys, GPU keys, NCCL ids) go
 /// through the registrar (stage -1: the world). The shard groups only run collectives:
 /// over NCCL where `transport.nccl` asks and every member has a GPU of its own
@@ -36,8 +37,8 @@ constexpr std::int32_t link_entry(int from) { return -2 - from; }
 /// machine goes through shared buffers where `transport.ipc` says so.
 class ucx_renewal : public comm_renewal {
  public:
-  ucx_renewal(int node, int nodes, int p, int d, std::vector<std::pair<int, int>> slots, node_transport transport)
-      : node_(node), nodes_(nodes), d_(d), slots_(std::move(slots)), transport_(transport),
+  ucx_renewal(int node, int nodes, int p, int d, int ep, std::vector<std::pair<int, int>> slots, node_transport transport)
+      : node_(node), nodes_(nodes), d_(d), ep_(ep), slots_(std::move(slots)), transport_(transport),
         machine_(transport::machine_key()), links_(transport.nccl || transport.ucx_links ? link_pairs(p, d, nodes)
                                                                                           : decltype(links_){}) {
     mine_.node = node;
@@ -62,6 +63,11 @@ class ucx_renewal : public comm_renewal {
     }
     pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
     add(-1, node, pending_.back()->address(), gpu);  // the world: with this node's GPU key
+    if (ep_ > 1)
+      for (const auto& [r, k] : slots_) {
+        experts_.push_back(transport::prepare_ucx_communicator(r % ep_, ep_));
+        add(expert_group_entry(k, r / ep_, d_ / ep_), r % ep_, experts_.back()->address(), "");
+      }
     if (!gpu.empty())  // the links this node sends on (no address: a NCCL id's place)
       for (const auto& [from, to] : links_)
         if (from == node_) add(link_entry(from), to, "", "");
@@ -109,6 +115,11 @@ class ucx_renewal : public comm_renewal {
     for (const auto& [r, k] : slots_)
       if (k == 0) plan.loader_replicas.push_back(r);
     plan.world = staged(pending_.back()->connect(column(-1, nodes_, table.addresses)));
+    for (std::size_t i = 0; i < experts_.size(); ++i) {
+      const auto [r, k] = slots_[i];
+      plan.ep_comms.push_back(
+          staged(experts_[i]->connect(column(expert_group_entry(k, r / ep_, d_ / ep_), ep_, table.addresses))));
+    }
     auto [to, from] = make_links(table, column(-1, nodes_, table.gpus), plan.world);
     if (transport_.ipc != node_transport::ipc_memory::off) {
       std::vector<bool> same(nodes_, false);
@@ -139,11 +150,12 @@ class ucx_renewal : public comm_renewal {
   }
 
  private:
-  int node_, nodes_, d_;
+  int node_, nodes_, d_, ep_;
   std::vector<std::pair<int, int>> slots_;
   node_transport transport_;
   std::string machine_;  // transport::machine_key(), sent with the addresses
   std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
+  std::vector<std::unique_ptr<transport::ucx_pending>> experts_;  // per slot: its expert-parallel group (EP > 1)
   node_addresses mine_;
   std::vector<std::pair<int, int>> links_;  // link_pairs() where links are asked for
 
@@ -183,9 +195,9 @@ class ucx_renewal : public comm_renewal {
 
 }  // namespace
 
-std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, std::vector<std::pair<int, int>> slots,
-                                              node_transport transport) {
-  return std::make_unique<ucx_renewal>(node, nodes, p, d, std::move(slots), transport);
+std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int ep,
+                                              std::vector<std::pair<int, int>> slots, node_transport transport) {
+  return std::make_unique<ucx_renewal>(node, nodes, p, d, ep, std::move(slots), transport);
 }
 
 node_transport transport_for(const runtime_context& ctx, const node_transport_settings& settings,

@@ -46,9 +46,10 @@ node_transport transport_for(const runtime_context& ctx, const node_transport_se
                              const std::string& where);
 
 /// The communicators of node `node` of `nodes` hosting `slots` ((replica, stage) pairs) of
-/// a p x d job, made as `transport` says: per slot rank r of stage k's d shards, and the
-/// world of the nodes (rank = node).
-std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, std::vector<std::pair<int, int>> slots,
-                                              node_transport transport);
+/// a p x d job, made as `transport` says: per slot rank r of stage k's d shards, the world
+/// of the nodes (rank = node), and with expert parallelism `ep` > 1 per slot rank r mod ep
+/// of its stage's expert-parallel group (UCX).
+std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int ep,
+                                              std::vector<std::pair<int, int>> slots, node_transport transport);
 
 }  // namespace troupe

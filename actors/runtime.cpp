@@ -219,8 +219,9 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
     acfg.set("scheduler.max-threads", std::size_t{2});
     caf::actor_system sys{acfg};
     if (!opts.quiet)
-      spdlog::info("training {}{} for {} steps with actors: pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
-                   "{} intra-op thread(s) per stage{}", cfg.model_label(), cfg.data_label(), cfg.steps, cfg.pipeline, cfg.data_parallel,
+      spdlog::info("training {}{} for {} steps with actors: {}pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "
+                   "{} intra-op thread(s) per stage{}", cfg.model_label(), cfg.data_label(), cfg.steps,
+                   cfg.model_parallel_label(), cfg.pipeline, cfg.data_parallel,
                    cfg.microbatches, cfg.microbatch_size(), cfg.schedule_label(), cfg.threads, cfg.compute_note());
     {
       auto coordinator = spawn_coordinator_actor(sys, ctx, wiring, opts, result);

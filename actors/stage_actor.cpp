@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "actors/request_all.hpp"
+#include "actors/tp_groups.hpp"
 #include "compute/checkpoint_dir.hpp"
 #include "compute/device.hpp"
 #include "compute/grad_buffer.hpp"
@@ -94,6 +95,18 @@ struct stage_state {
   // coordinator collects them.
   std::map<int, torch::Tensor> eval_outputs, eval_targets;
   std::vector<trace_event> eval_events;
+  // Expert parallelism: the members of an expert-parallel group meet in every expert
+  // layer's all-to-all, so each runs the same evaluation forwards (those of its group) in
+  // one order, (forward, chunk): those that come early wait here; `eval_next` is the
+  // next to run (forward -1: the group's first).
+  int ep_size = 1;
+  key computing{-1, -1};  // (micro-batch or evaluation forward, chunk) of the op computing now
+  std::map<key, eval_activation> eval_waiting;
+  key eval_next{-1, 0};
+  /// Whether this stage scores evaluation forwards and reports them: without expert
+  /// parallelism every replica's last stage, with it the group's rank 0 (the others run
+  /// the same forwards for the experts they hold).
+  bool scores_evaluation() const { return replica % ep_size == 0; }
 
   int virtual_of(int chunk) const { return ctx->virtual_stage(stage, chunk); }
   std::string shard_name() const { return ctx->shard_name(stage, replica); }
@@ -269,6 +282,7 @@ class stage_logic {
     const auto& ctx = *s_.ctx;
     if (s_.ops_done == 1) inject_op_faults();
     const key k{op.mb, op.chunk};
+    s_.computing = k;
     const int x = s_.virtual_of(op.chunk);
     auto& slice = *s_.chunks[op.chunk];
     trace_event ev{op_letter(op.kind), s_.replica, s_.stage, op.mb, op.chunk, s_.step, ctx.now_us(), 0};
@@ -472,8 +486,11 @@ class stage_logic {
     leftover(s_.tied_pending || s_.tied_in.defined(), "pending tied gradient");
     leftover(s_.eval_outputs.size(), "evaluation output(s) waiting for targets");
     leftover(s_.eval_targets.size(), "evaluation target(s) waiting for outputs");
+    leftover(s_.eval_waiting.size(), "evaluation activation(s) waiting for their turn");
     s_.eval_outputs.clear();
     s_.eval_targets.clear();
+    s_.eval_waiting.clear();
+    s_.eval_next = {-1, 0};
     s_.eval_events.clear();
     s_.seen.clear();
     s_.inputs.clear();
@@ -694,9 +711,7 @@ class stage_logic {
     return false;
   }
 
-  /// Runs evaluation forward `msg.index` through chunk `msg.chunk` (no autograd, the
-  /// training forward's precision), then hands the activation on, or keeps the last
-  /// virtual stage's output to score once its targets are here.
+  /// Checks an evaluation activation and runs it (expert parallelism: in its turn).
   void on_eval_activation(const eval_activation& msg) {
     if (!eval_accepts(msg.step, "activation")) return;
     const auto& ctx = *s_.ctx;
@@ -707,6 +722,31 @@ class stage_logic {
     const auto problem = x > 0 ? check_payload(msg.data, ctx.activation_shape(x, rows), ctx.compute_dtype)
                                : check_payload(msg.data, ctx.input_shape(rows), ctx.input_dtype());
     if (!problem.empty()) return fail("evaluation activation of forward " + std::to_string(msg.index) + ": " + problem);
+    if (s_.ep_size == 1) return run_eval_forward(msg);
+    // Expert parallelism: in (forward, chunk) order over the group's forwards (forward f
+    // goes to group f mod groups). Every stage holds a chunk of every forward, and each
+    // (forward, virtual stage) needs only earlier ones, so this order cannot stall.
+    const int groups = ctx.d / s_.ep_size;
+    if (s_.eval_next.first < 0) s_.eval_next = {s_.replica / s_.ep_size, 0};
+    if (msg.index % groups != s_.replica / s_.ep_size || key{msg.index, msg.chunk} < s_.eval_next ||
+        !s_.eval_waiting.emplace(key{msg.index, msg.chunk}, msg).second)
+      return fail("evaluation activation of forward " + std::to_string(msg.index) + ", chunk " +
+                  std::to_string(msg.chunk) + " out of its group's order");
+    for (auto it = s_.eval_waiting.find(s_.eval_next); it != s_.eval_waiting.end(); it = s_.eval_waiting.find(s_.eval_next)) {
+      const auto next = std::move(it->second);
+      s_.eval_waiting.erase(it);
+      s_.eval_next = s_.eval_next.second + 1 < ctx.v ? key{s_.eval_next.first, s_.eval_next.second + 1}
+                                                     : key{s_.eval_next.first + groups, 0};
+      run_eval_forward(next);
+    }
+  }
+
+  /// Runs evaluation forward `msg.index` through chunk `msg.chunk` (no autograd, the
+  /// training forward's precision), then hands the activation on, or keeps the last
+  /// virtual stage's output to score once its targets are here.
+  void run_eval_forward(const eval_activation& msg) {
+    const auto& ctx = *s_.ctx;
+    const int x = s_.virtual_of(msg.chunk);
     if (s_.faults.stage_throws(s_.replica, s_.stage, s_.step, 0, throw_point::in_evaluation)) {  // fault injection
       spdlog::warn("fault injected: {} throws in the evaluation after step {} (index {})", s_.name, s_.step + 1, s_.step);
       throw std::runtime_error("injected fault: " + s_.name + " throws in the evaluation after step " +
@@ -715,6 +755,7 @@ class stage_logic {
     auto in = tensor_of(msg.data).to(ctx.device);
     if (x > 0) in = in.to(torch::kFloat32);  // the stage computes from fp32
     trace_event ev{"eval F", s_.replica, s_.stage, msg.index, msg.chunk, s_.step, ctx.now_us(), 0};
+    s_.computing = {msg.index, msg.chunk};
     torch::NoGradGuard no_grad;
     torch::Tensor out;
     {
@@ -730,6 +771,7 @@ class stage_logic {
                                     make_payload(out.to(ctx.compute_dtype), ctx.cfg.checksum)});
       return;
     }
+    if (!s_.scores_evaluation()) return;
     s_.eval_outputs[msg.index] = out;
     score_eval(msg.index);
   }
@@ -794,7 +836,7 @@ namespace {
 
 caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
-                             std::vector<torch::Tensor> params) {
+                             std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
@@ -807,6 +849,20 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
                                    ctx->compute_dtype));
     st.chunks.back()->set_recompute(parse_recompute(ctx->cfg.recompute));
     st.chunks.back()->set_aux_loss_scale(double(ctx->mbs) / ctx->cfg.global_batch);  // (experts)
+  }
+  if (experts) {
+    // Each all-to-all on the trace, on the stage's track inside the op it served. It is
+    // told on the thread computing the op (the stage's, or autograd's in a backward while
+    // the stage's thread waits for it): nothing else touches the events meanwhile.
+    auto* state = &st;
+    auto group = as_collective_group(experts, nullptr, [state](const char* name, std::int64_t bytes, double seconds) {
+      const double end = state->ctx->now_us();
+      (state->running ? state->events : state->eval_events)
+          .push_back({name, state->replica, state->stage, state->computing.first, state->computing.second, state->step,
+                      end - seconds * 1e6, end, bytes});
+    });
+    for (auto& chunk : st.chunks) chunk->set_expert_parallel({experts->rank(), experts->size(), group});
+    st.ep_size = experts->size();
   }
   // Restarted in place: the parameters before the step being retried (the shards' fp32
   // main parameters; bf16 stages round them as the all-gather does).
@@ -1025,11 +1081,11 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
 
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
-                             std::vector<torch::Tensor> params) {
+                             std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts) {
   // Detached: a thread of its own, so its LibTorch intra-op thread count is its own
   // and long compute never holds a scheduler thread other actors need.
   return supervisor->spawn<caf::detached + caf::monitored>(stage_behavior, std::move(ctx), std::move(wiring),
-                                                          replica, stage, std::move(params));
+                                                          replica, stage, std::move(params), std::move(experts));
 }
 
 }  // namespace troupe

@@ -30,9 +30,13 @@ namespace troupe {
 
 /// Spawns the stage actor of (replica, stage), detached and monitored by `supervisor`.
 /// `params` (one flat buffer per chunk; empty: the job's initial parameters) is what a
-/// stage restarted in place starts from.
+/// stage restarted in place starts from. `experts` (parallel.expert_parallel > 1): the
+/// stage's expert-parallel group, rank replica mod EP, in which its expert layers'
+/// all-to-alls run (every member runs the same ops in the same order: fixed-order
+/// schedules, and evaluation forwards in (forward, chunk) order).
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
-                             std::vector<torch::Tensor> params = {});
+                             std::vector<torch::Tensor> params = {},
+                             std::shared_ptr<transport::communicator> experts = nullptr);
 
 }  // namespace troupe

@@ -39,6 +39,15 @@ node_plan local_node_plan(const runtime_context& ctx) {
   for (int k = 0; k < ctx.p; ++k) groups.push_back(transport::make_local_group(ctx.d));
   plan.slots = node_slots(ctx.p, ctx.d, 0, 1);
   for (const auto& [r, k] : plan.slots) plan.comms.push_back(groups[k][r]);
+  const int ep = ctx.cfg.expert_parallel;
+  if (ep > 1) {
+    std::map<std::pair<int, int>, std::vector<std::shared_ptr<transport::communicator>>> ep_groups;  // (stage, group)
+    for (const auto& [r, k] : plan.slots) {
+      auto& g = ep_groups[{k, r / ep}];
+      if (g.empty()) g = transport::make_local_group(ep);
+      plan.ep_comms.push_back(g.at(std::size_t(r % ep)));
+    }
+  }
   for (int r = 0; r < ctx.d; ++r) plan.loader_replicas.push_back(r);
   return plan;
 }
@@ -89,7 +98,8 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
                                     ctx->shard_name(k, r)));
       mine.stages.push_back(wiring->stages[r][k] =
                                 add(spawn_stage_actor(self, ctx, wiring, r, k,
-                                                      params.empty() ? std::vector<torch::Tensor>{} : params.at(i)),
+                                                      params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
+                                                      plan->ep_comms.empty() ? nullptr : plan->ep_comms.at(i)),
                                     ctx->stage_name(r, k)));
     }
     for (int r : plan->loader_replicas) {
@@ -158,6 +168,8 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   // (a send whose receiver was killed).
   auto renew = [=] {
     std::vector<std::shared_ptr<transport::communicator>> old = std::move(plan->comms);
+    old.insert(old.end(), plan->ep_comms.begin(), plan->ep_comms.end());
+    plan->ep_comms.clear();
     if (plan->world) old.push_back(std::move(plan->world));
     plan->comms.clear();
     plan->world = nullptr;
@@ -216,7 +228,15 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       self->send(coordinator,
                  runtime_failure{-1, name, "actor died: " + self->system().render(msg.reason), wiring->generation});
   });
+  // Stage actors waiting in an expert-parallel all-to-all hold their threads (and read no
+  // messages) until a peer joins it: a step given up, or retried in place, fails those
+  // collectives first, so that the actors can take their exit or abort.
+  auto release_ep = [plan](const std::string& why) {
+    for (auto& c : plan->ep_comms)
+      if (c) c->abort(why);
+  };
   self->set_exit_handler([=](const caf::exit_msg& msg) {
+    release_ep("the node is shutting down");
     for (auto& [h, n] : *children) self->send_exit(h, msg.reason);
     self->quit(msg.reason);
   });
@@ -249,6 +269,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         if (children->empty()) {
           renew();
         } else {
+          release_ep("the step is retried in place");
           for (auto& [h, n] : *children) self->send_exit(h, caf::exit_reason::kill);
         }
         return *rp;
@@ -385,6 +406,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         return rp;
       },
       [=](const abort_step& msg) {
+        release_ep("step " + std::to_string(msg.step + 1) + " aborted: " + msg.reason);
         for (auto& [h, n] : *children) self->send(h, msg);
       },
       [=](plant_atom, int replica, int stage) { self->send(wiring->stages.at(replica).at(stage), plant_atom_v); },

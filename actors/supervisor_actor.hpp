@@ -49,6 +49,10 @@ struct node_plan {
   int node = 0;
   std::vector<std::pair<int, int>> slots;
   std::vector<std::shared_ptr<transport::communicator>> comms;  ///< per slot
+  /// Per slot: its stage actor's expert-parallel group (parallel.expert_parallel = EP > 1:
+  /// the stage actors of replicas EP g .. EP g + EP - 1 at that stage, rank replica mod EP),
+  /// in which the experts' all-to-alls run; empty without expert parallelism.
+  std::vector<std::shared_ptr<transport::communicator>> ep_comms;
   std::vector<int> loader_replicas;
   std::shared_ptr<transport::communicator> world;  ///< between nodes (rank = node); null: one process
   /// Several nodes: where addresses are exchanged, and how to make fresh communicators.
@@ -64,7 +68,8 @@ struct node_plan {
 /// p x d is not divisible by the node count.
 std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes);
 
-/// Every replica in this process, shards on in-process communicators.
+/// Every replica in this process, shards (and expert-parallel groups) on in-process
+/// communicators.
 node_plan local_node_plan(const runtime_context& ctx);
 
 caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<const runtime_context> ctx,

@@ -17,20 +17,23 @@ std::int64_t row_elements(const torch::Tensor& t) {
 
 class communicator_group final : public collective_group {
  public:
-  communicator_group(std::shared_ptr<transport::communicator> comm, std::shared_ptr<collective_traffic> traffic)
-      : comm_(std::move(comm)), traffic_(std::move(traffic)) {}
+  communicator_group(std::shared_ptr<transport::communicator> comm, std::shared_ptr<collective_traffic> traffic,
+                     collective_observer observe)
+      : comm_(std::move(comm)), traffic_(std::move(traffic)), observe_(std::move(observe)) {}
   int rank() const override { return comm_->rank(); }
   int size() const override { return comm_->size(); }
   // (The transports take flat tensors: views of the same memory.)
   void all_reduce(torch::Tensor t) override {
-    run(&collective_traffic::all_reduce, t.numel(), [&] { return comm_->all_reduce(t.view({-1})); });
+    run("all-reduce", &collective_traffic::all_reduce, t.numel(), t.nbytes(),
+        [&] { return comm_->all_reduce(t.view({-1})); });
   }
   void all_gather(const torch::Tensor& in, torch::Tensor out) override {
-    run(&collective_traffic::all_gather, out.numel(), [&] { return comm_->all_gather(in.view({-1}), out.view({-1})); });
+    run("all-gather", &collective_traffic::all_gather, out.numel(), out.nbytes(),
+        [&] { return comm_->all_gather(in.view({-1}), out.view({-1})); });
   }
   void reduce_scatter(const torch::Tensor& in, torch::Tensor out) override {
-    run(&collective_traffic::reduce_scatter, in.numel(),
-          [&] { return comm_->reduce_scatter(in.view({-1}), out.view({-1})); });
+    run("reduce-scatter", &collective_traffic::reduce_scatter, in.numel(), out.nbytes(),
+        [&] { return comm_->reduce_scatter(in.view({-1}), out.view({-1})); });
   }
   torch::Tensor all_to_all(const torch::Tensor& in, const std::vector<std::int64_t>& send_rows,
                            const std::vector<std::int64_t>& recv_rows) override {
@@ -42,7 +45,7 @@ class communicator_group final : public collective_group {
     std::vector<std::int64_t> send(send_rows), recv(recv_rows);  // in elements
     for (auto& c : send) c *= row_elements(in);
     for (auto& c : recv) c *= row_elements(in);
-    run(&collective_traffic::all_to_all, out.numel(),
+    run("all-to-all", &collective_traffic::all_to_all, out.numel(), out.nbytes(),
         [&] { return comm_->all_to_all(in.contiguous().view({-1}), send, out.view({-1}), recv); });
     return out;
   }
@@ -53,18 +56,22 @@ class communicator_group final : public collective_group {
   /// waits for the slowest rank's compute: no deadline of its own (a rank that fails
   /// aborts the group, and the runtime's step timeout covers the rest).
   template <class Start>
-  void run(std::atomic<std::int64_t> collective_traffic::*kind, std::int64_t elements, Start start) {
+  void run(const char* name, std::atomic<std::int64_t> collective_traffic::*kind, std::int64_t elements,
+           std::int64_t bytes, Start start) {
     const auto t0 = std::chrono::steady_clock::now();
     const auto w = start();
     while (!w->wait(std::chrono::seconds(60))) {
     }
+    const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+    if (observe_) observe_(name, bytes, double(waited.count()) * 1e-9);
     if (!traffic_) return;
     (traffic_.get()->*kind) += elements;
     ++traffic_->calls;
-    traffic_->wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    traffic_->wait_ns += waited.count();
   }
   std::shared_ptr<transport::communicator> comm_;
   std::shared_ptr<collective_traffic> traffic_;
+  collective_observer observe_;
 };
 
 }  // namespace
@@ -75,8 +82,9 @@ double collective_traffic::ring_bytes(int size) const {
 }
 
 std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm,
-                                                      std::shared_ptr<collective_traffic> traffic) {
-  return std::make_shared<communicator_group>(std::move(comm), std::move(traffic));
+                                                      std::shared_ptr<collective_traffic> traffic,
+                                                      collective_observer observe) {
+  return std::make_shared<communicator_group>(std::move(comm), std::move(traffic), std::move(observe));
 }
 
 std::vector<std::shared_ptr<collective_group>> counted_in_process_groups(int size,

@@ -3,6 +3,7 @@
 // blocking collectives the parallel layers call) as the transport's asynchronous ones.
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "compute/collective_group.hpp"
@@ -23,10 +24,16 @@ struct collective_traffic {
   double ring_bytes(int size) const;
 };
 
+/// Told of every collective a group ran, once it is done: its name ("all-reduce",
+/// "all-gather", "reduce-scatter", "all-to-all"), the bytes this rank received of it (an
+/// all-reduce: its tensor's), and the seconds the rank waited in it (the trace's events).
+using collective_observer = std::function<void(const char* name, std::int64_t bytes, double seconds)>;
+
 /// `comm` as a collective_group: each collective is started and waited for (and counted
-/// into `traffic` when given).
+/// into `traffic`, and told to `observe`, when given).
 std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm,
-                                                      std::shared_ptr<collective_traffic> traffic = nullptr);
+                                                      std::shared_ptr<collective_traffic> traffic = nullptr,
+                                                      collective_observer observe = nullptr);
 
 /// Groups whose ranks are threads of this process (transport/local/: bit-identical sums
 /// to the UCX backend's).

@@ -228,7 +228,7 @@ const std::vector<key_def>& key_defs() {
               &job_config::tensor_parallel, 1, 1024),
       int_key("parallel.expert_parallel",
               "ranks each expert layer's experts are spread over (expert parallelism: an all-to-all sends each "
-              "token to its experts' rank); divides data_parallel and the experts; the local runtime for now",
+              "token to its experts' rank); divides data_parallel and the experts",
               &job_config::expert_parallel, 1, 1024),
       bool_key("parallel.sequence_parallel",
                "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
@@ -498,7 +498,8 @@ void job_config::validate() const {
            " experts: expected 1 to " + std::to_string(g.n_experts));
     if (g.n_experts > 0 && tensor_parallel > 1)
       fail("experts with tensor_parallel " + std::to_string(tensor_parallel) +
-           ": the experts' own parallelism (expert parallelism) is not built yet; use tensor_parallel 1");
+           ": experts in a tensor-parallel job (which needs sequence parallelism) are not built yet; spread the "
+           "experts with expert_parallel and keep tensor_parallel 1");
     if (g.vocab_used > g.vocab)
       fail("vocab " + std::to_string(g.vocab) + " is below the tokenizer's " + std::to_string(g.vocab_used) + " pieces");
   }
@@ -514,9 +515,9 @@ void job_config::validate() const {
       fail(ep + " does not divide data_parallel " + std::to_string(data_parallel) +
            ": an expert-parallel group is expert_parallel data-parallel replicas (Megatron's folding: EP divides "
            "DP x TP, and TP is 1 with experts for now)");
-    if (runtime != "local")
-      fail(ep + " runs in the local runtime for now (train.runtime = \"local\", --runtime local): the actor "
-           "runtime's all-to-all between stage actors is not built yet");
+    if (runtime != "local" && schedule == "dataflow")
+      fail(ep + " with schedule dataflow: the stage actors of an expert-parallel group meet in every expert "
+           "layer's all-to-all, so they run one fixed order (any schedule but dataflow)");
   }
   if (tensor_parallel > 1) {
     try {

@@ -3,7 +3,8 @@
 # it again, it rejoins the running job (no job restart: no resume line), every node
 # rebuilds its actors in place, the lost node's optimizer shards from the copies on the
 # next node (its buddy) and its stages' parameters all-gathered from them; the run ends
-# bit-identical to the fault-free one with the same loss log. Also: the last node (whose
+# bit-identical to the fault-free one with the same loss log (also with expert
+# parallelism across the nodes). Also: the last node (whose
 # buddy is node 0), a node that does not come back in time (exit 75, the launcher restarts
 # the job from its newest checkpoint), a node and its buddy lost together (the same), and
 # --max-node-restarts 0 (no buddy copies, a job restart); node 0 stalled past the
@@ -49,6 +50,11 @@ restarted() {  # reference, name, what must be in the log, then the flags
 two=(--nodes 2)
 reference ref "${two[@]}"
 rejoined ref kill-node-1 1 "${two[@]}" --kill-node 1:4
+# Expert parallelism across the two nodes: node 1's stage actors share every all-to-all
+# with node 0's; the rejoined node's new actors meet theirs in fresh groups.
+moe=(--workload moe-tiny --layers 2 --expert-parallel 2 "${two[@]}")
+reference moe-ref "${moe[@]}"
+rejoined moe-ref moe-kill-node-1 1 "${moe[@]}" --kill-node 1:4
 # Node 0 stalled (SIGSTOP for 8 s: a paused VM, a swapped-out process) past the connection
 # timeout (5 s): node 1 loses it and ends with the recoverable status (75), the launcher
 # starts it again, and it rejoins the job in place once node 0 runs again (no job

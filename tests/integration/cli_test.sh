@@ -88,13 +88,18 @@ check train-dualpipev-one-chunk 2 "$troupe" train --schedule dualpipev --pipelin
 expect_in train-dualpipev-one-chunk-msg "$err" "set chunks = 2"
 check train-combined-one-chunk 2 "$troupe" train --schedule combined-1f1b --pipeline 2 --microbatches 4
 expect_in train-combined-one-chunk-msg "$err" "needs at least 2 virtual chunks"
-# Expert parallelism: the local loop trains with it, the actor runtime says it does not yet.
+# Expert parallelism: both runtimes train with it (the actors' stages meet in all-to-alls
+# in a fixed order: dataflow is refused).
 check train-moe-ep 0 "$troupe" train --workload moe-tiny --runtime local --data-parallel 2 --expert-parallel 2 \
   --steps 1 --threads 1 --eval-interval 0 --layers 2
 expect_in train-moe-ep-log "$err" "expert-parallel 2 x pipeline 1 x data-parallel 2"
 expect_in train-moe-ep-line "$out" "aux_loss"
-check train-moe-ep-actors 2 "$troupe" train --workload moe-tiny --data-parallel 2 --expert-parallel 2
-expect_in train-moe-ep-actors-msg "$err" "expert_parallel 2 runs in the local runtime for now"
+check train-moe-ep-actors 0 "$troupe" train --workload moe-tiny --data-parallel 2 --expert-parallel 2 --pipeline 2 \
+  --steps 1 --threads 1 --eval-interval 0 --layers 2
+expect_in train-moe-ep-actors-log "$err" "with actors: expert-parallel 2 x pipeline 2 x data-parallel 2"
+check train-moe-ep-dataflow 2 "$troupe" train --workload moe-tiny --data-parallel 2 --expert-parallel 2 \
+  --schedule dataflow
+expect_in train-moe-ep-dataflow-msg "$err" "expert_parallel 2 with schedule dataflow"
 check train-moe-ep-divides 2 "$troupe" train --workload moe-tiny --runtime local --expert-parallel 2
 expect_in train-moe-ep-divides-msg "$err" "expert_parallel 2 does not divide data_parallel 1"
 # A run's trace drawn: one block per op the schedule gave each stage.

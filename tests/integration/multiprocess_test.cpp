@@ -1,5 +1,6 @@
 // Multi-process jobs: node processes (troupe-node) on this machine give exactly the
-// parameters and optimizer state of the in-process actor run; joins without the job's
+// parameters and optimizer state of the in-process actor run (also with expert
+// parallelism across nodes); joins without the job's
 // token or with another protocol version are refused; a node that dies is noticed.
 // Every test starts its processes through process_group: none is left behind.
 #include <gtest/gtest.h>
@@ -178,6 +179,56 @@ TEST(MultiProcessLlama, NodesFollowPlainPytorch) {
   ASSERT_EQ(losses.size(), std::size_t(steps));
   for (int i = 0; i < steps; ++i) EXPECT_NEAR(losses[i], expected[i], 1e-5) << "step " << i;
   EXPECT_LE(test::max_abs_diff(load_state_dict(dir / "nodes.pt"), load_state_dict(dir / "final.pt")), 1e-5);
+}
+
+// Expert parallelism over node processes: the stage actors of an expert-parallel group on
+// different nodes meet in their all-to-alls over UCX (EP 2 across 2 nodes with a pipeline:
+// node n hosts replica n; EP 4 across 4). The parameters, the moments and the pipeline
+// evaluation (several forwards per group) are exactly the in-process run's.
+TEST(MultiProcessExperts, NodesGiveExactlyTheInProcessParameters) {
+  struct layout {
+    int p, d, ep, nodes;
+  };
+  for (const auto& l : {layout{2, 2, 2, 2}, layout{1, 4, 4, 4}}) {
+    const std::string at = "p" + std::to_string(l.p) + " d" + std::to_string(l.d) + " ep" + std::to_string(l.ep);
+    test::temp_dir dir;
+    const std::vector<std::string> args{
+        "--workload", "moe-tiny", "--layers", "2", "--pipeline", std::to_string(l.p), "--data-parallel",
+        std::to_string(l.d), "--expert-parallel", std::to_string(l.ep), "--microbatches", "2", "--steps", "6",
+        "--eval-interval", "0", "--threads", "1", "--eval-tokens", "256", "--save", dir / "multi.pt",
+        "--metrics", dir / "multi.jsonl"};
+    auto group = start({l.nodes, args}, dir, free_port());
+    const auto results = group.wait(std::chrono::seconds(300));
+    for (int i = 0; i < l.nodes; ++i) ASSERT_EQ(results[i].status, 0) << at << " node " << i << ":\n" << results[i].output;
+    auto cfg = job_config::defaults_for("moe-tiny");
+    cfg.device = "cpu";
+    cfg.layers = 2;
+    cfg.pipeline = l.p;
+    cfg.data_parallel = l.d;
+    cfg.expert_parallel = l.ep;
+    cfg.microbatches = 2;
+    cfg.steps = 6;
+    cfg.eval_interval = 0;
+    cfg.threads = 1;
+    cfg.eval_tokens = 256;
+    cfg.save = dir / "single.pt";
+    actor_run_options quiet;
+    quiet.quiet = true;
+    const auto single = run_actor_training(cfg, quiet);
+    ASSERT_EQ(single.exit_code, 0) << single.error;
+    EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt"), load_state_dict(dir / "single.pt")), 0.0) << at;
+    EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt.optim"), load_state_dict(dir / "single.pt.optim")),
+              0.0) << at;
+    ASSERT_EQ(single.evaluations.size(), 1u);
+    std::ifstream metrics(dir / "multi.jsonl");
+    std::string line, last;
+    while (std::getline(metrics, line)) last = line;
+    const auto j = nlohmann::json::parse(last);
+    ASSERT_TRUE(j.contains("val_loss")) << last;
+    EXPECT_EQ(j.at("val_loss").get<double>(), single.evaluations[0].loss) << at;
+    EXPECT_NE(results[0].output.find("expert-parallel " + std::to_string(l.ep) + " x pipeline"), std::string::npos)
+        << results[0].output;
+  }
 }
 
 // A shard group runs its collectives over NCCL only when every member asked for it (named
