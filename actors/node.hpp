@@ -83,11 +83,11 @@ struct node_addresses;  // messages/node_messages.hpp
 
 /// The address table's entries (node_addresses::stages) of expert-parallel groups: the
 /// stage actors of replicas EP g .. EP g + EP - 1 at stage k are group g of `groups`, entry
-/// expert_group_entry(k, g, groups); below every link entry (-2 - node). They run over
-/// UCX (no NCCL id).
+/// expert_group_entry(k, g, groups, backward) for the forwards' group and the backwards';
+/// below every link entry (-2 - node). They run over UCX (no NCCL id).
 constexpr std::int32_t expert_group_base = -(1 << 24);
-constexpr std::int32_t expert_group_entry(int stage, int group, int groups) {
-  return expert_group_base - (stage * groups + group);
+constexpr std::int32_t expert_group_entry(int stage, int group, int groups, bool backward) {
+  return expert_group_base - 2 * (stage * groups + group) - (backward ? 1 : 0);
 }
 
 /// The registrar's part of NCCL, once every node has sent its entries of an address

@@ -29,7 +29,8 @@ constexpr std::int32_t link_entry(int from) { return -2 - from; }
 
 /// A node's communicators: per slot (r, k) rank r of stage k's d shards, the world of the
 /// nodes (rank = node), which carries activations between them, and (expert parallelism)
-/// per slot rank r mod EP of its stage's expert-parallel group. Made at join and
+/// per slot rank r mod EP of its stage's two expert-parallel groups (forwards',
+/// backwards'). Made at join and
 /// again for every in-place recovery; addresses (and machine keys, GPU keys, NCCL ids) go
 /// through the registrar (stage -1: the world). The shard groups only run collectives:
 /// over NCCL where `transport.nccl` asks and every member has a GPU of its own
@@ -64,10 +65,11 @@ class ucx_renewal : public comm_renewal {
     pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
     add(-1, node, pending_.back()->address(), gpu);  // the world: with this node's GPU key
     if (ep_ > 1)
-      for (const auto& [r, k] : slots_) {
-        experts_.push_back(transport::prepare_ucx_communicator(r % ep_, ep_));
-        add(expert_group_entry(k, r / ep_, d_ / ep_), r % ep_, experts_.back()->address(), "");
-      }
+      for (const auto& [r, k] : slots_)
+        for (const bool backward : {false, true}) {
+          experts_.push_back(transport::prepare_ucx_communicator(r % ep_, ep_));
+          add(expert_group_entry(k, r / ep_, d_ / ep_, backward), r % ep_, experts_.back()->address(), "");
+        }
     if (!gpu.empty())  // the links this node sends on (no address: a NCCL id's place)
       for (const auto& [from, to] : links_)
         if (from == node_) add(link_entry(from), to, "", "");
@@ -116,9 +118,11 @@ class ucx_renewal : public comm_renewal {
       if (k == 0) plan.loader_replicas.push_back(r);
     plan.world = staged(pending_.back()->connect(column(-1, nodes_, table.addresses)));
     for (std::size_t i = 0; i < experts_.size(); ++i) {
-      const auto [r, k] = slots_[i];
-      plan.ep_comms.push_back(
-          staged(experts_[i]->connect(column(expert_group_entry(k, r / ep_, d_ / ep_), ep_, table.addresses))));
+      const auto [r, k] = slots_[i / 2];
+      const bool backward = i % 2 == 1;
+      (backward ? plan.ep_backward_comms : plan.ep_comms)
+          .push_back(staged(
+              experts_[i]->connect(column(expert_group_entry(k, r / ep_, d_ / ep_, backward), ep_, table.addresses))));
     }
     auto [to, from] = make_links(table, column(-1, nodes_, table.gpus), plan.world);
     if (transport_.ipc != node_transport::ipc_memory::off) {
@@ -155,7 +159,7 @@ class ucx_renewal : public comm_renewal {
   node_transport transport_;
   std::string machine_;  // transport::machine_key(), sent with the addresses
   std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
-  std::vector<std::unique_ptr<transport::ucx_pending>> experts_;  // per slot: its expert-parallel group (EP > 1)
+  std::vector<std::unique_ptr<transport::ucx_pending>> experts_;  // per slot: its expert-parallel groups (EP > 1), forwards' and backwards'
   node_addresses mine_;
   std::vector<std::pair<int, int>> links_;  // link_pairs() where links are asked for
 

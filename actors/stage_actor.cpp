@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -100,7 +101,10 @@ struct stage_state {
   // one order, (forward, chunk): those that come early wait here; `eval_next` is the
   // next to run (forward -1: the group's first).
   int ep_size = 1;
-  key computing{-1, -1};  // (micro-batch or evaluation forward, chunk) of the op computing now
+  // (micro-batch or evaluation forward, chunk) of the forward and of the backward
+  // computing now (both at once in an overlapped pair), for their all-to-alls' events.
+  key computing_forward{-1, -1}, computing_backward{-1, -1};
+  std::mutex events_mutex;  // `events` while an overlapped pair's two ops compute
   std::map<key, eval_activation> eval_waiting;
   key eval_next{-1, 0};
   /// Whether this stage scores evaluation forwards and reports them: without expert
@@ -175,7 +179,19 @@ class stage_logic {
   void run_ready(bool weight_turn = false) {
     if (!s_.running) return;
     if (s_.order) {
-      while (s_.next_op < s_.order->size() && ready((*s_.order)[s_.next_op])) execute((*s_.order)[s_.next_op++]);
+      const auto& order = *s_.order;
+      while (s_.next_op < order.size()) {
+        const auto& op = order[s_.next_op];
+        if (op.paired && s_.next_op + 1 < order.size() && overlaps_pairs()) {
+          if (!ready(op) || !ready(order[s_.next_op + 1])) break;
+          s_.next_op += 2;
+          execute_pair(op, order[s_.next_op - 1]);
+          continue;
+        }
+        if (!ready(op)) break;
+        ++s_.next_op;
+        execute(op);
+      }
     } else {
       for (;;) {
         if (auto op = next_dataflow_op()) {
@@ -278,39 +294,93 @@ class stage_logic {
     }
   }
 
-  void execute(const pipeline_op& op) {
+  /// One op in three parts: begin (on the stage's thread: takes its inputs), compute (its
+  /// slice's forward, backward or weight pass only; an overlapped pair's forward runs it
+  /// on a thread of its own), end (on the stage's thread: sends and bookkeeping).
+  struct op_work {
+    pipeline_op op;
+    key k;
+    int x = 0;
+    trace_event ev;
+    int gpu_start = -1;
+    bool split = false;
+    weight_grad_store* store = nullptr;  // a split forward's W store, or a W's
+    torch::Tensor in, out, loss, target;  // forward
+    stage_state::saved_t sv;             // backward: the forward's input and output
+    torch::Tensor grad;                  // backward: the gradient of its output (not on the last virtual stage)
+    double computed_us = -1;             // an overlapped op: when its compute ended
+  };
+
+  op_work begin_op(const pipeline_op& op) {
     const auto& ctx = *s_.ctx;
-    if (s_.ops_done == 1) inject_op_faults();
-    const key k{op.mb, op.chunk};
-    s_.computing = k;
-    const int x = s_.virtual_of(op.chunk);
-    auto& slice = *s_.chunks[op.chunk];
-    trace_event ev{op_letter(op.kind), s_.replica, s_.stage, op.mb, op.chunk, s_.step, ctx.now_us(), 0};
-    const int gpu_start = s_.gpu_clock ? s_.gpu_clock->mark() : -1;
+    op_work w;
+    w.op = op;
+    w.k = {op.mb, op.chunk};
+    w.x = s_.virtual_of(op.chunk);
+    w.ev = trace_event{op_letter(op.kind), s_.replica, s_.stage, op.mb, op.chunk, s_.step, ctx.now_us(), 0};
+    w.gpu_start = s_.gpu_clock ? s_.gpu_clock->mark() : -1;
+    w.split = s_.splits(w.k);
     if (op.kind == op_kind::weight) {
-      s_.deferred[k].apply();
-      s_.deferred.erase(k);
+      w.store = &s_.deferred[w.k];
+    } else if (op.kind == op_kind::forward) {
+      w.in = std::move(s_.inputs[w.k]);
+      s_.inputs.erase(w.k);
+      if (w.x > 0) w.in = w.in.detach().requires_grad_(true);
+      if (s_.is_last_virtual(op.chunk)) w.target = s_.targets[op.mb];
+      if (w.split) w.store = &s_.deferred[w.k];
+    } else {
+      w.sv = std::move(s_.saved[w.k]);
+      s_.saved.erase(w.k);
+      // The chunk's last op: its buckets go to the shard as this backward finishes them
+      // (split backwards: after their W's, in chunk_done).
+      if (!w.split && s_.chunk_ops_left.at(op.chunk) == 1) s_.watches.at(op.chunk)->arm();
+      if (!s_.is_last_virtual(op.chunk)) {
+        w.grad = std::move(s_.out_grads[w.k]);
+        s_.out_grads.erase(w.k);
+      }
+    }
+    return w;
+  }
+
+  /// The op's compute: its slice (and a split op's W store) only, and the expert
+  /// all-to-alls' trace events (under their lock).
+  void compute(op_work& w) {
+    const auto& ctx = *s_.ctx;
+    auto& slice = *s_.chunks[w.op.chunk];
+    if (w.op.kind == op_kind::forward) s_.computing_forward = w.k;
+    if (w.op.kind == op_kind::backward) s_.computing_backward = w.k;
+    if (w.op.kind == op_kind::weight) {
+      w.store->apply();
+    } else if (w.op.kind == op_kind::forward) {
+      precision_scope amp(ctx.device, ctx.compute_dtype);
+      if (w.split) slice.defer_weight_grads(w.store);
+      w.out = slice.forward(w.in);
+      slice.defer_weight_grads(nullptr);
+      if (s_.is_last_virtual(w.op.chunk)) w.loss = slice.loss(w.out, w.target);
+    } else if (s_.is_last_virtual(w.op.chunk)) {
+      w.sv.output.backward();
+    } else {
+      torch::autograd::backward({w.sv.output}, {w.grad.to(w.sv.output.scalar_type())});
+    }
+  }
+
+  void end_op(op_work& w) {
+    const auto& ctx = *s_.ctx;
+    const auto& op = w.op;
+    if (op.kind == op_kind::weight) {
+      s_.deferred.erase(w.k);
       --s_.in_flight;
     } else if (op.kind == op_kind::forward) {
-      auto in = std::move(s_.inputs[k]);
-      s_.inputs.erase(k);
-      if (x > 0) in = in.detach().requires_grad_(true);
-      torch::Tensor out, loss;
-      {
-        precision_scope amp(ctx.device, ctx.compute_dtype);
-        if (s_.splits(k)) slice.defer_weight_grads(&s_.deferred[k]);
-        out = slice.forward(in);
-        slice.defer_weight_grads(nullptr);
-        if (s_.is_last_virtual(op.chunk)) loss = slice.loss(out, s_.targets[op.mb]);
-      }
+      auto out = std::move(w.out);
       if (s_.is_last_virtual(op.chunk)) {
+        auto loss = std::move(w.loss);
         if (s_.faults.nan_loss(s_.step, s_.attempt))  // fault injection
           loss = loss * std::numeric_limits<double>::quiet_NaN();
         s_.targets.erase(op.mb);
         s_.losses.emplace_back(op.mb, loss.detach());  // reported after the last op: no sync now
         out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
       } else {
-        const auto next = s_.owner(x + 1);
+        const auto next = s_.owner(w.x + 1);
         // Activations travel in the compute dtype (bf16 jobs: half the bytes, as Megatron's
         // pipeline sends bf16); the receiver widens them to fp32.
         send_tensor(next.stage, next.actor,
@@ -319,43 +389,80 @@ class stage_logic {
                     "activation", op.mb, op.chunk);
         deallocate(out);
       }
-      if (x == 0) {
+      if (w.x == 0) {
         s_.record_sent("credit mb " + std::to_string(op.mb), s_.loader_name());
         self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
       }
-      s_.saved[k] = {in, out};
+      s_.saved[w.k] = {w.in, out};
       s_.peak_in_flight = std::max(s_.peak_in_flight, ++s_.in_flight);
       ++s_.forwards_done;
     } else {
-      auto sv = std::move(s_.saved[k]);
-      s_.saved.erase(k);
-      // The chunk's last op: its buckets go to the shard as this backward finishes them
-      // (split backwards: after their W's, in chunk_done).
-      const bool split = s_.splits(k);
-      if (!split && s_.chunk_ops_left.at(op.chunk) == 1) s_.watches.at(op.chunk)->arm();
-      if (s_.is_last_virtual(op.chunk)) {
-        sv.output.backward();
-      } else {
-        auto g = std::move(s_.out_grads[k]);
-        s_.out_grads.erase(k);
-        torch::autograd::backward({sv.output}, {g.to(sv.output.scalar_type())});
-      }
-      if (x > 0) {
-        const auto prev = s_.owner(x - 1);
+      if (w.x > 0) {
+        const auto prev = s_.owner(w.x - 1);
         send_tensor(prev.stage, prev.actor,
                     backward_grad{s_.step, op.mb, prev.chunk,
-                                  make_payload(sv.input.grad().to(ctx.compute_dtype), ctx.cfg.checksum)},
+                                  make_payload(w.sv.input.grad().to(ctx.compute_dtype), ctx.cfg.checksum)},
                     "gradient",
                     op.mb, op.chunk);
       }
-      if (!split) --s_.in_flight;  // split: the W's inputs stay until it runs
+      if (!w.split) --s_.in_flight;  // split: the W's inputs stay until it runs
     }
     s_.last_op = op_letter(op.kind) + std::to_string(op.mb) + (ctx.v > 1 ? " chunk " + std::to_string(op.chunk) : "");
-    ev.end_us = ctx.now_us();
-    if (gpu_start >= 0) s_.gpu_spans.push_back({s_.events.size(), gpu_start, s_.gpu_clock->mark()});
-    s_.events.push_back(std::move(ev));
+    w.ev.end_us = w.computed_us >= 0 ? w.computed_us : ctx.now_us();
+    if (w.gpu_start >= 0) s_.gpu_spans.push_back({s_.events.size(), w.gpu_start, s_.gpu_clock->mark()});
+    push_event(std::move(w.ev));
     ++s_.ops_done;
     if (--s_.chunk_ops_left.at(op.chunk) == 0) chunk_done(op.chunk);
+  }
+
+  void push_event(trace_event ev) {
+    std::lock_guard<std::mutex> lock(s_.events_mutex);
+    s_.events.push_back(std::move(ev));
+  }
+
+  void execute(const pipeline_op& op) {
+    if (s_.ops_done == 1) inject_op_faults();
+    auto w = begin_op(op);
+    compute(w);
+    end_op(w);
+  }
+
+  /// Whether a pair's two ops run at once: with expert parallelism (whose all-to-alls
+  /// they hide behind each other's compute), on the CPU, and without recomputation (a
+  /// recomputing backward flags its slice, which a forward beside it would see). Else
+  /// one after the other.
+  bool overlaps_pairs() const {
+    return s_.ep_size > 1 && s_.ctx->device.is_cpu() && s_.ctx->cfg.recompute == "none";
+  }
+
+  /// An overlapped pair (combined-1f1b, dualpipev): the backward computes on the stage's
+  /// thread while the forward computes on a thread of its own, each calling its own
+  /// expert-parallel group's all-to-alls, so that one's wait hides behind the other's
+  /// compute. Both inputs are taken first and both results handed on after.
+  void execute_pair(const pipeline_op& f, const pipeline_op& b) {
+    if (s_.ops_done <= 1) inject_op_faults();
+    auto wf = begin_op(f), wb = begin_op(b);
+    const int threads = s_.ctx->cfg.threads;
+    auto forward = std::async(std::launch::async, [this, &wf, threads] {
+      if (threads > 0) torch::set_num_threads(threads);
+      compute(wf);
+      wf.computed_us = s_.ctx->now_us();
+    });
+    std::exception_ptr failed;
+    try {
+      compute(wb);
+      wb.computed_us = s_.ctx->now_us();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    try {
+      forward.get();
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+    if (failed) std::rethrow_exception(failed);
+    end_op(wf);
+    end_op(wb);
   }
 
   /// A chunk's ops all ran: its gradients are final (but for a tied embedding's, which
@@ -755,7 +862,7 @@ class stage_logic {
     auto in = tensor_of(msg.data).to(ctx.device);
     if (x > 0) in = in.to(torch::kFloat32);  // the stage computes from fp32
     trace_event ev{"eval F", s_.replica, s_.stage, msg.index, msg.chunk, s_.step, ctx.now_us(), 0};
-    s_.computing = {msg.index, msg.chunk};
+    s_.computing_forward = {msg.index, msg.chunk};
     torch::NoGradGuard no_grad;
     torch::Tensor out;
     {
@@ -836,7 +943,8 @@ namespace {
 
 caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
-                             std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts) {
+                             std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
+                             std::shared_ptr<transport::communicator> experts_backward) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
@@ -852,16 +960,22 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   }
   if (experts) {
     // Each all-to-all on the trace, on the stage's track inside the op it served. It is
-    // told on the thread computing the op (the stage's, or autograd's in a backward while
-    // the stage's thread waits for it): nothing else touches the events meanwhile.
+    // told on the thread computing the op (the stage's, an overlapped pair's forward's, or
+    // autograd's in a backward while the stage's thread waits for it).
     auto* state = &st;
-    auto group = as_collective_group(experts, nullptr, [state](const char* name, std::int64_t bytes, double seconds) {
-      const double end = state->ctx->now_us();
-      (state->running ? state->events : state->eval_events)
-          .push_back({name, state->replica, state->stage, state->computing.first, state->computing.second, state->step,
-                      end - seconds * 1e6, end, bytes});
-    });
-    for (auto& chunk : st.chunks) chunk->set_expert_parallel({experts->rank(), experts->size(), group});
+    auto observer = [state](bool backward) -> collective_observer {
+      return [state, backward](const char* name, std::int64_t bytes, double seconds) {
+        const double end = state->ctx->now_us();
+        const auto k = backward ? state->computing_backward : state->computing_forward;
+        std::lock_guard<std::mutex> lock(state->events_mutex);
+        (state->running ? state->events : state->eval_events)
+            .push_back({name, state->replica, state->stage, k.first, k.second, state->step, end - seconds * 1e6, end,
+                        bytes});
+      };
+    };
+    expert_parallel ep{experts->rank(), experts->size(), as_collective_group(experts, nullptr, observer(false)),
+                       as_collective_group(experts_backward, nullptr, observer(true))};
+    for (auto& chunk : st.chunks) chunk->set_expert_parallel(ep);
     st.ep_size = experts->size();
   }
   // Restarted in place: the parameters before the step being retried (the shards' fp32
@@ -1081,11 +1195,13 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
 
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
-                             std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts) {
+                             std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
+                             std::shared_ptr<transport::communicator> experts_backward) {
   // Detached: a thread of its own, so its LibTorch intra-op thread count is its own
   // and long compute never holds a scheduler thread other actors need.
   return supervisor->spawn<caf::detached + caf::monitored>(stage_behavior, std::move(ctx), std::move(wiring),
-                                                          replica, stage, std::move(params), std::move(experts));
+                                                          replica, stage, std::move(params), std::move(experts),
+                                                          std::move(experts_backward));
 }
 
 }  // namespace troupe

@@ -6,7 +6,9 @@
 //     ^              (F/B as inputs arrive)        (tied_grad, grad_shard)     (stage_done)
 //     +------------------------------- reset_step ----------------------------------+
 //
-// Each op runs as soon as its inputs are there: F(mb, c) needs its input (data or the
+// An overlapped pair (combined-1f1b, dualpipev, with expert parallelism on the CPU) runs
+// once both its ops' inputs are here, the forward on a thread of its own beside the
+// backward. Each op runs as soon as its inputs are there: F(mb, c) needs its input (data or the
 // previous virtual stage's activation) and, on the last virtual stage, its target;
 // B(mb, c) needs its forward and, except on the last virtual stage, the gradient of its
 // output; W(mb, c) (zero-bubble, or dataflow with split_backward: the weight gradients B
@@ -30,13 +32,16 @@ namespace troupe {
 
 /// Spawns the stage actor of (replica, stage), detached and monitored by `supervisor`.
 /// `params` (one flat buffer per chunk; empty: the job's initial parameters) is what a
-/// stage restarted in place starts from. `experts` (parallel.expert_parallel > 1): the
-/// stage's expert-parallel group, rank replica mod EP, in which its expert layers'
-/// all-to-alls run (every member runs the same ops in the same order: fixed-order
-/// schedules, and evaluation forwards in (forward, chunk) order).
+/// stage restarted in place starts from. `experts`, `experts_backward`
+/// (parallel.expert_parallel > 1): the stage's expert-parallel groups, rank replica mod
+/// EP, in which its expert layers' all-to-alls of forwards and of backwards run (every
+/// member runs the same ops in the same order: fixed-order schedules, and evaluation
+/// forwards in (forward, chunk) order). With them an overlapped pair's forward and
+/// backward compute at once (on the CPU, without recomputation).
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params = {},
-                             std::shared_ptr<transport::communicator> experts = nullptr);
+                             std::shared_ptr<transport::communicator> experts = nullptr,
+                             std::shared_ptr<transport::communicator> experts_backward = nullptr);
 
 }  // namespace troupe

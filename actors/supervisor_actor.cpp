@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <tuple>
 
 #include <caf/all.hpp>
 
@@ -41,12 +42,14 @@ node_plan local_node_plan(const runtime_context& ctx) {
   for (const auto& [r, k] : plan.slots) plan.comms.push_back(groups[k][r]);
   const int ep = ctx.cfg.expert_parallel;
   if (ep > 1) {
-    std::map<std::pair<int, int>, std::vector<std::shared_ptr<transport::communicator>>> ep_groups;  // (stage, group)
-    for (const auto& [r, k] : plan.slots) {
-      auto& g = ep_groups[{k, r / ep}];
-      if (g.empty()) g = transport::make_local_group(ep);
-      plan.ep_comms.push_back(g.at(std::size_t(r % ep)));
-    }
+    // (stage, group, backward) -> the group's members
+    std::map<std::tuple<int, int, bool>, std::vector<std::shared_ptr<transport::communicator>>> ep_groups;
+    for (const auto& [r, k] : plan.slots)
+      for (const bool backward : {false, true}) {
+        auto& g = ep_groups[{k, r / ep, backward}];
+        if (g.empty()) g = transport::make_local_group(ep);
+        (backward ? plan.ep_backward_comms : plan.ep_comms).push_back(g.at(std::size_t(r % ep)));
+      }
   }
   for (int r = 0; r < ctx.d; ++r) plan.loader_replicas.push_back(r);
   return plan;
@@ -99,7 +102,8 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       mine.stages.push_back(wiring->stages[r][k] =
                                 add(spawn_stage_actor(self, ctx, wiring, r, k,
                                                       params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
-                                                      plan->ep_comms.empty() ? nullptr : plan->ep_comms.at(i)),
+                                                      plan->ep_comms.empty() ? nullptr : plan->ep_comms.at(i),
+                                                      plan->ep_comms.empty() ? nullptr : plan->ep_backward_comms.at(i)),
                                     ctx->stage_name(r, k)));
     }
     for (int r : plan->loader_replicas) {
@@ -168,8 +172,10 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   // (a send whose receiver was killed).
   auto renew = [=] {
     std::vector<std::shared_ptr<transport::communicator>> old = std::move(plan->comms);
-    old.insert(old.end(), plan->ep_comms.begin(), plan->ep_comms.end());
-    plan->ep_comms.clear();
+    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms}) {
+      old.insert(old.end(), ep->begin(), ep->end());
+      ep->clear();
+    }
     if (plan->world) old.push_back(std::move(plan->world));
     plan->comms.clear();
     plan->world = nullptr;
@@ -232,8 +238,9 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   // messages) until a peer joins it: a step given up, or retried in place, fails those
   // collectives first, so that the actors can take their exit or abort.
   auto release_ep = [plan](const std::string& why) {
-    for (auto& c : plan->ep_comms)
-      if (c) c->abort(why);
+    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms})
+      for (auto& c : *ep)
+        if (c) c->abort(why);
   };
   self->set_exit_handler([=](const caf::exit_msg& msg) {
     release_ep("the node is shutting down");

@@ -51,8 +51,10 @@ struct node_plan {
   std::vector<std::shared_ptr<transport::communicator>> comms;  ///< per slot
   /// Per slot: its stage actor's expert-parallel group (parallel.expert_parallel = EP > 1:
   /// the stage actors of replicas EP g .. EP g + EP - 1 at that stage, rank replica mod EP),
-  /// in which the experts' all-to-alls run; empty without expert parallelism.
-  std::vector<std::shared_ptr<transport::communicator>> ep_comms;
+  /// in which the experts' all-to-alls of forwards run, and a second one of the same ranks
+  /// for those of backwards (expert_parallel::backward_group); empty without expert
+  /// parallelism.
+  std::vector<std::shared_ptr<transport::communicator>> ep_comms, ep_backward_comms;
   std::vector<int> loader_replicas;
   std::shared_ptr<transport::communicator> world;  ///< between nodes (rank = node); null: one process
   /// Several nodes: where addresses are exchanged, and how to make fresh communicators.

@@ -33,12 +33,23 @@ step_timing measure_step(const std::vector<trace_event>& events, int replicas, i
   t.busy_s.assign(std::size_t(replicas) * stages, 0.0);
   t.idle_s.assign(t.busy_s.size(), 0.0);
   std::vector<double> first(replicas, std::numeric_limits<double>::max()), last(replicas, 0), reduced(replicas, 0);
+  std::vector<std::vector<std::pair<double, double>>> spans(t.busy_s.size());  // per track: its ops' (start, end)
   for (const auto& e : events) {
     if (e.name == "reduce-scatter") reduced.at(e.replica) = std::max(reduced[e.replica], e.end_us);
     if (!is_compute(e)) continue;
     first.at(e.replica) = std::min(first[e.replica], e.start_us);
     last.at(e.replica) = std::max(last[e.replica], e.end_us);
-    t.busy_s.at(std::size_t(e.replica) * stages + e.stage) += (e.end_us - e.start_us) * 1e-6;
+    spans.at(std::size_t(e.replica) * stages + e.stage).emplace_back(e.start_us, e.end_us);
+  }
+  // Busy: the union of a track's ops (an overlapped pair's two count once where they overlap).
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    auto& v = spans[i];
+    std::sort(v.begin(), v.end());
+    double until = -std::numeric_limits<double>::max();
+    for (const auto& [a, b] : v) {
+      if (b > until) t.busy_s[i] += (b - std::max(a, until)) * 1e-6;
+      until = std::max(until, b);
+    }
   }
   double busy = 0, capacity = 0;
   for (int r = 0; r < replicas; ++r) {

@@ -13,7 +13,7 @@ namespace troupe {
 struct step_timing {
   double window_s = 0;              ///< longest replica window: its first compute start to its last end
   double bubble = 0;                ///< 1 - busy / (sum over replicas of stages x window)
-  std::vector<double> busy_s;       ///< per track: replica * p + stage
+  std::vector<double> busy_s;       ///< per track (replica * p + stage): the union of its ops' spans
   std::vector<double> idle_s;
   /// Longest, over replicas, from the replica's last compute op's end to the end of its
   /// shards' last reduce-scatter: the gradient reduction the step still waited for once

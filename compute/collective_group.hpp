@@ -57,7 +57,13 @@ struct expert_parallel {
   int rank = 0;
   int size = 1;
   std::shared_ptr<collective_group> group;  ///< size > 1: the group's member of this rank
+  /// The all-to-alls of backwards (and of a forward recomputed in one): a second group of
+  /// the same ranks where a forward and a backward of different micro-batches run at once
+  /// (an overlapped pair), so that each group's calls keep one order on every rank.
+  /// Null: `group` carries both.
+  std::shared_ptr<collective_group> backward_group;
   bool active() const { return size > 1; }
+  collective_group& backward() const { return backward_group ? *backward_group : *group; }
 };
 
 /// Makes the `size` members of one group whose ranks are threads of this process (member

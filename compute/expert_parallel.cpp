@@ -14,9 +14,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct all_to_all_fn : torch::autograd::Function<all_to_all_fn> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, std::int64_t g,
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, std::int64_t g, std::int64_t back,
                                std::vector<std::int64_t> send_rows, std::vector<std::int64_t> recv_rows) {
-    ctx->saved_data["group"] = g;
+    ctx->saved_data["group"] = back;
     ctx->saved_data["send"] = send_rows;
     ctx->saved_data["recv"] = recv_rows;
     return reinterpret_cast<collective_group*>(g)->all_to_all(x.contiguous(), send_rows, recv_rows);
@@ -24,15 +24,17 @@ struct all_to_all_fn : torch::autograd::Function<all_to_all_fn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& g = *reinterpret_cast<collective_group*>(ctx->saved_data["group"].toInt());
     const auto send = ctx->saved_data["send"].toIntVector(), recv = ctx->saved_data["recv"].toIntVector();
-    return {g.all_to_all(grads[0].contiguous(), recv, send), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {g.all_to_all(grads[0].contiguous(), recv, send), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
 }  // namespace
 
-torch::Tensor all_to_all(const torch::Tensor& x, collective_group& g, const std::vector<std::int64_t>& send_rows,
-                         const std::vector<std::int64_t>& recv_rows) {
-  return all_to_all_fn::apply(x, reinterpret_cast<std::int64_t>(&g), send_rows, recv_rows);
+torch::Tensor all_to_all(const torch::Tensor& x, collective_group& g, collective_group& back,
+                         const std::vector<std::int64_t>& send_rows, const std::vector<std::int64_t>& recv_rows) {
+  return all_to_all_fn::apply(x, reinterpret_cast<std::int64_t>(&g), reinterpret_cast<std::int64_t>(&back), send_rows,
+                              recv_rows);
 }
 
 dispatch_plan plan_dispatch(const torch::Tensor& chosen, int n_experts, collective_group& g) {

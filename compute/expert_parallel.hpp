@@ -27,10 +27,10 @@ namespace troupe {
 namespace ep {
 
 /// Differentiable all-to-all along dim 0 (collective_group::all_to_all): forward sends
-/// send_rows[r] rows to rank r and receives recv_rows[s] from rank s; backward sends the
-/// gradient back the other way.
-torch::Tensor all_to_all(const torch::Tensor& x, collective_group& g, const std::vector<std::int64_t>& send_rows,
-                         const std::vector<std::int64_t>& recv_rows);
+/// send_rows[r] rows to rank r and receives recv_rows[s] from rank s over `g`; backward
+/// sends the gradient back the other way over `back` (expert_parallel::backward_group).
+torch::Tensor all_to_all(const torch::Tensor& x, collective_group& g, collective_group& back,
+                         const std::vector<std::int64_t>& send_rows, const std::vector<std::int64_t>& recv_rows);
 
 /// Where one rank's (token, choice) pairs go and what comes to it.
 struct dispatch_plan {

@@ -845,11 +845,13 @@ class decoder_slice final : public model_slice {
   /// go back; each token sums its choices in expert order, as the loop above does.
   torch::Tensor parallel_experts(const torch::Tensor& x, const torch::Tensor& chosen, const torch::Tensor& weights,
                                  const std::string& p) {
-    auto& g = *ep_.group;
+    // A forward recomputed inside a backward calls the backwards' group (the order of
+    // each group's calls is the same on every rank).
+    auto& g = recomputing_ ? ep_.backward() : *ep_.group;
     const std::int64_t k = chosen.size(1), local = cfg_.n_experts / g.size(), first = local * g.rank();
     const auto plan = ep::plan_dispatch(chosen, cfg_.n_experts, g);
     const auto token = plan.order.div(k, "floor").to(x.device());  // each sorted pair's token
-    const auto received = ep::all_to_all(x.index_select(0, token), g, plan.send_rows, plan.recv_rows);
+    const auto received = ep::all_to_all(x.index_select(0, token), g, ep_.backward(), plan.send_rows, plan.recv_rows);
     // Every received row is some local expert's, so each is overwritten below; starting
     // from the rows times 0 keeps both all-to-alls in the graph on every rank, also on one
     // whose experts got no row (its backward must still take part in theirs).
@@ -860,7 +862,7 @@ class decoder_slice final : public model_slice {
       const auto ye = expert(received.index_select(0, rows), p, first + j);
       results = results.index_copy(0, rows, ye.to(results.scalar_type()));
     }
-    const auto back = ep::all_to_all(results, g, plan.recv_rows, plan.send_rows);  // in the sorted pairs' order
+    const auto back = ep::all_to_all(results, g, ep_.backward(), plan.recv_rows, plan.send_rows);  // sorted pairs' order
     const auto we = weights.reshape({-1}).index_select(0, plan.order.to(x.device()));
     return torch::zeros_like(x).index_add(0, token, back * we.unsqueeze(1).to(back.scalar_type()));
   }

@@ -255,8 +255,10 @@ namespace troupe {
 
 // The actor runtime: the stage actors of an expert-parallel group meet in every expert
 // layer's all-to-all (in-process communicators). EP 2 with a pipeline (1f1b, interleaved,
-// dualpipev) and EP 4 follow one process within 1e-5 after 10 steps, with the same routing
-// and load-balancing loss (the metrics), each stage in its schedule's order; the pipeline
+// dualpipev), EP 2 with combined-1f1b and EP 4 follow one process within 1e-5 after 10
+// steps, with the same routing and load-balancing loss (the metrics), each stage in its
+// schedule's order, the forward of each overlapped pair (combined-1f1b, dualpipev)
+// computing while its backward does (an all-to-all of one inside the other's span); the pipeline
 // evaluation (several forwards, each run by every rank of its group in one order) equals
 // the plain loop's. A stage that throws while its peers wait in an all-to-all is retried
 // in place, and the run ends bit-identical to the fault-free one.
@@ -276,7 +278,8 @@ TEST(ExpertParallel, StageActorsOfAGroupMeetInTheAllToAll) {
   actor_run_options quiet;
   quiet.quiet = true;
   for (const auto& l : {layout{2, 2, 2, 1, 2, "1f1b"}, layout{4, 4, 1, 1, 2, "1f1b"},
-                        layout{2, 4, 2, 2, 2, "interleaved-1f1b"}, layout{2, 2, 2, 2, 4, "dualpipev"}}) {
+                        layout{2, 4, 2, 2, 2, "interleaved-1f1b"}, layout{2, 2, 1, 1, 4, "combined-1f1b"},
+                        layout{2, 2, 2, 2, 4, "dualpipev"}}) {
     auto c = one;
     c.runtime = "actors";
     c.expert_parallel = l.ep;
@@ -322,6 +325,38 @@ TEST(ExpertParallel, StageActorsOfAGroupMeetInTheAllToAll) {
       first += e.name == "all-to-all" && e.step == 0 && e.mb >= 0 && e.mb < l.m && e.chunk >= 0 && e.chunk < l.v &&
                e.bytes >= 0 && e.end_us >= e.start_us;
     EXPECT_EQ(first, l.d * l.m * 5 * one.layers) << at;
+    // An overlapped pair's forward computes beside its backward: some all-to-all of one
+    // (its micro-batch and chunk, within its span) starts while the other runs.
+    for (std::int64_t step : {std::int64_t(0), std::int64_t(one.steps - 1)}) {
+      for (int r = 0; r < l.d; ++r)
+        for (int k = 0; k < l.p; ++k) {
+          const auto& ops = sched.ranks[std::size_t(k)];
+          auto span_of = [&](const pipeline_op& op) {
+            for (const auto& e : got.events)
+              if (e.step == step && e.replica == r && e.stage == k && e.mb == op.mb && e.chunk == op.chunk &&
+                  e.name == op_letter(op.kind))
+                return std::make_pair(e.start_us, e.end_us);
+            return std::make_pair(-1.0, -1.0);
+          };
+          // Whether an all-to-all of `op` (within its span `mine`) starts inside `other`.
+          auto calls_during = [&](const pipeline_op& op, std::pair<double, double> mine,
+                                  std::pair<double, double> other) {
+            for (const auto& e : got.events)
+              if (e.name == "all-to-all" && e.step == step && e.replica == r && e.stage == k && e.mb == op.mb &&
+                  e.chunk == op.chunk && e.start_us >= mine.first && e.end_us <= mine.second &&
+                  e.start_us > other.first && e.start_us < other.second)
+                return true;
+            return false;
+          };
+          for (std::size_t i = 0; i + 1 < ops.size(); ++i) {
+            if (!ops[i].paired) continue;
+            const auto f = span_of(ops[i]), b = span_of(ops[i + 1]);
+            const bool inside = calls_during(ops[i], f, b) || calls_during(ops[i + 1], b, f);
+            EXPECT_TRUE(inside) << at << " step " << step << " replica " << r << " stage " << k << ": "
+                                << to_string(ops[i], l.v > 1) << "&" << to_string(ops[i + 1], l.v > 1);
+          }
+        }
+    }
     ASSERT_EQ(got.evaluations.size(), 1u) << at;
     EXPECT_NEAR(got.evaluations[0].loss, ref_eval.loss, 1e-5) << at;
     // Every rank of a group ran each of its group's forwards through each of its chunks.

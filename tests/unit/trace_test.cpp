@@ -27,6 +27,13 @@ TEST(Trace, MeasureStepGivesTheBubbleAndTheReduceTail) {
   EXPECT_NEAR(t.bubble, 1.0 - 90.0 / 180.0, 1e-12);
   EXPECT_NEAR(t.window_s, 60e-6, 1e-12);
   EXPECT_NEAR(t.idle_s.at(3), 30e-6, 1e-12);
+  // An overlapped pair's forward and backward (combined-1f1b with experts) computing at
+  // once: the track is busy for the union of their spans, not their sum.
+  const std::vector<trace_event> pair{{"F", 0, 0, 0, 0, 0, 0, 10}, {"F", 0, 0, 1, 0, 0, 10, 30},
+                                      {"B", 0, 0, 0, 0, 0, 12, 25}, {"B", 0, 0, 1, 0, 0, 40, 50}};
+  const auto p = measure_step(pair, 1, 1);
+  EXPECT_NEAR(p.busy_s.at(0), 40e-6, 1e-12);
+  EXPECT_NEAR(p.bubble, 1.0 - 40.0 / 50.0, 1e-12);
 }
 
 // Cristian's method: the offset from the shortest round trip, read at its middle.
