@@ -96,15 +96,15 @@ struct stage_state {
   // coordinator collects them.
   std::map<int, torch::Tensor> eval_outputs, eval_targets;
   std::vector<trace_event> eval_events;
-  // Expert parallelism: the members of an expert-parallel group meet in every expert
-  // layer's all-to-all, so each runs the same evaluation forwards (those of its group) in
-  // one order, (forward, chunk): those that come early wait here; `eval_next` is the
-  // next to run (forward -1: the group's first).
-  int ep_size = 1;
+  int ep_size = 1;  // expert parallelism: the size of the stage's expert-parallel group
   // (micro-batch or evaluation forward, chunk) of the forward and of the backward
   // computing now (both at once in an overlapped pair), for their all-to-alls' events.
   key computing_forward{-1, -1}, computing_backward{-1, -1};
   std::mutex events_mutex;  // `events` while an overlapped pair's two ops compute
+  // Expert parallelism: the members of an expert-parallel group meet in every expert
+  // layer's all-to-all, so each runs the same evaluation forwards (those of its group) in
+  // one order, (forward, chunk): those that come early wait here; `eval_next` is the
+  // next to run (forward -1: the group's first).
   std::map<key, eval_activation> eval_waiting;
   key eval_next{-1, 0};
   /// Whether this stage scores evaluation forwards and reports them: without expert
@@ -648,8 +648,8 @@ class stage_logic {
   /// start of a transfer) or receive ("recv <what>": when it was accepted) trace event,
   /// with the tensor's bytes.
   void trace_comm(const char* dir, const char* what, int mb, int chunk, double start_us, std::int64_t bytes) {
-    s_.events.push_back({std::string(dir) + " " + what, s_.replica, s_.stage, mb, chunk, s_.step, start_us,
-                         s_.ctx->now_us(), bytes});
+    push_event({std::string(dir) + " " + what, s_.replica, s_.stage, mb, chunk, s_.step, start_us, s_.ctx->now_us(),
+                bytes});
   }
 
   /// False (and a warning) for a second copy of a tensor message of this step: a

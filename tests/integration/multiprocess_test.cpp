@@ -76,6 +76,27 @@ std::string name_of(const ::testing::TestParamInfo<layout>& info) {
          (info.param.bucket_size ? "_buckets" : "");
 }
 
+/// Runs `cfg` in this process (saving DIR/single.pt) and expects what the node processes
+/// wrote to be exactly its: DIR/multi.pt and its moments, and the final evaluation's loss
+/// on the last line of DIR/multi.jsonl.
+void expect_the_in_process_run(job_config cfg, const test::temp_dir& dir, const std::string& at) {
+  cfg.save = dir / "single.pt";
+  actor_run_options quiet;
+  quiet.quiet = true;
+  const auto single = run_actor_training(cfg, quiet);
+  ASSERT_EQ(single.exit_code, 0) << at << ": " << single.error;
+  EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt"), load_state_dict(dir / "single.pt")), 0.0) << at;
+  EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt.optim"), load_state_dict(dir / "single.pt.optim")), 0.0)
+      << at;
+  ASSERT_EQ(single.evaluations.size(), 1u) << at;
+  std::ifstream metrics(dir / "multi.jsonl");
+  std::string line, last;
+  while (std::getline(metrics, line)) last = line;
+  const auto j = nlohmann::json::parse(last);
+  ASSERT_TRUE(j.contains("val_loss")) << last;
+  EXPECT_EQ(j.at("val_loss").get<double>(), single.evaluations[0].loss) << at;
+}
+
 }  // namespace
 
 class MultiProcess : public ::testing::TestWithParam<layout> {};
@@ -110,14 +131,9 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
   cfg.precision = precision;
   cfg.bucket_size = bucket_size;
   cfg.eval_tokens = 1024;
-  cfg.save = dir / "single.pt";
-  actor_run_options quiet;
-  quiet.quiet = true;
-  const auto single = run_actor_training(cfg, quiet);
-  ASSERT_EQ(single.exit_code, 0) << single.error;
-  EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt"), load_state_dict(dir / "single.pt")), 0.0);
-  EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt.optim"), load_state_dict(dir / "single.pt.optim")),
-            0.0);
+  // The parameters, moments and final evaluation (in the pipeline: 4 forwards shared by
+  // the replicas, activations between nodes where a replica's stages are on several).
+  expect_the_in_process_run(cfg, dir, "");
   // The checkpoint folder, each stage's files written by its own node process (no process
   // gathers the model for it), holds what --save gathered: the model (in bf16 jobs the
   // fp32 main parameters) and the optimizer state, by name.
@@ -130,15 +146,6 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
   }
   EXPECT_EQ(test::max_abs_diff(params, load_state_dict(dir / "multi.pt")), 0.0);  // by name
   EXPECT_EQ(test::max_abs_diff(optim, load_state_dict(dir / "multi.pt.optim")), 0.0);
-  // The final evaluation, in the pipeline: 4 forwards shared by the replicas, activations
-  // between nodes where a replica's stages are on several.
-  ASSERT_EQ(single.evaluations.size(), 1u);
-  std::ifstream metrics(dir / "multi.jsonl");
-  std::string line, last;
-  while (std::getline(metrics, line)) last = line;
-  const auto j = nlohmann::json::parse(last);
-  ASSERT_TRUE(j.contains("val_loss")) << last;
-  EXPECT_EQ(j.at("val_loss").get<double>(), single.evaluations[0].loss);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MultiProcess,
@@ -211,21 +218,7 @@ TEST(MultiProcessExperts, NodesGiveExactlyTheInProcessParameters) {
     cfg.eval_interval = 0;
     cfg.threads = 1;
     cfg.eval_tokens = 256;
-    cfg.save = dir / "single.pt";
-    actor_run_options quiet;
-    quiet.quiet = true;
-    const auto single = run_actor_training(cfg, quiet);
-    ASSERT_EQ(single.exit_code, 0) << single.error;
-    EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt"), load_state_dict(dir / "single.pt")), 0.0) << at;
-    EXPECT_EQ(test::max_abs_diff(load_state_dict(dir / "multi.pt.optim"), load_state_dict(dir / "single.pt.optim")),
-              0.0) << at;
-    ASSERT_EQ(single.evaluations.size(), 1u);
-    std::ifstream metrics(dir / "multi.jsonl");
-    std::string line, last;
-    while (std::getline(metrics, line)) last = line;
-    const auto j = nlohmann::json::parse(last);
-    ASSERT_TRUE(j.contains("val_loss")) << last;
-    EXPECT_EQ(j.at("val_loss").get<double>(), single.evaluations[0].loss) << at;
+    expect_the_in_process_run(cfg, dir, at);
     EXPECT_NE(results[0].output.find("expert-parallel " + std::to_string(l.ep) + " x pipeline"), std::string::npos)
         << results[0].output;
   }
