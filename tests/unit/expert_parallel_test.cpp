@@ -3,6 +3,7 @@
 // one process, in the local loop and with the actor runtime's stage actors.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <numeric>
 #include <thread>
@@ -61,6 +62,19 @@ run train(const job_config& c, const group_factory& groups = in_process_groups) 
   }
   out.state = t.state();
   return out;
+}
+
+/// How many routing decisions differ between two runs' counts at least: half the summed
+/// differences of the per-expert counts (a near-tie flipped by a reordered sum moves one
+/// (token, choice) pair: 1; a bug moves many). Reported where a layout's routing differs.
+std::int64_t routing_differences(const expert_counts& got, const expert_counts& ref) {
+  std::int64_t moved = 0;
+  for (const auto& [layer, counts] : ref) {
+    const auto it = got.find(layer);
+    for (std::size_t e = 0; e < counts.size(); ++e)
+      moved += std::abs((it == got.end() || e >= it->second.size() ? 0 : it->second[e]) - counts[e]);
+  }
+  return (moved + 1) / 2;
 }
 
 }  // namespace
@@ -186,7 +200,9 @@ TEST(ExpertParallel, TrainingWithExpertRanksEqualsOneProcess) {
       EXPECT_NEAR(got.losses[std::size_t(i)], ref.losses[std::size_t(i)], 1e-5) << at << " step " << i;
       EXPECT_NEAR(got.aux[std::size_t(i)], ref.aux[std::size_t(i)], 1e-6) << at << " step " << i;
       // The same routing: every expert got the same (token, choice) pairs in every layer.
-      EXPECT_EQ(got.routed[std::size_t(i)], ref.routed[std::size_t(i)]) << at << " step " << i;
+      EXPECT_EQ(got.routed[std::size_t(i)], ref.routed[std::size_t(i)])
+          << at << " step " << i << ": routing decisions differed: "
+          << routing_differences(got.routed[std::size_t(i)], ref.routed[std::size_t(i)]);
     }
   }
   auto c = one;
