@@ -427,12 +427,13 @@ class stage_logic {
     end_op(w);
   }
 
-  /// Whether a pair's two ops run at once: with expert parallelism (whose all-to-alls
-  /// they hide behind each other's compute), on the CPU, and without recomputation (a
-  /// recomputing backward flags its slice, which a forward beside it would see). Else
-  /// one after the other.
+  /// Whether a pair's two ops run at once: asked for (parallel.overlap_pairs), with expert
+  /// parallelism (whose all-to-alls they hide behind each other's compute), on the CPU,
+  /// and without recomputation (a recomputing backward flags its slice, which a forward
+  /// beside it would see). Else one after the other.
   bool overlaps_pairs() const {
-    return s_.ep_size > 1 && s_.ctx->device.is_cpu() && s_.ctx->cfg.recompute == "none";
+    const auto& ctx = *s_.ctx;
+    return ctx.cfg.overlap_pairs && s_.ep_size > 1 && ctx.device.is_cpu() && ctx.cfg.recompute == "none";
   }
 
   /// An overlapped pair (combined-1f1b, dualpipev): the backward computes on the stage's

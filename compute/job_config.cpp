@@ -242,6 +242,11 @@ const std::vector<key_def>& key_defs() {
                "dataflow: split each backward into B (the input's gradient) and W (the weights'); a W runs "
                "when nothing else can and the in-flight bound or the step's end needs it (zero-bubble always splits)",
                &job_config::split_backward),
+      bool_key("parallel.overlap_pairs",
+               "combined-1f1b and dualpipev with expert parallelism (actors runtime, CPU): a pair's forward and "
+               "backward compute at once on two threads, so that one's all-to-alls wait while the other computes "
+               "(false: one after the other; faster on few cores where the all-to-all is quick)",
+               &job_config::overlap_pairs),
       int_key("parallel.bucket_size",
               "data parallelism: gradient buckets of at least this many elements per chunk, each "
               "reduce-scattered as soon as the step's last backward has produced it, while that backward goes "

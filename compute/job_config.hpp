@@ -66,6 +66,10 @@ struct job_config {
   int max_in_flight = 0;              ///< dataflow: micro-batches in flight per stage (0: p)
   bool split_backward = false;        ///< dataflow: backward split into B and W, a W run when nothing else
                                       ///< can and it is due (zero-bubble always splits)
+  /// combined-1f1b, dualpipev with expert parallelism (actors, CPU): a pair's forward and
+  /// backward compute at once, one's all-to-alls waiting while the other computes
+  /// (false: one after the other, as on few cores without network latency is faster)
+  bool overlap_pairs = true;
   int credit_window = 2;              ///< micro-batches a loader sends ahead of consumption
   std::int64_t bucket_size = 40000000;  ///< d > 1: gradient buckets of at least this many elements per
                                         ///< chunk, reduce-scattered during the last backward (0: one
