@@ -481,8 +481,9 @@ void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line, doub
 
 /// eval_mode pipeline (Megatron's forward-only schedule): the evaluation set's forwards
 /// go forward only through the stage actors, forward f through replica f mod d (expert
-/// parallelism: through each replica of group f mod (d / EP)), all of them sent at once (a stage runs each as its input arrives, so the forwards pipeline);
-/// the last stages score them (`eval_result`). Once every forward is scored the stages
+/// parallelism: through each replica of group f mod (d / EP)), all of them sent at once
+/// (a stage runs each as its input arrives, so the forwards pipeline); the last stages
+/// score them (`eval_result`). Once every forward is scored the stages
 /// hand over their ops' trace events, and `then` gets the evaluation, combined in forward
 /// order as evaluate_model combines it. Nothing is gathered: no process holds more of the
 /// model than its stages. A failure or a timeout (step_timeout) ends the run as a failure

@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <string>
 #include <thread>
 
 #include "transport/local/local_group.hpp"
@@ -76,7 +75,7 @@ class communicator_group final : public collective_group {
     const auto w = start();
     while (!w->wait(std::chrono::seconds(60))) {
     }
-    if (name == std::string("all-to-all") && test_delay().count() > 0) std::this_thread::sleep_for(test_delay());
+    if (kind == &collective_traffic::all_to_all && test_delay().count() > 0) std::this_thread::sleep_for(test_delay());
     const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
     if (observe_) observe_(name, bytes, double(waited.count()) * 1e-9);
     if (!traffic_) return;

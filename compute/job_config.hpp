@@ -68,7 +68,7 @@ struct job_config {
                                       ///< can and it is due (zero-bubble always splits)
   /// combined-1f1b, dualpipev with expert parallelism (actors, CPU): a pair's forward and
   /// backward compute at once, one's all-to-alls waiting while the other computes
-  /// (false: one after the other, as on few cores without network latency is faster)
+  /// (false: one after the other, faster on few cores when the all-to-all is quick)
   bool overlap_pairs = true;
   int credit_window = 2;              ///< micro-batches a loader sends ahead of consumption
   std::int64_t bucket_size = 40000000;  ///< d > 1: gradient buckets of at least this many elements per
