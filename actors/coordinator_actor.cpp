@@ -16,6 +16,7 @@
 #include "actors/wait_graph.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
+#include "compute/kernel_profile.hpp"
 #include "compute/optimizer.hpp"
 #include "compute/pipeline.hpp"
 #include "compute/trainer.hpp"
@@ -86,6 +87,9 @@ struct coordinator_state {
   bool in_step = false;              // between a step's begin and its commit or abort
   std::vector<int> stage_nodes;      // [replica * p + stage]: the node of the stage (and of its shard)
   std::vector<int> loader_nodes;     // [replica]
+  // TROUPE_KERNEL_PROFILE: the GPU kernels of chosen steps (compute/kernel_profile.hpp).
+  std::optional<kernel_profile_request> profile_request;
+  std::shared_ptr<kernel_profile> profile;
 };
 
 using self_ptr = caf::stateful_actor<coordinator_state>*;
@@ -731,6 +735,11 @@ void commit(self_ptr self) {
   s.recent_steps.push_back(s.stats.seconds);
   if (s.recent_steps.size() > recent_step_count) s.recent_steps.pop_front();
   const auto timing = measure_step(s.events, ctx.d, ctx.p);
+  if (s.profile && s.step == s.profile_request->last && s.profile->running()) {
+    s.profile->stop(s.profile_request->path);
+    spdlog::info("kernel profile of steps {}..{} written to {}", s.profile_request->first + 1, s.step + 1,
+                 s.profile_request->path);
+  }
   s.result->losses.push_back(s.stats.loss);
   s.result->bubbles.push_back(timing.bubble);
   s.result->step_seconds.push_back(s.stats.seconds);
@@ -796,6 +805,7 @@ void begin(self_ptr self) {
   s.skipping = false;
   s.events.clear();
   s.peaks.assign(std::size_t(ctx.d) * ctx.p, 0);
+  if (s.profile && s.step == s.profile_request->first && !s.profile->running()) s.profile->start();
   s.started_us = ctx.now_us();
   if (const auto& plant = s.opts.plant_leftover; plant && plant->step == s.step)
     self->send(s.supervisors.front(), plant_atom_v, plant->replica, plant->stage);
@@ -884,6 +894,8 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
   st.result = result;
   st.lrs = {ctx->cfg.lr, ctx->cfg.min_lr, ctx->cfg.warmup};
   open_metrics(self);
+  st.profile_request = kernel_profile_from_env();  // checked before the run (check_kernel_profile_env)
+  if (st.profile_request && kernel_profile::available()) st.profile = std::make_shared<kernel_profile>();
   wiring->coordinator = caf::actor_cast<caf::actor>(self);
   if (supervisors.empty())  // one process: this node's supervisor hosts every replica
     supervisors.push_back(self->spawn(supervisor_actor, ctx, wiring, local_node_plan(*ctx)));

@@ -2,6 +2,7 @@
 
 #include "compute/checkpoint_dir.hpp"
 #include "compute/device.hpp"
+#include "compute/kernel_profile.hpp"
 
 #include <unistd.h>
 
@@ -252,6 +253,7 @@ actor_run_result run_node(const node_options& o) {
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
           const auto data = training_data::identity(cfg);  // the data every node must read
           check_output_paths(cfg);
+          check_kernel_profile_env();
           registrar_handle = spawn_registrar(sys, o.token, o.nodes, cfg.to_toml(), steady_clock_ns(), data);
           auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)
                                  : sys.middleman().publish(registrar_handle, o.port, nullptr, true);

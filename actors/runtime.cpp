@@ -11,6 +11,7 @@
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
 #include "compute/hf_folder.hpp"
+#include "compute/kernel_profile.hpp"
 #include "compute/device.hpp"
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
@@ -206,6 +207,7 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
   } restore{caller_threads};
   training_data::check_available(cfg);  // a clear error now rather than a dead loader later
   check_output_paths(cfg);               // and rather than losing the run at its end
+  check_kernel_profile_env();
   auto ctx = std::make_shared<const runtime_context>(cfg);
   auto wiring = std::make_shared<job_wiring>();
   auto result = std::make_shared<actor_run_result>();

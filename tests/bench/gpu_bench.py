@@ -17,6 +17,8 @@ PaLM's formula: forward + backward, attention scores and values counted in full)
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -112,37 +114,80 @@ def eager_tokens_per_s(data, n_train, steps):
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
-def troupe_tokens_per_s(build, steps, pipeline, micro, extra=(), timeout=150, nodes=1):
-    """nodes > 1: that many node processes on this machine (launch/troupe), sharing the GPU;
-    tensors between them go through host memory over UCX."""
+def troupe_run(build, steps, pipeline, micro, extra=(), timeout=150, nodes=1, env=None, workload="gpt-small",
+               batch=GLOBAL_BATCH):
+    """One `troupe train` run; returns its median tokens/s over steps 4.., step seconds, the
+    median sum of the stages' busy seconds per step (from the trace events) and the
+    model's parameter count (from its log line).
+
+    nodes > 1: that many node processes on this machine (launch/troupe), sharing the GPU."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         exe = [os.path.join(build, "troupe")] if nodes == 1 else [os.path.join(ROOT, "launch", "troupe")]
         if nodes > 1:
             extra = (*extra, "--nodes", str(nodes))
-        cmd = [*exe, "train", "--workload", "gpt-small", "--device", "cuda",
+        cmd = [*exe, "train", "--workload", workload, "--device", "cuda",
                "--precision", "bf16", "--steps", str(steps), "--pipeline", str(pipeline),
-               "--microbatches", str(micro), "--eval-interval", "0", "--threads", "1",
+               "--microbatches", str(micro), "--global-batch", str(batch), "--eval-interval", "0", "--threads", "1",
                "--metrics", metrics, *extra]
         start = time.perf_counter()
+        label = " ".join(cmd[1:]) + "".join(f" [{k}={v}]" for k, v in (env or {}).items())
         try:
-            env = dict(os.environ, TROUPE_BUILD_DIR=build, TROUPE_SKIP_SETUP="1")
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            run_env = dict(os.environ, TROUPE_BUILD_DIR=build, TROUPE_SKIP_SETUP="1", **(env or {}))
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
         except subprocess.TimeoutExpired as e:
-            raise RuntimeError(" ".join(cmd) + f" did not finish in {timeout} s:\n" + (e.stderr or b"")[-3000:].decode())
-        print(f"  ({' '.join(cmd[1:])}: {time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+            raise RuntimeError(label + f" did not finish in {timeout} s:\n" + (e.stderr or b"")[-3000:].decode())
         if run.returncode != 0:
-            raise RuntimeError(" ".join(cmd) + " failed:\n" + run.stderr[-3000:])
-        rows = [json.loads(line) for line in open(metrics) if '"tokens_per_s"' in line]
-        tps = sorted(r["tokens_per_s"] for r in rows[3:])
+            raise RuntimeError(label + " failed:\n" + run.stderr[-3000:])
+        rows = [json.loads(line) for line in open(metrics) if '"tokens_per_s"' in line][3:]
+        med = lambda xs: sorted(xs)[len(xs) // 2]
+        params = re.search(r"([0-9.]+) M parameters", run.stdout + run.stderr)
+        r = {"tps": med([x["tokens_per_s"] for x in rows]), "step_s": med([x["step_seconds"] for x in rows]),
+             "busy_s": med([sum(x.get("stage_busy_s") or [0]) for x in rows]),
+             "params": float(params.group(1)) * 1e6 if params else None, "log": run.stdout + run.stderr}
         # each figure as soon as it is measured: a run cut short still leaves the ones before
-        print(f"  ({' '.join(cmd[1:])}: {tps[len(tps) // 2]:,.0f} tokens/s)", file=sys.stderr, flush=True)
-        return tps[len(tps) // 2]
+        print(f"  ({label}: {time.perf_counter() - start:.0f} s, {r['tps']:,.0f} tokens/s, step {r['step_s'] * 1e3:.1f} ms,"
+              f" stages busy {r['busy_s'] * 1e3:.1f} ms)", file=sys.stderr, flush=True)
+        return r
+
+
+def mps_env(tmp):
+    """Starts the CUDA MPS daemon (kernels of several processes run side by side instead of
+    taking turns); returns the clients' environment and a function that stops it, or None
+    where the machine has no MPS."""
+    ctl = shutil.which("nvidia-cuda-mps-control") or next(
+        (c for c in ("/usr/local/nvidia/bin/nvidia-cuda-mps-control", "/usr/bin/nvidia-cuda-mps-control")
+         if os.path.exists(c)), None)
+    if not ctl:
+        return None
+    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tmp, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(tmp, "log")}
+    for d in env.values():
+        os.makedirs(d, exist_ok=True)
+    full = dict(os.environ, **env)
+    if subprocess.run([ctl, "-d"], env=full, timeout=30).returncode != 0:
+        return None
+
+    def stop():
+        subprocess.run([ctl], input="quit\n", text=True, env=full, timeout=30)
+        time.sleep(1)
+    return env, stop
+
+
+def kernel_profile(build, steps, pipeline, micro, label, out_dir, **kw):
+    """A run with TROUPE_KERNEL_PROFILE (steps 5..6) and kernel_summary.py's table of it."""
+    path = os.path.join(out_dir or tempfile.gettempdir(), f"kernels-{label}.json")
+    r = troupe_run(build, steps, pipeline, micro, env={"TROUPE_KERNEL_PROFILE": f"{path}:5:6"}, **kw)
+    summary = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_summary.py"),
+                              path, "2", "12"], capture_output=True, text=True)
+    text = summary.stdout or summary.stderr
+    print(text, file=sys.stderr, flush=True)
+    return r, text
 
 
 def main():
     build = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 15
+    out_dir = os.environ.get("TROUPE_BENCH_OUT")  # kernel profiles kept there
     # What a tensor between node processes costs on the host-staged and CUDA IPC paths,
     # against a device-to-device copy in the same run.
     subprocess.run([os.path.join(build, "troupe_staging_bench"), "cuda"], check=True)
@@ -153,31 +198,75 @@ def main():
     start = time.perf_counter()
     eager = eager_tokens_per_s(data, n_train, steps)
     print(f"  (eager: {time.perf_counter() - start:.0f} s, {eager:,.0f} tokens/s)", file=sys.stderr, flush=True)
-    runs = [("PyTorch eager (Python), bf16 autocast, 4 micro-batches", eager)]
-    for p, m in ((1, 4), (4, 4), (4, 8)):
-        runs.append((f"Troupe actors p={p} (stage actors share the GPU, own streams), {m} micro-batches, bf16",
-                     troupe_tokens_per_s(build, steps, p, m)))
+    runs = [("PyTorch eager (Python), bf16 autocast, 4 micro-batches of 4 x 1024", {"tps": eager, "params": n_params()})]
+    summaries = []
+
+    def add(name, *a, **kw):
+        try:
+            runs.append((name, troupe_run(build, steps, *a, **kw)))
+        except Exception as e:  # one failing layout must not lose the others
+            print(f"  ({name}: {e})", file=sys.stderr, flush=True)
+            runs.append((name + " (failed, see bench.err)", None))
+
+    for p, m in ((1, 4), (1, 2), (1, 1), (4, 4), (4, 8)):
+        add(f"Troupe actors p={p}, {m} micro-batches of {GLOBAL_BATCH // m} x 1024", p, m)
+    add("Troupe actors p=1, global batch 32 x 1024, 2 micro-batches of 16 x 1024", 1, 2, batch=32)
+    add("Troupe actors p=1, 4 micro-batches, TROUPE_FUSED_ADAMW=0 (LibTorch ops for the update)", 1, 4,
+        env={"TROUPE_FUSED_ADAMW": "0"})
+    for m in (4, 1):
+        add(f"Troupe actors llama-small p=1, {m} micro-batches of {GLOBAL_BATCH // m} x 1024", 1, m,
+            workload="llama-small")
     # What the same bits every run cost (LibTorch's deterministic kernels, strict).
-    runs.append(("Troupe actors p=4, deterministic = true, 4 micro-batches, bf16",
-                 troupe_tokens_per_s(build, steps, 4, 4, ("--deterministic", "true"))))
+    add("Troupe actors p=4, deterministic = true, 4 micro-batches", 4, 4, ("--deterministic", "true"))
+    add("Troupe actors p=1, deterministic = true, 4 micro-batches", 1, 4, ("--deterministic", "true"))
     for name, extra in (("zero-bubble", ("--schedule", "zero-bubble")),
+                        ("interleaved-1f1b, 2 chunks", ("--schedule", "interleaved-1f1b", "--chunks", "2")),
                         ("dataflow, split backward", ("--schedule", "dataflow", "--split-backward", "true"))):
-        runs.append((f"Troupe actors p=4, {name}, 8 micro-batches, bf16", troupe_tokens_per_s(build, steps, 4, 8, extra)))
+        add(f"Troupe actors p=4, {name}, 8 micro-batches", 4, 8, extra)
     # Gradient buckets reduce-scattered during the last backward (gpt-small p=1: 4 buckets
     # of the default 40M elements) against one bucket, two replicas sharing the GPU.
     for name, extra in (("one gradient bucket", ("--bucket-size", "0")), ("default buckets (40M elements)", ())):
-        runs.append((f"Troupe actors p=1 d=2 (2 replicas share the GPU), {name}, 4 micro-batches, bf16",
-                     troupe_tokens_per_s(build, steps, 1, 4, ("--data-parallel", "2", *extra))))
-    runs.append(("Troupe p=4 as 2 node processes sharing the GPU (tensors between them staged through host "
-                 "memory over UCX), 4 micro-batches, bf16", troupe_tokens_per_s(build, steps, 4, 4, nodes=2)))
-    fpt = flops_per_token()
+        add(f"Troupe actors p=1 d=2 (2 replicas share the GPU), {name}, 4 micro-batches", 1, 4,
+            ("--data-parallel", "2", *extra))
+    add("Troupe p=4 as 2 node processes sharing the GPU, 4 micro-batches", 4, 4, nodes=2)
+    add("Troupe p=1 d=2 as 2 node processes sharing the GPU, 4 micro-batches", 1, 4, ("--data-parallel", "2"), nodes=2)
+    for label, m in (("p1-m4", 4), ("p1-m1", 1)):
+        try:
+            r, text = kernel_profile(build, 8, 1, m, label, out_dir)
+            summaries.append((f"gpt-small p=1, {m} micro-batches of {GLOBAL_BATCH // m} x 1024, steps 6-7", text))
+        except Exception as e:
+            print(f"  (kernel profile {label}: {e})", file=sys.stderr, flush=True)
+    # Last (it changes how the GPU is shared): the node processes with CUDA MPS.
+    with tempfile.TemporaryDirectory() as tmp:
+        mps = mps_env(tmp)
+        if mps is None:
+            print("  (no CUDA MPS on this machine)", file=sys.stderr, flush=True)
+        else:
+            env, stop = mps
+            try:
+                add("Troupe p=4 as 2 node processes sharing the GPU under CUDA MPS, 4 micro-batches", 4, 4, nodes=2,
+                    env=env)
+                add("Troupe actors p=4 under CUDA MPS, 4 micro-batches (one process)", 4, 4, env=env)
+            finally:
+                stop()
+    gpt = flops_per_token()
     print(f"GPU: {torch.cuda.get_device_name()}; measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; "
-          f"gpt-small {n_params() / 1e6:.1f} M parameters, {fpt / 1e9:.2f} GFLOP per token; "
-          f"global batch {GLOBAL_BATCH} x {T} tokens; median of steps 4..{steps}")
-    print("| run | tokens/s | vs eager | MFU |")
-    print("| --- | ---: | ---: | ---: |")
-    for name, tps in runs:
-        print(f"| {name} | {tps:,.0f} | {tps / eager:.2f} | {tps * fpt / peak:.1%} |")
+          f"gpt-small {n_params() / 1e6:.1f} M parameters, {gpt / 1e9:.2f} GFLOP per token; bf16; "
+          f"global batch {GLOBAL_BATCH} x {T} tokens unless named; median of steps 4..{steps}. "
+          f"MFU: model FLOPs (6 N + 12 L T d per token) / measured peak; of 989 TFLOP/s in brackets")
+    print("| run | tokens/s | vs eager | MFU | step ms | stages busy ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in runs:
+        if r is None:
+            print(f"| {name} | - | - | - | - | - |")
+            continue
+        fpt = 6 * (r["params"] or n_params()) + 12 * L * T * D
+        step = f"{r['step_s'] * 1e3:.1f}" if "step_s" in r else "-"
+        busy = f"{r['busy_s'] * 1e3:.1f}" if "busy_s" in r else "-"
+        print(f"| {name} | {r['tps']:,.0f} | {r['tps'] / eager:.2f} | {r['tps'] * fpt / peak:.1%} "
+              f"({r['tps'] * fpt / 989e12:.1%}) | {step} | {busy} |")
+    for name, text in summaries:
+        print(f"\nKernel profile, {name}:\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@
 #    attention backend whether its bf16 backward repeats its bits, without and with them.
 # 11. op-times: a gpt-small job's trace on the GPU has its F/B slices from the GPU op clock
 #    (most of each step, not the launches; one stream's ops never overlap).
+# 12. tp-ep: tensor parallelism (2 ranks, sequence parallel; the local runtime) and expert
+#    parallelism (moe-tiny, EP 2 of d 2, p 2; the actor runtime's all-to-alls) on the
+#    device against the same jobs on the CPU, within 1e-4.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 # TROUPE_GPU_CHECK_STEPS=REGEX runs only the steps whose whole name matches (e.g.
@@ -58,7 +61,7 @@ set -uo pipefail
 # (tests/gpu/gpu_session.sh on a GPU; CTest's gpu_check_on_cpu_N on the CPU):
 # TROUPE_GPU_CHECK_PART=N runs part N's steps; `gpu_check.sh --parts` prints how many
 # parts there are. TROUPE_GPU_CHECK_STEPS=REGEX runs the steps it matches.
-parts=(gtests 'ref|ref-again|eval-modes|inplace-.*|checkpoint-rotation|recompute-generate-eval|zero-bubble|check-host-text'
+parts=('gtests|tp-ep' 'ref|ref-again|eval-modes|inplace-.*|checkpoint-rotation|recompute-generate-eval|zero-bubble|check-host-text'
   'ref|nodes-4|nodes-4-rejoin|nodes-4-staged|nodes-4-links|nodes-4-links-rejoin|nodes-4-auto|sdpa-determinism|op-times'
   'ref|nodes-4-links-schedules|nodes-4-bf16|nodes-4-nccl|gradient-buckets')
 if [ "${1:-}" = --parts ]; then
@@ -98,7 +101,7 @@ step() {  # step NAME CMD...: runs CMD, logs to OUT/NAME.log, prints the verdict
   fi
 }
 
-gtest_filter='Device*:Precision*:*Gpu*:*Nccl*:Checkpoint*:Recompute*:Generate*:ZeroBubble*:-Checkpoint.PythonTorch*:Generate.GreedyEqualsPlainPytorch*'
+gtest_filter='Device*:Precision*:*Gpu*:KernelProfile*:*Nccl*:Checkpoint*:Recompute*:Generate*:ZeroBubble*:-Checkpoint.PythonTorch*:Generate.GreedyEqualsPlainPytorch*'
 gtests() {  # on the GPU a skipped GPU test is a failure (a build without CUDA or NCCL)
   if [ "$device" = cpu ]; then  # CI runs these tests itself: check that the filter selects them
     "$build/troupe_tests" --gtest_list_tests --gtest_filter="$gtest_filter" | tee "$out/gtests.list"
@@ -466,6 +469,35 @@ assert len(train) == 6 and len(val) >= 2 and all(math.isfinite(x) for x in train
 PY
 }
 step check-host-text host_and_text
+
+# 12. Tensor and expert parallelism on the device against the CPU (1e-4: the same
+#     products, in the device's summation order).
+near_cpu() {  # near_cpu NAME ARGS...: the job on the device and on the CPU, within 1e-4
+  local name=$1 d
+  shift
+  for d in "$device" cpu; do
+    "$build/troupe" train --device "$d" --steps 6 --eval-interval 0 --save "$out/$name-$d.pt" \
+      --metrics "$out/$name-$d.jsonl" "$@" >"$out/$name-$d.run" 2>&1 || { cat "$out/$name-$d.run"; return 1; }
+  done
+  "$python" - "$out/$name-$device" "$out/$name-cpu" <<'PY'
+import json, sys
+import torch
+a, b = torch.load(sys.argv[1] + ".pt"), torch.load(sys.argv[2] + ".pt")
+assert list(a) == list(b), "different parameter names"
+worst = max((a[k] - b[k]).abs().max().item() for k in a)
+la = [l["loss"] for l in map(json.loads, open(sys.argv[1] + ".jsonl")) if "loss" in l]
+lb = [l["loss"] for l in map(json.loads, open(sys.argv[2] + ".jsonl")) if "loss" in l]
+worst_loss = max(abs(x - y) for x, y in zip(la, lb))
+print(f"{sys.argv[1]} vs the CPU: parameters {worst:.2e}, losses {worst_loss:.2e}")
+assert len(la) == len(lb) == 6 and worst <= 1e-4 and worst_loss <= 1e-4
+PY
+}
+tp_ep() {  # on the CPU (CI) the same job twice: left out
+  [ "$device" != cpu ] || { echo "the device is the CPU: nothing to compare"; return 0; }
+  near_cpu tp --runtime local --tensor-parallel 2 --sequence-parallel true || return 1
+  near_cpu ep --workload moe-tiny --pipeline 2 --data-parallel 2 --expert-parallel 2
+}
+step tp-ep tp_ep
 
 what=${only:+"the steps matching '$only'"}
 [ $failed = 0 ] && echo "gpu_check: ${what:-all} passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"

@@ -6,7 +6,8 @@
 #      of the node-process jobs), each part with its own reference run;
 #   3. tests/bench/gpu_bench.py with the time left (it starts with troupe_staging_bench
 #      cuda: CUDA IPC and host-staged transfers between two processes vs a device-to-device
-#      copy).
+#      copy; its kernel profiles go into logs.tar.gz). TROUPE_GPU_SESSION_BENCH_S (default
+#      210) is the time the checks leave it.
 #
 #   TROUPE_DEBS=.debs tests/gpu/gpu_session.sh OUT_DIR [SECONDS]     (default 560 s)
 #
@@ -36,6 +37,7 @@ trap pack EXIT
 phase "machine"
 nproc
 nvidia-smi -L 2>&1 | head -4
+ls /usr/local/nvidia/bin 2>/dev/null | tr "\n" " "; command -v nvidia-cuda-mps-control nsys ncu; echo
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())' 2>&1
 
 device=${TROUPE_CHECK_DEVICE:-cuda}
@@ -59,7 +61,7 @@ fi
 nparts=$("$root/tests/gpu/gpu_check.sh" --parts)  # each with its own reference run
 phase "gpu_check, $nparts parts side by side"
 reserve=10
-[ "$bench" = 1 ] && reserve=150  # the bench's time
+[ "$bench" = 1 ] && reserve=${TROUPE_GPU_SESSION_BENCH_S:-210}  # the bench's time
 limit=$(( $(left) - reserve ))
 [ "$limit" -lt 120 ] && limit=120
 pids=()
@@ -78,7 +80,7 @@ done
 
 if [ "$bench" = 1 ] && [ "$(left)" -gt 60 ]; then
   phase "gpu_bench"
-  PYTHONUNBUFFERED=1 timeout -k 5 "$(( $(left) - 10 ))" python3 "$root/tests/bench/gpu_bench.py" "$build" \
+  PYTHONUNBUFFERED=1 TROUPE_BENCH_OUT=$work timeout -k 5 "$(( $(left) - 10 ))" python3 "$root/tests/bench/gpu_bench.py" "$build" \
     >"$out/bench.md" 2>"$out/bench.err"
   echo "rc $?"; cat "$out/bench.md"; tail -20 "$out/bench.err"
 fi

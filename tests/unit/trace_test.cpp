@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "actors/trace.hpp"
+#include "compute/kernel_profile.hpp"
 
 namespace troupe {
 
@@ -136,6 +137,35 @@ TEST(Trace, JobClockNowIsOnTheEpochsTimeline) {
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const double real_us = double(steady_clock_ns() - start) * 1e-3;
   EXPECT_NEAR(pretend.now_us(), real_us, 200.0);  // uncorrected: 5 s + 2.5 ms off
+}
+
+// TROUPE_KERNEL_PROFILE=FILE[:FIRST[:LAST]]: the steps default to 5..6; a malformed value,
+// or a build without a kernel profiler (LibTorch 1.x or no CUDA), is refused before a run.
+TEST(KernelProfile, EnvironmentIsParsedOrRefused) {
+  ::unsetenv("TROUPE_KERNEL_PROFILE");
+  EXPECT_FALSE(kernel_profile_from_env());
+  EXPECT_NO_THROW(check_kernel_profile_env());
+  ::setenv("TROUPE_KERNEL_PROFILE", "/tmp/k.json", 1);
+  auto r = kernel_profile_from_env();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->path, "/tmp/k.json");
+  EXPECT_EQ(r->first, 5);
+  EXPECT_EQ(r->last, 6);
+  ::setenv("TROUPE_KERNEL_PROFILE", "k.json:3", 1);
+  r = kernel_profile_from_env();
+  EXPECT_EQ(r->first, 3);
+  EXPECT_EQ(r->last, 3);
+  ::setenv("TROUPE_KERNEL_PROFILE", "k.json:2:9", 1);
+  r = kernel_profile_from_env();
+  EXPECT_EQ(r->first, 2);
+  EXPECT_EQ(r->last, 9);
+  if (kernel_profile::available()) EXPECT_NO_THROW(check_kernel_profile_env());
+  else EXPECT_THROW(check_kernel_profile_env(), std::invalid_argument);
+  for (const char* bad : {":1:2", "k.json:x", "k.json:4:2", "k.json:-1", "k.json:1:2x"}) {
+    ::setenv("TROUPE_KERNEL_PROFILE", bad, 1);
+    EXPECT_THROW(kernel_profile_from_env(), std::invalid_argument) << bad;
+  }
+  ::unsetenv("TROUPE_KERNEL_PROFILE");
 }
 
 }  // namespace troupe
