@@ -61,9 +61,10 @@ set -uo pipefail
 # (tests/gpu/gpu_session.sh on a GPU; CTest's gpu_check_on_cpu_N on the CPU):
 # TROUPE_GPU_CHECK_PART=N runs part N's steps; `gpu_check.sh --parts` prints how many
 # parts there are. TROUPE_GPU_CHECK_STEPS=REGEX runs the steps it matches.
-parts=('gtests|tp-ep' 'ref|ref-again|eval-modes|inplace-.*|checkpoint-rotation|recompute-generate-eval|zero-bubble|check-host-text'
+parts=(gtests 'gtests-2x|tp-ep|check-host-text'
+  'ref|ref-again|eval-modes|inplace-.*|checkpoint-rotation|recompute-generate-eval'
   'ref|nodes-4|nodes-4-rejoin|nodes-4-staged|nodes-4-links|nodes-4-links-rejoin|nodes-4-auto|sdpa-determinism|op-times'
-  'ref|nodes-4-links-schedules|nodes-4-bf16|nodes-4-nccl|gradient-buckets')
+  'ref|nodes-4-links-schedules|nodes-4-bf16|nodes-4-nccl|gradient-buckets|zero-bubble')
 if [ "${1:-}" = --parts ]; then
   echo "${#parts[@]}"
   exit 0
@@ -83,14 +84,17 @@ if [ "$device" = cuda ] && ! "$python" -c 'import torch, sys; sys.exit(0 if torc
   echo "gpu_check: no usable GPU for $python's torch: nothing checked" >&2
   exit 77
 fi
-[ -x "$build/troupe_tests" ] || { echo "gpu_check: no $build/troupe_tests (run launch/setup-gpu first)" >&2; exit 1; }
 failed=0
 only=${TROUPE_GPU_CHECK_STEPS:-}
 [ -z "${TROUPE_GPU_CHECK_PART:-}" ] || only=${parts[$TROUPE_GPU_CHECK_PART]}
+selected() { [ -z "$only" ] || [[ $1 =~ ^($only)$ ]]; }
+for exe in troupe $(selected gtests || selected gtests-2x && echo troupe_tests); do
+  [ -x "$build/$exe" ] || { echo "gpu_check: no $build/$exe (run launch/setup-gpu first)" >&2; exit 1; }
+done
 step() {  # step NAME CMD...: runs CMD, logs to OUT/NAME.log, prints the verdict
   local name=$1
   shift
-  [ -z "$only" ] || [[ $name =~ ^($only)$ ]] || return 0
+  selected "$name" || return 0
   local t0=$SECONDS
   if "$@" >"$out/$name.log" 2>&1; then
     echo "PASS $name ($((SECONDS - t0)) s)"
@@ -101,20 +105,23 @@ step() {  # step NAME CMD...: runs CMD, logs to OUT/NAME.log, prints the verdict
   fi
 }
 
-gtest_filter='Device*:Precision*:*Gpu*:KernelProfile*:*Nccl*:Checkpoint*:Recompute*:Generate*:ZeroBubble*:-Checkpoint.PythonTorch*:Generate.GreedyEqualsPlainPytorch*'
-gtests() {  # on the GPU a skipped GPU test is a failure (a build without CUDA or NCCL)
+# The GPU tests (gtests), and the CPU tests that run with this machine's LibTorch 2.x
+# (gtests-2x): two steps that run side by side. The tests that run /usr/bin/python3 are left
+# out (that python has no torch here: checkpoint-rotation reads the files with this one's).
+gtests() {  # gtests NAME MIN FILTER: on the GPU a skipped GPU test is a failure (a build without CUDA or NCCL)
   if [ "$device" = cpu ]; then  # CI runs these tests itself: check that the filter selects them
-    "$build/troupe_tests" --gtest_list_tests --gtest_filter="$gtest_filter" | tee "$out/gtests.list"
+    "$build/troupe_tests" --gtest_list_tests --gtest_filter="$3" | tee "$out/$1.list"
     local n
-    n=$(grep -c '^  ' "$out/gtests.list")
+    n=$(grep -c '^  ' "$out/$1.list")
     echo "the filter selects $n tests"
-    [ "$n" -ge 30 ]
+    [ "$n" -ge "$2" ]
     return
   fi
-  "$build/troupe_tests" --gtest_filter="$gtest_filter" || return 1
-  ! grep -E '^\[  SKIPPED \] [A-Za-z/_0-9.]+ \(' "$out/gtests.log" | grep -v -E 'ABuildWithoutNcclSaysSo|WithoutAGpu'
+  "$build/troupe_tests" --gtest_filter="$3" || return 1
+  ! grep -E '^\[  SKIPPED \] [A-Za-z/_0-9.]+ \(' "$out/$1.log" | grep -v -E 'ABuildWithoutNcclSaysSo|WithoutAGpu'
 }
-step gtests gtests
+step gtests gtests gtests 30 'Device*:Precision*:*Gpu*:KernelProfile*:*Nccl*:Checkpoint*:-Checkpoint.Python*'
+step gtests-2x gtests gtests-2x 8 'Recompute*:Generate*:ZeroBubble*:-Generate.GreedyEqualsPlainPytorch*'
 
 job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps 14 --eval-interval 0)
 run_job() { "$build/troupe" "${job[@]}" --metrics "$out/$1.jsonl" --save "$out/$1.pt" "${@:2}"; }
