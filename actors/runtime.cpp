@@ -169,9 +169,13 @@ tensor_payload ship_payload(const job_wiring& w, const tensor_payload& p, int ds
 }
 
 void fetch_payload(const job_wiring& w, const tensor_payload& p,
-                   std::function<void(tensor_payload, const std::string& error)> done, torch::Device device) {
+                   std::function<void(tensor_payload, const std::string& error)> done, torch::Device device,
+                   bool pinned) {
   tensor_payload in = p;
-  in.local = torch::empty(p.shape, torch::TensorOptions().dtype(static_cast<torch::ScalarType>(p.dtype)).device(device));
+  in.local = torch::empty(p.shape, torch::TensorOptions()
+                                       .dtype(static_cast<torch::ScalarType>(p.dtype))
+                                       .device(device)
+                                       .pinned_memory(pinned && device.is_cpu()));
   in.src_node = -1;
   auto work = w.world->recv(in.local.view(-1), p.src_node, p.tag);
   work->on_complete([in, done = std::move(done)](const std::string& err) { done(in, err); });

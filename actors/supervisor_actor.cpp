@@ -326,6 +326,9 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
           if (--in->left == 0) caf::anon_send(me, copied_atom_v, id);
         };
         for (auto* p : remote)
+          // Kept in host memory; from a GPU job's shards (CUDA IPC on one machine, staged
+          // otherwise) into page-locked memory, reused from step to step by LibTorch's
+          // caching host allocator: the shard's step waits for this copy.
           fetch_payload(*wiring, *p, [in, p, arrived](tensor_payload got, const std::string& err) {
             {
               std::lock_guard<std::mutex> lock(in->m);
@@ -333,7 +336,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
               else *p = std::move(got);
             }
             arrived();
-          });
+          }, torch::kCPU, /*pinned=*/ctx->device.is_cuda());
         arrived();
         return in->promise;
       },

@@ -1,12 +1,8 @@
 #include "compute/optimizer.hpp"
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <thread>
 #include <vector>
-
-#include <torch/version.h>
 
 namespace troupe {
 
@@ -29,39 +25,6 @@ void split_range(std::int64_t n, int threads, F fn) {
   for (auto& h : helpers) h.join();
 }
 
-#if TORCH_VERSION_MAJOR >= 2
-/// LibTorch 2.x's fused AdamW (torch.optim.AdamW(fused=True)'s kernel: one pass over p,
-/// g, m and v) for CUDA shards; TROUPE_FUSED_ADAMW=0 keeps the separate LibTorch ops.
-bool fused_adamw(const torch::Tensor& params) {
-  const char* off = std::getenv("TROUPE_FUSED_ADAMW");
-  return params.is_cuda() && !(off && std::strcmp(off, "0") == 0);
-}
-
-/// One update of `out` (already holding the state before it) in place by the fused
-/// kernel: a tensor list per run of the decay mask, weight decay where the run has it.
-/// The same arithmetic as the other paths (decay, moments, bias corrections, eps added to
-/// sqrt(v) / sqrt(bias correction 2)), in float.
-void fused_adamw_step(adamw_shard::state& out, const torch::Tensor& grad, const std::vector<kernels::decay_run>& runs,
-                      const adamw_options& o, double lr) {
-  std::vector<torch::Tensor> p[2], g[2], m[2], v[2];
-  for (const auto& r : runs) {
-    const int d = r.decay ? 1 : 0;
-    p[d].push_back(out.params.slice(0, r.begin, r.end));
-    g[d].push_back(grad.slice(0, r.begin, r.end));
-    m[d].push_back(out.exp_avg.slice(0, r.begin, r.end));
-    v[d].push_back(out.exp_avg_sq.slice(0, r.begin, r.end));
-  }
-  // The kernel reads the step count from the device (torch.optim keeps it there).
-  const auto step = torch::full({}, double(out.steps), out.params.options());
-  for (int d = 0; d < 2; ++d) {
-    if (p[d].empty()) continue;
-    const std::vector<torch::Tensor> steps(p[d].size(), step);
-    at::_fused_adamw_(p[d], g[d], m[d], v[d], {}, steps, lr, o.beta1, o.beta2, d ? o.weight_decay : 0.0, o.eps,
-                      /*amsgrad=*/false, /*maximize=*/false);
-  }
-}
-#endif
-
 }  // namespace
 
 adamw_shard::adamw_shard(const torch::Tensor& main_params, const torch::Tensor& decay, adamw_options opts,
@@ -71,9 +34,7 @@ adamw_shard::adamw_shard(const torch::Tensor& main_params, const torch::Tensor& 
   b.params = main_params.detach().to(torch::kFloat32).clone().contiguous();
   b.exp_avg = torch::zeros_like(b.params);
   b.exp_avg_sq = torch::zeros_like(b.params);
-  // The runs of the mask: for the CPU kernel, and the fused CUDA kernel's tensor lists.
-  const auto host_mask = decay_.cpu();
-  decay_runs_ = kernels::decay_runs(host_mask.data_ptr<bool>(), host_mask.numel());
+  if (decay_.device().is_cpu()) decay_runs_ = kernels::decay_runs(decay_.data_ptr<bool>(), decay_.numel());
   if (double_buffered_)
     banks_[1] = {torch::empty_like(b.params), torch::empty_like(b.params), torch::empty_like(b.params), 0};
 }
@@ -122,14 +83,6 @@ void adamw_shard::step(const torch::Tensor& grad_in, double lr, double grad_scal
       out.exp_avg_sq.copy_(in.exp_avg_sq);
     }
     const torch::Tensor grad = grad_scale == 1.0 ? grad_in : grad_in * grad_scale;
-#if TORCH_VERSION_MAJOR >= 2
-    if (fused_adamw(out.params) && grad.is_contiguous() && grad.scalar_type() == torch::kFloat32) {
-      fused_adamw_step(out, grad, decay_runs_, opts_, lr);
-      prev_ = from;
-      cur_ = to;
-      return;
-    }
-#endif
     if (opts_.weight_decay != 0.0) {  // decoupled weight decay only where the mask says so
       const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(out.params.device());
       out.params.mul_(

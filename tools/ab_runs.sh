@@ -5,7 +5,7 @@
 # nothing: a measurement for docs/performance.md (give the command with the figure).
 #
 #   tools/ab_runs.sh ROUNDS 'VAR=a ...' 'VAR=b ...' TRAIN_ARGS...
-#   e.g. (on a GPU) tools/ab_runs.sh 3 TROUPE_FUSED_ADAMW=1 TROUPE_FUSED_ADAMW=0 \
+#   e.g. (on a GPU) tools/ab_runs.sh 3 '' '-- --deterministic true' \
 #          --workload gpt-small --device cuda --precision bf16 --microbatches 1 --steps 12
 #
 # Runs $TROUPE_BUILD_DIR/troupe train (default build/); a setting may also be '' (none)

@@ -211,8 +211,6 @@ def main():
     for p, m in ((1, 4), (1, 2), (1, 1), (4, 4), (4, 8)):
         add(f"Troupe actors p={p}, {m} micro-batches of {GLOBAL_BATCH // m} x 1024", p, m)
     add("Troupe actors p=1, global batch 32 x 1024, 2 micro-batches of 16 x 1024", 1, 2, batch=32)
-    add("Troupe actors p=1, 4 micro-batches, TROUPE_FUSED_ADAMW=0 (LibTorch ops for the update)", 1, 4,
-        env={"TROUPE_FUSED_ADAMW": "0"})
     for m in (4, 1):
         add(f"Troupe actors llama-small p=1, {m} micro-batches of {GLOBAL_BATCH // m} x 1024", 1, m,
             workload="llama-small")
