@@ -114,8 +114,34 @@ def eager_tokens_per_s(data, n_train, steps):
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
+def op_means(trace, first_step=3):
+    """Mean F, B and W times (ms) of a run's trace (the stages' compute events; on a GPU the
+    op clock's GPU times) from step `first_step` on; a backward whose W was split off counts
+    B + W, as tests/bench/schedules/run does."""
+    events = [e for e in json.load(open(trace))["traceEvents"]
+              if e.get("cat") == "compute" and e["args"]["step"] >= first_step]
+    dur = {}
+    for e in events:
+        a = e["args"]
+        dur[(a["op"], a["step"], a["replica"] if "replica" in a else 0, a["stage"], a["mb"], a["chunk"])] = e["dur"]
+    w_of = {k[1:]: v for k, v in dur.items() if k[0] == "W"}
+    mean = lambda xs: sum(xs) / len(xs) / 1e3 if xs else 0.0
+    return {"F": mean([v for k, v in dur.items() if k[0] == "F"]),
+            "B": mean([v + w_of.get(k[1:], 0.0) for k, v in dur.items() if k[0] == "B"]),
+            "W": mean(list(w_of.values()))}
+
+
+def simulated_makespan(build, kind, stages, micro, chunks, ops):
+    """`troupe schedule`'s makespan (ms) for the kind with the measured mean op times."""
+    out = subprocess.run([os.path.join(build, "troupe"), "schedule", "--kind", kind, "--stages", str(stages),
+                          "--microbatches", str(micro), "--chunks", str(chunks), "--format", "json",
+                          "--forward-cost", str(ops["F"]), "--backward-cost", str(ops["B"])],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)["makespan"]
+
+
 def troupe_run(build, steps, pipeline, micro, extra=(), timeout=150, nodes=1, env=None, workload="gpt-small",
-               batch=GLOBAL_BATCH):
+               batch=GLOBAL_BATCH, trace=False):
     """One `troupe train` run; returns its median tokens/s over steps 4.., step seconds, the
     median sum of the stages' busy seconds per step (from the trace events) and the
     model's parameter count (from its log line).
@@ -123,6 +149,8 @@ def troupe_run(build, steps, pipeline, micro, extra=(), timeout=150, nodes=1, en
     nodes > 1: that many node processes on this machine (launch/troupe), sharing the GPU."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
+        if trace:
+            extra = (*extra, "--trace", os.path.join(tmp, "trace.json"))
         exe = [os.path.join(build, "troupe")] if nodes == 1 else [os.path.join(ROOT, "launch", "troupe")]
         if nodes > 1:
             extra = (*extra, "--nodes", str(nodes))
@@ -145,6 +173,8 @@ def troupe_run(build, steps, pipeline, micro, extra=(), timeout=150, nodes=1, en
         r = {"tps": med([x["tokens_per_s"] for x in rows]), "step_s": med([x["step_seconds"] for x in rows]),
              "busy_s": med([sum(x.get("stage_busy_s") or [0]) for x in rows]),
              "params": float(params.group(1)) * 1e6 if params else None, "log": run.stdout + run.stderr}
+        if trace:
+            r["ops"] = op_means(os.path.join(tmp, "trace.json"))
         # each figure as soon as it is measured: a run cut short still leaves the ones before
         print(f"  ({label}: {time.perf_counter() - start:.0f} s, {r['tps']:,.0f} tokens/s, step {r['step_s'] * 1e3:.1f} ms,"
               f" stages busy {r['busy_s'] * 1e3:.1f} ms)", file=sys.stderr, flush=True)
@@ -221,6 +251,16 @@ def main():
                         ("interleaved-1f1b, 2 chunks", ("--schedule", "interleaved-1f1b", "--chunks", "2")),
                         ("dataflow, split backward", ("--schedule", "dataflow", "--split-backward", "true"))):
         add(f"Troupe actors p=4, {name}, 8 micro-batches", 4, 8, extra)
+    # Pipeline overhead beyond the bubble: the measured step against the makespan the
+    # simulator gives with the run's own mean F and B times (the GPU op clock's), p=4, m=8.
+    overheads = []
+    for kind, chunks in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        try:
+            r = troupe_run(build, steps, 4, 8, ("--schedule", kind, "--chunks", str(chunks)), trace=True)
+            sim = simulated_makespan(build, kind, 4, 8, chunks, r["ops"])
+            overheads.append((kind, r, sim))
+        except Exception as e:
+            print(f"  (pipeline overhead {kind}: {e})", file=sys.stderr, flush=True)
     # Gradient buckets reduce-scattered during the last backward (gpt-small p=1: 4 buckets
     # of the default 40M elements) against one bucket, two replicas sharing the GPU.
     for name, extra in (("one gradient bucket", ("--bucket-size", "0")), ("default buckets (40M elements)", ())):
@@ -263,6 +303,14 @@ def main():
         busy = f"{r['busy_s'] * 1e3:.1f}" if "busy_s" in r else "-"
         print(f"| {name} | {r['tps']:,.0f} | {r['tps'] / eager:.2f} | {r['tps'] * fpt / peak:.1%} "
               f"({r['tps'] * fpt / 989e12:.1%}) | {step} | {busy} |")
+    if overheads:
+        print("\nPipeline overhead, p=4, 8 micro-batches: measured step / simulated makespan (the run's mean "
+              "F and B from its trace, steps 4 on)\n")
+        print("| schedule | mean F / B ms | simulated makespan ms | measured step ms | ratio |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for kind, r, sim in overheads:
+            print(f"| {kind} | {r['ops']['F']:.2f} / {r['ops']['B']:.2f} | {sim:.1f} | {r['step_s'] * 1e3:.1f} | "
+                  f"{r['step_s'] * 1e3 / sim:.2f} |")
     for name, text in summaries:
         print(f"\nKernel profile, {name}:\n\n{text}")
 
