@@ -896,6 +896,9 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
   open_metrics(self);
   st.profile_request = kernel_profile_from_env();  // checked before the run (check_kernel_profile_env)
   if (st.profile_request && kernel_profile::available()) st.profile = std::make_shared<kernel_profile>();
+  if (st.profile && st.profile_request->last >= ctx->cfg.steps)
+    spdlog::warn("TROUPE_KERNEL_PROFILE asks for steps up to {}, but the run has {}: no profile will be written",
+                 st.profile_request->last + 1, ctx->cfg.steps);
   wiring->coordinator = caf::actor_cast<caf::actor>(self);
   if (supervisors.empty())  // one process: this node's supervisor hosts every replica
     supervisors.push_back(self->spawn(supervisor_actor, ctx, wiring, local_node_plan(*ctx)));

@@ -47,9 +47,9 @@
 #    attention backend whether its bf16 backward repeats its bits, without and with them.
 # 11. op-times: a gpt-small job's trace on the GPU has its F/B slices from the GPU op clock
 #    (most of each step, not the launches; one stream's ops never overlap).
-# 12. expert-parallel: moe-tiny with EP 2 of d 2, p 2 (the actor runtime's all-to-alls) on
-#    the device against the same job on the CPU, within 1e-4. (Tensor parallelism runs in
-#    the local loop, which computes on the CPU only: nothing to check here yet.)
+# 12. llama-experts: llama-tiny (p 2, d 2) and moe-tiny with EP 2 of d 2, p 2 (the actor
+#    runtime's all-to-alls) on the device against the same jobs on the CPU, within 1e-4.
+#    (Tensor parallelism runs in the local loop, which computes on the CPU only.)
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 # TROUPE_GPU_CHECK_STEPS=REGEX runs only the steps whose whole name matches (e.g.
@@ -61,7 +61,7 @@ set -uo pipefail
 # (tests/gpu/gpu_session.sh on a GPU; CTest's gpu_check_on_cpu_N on the CPU):
 # TROUPE_GPU_CHECK_PART=N runs part N's steps; `gpu_check.sh --parts` prints how many
 # parts there are. TROUPE_GPU_CHECK_STEPS=REGEX runs the steps it matches.
-parts=(gtests 'gtests-2x|expert-parallel|check-host-text'
+parts=(gtests 'gtests-2x|llama-experts|check-host-text'
   'ref|ref-again|eval-modes|inplace-.*|checkpoint-rotation|recompute-generate-eval'
   'ref|nodes-4|nodes-4-rejoin|nodes-4-staged|nodes-4-links|nodes-4-links-rejoin|nodes-4-auto|sdpa-determinism|op-times'
   'ref|nodes-4-links-schedules|nodes-4-bf16|nodes-4-nccl|gradient-buckets|zero-bubble')
@@ -477,8 +477,8 @@ PY
 }
 step check-host-text host_and_text
 
-# 12. Expert parallelism on the device against the CPU (1e-4: the same products, in the
-#     device's summation order).
+# 12. The Llama architecture and expert parallelism on the device against the CPU (1e-4:
+#     the same products, in the device's summation order).
 near_cpu() {  # near_cpu NAME ARGS...: the job on the device and on the CPU, within 1e-4
   local name=$1 d
   shift
@@ -499,11 +499,12 @@ print(f"{sys.argv[1]} vs the CPU: parameters {worst:.2e}, losses {worst_loss:.2e
 assert len(la) == len(lb) == 6 and worst <= 1e-4 and worst_loss <= 1e-4
 PY
 }
-expert_parallel() {  # on the CPU (CI) the same job twice: left out
+llama_experts() {  # on the CPU (CI) the same jobs twice: left out
   [ "$device" != cpu ] || { echo "the device is the CPU: nothing to compare"; return 0; }
+  near_cpu llama --workload llama-tiny --pipeline 2 --data-parallel 2 || return 1
   near_cpu ep --workload moe-tiny --pipeline 2 --data-parallel 2 --expert-parallel 2
 }
-step expert-parallel expert_parallel
+step llama-experts llama_experts
 
 what=${only:+"the steps matching '$only'"}
 [ $failed = 0 ] && echo "gpu_check: ${what:-all} passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
