@@ -268,10 +268,11 @@ def main():
             ("--data-parallel", "2", *extra))
     add("Troupe p=4 as 2 node processes sharing the GPU, 4 micro-batches", 4, 4, nodes=2)
     add("Troupe p=1 d=2 as 2 node processes sharing the GPU, 4 micro-batches", 1, 4, ("--data-parallel", "2"), nodes=2)
-    for label, m in (("p1-m4", 4), ("p1-m1", 1)):
+    for label, p, m, nodes in (("p1-m4", 1, 4, 1), ("p1-m1", 1, 1, 1), ("nodes2-p4", 4, 4, 2)):
         try:
-            r, text = kernel_profile(build, 8, 1, m, label, out_dir)
-            summaries.append((f"gpt-small p=1, {m} micro-batches of {GLOBAL_BATCH // m} x 1024, steps 6-7", text))
+            r, text = kernel_profile(build, 8, p, m, label, out_dir, nodes=nodes)
+            where = f"p={p}" + (f" as {nodes} node processes (node 0's process)" if nodes > 1 else "")
+            summaries.append((f"gpt-small {where}, {m} micro-batches of {GLOBAL_BATCH // m} x 1024, steps 6-7", text))
         except Exception as e:
             print(f"  (kernel profile {label}: {e})", file=sys.stderr, flush=True)
     # Last (it changes how the GPU is shared): the node processes with CUDA MPS.
