@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support", "python"))
 import gpt_tiny  # noqa: E402  (data loading: the same samples as Troupe)
+from pipeline_ops import op_means, simulate  # noqa: E402
 
 L, H, D, FF, T, V = 12, 12, 768, 3072, 1024, 256
 GLOBAL_BATCH, MICRO = 16, 4
@@ -114,37 +115,11 @@ def eager_tokens_per_s(data, n_train, steps):
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
-def op_means(trace, first_step=3):
-    """Mean F, B and W times (ms) of a run's trace (the stages' compute events; on a GPU the
-    op clock's GPU times) from step `first_step` on; a backward whose W was split off counts
-    B + W, as tests/bench/schedules/run does."""
-    events = [e for e in json.load(open(trace))["traceEvents"]
-              if e.get("cat") == "compute" and e["args"]["step"] >= first_step]
-    dur = {}
-    for e in events:
-        a = e["args"]
-        dur[(a["op"], a["step"], a["replica"] if "replica" in a else 0, a["stage"], a["mb"], a["chunk"])] = e["dur"]
-    w_of = {k[1:]: v for k, v in dur.items() if k[0] == "W"}
-    mean = lambda xs: sum(xs) / len(xs) / 1e3 if xs else 0.0
-    return {"F": mean([v for k, v in dur.items() if k[0] == "F"]),
-            "B": mean([v + w_of.get(k[1:], 0.0) for k, v in dur.items() if k[0] == "B"]),
-            "W": mean(list(w_of.values()))}
-
-
-def simulated_makespan(build, kind, stages, micro, chunks, ops):
-    """`troupe schedule`'s makespan (ms) for the kind with the measured mean op times."""
-    out = subprocess.run([os.path.join(build, "troupe"), "schedule", "--kind", kind, "--stages", str(stages),
-                          "--microbatches", str(micro), "--chunks", str(chunks), "--format", "json",
-                          "--forward-cost", str(ops["F"]), "--backward-cost", str(ops["B"])],
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(out)["makespan"]
-
-
 def troupe_run(build, steps, pipeline, micro, extra=(), timeout=150, nodes=1, env=None, workload="gpt-small",
                batch=GLOBAL_BATCH, trace=False):
     """One `troupe train` run; returns its median tokens/s over steps 4.., step seconds, the
-    median sum of the stages' busy seconds per step (from the trace events) and the
-    model's parameter count (from its log line).
+    median sum of the stages' busy seconds per step (the metrics' stage_busy_s), the
+    model's parameter count (from its log line) and, with `trace`, its mean op times.
 
     nodes > 1: that many node processes on this machine (launch/troupe), sharing the GPU."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,9 +147,9 @@ def troupe_run(build, steps, pipeline, micro, extra=(), timeout=150, nodes=1, en
         params = re.search(r"([0-9.]+) M parameters", run.stdout + run.stderr)
         r = {"tps": med([x["tokens_per_s"] for x in rows]), "step_s": med([x["step_seconds"] for x in rows]),
              "busy_s": med([sum(x.get("stage_busy_s") or [0]) for x in rows]),
-             "params": float(params.group(1)) * 1e6 if params else None, "log": run.stdout + run.stderr}
+             "params": float(params.group(1)) * 1e6 if params else None}
         if trace:
-            r["ops"] = op_means(os.path.join(tmp, "trace.json"))
+            r["ops"] = op_means(os.path.join(tmp, "trace.json"), first_step=3)
         # each figure as soon as it is measured: a run cut short still leaves the ones before
         print(f"  ({label}: {time.perf_counter() - start:.0f} s, {r['tps']:,.0f} tokens/s, step {r['step_s'] * 1e3:.1f} ms,"
               f" stages busy {r['busy_s'] * 1e3:.1f} ms)", file=sys.stderr, flush=True)
@@ -204,14 +179,14 @@ def mps_env(tmp):
 
 
 def kernel_profile(build, steps, pipeline, micro, label, out_dir, **kw):
-    """A run with TROUPE_KERNEL_PROFILE (steps 5..6) and kernel_summary.py's table of it."""
+    """A run with TROUPE_KERNEL_PROFILE (steps 5..6); returns kernel_summary.py's table of it."""
     path = os.path.join(out_dir or tempfile.gettempdir(), f"kernels-{label}.json")
-    r = troupe_run(build, steps, pipeline, micro, env={"TROUPE_KERNEL_PROFILE": f"{path}:5:6"}, **kw)
+    troupe_run(build, steps, pipeline, micro, env={"TROUPE_KERNEL_PROFILE": f"{path}:5:6"}, **kw)
     summary = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_summary.py"),
                               path, "2", "12"], capture_output=True, text=True)
     text = summary.stdout or summary.stderr
     print(text, file=sys.stderr, flush=True)
-    return r, text
+    return text
 
 
 def main():
@@ -257,7 +232,7 @@ def main():
     for kind, chunks in (("1f1b", 1), ("interleaved-1f1b", 2)):
         try:
             r = troupe_run(build, steps, 4, 8, ("--schedule", kind, "--chunks", str(chunks)), trace=True)
-            sim = simulated_makespan(build, kind, 4, 8, chunks, r["ops"])
+            sim = simulate(os.path.join(build, "troupe"), kind, 4, 8, chunks, r["ops"])["makespan"]
             overheads.append((kind, r, sim))
         except Exception as e:
             print(f"  (pipeline overhead {kind}: {e})", file=sys.stderr, flush=True)
@@ -270,7 +245,7 @@ def main():
     add("Troupe p=1 d=2 as 2 node processes sharing the GPU, 4 micro-batches", 1, 4, ("--data-parallel", "2"), nodes=2)
     for label, p, m, nodes in (("p1-m4", 1, 4, 1), ("p1-m1", 1, 1, 1), ("nodes2-p4", 4, 4, 2)):
         try:
-            r, text = kernel_profile(build, 8, p, m, label, out_dir, nodes=nodes)
+            text = kernel_profile(build, 8, p, m, label, out_dir, nodes=nodes)
             where = f"p={p}" + (f" as {nodes} node processes (node 0's process)" if nodes > 1 else "")
             summaries.append((f"gpt-small {where}, {m} micro-batches of {GLOBAL_BATCH // m} x 1024, steps 6-7", text))
         except Exception as e:
