@@ -640,7 +640,8 @@ class stage_logic {
     if (!first_time(&into == &s_.inputs ? received::activation : received::gradient, {mb, chunk}, what)) return;
     const auto problem = check_payload(data, shape, s_.ctx->compute_dtype);
     if (!problem.empty()) return fail(std::string(what) + " of micro-batch " + std::to_string(mb) + ": " + problem);
-    into[{mb, chunk}] = tensor_of(data).to(s_.ctx->device, torch::kFloat32);  // the stage computes from fp32
+    // The stage computes from its residual stream's dtype (fp32 unless fp32_residual = false).
+    into[{mb, chunk}] = tensor_of(data).to(s_.ctx->device, s_.ctx->residual_dtype);
     trace_comm("recv", what, mb, chunk, s_.ctx->now_us(), payload_bytes(data));
     run_ready();
   }
@@ -861,7 +862,7 @@ class stage_logic {
                                std::to_string(s_.step + 1));
     }
     auto in = tensor_of(msg.data).to(ctx.device);
-    if (x > 0) in = in.to(torch::kFloat32);  // the stage computes from fp32
+    if (x > 0) in = in.to(ctx.residual_dtype);  // the stage computes from its residual stream's dtype
     trace_event ev{"eval F", s_.replica, s_.stage, msg.index, msg.chunk, s_.step, ctx.now_us(), 0};
     s_.computing_forward = {msg.index, msg.chunk};
     torch::NoGradGuard no_grad;
@@ -957,6 +958,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device,
                                    ctx->compute_dtype));
     st.chunks.back()->set_recompute(parse_recompute(ctx->cfg.recompute));
+    st.chunks.back()->set_residual_dtype(ctx->residual_dtype);
     st.chunks.back()->set_aux_loss_scale(double(ctx->mbs) / ctx->cfg.global_batch);  // (experts)
   }
   if (experts) {

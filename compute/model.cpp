@@ -458,6 +458,7 @@ class decoder_slice final : public model_slice {
     // Sequence parallelism: between the layers, this rank's positions only; a stage's
     // activations travel whole.
     torch::Tensor x = is_first() ? embed(input, 0, tp_.sequence) : sequence() ? tp::scatter_sequence(input, group()) : input;
+    x = to_residual(x);
     const bool recompute = recompute_ == recompute_mode::full && torch::GradMode::is_enabled();
     // (Function::apply builds no backward node for an input without a gradient: the
     // blocks' parameters would get none.)
@@ -488,7 +489,7 @@ class decoder_slice final : public model_slice {
       throw model_error("positions " + std::to_string(from) + ".." + std::to_string(from + T - 1) +
                         " are past the model's context of " + std::to_string(cfg_.seq_len));
     torch::NoGradGuard no_grad;
-    torch::Tensor x = is_first() ? embed(input, from, /*sequence=*/false) : input;
+    torch::Tensor x = to_residual(is_first() ? embed(input, from, /*sequence=*/false) : input);
     for (int i = range_.first; i < range_.last; ++i) x = block(x, i, &cache);
     cache.length = from + T;
     return is_last() ? final_norm(x) : x;
@@ -658,15 +659,29 @@ class decoder_slice final : public model_slice {
   torch::Tensor final_norm(const torch::Tensor& x) {
     return cfg_.arch == decoder_arch::llama ? rms_norm(x, "model.norm") : layer_norm(x, "ln_f");
   }
+  /// The residual stream in its dtype (see model_slice::set_residual_dtype): `x` rounded
+  /// to bf16 under bf16 autocast when the slice keeps a bf16 stream, else `x`.
+  torch::Tensor to_residual(const torch::Tensor& x) const {
+    if (residual_ == torch::kFloat32 || x.scalar_type() == residual_ || !x.is_floating_point() ||
+        current_precision(x.device()) != residual_)
+      return x;
+    return x.to(residual_);
+  }
   torch::Tensor layer_norm(const torch::Tensor& x, const std::string& p) {
-    return torch::layer_norm(x, {cfg_.d_model}, param(p + ".weight"), param(p + ".bias"), cfg_.norm_eps);
+    const auto& w = param(p + ".weight");
+    const auto& b = param(p + ".bias");
+    if (x.scalar_type() == torch::kFloat32) return torch::layer_norm(x, {cfg_.d_model}, w, b, cfg_.norm_eps);
+    // A bf16 residual stream: the norm in its dtype (the kernel's statistics in fp32),
+    // not in autocast's fp32, with its weights as bf16 values.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    return torch::layer_norm(x, {cfg_.d_model}, w.to(x.scalar_type()), b.to(x.scalar_type()), cfg_.norm_eps);
   }
   /// Llama's RMSNorm as Hugging Face computes it: the statistics in fp32, then the weight
   /// times the normalised input in the input's dtype.
   torch::Tensor rms_norm(const torch::Tensor& x, const std::string& p) {
     const auto xf = x.to(torch::kFloat32);
     const auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + cfg_.norm_eps);
-    return param(p + ".weight") * normed.to(x.scalar_type());
+    return param(p + ".weight").to(x.scalar_type()) * normed.to(x.scalar_type());
   }
   torch::Tensor linear(const torch::Tensor& x, const std::string& p) {
     return linear_layer(x, param(p + ".weight"), param(p + ".bias"));
@@ -756,7 +771,7 @@ class decoder_slice final : public model_slice {
     auto v = projection(a, p + "self_attn.v_proj").view({B, T, KV, hd}).transpose(1, 2);
     x = x + row_parallel(attend(q, k, v, i, cache), p + "self_attn.o_proj", seq);
     const auto g = enter(rms_norm(x, p + "post_attention_layernorm"), seq);
-    if (cfg_.is_moe_block(i)) return x + experts(g, i);
+    if (cfg_.is_moe_block(i)) return x + experts(g, i).to(x.scalar_type());
     const auto h = torch::silu(projection(g, p + "mlp.gate_proj")) * projection(g, p + "mlp.up_proj");
     return x + row_parallel(h, p + "mlp.down_proj", seq);
   }

@@ -269,6 +269,17 @@ class model_slice {
   void set_recompute(recompute_mode mode) { recompute_ = mode; }
   void set_recompute(bool full) { recompute_ = full ? recompute_mode::full : recompute_mode::none; }
   recompute_mode recompute() const { return recompute_; }
+  /// The residual stream's dtype in decoder slices (the MLP has none): fp32 (the
+  /// default) keeps what autocast gives, an fp32 stream between and through the blocks
+  /// whose layer norms compute in fp32. bf16 (Megatron's default for bf16 models, the
+  /// opposite of its --fp32-residual-connection) rounds the stream to bf16 where a slice
+  /// starts (after the embeddings, or the input it gets) and keeps it there: the
+  /// residual adds, the layer norms' input and output (their statistics still in fp32,
+  /// inside the kernel; their weights used as bf16 values, as in a bf16 model) and the
+  /// output are bf16, so no cast kernel surrounds each layer norm and the element-wise
+  /// kernels move half the bytes. Under bf16 autocast only; an fp32 forward ignores it.
+  void set_residual_dtype(torch::ScalarType dtype) { residual_ = dtype; }
+  torch::ScalarType residual_dtype() const { return residual_; }
   /// Blocks (full) and attention cores (selective) run again in backwards so far, by every
   /// slice of this process (tests check that a runtime recomputes what it should).
   static std::int64_t blocks_recomputed();
@@ -316,6 +327,7 @@ class model_slice {
                 torch::ScalarType param_dtype);
   layer_range range_;
   recompute_mode recompute_ = recompute_mode::none;
+  torch::ScalarType residual_ = torch::kFloat32;
 
  private:
   std::vector<param_entry> entries_;
