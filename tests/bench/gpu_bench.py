@@ -10,6 +10,10 @@ Also runs p=4 as 2 node processes on the GPU (CUDA IPC buffers for activations, 
 first BUILD_DIR/troupe_staging_bench cuda (staged and CUDA IPC transfers between two processes vs a device-to-device
 copy; a short run, printed before the long ones so that a run cut short still has it).
 
+TROUPE_GPU_BENCH_ONLY=REGEX runs only the runs, overhead rows and kernel profiles whose name it matches (the
+eager reference always runs); TROUPE_GPU_BENCH_ROUNDS=N (default 1) runs the fp32 / bf16 residual-stream pairs N
+times, alternating.
+
 Prints a Markdown table. MFU = model FLOPs per second / measured peak, with model FLOPs
 per token = 6 N + 12 L T d (N parameters, L layers, T sequence length, d model width;
 PaLM's formula: forward + backward, attention scores and values counted in full).
@@ -34,6 +38,12 @@ from pipeline_ops import op_means, simulate  # noqa: E402
 
 L, H, D, FF, T, V = 12, 12, 768, 3072, 1024, 256
 GLOBAL_BATCH, MICRO = 16, 4
+ONLY = re.compile(os.environ.get("TROUPE_GPU_BENCH_ONLY", ""))
+BF16_RESIDUAL = ("--fp32-residual", "false")
+
+
+def wanted(name):
+    return ONLY.search(name) is not None
 
 
 class Block(nn.Module):
@@ -195,7 +205,8 @@ def main():
     out_dir = os.environ.get("TROUPE_BENCH_OUT")  # kernel profiles kept there
     # What a tensor between node processes costs on the host-staged and CUDA IPC paths,
     # against a device-to-device copy in the same run.
-    subprocess.run([os.path.join(build, "troupe_staging_bench"), "cuda"], check=True)
+    if wanted("staging bench"):
+        subprocess.run([os.path.join(build, "troupe_staging_bench"), "cuda"], check=True)
     print()
     sys.stdout.flush()
     data, n_train = gpt_tiny.load_fortunes()
@@ -207,18 +218,27 @@ def main():
     summaries = []
 
     def add(name, *a, **kw):
+        if not wanted(name):
+            return
         try:
             runs.append((name, troupe_run(build, steps, *a, **kw)))
         except Exception as e:  # one failing layout must not lose the others
             print(f"  ({name}: {e})", file=sys.stderr, flush=True)
             runs.append((name + " (failed, see bench.err)", None))
 
-    for p, m in ((1, 4), (1, 2), (1, 1), (4, 4), (4, 8)):
+    for p, m in ((1, 4), (1, 2), (4, 8)):
         add(f"Troupe actors p={p}, {m} micro-batches of {GLOBAL_BATCH // m} x 1024", p, m)
-    add("Troupe actors p=1, global batch 32 x 1024, 2 micro-batches of 16 x 1024", 1, 2, batch=32)
-    for m in (4, 1):
-        add(f"Troupe actors llama-small p=1, {m} micro-batches of {GLOBAL_BATCH // m} x 1024", 1, m,
-            workload="llama-small")
+    # The residual stream in fp32 (autocast's) against bf16 (fp32_residual = false,
+    # Megatron's default), alternating.
+    for r in range(int(os.environ.get("TROUPE_GPU_BENCH_ROUNDS", "1"))):
+        for stream, extra in (("", ()), (", bf16 residual stream", BF16_RESIDUAL)):
+            add(f"Troupe actors p=1, 1 micro-batch of 16 x 1024{stream}", 1, 1, extra)
+            add(f"Troupe actors p=1, global batch 32 x 1024, 2 micro-batches of 16 x 1024{stream}", 1, 2, extra,
+                batch=32)
+            add(f"Troupe actors llama-small p=1, 1 micro-batch of 16 x 1024{stream}", 1, 1, extra,
+                workload="llama-small")
+            add(f"Troupe actors p=4, 4 micro-batches of 4 x 1024{stream}", 4, 4, extra)
+    add("Troupe actors llama-small p=1, 4 micro-batches of 4 x 1024", 1, 4, workload="llama-small")
     # What the same bits every run cost (LibTorch's deterministic kernels, strict).
     add("Troupe actors p=4, deterministic = true, 4 micro-batches", 4, 4, ("--deterministic", "true"))
     add("Troupe actors p=1, deterministic = true, 4 micro-batches", 1, 4, ("--deterministic", "true"))
@@ -230,6 +250,8 @@ def main():
     # simulator gives with the run's own mean F and B times (the GPU op clock's), p=4, m=8.
     overheads = []
     for kind, chunks in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        if not wanted(f"pipeline overhead {kind}"):
+            continue
         try:
             r = troupe_run(build, steps, 4, 8, ("--schedule", kind, "--chunks", str(chunks)), trace=True)
             sim = simulate(os.path.join(build, "troupe"), kind, 4, 8, chunks, r["ops"])["makespan"]
@@ -243,17 +265,24 @@ def main():
             ("--data-parallel", "2", *extra))
     add("Troupe p=4 as 2 node processes sharing the GPU, 4 micro-batches", 4, 4, nodes=2)
     add("Troupe p=1 d=2 as 2 node processes sharing the GPU, 4 micro-batches", 1, 4, ("--data-parallel", "2"), nodes=2)
-    for label, p, m, nodes in (("p1-m4", 1, 4, 1), ("p1-m1", 1, 1, 1), ("nodes2-p4", 4, 4, 2)):
+    for label, p, m, nodes, extra in (("p1-m4", 1, 4, 1, ()), ("p1-m1", 1, 1, 1, ()),
+                                      ("p1-m1-bf16-residual", 1, 1, 1, BF16_RESIDUAL), ("nodes2-p4", 4, 4, 2, ())):
+        if not wanted(f"kernel profile {label}"):
+            continue
         try:
-            text = kernel_profile(build, 8, p, m, label, out_dir, nodes=nodes)
+            text = kernel_profile(build, 8, p, m, label, out_dir, nodes=nodes, extra=extra)
             where = f"p={p}" + (f" as {nodes} node processes (node 0's process)" if nodes > 1 else "")
-            summaries.append((f"gpt-small {where}, {m} micro-batches of {GLOBAL_BATCH // m} x 1024, steps 6-7", text))
+            stream = ", bf16 residual stream" if extra else ""
+            summaries.append((f"gpt-small {where}, {m} micro-batches of {GLOBAL_BATCH // m} x 1024{stream}, steps 6-7",
+                              text))
         except Exception as e:
             print(f"  (kernel profile {label}: {e})", file=sys.stderr, flush=True)
     # Last (it changes how the GPU is shared): the node processes with CUDA MPS.
     with tempfile.TemporaryDirectory() as tmp:
-        mps = mps_env(tmp)
-        if mps is None:
+        mps = mps_env(tmp) if wanted("CUDA MPS") else None
+        if not wanted("CUDA MPS"):
+            pass
+        elif mps is None:
             print("  (no CUDA MPS on this machine)", file=sys.stderr, flush=True)
         else:
             env, stop = mps

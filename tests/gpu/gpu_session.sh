@@ -58,7 +58,14 @@ if [ -z "$build" ]; then
   tail -3 "$work/build.log"
 fi
 
-nparts=$("$root/tests/gpu/gpu_check.sh" --parts)  # each with its own reference run
+# TROUPE_GPU_SESSION_PARTS='REGEX REGEX ...': these parts instead of gpu_check's own (each
+# a TROUPE_GPU_CHECK_STEPS regex; a lease spent on a few checks and a longer bench).
+read -r -a custom <<<"${TROUPE_GPU_SESSION_PARTS:-}"
+if [ ${#custom[@]} -gt 0 ]; then
+  nparts=${#custom[@]}
+else
+  nparts=$("$root/tests/gpu/gpu_check.sh" --parts)  # each with its own reference run
+fi
 phase "gpu_check, $nparts parts side by side"
 reserve=10
 [ "$bench" = 1 ] && reserve=${TROUPE_GPU_SESSION_BENCH_S:-210}  # the bench's time
@@ -66,8 +73,13 @@ limit=$(( $(left) - reserve ))
 [ "$limit" -lt 120 ] && limit=120
 pids=()
 for ((i = 0; i < nparts; i++)); do
-  TROUPE_GPU_CHECK_PART=$i timeout -k 5 "$limit" "$root/tests/gpu/gpu_check.sh" "$build" "$work/check-$i" \
-    >"$work/check-$i.txt" 2>&1 &
+  if [ ${#custom[@]} -gt 0 ]; then
+    TROUPE_GPU_CHECK_STEPS=${custom[$i]} timeout -k 5 "$limit" "$root/tests/gpu/gpu_check.sh" "$build" \
+      "$work/check-$i" >"$work/check-$i.txt" 2>&1 &
+  else
+    TROUPE_GPU_CHECK_PART=$i timeout -k 5 "$limit" "$root/tests/gpu/gpu_check.sh" "$build" "$work/check-$i" \
+      >"$work/check-$i.txt" 2>&1 &
+  fi
   pids+=($!)
 done
 rc=0

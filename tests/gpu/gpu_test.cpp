@@ -152,6 +152,13 @@ TEST(Precision, Bf16FollowsFp32OnTheCpu) {
   for (int i = 0; i < steps; ++i) EXPECT_NEAR(bf16.losses[i] / fp32.losses[i], 1.0, 0.02) << "step " << i;
   EXPECT_GT(test::max_abs_diff(bf16.final_state, fp32.final_state), 0.0);
   for (const auto& [name, t] : bf16.final_state) EXPECT_EQ(t.scalar_type(), torch::kFloat32) << name;
+  // The same with a bf16 residual stream (fp32_residual = false): close to both, equal to neither.
+  auto c = tiny(2, 1, 1, "1f1b", "cpu", "bf16");
+  c.fp32_residual = false;
+  const auto stream = run(c, steps);
+  ASSERT_EQ(stream.exit_code, 0) << stream.error;
+  for (int i = 0; i < steps; ++i) EXPECT_NEAR(stream.losses[i] / fp32.losses[i], 1.0, 0.02) << "step " << i;
+  EXPECT_GT(test::max_abs_diff(stream.final_state, bf16.final_state), 0.0);
 }
 
 // bf16 jobs keep Megatron's split: the stages compute with bf16 parameter values (the
@@ -490,18 +497,24 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GpuEquivalence,
                                            gpu_layout{4, 2, 1, "dataflow"}),
                          [](const auto& info) { return name_of(info.param); });
 
-// bf16 on the GPU: after 200 steps the loss curve is within 2 % of fp32's (mean of the
-// last 10 steps), and every 20th step's loss within 5 %.
+// bf16 on the GPU, with the fp32 residual stream and with a bf16 one: after 200 steps the
+// loss curve is within 2 % of fp32's (mean of the last 10 steps), and every 20th step's
+// loss within 5 %.
 TEST(Gpu, Bf16LossCurveFollowsFp32For200Steps) {
   if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
   const auto fp32 = run(tiny(2, 1, 1, "1f1b", "cuda"), 200);
-  const auto bf16 = run(tiny(2, 1, 1, "1f1b", "cuda", "bf16"), 200);
-  ASSERT_EQ(fp32.exit_code, 0) << fp32.error;
-  ASSERT_EQ(bf16.exit_code, 0) << bf16.error;
-  ASSERT_EQ(bf16.losses.size(), 200u);
-  EXPECT_NEAR(mean_of_last(bf16.losses, 10) / mean_of_last(fp32.losses, 10), 1.0, 0.02);
-  for (int i = 0; i < 200; i += 20) EXPECT_NEAR(bf16.losses[i] / fp32.losses[i], 1.0, 0.05) << "step " << i;
-  EXPECT_LT(mean_of_last(bf16.losses, 10), bf16.losses[0] * 0.8) << "bf16 learns";
+  auto stream = tiny(2, 1, 1, "1f1b", "cuda", "bf16");
+  stream.fp32_residual = false;  // and with a bf16 residual stream
+  for (const auto& c : {tiny(2, 1, 1, "1f1b", "cuda", "bf16"), stream}) {
+    const auto bf16 = run(c, 200);
+    ASSERT_EQ(fp32.exit_code, 0) << fp32.error;
+    ASSERT_EQ(bf16.exit_code, 0) << bf16.error;
+    ASSERT_EQ(bf16.losses.size(), 200u);
+    const auto what = c.fp32_residual ? "fp32 residual" : "bf16 residual";
+    EXPECT_NEAR(mean_of_last(bf16.losses, 10) / mean_of_last(fp32.losses, 10), 1.0, 0.02) << what;
+    for (int i = 0; i < 200; i += 20) EXPECT_NEAR(bf16.losses[i] / fp32.losses[i], 1.0, 0.05) << what << ", step " << i;
+    EXPECT_LT(mean_of_last(bf16.losses, 10), bf16.losses[0] * 0.8) << what << ": bf16 learns";
+  }
 }
 
 // The GPU op clock: on the CPU it marks nothing. On a GPU a mark pair around kernels
