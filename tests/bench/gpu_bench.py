@@ -266,7 +266,8 @@ def main():
     add("Troupe p=4 as 2 node processes sharing the GPU, 4 micro-batches", 4, 4, nodes=2)
     add("Troupe p=1 d=2 as 2 node processes sharing the GPU, 4 micro-batches", 1, 4, ("--data-parallel", "2"), nodes=2)
     for label, p, m, nodes, extra in (("p1-m4", 1, 4, 1, ()), ("p1-m1", 1, 1, 1, ()),
-                                      ("p1-m1-bf16-residual", 1, 1, 1, BF16_RESIDUAL), ("nodes2-p4", 4, 4, 2, ())):
+                                      ("p1-m1-bf16-residual", 1, 1, 1, BF16_RESIDUAL), ("p4-m4", 4, 4, 1, ()),
+                                      ("p4-m4-bf16-residual", 4, 4, 1, BF16_RESIDUAL), ("nodes2-p4", 4, 4, 2, ())):
         if not wanted(f"kernel profile {label}"):
             continue
         try:
