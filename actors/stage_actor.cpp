@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -97,6 +98,16 @@ struct stage_state {
   std::map<int, torch::Tensor> eval_outputs, eval_targets;
   std::vector<trace_event> eval_events;
   int ep_size = 1;  // expert parallelism: the size of the stage's expert-parallel group
+  /// Whether backwards run on the stage's thread (backward_on_this_thread): with expert
+  /// parallelism (required), or with TROUPE_BACKWARD_ON_STAGE_THREAD=1 (to compare, on a
+  /// GPU, with LibTorch's autograd thread per device).
+  bool backward_here() const {
+    static const bool asked = [] {
+      const char* v = std::getenv("TROUPE_BACKWARD_ON_STAGE_THREAD");
+      return v && std::string(v) == "1";
+    }();
+    return ep_size > 1 || asked;
+  }
   // (micro-batch or evaluation forward, chunk) of the forward and of the backward
   // computing now (both at once in an overlapped pair), for their all-to-alls' events.
   key computing_forward{-1, -1}, computing_backward{-1, -1};
@@ -357,10 +368,15 @@ class stage_logic {
       w.out = slice.forward(w.in);
       slice.defer_weight_grads(nullptr);
       if (s_.is_last_virtual(w.op.chunk)) w.loss = slice.loss(w.out, w.target);
-    } else if (s_.is_last_virtual(w.op.chunk)) {
-      w.sv.output.backward();
     } else {
-      torch::autograd::backward({w.sv.output}, {w.grad.to(w.sv.output.scalar_type())});
+      // Expert parallelism on a GPU: the backward on this thread, not on LibTorch's one
+      // autograd thread for the device, where the group's backward all-to-alls would
+      // wait for each other (compute/device.hpp).
+      backward_on_this_thread here(s_.backward_here());
+      if (s_.is_last_virtual(w.op.chunk))
+        w.sv.output.backward();
+      else
+        torch::autograd::backward({w.sv.output}, {w.grad.to(w.sv.output.scalar_type())});
     }
   }
 

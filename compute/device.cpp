@@ -9,6 +9,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/AutogradState.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
@@ -122,6 +123,24 @@ precision_scope::~precision_scope() {
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
   set_autocast(type_, prev_enabled_);
   set_autocast_dtype(type_, prev_dtype_);
+}
+
+backward_on_this_thread::backward_on_this_thread(bool on) {
+#if TORCH_VERSION_MAJOR >= 2
+  if (!on) return;
+  auto& state = c10::AutogradState::get_tls_state();
+  prev_ = state.get_multithreading_enabled();
+  state.set_multithreading_enabled(false);
+  set_ = true;
+#else
+  (void)on;
+#endif
+}
+
+backward_on_this_thread::~backward_on_this_thread() {
+#if TORCH_VERSION_MAJOR >= 2
+  if (set_) c10::AutogradState::get_tls_state().set_multithreading_enabled(prev_);
+#endif
 }
 
 #ifdef TROUPE_TORCH_CUDA

@@ -70,6 +70,25 @@ class precision_scope {
   torch::ScalarType prev_dtype_ = torch::kFloat32;
 };
 
+/// While alive, a backward started on this thread runs every node of its graph on this
+/// thread, CUDA ones included. LibTorch 2.x otherwise hands a backward's CUDA nodes to
+/// one autograd thread per device and process, shared by every caller: two stage actors
+/// whose backwards wait for each other in a collective (the expert all-to-all's) would
+/// both queue on that one thread and wait forever, and the stages sharing a GPU would
+/// launch all their backward kernels from it. With `on` false, or on LibTorch 1.13
+/// (whose CPU backwards run on the caller already), it changes nothing.
+class backward_on_this_thread {
+ public:
+  explicit backward_on_this_thread(bool on);
+  ~backward_on_this_thread();
+  backward_on_this_thread(const backward_on_this_thread&) = delete;
+  backward_on_this_thread& operator=(const backward_on_this_thread&) = delete;
+
+ private:
+  bool set_ = false;
+  bool prev_ = true;
+};
+
 /// The precision a precision_scope set for `device`'s type on this thread: the autocast
 /// dtype while autocast is on, else kFloat32 (what a recomputation must run under again).
 torch::ScalarType current_precision(torch::Device device);

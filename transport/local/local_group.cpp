@@ -3,22 +3,53 @@
 #include <map>
 #include <tuple>
 
+#include <c10/core/Event.h>
 #include <torch/torch.h>
+
+#include "transport/caller_stream.hpp"
 
 namespace troupe::transport {
 
 namespace {
+
+/// Where a GPU tensor's caller stood on its stream when it handed the tensor over: an
+/// event recorded there (none for a CPU tensor). The member that runs the operation
+/// makes its own stream wait for every other member's before touching their tensors.
+using marker = std::shared_ptr<c10::Event>;
+
+marker mark(const torch::Tensor& t) {
+  const auto s = caller_stream_of(t);
+  if (!s) return nullptr;
+  auto ev = std::make_shared<c10::Event>(s->device_type());
+  ev->record(*s);
+  return ev;
+}
+
+/// Runs `f` (copies, sums) on the calling thread's stream of `mine` after every marker,
+/// and for GPU tensors waits until it ran: the members' works complete with their
+/// tensors written, so each may use them on its own stream at once. On the CPU: `f()`.
+template <class F>
+void after_markers(const torch::Tensor& mine, const std::vector<marker>& ready, F&& f) {
+  const auto s = caller_stream_of(mine);
+  if (!s) return f();
+  for (const auto& m : ready)
+    if (m) m->block(*s);
+  f();
+  s->synchronize();
+}
 
 struct call {
   collective kind;
   torch::Tensor input, output;  // all_reduce / broadcast: input == output
   int root = 0;
   work_ptr done;
+  marker ready;
 };
 
 struct p2p {
   torch::Tensor t;
   work_ptr done;
+  marker ready;
 };
 
 /// State shared by the members of one group.
@@ -157,6 +188,7 @@ class local_member : public communicator {
     if (!g_->broken.empty()) return failed(c.done, "communicator aborted: " + g_->broken);
     auto& calls = g_->collectives[n];
     calls.resize(g_->size);
+    c.ready = mark(c.input);
     calls[rank_] = c;
     auto& arrived = g_->arrived[n];
     arrived.push_back(rank_);
@@ -167,7 +199,9 @@ class local_member : public communicator {
     lock.unlock();
     std::string error;
     try {
-      run_collective(mine);
+      std::vector<marker> ready;
+      for (const auto& x : mine) ready.push_back(x.ready);
+      after_markers(c.input, ready, [&] { run_collective(mine); });
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -183,7 +217,8 @@ class local_member : public communicator {
     const auto key = std::make_tuple(src, dst, tag);
     auto& other = is_send ? g_->recvs[key] : g_->sends[key];
     if (other.empty()) {
-      (is_send ? g_->sends[key] : g_->recvs[key]).push_back({std::move(t), w});
+      auto ready = mark(t);
+      (is_send ? g_->sends[key] : g_->recvs[key]).push_back({std::move(t), w, std::move(ready)});
       return w;
     }
     auto peer = std::move(other.front());
@@ -196,7 +231,7 @@ class local_member : public communicator {
       error = "size mismatch: sent " + std::to_string(from.numel()) + " elements, receiving " +
               std::to_string(into.numel());
     else
-      into.copy_(from);
+      after_markers(t, {peer.ready}, [&] { into.copy_(from); });
     peer.done->complete(error);
     w->complete(error);
     return w;
