@@ -54,7 +54,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   try {
     device = resolve_device(c.device);
     compute_dtype = parse_precision(c.precision);
-    residual_dtype = c.fp32_residual ? torch::kFloat32 : compute_dtype;
+    residual_dtype = c.fp32_residual || spec.type != model_spec::kind::decoder ? torch::kFloat32 : compute_dtype;
     use_deterministic_algorithms(c.deterministic);  // before this process's first matrix product
   } catch (const std::invalid_argument& e) {
     throw config_error(std::string("invalid configuration: ") + e.what());

@@ -67,8 +67,9 @@ struct runtime_context {
   int loss_stage() const { return place(n_virtual - 1).first; }
   torch::Device device{torch::kCPU}; ///< where stages and shards compute (train.device)
   torch::ScalarType compute_dtype = torch::kFloat32;  ///< train.precision
-  /// The decoders' residual stream (train.fp32_residual): fp32, or compute_dtype. What a
-  /// stage widens a received activation or gradient to.
+  /// The decoders' residual stream (train.fp32_residual): fp32, or compute_dtype (bf16
+  /// decoders by default; fp32 for the MLP). What a stage widens a received activation or
+  /// gradient to.
   torch::ScalarType residual_dtype = torch::kFloat32;
   state_dict init;                   ///< initial parameters (or the resumed ones): the whole model's, a node process's stages' after keep_only
   /// --load / --resume: AdamW moments by name (likewise). Held only while the job starts:

@@ -42,7 +42,7 @@ struct job_config {
   std::string device = "auto";        ///< auto | cpu | cuda | cuda:N (auto: a GPU if usable)
   std::string precision = "fp32";     ///< fp32 | bf16 (autocast compute, bf16 param values, fp32 main params)
   bool deterministic = false;         ///< LibTorch's deterministic algorithms (strict; see compute/device.hpp)
-  bool fp32_residual = true;          ///< bf16 decoders: the residual stream (and layer norms' input/output) in fp32; false: in bf16, as Megatron's default
+  bool fp32_residual = false;         ///< bf16 decoders: the residual stream (and layer norms' input/output) in fp32 (autocast's); false: in bf16, as Megatron's default
   std::string recompute = "none";     ///< none | selective | full (gpt: the attention core's or each block's activations recomputed in the backward)
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
   int max_step_retries = 2;           ///< in-place retries of a failed step (no node process lost)
@@ -134,7 +134,7 @@ struct job_config {
   /// differs from fp32 without recomputation; empty otherwise).
   std::string compute_note() const {
     return (precision != "fp32" ? ", " + precision : "") + (recompute != "none" ? ", recompute " + recompute : "") +
-           (precision != "fp32" && !fp32_residual ? ", " + precision + " residual" : "") + (deterministic ? ", deterministic" : "");
+           (precision != "fp32" && fp32_residual ? ", fp32 residual" : "") + (deterministic ? ", deterministic" : "");
   }
   /// For the start-of-training log line: "tensor-parallel 2 (sequence parallel) x " and/or
   /// "expert-parallel 2 x " (empty without either).

@@ -11,7 +11,7 @@ first BUILD_DIR/troupe_staging_bench cuda (staged and CUDA IPC transfers between
 copy; a short run, printed before the long ones so that a run cut short still has it).
 
 TROUPE_GPU_BENCH_ONLY=REGEX runs only the runs, overhead rows and kernel profiles whose name it matches (the
-eager reference always runs); TROUPE_GPU_BENCH_ROUNDS=N (default 1) runs the fp32 / bf16 residual-stream pairs N
+eager reference always runs); TROUPE_GPU_BENCH_ROUNDS=N (default 1) runs the bf16 / fp32 residual-stream pairs N
 times, alternating.
 
 Prints a Markdown table. MFU = model FLOPs per second / measured peak, with model FLOPs
@@ -39,7 +39,7 @@ from pipeline_ops import op_means, simulate  # noqa: E402
 L, H, D, FF, T, V = 12, 12, 768, 3072, 1024, 256
 GLOBAL_BATCH, MICRO = 16, 4
 ONLY = re.compile(os.environ.get("TROUPE_GPU_BENCH_ONLY", ""))
-BF16_RESIDUAL = ("--fp32-residual", "false")
+FP32_RESIDUAL = ("--fp32-residual", "true")
 
 
 def wanted(name):
@@ -228,10 +228,10 @@ def main():
 
     for p, m in ((1, 4), (1, 2), (4, 8)):
         add(f"Troupe actors p={p}, {m} micro-batches of {GLOBAL_BATCH // m} x 1024", p, m)
-    # The residual stream in fp32 (autocast's) against bf16 (fp32_residual = false,
-    # Megatron's default), alternating.
+    # The residual stream in bf16 (the default, Megatron's) against fp32 (fp32_residual =
+    # true, autocast's), alternating.
     for r in range(int(os.environ.get("TROUPE_GPU_BENCH_ROUNDS", "1"))):
-        for stream, extra in (("", ()), (", bf16 residual stream", BF16_RESIDUAL)):
+        for stream, extra in (("", ()), (", fp32 residual stream", FP32_RESIDUAL)):
             add(f"Troupe actors p=1, 1 micro-batch of 16 x 1024{stream}", 1, 1, extra)
             add(f"Troupe actors p=1, global batch 32 x 1024, 2 micro-batches of 16 x 1024{stream}", 1, 2, extra,
                 batch=32)
@@ -266,14 +266,14 @@ def main():
     add("Troupe p=4 as 2 node processes sharing the GPU, 4 micro-batches", 4, 4, nodes=2)
     add("Troupe p=1 d=2 as 2 node processes sharing the GPU, 4 micro-batches", 1, 4, ("--data-parallel", "2"), nodes=2)
     for label, p, m, nodes, extra in (("p1-m4", 1, 4, 1, ()), ("p1-m1", 1, 1, 1, ()),
-                                      ("p1-m1-bf16-residual", 1, 1, 1, BF16_RESIDUAL), ("p4-m4", 4, 4, 1, ()),
-                                      ("p4-m4-bf16-residual", 4, 4, 1, BF16_RESIDUAL), ("nodes2-p4", 4, 4, 2, ())):
+                                      ("p1-m1-fp32-residual", 1, 1, 1, FP32_RESIDUAL), ("p4-m4", 4, 4, 1, ()),
+                                      ("p4-m4-fp32-residual", 4, 4, 1, FP32_RESIDUAL), ("nodes2-p4", 4, 4, 2, ())):
         if not wanted(f"kernel profile {label}"):
             continue
         try:
             text = kernel_profile(build, 8, p, m, label, out_dir, nodes=nodes, extra=extra)
             where = f"p={p}" + (f" as {nodes} node processes (node 0's process)" if nodes > 1 else "")
-            stream = ", bf16 residual stream" if extra else ""
+            stream = ", fp32 residual stream" if extra else ""
             summaries.append((f"gpt-small {where}, {m} micro-batches of {GLOBAL_BATCH // m} x 1024{stream}, steps 6-7",
                               text))
         except Exception as e:

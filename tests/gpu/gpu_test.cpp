@@ -152,9 +152,10 @@ TEST(Precision, Bf16FollowsFp32OnTheCpu) {
   for (int i = 0; i < steps; ++i) EXPECT_NEAR(bf16.losses[i] / fp32.losses[i], 1.0, 0.02) << "step " << i;
   EXPECT_GT(test::max_abs_diff(bf16.final_state, fp32.final_state), 0.0);
   for (const auto& [name, t] : bf16.final_state) EXPECT_EQ(t.scalar_type(), torch::kFloat32) << name;
-  // The same with a bf16 residual stream (fp32_residual = false): close to both, equal to neither.
+  // The same with an fp32 residual stream (fp32_residual = true; bf16 jobs keep it in
+  // bf16 by default): close to both, equal to neither.
   auto c = tiny(2, 1, 1, "1f1b", "cpu", "bf16");
-  c.fp32_residual = false;
+  c.fp32_residual = true;
   const auto stream = run(c, steps);
   ASSERT_EQ(stream.exit_code, 0) << stream.error;
   for (int i = 0; i < steps; ++i) EXPECT_NEAR(stream.losses[i] / fp32.losses[i], 1.0, 0.02) << "step " << i;
@@ -503,9 +504,9 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GpuEquivalence,
 TEST(Gpu, Bf16LossCurveFollowsFp32For200Steps) {
   if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
   const auto fp32 = run(tiny(2, 1, 1, "1f1b", "cuda"), 200);
-  auto stream = tiny(2, 1, 1, "1f1b", "cuda", "bf16");
-  stream.fp32_residual = false;  // and with a bf16 residual stream
-  for (const auto& c : {tiny(2, 1, 1, "1f1b", "cuda", "bf16"), stream}) {
+  for (const bool fp32_residual : {true, false}) {
+    auto c = tiny(2, 1, 1, "1f1b", "cuda", "bf16");
+    c.fp32_residual = fp32_residual;
     const auto bf16 = run(c, 200);
     ASSERT_EQ(fp32.exit_code, 0) << fp32.error;
     ASSERT_EQ(bf16.exit_code, 0) << bf16.error;
