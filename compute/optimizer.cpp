@@ -77,19 +77,25 @@ void adamw_shard::step(const torch::Tensor& grad_in, double lr, double grad_scal
       kernels::adamw(p, m, v, g, decay_runs_, po, mo, vo, b, e, k);
     });
   } else {  // another device: the same update as LibTorch ops
-    if (to != from) {
-      out.params.copy_(in.params);
-      out.exp_avg.copy_(in.exp_avg);
-      out.exp_avg_sq.copy_(in.exp_avg_sq);
-    }
+    // Double-buffered, each first op writes the other bank from this one (no copy of the
+    // three tensors before updating them in place: a third fewer passes over them).
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(out.params.device());
+    auto scale = [&](torch::Tensor& o, const torch::Tensor& i, const torch::Tensor& factor) {
+      if (to == from)
+        o.mul_(factor);
+      else
+        torch::mul_out(o, i, factor);
+    };
     const torch::Tensor grad = grad_scale == 1.0 ? grad_in : grad_in * grad_scale;
-    if (opts_.weight_decay != 0.0) {  // decoupled weight decay only where the mask says so
-      const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(out.params.device());
-      out.params.mul_(
-          torch::where(decay_, torch::scalar_tensor(decay_factor, f32), torch::scalar_tensor(1.0, f32)));
-    }
-    out.exp_avg.mul_(opts_.beta1).add_(grad, 1.0 - opts_.beta1);
-    out.exp_avg_sq.mul_(opts_.beta2).addcmul_(grad, grad, 1.0 - opts_.beta2);
+    if (opts_.weight_decay != 0.0)  // decoupled weight decay only where the mask says so
+      scale(out.params, in.params,
+            torch::where(decay_, torch::scalar_tensor(decay_factor, f32), torch::scalar_tensor(1.0, f32)));
+    else if (to != from)
+      out.params.copy_(in.params);
+    scale(out.exp_avg, in.exp_avg, torch::scalar_tensor(opts_.beta1, f32));
+    out.exp_avg.add_(grad, 1.0 - opts_.beta1);
+    scale(out.exp_avg_sq, in.exp_avg_sq, torch::scalar_tensor(opts_.beta2, f32));
+    out.exp_avg_sq.addcmul_(grad, grad, 1.0 - opts_.beta2);
     auto denom = (out.exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(opts_.eps);
     out.params.addcdiv_(out.exp_avg, denom, -step_size);
   }
@@ -106,8 +112,12 @@ double lr_schedule::at(int t, int total) const {
 double partial_sq_norm(const torch::Tensor& grad, const torch::Tensor& mask) {
   if (cpu_float(grad) && mask.device().is_cpu() && mask.scalar_type() == torch::kBool && mask.is_contiguous())
     return kernels::masked_sq_norm(grad.data_ptr<float>(), mask.data_ptr<bool>(), grad.numel());
-  auto g = grad.masked_select(mask).to(torch::kFloat64);
-  return g.dot(g).item<double>();
+  // Other devices: zeros where the mask is false, then the norm accumulated in fp64 (one
+  // pass over the gradient each; masked_select would find the mask's elements with a
+  // host round trip, and gather and widen them first).
+  const auto kept = torch::where(mask, grad, torch::zeros({}, grad.options()));
+  const double n = at::linalg_vector_norm(kept, 2, c10::nullopt, /*keepdim=*/false, torch::kFloat64).item<double>();
+  return n * n;
 }
 
 double clip_factor(double total_sq_norm, double max_norm) {

@@ -86,24 +86,36 @@ TEST(Optimizer, DoubleBufferedAndThreadedUpdatesAreBitIdentical) {
 }
 
 // The fused CPU kernel against the same update as LibTorch ops (taken for tensors that
-// are not contiguous, as on a GPU).
+// are not contiguous, as on a GPU), with and without weight decay, in one bank and
+// double-buffered (where the ops write the other bank from this one and leave it as it
+// was: previous()).
 TEST(Optimizer, FusedKernelMatchesTorchOps) {
-  torch::manual_seed(6);
-  const std::int64_t n = 1000;
-  auto p = torch::randn({n});
-  auto mask = torch::rand({n}) > 0.5;
-  adamw_shard fused(p, mask, {}), ops(p, mask, {});
-  for (int step = 0; step < 4; ++step) {
-    auto g2 = torch::randn({n, 2});
-    auto strided = g2.select(1, 0);  // not contiguous: the LibTorch-ops path
-    ASSERT_FALSE(strided.is_contiguous());
-    fused.step(strided.contiguous(), 1e-2, 0.7);
-    ops.step(strided, 1e-2, 0.7);
+  for (const bool buffered : {false, true}) {
+    for (const double decay : {0.1, 0.0}) {
+      torch::manual_seed(6);
+      const std::int64_t n = 1000;
+      auto p = torch::randn({n});
+      auto mask = torch::rand({n}) > 0.5;
+      adamw_options opts;
+      opts.weight_decay = decay;
+      adamw_shard fused(p, mask, opts, buffered), ops(p, mask, opts, buffered);
+      for (int step = 0; step < 4; ++step) {
+        auto g2 = torch::randn({n, 2});
+        auto strided = g2.select(1, 0);  // not contiguous: the LibTorch-ops path
+        ASSERT_FALSE(strided.is_contiguous());
+        const auto before = ops.params().clone();
+        fused.step(strided.contiguous(), 1e-2, 0.7);
+        ops.step(strided, 1e-2, 0.7);
+        if (buffered) EXPECT_TRUE(torch::equal(ops.previous().params, before)) << "step " << step;
+        EXPECT_FALSE(torch::equal(ops.params(), before));
+      }
+      // Equal up to rounding (LibTorch's vectorised kernels may fuse a multiply-add).
+      const auto what = std::string(buffered ? "double-buffered" : "one bank") + ", decay " + std::to_string(decay);
+      EXPECT_TRUE(torch::allclose(fused.params(), ops.params(), 1e-6, 1e-7)) << what;
+      EXPECT_TRUE(torch::allclose(fused.exp_avg(), ops.exp_avg(), 1e-6, 1e-7)) << what;
+      EXPECT_TRUE(torch::allclose(fused.exp_avg_sq(), ops.exp_avg_sq(), 1e-6, 1e-7)) << what;
+    }
   }
-  // Equal up to rounding (LibTorch's vectorised kernels may fuse a multiply-add).
-  EXPECT_TRUE(torch::allclose(fused.params(), ops.params(), 1e-6, 1e-7));
-  EXPECT_TRUE(torch::allclose(fused.exp_avg(), ops.exp_avg(), 1e-6, 1e-7));
-  EXPECT_TRUE(torch::allclose(fused.exp_avg_sq(), ops.exp_avg_sq(), 1e-6, 1e-7));
 }
 
 TEST(Optimizer, MaskedNormOfManyElements) {
@@ -113,6 +125,10 @@ TEST(Optimizer, MaskedNormOfManyElements) {
   const auto ref = g.to(torch::kFloat64).masked_select(mask).pow(2).sum().item<double>();
   EXPECT_NEAR(partial_sq_norm(g, mask), ref, 1e-12 * ref);
   EXPECT_EQ(partial_sq_norm(g, mask), partial_sq_norm(g.clone(), mask.clone()));  // fixed order
+  // The LibTorch-ops path (GPUs take it; here a mask that is not contiguous does).
+  const auto strided = torch::stack({mask, mask}, 1).select(1, 0);
+  ASSERT_FALSE(strided.is_contiguous());
+  EXPECT_NEAR(partial_sq_norm(g, strided), ref, 1e-12 * ref);
 }
 
 TEST(Optimizer, LearningRateScheduleOfWorkloads) {
