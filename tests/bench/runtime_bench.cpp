@@ -16,6 +16,7 @@
 //                with split_backward vs 1f1b step time and measured bubble, and the
 //                simulator's bubbles for the measured F, B, W
 //                (`troupe_runtime_bench STEPS zero-bubble` runs only this part)
+// `troupe_runtime_bench STEPS overhead` runs only the overhead and messaging parts.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -194,6 +195,7 @@ void zero_bubble_rows(job_config c, int steps) {
 
 int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 12;
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each row as it is measured (a run cut short keeps them)
   troupe::tune_host_allocator();  // as the troupe command does
   spdlog::set_level(spdlog::level::warn);
   auto gpt = job_config::defaults_for("gpt-tiny");
@@ -218,8 +220,11 @@ int main(int argc, char** argv) {
     std::printf("| gpt-tiny step, p=1 d=1, 2 threads: plain loop / actors | %.1f ms / %.1f ms (actors %+.1f %%) |\n",
                 plain * 1e3, actors * 1e3, 100 * (actors / plain - 1));
   }
+  // `troupe_runtime_bench STEPS overhead`: the overhead and messaging parts only (an
+  // A/B of something around the runtime, e.g. LD_PRELOAD of another malloc).
+  const bool only_overhead = argc > 2 && std::string(argv[2]) == "overhead";
   // Pipelining: p = 2 with 1 thread per stage vs p = 1 with 1 thread.
-  {
+  if (!only_overhead) {
     auto c = gpt;
     c.threads = 1;
     const auto one = actor_step_seconds(c, steps);
@@ -258,6 +263,7 @@ int main(int argc, char** argv) {
                 "micro-batches) | %.1f us |\n",
                 gaps);
   }
+  if (only_overhead) return 0;
   // Memory per optimizer shard: fp32 main parameters + two AdamW moments.
   {
     const auto spec = model_spec::gpt_tiny();

@@ -29,9 +29,12 @@ retried() {  # reference, name, then the layout's and the fault's flags
 }
 two=(--nodes 2)
 reference ref "${two[@]}"
-retried ref throw "${two[@]}" --throw-at 1:1:3              # stage (replica 1, stage 1) on node 1
-retried ref throw-after-update "${two[@]}" --throw-at 0:0:5:late
-retried ref corrupt "${two[@]}" --message corrupt@0:0:4     # activation node 0 -> node 0's stage 1 (checksum)
+# The faults that announce themselves need no short step timeout: a longer one keeps a
+# slow step on a loaded machine from timing out before the fault (which then never fires).
+slow_ok=(--step-timeout 30)
+retried ref throw "${two[@]}" --throw-at 1:1:3 "${slow_ok[@]}"  # stage (replica 1, stage 1) on node 1
+retried ref throw-after-update "${two[@]}" --throw-at 0:0:5:late "${slow_ok[@]}"
+retried ref corrupt "${two[@]}" --message corrupt@0:0:4 "${slow_ok[@]}"  # activation node 0 -> node 0's stage 1 (checksum)
 retried ref lost "${two[@]}" --message drop@1:0:6           # lost activation: the step timeout
 retried ref stall "${two[@]}" --stall 1:0:2                 # shard (stage 1, rank 0) never starts its reduce-scatter
 retried ref lost-loss "${two[@]}" --message drop@0:1:7:loss # a lost control message
@@ -42,10 +45,10 @@ UCX_TLS=tcp,self retried ref stall-tcp "${two[@]}" --stall 1:0:2
 # gathered (per chunk) from its shards on two nodes.
 four=(--nodes 4 --chunks 2 --schedule interleaved-1f1b)
 reference ref4 "${four[@]}"
-retried ref4 four-nodes-interleaved "${four[@]}" --throw-at 1:0:3
+retried ref4 four-nodes-interleaved "${four[@]}" --throw-at 1:0:3 "${slow_ok[@]}"
 
 # No in-place retries allowed: the launcher restarts the job (from step 0: no checkpoints).
-"$launcher" "${job[@]}" "${two[@]}" --metrics "$tmp/nr.jsonl" --save "$tmp/nr.pt" --max-step-retries 0 --throw-at 1:1:3 \
+"$launcher" "${job[@]}" "${two[@]}" --metrics "$tmp/nr.jsonl" --save "$tmp/nr.pt" --max-step-retries 0 --throw-at 1:1:3 "${slow_ok[@]}" \
   >"$tmp/nr.log" 2>&1
 rc=$?
 [ $rc = 0 ] && grep -q "restart 1 of at most" "$tmp/nr.log" && ! grep -q "retrying it in place" "$tmp/nr.log" \
