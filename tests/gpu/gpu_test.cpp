@@ -363,7 +363,8 @@ residual_pass bf16_residual_pass(const model_spec& spec, const state_dict& init,
     loss = slices.back()->loss(x, target);
   }
   loss.backward();
-  for (std::size_t i = slices.size() - 1; i > 0; --i) outs[i - 1].backward(ins[i].grad().to(torch::kBFloat16).to(outs[i - 1].scalar_type()));
+  for (std::size_t i = slices.size() - 1; i > 0; --i)  // the gradient travels in bf16 too
+    outs[i - 1].backward(ins[i].grad().to(torch::kBFloat16).to(outs[i - 1].scalar_type()));
   r.loss = loss.item<double>();
   for (const auto& s : slices)
     for (std::size_t i = 0; i < s->entries().size(); ++i)
