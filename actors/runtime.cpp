@@ -61,6 +61,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   }
   resolve_resume(cfg);
   if (const char* a = std::getenv("TROUPE_LAUNCH_ATTEMPT")) launch_attempt = std::atoi(a);
+  if (const char* b = std::getenv("TROUPE_BACKWARD_ON_STAGE_THREAD")) backward_on_stage_threads = std::string(b) == "1";
   if (launch_attempt == cfg.fault_attempt) faults = fault_plan::parse(cfg);
   if (!cfg.resume.empty()) {
     std::function<bool(const std::string&)> keep;

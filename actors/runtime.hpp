@@ -90,6 +90,10 @@ struct runtime_context {
   /// How often the launcher has restarted this job (TROUPE_LAUNCH_ATTEMPT); injected
   /// faults fire in one launch only (faults.attempt, default the first).
   int launch_attempt = 0;
+  /// TROUPE_BACKWARD_ON_STAGE_THREAD=1: every stage's backward on its own thread (stages
+  /// with an expert-parallel group always; compute/device.hpp's backward_on_this_thread),
+  /// to compare on a GPU with LibTorch's one autograd thread per device.
+  bool backward_on_stage_threads = false;
   /// The [faults] keys, parsed once; empty unless this launch is the one they fire in.
   /// Each actor asks its own fault_injector made from it.
   fault_plan faults;

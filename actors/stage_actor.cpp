@@ -3,7 +3,6 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -99,15 +98,8 @@ struct stage_state {
   std::vector<trace_event> eval_events;
   int ep_size = 1;  // expert parallelism: the size of the stage's expert-parallel group
   /// Whether backwards run on the stage's thread (backward_on_this_thread): with expert
-  /// parallelism (required), or with TROUPE_BACKWARD_ON_STAGE_THREAD=1 (to compare, on a
-  /// GPU, with LibTorch's autograd thread per device).
-  bool backward_here() const {
-    static const bool asked = [] {
-      const char* v = std::getenv("TROUPE_BACKWARD_ON_STAGE_THREAD");
-      return v && std::string(v) == "1";
-    }();
-    return ep_size > 1 || asked;
-  }
+  /// parallelism (required), or when the job asks (runtime_context::backward_on_stage_threads).
+  bool backward_here() const { return ep_size > 1 || ctx->backward_on_stage_threads; }
   // (micro-batch or evaluation forward, chunk) of the forward and of the backward
   // computing now (both at once in an overlapped pair), for their all-to-alls' events.
   key computing_forward{-1, -1}, computing_backward{-1, -1};
