@@ -279,7 +279,6 @@ class model_slice {
   /// output are bf16, so no cast kernel surrounds each layer norm and the element-wise
   /// kernels move half the bytes. Under bf16 autocast only; an fp32 forward ignores it.
   void set_residual_dtype(torch::ScalarType dtype) { residual_ = dtype; }
-  torch::ScalarType residual_dtype() const { return residual_; }
   /// Blocks (full) and attention cores (selective) run again in backwards so far, by every
   /// slice of this process (tests check that a runtime recomputes what it should).
   static std::int64_t blocks_recomputed();
