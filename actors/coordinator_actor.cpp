@@ -16,6 +16,7 @@
 #include "actors/wait_graph.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
+#include "compute/tensor_parallel.hpp"
 #include "compute/kernel_profile.hpp"
 #include "compute/optimizer.hpp"
 #include "compute/pipeline.hpp"
@@ -25,6 +26,13 @@
 namespace troupe {
 
 namespace {
+
+/// Where the gradient-norm partial of virtual stage `x`'s shard of pipeline `pipe` goes
+/// among a step's partials: (virtual stage, tensor-parallel rank, data-parallel rank)
+/// order, the local loop's.
+std::size_t partial_index(const runtime_context& ctx, int x, int pipe) {
+  return (std::size_t(x) * ctx.t + ctx.tp_of(pipe)) * ctx.d + ctx.dp_of(pipe);
+}
 
 constexpr auto state_timeout = std::chrono::seconds(60);
 constexpr auto checkpoint_write_timeout = std::chrono::minutes(10);  // a stage's files, on a slow shared disk
@@ -137,7 +145,7 @@ void finish(self_ptr self, int code, const std::string& error) {
     // Checked writable at the start; should it fail now (a full disk), the run's result
     // stands and the reason is logged: an exception here would leave the run unanswered.
     try {
-      write_chrome_trace(s.opts.trace_path, s.result->events, s.ctx->d, s.ctx->p);
+      write_chrome_trace(s.opts.trace_path, s.result->events, s.ctx->pipes, s.ctx->p);
       spdlog::info("trace written to {}", s.opts.trace_path);
     } catch (const std::exception& e) {
       spdlog::error("trace not written: {}", e.what());
@@ -264,34 +272,58 @@ void retry_in_place(self_ptr self) {
   }
 }
 
-/// Fetches the full model (model order, on the host) from replica 0's stages, then calls
-/// `then`.
+/// Fetches the full model (model order, on the host) from replica 0's stages (tensor
+/// parallelism: those of each of its ranks, the parts put together), then calls `then`.
 void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
   auto& s = self->state;
-  auto parts = std::make_shared<std::vector<state_dict>>(s.ctx->p);
+  const int p = s.ctx->p;
+  std::vector<caf::actor> stages;  // pipelines 0 .. t - 1, stage by stage
+  for (int q = 0; q < s.ctx->t; ++q) stages.insert(stages.end(), s.wiring->stages[q].begin(), s.wiring->stages[q].end());
+  auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(s.ctx->t);
   request_all<state_reply>(
-      self, s.wiring->stages[0], state_timeout,
-      [parts](std::size_t k, state_reply& rep) {
-        for (std::size_t i = 0; i < rep.names.size(); ++i)
-          (*parts)[k].emplace_back(rep.names[i], tensor_of(rep.tensors[i]).to(torch::kCPU));
+      self, stages, state_timeout,
+      [parts, p](std::size_t i, state_reply& rep) {
+        for (std::size_t j = 0; j < rep.names.size(); ++j)
+          (*parts)[i / p].emplace(rep.names[j], tensor_of(rep.tensors[j]).to(torch::kCPU));
       },
       [self, parts, then] {
-        std::map<std::string, torch::Tensor> by_name;
-        for (const auto& stage : *parts) by_name.insert(stage.begin(), stage.end());
+        const auto& spec = self->state.ctx->spec;
+        const auto by_name = parts->size() == 1 ? parts->front() : unshard_by_name(spec, {}, *parts);
         state_dict full;
-        for (const auto& name : parameter_names(self->state.ctx->spec)) full.emplace_back(name, by_name.at(name));
+        for (const auto& name : parameter_names(spec)) full.emplace_back(name, by_name.at(name));
         then(std::move(full));
       },
       fail_with(self, "no parameters from a stage"), state_atom_v);
 }
 
 /// Fetches every optimizer shard's AdamW moments (and, in bf16 jobs, main parameters) by
-/// parameter name, then calls `then`.
-void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
-  auto sum = std::make_shared<named_moments>();
+/// parameter name (tensor parallelism: each rank's parts put together into the whole
+/// parameters of `model`'s shapes), then calls `then`.
+void fetch_moments(self_ptr self, const state_dict& model, std::function<void(named_moments)> then) {
+  const auto& ctx = *self->state.ctx;
+  auto parts = std::make_shared<std::vector<named_moments>>(ctx.t);
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& [name, p] : model) shapes[name] = p.sizes().vec();
   request_all<shard_moments>(
-      self, all_of(self->state.wiring->shards), state_timeout,
-      [sum](std::size_t, shard_moments& rep) { add_shard_moments(*sum, rep); }, [sum, then] { then(std::move(*sum)); },
+      self, all_of(self->state.wiring->shards), state_timeout,  // [stage][pipeline]
+      [parts, pipes = ctx.pipes, t = ctx.t](std::size_t i, shard_moments& rep) {
+        add_shard_moments((*parts)[std::size_t(int(i % std::size_t(pipes)) % t)], rep);
+      },
+      [self, parts, shapes, then] {
+        if (parts->size() == 1) return then(std::move(parts->front()));
+        const auto& spec = self->state.ctx->spec;
+        std::vector<std::map<std::string, torch::Tensor>> avg, avg_sq, main;
+        for (const auto& part : *parts) {
+          avg.push_back(part.exp_avg);
+          avg_sq.push_back(part.exp_avg_sq);
+          main.push_back(part.main_params);
+        }
+        named_moments whole;
+        whole.exp_avg = unshard_by_name(spec, shapes, avg);
+        whole.exp_avg_sq = unshard_by_name(spec, shapes, avg_sq);
+        if (!main.front().empty()) whole.main_params = unshard_by_name(spec, shapes, main);
+        then(std::move(whole));
+      },
       fail_with(self, "no optimizer state from a shard"), state_atom_v);
 }
 
@@ -299,7 +331,7 @@ void fetch_moments(self_ptr self, std::function<void(named_moments)> then) {
 /// rounded (bf16 jobs) the shards' fp32 main parameters. Fetches the shards' state, puts
 /// their main parameters into `model`, then calls `then` with both.
 void with_shard_state(self_ptr self, state_dict model, std::function<void(state_dict, named_moments)> then) {
-  fetch_moments(self, [=](named_moments moments) mutable {
+  fetch_moments(self, model, [=](named_moments moments) mutable {
     use_main_params(model, moments);
     then(std::move(model), std::move(moments));
   });
@@ -503,13 +535,15 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
   s.n_evals = 0;
   s.eval_then = std::move(then);
   // Expert parallelism: forward f through every replica of group f mod (d / EP), scored
-  // by the group's first (the others serve its tokens' experts).
-  const int ep = ctx.cfg.expert_parallel, groups = ctx.d / ep;
+  // by the group's first (the others serve its tokens' experts). Tensor parallelism:
+  // through every pipeline of replica f mod d, each scoring its part of the vocabulary.
+  const int ep = ctx.cfg.expert_parallel, width = ep * ctx.t, groups = ctx.pipes / width;
   for (std::size_t f = 0; f < plan.size(); ++f) {
-    const int first = int(f % std::size_t(groups)) * ep;
+    const int first = int(f % std::size_t(groups)) * width;
     const auto rows = [&](const torch::Tensor& t) { return make_payload(t.narrow(0, plan[f].begin, plan[f].rows)); };
-    self->send(s.wiring->stages[first].at(ctx.loss_stage()), eval_target{s.step, std::int32_t(f), rows(set.target)});
-    for (int r = first; r < first + ep; ++r)
+    for (int r = first; r < first + ctx.t; ++r)
+      self->send(s.wiring->stages[r].at(ctx.loss_stage()), eval_target{s.step, std::int32_t(f), rows(set.target)});
+    for (int r = first; r < first + width; ++r)
       self->send(s.wiring->stages[r].front(), eval_activation{s.step, std::int32_t(f), 0, rows(set.input)});
   }
   self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), eval_atom_v, s.step);
@@ -637,18 +671,19 @@ wait_report coordinator_waits(const coordinator_state& s) {
     rep.keys.push_back(message_key(what, actor, "coordinator"));
     if (std::find(rep.from.begin(), rep.from.end(), actor) == rep.from.end()) rep.from.push_back(actor);
   };
-  for (int r = 0; r < ctx.d; ++r)
+  for (int r = 0; r < ctx.d; ++r)  // (tensor parallelism: rank 0 of each replica reports)
     for (int mb = 0; mb < ctx.m; ++mb)
       expect(s.seen_losses.at(std::size_t(r) * ctx.m + mb), 0, "loss mb " + std::to_string(mb),
-             ctx.stage_name(r, ctx.loss_stage()));
+             ctx.stage_name(r * ctx.t, ctx.loss_stage()));
   for (int x = 0; x < ctx.n_virtual; ++x)
-    for (int rank = 0; rank < ctx.d; ++rank)
-      expect(s.seen_partials.at(std::size_t(x) * ctx.d + rank), 1,
+    for (int rank = 0; rank < ctx.pipes; ++rank)
+      expect(s.seen_partials.at(partial_index(ctx, x, rank)), 1,
              "gradient-norm partial of chunk " + std::to_string(ctx.place(x).second), ctx.shard_name(ctx.place(x).first, rank));
-  for (int r = 0; r < ctx.d; ++r)
+  for (int r = 0; r < ctx.pipes; ++r)
     for (int k = 0; k < ctx.p; ++k) expect(s.seen_stages.at(std::size_t(r) * ctx.p + k), 2, "stage done", ctx.stage_name(r, k));
   for (int k = 0; k < ctx.p; ++k)
-    for (int r = 0; r < ctx.d; ++r) expect(s.seen_shards.at(std::size_t(k) * ctx.d + r), 3, "shard done", ctx.shard_name(k, r));
+    for (int r = 0; r < ctx.pipes; ++r)
+      expect(s.seen_shards.at(std::size_t(k) * ctx.pipes + r), 3, "shard done", ctx.shard_name(k, r));
   const char* kinds[4] = {"loss reports", "gradient-norm partials", "stage-done reports", "shard-done reports"};
   std::vector<std::string> parts;
   for (int i = 0; i < 4; ++i)
@@ -674,13 +709,14 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
     wait_report stub;  // its name and node, should it not answer
   };
   auto asked = std::make_shared<std::vector<asked_actor>>();
-  for (int r = 0; r < ctx.d; ++r)
+  for (int r = 0; r < ctx.pipes; ++r)
     for (int k = 0; k < ctx.p; ++k)
       asked->push_back({s.wiring->stages[r][k], {ctx.stage_name(r, k), s.stage_nodes.at(std::size_t(r) * ctx.p + k)}});
   for (int k = 0; k < ctx.p; ++k)
-    for (int r = 0; r < ctx.d; ++r)
+    for (int r = 0; r < ctx.pipes; ++r)
       asked->push_back({s.wiring->shards[k][r], {ctx.shard_name(k, r), s.stage_nodes.at(std::size_t(r) * ctx.p + k)}});
-  for (int r = 0; r < ctx.d; ++r) asked->push_back({s.wiring->loaders[r], {ctx.loader_name(r), s.loader_nodes.at(r)}});
+  for (int r = 0; r < ctx.pipes; ++r)
+    asked->push_back({s.wiring->loaders[r], {ctx.loader_name(r), s.loader_nodes.at(r)}});
   auto answers = std::make_shared<std::vector<std::optional<wait_report>>>(asked->size());
   auto conclude = [=] {
     auto& s = self->state;
@@ -734,7 +770,7 @@ void commit(self_ptr self) {
   ++s.timed;
   s.recent_steps.push_back(s.stats.seconds);
   if (s.recent_steps.size() > recent_step_count) s.recent_steps.pop_front();
-  const auto timing = measure_step(s.events, ctx.d, ctx.p);
+  const auto timing = measure_step(s.events, ctx.pipes, ctx.p);
   if (s.profile && s.step == s.profile_request->last && s.profile->running()) {
     s.profile->stop(s.profile_request->path);
     spdlog::info("kernel profile of steps {}..{} written to {}", s.profile_request->first + 1, s.step + 1,
@@ -784,7 +820,7 @@ void commit(self_ptr self) {
 void maybe_commit(self_ptr self) {
   auto& s = self->state;
   const auto& ctx = *s.ctx;
-  if (!s.committed && s.n_losses == ctx.d * ctx.m && s.n_stages == ctx.d * ctx.p && s.n_shards == ctx.p * ctx.d)
+  if (!s.committed && s.n_losses == ctx.d * ctx.m && s.n_stages == ctx.pipes * ctx.p && s.n_shards == ctx.p * ctx.pipes)
     commit(self);
 }
 
@@ -795,16 +831,16 @@ void begin(self_ptr self) {
   s.stats.step = int(s.step);
   s.stats.lr = s.lrs.at(int(s.step), ctx.cfg.steps);
   s.losses.assign(std::size_t(ctx.d) * ctx.m, 0.0);
-  s.partials.assign(std::size_t(ctx.n_virtual) * ctx.d, 0.0);
+  s.partials.assign(std::size_t(ctx.n_virtual) * ctx.pipes, 0.0);
   s.n_losses = s.n_partials = s.n_stages = s.n_shards = 0;
   s.seen_losses.assign(s.losses.size(), false);
   s.seen_partials.assign(s.partials.size(), false);
-  s.seen_stages.assign(std::size_t(ctx.d) * ctx.p, false);
-  s.seen_shards.assign(std::size_t(ctx.p) * ctx.d, false);
+  s.seen_stages.assign(std::size_t(ctx.pipes) * ctx.p, false);
+  s.seen_shards.assign(std::size_t(ctx.p) * ctx.pipes, false);
   s.committed = false;
   s.skipping = false;
   s.events.clear();
-  s.peaks.assign(std::size_t(ctx.d) * ctx.p, 0);
+  s.peaks.assign(std::size_t(ctx.pipes) * ctx.p, 0);
   if (s.profile && s.step == s.profile_request->first && !s.profile->running()) s.profile->start();
   s.started_us = ctx.now_us();
   if (const auto& plant = s.opts.plant_leftover; plant && plant->step == s.step)
@@ -814,7 +850,7 @@ void begin(self_ptr self) {
   s.last_progress_us = s.started_us;
   s.sent.clear();
   const auto begun = "begin of step " + std::to_string(s.step + 1);
-  for (int r = 0; r < ctx.d; ++r) {
+  for (int r = 0; r < ctx.pipes; ++r) {
     s.sent.push_back(message_key(begun, "coordinator", ctx.loader_name(r)));
     for (int k = 0; k < ctx.p; ++k) {
       s.sent.push_back(message_key(begun, "coordinator", ctx.stage_name(r, k)));
@@ -838,21 +874,21 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
   const auto& ctx = *s.ctx;
   wiring_msg w;
   w.coordinator = caf::actor_cast<caf::actor>(self);
-  w.stages.resize(std::size_t(ctx.d) * ctx.p);
-  w.shards.resize(std::size_t(ctx.p) * ctx.d);
-  w.loaders.resize(ctx.d);
-  w.nodes.assign(std::size_t(ctx.d) * ctx.p, -1);
+  w.stages.resize(std::size_t(ctx.pipes) * ctx.p);
+  w.shards.resize(std::size_t(ctx.p) * ctx.pipes);
+  w.loaders.resize(ctx.pipes);
+  w.nodes.assign(std::size_t(ctx.pipes) * ctx.p, -1);
   // Buddy copies of the shards only where a lost node can come back (they cost time).
   if (s.opts.node_restarts > 0 && ctx.cfg.rejoin_timeout > 0) w.supervisors = s.supervisors;
-  s.stage_nodes.assign(std::size_t(ctx.d) * ctx.p, 0);
-  s.loader_nodes.assign(ctx.d, 0);
+  s.stage_nodes.assign(std::size_t(ctx.pipes) * ctx.p, 0);
+  s.loader_nodes.assign(ctx.pipes, 0);
   for (const auto& n : *nodes) {
     for (int r : n.loader_replicas) s.loader_nodes.at(r) = n.node;
     for (std::size_t i = 0; i < n.slot_replicas.size(); ++i) {
       const int r = n.slot_replicas[i], k = n.slot_stages[i];
       s.stage_nodes.at(std::size_t(r) * ctx.p + k) = n.node;
       w.stages.at(std::size_t(r) * ctx.p + k) = n.stages.at(i);
-      w.shards.at(std::size_t(k) * ctx.d + r) = n.shards.at(i);
+      w.shards.at(std::size_t(k) * ctx.pipes + r) = n.shards.at(i);
       w.nodes.at(std::size_t(r) * ctx.p + k) = n.node;
     }
     for (std::size_t i = 0; i < n.loader_replicas.size(); ++i) w.loaders.at(n.loader_replicas[i]) = n.loaders.at(i);
@@ -862,12 +898,13 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
   for (const auto& l : w.loaders)
     if (!l) return fail(self, "the nodes do not cover every data loader", false);
   s.wiring->coordinator = w.coordinator;
-  s.wiring->stages.assign(ctx.d, {});
+  s.wiring->stages.assign(ctx.pipes, {});
   s.wiring->shards.assign(ctx.p, {});
-  for (int r = 0; r < ctx.d; ++r)
+  for (int r = 0; r < ctx.pipes; ++r)
     s.wiring->stages[r].assign(w.stages.begin() + std::size_t(r) * ctx.p, w.stages.begin() + std::size_t(r + 1) * ctx.p);
   for (int k = 0; k < ctx.p; ++k)
-    s.wiring->shards[k].assign(w.shards.begin() + std::size_t(k) * ctx.d, w.shards.begin() + std::size_t(k + 1) * ctx.d);
+    s.wiring->shards[k].assign(w.shards.begin() + std::size_t(k) * ctx.pipes,
+                               w.shards.begin() + std::size_t(k + 1) * ctx.pipes);
   s.wiring->loaders = w.loaders;
   request_all<bool>(
       self, s.supervisors, std::chrono::seconds(60), [](std::size_t, bool&) {},
@@ -959,7 +996,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       [=](const loss_report& msg) {
         auto& s = self->state;
         if (msg.step != s.step || s.retrying) return;
-        const auto i = std::size_t(msg.replica) * s.ctx->m + msg.mb;
+        const auto i = std::size_t(s.ctx->dp_of(msg.replica)) * s.ctx->m + msg.mb;
         if (!first_report(s.seen_losses, i, "loss report", s.step)) return;
         s.losses.at(i) = msg.loss;
         ++s.n_losses;
@@ -969,13 +1006,13 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       [=](const grad_norm_partial& msg) {
         auto& s = self->state;
         if (msg.step != s.step || s.retrying) return;
-        const auto i = std::size_t(msg.virtual_stage) * s.ctx->d + msg.rank;
+        const auto i = partial_index(*s.ctx, msg.virtual_stage, msg.rank);
         if (!first_report(s.seen_partials, i, "grad-norm partial", s.step)) return;
         s.partials.at(i) = msg.sq_norm;
         s.last_progress_us = s.ctx->now_us();
-        if (++s.n_partials < s.ctx->n_virtual * s.ctx->d) return;
+        if (++s.n_partials < s.ctx->n_virtual * s.ctx->pipes) return;
         double sq = 0;
-        for (double x : s.partials) sq += x;  // (virtual stage, rank) order, as the reference
+        for (double x : s.partials) sq += x;  // (virtual stage, tp rank, rank) order, as the reference
         s.stats.grad_norm = std::sqrt(sq);
         // NaN/inf gradients (a NaN or inf loss): skip this step's update, as Megatron's
         // loss scaler does, up to max_skipped_steps; the shards keep their state.
@@ -991,7 +1028,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         }
         const double factor = s.skipping ? 0.0 : s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
         for (int k = 0; k < s.ctx->p; ++k)
-          for (int r = 0; r < s.ctx->d; ++r) {
+          for (int r = 0; r < s.ctx->pipes; ++r) {
             s.sent.push_back(message_key("the clip factor", "coordinator", s.ctx->shard_name(k, r)));
             self->send(s.wiring->shards[k][r], clip_factor_msg{s.step, factor, s.skipping});
           }
@@ -1016,7 +1053,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
       [=](shard_done& msg) {
         auto& s = self->state;
         if (msg.step != s.step || s.retrying) return;
-        if (!first_report(s.seen_shards, std::size_t(msg.stage) * s.ctx->d + msg.rank, "shard-done report", s.step))
+        if (!first_report(s.seen_shards, std::size_t(msg.stage) * s.ctx->pipes + msg.rank, "shard-done report", s.step))
           return;
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_shards;
@@ -1060,8 +1097,8 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         if (step != s.step || attempt != s.attempt || s.committed || s.retrying) return;
         fail(self, "step did not finish within " + std::to_string(s.ctx->cfg.step_timeout) + " s (losses " +
                        std::to_string(s.n_losses) + "/" + std::to_string(s.ctx->d * s.ctx->m) + ", stages done " +
-                       std::to_string(s.n_stages) + "/" + std::to_string(s.ctx->d * s.ctx->p) + ", shards done " +
-                       std::to_string(s.n_shards) + "/" + std::to_string(s.ctx->p * s.ctx->d) + ")");
+                       std::to_string(s.n_stages) + "/" + std::to_string(s.ctx->pipes * s.ctx->p) + ", shards done " +
+                       std::to_string(s.n_shards) + "/" + std::to_string(s.ctx->p * s.ctx->pipes) + ")");
       },
   };
 }

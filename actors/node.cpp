@@ -251,6 +251,11 @@ actor_run_result run_node(const node_options& o) {
           cfg.validate();
           resolve_resume(cfg);  // one checkpoint folder for every node (they get this config)
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
+          if (cfg.tensor_parallel > 1)
+            throw config_error("tensor_parallel " + std::to_string(cfg.tensor_parallel) +
+                               " runs in one process for now (launch/troupe train --nodes 1, or build/troupe train: "
+                               "the stage actors of a tensor-parallel group meet in in-process groups); node processes "
+                               "do not make tensor-parallel groups yet");
           const auto data = training_data::identity(cfg);  // the data every node must read
           check_output_paths(cfg);
           check_kernel_profile_env();

@@ -6,6 +6,7 @@
 #include "actors/snapshot.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/optimizer.hpp"
+#include "compute/tensor_parallel.hpp"
 #include "messages/type_ids.hpp"
 #include "transport/transport.hpp"
 
@@ -46,7 +47,7 @@ struct shard_state {
   std::shared_ptr<const job_wiring> wiring;
   std::shared_ptr<transport::communicator> comm;
   std::shared_ptr<snapshot_store> store;
-  int stage = 0, rank = 0;
+  int stage = 0, rank = 0;  // rank: the pipeline (dp t + tp) whose stage it updates
   std::string name;
   std::vector<chunk_shard> chunks;
   std::int64_t step = -1;
@@ -93,8 +94,8 @@ wait_report shard_waits(const shard_state& s, std::int64_t step) {
     return rep;
   }
   rep.sent = s.sent;
-  std::vector<std::string> peers;  // the other shards of the stage
-  for (int r = 0; r < s.ctx->d; ++r)
+  std::vector<std::string> peers;  // the other shards of the stage's data-parallel group
+  for (int r = s.ctx->tp_of(s.rank); r < s.ctx->pipes; r += s.ctx->t)
     if (r != s.rank) peers.push_back(s.ctx->shard_name(s.stage, r));
   switch (s.phase) {
     case shard_phase::between_steps:
@@ -163,23 +164,27 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   st.stage = stage;
   st.rank = rank;
   st.name = ctx->shard_name(stage, rank);
-  if (comm->size() != ctx->d || comm->rank() != rank)
+  // Its data-parallel group: the stage's shards of the same tensor-parallel rank.
+  const int dp = ctx->dp_of(rank);
+  if (comm->size() != ctx->d || comm->rank() != dp)
     throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
                            std::to_string(comm->size()));
   const adamw_options opts{ctx->cfg.beta1, ctx->cfg.beta2, ctx->cfg.eps, ctx->cfg.weight_decay};
   const std::map<std::string, torch::Tensor> init_by_name(ctx->init.begin(), ctx->init.end());
+  const tensor_parallel tp{ctx->tp_of(rank), ctx->t, ctx->sequence_parallel, nullptr};  // (the layout of its part)
   for (int c = 0; c < ctx->v; ++c) {
     // A slice only to learn the layout and initial values of this range; dropped at once.
-    auto layout = make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device);
+    auto layout = make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device,
+                             torch::kFloat32, tp);
     const auto n = layout->flat_params().numel();
     st.chunks.emplace_back();
     auto& ch = st.chunks.back();
     ch.buckets = ctx->buckets_of(*layout);
-    ch.layout = bucket_shard(ch.buckets, ctx->d, rank);
+    ch.layout = bucket_shard(ch.buckets, ctx->d, dp);
     std::vector<torch::Tensor> mine;
     for (std::size_t b = 0; b < ch.buckets.size(); ++b) {
       const auto& piece = ch.layout[b];
-      if (transport::piece(ch.buckets[b].size(), ctx->d, rank) !=
+      if (transport::piece(ch.buckets[b].size(), ctx->d, dp) !=
           std::make_pair(piece.begin - ch.buckets[b].begin, piece.end - ch.buckets[b].begin))
         throw std::logic_error("bucket pieces differ from the transport's pieces");
       ch.at.push_back(b == 0 ? 0 : ch.at.back() + ch.layout[b - 1].size());
@@ -200,8 +205,15 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   }
   if (!from)  // started with the job: a resumed checkpoint's moments, if any
     ctx->with_resume_moments([&](const std::map<std::string, torch::Tensor>& moments) {
-      if (!moments.empty())
+      if (moments.empty()) return;
+      if (ctx->t == 1) {
         for (auto& ch : st.chunks) restore_shard(ch.entries, ch.layout, ch.opt, init_by_name, moments, ctx->start_step);
+        return;
+      }
+      // Tensor parallelism: this rank's parts of the whole checkpoint's tensors.
+      const auto params = shard_by_name(ctx->spec, init_by_name, init_by_name, ctx->t, ctx->tp_of(rank));
+      const auto mine = shard_by_name(ctx->spec, init_by_name, moments, ctx->t, ctx->tp_of(rank));
+      for (auto& ch : st.chunks) restore_shard(ch.entries, ch.layout, ch.opt, params, mine, ctx->start_step);
     });
   for (int c = ctx->v - 1; c >= 0; --c)
     for (int b = int(st.chunks[c].buckets.size()) - 1; b >= 0; --b) st.order.emplace_back(c, b);

@@ -45,6 +45,9 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
       m(c.microbatches),
       v(c.chunks),
       mbs(c.microbatch_size()),
+      t(c.tensor_parallel),
+      pipes(c.data_parallel * c.tensor_parallel),
+      sequence_parallel(c.tensor_parallel > 1 && c.sequence_parallel),
       n_virtual(c.pipeline * c.chunks),
       dataflow(c.schedule == "dataflow"),
       sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
@@ -80,7 +83,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   }
   if (cfg.resume.empty()) check_state(spec, init);
   if (slots) keep_only(*slots);
-  resume_shards_left_ = slots ? int(slots->size()) : p * d;
+  resume_shards_left_ = slots ? int(slots->size()) : p * pipes;
   release_freed_memory();  // of what was read and not kept
 }
 
@@ -183,21 +186,33 @@ void fetch_payload(const job_wiring& w, const tensor_payload& p,
   work->on_complete([in, done = std::move(done)](const std::string& err) { done(in, err); });
 }
 
+namespace {
+/// ", tp T" of pipeline `pipe` (tensor parallelism), else "".
+std::string tp_suffix(const runtime_context& ctx, int pipe) {
+  return ctx.t > 1 ? ", tp " + std::to_string(ctx.tp_of(pipe)) : "";
+}
+}  // namespace
+
 std::string runtime_context::stage_name(int replica, int stage) const {
-  return "stage[replica " + std::to_string(replica) + ", stage " + std::to_string(stage) + "]";
+  return "stage[replica " + std::to_string(dp_of(replica)) + ", stage " + std::to_string(stage) +
+         tp_suffix(*this, replica) + "]";
 }
 
 std::string runtime_context::shard_name(int stage, int rank) const {
-  return "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(rank) + "]";
+  return "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(dp_of(rank)) + tp_suffix(*this, rank) +
+         "]";
 }
 
-std::string runtime_context::loader_name(int replica) const { return "loader[replica " + std::to_string(replica) + "]"; }
+std::string runtime_context::loader_name(int replica) const {
+  return "loader[replica " + std::to_string(dp_of(replica)) + tp_suffix(*this, replica) + "]";
+}
 
 actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_options& opts_in) {
   auto cfg = cfg_in;
   cfg.validate();
   if (cfg.threads == 0)  // share the cores between the stage actors
-    cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) / (cfg.pipeline * cfg.data_parallel));
+    cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) /
+                                  (cfg.pipeline * cfg.data_parallel * cfg.tensor_parallel));
   auto opts = opts_in;
   if (opts.trace_path.empty()) opts.trace_path = cfg.trace;
   // Only stage actors run LibTorch ops with several intra-op threads; every other thread

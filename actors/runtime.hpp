@@ -54,6 +54,16 @@ struct runtime_context {
   model_spec spec;
   std::string tied_name;             ///< tied_parameter(spec): "" when the decoder is untied
   int p, d, m, v, mbs;
+  /// Tensor parallelism (parallel.tensor_parallel): each replica is `t` pipelines, one per
+  /// tensor-parallel rank, whose stage actors of a stage meet in their group's
+  /// collectives. The runtime's pipelines ("replica" indices of stages, loaders and
+  /// shards) are numbered as Megatron numbers ranks, tensor-parallel fastest: pipeline
+  /// q = dp t + tp. `d` stays the data-parallel width (the shards' groups, the data's
+  /// blocks); `pipes` = d t. Without tensor parallelism a pipeline is a replica.
+  int t = 1, pipes = 1;
+  bool sequence_parallel = false;
+  int dp_of(int pipe) const { return pipe / t; }
+  int tp_of(int pipe) const { return pipe % t; }
   int n_virtual;
   bool dataflow;                     ///< no fixed order (schedule = "dataflow")
   schedule sched;                    ///< fixed-order kinds (for dataflow: 1f1b, unused)
@@ -114,6 +124,8 @@ struct runtime_context {
   std::vector<std::int64_t> input_shape(std::int64_t rows = -1) const;
   torch::ScalarType input_dtype() const;
   /// The actors' names, as logs and the wait-for graph give them.
+  /// (`replica`, `rank`: a pipeline index; with tensor parallelism the names say its
+  /// replica and tensor-parallel rank.)
   std::string stage_name(int replica, int stage) const;
   std::string shard_name(int stage, int rank) const;
   std::string loader_name(int replica) const;
@@ -126,9 +138,9 @@ struct runtime_context {
 /// actors at spawn, the others by the coordinator's wiring_msg).
 struct job_wiring {
   caf::actor coordinator;
-  std::vector<std::vector<caf::actor>> stages;  ///< [replica][stage]
-  std::vector<std::vector<caf::actor>> shards;  ///< [stage][rank]
-  std::vector<caf::actor> loaders;              ///< [replica]
+  std::vector<std::vector<caf::actor>> stages;  ///< [pipeline][stage]
+  std::vector<std::vector<caf::actor>> shards;  ///< [stage][pipeline]
+  std::vector<caf::actor> loaders;              ///< [pipeline]
   /// Several nodes: the node of every stage ([replica][stage]), this node, and the
   /// nodes' world communicator (rank = node) that carries tensors between them.
   std::vector<std::vector<int>> nodes;

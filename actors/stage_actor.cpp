@@ -82,6 +82,12 @@ struct stage_state {
   std::vector<std::unique_ptr<grad_ready_watch>> watches;  // (kept across steps)
   std::vector<std::vector<char>> tied_bucket;              // per chunk and bucket (kept)
   std::vector<std::vector<int>> held;                      // per chunk: buckets waiting for the tied sum
+                                                           // (or the replicated parameters' sum)
+  // Sequence parallelism: the buckets holding parameters every tensor-parallel rank holds
+  // whole (per chunk and bucket; kept): each rank's gradient covers its positions only,
+  // so they wait for the sum over the group (chunk_done).
+  std::vector<std::vector<char>> replicated_bucket;
+  bool sums_replicated() const { return tp_size > 1 && ctx->sequence_parallel; }
   int params_received = 0;
   std::vector<trace_event> events;
   std::vector<caf::message> stash;        // messages of a later step
@@ -97,23 +103,35 @@ struct stage_state {
   std::map<int, torch::Tensor> eval_outputs, eval_targets;
   std::vector<trace_event> eval_events;
   int ep_size = 1;  // expert parallelism: the size of the stage's expert-parallel group
-  /// Whether backwards run on the stage's thread (backward_on_this_thread): with expert
-  /// parallelism (required), or when the job asks (runtime_context::backward_on_stage_threads).
-  bool backward_here() const { return ep_size > 1 || ctx->backward_on_stage_threads; }
+  int tp_size = 1;  // tensor parallelism: the size of the stage's tensor-parallel group
+  std::shared_ptr<collective_group> tp_group;  // (tp_size > 1)
+  /// The stage actors that run the same forwards and backwards in one order, meeting in
+  /// their collectives (an expert-parallel or a tensor-parallel group; 1: none).
+  int group_size() const { return ep_size * tp_size; }
+  /// Whether backwards run on the stage's thread (backward_on_this_thread): in a group
+  /// (required: its collectives would wait for each other on LibTorch's one autograd
+  /// thread per GPU), or when the job asks (runtime_context::backward_on_stage_threads).
+  bool backward_here() const { return group_size() > 1 || ctx->backward_on_stage_threads; }
   // (micro-batch or evaluation forward, chunk) of the forward and of the backward
   // computing now (both at once in an overlapped pair), for their all-to-alls' events.
   key computing_forward{-1, -1}, computing_backward{-1, -1};
+  bool in_backward = false;  // the op computing now (not an overlapped pair) is a backward
   std::mutex events_mutex;  // `events` while an overlapped pair's two ops compute
-  // Expert parallelism: the members of an expert-parallel group meet in every expert
-  // layer's all-to-all, so each runs the same evaluation forwards (those of its group) in
-  // one order, (forward, chunk): those that come early wait here; `eval_next` is the
-  // next to run (forward -1: the group's first).
+  // Expert and tensor parallelism: the members of a group meet in its collectives, so
+  // each runs the same evaluation forwards (those of its group) in one order, (forward,
+  // chunk): those that come early wait here; `eval_next` is the next to run (forward -1:
+  // the group's first). Tensor parallelism scores them in forward order too (the logits'
+  // gather is a collective): `score_next` is the next to score.
   std::map<key, eval_activation> eval_waiting;
   key eval_next{-1, 0};
-  /// Whether this stage scores evaluation forwards and reports them: without expert
-  /// parallelism every replica's last stage, with it the group's rank 0 (the others run
-  /// the same forwards for the experts they hold).
+  int score_next = -1;
+  /// Whether this stage scores evaluation forwards: without a group every replica's last
+  /// stage, with expert parallelism the group's rank 0 (the others run the same forwards
+  /// for the experts they hold), with tensor parallelism every rank (each holds part of
+  /// the vocabulary).
   bool scores_evaluation() const { return replica % ep_size == 0; }
+  /// Whether it reports the scores: the group's rank 0.
+  bool reports_evaluation() const { return replica % group_size() == 0; }
 
   int virtual_of(int chunk) const { return ctx->virtual_stage(stage, chunk); }
   std::string shard_name() const { return ctx->shard_name(stage, replica); }
@@ -219,7 +237,9 @@ class stage_logic {
   }
 
   /// The last stage's losses of this step, read from the device once (one host sync).
+  /// (Tensor parallelism: the group's rank 0; every rank computed the same losses.)
   void report_losses() {
+    if (s_.ctx->tp_of(s_.replica) != 0) s_.losses.clear();
     for (auto& [mb, loss] : s_.losses) {
       loss_report rep{s_.step, s_.replica, mb, loss.item<double>()};
       s_.record_sent("loss mb " + std::to_string(mb), "coordinator");
@@ -352,6 +372,7 @@ class stage_logic {
     auto& slice = *s_.chunks[w.op.chunk];
     if (w.op.kind == op_kind::forward) s_.computing_forward = w.k;
     if (w.op.kind == op_kind::backward) s_.computing_backward = w.k;
+    s_.in_backward = w.op.kind == op_kind::backward;
     if (w.op.kind == op_kind::weight) {
       w.store->apply();
     } else if (w.op.kind == op_kind::forward) {
@@ -482,6 +503,10 @@ class stage_logic {
   void chunk_done(int chunk) {
     const auto& ctx = *s_.ctx;
     s_.watches.at(chunk)->finish();
+    if (s_.sums_replicated()) {
+      sum_replicated_grads(*s_.chunks.at(chunk));
+      if (!s_.is_tied_chunk(chunk)) send_held(chunk);  // (a tied chunk's wait for the tied sum too)
+    }
     if (!s_.is_tied_chunk(chunk)) return;
     if (s_.tied_here()) return;  // both copies here: summed once every op ran (after_backward)
     auto& mine = tied_slice().param(ctx.tied_name).mutable_grad();
@@ -490,6 +515,26 @@ class stage_logic {
                 tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)}, "tied gradient", -1, -1);
     s_.tied_pending = true;
     if (s_.tied_in.defined()) on_tied(std::move(s_.tied_in));
+  }
+
+  /// Sequence parallelism: the gradients of the parameters every rank holds whole, summed
+  /// over the tensor-parallel group (one all-reduce of them all; every rank calls it in
+  /// the same place of the same op order).
+  void sum_replicated_grads(model_slice& slice) {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> grads;
+    for (const auto& e : slice.entries())
+      if (e.split == tp_split::replicated) grads.push_back(slice.param(e.name).mutable_grad());
+    if (grads.empty()) return;
+    std::vector<torch::Tensor> flat;
+    for (const auto& g : grads) flat.push_back(g.reshape({-1}));
+    auto sum = torch::cat(flat);
+    s_.tp_group->all_reduce(sum);
+    std::int64_t at = 0;
+    for (auto& g : grads) {
+      g.copy_(sum.narrow(0, at, g.numel()).view(g.sizes()));
+      at += g.numel();
+    }
   }
 
   /// All ops ran (every chunk's buffer is with the shard or waits for the tied gradient).
@@ -528,7 +573,7 @@ class stage_logic {
   /// (With CUDA this runs on LibTorch's autograd thread while the actor's thread waits
   /// for its backward.)
   void bucket_ready(int chunk, int b) {
-    if (s_.tied_bucket.at(chunk).at(b) && s_.is_tied_chunk(chunk)) {
+    if ((s_.tied_bucket.at(chunk).at(b) && s_.is_tied_chunk(chunk)) || s_.replicated_bucket.at(chunk).at(b)) {
       s_.held.at(chunk).push_back(b);
       return;
     }
@@ -607,6 +652,7 @@ class stage_logic {
     s_.eval_targets.clear();
     s_.eval_waiting.clear();
     s_.eval_next = {-1, 0};
+    s_.score_next = -1;
     s_.eval_events.clear();
     s_.seen.clear();
     s_.inputs.clear();
@@ -839,13 +885,13 @@ class stage_logic {
     const auto problem = x > 0 ? check_payload(msg.data, ctx.activation_shape(x, rows), ctx.compute_dtype)
                                : check_payload(msg.data, ctx.input_shape(rows), ctx.input_dtype());
     if (!problem.empty()) return fail("evaluation activation of forward " + std::to_string(msg.index) + ": " + problem);
-    if (s_.ep_size == 1) return run_eval_forward(msg);
-    // Expert parallelism: in (forward, chunk) order over the group's forwards (forward f
-    // goes to group f mod groups). Every stage holds a chunk of every forward, and each
-    // (forward, virtual stage) needs only earlier ones, so this order cannot stall.
-    const int groups = ctx.d / s_.ep_size;
-    if (s_.eval_next.first < 0) s_.eval_next = {s_.replica / s_.ep_size, 0};
-    if (msg.index % groups != s_.replica / s_.ep_size || key{msg.index, msg.chunk} < s_.eval_next ||
+    if (s_.group_size() == 1) return run_eval_forward(msg);
+    // Expert and tensor parallelism: in (forward, chunk) order over the group's forwards
+    // (forward f goes to group f mod groups). Every stage holds a chunk of every forward,
+    // and each (forward, virtual stage) needs only earlier ones, so this order cannot stall.
+    const int groups = ctx.pipes / s_.group_size();
+    if (s_.eval_next.first < 0) s_.eval_next = {s_.replica / s_.group_size(), 0};
+    if (msg.index % groups != s_.replica / s_.group_size() || key{msg.index, msg.chunk} < s_.eval_next ||
         !s_.eval_waiting.emplace(key{msg.index, msg.chunk}, msg).second)
       return fail("evaluation activation of forward " + std::to_string(msg.index) + ", chunk " +
                   std::to_string(msg.chunk) + " out of its group's order");
@@ -873,6 +919,7 @@ class stage_logic {
     if (x > 0) in = in.to(ctx.residual_dtype);  // the stage computes from its residual stream's dtype
     trace_event ev{"eval F", s_.replica, s_.stage, msg.index, msg.chunk, s_.step, ctx.now_us(), 0};
     s_.computing_forward = {msg.index, msg.chunk};
+    s_.in_backward = false;
     torch::NoGradGuard no_grad;
     torch::Tensor out;
     {
@@ -901,8 +948,20 @@ class stage_logic {
     score_eval(msg.index);
   }
 
-  /// Last stage: scores forward `index` once its output and its targets are both here.
+  /// Last stage: scores forward `index` once its output and its targets are both here
+  /// (tensor parallelism: the group's forwards in order).
   void score_eval(int index) {
+    if (s_.tp_size == 1) return score_eval_now(index);
+    const int groups = s_.ctx->pipes / s_.group_size();
+    if (s_.score_next < 0) s_.score_next = s_.replica / s_.group_size();
+    while (s_.eval_outputs.count(s_.score_next) && s_.eval_targets.count(s_.score_next)) {
+      const int next = s_.score_next;
+      s_.score_next += groups;
+      score_eval_now(next);
+    }
+  }
+
+  void score_eval_now(int index) {
     const auto out = s_.eval_outputs.find(index);
     const auto target = s_.eval_targets.find(index);
     if (out == s_.eval_outputs.end() || target == s_.eval_targets.end()) return;
@@ -918,6 +977,7 @@ class stage_logic {
     }
     s_.eval_outputs.erase(out);
     s_.eval_targets.erase(target);
+    if (!s_.reports_evaluation()) return;
     const eval_result result{s_.step, s_.replica, index, score.weighted, score.correct};
     if (!report_fault(message_target::eval_result, "evaluation result", result))
       self_->send(s_.wiring->coordinator, result);
@@ -954,38 +1014,49 @@ namespace {
 caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
-                             std::shared_ptr<transport::communicator> experts_backward) {
+                             std::shared_ptr<transport::communicator> experts_backward,
+                             std::shared_ptr<transport::communicator> tensors) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
   st.replica = replica;
   st.stage = stage;
   st.name = ctx->stage_name(replica, stage);
+  // Each collective of a group on the trace, on the stage's track inside the op it served.
+  // It is told on the thread computing the op (the stage's, an overlapped pair's
+  // forward's, or autograd's in a backward while the stage's thread waits for it).
+  auto* state = &st;
+  auto observer = [state](std::function<bool()> backward) -> collective_observer {
+    return [state, backward](const char* name, std::int64_t bytes, double seconds) {
+      const double end = state->ctx->now_us();
+      const auto k = backward() ? state->computing_backward : state->computing_forward;
+      std::lock_guard<std::mutex> lock(state->events_mutex);
+      (state->running ? state->events : state->eval_events)
+          .push_back({name, state->replica, state->stage, k.first, k.second, state->step, end - seconds * 1e6, end,
+                      bytes});
+    };
+  };
+  tensor_parallel tp;
+  if (tensors) {
+    if (tensors->size() != ctx->t || tensors->rank() != ctx->tp_of(replica))
+      throw std::logic_error(st.name + ": tensor-parallel communicator is rank " + std::to_string(tensors->rank()) +
+                             " of " + std::to_string(tensors->size()));
+    st.tp_size = tensors->size();
+    st.tp_group = as_collective_group(tensors, nullptr, observer([state] { return state->in_backward; }));
+    tp = {tensors->rank(), tensors->size(), ctx->sequence_parallel, st.tp_group};
+  }
   for (int c = 0; c < ctx->v; ++c) {
     // bf16 jobs: bf16 parameters (the initial ones rounded, as the all-gather rounds).
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device,
-                                   ctx->compute_dtype));
+                                   ctx->compute_dtype, tp));
     st.chunks.back()->set_recompute(parse_recompute(ctx->cfg.recompute));
     st.chunks.back()->set_residual_dtype(ctx->residual_dtype);
     st.chunks.back()->set_aux_loss_scale(double(ctx->mbs) / ctx->cfg.global_batch);  // (experts)
   }
   if (experts) {
-    // Each all-to-all on the trace, on the stage's track inside the op it served. It is
-    // told on the thread computing the op (the stage's, an overlapped pair's forward's, or
-    // autograd's in a backward while the stage's thread waits for it).
-    auto* state = &st;
-    auto observer = [state](bool backward) -> collective_observer {
-      return [state, backward](const char* name, std::int64_t bytes, double seconds) {
-        const double end = state->ctx->now_us();
-        const auto k = backward ? state->computing_backward : state->computing_forward;
-        std::lock_guard<std::mutex> lock(state->events_mutex);
-        (state->running ? state->events : state->eval_events)
-            .push_back({name, state->replica, state->stage, k.first, k.second, state->step, end - seconds * 1e6, end,
-                        bytes});
-      };
-    };
-    expert_parallel ep{experts->rank(), experts->size(), as_collective_group(experts, nullptr, observer(false)),
-                       as_collective_group(experts_backward, nullptr, observer(true))};
+    expert_parallel ep{experts->rank(), experts->size(),
+                       as_collective_group(experts, nullptr, observer([] { return false; })),
+                       as_collective_group(experts_backward, nullptr, observer([] { return true; }))};
     for (auto& chunk : st.chunks) chunk->set_expert_parallel(ep);
     st.ep_size = experts->size();
   }
@@ -1021,12 +1092,16 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       auto& slice = *s.chunks[c];
       auto watch = std::make_unique<grad_ready_watch>(slice, ctx->buckets_of(slice),
                                                       [logic, c](int b) { logic->bucket_ready(c, b); });
-      std::vector<char> tied(watch->buckets().size(), 0);
+      std::vector<char> tied(watch->buckets().size(), 0), summed(watch->buckets().size(), 0);
       const auto& entries = slice.entries();
-      for (std::size_t i = 0; i < entries.size(); ++i)
+      for (std::size_t i = 0; i < entries.size(); ++i) {
         if (entries[i].name == ctx->tied_name)
           for (int b : watch->buckets_holding(i)) tied[b] = 1;
+        if (s.sums_replicated() && entries[i].split == tp_split::replicated)
+          for (int b : watch->buckets_holding(i)) summed[b] = 1;
+      }
       s.tied_bucket.push_back(std::move(tied));
+      s.replicated_bucket.push_back(std::move(summed));
       s.held.emplace_back();
       s.watches.push_back(std::move(watch));
     }
@@ -1207,12 +1282,13 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
-                             std::shared_ptr<transport::communicator> experts_backward) {
+                             std::shared_ptr<transport::communicator> experts_backward,
+                             std::shared_ptr<transport::communicator> tensors) {
   // Detached: a thread of its own, so its LibTorch intra-op thread count is its own
   // and long compute never holds a scheduler thread other actors need.
   return supervisor->spawn<caf::detached + caf::monitored>(stage_behavior, std::move(ctx), std::move(wiring),
                                                           replica, stage, std::move(params), std::move(experts),
-                                                          std::move(experts_backward));
+                                                          std::move(experts_backward), std::move(tensors));
 }
 
 }  // namespace troupe

@@ -37,11 +37,14 @@ namespace troupe {
 /// EP, in which its expert layers' all-to-alls of forwards and of backwards run (every
 /// member runs the same ops in the same order: fixed-order schedules, and evaluation
 /// forwards in (forward, chunk) order). With them an overlapped pair's forward and
-/// backward compute at once (on the CPU, without recomputation).
+/// backward compute at once (on the CPU, without recomputation). `tensors`
+/// (parallel.tensor_parallel > 1): the stage's tensor-parallel group, rank pipeline mod T,
+/// in which its layers' collectives run (likewise in one order).
 caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params = {},
                              std::shared_ptr<transport::communicator> experts = nullptr,
-                             std::shared_ptr<transport::communicator> experts_backward = nullptr);
+                             std::shared_ptr<transport::communicator> experts_backward = nullptr,
+                             std::shared_ptr<transport::communicator> tensors = nullptr);
 
 }  // namespace troupe

@@ -36,10 +36,20 @@ std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes) {
 
 node_plan local_node_plan(const runtime_context& ctx) {
   node_plan plan;
+  // The shards' data-parallel groups: one per (stage, tensor-parallel rank), rank dp.
   std::vector<std::vector<std::shared_ptr<transport::communicator>>> groups;
-  for (int k = 0; k < ctx.p; ++k) groups.push_back(transport::make_local_group(ctx.d));
-  plan.slots = node_slots(ctx.p, ctx.d, 0, 1);
-  for (const auto& [r, k] : plan.slots) plan.comms.push_back(groups[k][r]);
+  for (int i = 0; i < ctx.p * ctx.t; ++i) groups.push_back(transport::make_local_group(ctx.d));
+  plan.slots = node_slots(ctx.p, ctx.pipes, 0, 1);
+  for (const auto& [q, k] : plan.slots) plan.comms.push_back(groups[k * ctx.t + ctx.tp_of(q)][ctx.dp_of(q)]);
+  if (ctx.t > 1) {
+    // The stage actors' tensor-parallel groups: one per (replica, stage), rank tp.
+    std::map<std::pair<int, int>, std::vector<std::shared_ptr<transport::communicator>>> tp_groups;
+    for (const auto& [q, k] : plan.slots) {
+      auto& g = tp_groups[{ctx.dp_of(q), k}];
+      if (g.empty()) g = transport::make_local_group(ctx.t);
+      plan.tp_comms.push_back(g.at(std::size_t(ctx.tp_of(q))));
+    }
+  }
   const int ep = ctx.cfg.expert_parallel;
   if (ep > 1) {
     // (stage, group, backward) -> the group's members
@@ -51,7 +61,7 @@ node_plan local_node_plan(const runtime_context& ctx) {
         (backward ? plan.ep_backward_comms : plan.ep_comms).push_back(g.at(std::size_t(r % ep)));
       }
   }
-  for (int r = 0; r < ctx.d; ++r) plan.loader_replicas.push_back(r);
+  for (int q = 0; q < ctx.pipes; ++q) plan.loader_replicas.push_back(q);
   return plan;
 }
 
@@ -73,9 +83,9 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   auto next_copy = std::make_shared<std::uint64_t>(0);
   auto plan = std::make_shared<node_plan>(std::move(initial_plan));
   // The wiring covers the whole job; entries of other nodes arrive with wiring_msg.
-  wiring->stages.assign(ctx->d, std::vector<caf::actor>(ctx->p));
-  wiring->shards.assign(ctx->p, std::vector<caf::actor>(ctx->d));
-  wiring->loaders.assign(ctx->d, caf::actor());
+  wiring->stages.assign(ctx->pipes, std::vector<caf::actor>(ctx->p));
+  wiring->shards.assign(ctx->p, std::vector<caf::actor>(ctx->pipes));
+  wiring->loaders.assign(ctx->pipes, caf::actor());
   wiring->node = plan->node;
   wiring->world = plan->world;
   // Spawns this node's actors on the plan's communicators; `step` >= 0: restarted in
@@ -103,7 +113,8 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
                                 add(spawn_stage_actor(self, ctx, wiring, r, k,
                                                       params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
                                                       plan->ep_comms.empty() ? nullptr : plan->ep_comms.at(i),
-                                                      plan->ep_comms.empty() ? nullptr : plan->ep_backward_comms.at(i)),
+                                                      plan->ep_comms.empty() ? nullptr : plan->ep_backward_comms.at(i),
+                                                      plan->tp_comms.empty() ? nullptr : plan->tp_comms.at(i)),
                                     ctx->stage_name(r, k)));
     }
     for (int r : plan->loader_replicas) {
@@ -172,7 +183,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   // (a send whose receiver was killed).
   auto renew = [=] {
     std::vector<std::shared_ptr<transport::communicator>> old = std::move(plan->comms);
-    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms}) {
+    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms, &plan->tp_comms}) {
       old.insert(old.end(), ep->begin(), ep->end());
       ep->clear();
     }
@@ -234,16 +245,17 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       self->send(coordinator,
                  runtime_failure{-1, name, "actor died: " + self->system().render(msg.reason), wiring->generation});
   });
-  // Stage actors waiting in an expert-parallel all-to-all hold their threads (and read no
-  // messages) until a peer joins it: a step given up, or retried in place, fails those
-  // collectives first, so that the actors can take their exit or abort.
-  auto release_ep = [plan](const std::string& why) {
-    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms})
+  // Stage actors waiting in an expert-parallel all-to-all or a tensor-parallel collective
+  // hold their threads (and read no messages) until a peer joins it: a step given up, or
+  // retried in place, fails those collectives first, so that the actors can take their
+  // exit or abort.
+  auto release_groups = [plan](const std::string& why) {
+    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms, &plan->tp_comms})
       for (auto& c : *ep)
         if (c) c->abort(why);
   };
   self->set_exit_handler([=](const caf::exit_msg& msg) {
-    release_ep("the node is shutting down");
+    release_groups("the node is shutting down");
     for (auto& [h, n] : *children) self->send_exit(h, msg.reason);
     self->quit(msg.reason);
   });
@@ -276,7 +288,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         if (children->empty()) {
           renew();
         } else {
-          release_ep("the step is retried in place");
+          release_groups("the step is retried in place");
           for (auto& [h, n] : *children) self->send_exit(h, caf::exit_reason::kill);
         }
         return *rp;
@@ -380,14 +392,14 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         const int nodes = int(msg.supervisors.size());
         wiring->buddy_node = nodes > 1 && plan->node > 0 ? (plan->node + 1) % nodes : -1;
         wiring->buddy = wiring->buddy_node >= 0 ? msg.supervisors.at(wiring->buddy_node) : caf::actor();
-        wiring->nodes.assign(ctx->d, std::vector<int>(ctx->p, 0));
-        for (int r = 0; r < ctx->d; ++r)
+        wiring->nodes.assign(ctx->pipes, std::vector<int>(ctx->p, 0));
+        for (int r = 0; r < ctx->pipes; ++r)
           for (int k = 0; k < ctx->p; ++k) wiring->nodes[r][k] = msg.nodes.at(std::size_t(r) * ctx->p + k);
-        for (int r = 0; r < ctx->d; ++r) {
+        for (int r = 0; r < ctx->pipes; ++r) {
           wiring->loaders[r] = msg.loaders.at(r);
           for (int k = 0; k < ctx->p; ++k) {
             wiring->stages[r][k] = msg.stages.at(std::size_t(r) * ctx->p + k);
-            wiring->shards[k][r] = msg.shards.at(std::size_t(k) * ctx->d + r);
+            wiring->shards[k][r] = msg.shards.at(std::size_t(k) * ctx->pipes + r);
           }
         }
         return true;
@@ -416,7 +428,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         return rp;
       },
       [=](const abort_step& msg) {
-        release_ep("step " + std::to_string(msg.step + 1) + " aborted: " + msg.reason);
+        release_groups("step " + std::to_string(msg.step + 1) + " aborted: " + msg.reason);
         for (auto& [h, n] : *children) self->send(h, msg);
       },
       [=](plant_atom, int replica, int stage) { self->send(wiring->stages.at(replica).at(stage), plant_atom_v); },

@@ -28,9 +28,10 @@
 
 namespace troupe {
 
-/// What one node hosts: slots (replica, stage), each a stage actor and the stage's
-/// optimizer shard of rank `replica` (with its communicator), and the data loaders of
-/// `loader_replicas` (each with its replica's first stage).
+/// What one node hosts: slots (pipeline, stage), each a stage actor and the stage's
+/// optimizer shard of that pipeline (with its communicator: the data-parallel group of
+/// the stage's tensor-parallel rank), and the data loaders of `loader_replicas`
+/// (pipelines, each with its pipeline's first stage).
 struct node_plan;
 
 /// A node's fresh communicators for a step retried in place (several nodes), in two
@@ -55,6 +56,10 @@ struct node_plan {
   /// for those of backwards (expert_parallel::backward_group); empty without expert
   /// parallelism.
   std::vector<std::shared_ptr<transport::communicator>> ep_comms, ep_backward_comms;
+  /// Per slot: its stage actor's tensor-parallel group (parallel.tensor_parallel = T > 1:
+  /// the stage actors of pipelines T dp .. T dp + T - 1 at that stage, rank pipeline mod
+  /// T; in this process: transport/local/); empty without tensor parallelism.
+  std::vector<std::shared_ptr<transport::communicator>> tp_comms;
   std::vector<int> loader_replicas;
   std::shared_ptr<transport::communicator> world;  ///< between nodes (rank = node); null: one process
   /// Several nodes: where addresses are exchanged, and how to make fresh communicators.

@@ -536,10 +536,14 @@ void job_config::validate() const {
     } catch (const model_error& e) {
       fail(e.what());
     }
-    if (runtime != "local")
-      fail("tensor_parallel " + std::to_string(tensor_parallel) +
-           " runs in the local runtime for now (train.runtime = \"local\", --runtime local): the actor runtime's "
-           "tensor-parallel stage actors are not built yet");
+    const std::string tp = "tensor_parallel " + std::to_string(tensor_parallel);
+    if (runtime != "local" && schedule == "dataflow")
+      fail(tp + " with schedule dataflow: the stage actors of a tensor-parallel group meet in every layer's "
+           "collectives, so they run one fixed order (any schedule but dataflow)");
+    if (runtime != "local" && (!checkpoint_dir.empty() || !resume.empty()))
+      fail(tp + " with checkpoint folders (output.checkpoint_dir, output.resume): the actor runtime's stages do not "
+           "write their tensor-parallel parts into folders yet; save and load checkpoint files (--save, --load), "
+           "which hold the whole model");
   }
   if (!text.empty() && workload == "fmnist-mlp")
     fail("text " + text + " is a corpus for the decoder workloads (fmnist-mlp reads Fashion-MNIST)");

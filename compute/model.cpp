@@ -419,9 +419,12 @@ class decoder_slice final : public model_slice {
       allocate(spec, state, names, shared, pad_to, device, param_dtype);
     } else {
       check_tensor_parallel(spec, tp_.size, tp_.sequence);
-      if (!tp_.group || tp_.group->size() != tp_.size || tp_.group->rank() != tp_.rank)
+      // (No group: a slice for the layout of the rank's part only, which computes nothing;
+      // an optimizer shard's.)
+      if (tp_.group && (tp_.group->size() != tp_.size || tp_.group->rank() != tp_.rank))
         throw model_error("tensor-parallel rank " + std::to_string(tp_.rank) + " of " + std::to_string(tp_.size) +
-                          " without a group of that size and rank");
+                          " with a group of rank " + std::to_string(tp_.group->rank()) + " of " +
+                          std::to_string(tp_.group->size()));
       // This rank's part of each parameter, under the whole model's names.
       std::map<std::string, torch::Tensor> given(state.begin(), state.end());
       state_dict part;
@@ -639,7 +642,10 @@ class decoder_slice final : public model_slice {
   }
 
   bool sequence() const { return tp_.active() && tp_.sequence; }
-  collective_group& group() const { return *tp_.group; }
+  collective_group& group() const {
+    if (!tp_.group) throw model_error("tensor-parallel rank " + std::to_string(tp_.rank) + " computes without a group");
+    return *tp_.group;
+  }
   /// Tensor parallelism, entering a column-parallel layer: f, or with sequence
   /// parallelism (`sequence`) the gather of the sequence.
   torch::Tensor enter(const torch::Tensor& x, bool sequence) {

@@ -343,7 +343,8 @@ class model_slice {
 /// (the parameters are `state`'s rounded to bf16; see model_slice). `tp`: the slice's
 /// rank in a tensor-parallel group (decoders): it holds that rank's part of each parameter
 /// (compute/tensor_parallel.hpp; the names stay the whole model's), and its forward and
-/// backward run the group's collectives. The parameters every rank holds whole are
+/// backward run the group's collectives (a `tp` without a group: a slice that only lays
+/// out the rank's part, for optimizer shards). The parameters every rank holds whole are
 /// shared copies on ranks other than 0 (counted once in the grad norm, saved once).
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
                                         const state_dict& state, std::int64_t pad_to = 1,

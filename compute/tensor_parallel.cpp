@@ -39,6 +39,55 @@ torch::Tensor unshard_parameter(const model_spec& spec, const std::string& name,
   return parts.at(0);
 }
 
+namespace {
+
+/// The shape of rank parts of a `whole`-shaped parameter `name` split over `size` ranks.
+std::vector<std::int64_t> part_shape(const model_spec& spec, const std::string& name, std::vector<std::int64_t> whole,
+                                     int size) {
+  switch (tp_split_of(spec, name)) {
+    case tp_split::replicated: break;
+    case tp_split::rows:
+    case tp_split::qkv_rows: whole.at(0) /= size; break;
+    case tp_split::columns: whole.at(1) /= size; break;
+  }
+  return whole;
+}
+
+}  // namespace
+
+std::map<std::string, torch::Tensor> shard_by_name(const model_spec& spec,
+                                                   const std::map<std::string, torch::Tensor>& params,
+                                                   const std::map<std::string, torch::Tensor>& tensors, int size,
+                                                   int rank) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [key, t] : tensors) {
+    auto it = params.find(key);
+    if (it == params.end() && key.find('.') != std::string::npos) it = params.find(key.substr(key.find('.') + 1));
+    out[key] = it == params.end() ? t : shard_parameter(spec, it->first, t.view(it->second.sizes()), size, rank);
+  }
+  return out;
+}
+
+std::map<std::string, torch::Tensor> unshard_by_name(const model_spec& spec,
+                                                     const std::map<std::string, std::vector<std::int64_t>>& shapes,
+                                                     const std::vector<std::map<std::string, torch::Tensor>>& parts) {
+  std::map<std::string, torch::Tensor> out;
+  const int size = int(parts.size());
+  for (const auto& [name, first] : parts.at(0)) {
+    if (tp_split_of(spec, name) == tp_split::replicated) {
+      out[name] = first;
+      continue;
+    }
+    const auto whole = shapes.find(name);
+    std::vector<torch::Tensor> each;
+    for (const auto& part : parts)
+      each.push_back(whole == shapes.end() ? part.at(name) : part.at(name).view(part_shape(spec, name, whole->second, size)));
+    auto joined = unshard_parameter(spec, name, each);
+    out[name] = first.dim() == 1 && whole != shapes.end() && whole->second.size() != 1 ? joined.reshape({-1}) : joined;
+  }
+  return out;
+}
+
 void check_tensor_parallel(const model_spec& spec, int size, bool sequence) {
   const std::string T = "parallel.tensor_parallel = " + std::to_string(size);
   if (size < 1) throw model_error(T + ": expected 1 or more");

@@ -20,6 +20,7 @@
 // row-parallel one, and the replicated parameters' gradients, each rank's share, are
 // summed over the group before the update.
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,22 @@ torch::Tensor shard_parameter(const model_spec& spec, const std::string& name, c
 /// The whole parameter from its `size` parts in rank order (inverse of shard_parameter).
 torch::Tensor unshard_parameter(const model_spec& spec, const std::string& name,
                                 const std::vector<torch::Tensor>& parts);
+
+/// Rank `rank` of `size`'s parts of whole tensors by name: parameters ("NAME") and
+/// optimizer state ("exp_avg.NAME", "exp_avg_sq.NAME", "main.NAME"; flat or shaped),
+/// whose shapes `params` (the whole parameters by name) gives; other keys (a checkpoint's
+/// "step") as they are.
+std::map<std::string, torch::Tensor> shard_by_name(const model_spec& spec,
+                                                   const std::map<std::string, torch::Tensor>& params,
+                                                   const std::map<std::string, torch::Tensor>& tensors, int size,
+                                                   int rank);
+/// The whole parameters' tensors by name from every rank's parts (`parts[t]`: rank t's by
+/// parameter name, flat or shaped; of a parameter every rank holds whole, rank 0's).
+/// `shapes`: the whole parameters' shapes by name (shaped parts need none). Flat parts
+/// give flat wholes.
+std::map<std::string, torch::Tensor> unshard_by_name(const model_spec& spec,
+                                                     const std::map<std::string, std::vector<std::int64_t>>& shapes,
+                                                     const std::vector<std::map<std::string, torch::Tensor>>& parts);
 
 /// Throws model_error when `spec` cannot be split over `size` ranks (with sequence
 /// parallelism: `sequence`), naming the number that does not divide and what would.

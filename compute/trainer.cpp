@@ -395,29 +395,6 @@ evaluation local_trainer::evaluate() {
   return by_rank.front();
 }
 
-namespace {
-
-/// The whole model's tensors by name from each tensor-parallel rank's parts (`shapes`:
-/// each rank's parameter shapes by name; flat parts are shaped so, and the result is flat
-/// again).
-std::map<std::string, torch::Tensor> unshard_flat(const model_spec& spec,
-                                                  const std::vector<std::map<std::string, torch::Tensor>>& parts,
-                                                  const std::vector<std::map<std::string, torch::Tensor>>& shapes) {
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& [name, first] : parts.front()) {
-    if (tp_split_of(spec, name) == tp_split::replicated) {  // (rank 0's: the others hold shared copies)
-      out[name] = first;
-      continue;
-    }
-    std::vector<torch::Tensor> each;
-    for (std::size_t t = 0; t < parts.size(); ++t)
-      each.push_back(parts[t].at(name).view(shapes[t].at(name).sizes()));
-    out[name] = unshard_parameter(spec, name, each).reshape({-1});
-  }
-  return out;
-}
-
-}  // namespace
 
 state_dict local_trainer::state() const {
   if (tp_ == 1) return replicas_[0]->state();
@@ -438,17 +415,18 @@ state_dict local_trainer::optimizer_state() const {
     gather_moments(replicas_[std::size_t(sh.tp)]->slice(sh.virtual_stage).entries(), {sh.range}, sh.opt,
                    by_rank[std::size_t(sh.tp)]);
   if (tp_ == 1) return optimizer_state_dict(by_rank.front(), replicas_[0]->state(), next_step_);
-  std::vector<std::map<std::string, torch::Tensor>> shapes, avg, avg_sq;
-  for (int t = 0; t < tp_; ++t) {
-    const auto part = replicas_[std::size_t(t)]->state();
-    shapes.emplace_back(part.begin(), part.end());
-    avg.push_back(by_rank[std::size_t(t)].exp_avg);
-    avg_sq.push_back(by_rank[std::size_t(t)].exp_avg_sq);
+  const auto model = state();
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& [name, p] : model) shapes[name] = p.sizes().vec();
+  std::vector<std::map<std::string, torch::Tensor>> avg, avg_sq;
+  for (const auto& part : by_rank) {
+    avg.push_back(part.exp_avg);
+    avg_sq.push_back(part.exp_avg_sq);
   }
   named_moments whole;
-  whole.exp_avg = unshard_flat(spec_, avg, shapes);
-  whole.exp_avg_sq = unshard_flat(spec_, avg_sq, shapes);
-  return optimizer_state_dict(whole, state(), next_step_);
+  whole.exp_avg = unshard_by_name(spec_, shapes, avg);
+  whole.exp_avg_sq = unshard_by_name(spec_, shapes, avg_sq);
+  return optimizer_state_dict(whole, model, next_step_);
 }
 
 void local_trainer::save_checkpoint(const std::string& path) const {
@@ -460,17 +438,10 @@ void local_trainer::save_checkpoint(const std::string& path) const {
 void local_trainer::load_checkpoint(const std::string& path) {
   const auto ckpt = read_checkpoint(path, spec_, cfg_.steps);
   // Each tensor-parallel rank's parts of the parameters and moments (whole in the files).
-  std::vector<std::map<std::string, torch::Tensor>> params(static_cast<std::size_t>(tp_)),
-      optim(static_cast<std::size_t>(tp_));
+  std::vector<std::map<std::string, torch::Tensor>> params, optim;
   for (int t = 0; t < tp_; ++t) {
-    for (const auto& [name, p] : ckpt.params) {
-      params[std::size_t(t)][name] = shard_parameter(spec_, name, p, tp_, t);
-      for (const std::string moment : {"exp_avg.", "exp_avg_sq."})
-        if (ckpt.optim.count(moment + name))
-          optim[std::size_t(t)][moment + name] =
-              shard_parameter(spec_, name, ckpt.optim.at(moment + name).view(p.sizes()), tp_, t);
-    }
-    optim[std::size_t(t)]["step"] = ckpt.optim.at("step");
+    params.push_back(shard_by_name(spec_, ckpt.params, ckpt.params, tp_, t));
+    optim.push_back(shard_by_name(spec_, ckpt.params, ckpt.optim, tp_, t));
   }
   for (auto& sh : shards_) {
     try {

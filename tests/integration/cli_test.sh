@@ -411,8 +411,10 @@ check tp-local 0 "$troupe" train --runtime local --tensor-parallel 2 --sequence-
 expect_in tp-local-log "$err" "tensor-parallel 2 (sequence parallel) x pipeline 1"
 check tp-heads 2 "$troupe" train --runtime local --tensor-parallel 3
 expect_in tp-heads-msg "$err" "parallel.tensor_parallel = 3 does not divide model.heads = 4 (each rank holds an equal part); tensor_parallel values that fit this model: 1, 2, 4"
-check tp-actors 2 "$troupe" train --tensor-parallel 2
-expect_in tp-actors-msg "$err" "runs in the local runtime for now"
+check tp-actors 0 "$troupe" train --tensor-parallel 2 --sequence-parallel true --pipeline 2 --steps 2 --layers 2 --eval-interval 0
+expect_in tp-actors-log "$err" "with actors: tensor-parallel 2 (sequence parallel) x pipeline 2"
+check tp-dataflow 2 "$troupe" train --tensor-parallel 2 --schedule dataflow
+expect_in tp-dataflow-msg "$err" "tensor_parallel 2 with schedule dataflow"
 # Experts: the load-balancing loss beside the cross-entropy; bad settings say what fits.
 check moe-local 0 "$troupe" train --runtime local --workload moe-tiny --steps 1 --layers 2 --eval-interval 0 --metrics "$tmp/moe.jsonl"
 expect_in moe-local-aux "$out" "| aux_loss 0.0"
