@@ -251,11 +251,6 @@ actor_run_result run_node(const node_options& o) {
           cfg.validate();
           resolve_resume(cfg);  // one checkpoint folder for every node (they get this config)
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
-          if (cfg.tensor_parallel > 1)
-            throw config_error("tensor_parallel " + std::to_string(cfg.tensor_parallel) +
-                               " runs in one process for now (launch/troupe train --nodes 1, or build/troupe train: "
-                               "the stage actors of a tensor-parallel group meet in in-process groups); node processes "
-                               "do not make tensor-parallel groups yet");
           const auto data = training_data::identity(cfg);  // the data every node must read
           check_output_paths(cfg);
           check_kernel_profile_env();
@@ -281,7 +276,7 @@ actor_run_result run_node(const node_options& o) {
           check_node_data(cfg, offer, where);
         }
         if (o.rejoin) cfg.fault_attempt = -1;  // the faults of this launch were the old process's
-        const auto slots = node_slots(cfg.pipeline, cfg.data_parallel, o.node, o.nodes);
+        const auto slots = node_slots(cfg.pipeline, cfg.data_parallel, o.node, o.nodes, cfg.tensor_parallel);
         // threads = 0: share the machine's cores between the stage actors of every node on
         // it (more OpenMP threads than cores, in several processes, spin against each other).
         if (cfg.threads == 0)
@@ -309,25 +304,28 @@ actor_run_result run_node(const node_options& o) {
           plan.slots = slots;
           plan.rejoining = true;
         } else {  // UCX communicators (round 0 of the address exchange)
-          const auto comms = make_node_comms(o.node, o.nodes, ctx->p, ctx->d, cfg.expert_parallel, slots, how);
+          const auto comms = make_node_comms(o.node, o.nodes, ctx->p, ctx->d, ctx->t, cfg.expert_parallel, slots, how);
           const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, comms->addresses(),
                                                  where + ": address exchange");
           plan = comms->connect(table);
         }
         plan.registrar = registrar_handle;
-        plan.renew = [node = o.node, nodes = o.nodes, p = ctx->p, d = ctx->d, ep = cfg.expert_parallel, slots,
-                      how]() -> std::unique_ptr<comm_renewal> {
-          return make_node_comms(node, nodes, p, d, ep, slots, how);
+        plan.renew = [node = o.node, nodes = o.nodes, p = ctx->p, d = ctx->d, t = ctx->t, ep = cfg.expert_parallel,
+                      slots, how]() -> std::unique_ptr<comm_renewal> {
+          return make_node_comms(node, nodes, p, d, t, ep, slots, how);
         };
-        std::string hosted;
-        for (const auto& [r, k] : slots) hosted += " (" + std::to_string(r) + "," + std::to_string(k) + ")";
+        std::string hosted;  // (replica,stage), with tensor parallelism (replica,stage,tp)
+        for (const auto& [r, k] : slots)
+          hosted += " (" + std::to_string(ctx->dp_of(r)) + "," + std::to_string(k) +
+                    (ctx->t > 1 ? "," + std::to_string(ctx->tp_of(r)) : "") + ")";
         supervisor = sys.spawn(supervisor_actor, ctx, wiring, std::move(plan));
         ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, supervisor}, where + ": ready");
         joined = false;
         const std::string here = o.nodes_per_host > 1 ? ", node process " + std::to_string(o.local_node + 1) + " of " +
                                                              std::to_string(o.nodes_per_host) + " on this machine"
                                                        : "";
-        spdlog::info("{} on {} (pid {}{}): stages (replica,stage){}{}", where, hostname(), ::getpid(), here, hosted,
+        spdlog::info("{} on {} (pid {}{}): stages (replica,stage{}){}{}", where, hostname(), ::getpid(), here,
+                     ctx->t > 1 ? ",tp" : "", hosted,
                      o.rejoin ? ": rejoined the job, waiting for the coordinator's recovery" : "");
         if (o.node == 0) {
           const auto supervisors = ask<std::vector<caf::actor>>(self, registrar_handle, o.join_timeout, run_atom_v,

@@ -78,6 +78,8 @@ std::string nccl_refusal(const std::vector<std::string>& member_gpus);
 /// chunks of an interleaved schedule); sorted. With TROUPE_NCCL=1 each gets a NCCL link
 /// (transport/ordered_p2p.hpp) where both nodes have a GPU of their own.
 std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes);
+/// (Tensor parallelism places every rank of a (replica, stage) on the same node: the
+/// same pairs.)
 
 struct node_addresses;  // messages/node_messages.hpp
 

@@ -11,6 +11,7 @@
 #include "messages/node_messages.hpp"
 #include "transport/host_staging.hpp"
 #include "transport/ipc/ipc.hpp"
+#include "transport/local/local_group.hpp"
 #include "transport/nccl/nccl_communicator.hpp"
 #include "transport/ordered_p2p.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
@@ -38,8 +39,9 @@ constexpr std::int32_t link_entry(int from) { return -2 - from; }
 /// machine goes through shared buffers where `transport.ipc` says so.
 class ucx_renewal : public comm_renewal {
  public:
-  ucx_renewal(int node, int nodes, int p, int d, int ep, std::vector<std::pair<int, int>> slots, node_transport transport)
-      : node_(node), nodes_(nodes), d_(d), ep_(ep), slots_(std::move(slots)), transport_(transport),
+  ucx_renewal(int node, int nodes, int p, int d, int t, int ep, std::vector<std::pair<int, int>> slots,
+              node_transport transport)
+      : node_(node), nodes_(nodes), d_(d), t_(t), ep_(ep), slots_(std::move(slots)), transport_(transport),
         machine_(transport::machine_key()), links_(transport.nccl || transport.ucx_links ? link_pairs(p, d, nodes)
                                                                                           : decltype(links_){}) {
     mine_.node = node;
@@ -58,9 +60,9 @@ class ucx_renewal : public comm_renewal {
       mine_.gpus.push_back(gpu);
       mine_.nccl_ids.emplace_back();  // the registrar adds the NCCL ids (assign_nccl_ids)
     };
-    for (const auto& [r, k] : slots_) {
-      pending_.push_back(transport::prepare_ucx_communicator(r, d));
-      add(k, r, pending_.back()->address(), gpu);
+    for (const auto& [r, k] : slots_) {  // (the table's entry of a shard group: its (stage, tp))
+      pending_.push_back(transport::prepare_ucx_communicator(r / t_, d));
+      add(shard_group(r, k), r / t_, pending_.back()->address(), gpu);
     }
     pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
     add(-1, node, pending_.back()->address(), gpu);  // the world: with this node's GPU key
@@ -98,9 +100,10 @@ class ucx_renewal : public comm_renewal {
     std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return slots_[a].second < slots_[b].second; });
     plan.comms.resize(slots_.size());
     for (const auto i : order) {
-      const auto [r, k] = slots_[i];
-      auto refusal = transport_.nccl ? nccl_refusal(column(k, d_, table.gpus)) : "not asked for";
-      const auto id = column(k, d_, table.nccl_ids).at(0);
+      const auto [q, k] = slots_[i];
+      const int g = shard_group(q, k), r = q / t_;
+      auto refusal = transport_.nccl ? nccl_refusal(column(g, d_, table.gpus)) : "not asked for";
+      const auto id = column(g, d_, table.nccl_ids).at(0);
       if (refusal.empty() && id.empty()) refusal = "node 0 made no NCCL id for it (see its log)";
       if (refusal.empty()) {
         const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(transport_.device));
@@ -111,7 +114,15 @@ class ucx_renewal : public comm_renewal {
                      gpu.str());
       } else {
         if (transport_.nccl) spdlog::info("node {}: stage {}'s shard collectives stay on UCX: {}", node_, k, refusal);
-        plan.comms[i] = staged(pending_[i]->connect(column(k, d_, table.addresses)));
+        plan.comms[i] = staged(pending_[i]->connect(column(g, d_, table.addresses)));
+      }
+    }
+    if (t_ > 1) {  // tensor-parallel groups: every rank of a (replica, stage) is here
+      std::map<std::pair<int, int>, std::vector<std::shared_ptr<transport::communicator>>> groups;
+      for (const auto& [q, k] : slots_) {
+        auto& g = groups[{q / t_, k}];
+        if (g.empty()) g = transport::make_local_group(t_);
+        plan.tp_comms.push_back(g.at(std::size_t(q % t_)));
       }
     }
     for (const auto& [r, k] : slots_)
@@ -154,7 +165,10 @@ class ucx_renewal : public comm_renewal {
   }
 
  private:
-  int node_, nodes_, d_, ep_;
+  int node_, nodes_, d_, t_, ep_;
+  /// The table's entry of the shard group of slot (pipeline q, stage k): its (stage,
+  /// tensor-parallel rank).
+  int shard_group(int q, int k) const { return k * t_ + q % t_; }
   std::vector<std::pair<int, int>> slots_;
   node_transport transport_;
   std::string machine_;  // transport::machine_key(), sent with the addresses
@@ -199,9 +213,9 @@ class ucx_renewal : public comm_renewal {
 
 }  // namespace
 
-std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int ep,
+std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int t, int ep,
                                               std::vector<std::pair<int, int>> slots, node_transport transport) {
-  return std::make_unique<ucx_renewal>(node, nodes, p, d, ep, std::move(slots), transport);
+  return std::make_unique<ucx_renewal>(node, nodes, p, d, t, ep, std::move(slots), transport);
 }
 
 node_transport transport_for(const runtime_context& ctx, const node_transport_settings& settings,

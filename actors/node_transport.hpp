@@ -45,11 +45,13 @@ struct node_transport {
 node_transport transport_for(const runtime_context& ctx, const node_transport_settings& settings,
                              const std::string& where);
 
-/// The communicators of node `node` of `nodes` hosting `slots` ((replica, stage) pairs) of
-/// a p x d job, made as `transport` says: per slot rank r of stage k's d shards, the world
-/// of the nodes (rank = node), and with expert parallelism `ep` > 1 per slot rank r mod ep
-/// of its stage's expert-parallel group (UCX).
-std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int ep,
+/// The communicators of node `node` of `nodes` hosting `slots` ((pipeline, stage) pairs)
+/// of a p x d (x t) job, made as `transport` says: per slot rank dp of its (stage,
+/// tensor-parallel rank)'s d shards, the world of the nodes (rank = node), with expert
+/// parallelism `ep` > 1 per slot rank r mod ep of its stage's expert-parallel group (UCX),
+/// and with tensor parallelism `t` > 1 per slot rank tp of its (replica, stage)'s
+/// tensor-parallel group, in this process (node_slots keeps each group on one node).
+std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int t, int ep,
                                               std::vector<std::pair<int, int>> slots, node_transport transport);
 
 }  // namespace troupe

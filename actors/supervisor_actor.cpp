@@ -24,13 +24,15 @@ namespace {
 constexpr auto reset_timeout = std::chrono::seconds(30);
 }
 
-std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes) {
+std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes, int t) {
   if (nodes < 1 || (p * d) % nodes != 0)
     throw config_error(std::to_string(nodes) + " nodes need pipeline x data_parallel (" + std::to_string(p) + " x " +
-                       std::to_string(d) + ") divisible by the node count: each node hosts an equal share of the stages");
+                       std::to_string(d) + ") divisible by the node count: each node hosts an equal share of the stages" +
+                       (t > 1 ? " (with all " + std::to_string(t) + " tensor-parallel ranks of each)" : ""));
   const int per = p * d / nodes;
   std::vector<std::pair<int, int>> slots;
-  for (int i = node * per; i < (node + 1) * per; ++i) slots.emplace_back(i / p, i % p);
+  for (int i = node * per; i < (node + 1) * per; ++i)
+    for (int tp = 0; tp < t; ++tp) slots.emplace_back(i / p * t + tp, i % p);
   return slots;
 }
 
@@ -39,7 +41,7 @@ node_plan local_node_plan(const runtime_context& ctx) {
   // The shards' data-parallel groups: one per (stage, tensor-parallel rank), rank dp.
   std::vector<std::vector<std::shared_ptr<transport::communicator>>> groups;
   for (int i = 0; i < ctx.p * ctx.t; ++i) groups.push_back(transport::make_local_group(ctx.d));
-  plan.slots = node_slots(ctx.p, ctx.pipes, 0, 1);
+  plan.slots = node_slots(ctx.p, ctx.d, 0, 1, ctx.t);
   for (const auto& [q, k] : plan.slots) plan.comms.push_back(groups[k * ctx.t + ctx.tp_of(q)][ctx.dp_of(q)]);
   if (ctx.t > 1) {
     // The stage actors' tensor-parallel groups: one per (replica, stage), rank tp.

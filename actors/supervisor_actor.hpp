@@ -72,8 +72,10 @@ struct node_plan {
 
 /// Slots of node `node` of `nodes`: an equal run of the replica-major list of all p x d
 /// (replica, stage) pairs (whole replicas when nodes divides d); throws config_error when
-/// p x d is not divisible by the node count.
-std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes);
+/// p x d is not divisible by the node count. Tensor parallelism (`t` > 1): each pair is t
+/// slots (pipeline dp t + tp, stage), tp fastest, so that a tensor-parallel group, whose
+/// traffic is the heaviest, always stays inside one node process.
+std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes, int t = 1);
 
 /// Every replica in this process, shards (and expert-parallel groups) on in-process
 /// communicators.

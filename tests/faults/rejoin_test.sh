@@ -4,7 +4,7 @@
 # rebuilds its actors in place, the lost node's optimizer shards from the copies on the
 # next node (its buddy) and its stages' parameters all-gathered from them; the run ends
 # bit-identical to the fault-free one with the same loss log (also with expert
-# parallelism across the nodes). Also: the last node (whose
+# parallelism across the nodes, and with tensor parallelism). Also: the last node (whose
 # buddy is node 0), a node that does not come back in time (exit 75, the launcher restarts
 # the job from its newest checkpoint), a node and its buddy lost together (the same), and
 # --max-node-restarts 0 (no buddy copies, a job restart); node 0 stalled past the
@@ -55,6 +55,14 @@ rejoined ref kill-node-1 1 "${two[@]}" --kill-node 1:4
 moe=(--workload moe-tiny --layers 2 --expert-parallel 2 "${two[@]}")
 reference moe-ref "${moe[@]}"
 rejoined moe-ref moe-kill-node-1 1 "${moe[@]}" --kill-node 1:4
+# Tensor parallelism: each node hosts whole tensor-parallel groups (node 1: replica 1's
+# four stage actors); 2 node processes give one process's bits, and node 1's new actors
+# meet in fresh in-process groups after it rejoins.
+tp=(--tensor-parallel 2 --sequence-parallel true --layers 2)
+reference tp-one "${tp[@]}" --nodes 1
+reference tp-ref "${tp[@]}" "${two[@]}"
+same tp-one tp-ref 0
+rejoined tp-ref tp-kill-node-1 1 "${tp[@]}" "${two[@]}" --kill-node 1:4
 # Node 0 stalled (SIGSTOP for 8 s: a paused VM, a swapped-out process) past the connection
 # timeout (5 s): node 1 loses it and ends with the recoverable status (75), the launcher
 # starts it again, and it rejoins the job in place once node 0 runs again (no job

@@ -38,11 +38,6 @@ rc=$?
 rc=$?
 [ $rc = 2 ] && grep -q "divisible by the node count" "$tmp/bad.log" && ok "--nodes 3 with d=2 refused (exit 2)" \
   || bad "--nodes 3 with d=2: exit $rc" "$tmp/bad.log"
-# Tensor parallelism runs in one process for now: node processes refuse it.
-"$launcher" train --nodes 2 --tensor-parallel 2 --data-parallel 2 --steps 1 >"$tmp/tp.log" 2>&1
-rc=$?
-[ $rc = 2 ] && grep -q "node processes do not make tensor-parallel groups yet" "$tmp/tp.log" \
-  && ok "--nodes 2 with tensor_parallel 2 refused (exit 2)" || bad "--nodes 2 with tensor_parallel 2: exit $rc" "$tmp/tp.log"
 # Without layout flags any node count runs the default job's layout (p2 d2).
 "$launcher" train --nodes 1 --steps 1 --eval-interval 0 >"$tmp/one.log" 2>&1
 rc=$?

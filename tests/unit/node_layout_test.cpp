@@ -16,3 +16,19 @@ TEST(NodeLayout, SlotsAreEqualRunsOfReplicaMajorStages) {
   EXPECT_EQ(troupe::node_slots(1, 4, 0, 1).size(), 4u);
   EXPECT_THROW(troupe::node_slots(1, 2, 0, 3), troupe::config_error);
 }
+
+// Tensor parallelism: each (replica, stage) is t slots (pipeline dp t + tp), tp fastest,
+// so a tensor-parallel group is never split between node processes.
+TEST(NodeLayout, TensorParallelGroupsStayInsideOneNode) {
+  using slots = std::vector<std::pair<int, int>>;
+  EXPECT_EQ(troupe::node_slots(2, 2, 1, 2, 2), (slots{{2, 0}, {3, 0}, {2, 1}, {3, 1}}));  // replica 1
+  EXPECT_EQ(troupe::node_slots(2, 1, 1, 2, 4), (slots{{0, 1}, {1, 1}, {2, 1}, {3, 1}}));  // stage 1
+  EXPECT_EQ(troupe::node_slots(2, 2, 0, 1, 2).size(), 8u);
+  for (int node = 0; node < 4; ++node)
+    for (const auto& [q, k] : troupe::node_slots(2, 2, node, 4, 2)) {
+      int peers = 0;  // the group of (q / 2, k) on this node
+      for (const auto& [q2, k2] : troupe::node_slots(2, 2, node, 4, 2)) peers += q2 / 2 == q / 2 && k2 == k;
+      EXPECT_EQ(peers, 2) << "node " << node;
+    }
+  EXPECT_THROW(troupe::node_slots(1, 2, 0, 3, 2), troupe::config_error);
+}
