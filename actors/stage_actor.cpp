@@ -20,6 +20,7 @@
 #include "compute/checkpoint_dir.hpp"
 #include "compute/device.hpp"
 #include "compute/grad_buffer.hpp"
+#include "compute/tensor_parallel.hpp"
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
 
@@ -1011,6 +1012,14 @@ class stage_logic {
 
 namespace {
 
+/// The shape of parameter `name` in one of `chunks`.
+std::vector<std::int64_t> shape_of(const std::vector<std::unique_ptr<model_slice>>& chunks, const std::string& name) {
+  for (const auto& c : chunks)
+    for (const auto& e : c->entries())
+      if (e.name == name) return e.shape;
+  throw std::logic_error("no parameter " + name + " in the stage");
+}
+
 caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
@@ -1220,55 +1229,100 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       // Checkpoint folders: replica 0's stages write their own files into the step's
       // temporary folder (no process gathers the whole model): the parameters, and the
       // optimizer state assembled from the stage's shards, whose fp32 main parameters
-      // stand for the rounded ones in bf16 jobs.
+      // stand for the rounded ones in bf16 jobs. Tensor parallelism: replica 0's rank 0
+      // writes, with the parts of its stage's other ranks (their stage actors' and
+      // shards') put together: the files hold whole parameters, as without it.
       [=](const write_checkpoint& msg) -> caf::result<stage_checkpoint> {
         auto& s = self->state;
-        auto params = std::make_shared<state_dict>();
-        // bf16: the shards' fp32 main parameters are what is written, so the rounded ones
-        // are not copied (names and shapes only; use_main_params replaces every one).
-        const bool from_shards = ctx->compute_dtype != torch::kFloat32;
-        for (auto& c : s.chunks) {
-          if (!from_shards) {
-            for (auto& entry : c->state()) params->push_back(std::move(entry));
-            continue;
-          }
-          for (const auto& e : c->entries())
-            if (!e.shared_copy) params->emplace_back(e.name, torch::zeros({}).expand(e.shape));
-        }
-        auto moments = std::make_shared<named_moments>();
         auto rp = self->make_response_promise<stage_checkpoint>();
         // Trace events on this stage's track (step: the one whose checkpoint it is).
         auto gathered = std::make_shared<trace_event>(
             trace_event{"checkpoint gather", s.replica, s.stage, -1, -1, msg.step - 1, ctx->now_us(), 0, 0});
-        request_all<shard_moments>(
-            self, wiring->shards[s.stage], std::chrono::seconds(60),
-            [gathered, moments](std::size_t, shard_moments& rep) { gathered->bytes += add_shard_moments(*moments, rep); },
-            [=, stage = s.stage]() mutable {
-              gathered->end_us = ctx->now_us();
-              stage_checkpoint out;
-              out.events.push_back(*gathered);
-              auto written = *gathered;
-              written.name = "checkpoint write";
-              written.start_us = ctx->now_us();
-              try {
-                use_main_params(*params, *moments);
-                for (const auto& f : write_stage_files(msg.folder, stage, *params,
-                                                       optimizer_state_dict(*moments, *params, msg.step)))
-                  out.files.push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
-              } catch (const std::exception& e) {
-                out.error = e.what();
+        const int t = ctx->t;
+        auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(t);  // by rank: shaped
+        auto moments = std::make_shared<std::vector<named_moments>>(t);                       // by rank: flat
+        std::vector<std::string> names;  // the stage's parameters in model order (shared copies left out)
+        for (auto& c : s.chunks)
+          for (const auto& e : c->entries())
+            if (!e.shared_copy) names.push_back(e.name);
+        // bf16 without tensor parallelism: the shards' fp32 main parameters are what is
+        // written, so the rounded ones are not copied (use_main_params replaces each).
+        const bool from_shards = ctx->compute_dtype != torch::kFloat32 && t == 1;
+        if (!from_shards)
+          for (auto& c : s.chunks)
+            for (auto& [name, p] : c->state()) (*parts)[0].emplace(name, std::move(p));
+        auto fail_with = [=](const std::string& what) {
+          return [=](std::size_t, caf::error& err) mutable {
+            rp.deliver(stage_checkpoint{{}, what + ": " + self->system().render(err), {}});
+            return false;
+          };
+        };
+        auto write = [=, stage = s.stage]() mutable {
+          gathered->end_us = ctx->now_us();
+          stage_checkpoint out;
+          out.events.push_back(*gathered);
+          auto written = *gathered;
+          written.name = "checkpoint write";
+          written.start_us = ctx->now_us();
+          try {
+            state_dict params;
+            named_moments whole;
+            if (t == 1) {
+              for (const auto& name : names)
+                params.emplace_back(name, from_shards ? torch::zeros({}).expand(shape_of(self->state.chunks, name))
+                                                      : parts->front().at(name));
+              whole = std::move(moments->front());
+            } else {
+              const auto joined = unshard_by_name(ctx->spec, {}, *parts);
+              std::map<std::string, std::vector<std::int64_t>> shapes;
+              for (const auto& name : names) {
+                params.emplace_back(name, joined.at(name));
+                shapes[name] = joined.at(name).sizes().vec();
               }
-              written.end_us = ctx->now_us();
-              written.bytes = 0;
-              for (const auto& f : out.files) written.bytes += std::int64_t(f.bytes);
-              out.events.push_back(written);
-              rp.deliver(std::move(out));
+              std::vector<std::map<std::string, torch::Tensor>> avg, avg_sq, main;
+              for (const auto& m : *moments) {
+                avg.push_back(m.exp_avg);
+                avg_sq.push_back(m.exp_avg_sq);
+                main.push_back(m.main_params);
+              }
+              whole.exp_avg = unshard_by_name(ctx->spec, shapes, avg);
+              whole.exp_avg_sq = unshard_by_name(ctx->spec, shapes, avg_sq);
+              if (!main.front().empty()) whole.main_params = unshard_by_name(ctx->spec, shapes, main);
+            }
+            use_main_params(params, whole);
+            for (const auto& f :
+                 write_stage_files(msg.folder, stage, params, optimizer_state_dict(whole, params, msg.step)))
+              out.files.push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
+          } catch (const std::exception& e) {
+            out.error = e.what();
+          }
+          written.end_us = ctx->now_us();
+          written.bytes = 0;
+          for (const auto& f : out.files) written.bytes += std::int64_t(f.bytes);
+          out.events.push_back(written);
+          rp.deliver(std::move(out));
+        };
+        auto fetch_moments = [=, stage = s.stage]() mutable {
+          request_all<shard_moments>(
+              self, wiring->shards[stage], std::chrono::seconds(60),  // [pipeline]
+              [=](std::size_t i, shard_moments& rep) {
+                gathered->bytes += add_shard_moments((*moments)[std::size_t(ctx->tp_of(int(i)))], rep);
+              },
+              write, fail_with("no optimizer state from a shard"), state_atom_v);
+        };
+        if (t == 1) {
+          fetch_moments();
+          return rp;
+        }
+        std::vector<caf::actor> peers;  // the stage's other tensor-parallel ranks of replica 0
+        for (int q = 1; q < t; ++q) peers.push_back(wiring->stages[q][s.stage]);
+        request_all<state_reply>(
+            self, peers, std::chrono::seconds(60),
+            [=](std::size_t i, state_reply& rep) {
+              for (std::size_t j = 0; j < rep.names.size(); ++j)
+                (*parts)[i + 1].emplace(rep.names[j], tensor_of(rep.tensors[j]).to(torch::kCPU));
             },
-            [=](std::size_t, caf::error& err) mutable {
-              rp.deliver(stage_checkpoint{{}, "no optimizer state from a shard: " + self->system().render(err), {}});
-              return false;
-            },
-            state_atom_v);
+            fetch_moments, fail_with("no parameters from a tensor-parallel rank"), state_atom_v);
         return rp;
       },
       [=](plant_atom) {  // tests: a stray buffered tensor the next reset must report

@@ -230,7 +230,7 @@ const std::vector<key_def>& key_defs() {
       int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
       int_key("parallel.tensor_parallel",
               "ranks each decoder layer is split over (Megatron's tensor parallelism: heads, MLP width and "
-              "vocabulary; the local runtime for now)",
+              "vocabulary; a group's stage actors share one node process)",
               &job_config::tensor_parallel, 1, 1024),
       int_key("parallel.expert_parallel",
               "ranks each expert layer's experts are spread over (expert parallelism: an all-to-all sends each "
@@ -540,10 +540,6 @@ void job_config::validate() const {
     if (runtime != "local" && schedule == "dataflow")
       fail(tp + " with schedule dataflow: the stage actors of a tensor-parallel group meet in every layer's "
            "collectives, so they run one fixed order (any schedule but dataflow)");
-    if (runtime != "local" && (!checkpoint_dir.empty() || !resume.empty()))
-      fail(tp + " with checkpoint folders (output.checkpoint_dir, output.resume): the actor runtime's stages do not "
-           "write their tensor-parallel parts into folders yet; save and load checkpoint files (--save, --load), "
-           "which hold the whole model");
   }
   if (!text.empty() && workload == "fmnist-mlp")
     fail("text " + text + " is a corpus for the decoder workloads (fmnist-mlp reads Fashion-MNIST)");
