@@ -1035,14 +1035,15 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   // It is told on the thread computing the op (the stage's, an overlapped pair's
   // forward's, or autograd's in a backward while the stage's thread waits for it).
   auto* state = &st;
-  auto observer = [state](std::function<bool()> backward) -> collective_observer {
-    return [state, backward](const char* name, std::int64_t bytes, double seconds) {
+  // (`prefix`: the tensor-parallel group's events are "tp all-reduce", ...)
+  auto observer = [state](std::function<bool()> backward, std::string prefix = "") -> collective_observer {
+    return [state, backward, prefix](const char* name, std::int64_t bytes, double seconds) {
       const double end = state->ctx->now_us();
       const auto k = backward() ? state->computing_backward : state->computing_forward;
       std::lock_guard<std::mutex> lock(state->events_mutex);
       (state->running ? state->events : state->eval_events)
-          .push_back({name, state->replica, state->stage, k.first, k.second, state->step, end - seconds * 1e6, end,
-                      bytes});
+          .push_back({prefix + name, state->replica, state->stage, k.first, k.second, state->step,
+                      end - seconds * 1e6, end, bytes});
     };
   };
   tensor_parallel tp;
@@ -1051,7 +1052,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       throw std::logic_error(st.name + ": tensor-parallel communicator is rank " + std::to_string(tensors->rank()) +
                              " of " + std::to_string(tensors->size()));
     st.tp_size = tensors->size();
-    st.tp_group = as_collective_group(tensors, nullptr, observer([state] { return state->in_backward; }));
+    st.tp_group = as_collective_group(tensors, nullptr, observer([state] { return state->in_backward; }, "tp "));
     tp = {tensors->rank(), tensors->size(), ctx->sequence_parallel, st.tp_group};
   }
   for (int c = 0; c < ctx->v; ++c) {

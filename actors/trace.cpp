@@ -21,6 +21,8 @@ bool is_comm(const trace_event& e) { return e.name.rfind("send ", 0) == 0 || e.n
 bool is_eval(const trace_event& e) { return e.name == "eval F"; }
 /// An expert layer's all-to-all (expert parallelism), inside the op it served.
 bool is_all_to_all(const trace_event& e) { return e.name == "all-to-all"; }
+/// A tensor-parallel group's collective ("tp all-reduce", ...), inside the op it served.
+bool is_tensor_parallel(const trace_event& e) { return e.name.rfind("tp ", 0) == 0; }
 /// A checkpoint-writing stage's fetch of its shards' optimizer state, or its file writes.
 bool is_checkpoint(const trace_event& e) { return e.name == "checkpoint gather" || e.name == "checkpoint write"; }
 }  // namespace
@@ -183,7 +185,7 @@ void write_chrome_trace(const std::string& path, const std::vector<trace_event>&
     const bool compute = is_compute(e);
     json args{{"step", e.step}, {"stage", e.stage}, {"replica", e.replica}};
     if (e.bytes >= 0) args["bytes"] = e.bytes;
-    if (compute || is_comm(e) || is_all_to_all(e)) {
+    if (compute || is_comm(e) || is_all_to_all(e) || is_tensor_parallel(e)) {
       args["mb"] = e.mb;
       args["chunk"] = e.chunk;
     } else if (e.chunk >= 0) {
@@ -201,9 +203,10 @@ void write_chrome_trace(const std::string& path, const std::vector<trace_event>&
                                {"chunk", e.chunk}}}});
       continue;
     }
-    if (is_all_to_all(e)) {  // on the stage's track, within its op
-      out.push_back({{"ph", "X"}, {"name", e.name}, {"cat", "all-to-all"}, {"pid", e.replica}, {"tid", e.stage},
-                     {"ts", e.start_us}, {"dur", e.end_us - e.start_us}, {"args", args}});
+    if (is_all_to_all(e) || is_tensor_parallel(e)) {  // on the stage's track, within its op
+      out.push_back({{"ph", "X"}, {"name", e.name}, {"cat", is_all_to_all(e) ? "all-to-all" : "tensor-parallel"},
+                     {"pid", e.replica}, {"tid", e.stage}, {"ts", e.start_us}, {"dur", e.end_us - e.start_us},
+                     {"args", args}});
       continue;
     }
     if (is_checkpoint(e)) {  // on the stage's track, between steps

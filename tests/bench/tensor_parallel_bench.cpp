@@ -9,6 +9,9 @@
 //            all-gathers and reduce-scatters; and the bytes a ring moves for them
 //   time     step time with T = 2 (and sequence parallelism) against T = 1, and the share
 //            of the ranks' time spent in collectives
+//   actors   the same in the actor runtime (T stage actors, in-process groups): the
+//            collectives counted from the trace's "tp ..." events, the step times, and
+//            the share of the stage actors' time in them
 // Prints the table recorded in docs/performance.md; nothing is asserted.
 #include <algorithm>
 #include <chrono>
@@ -20,6 +23,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "actors/runtime.hpp"
 #include "actors/tp_groups.hpp"
 #include "compute/trainer.hpp"
 
@@ -50,6 +54,34 @@ measured run(job_config c, int steps) {
   m.reduce_scatter = double(traffic->reduce_scatter) / steps;
   m.ring_bytes = traffic->ring_bytes(c.tensor_parallel) / steps;
   m.wait_seconds = double(traffic->wait_ns) * 1e-9 / steps;
+  return m;
+}
+
+/// The actor runtime: median step time over the timed steps, and the group's collectives
+/// from the trace ("tp ..." events), per step: elements by kind summed over the ranks
+/// (a reduce-scatter's event gives the piece a rank gets) and the ranks' time in them.
+measured run_actors(job_config c, int steps) {
+  c.runtime = "actors";
+  c.steps = steps + 2;  // a warm-up step, `steps` timed, and the last (its trace holds the run's end evaluation)
+  actor_run_options opts;
+  opts.quiet = true;
+  opts.final_state = false;
+  const auto r = run_actor_training(c, opts);
+  if (r.exit_code != 0) throw std::runtime_error(r.error);
+  std::vector<double> times(r.step_seconds.begin() + 1, r.step_seconds.begin() + 1 + steps);
+  std::sort(times.begin(), times.end());
+  measured m;
+  m.step_seconds = times[times.size() / 2];
+  const int T = c.tensor_parallel;
+  for (const auto& e : r.events) {
+    if (e.step < 1 || e.step > steps || e.name.rfind("tp ", 0) != 0) continue;
+    const double elements = double(e.bytes) / 4;  // fp32
+    if (e.name == "tp all-reduce") m.all_reduce += elements;
+    if (e.name == "tp all-gather") m.all_gather += elements;
+    if (e.name == "tp reduce-scatter") m.reduce_scatter += elements * T;
+    m.wait_seconds += (e.end_us - e.start_us) * 1e-6;
+  }
+  for (double* x : {&m.all_reduce, &m.all_gather, &m.reduce_scatter, &m.wait_seconds}) *x /= steps;
   return m;
 }
 
@@ -96,5 +128,29 @@ int main(int argc, char** argv) {
   std::printf("%s", fmt::format("| share of the ranks' time in collectives, T=2 / T=2 with SP | {:.1f} % / {:.1f} % |\n",
                                 100 * two.wait_seconds / (T * two.step_seconds),
                                 100 * sp.wait_seconds / (T * sp.step_seconds)).c_str());
+
+  // The actor runtime: T stage actors per stage, the same cores (threads = 0 shares them
+  // between the stage actors), the collectives from the trace.
+  c.runtime = "actors";
+  c.tensor_parallel = 1;
+  c.sequence_parallel = false;
+  c.threads = 0;
+  c.eval_interval = 0;  // (the evaluation's collectives are not the step's)
+  const auto a1 = run_actors(c, steps);
+  c.tensor_parallel = 2;
+  const auto a2 = run_actors(c, steps);
+  c.sequence_parallel = true;
+  const auto asp = run_actors(c, steps);
+  std::printf("%s", fmt::format("| actors: T=2 all-reduced elements per step (trace): measured / formula | {:.0f} / {:.0f} = {:.3f} |\n",
+                                a2.all_reduce, all_reduce, a2.all_reduce / all_reduce).c_str());
+  std::printf("%s", fmt::format("| actors: T=2 SP reduce-scattered elements per step (trace): measured / formula | {:.0f} / {:.0f} = {:.3f} |\n",
+                                asp.reduce_scatter, sp_each, asp.reduce_scatter / sp_each).c_str());
+  std::printf("%s", fmt::format("| actors: step time T=2 / T=1 | {:.3f} s / {:.3f} s = {:.2f} |\n", a2.step_seconds,
+                                a1.step_seconds, a2.step_seconds / a1.step_seconds).c_str());
+  std::printf("%s", fmt::format("| actors: step time T=2 with SP / T=1 | {:.3f} s / {:.3f} s = {:.2f} |\n",
+                                asp.step_seconds, a1.step_seconds, asp.step_seconds / a1.step_seconds).c_str());
+  std::printf("%s", fmt::format("| actors: share of the stage actors' time in tensor-parallel collectives (trace), T=2 / T=2 with SP | {:.1f} % / {:.1f} % |\n",
+                                100 * a2.wait_seconds / (T * a2.step_seconds),
+                                100 * asp.wait_seconds / (T * asp.step_seconds)).c_str());
   return 0;
 }

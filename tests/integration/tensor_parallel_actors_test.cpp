@@ -154,25 +154,28 @@ TEST(TensorParallelActors, TheTraceShowsMegatronsCollectivesPerLayerAndMicroBatc
     const auto got = actors_run(c);
     ASSERT_EQ(got.exit_code, 0) << got.error;
     const std::int64_t bsh = std::int64_t(c.microbatch_size()) * c.seq_len * c.d_model * 4;  // fp32 bytes
-    // Per rank, by name: the collectives of b s h elements (a reduce-scatter's event
-    // gives the piece this rank gets: 1/T of them).
+    // Per rank, by name: the group's collectives of b s h elements (a reduce-scatter's
+    // event gives the piece this rank gets: 1/T of them).
     std::map<std::string, int> whole;
     for (const auto& e : got.events)
       if (e.replica == 0 && e.stage == 0 &&
-          ((e.bytes == bsh && (e.name == "all-reduce" || e.name == "all-gather")) ||
-           (e.bytes == bsh / 2 && e.name == "reduce-scatter")))
+          ((e.bytes == bsh && (e.name == "tp all-reduce" || e.name == "tp all-gather")) ||
+           (e.bytes == bsh / 2 && e.name == "tp reduce-scatter")))
         ++whole[e.name];
     const int m = c.microbatches, blocks = c.layers;
     if (!sp) {
-      EXPECT_EQ(whole["all-reduce"], m * (4 * blocks + 2));
-      EXPECT_EQ(whole["all-gather"] + whole["reduce-scatter"], 0);
+      EXPECT_EQ(whole["tp all-reduce"], m * (4 * blocks + 2));
+      EXPECT_EQ(whole["tp all-gather"] + whole["tp reduce-scatter"], 0);
     } else {
       // Each block: 2 all-gathers and 2 reduce-scatters forward, and as many backward;
       // the embedding's reduce-scatter (its backward: an all-gather), the output layer's
       // all-gather (its backward: a reduce-scatter).
-      EXPECT_EQ(whole["all-gather"], m * (4 * blocks + 2)) << "all-gathers";
-      EXPECT_EQ(whole["reduce-scatter"], m * (4 * blocks + 2)) << "reduce-scatters";
+      EXPECT_EQ(whole["tp all-gather"], m * (4 * blocks + 2)) << "all-gathers";
+      EXPECT_EQ(whole["tp reduce-scatter"], m * (4 * blocks + 2)) << "reduce-scatters";
     }
+    // Each of them inside the op it served: a forward's or a backward's micro-batch.
+    for (const auto& e : got.events)
+      if (e.name.rfind("tp ", 0) == 0) EXPECT_GE(e.mb, 0) << e.name;
   }
 }
 
