@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "actors/runtime.hpp"
@@ -89,6 +90,7 @@ measured run_actors(job_config c, int steps) {
 
 int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 5;
+  spdlog::set_level(spdlog::level::warn);  // (the actor runs' start and end lines)
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
   torch::set_num_threads(cores);
   auto c = job_config::defaults_for("gpt-tiny");
