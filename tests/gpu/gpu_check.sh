@@ -49,7 +49,9 @@
 #    (most of each step, not the launches; one stream's ops never overlap).
 # 12. llama-experts: llama-tiny (p 2, d 2) and moe-tiny with EP 2 of d 2, p 2 (the actor
 #    runtime's all-to-alls) on the device against the same jobs on the CPU, within 1e-4.
-#    (Tensor parallelism runs in the local loop, which computes on the CPU only.)
+# 13. tensor-parallel: llama-small with T = 2 and sequence parallelism (two stage actors
+#    sharing the GPU) within 1e-5 of T = 1 in fp32 with deterministic algorithms, again
+#    bit for bit, and llama-tiny T = 2, p 2 against the CPU within 1e-4.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 # TROUPE_GPU_CHECK_STEPS=REGEX runs only the steps whose whole name matches (e.g.
@@ -61,7 +63,7 @@ set -uo pipefail
 # (tests/gpu/gpu_session.sh on a GPU; CTest's gpu_check_on_cpu_N on the CPU):
 # TROUPE_GPU_CHECK_PART=N runs part N's steps; `gpu_check.sh --parts` prints how many
 # parts there are. TROUPE_GPU_CHECK_STEPS=REGEX runs the steps it matches.
-parts=(gtests 'gtests-2x|llama-experts|check-host-text'
+parts=(gtests 'gtests-2x|llama-experts|check-host-text|tensor-parallel'
   'ref|ref-again|eval-modes|inplace-.*|checkpoint-rotation|recompute-generate-eval'
   'ref|nodes-4|nodes-4-rejoin|nodes-4-staged|nodes-4-links|nodes-4-links-rejoin|nodes-4-auto|sdpa-determinism|op-times'
   'ref|nodes-4-links-schedules|nodes-4-bf16|nodes-4-nccl|gradient-buckets|zero-bubble')
@@ -507,6 +509,36 @@ llama_experts() {  # on the CPU (CI) the same jobs twice: left out
   near_cpu ep --workload moe-tiny --pipeline 2 --data-parallel 2 --expert-parallel 2
 }
 step llama-experts llama_experts
+# Tensor parallelism on the device: T = 2 stage actors per stage sharing it (in-process
+# groups, ordered on the members' CUDA streams) with sequence parallelism, against T = 1
+# on the same device within 1e-5 (fp32, deterministic algorithms: llama-small on a GPU,
+# llama-tiny on the CPU), and repeated bit for bit; on a GPU also T = 2 against the CPU.
+tensor_parallel() {
+  local model=(--workload llama-small) name
+  [ "$device" != cpu ] || model=(--workload llama-tiny --layers 2)
+  for name in t1 t2 t2-again; do
+    local width=(--tensor-parallel 2 --sequence-parallel true)
+    [ $name != t1 ] || width=(--tensor-parallel 1)
+    "$build/troupe" train --device "$device" --steps 3 --eval-interval 0 --deterministic true "${model[@]}" \
+      "${width[@]}" --save "$out/tp-$name.pt" --metrics "$out/tp-$name.jsonl" >"$out/tp-$name.run" 2>&1 \
+      || { cat "$out/tp-$name.run"; return 1; }
+  done
+  "$python" "$root/tests/support/compare_runs.py" "$out/tp-t2" "$out/tp-t2-again" 0 || return 1
+  "$python" - "$out/tp-t2" "$out/tp-t1" <<'PY' || return 1
+import json, sys
+import torch
+a, b = torch.load(sys.argv[1] + ".pt"), torch.load(sys.argv[2] + ".pt")
+assert list(a) == list(b), "different parameter names"
+worst = max((a[k] - b[k]).abs().max().item() for k in a)
+la, lb = ([l["loss"] for l in map(json.loads, open(f + ".jsonl")) if "loss" in l] for f in sys.argv[1:])
+worst_loss = max(abs(x - y) for x, y in zip(la, lb))
+print(f"T = 2 (sequence parallel) vs T = 1: parameters {worst:.2e}, losses {worst_loss:.2e}")
+assert len(la) == len(lb) == 3 and worst <= 1e-5 and worst_loss <= 1e-5
+PY
+  [ "$device" != cpu ] || return 0
+  near_cpu tp --workload llama-tiny --tensor-parallel 2 --sequence-parallel true --pipeline 2
+}
+step tensor-parallel tensor_parallel
 
 what=${only:+"the steps matching '$only'"}
 [ $failed = 0 ] && echo "gpu_check: ${what:-all} passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
