@@ -151,18 +151,19 @@ caf::actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
 
 }  // namespace
 
-std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes) {
+std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes, int t) {
   std::set<std::pair<int, int>> pairs;
-  const int per = p * d / nodes;
-  auto node_of = [&](int r, int k) { return (r * p + k) / per; };
+  std::map<std::pair<int, int>, int> node_of;  // (pipeline, stage) -> node
+  for (int n = 0; n < nodes; ++n)
+    for (const auto& slot : node_slots(p, d, n, nodes, t)) node_of[slot] = n;
   auto both_ways = [&](int a, int b) {
     if (a == b) return;
     pairs.emplace(a, b);
     pairs.emplace(b, a);
   };
-  for (int r = 0; r < d; ++r) {
-    for (int k = 0; k + 1 < p; ++k) both_ways(node_of(r, k), node_of(r, k + 1));
-    both_ways(node_of(r, 0), node_of(r, p - 1));
+  for (int q = 0; q < d * t; ++q) {
+    for (int k = 0; k + 1 < p; ++k) both_ways(node_of.at({q, k}), node_of.at({q, k + 1}));
+    both_ways(node_of.at({q, 0}), node_of.at({q, p - 1}));
   }
   return {pairs.begin(), pairs.end()};
 }
@@ -250,7 +251,7 @@ actor_run_result run_node(const node_options& o) {
           cfg = o.cfg;
           cfg.validate();
           resolve_resume(cfg);  // one checkpoint folder for every node (they get this config)
-          node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes);  // the layout fits, or a clear error now
+          node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes, cfg.tensor_parallel);  // fits, or a clear error now
           const auto data = training_data::identity(cfg);  // the data every node must read
           check_output_paths(cfg);
           check_kernel_profile_env();

@@ -77,9 +77,9 @@ std::string nccl_refusal(const std::vector<std::string>& member_gpus);
 /// neighbouring stages of a replica, and its first and last stage (tied embeddings, the
 /// chunks of an interleaved schedule); sorted. With TROUPE_NCCL=1 each gets a NCCL link
 /// (transport/ordered_p2p.hpp) where both nodes have a GPU of their own.
-std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes);
-/// (Tensor parallelism places every rank of a (replica, stage) on the same node: the
-/// same pairs.)
+/// With tensor parallelism (`t` > 1: the layout of node_slots with t) rank tp of a stage
+/// sends to rank tp of the next.
+std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes, int t = 1);
 
 struct node_addresses;  // messages/node_messages.hpp
 
@@ -91,6 +91,12 @@ constexpr std::int32_t expert_group_base = -(1 << 24);
 constexpr std::int32_t expert_group_entry(int stage, int group, int groups, bool backward) {
   return expert_group_base - 2 * (stage * groups + group) - (backward ? 1 : 0);
 }
+/// The entries of tensor-parallel groups that span node processes (node_slots with more
+/// nodes than p x d): the stage actors of pipelines t dp .. t dp + t - 1 at stage k are
+/// entry tensor_group_entry(k, dp, d), rank tp; below every expert group's entry. They run
+/// over UCX (no NCCL id).
+constexpr std::int32_t tensor_group_base = -(1 << 28);
+constexpr std::int32_t tensor_group_entry(int stage, int replica, int d) { return tensor_group_base - (stage * d + replica); }
 
 /// The registrar's part of NCCL, once every node has sent its entries of an address
 /// round: a NCCL unique id (`make_id()`; empty where making one failed) for each shard

@@ -42,7 +42,7 @@ class ucx_renewal : public comm_renewal {
   ucx_renewal(int node, int nodes, int p, int d, int t, int ep, std::vector<std::pair<int, int>> slots,
               node_transport transport)
       : node_(node), nodes_(nodes), d_(d), t_(t), ep_(ep), slots_(std::move(slots)), transport_(transport),
-        machine_(transport::machine_key()), links_(transport.nccl || transport.ucx_links ? link_pairs(p, d, nodes)
+        machine_(transport::machine_key()), links_(transport.nccl || transport.ucx_links ? link_pairs(p, d, nodes, t)
                                                                                           : decltype(links_){}) {
     mine_.node = node;
     std::string gpu;  // asks for NCCL: names its GPU
@@ -66,6 +66,12 @@ class ucx_renewal : public comm_renewal {
     }
     pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
     add(-1, node, pending_.back()->address(), gpu);  // the world: with this node's GPU key
+    if (t_ > 1)  // tensor-parallel groups that span nodes (the others are made in connect)
+      for (const auto& [q, k] : slots_)
+        if (!whole_group_here(q, k)) {
+          tensors_.push_back(transport::prepare_ucx_communicator(q % t_, t_));
+          add(tensor_group_entry(k, q / t_, d_), q % t_, tensors_.back()->address(), "");
+        }
     if (ep_ > 1)
       for (const auto& [r, k] : slots_)
         for (const bool backward : {false, true}) {
@@ -117,9 +123,15 @@ class ucx_renewal : public comm_renewal {
         plan.comms[i] = staged(pending_[i]->connect(column(g, d_, table.addresses)));
       }
     }
-    if (t_ > 1) {  // tensor-parallel groups: every rank of a (replica, stage) is here
+    if (t_ > 1) {  // tensor-parallel groups: in process where the group is here, else over UCX
       std::map<std::pair<int, int>, std::vector<std::shared_ptr<transport::communicator>>> groups;
+      std::size_t next = 0;
       for (const auto& [q, k] : slots_) {
+        if (!whole_group_here(q, k)) {
+          plan.tp_comms.push_back(
+              staged(tensors_.at(next++)->connect(column(tensor_group_entry(k, q / t_, d_), t_, table.addresses))));
+          continue;
+        }
         auto& g = groups[{q / t_, k}];
         if (g.empty()) g = transport::make_local_group(t_);
         plan.tp_comms.push_back(g.at(std::size_t(q % t_)));
@@ -169,11 +181,18 @@ class ucx_renewal : public comm_renewal {
   /// The table's entry of the shard group of slot (pipeline q, stage k): its (stage,
   /// tensor-parallel rank).
   int shard_group(int q, int k) const { return k * t_ + q % t_; }
+  /// Whether every rank of slot (q, k)'s tensor-parallel group is on this node.
+  bool whole_group_here(int q, int k) const {
+    for (int tp = 0; tp < t_; ++tp)
+      if (std::find(slots_.begin(), slots_.end(), std::make_pair(q / t_ * t_ + tp, k)) == slots_.end()) return false;
+    return true;
+  }
   std::vector<std::pair<int, int>> slots_;
   node_transport transport_;
   std::string machine_;  // transport::machine_key(), sent with the addresses
   std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
   std::vector<std::unique_ptr<transport::ucx_pending>> experts_;  // per slot: its expert-parallel groups (EP > 1), forwards' and backwards'
+  std::vector<std::unique_ptr<transport::ucx_pending>> tensors_;  // per slot whose tensor-parallel group spans nodes
   node_addresses mine_;
   std::vector<std::pair<int, int>> links_;  // link_pairs() where links are asked for
 

@@ -25,14 +25,19 @@ constexpr auto reset_timeout = std::chrono::seconds(30);
 }
 
 std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes, int t) {
-  if (nodes < 1 || (p * d) % nodes != 0)
-    throw config_error(std::to_string(nodes) + " nodes need pipeline x data_parallel (" + std::to_string(p) + " x " +
-                       std::to_string(d) + ") divisible by the node count: each node hosts an equal share of the stages" +
-                       (t > 1 ? " (with all " + std::to_string(t) + " tensor-parallel ranks of each)" : ""));
-  const int per = p * d / nodes;
+  const int total = p * d * t;
+  if (nodes < 1 || total % nodes != 0)
+    throw config_error(std::to_string(nodes) + " nodes need pipeline x data_parallel" + (t > 1 ? " x tensor_parallel" : "") +
+                       " (" + std::to_string(p) + " x " + std::to_string(d) + (t > 1 ? " x " + std::to_string(t) : "") +
+                       ") divisible by the node count: each node hosts an equal share of the stages");
+  const int per = total / nodes;
+  if (per % t != 0 && t % per != 0)
+    throw config_error(std::to_string(nodes) + " nodes would host " + std::to_string(per) +
+                       " stage actors each, which neither holds whole tensor-parallel groups of " + std::to_string(t) +
+                       " nor an equal part of one: use a node count that divides pipeline x data_parallel (" +
+                       std::to_string(p * d) + "), or pipeline x data_parallel x tensor_parallel in equal parts of a group");
   std::vector<std::pair<int, int>> slots;
-  for (int i = node * per; i < (node + 1) * per; ++i)
-    for (int tp = 0; tp < t; ++tp) slots.emplace_back(i / p * t + tp, i % p);
+  for (int i = node * per; i < (node + 1) * per; ++i) slots.emplace_back(i / (t * p) * t + i % t, i / t % p);
   return slots;
 }
 

@@ -74,7 +74,9 @@ struct node_plan {
 /// (replica, stage) pairs (whole replicas when nodes divides d); throws config_error when
 /// p x d is not divisible by the node count. Tensor parallelism (`t` > 1): each pair is t
 /// slots (pipeline dp t + tp, stage), tp fastest, so that a tensor-parallel group, whose
-/// traffic is the heaviest, always stays inside one node process.
+/// traffic is the heaviest, stays inside one node process where the node count divides
+/// p x d; with more nodes (one GPU each) a group spreads over t / (p d t / nodes)
+/// consecutive node processes (the node count must then divide p x d x t so).
 std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes, int t = 1);
 
 /// Every replica in this process, shards (and expert-parallel groups) on in-process

@@ -63,6 +63,16 @@ reference tp-one "${tp[@]}" --nodes 1
 reference tp-ref "${tp[@]}" "${two[@]}"
 same tp-one tp-ref 0
 rejoined tp-ref tp-kill-node-1 1 "${tp[@]}" "${two[@]}" --kill-node 1:4
+# With more nodes than pipeline x data-parallel (one GPU each) a group spans node
+# processes (its collectives over UCX): p 2, d 1, T 2 on 4 nodes, one stage actor each;
+# node 1 (stage 0's rank 1) killed, its peer on node 0 waiting in their collective.
+saved_job=("${job[@]}")
+job=(train --pipeline 2 --data-parallel 1 --steps 10 --eval-interval 0)
+reference tp-spread-one "${tp[@]}" --nodes 1
+reference tp-spread "${tp[@]}" --nodes 4
+same tp-spread-one tp-spread 0
+rejoined tp-spread tp-spread-kill-node-1 1 "${tp[@]}" --nodes 4 --kill-node 1:4
+job=("${saved_job[@]}")
 # Node 0 stalled (SIGSTOP for 8 s: a paused VM, a swapped-out process) past the connection
 # timeout (5 s): node 1 loses it and ends with the recoverable status (75), the launcher
 # starts it again, and it rejoins the job in place once node 0 runs again (no job

@@ -50,8 +50,9 @@
 # 12. llama-experts: llama-tiny (p 2, d 2) and moe-tiny with EP 2 of d 2, p 2 (the actor
 #    runtime's all-to-alls) on the device against the same jobs on the CPU, within 1e-4.
 # 13. tensor-parallel: llama-small with T = 2 and sequence parallelism (two stage actors
-#    sharing the GPU) within 1e-5 of T = 1 in fp32 with deterministic algorithms, again
-#    bit for bit, and llama-tiny T = 2, p 2 against the CPU within 1e-4.
+#    sharing the GPU, in one process and as two node processes) within 1e-5 of T = 1 in
+#    fp32 with deterministic algorithms, again bit for bit, and llama-tiny T = 2, p 2
+#    against the CPU within 1e-4.
 # Exits 0 when all passed, 77 without a usable GPU, 1 otherwise; logs stay in OUT_DIR.
 # TROUPE_CHECK_DEVICE=cpu runs the same checks on the CPU (to try this script anywhere).
 # TROUPE_GPU_CHECK_STEPS=REGEX runs only the steps whose whole name matches (e.g.
@@ -510,21 +511,26 @@ llama_experts() {  # on the CPU (CI) the same jobs twice: left out
 }
 step llama-experts llama_experts
 # Tensor parallelism on the device: T = 2 stage actors per stage sharing it (in-process
-# groups, ordered on the members' CUDA streams) with sequence parallelism, against T = 1
-# on the same device within 1e-5 (fp32, deterministic algorithms: llama-small on a GPU,
-# llama-tiny on the CPU), and repeated bit for bit; on a GPU also T = 2 against the CPU.
+# groups, ordered on the members' CUDA streams; and as two node processes, their group
+# over UCX) with sequence parallelism, against T = 1 on the same device within 1e-5
+# (fp32, deterministic algorithms: llama-small on a GPU, llama-tiny on the CPU), and
+# repeated bit for bit; on a GPU also T = 2 against the CPU.
 tensor_parallel() {
   local model=(--workload llama-small) name
   [ "$device" != cpu ] || model=(--workload llama-tiny --layers 2)
-  for name in t1 t2 t2-again; do
-    local width=(--tensor-parallel 2 --sequence-parallel true)
+  for name in t1 t2 t2-again t2-nodes; do
+    local width=(--tensor-parallel 2 --sequence-parallel true) run=("$build/troupe")
     [ $name != t1 ] || width=(--tensor-parallel 1)
-    "$build/troupe" train --device "$device" --steps 3 --eval-interval 0 --deterministic true "${model[@]}" \
+    # t2-nodes: the two ranks as two node processes sharing the device (their group over UCX)
+    [ $name != t2-nodes ] || run=(env TROUPE_BUILD_DIR="$build" TROUPE_SKIP_SETUP=1 "$root/launch/troupe")
+    [ $name != t2-nodes ] || width+=(--nodes 2)
+    "${run[@]}" train --device "$device" --steps 3 --eval-interval 0 --deterministic true "${model[@]}" \
       "${width[@]}" --save "$out/tp-$name.pt" --metrics "$out/tp-$name.jsonl" >"$out/tp-$name.run" 2>&1 \
       || { cat "$out/tp-$name.run"; return 1; }
   done
   "$python" "$root/tests/support/compare_runs.py" "$out/tp-t2" "$out/tp-t2-again" 0 || return 1
-  "$python" - "$out/tp-t2" "$out/tp-t1" <<'PY' || return 1
+  for name in t2 t2-nodes; do
+  "$python" - "$out/tp-$name" "$out/tp-t1" <<'PY' || return 1
 import json, sys
 import torch
 a, b = torch.load(sys.argv[1] + ".pt"), torch.load(sys.argv[2] + ".pt")
@@ -532,9 +538,10 @@ assert list(a) == list(b), "different parameter names"
 worst = max((a[k] - b[k]).abs().max().item() for k in a)
 la, lb = ([l["loss"] for l in map(json.loads, open(f + ".jsonl")) if "loss" in l] for f in sys.argv[1:])
 worst_loss = max(abs(x - y) for x, y in zip(la, lb))
-print(f"T = 2 (sequence parallel) vs T = 1: parameters {worst:.2e}, losses {worst_loss:.2e}")
+print(f"{sys.argv[1]}: T = 2 (sequence parallel) vs T = 1: parameters {worst:.2e}, losses {worst_loss:.2e}")
 assert len(la) == len(lb) == 3 and worst <= 1e-5 and worst_loss <= 1e-5
 PY
+  done
   [ "$device" != cpu ] || return 0
   near_cpu tp --workload llama-tiny --tensor-parallel 2 --sequence-parallel true --pipeline 2
 }

@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "actors/node.hpp"
 #include "actors/supervisor_actor.hpp"
 #include "compute/job_config.hpp"
 
@@ -31,4 +32,14 @@ TEST(NodeLayout, TensorParallelGroupsStayInsideOneNode) {
       EXPECT_EQ(peers, 2) << "node " << node;
     }
   EXPECT_THROW(troupe::node_slots(1, 2, 0, 3, 2), troupe::config_error);
+  // More nodes than p x d (one GPU each): a group spreads over consecutive nodes.
+  EXPECT_EQ(troupe::node_slots(2, 1, 1, 4, 2), (slots{{1, 0}}));  // stage 0's rank 1
+  EXPECT_EQ(troupe::node_slots(2, 1, 2, 4, 2), (slots{{0, 1}}));
+  EXPECT_EQ(troupe::node_slots(1, 2, 1, 2, 4), (slots{{4, 0}, {5, 0}, {6, 0}, {7, 0}}));  // whole again
+  EXPECT_EQ(troupe::node_slots(1, 1, 1, 2, 4), (slots{{2, 0}, {3, 0}}));  // half a group
+  EXPECT_THROW(troupe::node_slots(3, 1, 0, 4, 4), troupe::config_error);  // 3 each: neither
+  // Rank tp of a stage sends to rank tp of the next: nodes 0 and 1 (stage 0) to 2 and 3.
+  using pairs = std::vector<std::pair<int, int>>;
+  EXPECT_EQ(troupe::link_pairs(2, 1, 4, 2), (pairs{{0, 2}, {1, 3}, {2, 0}, {3, 1}}));
+  EXPECT_EQ(troupe::link_pairs(2, 2, 2, 2), pairs{});  // whole replicas per node
 }
