@@ -185,10 +185,11 @@ std::string nccl_refusal(const std::vector<std::string>& member_gpus) {
 int assign_nccl_ids(node_addresses& table, const std::function<std::string()>& make_id) {
   const auto n = std::min({table.stages.size(), table.replicas.size(), table.gpus.size()});
   table.nccl_ids.resize(table.stages.size());
-  // Per group (a stage >= 0, or the world -1): its members' GPU keys by rank.
+  // Per group (a shard group >= 0, the world -1, a tensor-parallel group spread over
+  // nodes <= tensor_group_base): its members' GPU keys by rank.
   std::map<int, std::vector<std::string>> keys;
   for (std::size_t i = 0; i < n; ++i)
-    if (table.stages[i] >= -1 && table.replicas[i] >= 0) {
+    if ((table.stages[i] >= -1 || table.stages[i] <= tensor_group_base) && table.replicas[i] >= 0) {
       auto& column = keys[table.stages[i]];
       if (int(column.size()) <= table.replicas[i]) column.resize(table.replicas[i] + 1);
       column[table.replicas[i]] = table.gpus[i];
@@ -199,7 +200,7 @@ int assign_nccl_ids(node_addresses& table, const std::function<std::string()>& m
   for (std::size_t i = 0; i < n; ++i) {
     const int stage = table.stages[i], rank = table.replicas[i];
     std::string refusal;
-    if (stage >= 0 && rank == 0)
+    if ((stage >= 0 || stage <= tensor_group_base) && rank == 0)
       refusal = nccl_refusal(keys[stage]);
     else if (stage <= -2 && stage > expert_group_base)
       refusal = nccl_refusal({world_key(-2 - stage), world_key(rank)});

@@ -94,13 +94,15 @@ constexpr std::int32_t expert_group_entry(int stage, int group, int groups, bool
 /// The entries of tensor-parallel groups that span node processes (node_slots with more
 /// nodes than p x d): the stage actors of pipelines t dp .. t dp + t - 1 at stage k are
 /// entry tensor_group_entry(k, dp, d), rank tp; below every expert group's entry. They run
-/// over UCX (no NCCL id).
+/// over NCCL where asked for and every member has a GPU of its own (their rank 0's entry
+/// gets an id, as a shard group's), else over UCX.
 constexpr std::int32_t tensor_group_base = -(1 << 28);
 constexpr std::int32_t tensor_group_entry(int stage, int replica, int d) { return tensor_group_base - (stage * d + replica); }
 
 /// The registrar's part of NCCL, once every node has sent its entries of an address
 /// round: a NCCL unique id (`make_id()`; empty where making one failed) for each shard
-/// group whose members' GPU keys nccl_refusal accepts (into its rank 0's entry), and for
+/// group and each tensor-parallel group spread over nodes whose members' GPU keys
+/// nccl_refusal accepts (into its rank 0's entry), and for
 /// each link entry (stage -2 - from, replica = to; not an expert group's) whose two nodes' world entries'
 /// keys it accepts. No other ids are made: NCCL keeps a thread waiting for the ranks of
 /// every id it made, so an id nobody uses would leave one behind per round. Returns the

@@ -70,7 +70,7 @@ class ucx_renewal : public comm_renewal {
       for (const auto& [q, k] : slots_)
         if (!whole_group_here(q, k)) {
           tensors_.push_back(transport::prepare_ucx_communicator(q % t_, t_));
-          add(tensor_group_entry(k, q / t_, d_), q % t_, tensors_.back()->address(), "");
+          add(tensor_group_entry(k, q / t_, d_), q % t_, tensors_.back()->address(), gpu);
         }
     if (ep_ > 1)
       for (const auto& [r, k] : slots_)
@@ -99,11 +99,15 @@ class ucx_renewal : public comm_renewal {
     node_plan plan;
     plan.node = node_;
     plan.slots = slots_;
-    // NCCL communicators are made in the order of the stages on every node (making one
-    // waits for its other ranks: no node may wait on a group another node makes later).
+    // NCCL communicators are made in the order of the shard groups (stage, tp) on every
+    // node (making one waits for its other ranks: no node may wait on a group another
+    // node makes later), then the tensor-parallel groups spread over nodes (at most one
+    // per node).
     std::vector<std::size_t> order(slots_.size());
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return slots_[a].second < slots_[b].second; });
+    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) {
+      return shard_group(slots_[a].first, slots_[a].second) < shard_group(slots_[b].first, slots_[b].second);
+    });
     plan.comms.resize(slots_.size());
     for (const auto i : order) {
       const auto [q, k] = slots_[i];
@@ -128,8 +132,23 @@ class ucx_renewal : public comm_renewal {
       std::size_t next = 0;
       for (const auto& [q, k] : slots_) {
         if (!whole_group_here(q, k)) {
-          plan.tp_comms.push_back(
-              staged(tensors_.at(next++)->connect(column(tensor_group_entry(k, q / t_, d_), t_, table.addresses))));
+          const int entry = tensor_group_entry(k, q / t_, d_);
+          auto& ucx = tensors_.at(next++);
+          auto refusal = transport_.nccl ? nccl_refusal(column(entry, t_, table.gpus)) : "not asked for";
+          const auto id = column(entry, t_, table.nccl_ids).at(0);
+          if (refusal.empty() && id.empty()) refusal = "node 0 made no NCCL id for it (see its log)";
+          if (!refusal.empty()) {
+            if (transport_.nccl)
+              spdlog::info("node {}: stage {}'s tensor-parallel collectives stay on UCX: {}", node_, k, refusal);
+            plan.tp_comms.push_back(staged(ucx->connect(column(entry, t_, table.addresses))));
+            continue;
+          }
+          const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(transport_.device));
+          plan.tp_comms.push_back(transport::stage_through_device(
+              transport::make_nccl_communicator(std::vector<char>(id.begin(), id.end()), q % t_, t_, transport_.device),
+              gpu));
+          spdlog::info("node {}: stage {}'s tensor-parallel collectives (rank {} of {}) over NCCL on {}", node_, k,
+                       q % t_, t_, gpu.str());
           continue;
         }
         auto& g = groups[{q / t_, k}];

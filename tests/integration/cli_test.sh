@@ -24,6 +24,8 @@ during() {  # during FILE PATTERN ACTION COMMAND...: runs COMMAND (stdout to $ou
   # 60 s); sets rc to COMMAND's status.
   local file=$1 pattern=$2 action=$3 t
   shift 3
+  : >"$out"  # emptied before COMMAND starts: the last command's output must not match
+  : >"$err"
   "$@" >"$out" 2>"$err" &
   local pid=$!
   for ((t = 0; t < 600; t++)); do grep -q -- "$pattern" "$file" && break; sleep 0.1; done

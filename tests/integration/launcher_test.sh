@@ -38,6 +38,16 @@ rc=$?
 rc=$?
 [ $rc = 2 ] && grep -q "divisible by the node count" "$tmp/bad.log" && ok "--nodes 3 with d=2 refused (exit 2)" \
   || bad "--nodes 3 with d=2: exit $rc" "$tmp/bad.log"
+# Tensor parallelism (a layout flag: without --nodes one process): 2 node processes, each
+# hosting whole tensor-parallel groups (replica r's four stage actors), train one
+# process's bits, and each node's line names its (replica, stage, tp).
+tp_job=(train --tensor-parallel 2 --sequence-parallel true --pipeline 2 --data-parallel 2 --layers 2 --steps 3 --eval-interval 0)
+"$launcher" "${tp_job[@]}" --save "$tmp/tp1.pt" --metrics "$tmp/tp1.jsonl" >"$tmp/tp1.log" 2>&1
+"$launcher" "${tp_job[@]}" --nodes 2 --save "$tmp/tp2.pt" --metrics "$tmp/tp2.jsonl" >"$tmp/tp2.log" 2>&1
+rc=$?
+[ $rc = 0 ] && ! grep -q "node 0 of" "$tmp/tp1.log" && grep -q "stages (replica,stage,tp) (1,0,0) (1,0,1) (1,1,0) (1,1,1)" "$tmp/tp2.log" \
+  && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/tp1" "$tmp/tp2" 0 \
+  && ok "tensor-parallel 2 on 2 nodes: one process's bits, layout lines" || bad "tensor-parallel 2 on 2 nodes: exit $rc" "$tmp/tp2.log"
 # Without layout flags any node count runs the default job's layout (p2 d2).
 "$launcher" train --nodes 1 --steps 1 --eval-interval 0 >"$tmp/one.log" 2>&1
 rc=$?

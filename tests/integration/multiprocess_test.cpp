@@ -307,6 +307,31 @@ TEST(MultiProcessNccl, TheRegistrarMakesIdsOnlyWhereNcclRuns) {
   EXPECT_EQ(ids_of(t), ids{});
 }
 
+// A tensor-parallel group spread over two nodes (entry tensor_group_entry, rank tp): an id
+// in its rank 0's entry where each member has a GPU of its own, none where they share one.
+TEST(MultiProcessNccl, TheRegistrarMakesIdsForTensorParallelGroupsSpreadOverNodes) {
+  auto table_of = [](const std::string& gpu0, const std::string& gpu1) {
+    node_addresses t;
+    for (int tp = 0; tp < 2; ++tp) {
+      t.stages.push_back(tensor_group_entry(0, 0, 1));
+      t.replicas.push_back(tp);
+      t.addresses.emplace_back("a");
+      t.machines.emplace_back("m");
+      t.gpus.push_back(tp == 0 ? gpu0 : gpu1);
+      t.nccl_ids.emplace_back();
+    }
+    return t;
+  };
+  int made = 0;
+  auto make_id = [&] { return "id " + std::to_string(made++); };
+  auto t = table_of("m/gpu 0", "m/gpu 1");
+  EXPECT_EQ(assign_nccl_ids(t, make_id), 1);
+  EXPECT_EQ(t.nccl_ids, (std::vector<std::string>{"id 0", ""}));
+  t = table_of("m/gpu 0", "m/gpu 0");
+  EXPECT_EQ(assign_nccl_ids(t, make_id), 0);
+  EXPECT_EQ(made, 1);
+}
+
 // A p2 x d1 job on 2 nodes whose node 1 (stage 1) pretends another machine (`env`: its
 // clock's skew and drift, TROUPE_TEST_CLOCK_*). Returns node 1's log and each tensor
 // message received earlier on node 0's timeline than its send began (by more than the

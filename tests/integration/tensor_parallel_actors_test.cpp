@@ -15,25 +15,22 @@
 #include "compute/trainer.hpp"
 #include "actors/tp_groups.hpp"
 #include "test_util.hpp"
+#include "tp_test_util.hpp"
 
 namespace troupe {
 
 namespace {
 
-/// gpt-tiny (or llama-tiny) made small: 4 blocks, d_model 64, 4 heads, 32 positions; a
-/// few steps of it take about a second in either runtime.
+using namespace tp_test;
+
+/// tp_test's small job with 4 micro-batches of 4: 5 steps take about a second in either
+/// runtime.
 job_config tp_job(const std::string& workload = "gpt-tiny") {
-  auto c = job_config::defaults_for(workload);
+  auto c = small_job(workload);
   c.steps = 5;
-  c.device = "cpu";
   c.threads = 1;
-  c.layers = 4;
-  c.d_model = 64;
-  c.heads = 4;
-  c.seq_len = 32;
   c.global_batch = 16;
   c.microbatches = 4;
-  c.eval_interval = 0;
   return c;
 }
 
@@ -60,34 +57,8 @@ actor_run_result actors_run(job_config c) {
   return run_actor_training(c, opts);
 }
 
-struct tp_layout {
-  int t, p, d;
-  bool sp;
-  const char* workload;
-  const char* schedule;
-  const char* recompute;
-};
-
-std::string name_of(const tp_layout& l) {
-  std::string s = std::string(l.workload[0] == 'g' ? "gpt2" : "llama") + "_t" + std::to_string(l.t) +
-                  (l.sp ? "_sp" : "") + "_p" + std::to_string(l.p) + "_d" + std::to_string(l.d);
-  const std::string k = l.schedule;
-  if (k != "1f1b") s += "_" + (k == "zero-bubble" ? "zero_bubble" : k == "gpipe" ? k : "interleaved");
-  if (std::string(l.recompute) != "none") s += std::string("_recompute_") + l.recompute;
-  return s;
-}
-
-void PrintTo(const tp_layout& l, std::ostream* os) { *os << name_of(l); }
-
 job_config job_of(const tp_layout& l) {
-  auto c = tp_job(l.workload);
-  c.tensor_parallel = l.t;
-  c.sequence_parallel = l.sp;
-  c.pipeline = l.p;
-  c.data_parallel = l.d;
-  c.schedule = l.schedule;
-  c.recompute = l.recompute;
-  if (c.schedule == "interleaved-1f1b") c.chunks = 2;
+  auto c = with_layout(tp_job(l.workload), l);
   c.eval_interval = c.steps;  // one evaluation through the stage actors, at the end
   return c;
 }

@@ -12,12 +12,14 @@
 #include "compute/tensor_parallel.hpp"
 #include "compute/trainer.hpp"
 #include "test_util.hpp"
+#include "tp_test_util.hpp"
 
 namespace troupe {
 
 namespace {
 
 namespace F = torch::nn::functional;
+using namespace tp_test;
 
 /// Runs fn(rank, group) on `size` threads, one per rank of an in-process group.
 void on_ranks(int size, const std::function<void(int, collective_group&)>& fn) {
@@ -152,22 +154,6 @@ TEST(TensorParallelLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheWholeOne
 
 namespace {
 
-/// A small gpt2 (or llama) job for the local loop: 10 steps take about a second.
-job_config small_job(const std::string& workload = "gpt-tiny") {
-  auto c = job_config::defaults_for(workload);
-  c.steps = 10;
-  c.device = "cpu";
-  c.runtime = "local";
-  c.layers = 4;
-  c.d_model = 64;
-  c.heads = 4;
-  c.seq_len = 32;
-  c.global_batch = 8;
-  c.microbatches = 2;
-  c.eval_interval = 0;
-  return c;
-}
-
 state_dict train(const job_config& c, std::vector<double>* losses = nullptr) {
   local_trainer t(c, std::nullopt, in_process_groups);
   for (int i = 0; i < c.steps; ++i) {
@@ -176,25 +162,6 @@ state_dict train(const job_config& c, std::vector<double>* losses = nullptr) {
   }
   return t.state();
 }
-
-struct tp_layout {
-  int t, p, d;
-  bool sp;
-  const char* workload;
-  const char* schedule;
-  const char* recompute;
-};
-
-std::string name_of(const tp_layout& l) {
-  std::string s = std::string(l.workload[0] == 'g' ? "gpt2" : "llama") + "_t" + std::to_string(l.t) + (l.sp ? "_sp" : "") + "_p" +
-                  std::to_string(l.p) + "_d" + std::to_string(l.d);
-  const std::string schedule = l.schedule;
-  if (schedule != "1f1b") s += "_" + (schedule == "zero-bubble" ? "zero_bubble" : schedule == "gpipe" ? schedule : "interleaved");
-  if (std::string(l.recompute) != "none") s += std::string("_recompute_") + l.recompute;
-  return s;
-}
-
-void PrintTo(const tp_layout& l, std::ostream* os) { *os << name_of(l); }
 
 class TensorParallelTraining : public ::testing::TestWithParam<tp_layout> {};
 
@@ -207,14 +174,7 @@ TEST_P(TensorParallelTraining, ParametersEqualTheUnsplitRunAfterTenSteps) {
   const auto ref = test::shared_reference(std::string("tp-unsplit-") + l.workload, [&](std::vector<double>* out) {
     return train(base, out);
   }, &ref_losses);
-  auto c = base;
-  c.tensor_parallel = l.t;
-  c.sequence_parallel = l.sp;
-  c.pipeline = l.p;
-  c.data_parallel = l.d;
-  c.schedule = l.schedule;
-  c.recompute = l.recompute;
-  if (c.schedule == "interleaved-1f1b") c.chunks = 2;
+  const auto c = with_layout(base, l);
   const auto got = train(c, &losses);
   EXPECT_LE(test::max_abs_diff(got, ref), 1e-5) << name_of(l);
   ASSERT_EQ(losses.size(), ref_losses.size());
