@@ -302,27 +302,14 @@ void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
 void fetch_moments(self_ptr self, const state_dict& model, std::function<void(named_moments)> then) {
   const auto& ctx = *self->state.ctx;
   auto parts = std::make_shared<std::vector<named_moments>>(ctx.t);
-  std::map<std::string, std::vector<std::int64_t>> shapes;
-  for (const auto& [name, p] : model) shapes[name] = p.sizes().vec();
   request_all<shard_moments>(
       self, all_of(self->state.wiring->shards), state_timeout,  // [stage][pipeline]
       [parts, pipes = ctx.pipes, t = ctx.t](std::size_t i, shard_moments& rep) {
         add_shard_moments((*parts)[std::size_t(int(i % std::size_t(pipes)) % t)], rep);
       },
-      [self, parts, shapes, then] {
+      [self, parts, model, then] {
         if (parts->size() == 1) return then(std::move(parts->front()));
-        const auto& spec = self->state.ctx->spec;
-        std::vector<std::map<std::string, torch::Tensor>> avg, avg_sq, main;
-        for (const auto& part : *parts) {
-          avg.push_back(part.exp_avg);
-          avg_sq.push_back(part.exp_avg_sq);
-          main.push_back(part.main_params);
-        }
-        named_moments whole;
-        whole.exp_avg = unshard_by_name(spec, shapes, avg);
-        whole.exp_avg_sq = unshard_by_name(spec, shapes, avg_sq);
-        if (!main.front().empty()) whole.main_params = unshard_by_name(spec, shapes, main);
-        then(std::move(whole));
+        then(unshard_moments(self->state.ctx->spec, model, *parts));
       },
       fail_with(self, "no optimizer state from a shard"), state_atom_v);
 }

@@ -1275,20 +1275,8 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
               whole = std::move(moments->front());
             } else {
               const auto joined = unshard_by_name(ctx->spec, {}, *parts);
-              std::map<std::string, std::vector<std::int64_t>> shapes;
-              for (const auto& name : names) {
-                params.emplace_back(name, joined.at(name));
-                shapes[name] = joined.at(name).sizes().vec();
-              }
-              std::vector<std::map<std::string, torch::Tensor>> avg, avg_sq, main;
-              for (const auto& m : *moments) {
-                avg.push_back(m.exp_avg);
-                avg_sq.push_back(m.exp_avg_sq);
-                main.push_back(m.main_params);
-              }
-              whole.exp_avg = unshard_by_name(ctx->spec, shapes, avg);
-              whole.exp_avg_sq = unshard_by_name(ctx->spec, shapes, avg_sq);
-              if (!main.front().empty()) whole.main_params = unshard_by_name(ctx->spec, shapes, main);
+              for (const auto& name : names) params.emplace_back(name, joined.at(name));
+              whole = unshard_moments(ctx->spec, params, *moments);
             }
             use_main_params(params, whole);
             for (const auto& f :

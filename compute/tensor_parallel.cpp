@@ -88,6 +88,22 @@ std::map<std::string, torch::Tensor> unshard_by_name(const model_spec& spec,
   return out;
 }
 
+named_moments unshard_moments(const model_spec& spec, const state_dict& model, const std::vector<named_moments>& parts) {
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& [name, p] : model) shapes[name] = p.sizes().vec();
+  std::vector<std::map<std::string, torch::Tensor>> avg, avg_sq, main;
+  for (const auto& part : parts) {
+    avg.push_back(part.exp_avg);
+    avg_sq.push_back(part.exp_avg_sq);
+    main.push_back(part.main_params);
+  }
+  named_moments whole;
+  whole.exp_avg = unshard_by_name(spec, shapes, avg);
+  whole.exp_avg_sq = unshard_by_name(spec, shapes, avg_sq);
+  if (!main.front().empty()) whole.main_params = unshard_by_name(spec, shapes, main);
+  return whole;
+}
+
 void check_tensor_parallel(const model_spec& spec, int size, bool sequence) {
   const std::string T = "parallel.tensor_parallel = " + std::to_string(size);
   if (size < 1) throw model_error(T + ": expected 1 or more");

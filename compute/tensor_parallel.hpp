@@ -28,6 +28,7 @@
 #include <torch/types.h>
 
 #include "compute/collective_group.hpp"
+#include "compute/grad_buffer.hpp"
 #include "compute/model.hpp"
 
 namespace troupe {
@@ -59,6 +60,10 @@ std::map<std::string, torch::Tensor> shard_by_name(const model_spec& spec,
 std::map<std::string, torch::Tensor> unshard_by_name(const model_spec& spec,
                                                      const std::map<std::string, std::vector<std::int64_t>>& shapes,
                                                      const std::vector<std::map<std::string, torch::Tensor>>& parts);
+
+/// The whole model's optimizer state from every rank's (unshard_by_name on each of the
+/// moments and the main parameters; `model`: the whole parameters, for their shapes).
+named_moments unshard_moments(const model_spec& spec, const state_dict& model, const std::vector<named_moments>& parts);
 
 /// Throws model_error when `spec` cannot be split over `size` ranks (with sequence
 /// parallelism: `sequence`), naming the number that does not divide and what would.

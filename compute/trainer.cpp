@@ -416,17 +416,7 @@ state_dict local_trainer::optimizer_state() const {
                    by_rank[std::size_t(sh.tp)]);
   if (tp_ == 1) return optimizer_state_dict(by_rank.front(), replicas_[0]->state(), next_step_);
   const auto model = state();
-  std::map<std::string, std::vector<std::int64_t>> shapes;
-  for (const auto& [name, p] : model) shapes[name] = p.sizes().vec();
-  std::vector<std::map<std::string, torch::Tensor>> avg, avg_sq;
-  for (const auto& part : by_rank) {
-    avg.push_back(part.exp_avg);
-    avg_sq.push_back(part.exp_avg_sq);
-  }
-  named_moments whole;
-  whole.exp_avg = unshard_by_name(spec_, shapes, avg);
-  whole.exp_avg_sq = unshard_by_name(spec_, shapes, avg_sq);
-  return optimizer_state_dict(whole, model, next_step_);
+  return optimizer_state_dict(unshard_moments(spec_, model, by_rank), model, next_step_);
 }
 
 void local_trainer::save_checkpoint(const std::string& path) const {
