@@ -1012,14 +1012,6 @@ class stage_logic {
 
 namespace {
 
-/// The shape of parameter `name` in one of `chunks`.
-std::vector<std::int64_t> shape_of(const std::vector<std::unique_ptr<model_slice>>& chunks, const std::string& name) {
-  for (const auto& c : chunks)
-    for (const auto& e : c->entries())
-      if (e.name == name) return e.shape;
-  throw std::logic_error("no parameter " + name + " in the stage");
-}
-
 caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
@@ -1242,10 +1234,11 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         const int t = ctx->t;
         auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(t);  // by rank: shaped
         auto moments = std::make_shared<std::vector<named_moments>>(t);                       // by rank: flat
-        std::vector<std::string> names;  // the stage's parameters in model order (shared copies left out)
+        // The stage's parameters in model order (shared copies left out), with their shapes.
+        std::vector<std::pair<std::string, std::vector<std::int64_t>>> names;
         for (auto& c : s.chunks)
           for (const auto& e : c->entries())
-            if (!e.shared_copy) names.push_back(e.name);
+            if (!e.shared_copy) names.emplace_back(e.name, e.shape);
         // bf16 without tensor parallelism: the shards' fp32 main parameters are what is
         // written, so the rounded ones are not copied (use_main_params replaces each).
         const bool from_shards = ctx->compute_dtype != torch::kFloat32 && t == 1;
@@ -1269,13 +1262,12 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
             state_dict params;
             named_moments whole;
             if (t == 1) {
-              for (const auto& name : names)
-                params.emplace_back(name, from_shards ? torch::zeros({}).expand(shape_of(self->state.chunks, name))
-                                                      : parts->front().at(name));
+              for (const auto& [name, shape] : names)
+                params.emplace_back(name, from_shards ? torch::zeros({}).expand(shape) : parts->front().at(name));
               whole = std::move(moments->front());
             } else {
               const auto joined = unshard_by_name(ctx->spec, {}, *parts);
-              for (const auto& name : names) params.emplace_back(name, joined.at(name));
+              for (const auto& [name, shape] : names) params.emplace_back(name, joined.at(name));
               whole = unshard_moments(ctx->spec, params, *moments);
             }
             use_main_params(params, whole);
