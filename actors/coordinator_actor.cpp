@@ -1,5 +1,6 @@
 #include "actors/coordinator_actor.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -705,7 +706,8 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
   for (int r = 0; r < ctx.pipes; ++r)
     asked->push_back({s.wiring->loaders[r], {ctx.loader_name(r), s.loader_nodes.at(r)}});
   auto answers = std::make_shared<std::vector<std::optional<wait_report>>>(asked->size());
-  auto conclude = [=] {
+  auto boards = std::make_shared<std::vector<wait_report>>();  // what the nodes' threads compute
+  auto finish = [=] {
     auto& s = self->state;
     s.diagnosing = false;
     // Its own waits after every answer: what an actor sent it before answering has arrived
@@ -713,8 +715,24 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
     const auto own = coordinator_waits(s);
     std::vector<wait_report> reports{own}, silent;
     for (std::size_t i = 0; i < asked->size(); ++i) {
-      if ((*answers)[i]) reports.push_back(std::move(*(*answers)[i]));
-      else silent.push_back((*asked)[i].stub);
+      if ((*answers)[i]) {
+        reports.push_back(std::move(*(*answers)[i]));
+        continue;
+      }
+      // An actor that did not answer because its thread is inside an op: its node's word
+      // for it (in a collective: a wait for the members not in the same call).
+      auto stub = (*asked)[i].stub;
+      const auto on_board = std::find_if(boards->begin(), boards->end(), [&](const wait_report& r) {
+        return r.actor == stub.actor && !r.waits_for.empty();
+      });
+      const auto any = std::find_if(boards->begin(), boards->end(),
+                                    [&](const wait_report& r) { return r.actor == stub.actor; });
+      if (on_board != boards->end()) {
+        reports.push_back(*on_board);
+        continue;
+      }
+      if (any != boards->end()) stub.state = any->state;
+      silent.push_back(std::move(stub));
     }
     const auto d =
         diagnose_waits(reports, silent, std::chrono::duration<double>(wait_answer_timeout).count(), /*settled=*/hang);
@@ -733,6 +751,18 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
                     what, idle_s, limit_s, block, d.root);
       fail(self, fmt::format("no progress for {:.1f} s: {}", idle_s, d.root));
     }
+  };
+  // After the actors' answers: where some did not answer, their nodes' supervisors say
+  // what those actors' threads compute (activity_board).
+  auto conclude = [=] {
+    auto& s = self->state;
+    if (std::all_of(answers->begin(), answers->end(), [](const auto& a) { return a.has_value(); })) return finish();
+    request_all<std::vector<wait_report>>(
+        self, s.supervisors, wait_answer_timeout,
+        [boards](std::size_t, std::vector<wait_report>& found) {
+          boards->insert(boards->end(), found.begin(), found.end());
+        },
+        finish, [](std::size_t, caf::error&) { return true; }, activity_atom_v, step);
   };
   std::vector<caf::actor> handles;
   for (const auto& a : *asked) handles.push_back(a.handle);

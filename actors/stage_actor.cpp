@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -15,6 +16,7 @@
 #include <caf/all.hpp>
 #include <torch/torch.h>
 
+#include "actors/activity_board.hpp"
 #include "actors/request_all.hpp"
 #include "actors/tp_groups.hpp"
 #include "compute/checkpoint_dir.hpp"
@@ -30,6 +32,17 @@ namespace {
 
 using key = std::pair<int, int>;  // (micro-batch, chunk)
 
+// The wait-for graph's names of a stage's messages (the sender's and the receiver's).
+std::string activation_text(int mb, int chunk) {
+  return "activation mb " + std::to_string(mb) + " chunk " + std::to_string(chunk);
+}
+std::string gradient_text(int mb, int chunk) {
+  return "gradient mb " + std::to_string(mb) + " chunk " + std::to_string(chunk);
+}
+std::string bucket_text(int chunk, int b) {
+  return "gradient bucket " + std::to_string(b) + " of chunk " + std::to_string(chunk);
+}
+
 /// The kinds of tensor message a stage receives in a step; each (kind, key) is taken once
 /// (a duplicate is dropped).
 enum class received { activation, gradient, input, target, parameters, tied_gradient };
@@ -39,6 +52,7 @@ struct stage_state {
   std::shared_ptr<const job_wiring> wiring;
   int replica = 0, stage = 0;
   std::string name;
+  std::int32_t generation = 0;  // the in-place recoveries before this actor was spawned
   std::vector<std::unique_ptr<model_slice>> chunks;  // chunk c: virtual stage ctx->virtual_stage(stage, c)
   const std::vector<pipeline_op>* order = nullptr;   // fixed-order kinds
   fault_injector faults;                             // fault injection (tests): this actor's own
@@ -92,11 +106,17 @@ struct stage_state {
   int params_received = 0;
   std::vector<trace_event> events;
   std::vector<caf::message> stash;        // messages of a later step
-  // What it sent this step (message_key of each, for the wait-for graph) and its last op.
-  // Under a lock: gradient buckets may be handed over from LibTorch's autograd thread.
-  std::vector<std::string> sent;
+  // What it sent this step (for the wait-for graph: its text made only when asked) and its
+  // last op. Under a lock: gradient buckets may be handed over from LibTorch's autograd
+  // thread.
+  struct sent_message {
+    enum kind_t : std::uint8_t { loss, credit, bucket, done, activation, gradient, tied } kind = done;
+    int a = 0, b = 0;  // loss, credit: (mb); bucket: (chunk, bucket); activation, gradient: (mb, chunk)
+    int to = 0;        // activation, gradient, tied: the receiving stage
+  };
+  std::vector<sent_message> sent;
   std::mutex sent_mutex;
-  std::string last_op;
+  std::optional<pipeline_op> last_op;  // (its text made only when asked)
   bool done_reported = false;  // stage_done sent for this step
   // Evaluation between steps (forward only): the last virtual stage's outputs and the
   // targets, by forward, until both are here; the evaluation ops' trace events until the
@@ -139,9 +159,23 @@ struct stage_state {
   std::string loader_name() const { return ctx->loader_name(replica); }
   /// The name of the stage actor owning virtual stage x (this replica's).
   std::string owner_name(int x) const { return ctx->stage_name(replica, ctx->place(x).first); }
-  void record_sent(const std::string& what, const std::string& to) {
+  void record_sent(sent_message m) {
     std::lock_guard<std::mutex> lock(sent_mutex);
-    sent.push_back(message_key(what, name, to));
+    sent.push_back(m);
+  }
+  /// The message_key of a message sent (what its receiver says it waits for).
+  std::string sent_key(const sent_message& m) const {
+    using k = sent_message;
+    switch (m.kind) {
+      case k::loss: return message_key("loss mb " + std::to_string(m.a), name, "coordinator");
+      case k::credit: return message_key("credit mb " + std::to_string(m.a), name, loader_name());
+      case k::bucket: return message_key(bucket_text(m.a, m.b), name, shard_name());
+      case k::done: return message_key("stage done", name, "coordinator");
+      case k::activation: return message_key(activation_text(m.a, m.b), name, ctx->stage_name(replica, m.to));
+      case k::gradient: return message_key(gradient_text(m.a, m.b), name, ctx->stage_name(replica, m.to));
+      case k::tied: return message_key("tied gradient", name, ctx->stage_name(replica, m.to));
+    }
+    return "";
   }
   bool is_last_virtual(int chunk) const { return virtual_of(chunk) == ctx->n_virtual - 1; }
   /// The (replica's) stage actor owning virtual stage x, its stage index, and the chunk index there.
@@ -243,7 +277,7 @@ class stage_logic {
     if (s_.ctx->tp_of(s_.replica) != 0) s_.losses.clear();
     for (auto& [mb, loss] : s_.losses) {
       loss_report rep{s_.step, s_.replica, mb, loss.item<double>()};
-      s_.record_sent("loss mb " + std::to_string(mb), "coordinator");
+      s_.record_sent({stage_state::sent_message::loss, mb});
       if (!report_fault(message_target::loss_report, "loss report", rep)) self_->send(s_.wiring->coordinator, rep);
     }
     s_.losses.clear();
@@ -371,6 +405,8 @@ class stage_logic {
   void compute(op_work& w) {
     const auto& ctx = *s_.ctx;
     auto& slice = *s_.chunks[w.op.chunk];
+    activity_board::op_scope busy(s_.name, s_.wiring->node, s_.generation, s_.step, op_letter(w.op.kind), w.op.mb,
+                                  w.op.chunk);
     if (w.op.kind == op_kind::forward) s_.computing_forward = w.k;
     if (w.op.kind == op_kind::backward) s_.computing_backward = w.k;
     s_.in_backward = w.op.kind == op_kind::backward;
@@ -420,7 +456,7 @@ class stage_logic {
         deallocate(out);
       }
       if (w.x == 0) {
-        s_.record_sent("credit mb " + std::to_string(op.mb), s_.loader_name());
+        s_.record_sent({stage_state::sent_message::credit, op.mb});
         self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
       }
       s_.saved[w.k] = {w.in, out};
@@ -437,7 +473,7 @@ class stage_logic {
       }
       if (!w.split) --s_.in_flight;  // split: the W's inputs stay until it runs
     }
-    s_.last_op = op_letter(op.kind) + std::to_string(op.mb) + (ctx.v > 1 ? " chunk " + std::to_string(op.chunk) : "");
+    s_.last_op = op;
     w.ev.end_us = w.computed_us >= 0 ? w.computed_us : ctx.now_us();
     if (w.gpu_start >= 0) s_.gpu_spans.push_back({s_.events.size(), w.gpu_start, s_.gpu_clock->mark()});
     push_event(std::move(w.ev));
@@ -505,6 +541,8 @@ class stage_logic {
     const auto& ctx = *s_.ctx;
     s_.watches.at(chunk)->finish();
     if (s_.sums_replicated()) {
+      activity_board::op_scope busy(s_.name, s_.wiring->node, s_.generation, s_.step,
+                                    "the sum of the replicated parameters' gradients", -1, chunk);
       sum_replicated_grads(*s_.chunks.at(chunk));
       if (!s_.is_tied_chunk(chunk)) send_held(chunk);  // (a tied chunk's wait for the tied sum too)
     }
@@ -590,7 +628,7 @@ class stage_logic {
   /// process; the message carries the whole buffer). anon_send: it may run on another
   /// thread than the actor's (see bucket_ready).
   void send_bucket(int chunk, int b) {
-    s_.record_sent(bucket_text(chunk, b), s_.shard_name());
+    s_.record_sent({stage_state::sent_message::bucket, chunk, b});
     caf::anon_send(s_.wiring->shards[s_.stage][s_.replica],
                    grad_shard{s_.step, chunk, s_.replica, b, make_payload(s_.chunks[chunk]->flat_grads())});
   }
@@ -614,7 +652,7 @@ class stage_logic {
         s_.events[g.event].start_us = s_.gpu_clock->at_us(g.start);
         s_.events[g.event].end_us = s_.gpu_clock->at_us(g.end);
       }
-      s_.record_sent("stage done", "coordinator");
+      s_.record_sent({stage_state::sent_message::done});
       s_.done_reported = true;
       double aux = 0;  // (experts)
       expert_counts routed;
@@ -724,15 +762,14 @@ class stage_logic {
 
   // --- the wait-for graph (hang diagnosis) ---
 
-  static std::string message_text(const forward_activation& m) {
-    return "activation mb " + std::to_string(m.mb) + " chunk " + std::to_string(m.chunk);
+  static stage_state::sent_message sent_of(const forward_activation& m, int to) {
+    return {stage_state::sent_message::activation, m.mb, m.chunk, to};
   }
-  static std::string message_text(const backward_grad& m) {
-    return "gradient mb " + std::to_string(m.mb) + " chunk " + std::to_string(m.chunk);
+  static stage_state::sent_message sent_of(const backward_grad& m, int to) {
+    return {stage_state::sent_message::gradient, m.mb, m.chunk, to};
   }
-  static std::string message_text(const tied_grad&) { return "tied gradient"; }
-  static std::string bucket_text(int chunk, int b) {
-    return "gradient bucket " + std::to_string(b) + " of chunk " + std::to_string(chunk);
+  static stage_state::sent_message sent_of(const tied_grad&, int to) {
+    return {stage_state::sent_message::tied, 0, 0, to};
   }
 
   /// What this stage waits for in `step`, from whom, and what it sent.
@@ -742,7 +779,8 @@ class stage_logic {
     rep.node = s_.wiring->node;
     {
       std::lock_guard<std::mutex> lock(s_.sent_mutex);
-      if (s_.step == step) rep.sent = s_.sent;
+      if (s_.step == step)
+        for (const auto& m : s_.sent) rep.sent.push_back(s_.sent_key(m));
     }
     auto wait = [&](std::string what, const std::string& from) {
       rep.keys = {message_key(what, from, s_.name)};
@@ -759,7 +797,9 @@ class stage_logic {
       return rep;
     }
     rep.state = "ran " + std::to_string(s_.ops_done) + " of " + std::to_string(s_.total_ops) + " ops" +
-                (s_.last_op.empty() ? "" : " (last " + s_.last_op + ")");
+                (!s_.last_op ? ""
+                             : " (last " + std::string(op_letter(s_.last_op->kind)) + std::to_string(s_.last_op->mb) +
+                                   (s_.ctx->v > 1 ? " chunk " + std::to_string(s_.last_op->chunk) : "") + ")");
     if (s_.running) {
       const auto op = next_blocked_op();
       if (!op) {
@@ -769,13 +809,13 @@ class stage_logic {
       const int x = s_.virtual_of(op->chunk);
       const auto mb = std::to_string(op->mb), chunk = std::to_string(op->chunk);
       if (op->kind == op_kind::backward)
-        wait("gradient mb " + mb + " chunk " + chunk, s_.owner_name(x + 1));
+        wait(gradient_text(op->mb, op->chunk), s_.owner_name(x + 1));
       else if (s_.inputs.count({op->mb, op->chunk}))
         wait("target mb " + mb, s_.loader_name());
       else if (x == 0)
         wait("input mb " + mb, s_.loader_name());
       else
-        wait("activation mb " + mb + " chunk " + chunk, s_.owner_name(x - 1));
+        wait(activation_text(op->mb, op->chunk), s_.owner_name(x - 1));
       return rep;
     }
     if (s_.done_reported) {
@@ -823,7 +863,7 @@ class stage_logic {
   /// (`what`, and this stage's micro-batch and chunk).
   template <class Msg>
   void send_tensor(int dest_stage, const caf::actor& dest, Msg msg, const char* what, int mb, int chunk) {
-    s_.record_sent(message_text(msg), s_.ctx->stage_name(s_.replica, dest_stage));  // a message lost on the way counts as sent
+    s_.record_sent(sent_of(msg, dest_stage));  // a message lost on the way counts as sent
     const double start = s_.ctx->now_us();
     const auto bytes = payload_bytes(msg.data);
     deliver(dest_stage, dest, std::move(msg));
@@ -1023,6 +1063,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   st.replica = replica;
   st.stage = stage;
   st.name = ctx->stage_name(replica, stage);
+  st.generation = wiring->generation;
   // Each collective of a group on the trace, on the stage's track inside the op it served.
   // It is told on the thread computing the op (the stage's, an overlapped pair's
   // forward's, or autograd's in a backward while the stage's thread waits for it).
@@ -1030,6 +1071,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   // (`prefix`: the tensor-parallel group's events are "tp all-reduce", ...)
   auto observer = [state](std::function<bool()> backward, std::string prefix = "") -> collective_observer {
     return [state, backward, prefix](const char* name, std::int64_t bytes, double seconds) {
+      activity_board::leave_collective();
       const double end = state->ctx->now_us();
       const auto k = backward() ? state->computing_backward : state->computing_forward;
       std::lock_guard<std::mutex> lock(state->events_mutex);
@@ -1038,13 +1080,25 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
                       end - seconds * 1e6, end, bytes});
     };
   };
+  // The hang diagnosis's view of a thread waiting in one of its group's collectives
+  // (activity_board): the group, its members (pipelines `first`.. of this stage), the call.
+  auto entry = [&ctx, stage](std::string label, int first, int size) -> collective_entry {
+    group_identity id{std::move(label), {}};
+    for (int i = 0; i < size; ++i) id.members.push_back(ctx->stage_name(first + i, stage));
+    auto group = std::make_shared<const group_identity>(std::move(id));
+    auto calls = std::make_shared<std::int64_t>(0);
+    return [group, calls](const char* name) { activity_board::enter_collective(name, group, (*calls)++); };
+  };
   tensor_parallel tp;
   if (tensors) {
     if (tensors->size() != ctx->t || tensors->rank() != ctx->tp_of(replica))
       throw std::logic_error(st.name + ": tensor-parallel communicator is rank " + std::to_string(tensors->rank()) +
                              " of " + std::to_string(tensors->size()));
     st.tp_size = tensors->size();
-    st.tp_group = as_collective_group(tensors, nullptr, observer([state] { return state->in_backward; }, "tp "));
+    const int dp = ctx->dp_of(replica);
+    st.tp_group = as_collective_group(
+        tensors, nullptr, observer([state] { return state->in_backward; }, "tp "),
+        entry(fmt::format("tensor-parallel group of replica {}, stage {}", dp, stage), dp * ctx->t, ctx->t));
     tp = {tensors->rank(), tensors->size(), ctx->sequence_parallel, st.tp_group};
   }
   for (int c = 0; c < ctx->v; ++c) {
@@ -1056,9 +1110,15 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     st.chunks.back()->set_aux_loss_scale(double(ctx->mbs) / ctx->cfg.global_batch);  // (experts)
   }
   if (experts) {
+    const int first = replica - experts->rank(), last = first + experts->size() - 1;
+    auto label = [&](const char* pass) {
+      return fmt::format("expert-parallel group of replicas {}-{}, stage {} ({})", first, last, stage, pass);
+    };
     expert_parallel ep{experts->rank(), experts->size(),
-                       as_collective_group(experts, nullptr, observer([] { return false; })),
-                       as_collective_group(experts_backward, nullptr, observer([] { return true; }))};
+                       as_collective_group(experts, nullptr, observer([] { return false; }),
+                                           entry(label("forwards"), first, experts->size())),
+                       as_collective_group(experts_backward, nullptr, observer([] { return true; }),
+                                           entry(label("backwards"), first, experts->size()))};
     for (auto& chunk : st.chunks) chunk->set_expert_parallel(ep);
     st.ep_size = experts->size();
   }
@@ -1145,7 +1205,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
           std::lock_guard<std::mutex> lock(s.sent_mutex);
           s.sent.clear();
         }
-        s.last_op.clear();
+        s.last_op.reset();
         s.done_reported = false;
         auto stash = std::move(s.stash);
         s.stash.clear();

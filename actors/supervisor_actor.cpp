@@ -10,6 +10,7 @@
 
 #include <caf/all.hpp>
 
+#include "actors/activity_board.hpp"
 #include "actors/data_loader_actor.hpp"
 #include "actors/optimizer_shard_actor.hpp"
 #include "actors/request_all.hpp"
@@ -31,7 +32,7 @@ std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes, i
                        " (" + std::to_string(p) + " x " + std::to_string(d) + (t > 1 ? " x " + std::to_string(t) : "") +
                        ") divisible by the node count: each node hosts an equal share of the stages");
   const int per = total / nodes;
-  if (per % t != 0 && t % per != 0)
+  if (!nodes_fit(p, d, t, nodes))
     throw config_error(std::to_string(nodes) + " nodes would host " + std::to_string(per) +
                        " stage actors each, which neither holds whole tensor-parallel groups of " + std::to_string(t) +
                        " nor an equal part of one: use a node count that divides pipeline x data_parallel (" +
@@ -438,6 +439,9 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
         release_groups("step " + std::to_string(msg.step + 1) + " aborted: " + msg.reason);
         for (auto& [h, n] : *children) self->send(h, msg);
       },
+      // The hang diagnosis: what this process's threads compute in `step` (for the stage
+      // actors that cannot answer while inside an op).
+      [=](activity_atom, std::int64_t step) { return activity_board::reports(wiring->generation, step); },
       [=](plant_atom, int replica, int stage) { self->send(wiring->stages.at(replica).at(stage), plant_atom_v); },
   };
 }

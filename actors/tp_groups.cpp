@@ -31,8 +31,8 @@ std::chrono::microseconds test_delay() {
 class communicator_group final : public collective_group {
  public:
   communicator_group(std::shared_ptr<transport::communicator> comm, std::shared_ptr<collective_traffic> traffic,
-                     collective_observer observe)
-      : comm_(std::move(comm)), traffic_(std::move(traffic)), observe_(std::move(observe)) {}
+                     collective_observer observe, collective_entry enter)
+      : comm_(std::move(comm)), traffic_(std::move(traffic)), observe_(std::move(observe)), enter_(std::move(enter)) {}
   int rank() const override { return comm_->rank(); }
   int size() const override { return comm_->size(); }
   // (The transports take flat tensors: views of the same memory.)
@@ -71,6 +71,7 @@ class communicator_group final : public collective_group {
   template <class Start>
   void run(const char* name, std::atomic<std::int64_t> collective_traffic::*kind, std::int64_t elements,
            std::int64_t bytes, Start start) {
+    if (enter_) enter_(name);
     const auto t0 = std::chrono::steady_clock::now();
     const auto w = start();
     while (!w->wait(std::chrono::seconds(60))) {
@@ -86,6 +87,7 @@ class communicator_group final : public collective_group {
   std::shared_ptr<transport::communicator> comm_;
   std::shared_ptr<collective_traffic> traffic_;
   collective_observer observe_;
+  collective_entry enter_;
 };
 
 }  // namespace
@@ -97,8 +99,9 @@ double collective_traffic::ring_bytes(int size) const {
 
 std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm,
                                                       std::shared_ptr<collective_traffic> traffic,
-                                                      collective_observer observe) {
-  return std::make_shared<communicator_group>(std::move(comm), std::move(traffic), std::move(observe));
+                                                      collective_observer observe, collective_entry enter) {
+  return std::make_shared<communicator_group>(std::move(comm), std::move(traffic), std::move(observe),
+                                              std::move(enter));
 }
 
 std::vector<std::shared_ptr<collective_group>> counted_in_process_groups(int size,

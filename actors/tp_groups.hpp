@@ -29,11 +29,15 @@ struct collective_traffic {
 /// all-reduce: its tensor's), and the seconds the rank waited in it (the trace's events).
 using collective_observer = std::function<void(const char* name, std::int64_t bytes, double seconds)>;
 
+/// Told of every collective a group starts, before this rank waits in it: its name.
+using collective_entry = std::function<void(const char* name)>;
+
 /// `comm` as a collective_group: each collective is started and waited for (and counted
-/// into `traffic`, and told to `observe`, when given).
+/// into `traffic`, and told to `enter` and then `observe`, when given).
 std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm,
                                                       std::shared_ptr<collective_traffic> traffic = nullptr,
-                                                      collective_observer observe = nullptr);
+                                                      collective_observer observe = nullptr,
+                                                      collective_entry enter = nullptr);
 
 /// Groups whose ranks are threads of this process (transport/local/: bit-identical sums
 /// to the UCX backend's).

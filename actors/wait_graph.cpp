@@ -33,10 +33,30 @@ std::string joined(const std::vector<std::string>& names, std::size_t most = 100
   return out;
 }
 
+/// Why a silent actor is silent: its node's word for it (the op its thread is in, for
+/// how long), else that its thread is blocked.
+std::string blocked_text(const wait_report& r) {
+  return r.state.empty() ? "its thread is blocked: a long op, or frozen" : r.state + ": a long op, or frozen in it";
+}
+
 }  // namespace
 
-wait_diagnosis diagnose_waits(const std::vector<wait_report>& reports, const std::vector<wait_report>& silent,
+wait_diagnosis diagnose_waits(const std::vector<wait_report>& given, const std::vector<wait_report>& silent,
                               double answer_seconds, bool settled) {
+  // A member of a group collective waits for the members not found in the same call.
+  std::vector<wait_report> reports(given);
+  std::map<std::string, std::vector<std::string>> in_call;  // call -> the members in it
+  for (const auto& r : reports)
+    if (!r.collective.empty()) in_call[r.collective].push_back(r.actor);
+  for (auto& r : reports) {
+    if (r.collective.empty()) continue;
+    const auto& there = in_call.at(r.collective);
+    r.from.erase(std::remove_if(r.from.begin(), r.from.end(),
+                                [&](const std::string& f) {
+                                  return std::find(there.begin(), there.end(), f) != there.end();
+                                }),
+                 r.from.end());
+  }
   std::map<std::string, graph_node> nodes;
   std::vector<std::string> order;  // as given: the coordinator first
   for (const auto& r : reports) {
@@ -60,8 +80,11 @@ wait_diagnosis diagnose_waits(const std::vector<wait_report>& reports, const std
     const auto& n = nodes.at(name);
     const auto& r = *n.report;
     if (n.silent) {
-      out.lines.push_back(fmt::format("{} did not answer within {:.0f} s: its thread is blocked (a long op, or frozen)",
-                                      node_label(r), answer_seconds));
+      out.lines.push_back(fmt::format("{} did not answer within {:.0f} s: {}", node_label(r), answer_seconds,
+                                      blocked_text(r)));
+    } else if (!r.waits_for.empty() && r.from.empty()) {  // a collective every member is in
+      out.lines.push_back(fmt::format("{} waits in the {}, which every member of the group has entered{}",
+                                      node_label(r), r.waits_for, r.state.empty() ? "" : "; " + r.state));
     } else if (!r.waits_for.empty()) {
       std::vector<std::string> from;
       for (const auto& f : r.from) from.push_back(label(f));
@@ -109,7 +132,19 @@ wait_diagnosis diagnose_waits(const std::vector<wait_report>& reports, const std
     if (it == nodes.end()) return;  // not asked (a supervisor): no edges known
     const auto& n = it->second;
     if (n.silent) {
-      ends.push_back(fmt::format("{} does not answer (its thread is blocked: a long op, or frozen)", label(name)));
+      ends.push_back(fmt::format("{} does not answer ({})", label(name), blocked_text(*n.report)));
+      return;
+    }
+    if (!n.report->waits_for.empty() && n.report->from.empty()) {
+      // Every member is in this call, and it does not finish (the same sentence for each).
+      const auto& members = in_call.at(n.report->collective);
+      std::vector<std::string> named;
+      for (const auto& m : members) named.push_back(label(m));
+      const auto text = fmt::format(
+          "the {} was entered by every member ({}) and has not finished: its transport lost a transfer, or a "
+          "member's device does not finish it",
+          n.report->waits_for, joined(named));
+      if (std::find(ends.begin(), ends.end(), text) == ends.end()) ends.push_back(text);
       return;
     }
     if (n.report->waits_for.empty()) {

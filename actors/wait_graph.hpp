@@ -1,7 +1,8 @@
 #pragma once
 // The job's wait-for graph, built from what every actor says it waits for (wait_report),
 // and its root: a message sent and never received, an actor that does not answer or
-// waits for nothing while others wait on it, or a cycle (a deadlock).
+// waits for nothing while others wait on it, a group collective that every member has
+// entered and none left, or a cycle (a deadlock).
 #include <string>
 #include <vector>
 
@@ -14,8 +15,11 @@ struct wait_diagnosis {
   std::string root;                ///< the root, in one sentence
 };
 
-/// `reports`: the coordinator's own first, then every actor that answered; `silent`: the
-/// actors that did not answer within `answer_seconds` (name and node; nothing else set).
+/// `reports`: the coordinator's own first, then every actor that answered (or that its
+/// node reported inside a group collective: `collective` set, `from` its group's other
+/// members, of which those in the same call are dropped); `silent`: the actors that did
+/// not answer within `answer_seconds` (name and node; `state`: what its node says its
+/// thread computes, if anything).
 /// `settled`: nothing has moved for a while (a hang), so a message sent and not received
 /// is lost; otherwise (a status request of a running job) it may be in flight.
 wait_diagnosis diagnose_waits(const std::vector<wait_report>& reports, const std::vector<wait_report>& silent,

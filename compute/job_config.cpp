@@ -724,6 +724,13 @@ job_config job_config_from_toml(const std::string& text, const std::string& orig
   return from_settings(settings, origin, {});
 }
 
+bool nodes_fit(int p, int d, int t, int nodes) {
+  const int total = p * d * t;
+  if (nodes < 1 || total % nodes != 0) return false;
+  const int per = total / nodes;
+  return per % t == 0 || t % per == 0;
+}
+
 elastic_layout shrink_layout(const job_config& cfg, int max_nodes, int min_nodes) {
   if (min_nodes < 1 || max_nodes < min_nodes)
     throw config_error("the nodes left (" + std::to_string(max_nodes) + ") are fewer than the minimum (" +
@@ -731,7 +738,7 @@ elastic_layout shrink_layout(const job_config& cfg, int max_nodes, int min_nodes
   const int micro = cfg.microbatch_size();
   for (int nodes = max_nodes; nodes >= min_nodes; --nodes)
     for (int d = cfg.data_parallel; d >= 1; --d) {
-      if ((cfg.pipeline * d) % nodes != 0 || cfg.global_batch % (micro * d) != 0) continue;
+      if (!nodes_fit(cfg.pipeline, d, cfg.tensor_parallel, nodes) || cfg.global_batch % (micro * d) != 0) continue;
       job_config c = cfg;
       c.data_parallel = d;
       c.microbatches = cfg.global_batch / (micro * d);
@@ -748,7 +755,10 @@ elastic_layout shrink_layout(const job_config& cfg, int max_nodes, int min_nodes
                      (min_nodes == max_nodes ? std::to_string(min_nodes) + " node(s)"
                                              : "between " + std::to_string(min_nodes) + " and " +
                                                    std::to_string(max_nodes) + " nodes") +
-                     " (the node count must divide pipeline x replicas)");
+                     (cfg.tensor_parallel > 1
+                          ? " (the node count must divide pipeline x replicas, or spread each tensor-parallel group "
+                            "over the same number of nodes)"
+                          : " (the node count must divide pipeline x replicas)"));
 }
 
 }  // namespace troupe

@@ -170,6 +170,9 @@ std::string config_reference();
 /// then `overrides` (key, value) in order; validated.
 job_config load_job_config(const std::string& toml_path,
                            const std::vector<std::pair<std::string, std::string>>& overrides);
+/// Whether `nodes` node processes can host the p x d x t stage actors in equal shares,
+/// each holding whole tensor-parallel groups or an equal part of one (node_slots).
+bool nodes_fit(int p, int d, int t, int nodes);
 /// A job's layout on fewer nodes (launch/troupe --min-nodes: a job that lost hosts goes on
 /// without them from its newest checkpoint).
 struct elastic_layout {
@@ -177,9 +180,9 @@ struct elastic_layout {
 };
 /// The layout for at most `max_nodes` and at least `min_nodes` nodes: the same pipeline,
 /// global batch and micro-batch size; data_parallel' <= the job's replicas with
-/// global_batch / (micro-batch size x data_parallel') micro-batches each; the node count
-/// dividing pipeline x data_parallel' (a node hosts an equal share of the (replica, stage)
-/// pairs). The most nodes first, then the most replicas (the job's own layout when it
+/// global_batch / (micro-batch size x data_parallel') micro-batches each; nodes_fit (the
+/// node count dividing pipeline x data_parallel', or with tensor parallelism spreading
+/// each group over the same number of nodes). The most nodes first, then the most replicas (the job's own layout when it
 /// fits: then the step's arithmetic is the same). Throws config_error when none fits.
 elastic_layout shrink_layout(const job_config& cfg, int max_nodes, int min_nodes);
 /// The configuration written by job_config::to_toml() (sent to the nodes of a job).

@@ -57,6 +57,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (troupe::write_checkpoint))
   CAF_ADD_TYPE_ID(troupe, (troupe::stage_checkpoint))
   CAF_ADD_TYPE_ID(troupe, (troupe::wait_report))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::wait_report>))
 
   // Atoms (at most 10 characters).
   CAF_ADD_ATOM(troupe, troupe, run_atom, "run")
@@ -73,5 +74,6 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, eval_atom, "eval")
   CAF_ADD_ATOM(troupe, troupe, wait_atom, "wait")
   CAF_ADD_ATOM(troupe, troupe, watchdog_atom, "watchdog")
+  CAF_ADD_ATOM(troupe, troupe, activity_atom, "activity")
 
 CAF_END_TYPE_ID_BLOCK(troupe)

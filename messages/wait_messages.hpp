@@ -25,11 +25,15 @@ struct wait_report {
   std::vector<std::string> from;  ///< whom it waits on (actor names)
   std::vector<std::string> keys;  ///< message_key of each awaited message (none: a collective)
   std::vector<std::string> sent;  ///< message_key of every message it sent in the step
+  /// In a group collective: the call's name ("<group> #<n>"), the same for every member
+  /// in it; members found in the same call are not waited for. Empty: none.
+  std::string collective;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, wait_report& x) {
-  return f(caf::meta::type_name("wait_report"), x.actor, x.node, x.state, x.waits_for, x.from, x.keys, x.sent);
+  return f(caf::meta::type_name("wait_report"), x.actor, x.node, x.state, x.waits_for, x.from, x.keys, x.sent,
+           x.collective);
 }
 
 }  // namespace troupe

@@ -10,7 +10,8 @@
 #     first checkpoint, then d2 resumed from it up to the second, then d3 again; every
 #     step's loss the same.
 #  2. p2 x d1 on 2 hosts, node 0's (the coordinator's) host dies: one node on the other
-#     host, the job's own layout: bit-identical to the fault-free run.
+#     host, the job's own layout: bit-identical to the fault-free run. A tensor-parallel
+#     group spread over 2 hosts loses one: the group goes on in one node, bit-identical.
 #  3. a host back while the job runs without it (--regrow-interval): node 0 ends the job
 #     after its step with a checkpoint and it goes on with the host again, bit-identical to
 #     the fault-free run; a host lost for good and replaced in the hostfile meanwhile: the
@@ -110,6 +111,23 @@ rc=$?
   || bad "node 0's host lost: exit $rc" e2.log
 out=$(same_run ref2 e2 2 2>&1) && ok "bit-identical to the fault-free run ($out)" \
   || { echo "$out"; bad "node 0's host lost: results differ"; }
+
+# Tensor parallelism: a T2 group spread over the 2 hosts (one rank on each); node 1's
+# host is lost: the group goes on whole in one node, from the checkpoint of step 5, and
+# the run is bit-identical to the fault-free one (the same group in one process).
+rm -f gone-*
+job=(--pipeline 1 --tensor-parallel 2 --microbatches 4 --steps 10 --eval-interval 0 --threads 1)
+"$launcher" train --nodes 1 "${job[@]}" --metrics reft.jsonl --save reft.pt >reft.log 2>&1 \
+  || bad "fault-free T2 run" reft.log
+FAKE_SSH_DOOMED=127.0.0.2 "$launcher" train --hostfile hosts2 --min-nodes 1 "${job[@]}" --checkpoint-dir ckt \
+  --checkpoint-interval 5 --kill-node 1:7 --metrics et.jsonl --save et.pt >et.log 2>&1
+rc=$?
+[ $rc = 0 ] && grep -q "stages (replica,stage,tp) (0,0,1)" et.log \
+  && grep -q "going on without host(s) 127.0.0.2, .* on 1 node(s): 127.0.0.1" et.log \
+  && ok "a spread tensor-parallel group's host lost: went on with the group in one node" \
+  || bad "a spread tensor-parallel group's host lost: exit $rc" et.log
+out=$(same_run reft et 2 2>&1) && ok "bit-identical to the fault-free T2 run ($out)" \
+  || { echo "$out"; bad "tensor-parallel host lost: results differ"; }
 
 # --- 3. a host back while the job runs without it: taken back without a failure -------
 # p1 x d2 on 2 hosts; node 1 dies as step index 5 begins, and its host refuses the next 3

@@ -5,11 +5,15 @@
 # its limit (5 s here: train.hang_min_seconds), asks every actor what it waits for, logs
 # the wait-for graph naming the right actors and message, and the step is retried in
 # place: detected within 10 s of the fault, and the run ends bit-identical to the
-# fault-free one. A slow but healthy step (an activation delayed 2 s) is not a hang.
+# fault-free one. A tensor-parallel job (p2 x T2 on 2 nodes) meets a frozen TP rank: its
+# peer, whose thread waits inside the group's collective, is reported by its node (which
+# collective of which group, waiting for whom) and the frozen rank is the root; the same
+# for an expert-parallel job (moe-tiny) and its all-to-all. A slow but healthy step (an activation delayed 2 s) is not a hang.
 # SIGUSR2 to the launcher has node 0 log the graph of a running job, which goes on.
 #   tests/faults/hang_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 job=(train --nodes 2 --pipeline 2 --data-parallel 2 --steps 8 --eval-interval 0)
+ref=ref  # the fault-free run hang() compares with
 
 "$launcher" "${job[@]}" --metrics "$tmp/ref.jsonl" --save "$tmp/ref.pt" >"$tmp/ref.log" 2>&1 \
   && ok "fault-free run" || bad "fault-free run" "$tmp/ref.log"
@@ -55,7 +59,7 @@ hang() {
   grep -q "retrying it in place (1 of" "$tmp/$name.log" && ! grep -q "restart 1" "$tmp/$name.log" \
     || bad "$name: not retried in place" "$tmp/$name.log"
   local out
-  out=$(/usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/ref" "$tmp/$name" 0 2>&1) \
+  out=$(/usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/$ref" "$tmp/$name" 0 2>&1) \
     && ok "$name: bit-identical to the fault-free run ($out)" || { echo "$out"; bad "$name: results differ" "$tmp/$name.log"; }
 }
 
@@ -100,6 +104,27 @@ rc=$?
 grep -q "status of step .* what each actor waits for" "$tmp/status.log" && ! grep -q "retrying it in place\|no progress for" "$tmp/status.log" \
   && [ $rc = 130 ] && ok "SIGUSR2: node 0 logged the wait-for graph, the job went on" \
   || bad "SIGUSR2: no status logged, or the job was disturbed (exit $rc)" "$tmp/status.log"
+
+# Tensor parallelism: pipeline 1 (replica 0's TP rank 1) freezes at its second op of step
+# index 4; rank 0 computes that op and waits inside the group's first collective of it.
+job=(train --nodes 2 --pipeline 2 --tensor-parallel 2 --steps 8 --eval-interval 0)
+ref=tp-ref
+"$launcher" "${job[@]}" --metrics "$tmp/tp-ref.jsonl" --save "$tmp/tp-ref.pt" >"$tmp/tp-ref.log" 2>&1 \
+  && ok "fault-free tensor-parallel run" || bad "fault-free tensor-parallel run" "$tmp/tp-ref.log"
+t0='stage\[replica 0, stage 0, tp 0\]' t1='stage\[replica 0, stage 0, tp 1\]'
+hang frozen-tp-rank "$t1 \(node 0\) does not answer" \
+  "$t0 \(node 0\) waits for all-(reduce|gather) #[0-9]+ of the tensor-parallel group of replica 0, stage 0 from $t1 \(node 0\); its thread is in op F1 \(mb 1, chunk 0\)" \
+  --freeze 1:0:4:12
+
+# Expert parallelism (moe-tiny, EP 2 x p2 x d2, one process): replica 1's stage 1 freezes
+# at its second op; replica 0's stage 1 waits in its backward's all-to-all for it.
+job=(train --workload moe-tiny --expert-parallel 2 --data-parallel 2 --pipeline 2 --steps 6 --eval-interval 0)
+ref=ep-ref
+"$launcher" "${job[@]}" --metrics "$tmp/ep-ref.jsonl" --save "$tmp/ep-ref.pt" >"$tmp/ep-ref.log" 2>&1 \
+  && ok "fault-free expert-parallel run" || bad "fault-free expert-parallel run" "$tmp/ep-ref.log"
+hang frozen-ep-rank "$s11 \(node 0\) does not answer" \
+  "$s01 \(node 0\) waits for all-to-all #[0-9]+ of the expert-parallel group of replicas 0-1, stage 1 \(backwards\) from $s11 \(node 0\); its thread is in op B0" \
+  --freeze 1:1:4:12
 
 sleep 0.5
 [ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"

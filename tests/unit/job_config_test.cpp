@@ -266,5 +266,19 @@ TEST(JobConfig, ShrinkLayoutKeepsTheMicroBatchSizeAndPrefersMoreNodes) {
   }
   EXPECT_TRUE(eq(troupe::shrink_layout(p2d3("interleaved-1f1b", "2"), 4, 2), L{3, 3, 2}));
   EXPECT_THROW(troupe::shrink_layout(d4, 1, 2), troupe::config_error);  // fewer left than the minimum
+  // Tensor parallelism (T2): a node holds whole groups, or an equal part of each (a group
+  // spread over nodes). p1 d2: 4 nodes spread both groups; 3 left: 2 nodes of one group
+  // each; p1 d1 on 2 nodes (one group spread), 1 left: the group in one node.
+  const auto t2 = job({{"pipeline", "1"}, {"data_parallel", "2"}, {"microbatches", "2"}, {"tensor_parallel", "2"}});
+  EXPECT_TRUE(eq(troupe::shrink_layout(t2, 4, 1), L{4, 2, 2}));
+  EXPECT_TRUE(eq(troupe::shrink_layout(t2, 3, 1), L{2, 2, 2}));
+  const auto t2d1 = job({{"pipeline", "1"}, {"microbatches", "2"}, {"tensor_parallel", "2"}});
+  EXPECT_TRUE(eq(troupe::shrink_layout(t2d1, 2, 1), L{2, 1, 2}));
+  EXPECT_TRUE(eq(troupe::shrink_layout(t2d1, 1, 1), L{1, 1, 2}));
+  // T4 p1 d1: 3 nodes would hold a third of a group; 2 hold half each.
+  const auto t4 = job({{"pipeline", "1"}, {"microbatches", "2"}, {"tensor_parallel", "4"}, {"heads", "4"}});
+  EXPECT_TRUE(eq(troupe::shrink_layout(t4, 3, 1), L{2, 1, 2}));
+  EXPECT_TRUE(troupe::nodes_fit(1, 1, 4, 4) && troupe::nodes_fit(2, 1, 2, 1) && !troupe::nodes_fit(1, 1, 4, 3) &&
+              !troupe::nodes_fit(1, 3, 2, 4) && !troupe::nodes_fit(1, 1, 1, 0));
 }
 }  // namespace troupe

@@ -1,7 +1,14 @@
 // The wait-for graph's root (actors/wait_graph.hpp): a lost message, an actor that does
-// not answer, one that waits for nothing while others wait on it, a deadlock.
+// not answer, one that waits for nothing while others wait on it, a deadlock, a group
+// collective a member never joined or that every member is stuck in; and the board from
+// which a node reports the actors whose threads are inside an op (actors/activity_board.hpp).
 #include <gtest/gtest.h>
 
+#include <future>
+#include <memory>
+#include <thread>
+
+#include "actors/activity_board.hpp"
 #include "actors/wait_graph.hpp"
 
 namespace troupe {
@@ -71,6 +78,111 @@ TEST(WaitGraph, AnActorThatDoesNotAnswerIsTheRoot) {
   const auto d = diagnose_waits({coordinator, s0}, {idle("stage 1", 0, "")}, 2);
   EXPECT_EQ(d.root, "stage 1 (node 0) does not answer (its thread is blocked: a long op, or frozen)");
   EXPECT_TRUE(has_line(d, "stage 1 (node 0) did not answer within 2 s"));
+}
+
+TEST(WaitGraph, AnActorInsideALongOpIsNamedWithItsOp) {
+  auto coordinator = waiting("coordinator", 0, "4 loss reports", "stage 1");
+  const auto d = diagnose_waits({coordinator}, {idle("stage 1", 0, "its thread is in op F2 (mb 2, chunk 0) for 9.0 s")}, 2);
+  EXPECT_EQ(d.root, "stage 1 (node 0) does not answer (its thread is in op F2 (mb 2, chunk 0) for 9.0 s: a long op, "
+                    "or frozen in it)");
+}
+
+namespace {
+
+/// `actor` inside collective `call` of a group with `members` (as a node's board says).
+wait_report in_collective(std::string actor, std::string call, std::vector<std::string> members) {
+  wait_report r;
+  r.actor = actor;
+  r.node = 0;
+  r.waits_for = "all-reduce " + call;
+  r.collective = call;
+  for (auto& m : members)
+    if (m != actor) r.from.push_back(m);
+  r.state = "its thread is in op F1 (mb 1, chunk 0) for 3.0 s";
+  return r;
+}
+
+}  // namespace
+
+TEST(WaitGraph, AGroupCollectiveWaitsForTheMembersNotInTheSameCall) {
+  const std::vector<std::string> group{"tp 0", "tp 1", "tp 2"};
+  auto coordinator = waiting("coordinator", 0, "1 stage-done report", "tp 0");
+  // tp 0 and tp 2 are in call #7; tp 1 is frozen outside any op: it is the root.
+  auto d = diagnose_waits({coordinator, in_collective("tp 0", "g #7", group), in_collective("tp 2", "g #7", group)},
+                          {idle("tp 1", 0, "")}, 2);
+  EXPECT_EQ(d.root, "tp 1 (node 0) does not answer (its thread is blocked: a long op, or frozen)");
+  EXPECT_TRUE(has_line(d, "tp 0 (node 0) waits for all-reduce g #7 from tp 1 (node 0); its thread is in op F1"))
+      << "the member in the same call is not waited for";
+  // tp 1 waits for an activation instead (it answered): the wait goes on to its sender.
+  auto tp1 = waiting("tp 1", 0, "activation mb 1 chunk 0", "stage 0");
+  d = diagnose_waits({coordinator, in_collective("tp 0", "g #7", group), in_collective("tp 2", "g #7", group), tp1},
+                     {idle("stage 0", 0, "")}, 2);
+  EXPECT_EQ(d.root, "stage 0 (node 0) does not answer (its thread is blocked: a long op, or frozen)");
+  // Every member in call #7, and it does not finish: the call is the root, named once.
+  d = diagnose_waits({coordinator, in_collective("tp 0", "g #7", group), in_collective("tp 1", "g #7", group),
+                      in_collective("tp 2", "g #7", group)},
+                     {}, 2);
+  EXPECT_EQ(d.root, "the all-reduce g #7 was entered by every member (tp 0 (node 0), tp 1 (node 0) and tp 2 (node 0)) "
+                    "and has not finished: its transport lost a transfer, or a member's device does not finish it");
+  EXPECT_TRUE(has_line(d, "tp 1 (node 0) waits in the all-reduce g #7, which every member of the group has entered"));
+  // Members in different calls of one group wait for each other: a deadlock (collectives
+  // called in different orders).
+  d = diagnose_waits({coordinator, in_collective("tp 0", "g #7", {"tp 0", "tp 1"}),
+                      in_collective("tp 1", "g #8", {"tp 0", "tp 1"})},
+                     {}, 2);
+  EXPECT_EQ(d.root, "a deadlock: tp 0 (node 0) waits for tp 1 (node 0) waits for tp 0 (node 0)");
+}
+
+TEST(ActivityBoard, ReportsTheOpAndTheCollectiveOfEachThreadOfTheStep) {
+  auto group = std::make_shared<const group_identity>(group_identity{"test group", {"a", "b"}});
+  const std::string a = "a", b = "b";
+  auto find = [](const std::vector<wait_report>& rs, const std::string& actor) -> const wait_report* {
+    for (const auto& r : rs)
+      if (r.actor == actor) return &r;
+    return nullptr;
+  };
+  {
+    activity_board::op_scope busy(a, 3, /*generation=*/1, /*step=*/4, "F", 2, 0);
+    std::promise<void> entered, release;
+    std::thread other([&] {
+      activity_board::op_scope in_b(b, 3, 1, 4, "B", 5, 1);
+      activity_board::enter_collective("all-gather", group, 6);
+      entered.set_value();
+      release.get_future().wait();
+      activity_board::leave_collective();
+    });
+    entered.get_future().wait();
+    auto rs = activity_board::reports(1, 4);
+    const auto* ra = find(rs, "a");
+    const auto* rb = find(rs, "b");
+    ASSERT_TRUE(ra && rb);
+    EXPECT_TRUE(ra->waits_for.empty());
+    EXPECT_EQ(ra->node, 3);
+    EXPECT_EQ(ra->state.rfind("its thread is in op F2 (mb 2, chunk 0) for ", 0), 0u) << ra->state;
+    EXPECT_EQ(rb->waits_for, "all-gather #7 of the test group");
+    EXPECT_EQ(rb->collective, "test group #7");
+    EXPECT_EQ(rb->from, std::vector<std::string>{"a"});
+    EXPECT_NE(rb->state.find("its thread is in op B5 (mb 5, chunk 1) for "), std::string::npos) << rb->state;
+    EXPECT_NE(rb->state.find(", in the all-gather for "), std::string::npos) << rb->state;
+    EXPECT_TRUE(activity_board::reports(0, 4).empty()) << "another generation's";
+    EXPECT_TRUE(activity_board::reports(1, 3).empty()) << "another step's";
+    // A nested scope (a sum after the op) and back.
+    {
+      activity_board::op_scope sum(a, 3, 1, 4, "the sum of the replicated parameters' gradients", -1, 0);
+      rs = activity_board::reports(1, 4);
+      EXPECT_EQ(find(rs, "a")->state.rfind("its thread is in the sum of the replicated parameters' gradients (chunk 0)", 0),
+                0u);
+    }
+    rs = activity_board::reports(1, 4);
+    EXPECT_EQ(find(rs, "a")->state.rfind("its thread is in op F2", 0), 0u);
+    release.set_value();
+    other.join();
+    rs = activity_board::reports(1, 4);
+    EXPECT_EQ(find(rs, "b"), nullptr) << "its scope ended with its thread";
+  }
+  EXPECT_TRUE(activity_board::reports(1, 4).empty());
+  activity_board::enter_collective("all-reduce", group, 0);  // outside an op: nothing
+  EXPECT_TRUE(activity_board::reports(0, -1).empty());
 }
 
 TEST(WaitGraph, NothingWaitedForSaysSo) {
