@@ -807,7 +807,7 @@ class stage_logic {
         return rep;
       }
       const int x = s_.virtual_of(op->chunk);
-      const auto mb = std::to_string(op->mb), chunk = std::to_string(op->chunk);
+      const auto mb = std::to_string(op->mb);
       if (op->kind == op_kind::backward)
         wait(gradient_text(op->mb, op->chunk), s_.owner_name(x + 1));
       else if (s_.inputs.count({op->mb, op->chunk}))
