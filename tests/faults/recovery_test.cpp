@@ -239,7 +239,8 @@ TEST(Recovery, DuplicateAndDelayedMessagesChangeNothing) {
 
 // A corrupt tensor (caught by its checksum) or a lost one (caught by the step timeout)
 // aborts the step before anything is applied; resuming from the checkpoint repairs the
-// run bit for bit.
+// run bit for bit. The step timeout is 6 s: beside CI's other entries on a slow day a
+// healthy step of this job has taken more than 2 s (and was taken for a lost message).
 TEST(Recovery, ACorruptOrLostMessageAbortsTheStepAndAResumeRepairsIt) {
   test::temp_dir dir;
   auto c = small_job();
@@ -253,11 +254,11 @@ TEST(Recovery, ACorruptOrLostMessageAbortsTheStepAndAResumeRepairsIt) {
   };
   for (const auto& [fault, detected] : {fault_case{"corrupt@0:0:2", "checksum mismatch"},
                                         fault_case{"corrupt@1:1:1", "checksum mismatch"},
-                                        fault_case{"drop@0:1:2", "did not finish within 2 s"}}) {
+                                        fault_case{"drop@0:1:2", "did not finish within 6 s"}}) {
     auto f = c;
     f.checkpoint_dir = dir / (std::string("ckpt-") + fault);
     f.checkpoint_interval = 1;
-    f.step_timeout = 2;
+    f.step_timeout = 6;
     f.message = fault;
     const auto cut = run(f);
     ASSERT_EQ(cut.exit_code, exit_recoverable) << fault << ": " << cut.error;
@@ -314,12 +315,13 @@ TEST(Recovery, AFailedStepIsRetriedInPlaceInOneProcess) {
 
 // Gradient buckets: the shards own a piece of every bucket; a retry in place restores
 // them from the snapshots, and a checkpoint of such shards resumes without buckets (by
-// parameter name), both ending as the run that never failed.
+// parameter name), both ending as the run that never failed. The step timeout: 6 s, as
+// above.
 TEST(Recovery, ShardsOfGradientBucketsRetryInPlaceAndResumeByName) {
   test::temp_dir dir;
   auto c = small_job();
   c.steps = 4;
-  c.step_timeout = 2;
+  c.step_timeout = 6;
   c.max_step_retries = 2;
   c.bucket_size = 20000;
   const auto straight = run(c);

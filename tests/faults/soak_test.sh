@@ -49,7 +49,8 @@ in_place=$(grep -c "actors rebuilt from the in-memory snapshots" "$tmp/soak.log"
 rejoins=$(grep -c "node 1 rejoined .* rebuilding its actors from the copies" "$tmp/soak.log")
 [ $rc = 0 ] && [ "$injected" = $((3 * faults)) ] && [ "$in_place" = $((2 * faults)) ] && [ "$rejoins" = $faults ] \
   && ok "$((3 * faults)) faults injected, $in_place retried in place ($rejoins after node 1 rejoined), the job finished" \
-  || bad "soak: exit $rc, $injected fault(s) injected, $in_place retried in place, $rejoins rejoin(s)" "$tmp/soak.log"
+  || { bad "soak: exit $rc, $injected fault(s) injected, $in_place retried in place, $rejoins rejoin(s)"
+    grep -E "fault injected|rejoined|actors rebuilt|restart [0-9]|error|lost|gave up|timed out|did not" "$tmp/soak.log" | cut -c1-300; }
 out=$(/usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/ref" "$tmp/soak" $faults 2>&1) \
   && ok "bit-identical to the fault-free run: $out" || { echo "$out"; bad "results differ" "$tmp/soak.log"; }
 sleep 0.5

@@ -63,7 +63,8 @@ set -uo pipefail
 # The check in parts that can run side by side, each with its own reference run
 # (tests/gpu/gpu_session.sh on a GPU; CTest's gpu_check_on_cpu_N on the CPU):
 # TROUPE_GPU_CHECK_PART=N runs part N's steps; `gpu_check.sh --parts` prints how many
-# parts there are. TROUPE_GPU_CHECK_STEPS=REGEX runs the steps it matches.
+# parts there are. TROUPE_GPU_CHECK_STEPS=REGEX runs the steps it matches,
+# TROUPE_GPU_CHECK_SKIP=REGEX all but those it matches.
 parts=(gtests 'gtests-2x|llama-experts|check-host-text|tensor-parallel'
   'ref|ref-again|eval-modes|inplace-.*|checkpoint-rotation|recompute-generate-eval'
   'ref|nodes-4|nodes-4-rejoin|nodes-4-staged|nodes-4-links|nodes-4-links-rejoin|nodes-4-auto|sdpa-determinism|op-times'
@@ -90,7 +91,9 @@ fi
 failed=0
 only=${TROUPE_GPU_CHECK_STEPS:-}
 [ -z "${TROUPE_GPU_CHECK_PART:-}" ] || only=${parts[$TROUPE_GPU_CHECK_PART]}
-selected() { [ -z "$only" ] || [[ $1 =~ ^($only)$ ]]; }
+# TROUPE_GPU_CHECK_SKIP=REGEX leaves out the steps whose whole name matches.
+skip=${TROUPE_GPU_CHECK_SKIP:-}
+selected() { { [ -z "$only" ] || [[ $1 =~ ^($only)$ ]]; } && { [ -z "$skip" ] || ! [[ $1 =~ ^($skip)$ ]]; }; }
 for exe in troupe $(selected gtests || selected gtests-2x && echo troupe_tests); do
   [ -x "$build/$exe" ] || { echo "gpu_check: no $build/$exe (run launch/setup-gpu first)" >&2; exit 1; }
 done
@@ -547,6 +550,6 @@ PY
 }
 step tensor-parallel tensor_parallel
 
-what=${only:+"the steps matching '$only'"}
+what=${only:+"the steps matching '$only'"}${skip:+"${only:+ }but those matching '$skip'"}
 [ $failed = 0 ] && echo "gpu_check: ${what:-all} passed (logs in $out)" || echo "gpu_check: FAILED (logs in $out)"
 exit $failed

@@ -140,8 +140,8 @@ expect_in train-local-save-folder-msg "$err" "is a folder, not a file"
 # A trace folder removed during the run: the run still ends (exit 0), saying the trace
 # was not written (it used to hang after an exception in the coordinator).
 mkdir -p "$tmp/tdir"
-during "$out" "step  *2/30" 'rm -rf "$tmp/tdir"' \
-  timeout 300 "$troupe" train --steps 30 --threads 1 --pipeline 2 --eval-interval 0 --trace "$tmp/tdir/t.json"
+during "$out" "step  *2/8" 'rm -rf "$tmp/tdir"' \
+  timeout 300 "$troupe" train --steps 8 --threads 1 --pipeline 2 --eval-interval 0 --trace "$tmp/tdir/t.json"
 if [ $rc = 0 ] && grep -q "trace not written" "$err"; then echo "ok   train-trace-folder-gone"; else
   echo "FAIL train-trace-folder-gone: exit $rc"; tail -5 "$err"; fail=1; fi
 check unknown-kind 2 "$troupe" schedule --kind zigzag
@@ -342,11 +342,11 @@ check train-local-cuda 2 "$troupe" train --steps 1 --runtime local --device cuda
 expect_in train-local-cuda-msg "$err" "needs the actors runtime (the local loop runs on the CPU)"
 # SIGTERM stops the local loop after its step too, with a checkpoint (--save) that --load
 # continues from: parameters and every step's loss equal an uninterrupted run's.
-local_job=(train --runtime local --steps 12 --threads 1 --eval-interval 0)
+local_job=(train --runtime local --steps 8 --threads 1 --eval-interval 0)
 check train-local-reference 0 "$troupe" "${local_job[@]}" --save "$tmp/lref.pt" --metrics "$tmp/lref.jsonl"
-during "$out" "^step  3/12" 'kill -TERM $pid' "$troupe" "${local_job[@]}" --save "$tmp/lst.pt" --metrics "$tmp/lst.jsonl"
+during "$out" "^step 3/8" 'kill -TERM $pid' "$troupe" "${local_job[@]}" --save "$tmp/lst.pt" --metrics "$tmp/lst.jsonl"
 [ $rc = 143 ] && echo "ok   train-local-sigterm" || { echo "FAIL train-local-sigterm: exit $rc"; cat "$err"; fail=1; }
-expect_in train-local-sigterm-msg "$err" "of 12: its checkpoint is $tmp/lst.pt (continue with --load $tmp/lst.pt)"
+expect_in train-local-sigterm-msg "$err" "of 8: its checkpoint is $tmp/lst.pt (continue with --load $tmp/lst.pt)"
 check train-local-continue 0 "$troupe" "${local_job[@]}" --load "$tmp/lst.pt" --save "$tmp/lst.pt" --metrics "$tmp/lst.jsonl"
 expect_in train-local-continue-log "$err" "resumed from $tmp/lst.pt at step"
 /usr/bin/python3 "$(dirname "$0")/../support/compare_runs.py" "$tmp/lref" "$tmp/lst" 0 && echo "ok   train-local-stop-equals-reference" \
