@@ -566,10 +566,13 @@ int main(int argc, char** argv) {
       const auto cfg = elastic_flags.load({{"train.device", "cpu"}});
       const auto l = troupe::shrink_layout(cfg, elastic_hosts, elastic_min);
       std::printf("%d %d %d\n", l.nodes, l.data_parallel, l.microbatches);
-      std::printf("pipeline %d x data-parallel %d of %d micro-batches -> pipeline %d x data-parallel %d of %d "
+      // The tensor-parallel width stays; it is named where there is one (its groups decide
+      // which node counts fit).
+      const std::string tp = cfg.tensor_parallel > 1 ? " x tensor-parallel " + std::to_string(cfg.tensor_parallel) : "";
+      std::printf("pipeline %d x data-parallel %d%s of %d micro-batches -> pipeline %d x data-parallel %d%s of %d "
                   "micro-batches (of %d samples) on %d node(s)\n",
-                  cfg.pipeline, cfg.data_parallel, cfg.microbatches, cfg.pipeline, l.data_parallel, l.microbatches,
-                  cfg.microbatch_size(), l.nodes);
+                  cfg.pipeline, cfg.data_parallel, tp.c_str(), cfg.microbatches, cfg.pipeline, l.data_parallel,
+                  tp.c_str(), l.microbatches, cfg.microbatch_size(), l.nodes);
       std::printf("%s\n", cfg.checkpoint_dir.c_str());  // the launcher regrows only a job it can resume
       return 0;
     } catch (const troupe::config_error& e) {
