@@ -79,13 +79,13 @@ std::int32_t live_node_process(const registrar_state& s, int node) {
   const auto it = s.processes.find(node);
   if (it == s.processes.end() || it->second.second <= 0) return 0;
   const auto [machine, pid] = it->second;
-  if (machine != transport::machine_key()) {
-    spdlog::warn("node {} (pid {} on another machine) is lost to the job; its process, if it lives on, is not "
-                 "ended from here",
-                 node, pid);
-    return 0;
-  }
-  return is_node_process(pid, s.token, node) ? pid : 0;
+  return machine == transport::machine_key() && is_node_process(pid, s.token, node) ? pid : 0;
+}
+
+/// Node `node`'s process as it said in its hello when it runs on another machine, else 0.
+std::int32_t remote_node_process(const registrar_state& s, int node) {
+  const auto it = s.processes.find(node);
+  return it != s.processes.end() && it->second.first != transport::machine_key() ? it->second.second : 0;
 }
 
 void end_node_process(int node, std::int32_t pid, const char* why) {
@@ -132,6 +132,12 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
             end_node_process(i, pid, "is stopped");
           else
             self->delayed_send(self, fence_grace, check_atom_v, std::int32_t(i), pid);
+        } else if (const auto remote = remote_node_process(s, i); remote > 0) {
+          // On another machine: launch/troupe, which passes node 0's log on, has that
+          // host end it at once (it cannot be seen from here whether it is stopped).
+          spdlog::warn("node {} is lost to the job; its process (pid {}) runs on another machine: the launcher ends it "
+                       "there if it lives on (fence request: node {} pid {})",
+                       i, remote, i, remote);
         }
         if (auto it = s.early_rejoins.find(i); it != s.early_rejoins.end()) {
           s.processes[i] = s.early_processes[i];
