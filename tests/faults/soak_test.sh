@@ -15,7 +15,10 @@ seed=${SOAK_SEED:-1}
 RANDOM=$seed
 faults=5 steps=40  # launches that meet faults (three each)
 first_kind=$((RANDOM % 5))
-job=(train --nodes 2 --pipeline 2 --data-parallel 2 --steps $steps --eval-interval 0 --checksum true --step-timeout 3)
+# The step timeout (which finds the lost message and the stall): 8 s. With 3 s, CI's run
+# on a slow day (steps 3-4 s long beside the other entries) logged 11 aborts where 10 were
+# due and injected 13 faults of 15: a launch ended before its node faults.
+job=(train --nodes 2 --pipeline 2 --data-parallel 2 --steps $steps --eval-interval 0 --checksum true --step-timeout 8)
 echo "soak seed $seed (SOAK_SEED=$seed repeats it)"
 
 "$launcher" "${job[@]}" --metrics "$tmp/ref.jsonl" --save "$tmp/ref.pt" >"$tmp/ref.log" 2>&1
