@@ -815,10 +815,7 @@ void commit(self_ptr self) {
                       {"grad_reduce_tail_s", timing.reduce_tail_s},
                       {"peak_in_flight", s.peaks},
                       {"skipped", s.skipping}};
-  if (ctx.spec.type == model_spec::kind::decoder && ctx.spec.decoder.n_experts > 0) {
-    line["aux_loss"] = s.stats.aux_loss;
-    std::tie(line["expert_tokens_min"], line["expert_tokens_max"]) = expert_token_range(s.stats.expert_tokens);
-  }
+  add_expert_metrics(line, s.stats, ctx.spec);
   // Reset: the supervisors drop every actor's per-step state and report leftovers.
   auto reports = std::make_shared<std::vector<reset_report>>();
   request_all<std::vector<reset_report>>(
@@ -1057,11 +1054,12 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
           return;
         s.peaks.at(std::size_t(msg.replica) * s.ctx->p + msg.stage) = msg.peak_in_flight;
         s.stats.aux_loss += msg.aux_loss;
-        const std::size_t E = std::size_t(s.ctx->spec.decoder.n_experts);
-        for (std::size_t i = 0; E > 0 && i + E + 1 <= msg.expert_tokens.size(); i += E + 1)  // layer, E counts
+        // Per expert layer: its block, E counts, the pairs dropped.
+        const std::size_t n = std::size_t(s.ctx->spec.decoder.n_experts) + 1;
+        for (std::size_t i = 0; n > 1 && i + n + 1 <= msg.expert_tokens.size(); i += n + 1)
           add_expert_counts(s.stats.expert_tokens,
                             {{int(msg.expert_tokens[i]), std::vector<std::int64_t>(msg.expert_tokens.begin() + std::ptrdiff_t(i) + 1,
-                                                                                   msg.expert_tokens.begin() + std::ptrdiff_t(i + 1 + E))}});
+                                                                                   msg.expert_tokens.begin() + std::ptrdiff_t(i + 1 + n))}});
         s.last_progress_us = s.ctx->now_us();
         s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
         ++s.n_stages;

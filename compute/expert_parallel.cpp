@@ -45,8 +45,11 @@ dispatch_plan plan_dispatch(const torch::Tensor& chosen, int n_experts, collecti
   const std::int64_t local = n_experts / EP;
   dispatch_plan plan;
   const auto flat = chosen.reshape({-1}).to(torch::kCPU);
-  plan.order = std::get<1>(torch::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-  const auto counts = torch::bincount(flat, /*weights=*/{}, n_experts).to(torch::kInt64);  // (E)
+  // (Pairs dropped past an expert's capacity have expert E: they sort last and stay here.)
+  const auto counts =
+      torch::bincount(flat, /*weights=*/{}, n_experts + 1).narrow(0, 0, n_experts).to(torch::kInt64).contiguous();  // (E)
+  plan.order = std::get<1>(torch::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false))
+                   .narrow(0, 0, counts.sum().item<std::int64_t>());
   // Every rank's counts for this rank's experts: (EP, local), by source rank.
   const auto theirs = g.all_to_all(counts, std::vector<std::int64_t>(EP, local), std::vector<std::int64_t>(EP, local))
                           .view({EP, local});

@@ -34,7 +34,7 @@ torch::Tensor all_to_all(const torch::Tensor& x, collective_group& g, collective
 
 /// Where one rank's (token, choice) pairs go and what comes to it.
 struct dispatch_plan {
-  torch::Tensor order;                     ///< (N k) int64: pairs sorted by expert (stable), as flat indices
+  torch::Tensor order;                     ///< int64: the pairs sent, sorted by expert (stable), as flat indices
   std::vector<std::int64_t> send_rows;     ///< per rank: pairs sent (experts of that rank)
   std::vector<std::int64_t> recv_rows;     ///< per rank: rows received
   /// Per local expert j: the indices of the received rows it computes (rows arrive by
@@ -44,7 +44,8 @@ struct dispatch_plan {
 };
 
 /// The plan for `chosen` (N, k) experts of this rank's tokens over `g` (E experts, E/EP
-/// per rank): sorts the pairs and exchanges the per-expert counts (one all-to-all).
+/// per rank; expert E: a pair dropped, not sent): sorts the pairs and exchanges the
+/// per-expert counts (one all-to-all).
 dispatch_plan plan_dispatch(const torch::Tensor& chosen, int n_experts, collective_group& g);
 
 }  // namespace ep

@@ -217,6 +217,12 @@ const std::vector<key_def>& key_defs() {
       double_key("model.moe_aux_loss_coeff",
                  "the load-balancing loss's coefficient (negative: the workload's, 0.01; 0: none)",
                  &job_config::moe_aux_loss_coeff, -1, 1e3),
+      double_key("model.moe_capacity_factor",
+                 "experts, in training: each expert takes at most ceil(factor x seq_len x moe_top_k / experts) "
+                 "(token, choice) pairs of a sequence, those with the highest router probability; the others are "
+                 "dropped (they add nothing to their token, which keeps its residual) and counted in the metrics "
+                 "(0: none dropped, WORKLOADS.md's moe-tiny; evaluation and generation never drop)",
+                 &job_config::moe_capacity_factor, 0, 1e3),
       {{"model.tie_embeddings",
         "true: the output layer is the token embedding (gpt2's wte; with pipeline stages the first and last "
         "hold a copy, their gradients summed), false: an lm_head of its own; auto: the architecture's "
@@ -514,6 +520,9 @@ void job_config::validate() const {
     if (g.vocab_used > g.vocab)
       fail("vocab " + std::to_string(g.vocab) + " is below the tokenizer's " + std::to_string(g.vocab_used) + " pieces");
   }
+  if (moe_capacity_factor > 0 && (model().type != model_spec::kind::decoder || model().decoder.n_experts == 0))
+    fail("moe_capacity_factor " + fmt_double(moe_capacity_factor) +
+         ": the model has no experts (--workload moe-tiny, or --experts N)");
   if (expert_parallel > 1) {
     const auto& g = model().decoder;
     const std::string ep = "expert_parallel " + std::to_string(expert_parallel);
@@ -626,6 +635,7 @@ model_spec job_config::model() const {
   if (moe_d_ff > 0) g.moe_d_ff = moe_d_ff;
   if (moe_every > 0) g.moe_every = moe_every;
   if (moe_aux_loss_coeff >= 0) g.moe_aux_coeff = moe_aux_loss_coeff;
+  if (moe_capacity_factor > 0) g.moe_capacity_factor = moe_capacity_factor;
   return spec;
 }
 
@@ -640,6 +650,7 @@ std::string job_config::model_label() const {
   if (g.n_experts > 0)
     text += ", " + std::to_string(g.n_experts) + " experts of d_ff " + std::to_string(g.expert_d_ff()) + ", top-" +
             std::to_string(g.moe_top_k);
+  if (g.n_experts > 0 && g.moe_capacity_factor > 0) text += ", capacity factor " + fmt_double(g.moe_capacity_factor);
   if (g.vocab != 256) text += ", vocab " + std::to_string(g.vocab);
   if (g.tie_embeddings != arch_ties) text += g.tie_embeddings ? ", tied embeddings" : ", untied embeddings";
   char params[64];

@@ -55,6 +55,7 @@ struct job_config {
   std::string tie_embeddings = "auto"; ///< auto (the architecture's: gpt2 tied, llama not) | true | false
   int experts = 0, moe_top_k = 0, moe_d_ff = 0, moe_every = 0;  ///< mixture of experts (0: the workload's)
   double moe_aux_loss_coeff = -1;     ///< the load-balancing loss's coefficient (negative: the workload's)
+  double moe_capacity_factor = 0;     ///< experts: capacity factor in training (0: no token dropped)
   // [parallel]
   int pipeline = 1;
   int data_parallel = 1;
@@ -117,7 +118,7 @@ struct job_config {
   bool has_model_keys() const {
     return !architecture.empty() || layers || heads || kv_heads || d_model || d_ff || seq_len || vocab || rope_theta ||
            norm_eps || tie_embeddings != "auto" || experts || moe_top_k || moe_d_ff || moe_every ||
-           moe_aux_loss_coeff >= 0;
+           moe_aux_loss_coeff >= 0 || moe_capacity_factor > 0;
   }
   /// A decoder workload (not fmnist-mlp).
   bool is_decoder() const { return workload != "fmnist-mlp"; }

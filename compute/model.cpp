@@ -801,8 +801,9 @@ class decoder_slice final : public model_slice {
 
   /// WORKLOADS.md "moe-tiny": Mixtral's sparse MLP on g (B, T, d). Per token the router's
   /// softmax in fp32 over every expert; the top_k largest (ties: the lower index, a stable
-  /// sort) with weights renormalised to sum 1; no token dropped. With a graph, the
-  /// per-sequence load-balancing loss joins the backward (add_aux_loss).
+  /// sort) with weights renormalised to sum 1; no token dropped unless a capacity factor
+  /// is set (then in training only: drop_past_capacity). With a graph, the per-sequence
+  /// load-balancing loss joins the backward (add_aux_loss).
   torch::Tensor experts(const torch::Tensor& g, int layer) {
     const std::string p = "model.layers." + std::to_string(layer) + ".block_sparse_moe.";
     const auto B = g.size(0), T = g.size(1), d = g.size(2);
@@ -813,13 +814,19 @@ class decoder_slice final : public model_slice {
                             .narrow(1, 0, k);  // (N, k)
     const auto picked = probs.gather(1, chosen);
     const auto weights = picked / picked.sum(1, /*keepdim=*/true);  // (N, k), fp32
-    torch::Tensor out = ep_.active() ? parallel_experts(x, chosen, weights, p) : local_experts(x, chosen, weights, p);
+    // A training forward (with a graph, or a full recompute's forward without one and its
+    // rerun in the backward) drops what exceeds the experts' capacity; a dropped pair's
+    // expert is E, no expert's.
+    const bool graph = torch::GradMode::is_enabled(), training = graph || checkpointing_ || recomputing_;
+    const auto capacity = training ? cfg_.expert_capacity(T) : 0;
+    const auto routed = capacity > 0 ? drop_past_capacity(probs.detach(), chosen, B, capacity) : chosen;
+    torch::Tensor out = ep_.active() ? parallel_experts(x, routed, weights, p) : local_experts(x, routed, weights, p);
     out = out.view({B, T, d});
     // A training forward counts its load-balancing loss once (not when a full recompute
     // runs the block again) and back-propagates it where a graph is built.
-    const bool graph = torch::GradMode::is_enabled(), counts_aux = !recomputing_ && (graph || checkpointing_);
-    if (counts_aux) {  // the choices per expert (metrics), counted once per training forward
-      const auto n = torch::bincount(chosen.reshape({-1}), /*weights=*/{}, E);
+    const bool counts_aux = !recomputing_ && (graph || checkpointing_);
+    if (counts_aux) {  // the pairs per expert, then those dropped (metrics), once per training forward
+      const auto n = torch::bincount(routed.reshape({-1}), /*weights=*/{}, E + 1);
       auto& sum = expert_tokens_[layer];
       sum = sum.defined() ? sum + n : n;
     }
@@ -835,6 +842,24 @@ class decoder_slice final : public model_slice {
       aux_sum_ = aux_sum_.defined() ? aux_sum_ + counted : counted;
     }
     return graph ? add_aux_loss::apply(out, aux, aux_scale_) : out;
+  }
+
+  /// The capacity factor (Megatron's token dropping, drop policy "probs", per sequence so
+  /// that no layout changes it): of each sequence's (token, choice) pairs routed to an
+  /// expert, the `capacity` with the highest router probability stay (ties: the earlier
+  /// token); the others get expert E (none). `chosen` (B T, k); returns the same shape.
+  torch::Tensor drop_past_capacity(const torch::Tensor& probs, const torch::Tensor& chosen, std::int64_t B,
+                                   std::int64_t capacity) {
+    const std::int64_t E = cfg_.n_experts, N = chosen.size(0), T = N / B;
+    const auto picked = torch::zeros({N, E}, chosen.options().dtype(torch::kBool))
+                            .scatter_(1, chosen, true);  // (N, E): routed pairs
+    const auto score = torch::where(picked, probs, torch::full({}, -1.0f, probs.options())).view({B, T, E});
+    const auto order = std::get<1>(torch::sort(score, /*stable=*/true, /*dim=*/1, /*descending=*/true));
+    // Each pair's place among its sequence's pairs of the same expert (0: the most probable).
+    const auto place = torch::empty_like(order).scatter_(
+        1, order, torch::arange(T, order.options()).view({1, T, 1}).expand({B, T, E}));
+    const auto kept = (picked & place.view({N, E}).lt(capacity)).gather(1, chosen);  // (N, k)
+    return torch::where(kept, chosen, torch::full({}, E, chosen.options()));
   }
 
   /// Expert e of the layer named `p`: w2(silu(w1(x)) * w3(x)).

@@ -6,6 +6,7 @@
 // another flat fp32 buffer of the same layout (each `.grad()` is a view), so optimizer
 // shards and collectives can work on contiguous ranges that ignore parameter boundaries
 // (Megatron's distributed optimizer).
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -52,11 +53,20 @@ struct decoder_config {
   int moe_d_ff = 0;             ///< each expert's width (0: d_ff)
   double moe_aux_coeff = 0.01;  ///< the load-balancing loss's coefficient
   int moe_every = 1;
+  /// Training drops the (token, choice) pairs past each expert's capacity in a sequence,
+  /// expert_capacity(seq_len) (Megatron's moe_expert_capacity_factor, per sequence); 0: none.
+  double moe_capacity_factor = 0;
 
   int head_dim() const { return d_model / n_head; }
   int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   bool is_moe_block(int i) const { return n_experts > 0 && i % moe_every == 0; }
   int expert_d_ff() const { return moe_d_ff > 0 ? moe_d_ff : d_ff; }
+  /// The (token, choice) pairs an expert takes of a sequence of `tokens` in training:
+  /// ceil(factor x tokens x top_k / experts) (Megatron's get_capacity); 0: no limit.
+  std::int64_t expert_capacity(std::int64_t tokens) const {
+    if (moe_capacity_factor <= 0 || n_experts == 0) return 0;
+    return std::int64_t(std::ceil(moe_capacity_factor * double(tokens * moe_top_k) / double(n_experts)));
+  }
 };
 
 /// Which model and its shape.
@@ -153,7 +163,8 @@ enum class tp_split {
 };
 
 /// One parameter's place in a slice's flat buffers.
-/// Tokens routed to each expert, per expert layer: block index -> one count per expert.
+/// Tokens routed to each expert, per expert layer: block index -> one count per expert,
+/// then the (token, choice) pairs dropped past the experts' capacity.
 using expert_counts = std::map<int, std::vector<std::int64_t>>;
 /// Adds `from`'s counts into `into`.
 void add_expert_counts(expert_counts& into, const expert_counts& from);
@@ -307,8 +318,8 @@ class model_slice {
   /// the log; 0 without experts).
   double take_aux_loss();
   /// Experts: the (token, choice) pairs each expert got in those forwards, per expert layer
-  /// (block index -> one count per expert; a rank's own tokens under expert parallelism),
-  /// and zeroes them.
+  /// (block index -> one count per expert, then the pairs dropped past the experts'
+  /// capacity; a rank's own tokens under expert parallelism), and zeroes them.
   expert_counts take_expert_tokens();
 
  protected:

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -272,11 +273,25 @@ step_stats local_trainer::step() {
 std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> expert_token_range(const expert_counts& counts) {
   std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> out;
   for (const auto& [layer, c] : counts) {
-    if (c.empty()) continue;
-    out.first.push_back(*std::min_element(c.begin(), c.end()));
-    out.second.push_back(*std::max_element(c.begin(), c.end()));
+    if (c.size() < 2) continue;  // (E counts, then the pairs dropped)
+    out.first.push_back(*std::min_element(c.begin(), c.end() - 1));
+    out.second.push_back(*std::max_element(c.begin(), c.end() - 1));
   }
   return out;
+}
+
+std::int64_t expert_pairs_dropped(const expert_counts& counts) {
+  std::int64_t dropped = 0;
+  for (const auto& [layer, c] : counts)
+    if (!c.empty()) dropped += c.back();
+  return dropped;
+}
+
+void add_expert_metrics(nlohmann::json& line, const step_stats& st, const model_spec& spec) {
+  if (spec.type != model_spec::kind::decoder || spec.decoder.n_experts == 0) return;
+  line["aux_loss"] = st.aux_loss;
+  std::tie(line["expert_tokens_min"], line["expert_tokens_max"]) = expert_token_range(st.expert_tokens);
+  if (spec.decoder.moe_capacity_factor > 0) line["expert_dropped"] = expert_pairs_dropped(st.expert_tokens);
 }
 
 double evaluation::bits_per_byte() const { return loss / std::log(2.0) / bytes_per_target; }
@@ -486,8 +501,14 @@ std::string duration_text(double seconds) {
 }
 
 std::string progress_line(const step_stats& st, int total_steps, double eta_seconds, bool tokens) {
-  // (Experts: the load-balancing loss beside the cross-entropy.)
-  const std::string aux = st.aux_loss != 0 ? fmt::format(" | aux_loss {:.4f}", st.aux_loss) : "";
+  // (Experts: the load-balancing loss beside the cross-entropy, and the share of (token,
+  // choice) pairs dropped past the experts' capacity where any were.)
+  std::string aux = st.aux_loss != 0 ? fmt::format(" | aux_loss {:.4f}", st.aux_loss) : "";
+  if (const auto dropped = expert_pairs_dropped(st.expert_tokens); dropped > 0) {
+    std::int64_t pairs = 0;
+    for (const auto& [layer, c] : st.expert_tokens) pairs += std::accumulate(c.begin(), c.end(), std::int64_t(0));
+    aux += fmt::format(" | moe dropped {:.1f} %", 100.0 * double(dropped) / double(pairs));
+  }
   char buf[256];
   std::snprintf(buf, sizeof buf, "step %*d/%d | loss %.4f%s | lr %.3e | grad_norm %.3f | %.0f %s/s | ETA %s",
                 int(std::to_string(total_steps).size()), st.step + 1, total_steps, st.loss, aux.c_str(), st.lr,
@@ -532,7 +553,7 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
     if (!metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
   }
   const bool is_text = cfg.workload != "fmnist-mlp";
-  const bool experts = is_text && cfg.model().decoder.n_experts > 0;
+  const auto spec = cfg.model();
   double elapsed = 0;
   int timed = 0;
   while (trainer.next_step() < cfg.steps) {
@@ -549,10 +570,7 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
     std::fflush(stdout);
     nlohmann::json line{{"step", st.step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
                         {"tokens_per_s", tps}, {"step_seconds", st.seconds}};
-    if (experts) {
-      line["aux_loss"] = st.aux_loss;
-      std::tie(line["expert_tokens_min"], line["expert_tokens_max"]) = expert_token_range(st.expert_tokens);
-    }
+    add_expert_metrics(line, st, spec);
     const bool last = trainer.next_step() == cfg.steps;
     const int stop = last || !stop_requested ? 0 : stop_requested();
     if (last || (cfg.eval_interval > 0 && trainer.next_step() % cfg.eval_interval == 0))

@@ -9,6 +9,8 @@
 #include <memory>
 #include <optional>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "compute/data.hpp"
 #include "compute/tokenizer.hpp"
 #include "compute/grad_buffer.hpp"
@@ -190,6 +192,12 @@ state_dict optimizer_state_dict(const named_moments& moments, const state_dict& 
 /// The metrics of `counts`: per expert layer in block order, the fewest and the most
 /// (token, choice) pairs an expert got ("expert_tokens_min", "expert_tokens_max").
 std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> expert_token_range(const expert_counts& counts);
+/// The (token, choice) pairs of `counts` dropped past their experts' capacity, all layers.
+std::int64_t expert_pairs_dropped(const expert_counts& counts);
+/// A model with experts: the step's "aux_loss", "expert_tokens_min", "expert_tokens_max"
+/// and, with a capacity factor, "expert_dropped" into a metrics line (JSON text of an
+/// object, as nlohmann::json::dump writes it); without experts nothing.
+void add_expert_metrics(nlohmann::json& line, const step_stats& st, const model_spec& spec);
 
 /// "1m05s" / "2h03m".
 std::string duration_text(double seconds);

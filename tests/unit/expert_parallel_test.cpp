@@ -211,12 +211,14 @@ TEST(ExpertParallel, ARankThatReceivesNoTokensWorks) {
 TEST(ExpertParallel, TrainingWithExpertRanksEqualsOneProcess) {
   auto one = moe_job();
   const auto ref = train(one);
-  // The metrics' counts: every layer's pairs are k per token of the global batch.
+  // The metrics' counts: every layer's pairs are k per token of the global batch, none
+  // dropped (the last count).
   ASSERT_EQ(ref.routed.front().size(), std::size_t(one.layers));
   for (const auto& [layer, counts] : ref.routed.front()) {
-    ASSERT_EQ(counts.size(), 4u);
-    EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), std::int64_t(0)),
+    ASSERT_EQ(counts.size(), 5u);
+    EXPECT_EQ(std::accumulate(counts.begin(), counts.end() - 1, std::int64_t(0)),
               std::int64_t(2) * one.global_batch * one.seq_len) << "layer " << layer;
+    EXPECT_EQ(counts.back(), 0) << "layer " << layer;
   }
   struct layout {
     int ep, d, p;
@@ -251,6 +253,79 @@ TEST(ExpertParallel, TrainingWithExpertRanksEqualsOneProcess) {
   EXPECT_EQ(test::max_abs_diff(over_ucx.state, in_process.state), 0.0);
 }
 
+// The capacity factor (model.moe_capacity_factor): with 0.5 each expert takes at most
+// ceil(0.5 x 16 x 2 / 4) = 4 of a sequence's 32 (token, choice) pairs, so at least half of
+// every layer's pairs are dropped, and the metrics count them; expert-parallel layouts
+// and the actor runtime drop the same pairs (per sequence) and follow one process within
+// 1e-5. A factor of E/k (2) leaves room for every pair: the same bits as no factor.
+// Evaluation never drops.
+TEST(ExpertParallel, ACapacityFactorDropsTheSamePairsInEveryLayout) {
+  auto one = moe_job();
+  one.steps = 4;
+  const auto plain = train(one);
+  auto roomy = one;
+  roomy.moe_capacity_factor = 2;
+  const auto no_drop = train(roomy);
+  EXPECT_EQ(no_drop.losses, plain.losses);
+  EXPECT_EQ(test::max_abs_diff(no_drop.state, plain.state), 0.0);
+  EXPECT_EQ(no_drop.routed, plain.routed);
+
+  auto capped = one;
+  capped.moe_capacity_factor = 0.5;
+  const auto ref = train(capped);
+  const std::int64_t pairs = std::int64_t(2) * one.global_batch * one.seq_len;  // per layer
+  for (int i = 0; i < one.steps; ++i) {
+    for (const auto& [layer, counts] : ref.routed[std::size_t(i)]) {
+      EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), std::int64_t(0)), pairs) << "layer " << layer;
+      EXPECT_GE(counts.back(), pairs / 2) << "step " << i << " layer " << layer;
+      for (std::size_t e = 0; e + 1 < counts.size(); ++e)
+        EXPECT_LE(counts[e], std::int64_t(4) * one.global_batch) << "step " << i << " layer " << layer << " expert " << e;
+    }
+  }
+  EXPECT_NE(ref.losses, plain.losses);
+  EXPECT_GT(test::max_abs_diff(ref.state, plain.state), 1e-4);  // (dropped pairs: other gradients)
+  for (const auto& [ep, d, p] : {std::tuple{2, 2, 1}, std::tuple{2, 4, 2}}) {
+    auto c = capped;
+    c.expert_parallel = ep;
+    c.data_parallel = d;
+    c.pipeline = p;
+    const auto got = train(c);
+    const std::string at = "ep " + std::to_string(ep) + " d " + std::to_string(d) + " p " + std::to_string(p);
+    EXPECT_LE(test::max_abs_diff(got.state, ref.state), 1e-5) << at;
+    for (int i = 0; i < one.steps; ++i) {
+      EXPECT_NEAR(got.losses[std::size_t(i)], ref.losses[std::size_t(i)], 1e-5) << at << " step " << i;
+      EXPECT_EQ(got.routed[std::size_t(i)], ref.routed[std::size_t(i)])
+          << at << " step " << i << ": routing decisions differed: "
+          << routing_differences(got.routed[std::size_t(i)], ref.routed[std::size_t(i)]);
+    }
+  }
+  // The actor runtime (EP 2 over 2 replicas, 2 stages): the metrics' dropped pairs.
+  test::temp_dir dir;
+  auto c = capped;
+  c.runtime = "actors";
+  c.expert_parallel = 2;
+  c.data_parallel = 2;
+  c.pipeline = 2;
+  c.metrics = dir / "metrics.jsonl";
+  actor_run_options quiet;
+  quiet.quiet = true;
+  const auto got = run_actor_training(c, quiet);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5);
+  std::ifstream metrics(c.metrics);
+  int i = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    ASSERT_LT(i, one.steps);
+    EXPECT_EQ(j.at("expert_dropped").get<std::int64_t>(), expert_pairs_dropped(ref.routed[std::size_t(i)])) << "step " << i;
+    ++i;
+  }
+  EXPECT_EQ(i, one.steps);
+  // Evaluation drops nothing: the same scores with and without a factor.
+  EXPECT_EQ(local_trainer(capped).evaluate().loss, local_trainer(one).evaluate().loss);
+}
+
 TEST(ExpertParallel, BadLayoutsSaySo) {
   const auto error_of = test::config_error_of;
   auto c = moe_job();
@@ -272,6 +347,10 @@ TEST(ExpertParallel, BadLayoutsSaySo) {
   dense.data_parallel = 2;
   dense.runtime = "local";
   EXPECT_NE(error_of(dense).find("the model has no experts"), std::string::npos) << error_of(dense);
+  dense.expert_parallel = 1;
+  dense.moe_capacity_factor = 1.25;
+  EXPECT_NE(error_of(dense).find("moe_capacity_factor 1.25: the model has no experts"), std::string::npos)
+      << error_of(dense);
 }
 
 }  // namespace troupe

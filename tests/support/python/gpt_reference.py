@@ -4,6 +4,7 @@ C++ run is compared with: OUT/init.pt (initial state_dict), OUT/final.pt, OUT/lo
 usage: /usr/bin/python3 tests/support/python/gpt_reference.py OUT_DIR STEPS TOTAL_STEPS
            [--workload gpt-tiny|llama-tiny|moe-tiny] [--layers L] [--heads H] [--kv-heads K]
            [--d-model D] [--d-ff F] [--seq-len T] [--experts E] [--moe-top-k K] [--moe-d-ff F]
+           [--moe-every N] [--moe-capacity-factor C]
 (the options are those of `troupe train`; the defaults are the workload's)
 """
 import argparse

@@ -125,13 +125,15 @@ def add_shape_args(parser):
     parser.add_argument("--moe-top-k", type=int, default=2)
     parser.add_argument("--moe-d-ff", type=int, default=0, help="0: moe-tiny 192")
     parser.add_argument("--moe-every", type=int, default=1)
+    parser.add_argument("--moe-capacity-factor", type=float, default=0.0, help="0: no token dropped")
 
 
 def model_from_args(a):
     """The model (GPT, or llama_tiny.Llama) of the workload and shape add_shape_args's flags give."""
     if a.workload in ("llama-tiny", "moe-tiny"):
         import llama_tiny
-        experts = (a.experts or 4, a.moe_d_ff or 192, a.moe_top_k, 0.01, a.moe_every) if a.workload == "moe-tiny" else None
+        experts = ((a.experts or 4, a.moe_d_ff or 192, a.moe_top_k, 0.01, a.moe_every, a.moe_capacity_factor)
+                   if a.workload == "moe-tiny" else None)
         return llama_tiny.Llama(a.layers, a.heads, a.kv_heads or 2, a.d_model, a.d_ff or 3 * a.d_model, a.seq_len,
                                 experts=experts)
     return GPT(a.layers, a.heads, a.d_model, a.d_ff or 4 * a.d_model, a.seq_len)

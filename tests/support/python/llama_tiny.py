@@ -52,13 +52,34 @@ class Expert(nn.Module):
 class SparseMoe(nn.Module):
     """WORKLOADS.md section 4: router softmax in fp32, the top-k experts (ties: the lower
     index), weights renormalised, no token dropped; forward returns the output and the
-    load-balancing loss (mean over the sequences)."""
+    load-balancing loss (mean over the sequences).
 
-    def __init__(self, d, d_ff, n_experts, top_k, coeff):
+    capacity_factor (Troupe's model.moe_capacity_factor; 0: none): in training, of each
+    sequence's (token, choice) pairs routed to an expert only the ceil(factor T k / E)
+    with the highest router probability (ties: the earlier token) are computed; the others
+    add nothing. The load-balancing loss counts the choices before dropping."""
+
+    def __init__(self, d, d_ff, n_experts, top_k, coeff, capacity_factor=0.0):
         super().__init__()
         self.gate = nn.Linear(d, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(d, d_ff) for _ in range(n_experts))
-        self.top_k, self.coeff = top_k, coeff
+        self.top_k, self.coeff, self.capacity_factor = top_k, coeff, capacity_factor
+
+    def dropped(self, p, chosen, B, T):
+        """(B T, k) bool: the pairs past their expert's capacity in their sequence."""
+        E, k = len(self.experts), self.top_k
+        out = torch.zeros_like(chosen, dtype=torch.bool)
+        if not (self.capacity_factor and self.training):
+            return out
+        capacity = math.ceil(self.capacity_factor * (T * k) / E)
+        for b in range(B):
+            rows = slice(b * T, (b + 1) * T)
+            for e in range(E):
+                token, slot = (chosen[rows] == e).nonzero(as_tuple=True)
+                pairs = sorted(zip(token.tolist(), slot.tolist()), key=lambda ts: (-p[b * T + ts[0], e].item(), ts[0]))
+                for t, s in pairs[capacity:]:
+                    out[b * T + t, s] = True
+        return out
 
     def forward(self, g):
         B, T, d = g.shape
@@ -68,9 +89,10 @@ class SparseMoe(nn.Module):
         chosen = torch.sort(p.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
         picked = p.gather(1, chosen)
         w = picked / picked.sum(1, keepdim=True)
+        kept = ~self.dropped(p.detach(), chosen, B, T)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
+            token, slot = ((chosen == e) & kept).nonzero(as_tuple=True)
             if token.numel():
                 out = out.index_add(0, token, expert(x[token]) * w[token, slot].unsqueeze(1).to(x.dtype))
         f = F.one_hot(chosen, E).float().view(B, T * k, E).sum(1) / (k * T)
@@ -90,8 +112,8 @@ class Layer(nn.Module):
         self.self_attn.v_proj = nn.Linear(d, n_kv_head * self.hd, bias=False)
         self.self_attn.o_proj = nn.Linear(n_head * self.hd, d, bias=False)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        if experts:  # (n_experts, d_ff of each, top_k, coeff, every)
-            self.block_sparse_moe = SparseMoe(d, experts[1], experts[0], experts[2], experts[3])
+        if experts:  # (n_experts, d_ff of each, top_k, coeff, every[, capacity factor])
+            self.block_sparse_moe = SparseMoe(d, experts[1], experts[0], experts[2], experts[3], *experts[5:])
         else:
             self.mlp = nn.Module()
             self.mlp.gate_proj = nn.Linear(d, d_ff, bias=False)
@@ -125,7 +147,8 @@ class Layer(nn.Module):
 class Llama(nn.Module):
     def __init__(self, n_layer=8, n_head=4, n_kv_head=2, d=128, d_ff=384, seq_len=128, vocab=256,
                  theta=10000.0, eps=1e-5, experts=None):
-        """experts: (n_experts, d_ff of each, top_k, coeff, every) for moe-tiny; None: dense."""
+        """experts: (n_experts, d_ff of each, top_k, coeff, every[, capacity factor]) for moe-tiny;
+        None: dense."""
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(vocab, d)
