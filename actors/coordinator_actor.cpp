@@ -6,6 +6,7 @@
 #include <fstream>
 #include <deque>
 #include <map>
+#include <numeric>
 #include <optional>
 
 #include <caf/all.hpp>
@@ -522,10 +523,12 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
   s.seen_evals.assign(plan.size(), false);
   s.n_evals = 0;
   s.eval_then = std::move(then);
-  // Expert parallelism: forward f through every replica of group f mod (d / EP), scored
-  // by the group's first (the others serve its tokens' experts). Tensor parallelism:
-  // through every pipeline of replica f mod d, each scoring its part of the vocabulary.
-  const int ep = ctx.cfg.expert_parallel, width = ep * ctx.t, groups = ctx.pipes / width;
+  // Expert parallelism: forward f through every pipeline of block f mod (pipes / width),
+  // the pipelines of the whole replicas an expert-parallel group spans (EP consecutive
+  // pipelines, tensor-parallel rank fastest: width lcm(EP, T)), scored by the block's
+  // first replica (the others serve its tokens' experts). Tensor parallelism: that
+  // replica's every pipeline scores its part of the vocabulary.
+  const int ep = ctx.cfg.expert_parallel, width = ep / std::gcd(ep, ctx.t) * ctx.t, groups = ctx.pipes / width;
   for (std::size_t f = 0; f < plan.size(); ++f) {
     const int first = int(f % std::size_t(groups)) * width;
     const auto rows = [&](const torch::Tensor& t) { return make_payload(t.narrow(0, plan[f].begin, plan[f].rows)); };

@@ -76,7 +76,7 @@ class ucx_renewal : public comm_renewal {
       for (const auto& [r, k] : slots_)
         for (const bool backward : {false, true}) {
           experts_.push_back(transport::prepare_ucx_communicator(r % ep_, ep_));
-          add(expert_group_entry(k, r / ep_, d_ / ep_, backward), r % ep_, experts_.back()->address(), "");
+          add(expert_group_entry(k, r / ep_, d_ * t_ / ep_, backward), r % ep_, experts_.back()->address(), "");
         }
     if (!gpu.empty())  // the links this node sends on (no address: a NCCL id's place)
       for (const auto& [from, to] : links_)
@@ -164,7 +164,7 @@ class ucx_renewal : public comm_renewal {
       const bool backward = i % 2 == 1;
       (backward ? plan.ep_backward_comms : plan.ep_comms)
           .push_back(staged(
-              experts_[i]->connect(column(expert_group_entry(k, r / ep_, d_ / ep_, backward), ep_, table.addresses))));
+              experts_[i]->connect(column(expert_group_entry(k, r / ep_, d_ * t_ / ep_, backward), ep_, table.addresses))));
     }
     auto [to, from] = make_links(table, column(-1, nodes_, table.gpus), plan.world);
     if (transport_.ipc != node_transport::ipc_memory::off) {

@@ -128,7 +128,9 @@ struct stage_state {
   std::shared_ptr<collective_group> tp_group;  // (tp_size > 1)
   /// The stage actors that run the same forwards and backwards in one order, meeting in
   /// their collectives (an expert-parallel or a tensor-parallel group; 1: none).
-  int group_size() const { return ep_size * tp_size; }
+  /// The pipelines that evaluate together: the whole replicas an expert-parallel group
+  /// spans (EP consecutive pipelines, tensor-parallel rank fastest), lcm(EP, T).
+  int group_size() const { return ep_size / std::gcd(ep_size, tp_size) * tp_size; }
   /// Whether backwards run on the stage's thread (backward_on_this_thread): in a group
   /// (required: its collectives would wait for each other on LibTorch's one autograd
   /// thread per GPU), or when the job asks (runtime_context::backward_on_stage_threads).
@@ -147,10 +149,10 @@ struct stage_state {
   key eval_next{-1, 0};
   int score_next = -1;
   /// Whether this stage scores evaluation forwards: without a group every replica's last
-  /// stage, with expert parallelism the group's rank 0 (the others run the same forwards
-  /// for the experts they hold), with tensor parallelism every rank (each holds part of
-  /// the vocabulary).
-  bool scores_evaluation() const { return replica % ep_size == 0; }
+  /// stage, with expert parallelism the first replica of the group's (the others run the
+  /// same forwards for the experts they hold), with tensor parallelism each of that
+  /// replica's ranks (each holds part of the vocabulary).
+  bool scores_evaluation() const { return replica % group_size() < tp_size; }
   /// Whether it reports the scores: the group's rank 0.
   bool reports_evaluation() const { return replica % group_size() == 0; }
 
@@ -495,11 +497,14 @@ class stage_logic {
 
   /// Whether a pair's two ops run at once: asked for (parallel.overlap_pairs), with expert
   /// parallelism (whose all-to-alls they hide behind each other's compute), on the CPU,
-  /// and without recomputation (a recomputing backward flags its slice, which a forward
-  /// beside it would see). Else one after the other.
+  /// without recomputation (a recomputing backward flags its slice, which a forward
+  /// beside it would see) and without tensor parallelism (the two ops' collectives on the
+  /// one tensor-parallel group would meet in different orders on its ranks). Else one
+  /// after the other.
   bool overlaps_pairs() const {
     const auto& ctx = *s_.ctx;
-    return ctx.cfg.overlap_pairs && s_.ep_size > 1 && ctx.device.is_cpu() && ctx.cfg.recompute == "none";
+    return ctx.cfg.overlap_pairs && s_.ep_size > 1 && s_.tp_size == 1 && ctx.device.is_cpu() &&
+           ctx.cfg.recompute == "none";
   }
 
   /// An overlapped pair (combined-1f1b, dualpipev): the backward computes on the stage's
@@ -660,6 +665,9 @@ class stage_logic {
         aux += chunk->take_aux_loss();
         add_expert_counts(routed, chunk->take_expert_tokens());
       }
+      // (A tensor-parallel group's ranks computed the same load-balancing loss, rank 0
+      // reports it; each routed its own part of the sequences.)
+      if (s_.ctx->tp_of(s_.replica) != 0) aux = 0;
       std::vector<std::int64_t> flat;
       for (const auto& [layer, counts] : routed) {
         flat.push_back(layer);

@@ -240,7 +240,8 @@ const std::vector<key_def>& key_defs() {
               &job_config::tensor_parallel, 1, 1024),
       int_key("parallel.expert_parallel",
               "ranks each expert layer's experts are spread over (expert parallelism: an all-to-all sends each "
-              "token to its experts' rank); divides data_parallel and the experts",
+              "token to its experts' rank): EP consecutive ranks of the dense layout, tensor-parallel rank fastest "
+              "(Megatron's folding); divides data_parallel x tensor_parallel and the experts",
               &job_config::expert_parallel, 1, 1024),
       bool_key("parallel.sequence_parallel",
                "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
@@ -513,10 +514,14 @@ void job_config::validate() const {
     if (g.n_experts > 0 && (g.moe_top_k < 1 || g.moe_top_k > g.n_experts))
       fail("moe_top_k " + std::to_string(g.moe_top_k) + " with " + std::to_string(g.n_experts) +
            " experts: expected 1 to " + std::to_string(g.n_experts));
-    if (g.n_experts > 0 && tensor_parallel > 1)
+    if (g.n_experts > 0 && tensor_parallel > 1 && !sequence_parallel)
       fail("experts with tensor_parallel " + std::to_string(tensor_parallel) +
-           ": experts in a tensor-parallel job (which needs sequence parallelism) are not built yet; spread the "
-           "experts with expert_parallel and keep tensor_parallel 1");
+           " need sequence_parallel = true (--sequence-parallel): each rank's experts compute on its part of "
+           "the sequence (as Megatron asserts); without it every rank would hold the same tokens");
+    if (g.n_experts > 0 && tensor_parallel > 1 && moe_capacity_factor > 0)
+      fail("moe_capacity_factor with tensor_parallel " + std::to_string(tensor_parallel) +
+           ": the capacity is per sequence, and sequence parallelism splits each sequence over the group; "
+           "dropping over a split sequence is not built");
     if (g.vocab_used > g.vocab)
       fail("vocab " + std::to_string(g.vocab) + " is below the tokenizer's " + std::to_string(g.vocab_used) + " pieces");
   }
@@ -531,10 +536,10 @@ void job_config::validate() const {
     if (g.n_experts % expert_parallel != 0)
       fail(ep + ": the " + std::to_string(g.n_experts) + " experts do not split over " +
            std::to_string(expert_parallel) + " ranks (expert_parallel must divide the experts)");
-    if (data_parallel % expert_parallel != 0)
-      fail(ep + " does not divide data_parallel " + std::to_string(data_parallel) +
-           ": an expert-parallel group is expert_parallel data-parallel replicas (Megatron's folding: EP divides "
-           "DP x TP, and TP is 1 with experts for now)");
+    if ((data_parallel * tensor_parallel) % expert_parallel != 0)
+      fail(ep + " does not divide data_parallel x tensor_parallel " + std::to_string(data_parallel) + " x " +
+           std::to_string(tensor_parallel) + ": an expert-parallel group is expert_parallel consecutive ranks of "
+           "the dense layout (Megatron's folding)");
     if (runtime != "local" && schedule == "dataflow")
       fail(ep + " with schedule dataflow: the stage actors of an expert-parallel group meet in every expert "
            "layer's all-to-all, so they run one fixed order (any schedule but dataflow)");

@@ -776,8 +776,12 @@ class decoder_slice final : public model_slice {
     auto k = rotate(projection(a, p + "self_attn.k_proj").view({B, T, KV, hd}).transpose(1, 2), from);
     auto v = projection(a, p + "self_attn.v_proj").view({B, T, KV, hd}).transpose(1, 2);
     x = x + row_parallel(attend(q, k, v, i, cache), p + "self_attn.o_proj", seq);
+    if (cfg_.is_moe_block(i)) {
+      // The experts compute on this rank's tokens, not split (expert tensor parallelism 1):
+      // under sequence parallelism its part of the sequences, so nothing is gathered.
+      return x + experts(rms_norm(x, p + "post_attention_layernorm"), i).to(x.scalar_type());
+    }
     const auto g = enter(rms_norm(x, p + "post_attention_layernorm"), seq);
-    if (cfg_.is_moe_block(i)) return x + experts(g, i).to(x.scalar_type());
     const auto h = torch::silu(projection(g, p + "mlp.gate_proj")) * projection(g, p + "mlp.up_proj");
     return x + row_parallel(h, p + "mlp.down_proj", seq);
   }
@@ -832,10 +836,21 @@ class decoder_slice final : public model_slice {
     }
     if ((!graph && !counts_aux) || cfg_.moe_aux_coeff == 0) return out;
     // Per sequence: f_e = its tokens' choices of e / (k T), P_e = the mean of p_e over its
-    // tokens; aux = coeff E sum_e f_e P_e, the mean over the micro-batch's sequences.
+    // tokens; aux = coeff E sum_e f_e P_e, the mean over the micro-batch's sequences. Under
+    // sequence parallelism each rank holds T / size tokens of every sequence: the sums are
+    // all-reduced over the group (identity backward, so each rank's gradient reaches its
+    // own tokens' probabilities; the router's are summed over the group as the norms').
     const auto counts = torch::zeros({B * T, E}, probs.options()).scatter_add_(1, chosen, torch::ones_like(picked.detach()));
-    const auto f = counts.view({B, T, E}).sum(1) / double(k * T);
-    const auto P = probs.view({B, T, E}).mean(1);
+    auto f = counts.view({B, T, E}).sum(1);
+    auto P = probs.view({B, T, E}).sum(1);
+    std::int64_t seq_len = T;
+    if (sequence()) {
+      f = tp::reduce_from(f, group());
+      P = tp::reduce_from(P, group());
+      seq_len *= tp_.size;
+    }
+    f = f / double(k * seq_len);
+    P = P / double(seq_len);
     const auto aux = (f * P).sum(1).mean() * (cfg_.moe_aux_coeff * double(E));
     if (counts_aux) {
       const auto counted = aux.detach() * aux_scale_;

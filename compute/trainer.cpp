@@ -177,17 +177,21 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
   if ((tp_ > 1 || ep_ > 1) && !groups)
     throw config_error("tensor_parallel " + std::to_string(tp_) + ", expert_parallel " + std::to_string(ep_) +
                        ": this loop was given no groups to compute in");
+  // Expert-parallel groups fold onto the dense layout (Megatron's): EP consecutive ranks
+  // q = r T + t (tensor-parallel rank fastest), so a group spans ep_block_ whole replicas.
+  ep_block_ = ep_ / std::gcd(ep_, tp_);
   for (int r = 0; r < d; ++r) {
     if (tp_ > 1) groups_.push_back(groups(tp_));
-    if (ep_ > 1 && r % ep_ == 0) ep_groups_.push_back(groups(ep_));  // replicas r .. r + ep_ - 1
     for (int t = 0; t < tp_; ++t) {
+      const int q = r * tp_ + t;
+      if (ep_ > 1 && q % ep_ == 0) ep_groups_.push_back(groups(ep_));  // ranks q .. q + ep_ - 1
       const tensor_parallel tp{t, tp_, cfg.sequence_parallel, tp_ > 1 ? groups_.back().at(std::size_t(t)) : nullptr};
       replicas_.push_back(
           std::make_unique<local_pipeline>(spec_, *init, cfg.pipeline, cfg.chunks, cfg.split, d, torch::kCPU, tp));
       for (int x = 0; x < replicas_.back()->virtual_stages(); ++x) {
         auto& slice = replicas_.back()->slice(x);
         slice.set_recompute(parse_recompute(cfg.recompute));
-        if (ep_ > 1) slice.set_expert_parallel({r % ep_, ep_, ep_groups_.back().at(std::size_t(r % ep_))});
+        if (ep_ > 1) slice.set_expert_parallel({q % ep_, ep_, ep_groups_.back().at(std::size_t(q % ep_))});
       }
     }
   }
@@ -217,26 +221,28 @@ step_stats local_trainer::step() {
   const int d = cfg_.data_parallel, m = cfg_.microbatches, mbs = cfg_.microbatch_size();
   const double weight = double(mbs) / cfg_.global_batch;  // each micro-batch's share
   // Forward and backward of every replica, in schedule order (each tensor-parallel rank's
-  // pipeline, and each replica of an expert-parallel group, on a thread of its own: they
+  // pipeline, and each rank of an expert-parallel group, on a thread of its own: they
   // meet in the collectives).
-  for (int first = 0; first < d; first += ep_) {
-    std::vector<std::vector<batch>> mb(static_cast<std::size_t>(ep_));
-    for (int r = first; r < first + ep_; ++r)
+  const auto block = std::size_t(ep_block_);
+  for (int first = 0; first < d; first += ep_block_) {
+    std::vector<std::vector<batch>> mb(block);
+    for (int r = first; r < first + ep_block_; ++r)
       for (int k = 0; k < m; ++k) mb[std::size_t(r - first)].push_back(data_.samples(next_step_, r * m * mbs + k * mbs, mbs));
-    std::vector<std::vector<double>> losses(static_cast<std::size_t>(ep_));
-    std::vector<double> aux(static_cast<std::size_t>(ep_), 0.0);
-    std::vector<expert_counts> routed(static_cast<std::size_t>(ep_));
-    together(first, ep_, [&](int r, int t) {
+    std::vector<std::vector<double>> losses(block);
+    std::vector<double> aux(block, 0.0);
+    std::vector<expert_counts> routed(block * std::size_t(tp_));
+    together(first, ep_block_, [&](int r, int t) {
       const auto i = std::size_t(r - first);
       auto l = replica(r, t).run_step(sched_, mb[i], weight);
       replica(r, t).sum_tied_grads();
       const double a = replica(r, t).take_aux_loss();
-      auto counts = replica(r, t).take_expert_tokens();
-      if (t == 0) losses[i] = l, aux[i] = a, routed[i] = std::move(counts);  // (every rank computed the same)
+      // (Each rank's tokens' routing: under sequence parallelism its part of the sequences.)
+      routed[i * std::size_t(tp_) + std::size_t(t)] = replica(r, t).take_expert_tokens();
+      if (t == 0) losses[i] = l, aux[i] = a;  // (every rank computed the same)
     });
+    for (const auto& counts : routed) add_expert_counts(st.expert_tokens, counts);
     for (std::size_t i = 0; i < losses.size(); ++i) {
       st.aux_loss += aux[i];
-      add_expert_counts(st.expert_tokens, routed[i]);
       for (double l : losses[i]) st.loss += l * weight;
       if (cfg_.sequence_parallel) sum_replicated_grads(first + int(i));
     }
@@ -365,7 +371,8 @@ void local_trainer::together(int first, int count, const std::function<void(int 
       if (tp_ > 1)
         for (auto& member : groups_.at(std::size_t(r))) member->abort(why);
     if (ep_ > 1)
-      for (auto& member : ep_groups_.at(std::size_t(first / ep_))) member->abort(why);
+      for (int q = first * tp_; q < (first + count) * tp_; q += ep_)
+        for (auto& member : ep_groups_.at(std::size_t(q / ep_))) member->abort(why);
   };
   for (int i = 0; i < n; ++i)
     threads.emplace_back([&, i] {
@@ -402,8 +409,8 @@ evaluation local_trainer::evaluate() {
   // Every rank of replica 0's groups takes part (an expert-parallel group's replicas each
   // evaluate the same set: their experts serve each other's tokens); replica 0's rank 0
   // reports.
-  std::vector<evaluation> by_rank(static_cast<std::size_t>(tp_ * ep_));
-  together(0, ep_, [&](int r, int t) {
+  std::vector<evaluation> by_rank(static_cast<std::size_t>(tp_ * ep_block_));
+  together(0, ep_block_, [&](int r, int t) {
     by_rank[std::size_t(r * tp_ + t)] = evaluate_model(replica(r, t), set, spec_.type == model_spec::kind::decoder,
                                                        r == 0 && t == 0 ? next_step_ : 0, cfg_.eval_tokens);
   });

@@ -169,7 +169,8 @@ class local_trainer {
   lr_schedule lrs_;
   training_data data_;
   int tp_ = 1;                                             ///< tensor-parallel ranks
-  int ep_ = 1;                                             ///< expert-parallel ranks (replicas per group)
+  int ep_ = 1;                                             ///< expert-parallel ranks per group
+  int ep_block_ = 1;  ///< replicas an expert-parallel group's ranks span: EP / gcd(EP, T)
   std::vector<std::vector<std::shared_ptr<collective_group>>> groups_;  ///< per replica, per rank
   std::vector<std::vector<std::shared_ptr<collective_group>>> ep_groups_;  ///< per group, per member
   std::vector<std::unique_ptr<local_pipeline>> replicas_;  ///< [replica * tp_ + rank]

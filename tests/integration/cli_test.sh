@@ -103,7 +103,7 @@ check train-moe-ep-dataflow 2 "$troupe" train --workload moe-tiny --data-paralle
   --schedule dataflow
 expect_in train-moe-ep-dataflow-msg "$err" "expert_parallel 2 with schedule dataflow"
 check train-moe-ep-divides 2 "$troupe" train --workload moe-tiny --runtime local --expert-parallel 2
-expect_in train-moe-ep-divides-msg "$err" "expert_parallel 2 does not divide data_parallel 1"
+expect_in train-moe-ep-divides-msg "$err" "expert_parallel 2 does not divide data_parallel x tensor_parallel 1 x 1"
 # A run's trace drawn: one block per op the schedule gave each stage.
 check train-dualpipev-trace 0 "$troupe" train --steps 2 --threads 1 --pipeline 2 --chunks 2 --microbatches 4 \
   --schedule dualpipev --eval-interval 0 --trace "$tmp/dpv-trace.json"

@@ -320,8 +320,8 @@ TEST(Moe, NamesAreMixtralsAndBadSettingsSaySo) {
   moe.moe_top_k = 0;
   moe.runtime = "local";
   moe.tensor_parallel = 2;
-  EXPECT_NE(error_of(moe).find("experts in a tensor-parallel job (which needs sequence parallelism) are not built yet"),
-            std::string::npos) << error_of(moe);
+  EXPECT_NE(error_of(moe).find("experts with tensor_parallel 2 need sequence_parallel = true"), std::string::npos)
+      << error_of(moe);
 }
 
 }  // namespace troupe

@@ -194,16 +194,21 @@ TEST(MultiProcessLlama, NodesFollowPlainPytorch) {
 // evaluation (several forwards per group) are exactly the in-process run's.
 TEST(MultiProcessExperts, NodesGiveExactlyTheInProcessParameters) {
   struct layout {
-    int p, d, ep, nodes;
+    int p, d, ep, nodes, t;
   };
-  for (const auto& l : {layout{2, 2, 2, 2}, layout{1, 4, 4, 4}}) {
-    const std::string at = "p" + std::to_string(l.p) + " d" + std::to_string(l.d) + " ep" + std::to_string(l.ep);
+  // (With tensor parallelism: each node one replica's tensor-parallel pair, the
+  // expert-parallel group of 4 over both nodes' pairs; then each pair spread over two
+  // nodes, the expert-parallel group that pair.)
+  for (const auto& l : {layout{2, 2, 2, 2, 1}, layout{1, 4, 4, 4, 1}, layout{1, 2, 4, 2, 2}, layout{1, 2, 2, 4, 2}}) {
+    const std::string at = "p" + std::to_string(l.p) + " d" + std::to_string(l.d) + " ep" + std::to_string(l.ep) +
+                           " t" + std::to_string(l.t);
     test::temp_dir dir;
     const std::vector<std::string> args{
         "--workload", "moe-tiny", "--layers", "2", "--pipeline", std::to_string(l.p), "--data-parallel",
         std::to_string(l.d), "--expert-parallel", std::to_string(l.ep), "--microbatches", "2", "--steps", "6",
         "--eval-interval", "0", "--threads", "1", "--eval-tokens", "256", "--save", dir / "multi.pt",
-        "--metrics", dir / "multi.jsonl"};
+        "--metrics", dir / "multi.jsonl", "--tensor-parallel", std::to_string(l.t), "--sequence-parallel",
+        l.t > 1 ? "true" : "false"};
     auto group = start({l.nodes, args}, dir, free_port());
     const auto results = group.wait(std::chrono::seconds(300));
     for (int i = 0; i < l.nodes; ++i) ASSERT_EQ(results[i].status, 0) << at << " node " << i << ":\n" << results[i].output;
@@ -213,6 +218,8 @@ TEST(MultiProcessExperts, NodesGiveExactlyTheInProcessParameters) {
     cfg.pipeline = l.p;
     cfg.data_parallel = l.d;
     cfg.expert_parallel = l.ep;
+    cfg.tensor_parallel = l.t;
+    cfg.sequence_parallel = l.t > 1;
     cfg.microbatches = 2;
     cfg.steps = 6;
     cfg.eval_interval = 0;

@@ -326,6 +326,97 @@ TEST(ExpertParallel, ACapacityFactorDropsTheSamePairsInEveryLayout) {
   EXPECT_EQ(local_trainer(capped).evaluate().loss, local_trainer(one).evaluate().loss);
 }
 
+// Megatron's folding of the expert groups onto a tensor-parallel layout: EP consecutive
+// ranks (tensor-parallel rank fastest) form a group, each rank's experts compute on its
+// part of the sequences (sequence parallelism), the load-balancing loss's per-sequence
+// sums are reduced over the tensor-parallel group. Groups inside one replica's pair of
+// ranks, across two replicas, with a pipeline, and tensor parallelism alone follow one
+// process within 1e-5 after 10 steps, with the same routing and load-balancing loss.
+TEST(ExpertParallel, ExpertGroupsFoldOntoTensorParallelRanks) {
+  auto one = moe_job();
+  const auto ref = train(one);
+  struct layout {
+    int t, ep, d, p;
+  };
+  for (const auto& l : {layout{2, 1, 1, 1}, layout{2, 2, 1, 1}, layout{2, 4, 2, 1}, layout{2, 2, 2, 2}}) {
+    auto c = one;
+    c.tensor_parallel = l.t;
+    c.sequence_parallel = true;
+    c.expert_parallel = l.ep;
+    c.data_parallel = l.d;
+    c.pipeline = l.p;
+    const auto got = train(c);
+    const std::string at = "t " + std::to_string(l.t) + " ep " + std::to_string(l.ep) + " d " + std::to_string(l.d) +
+                           " p " + std::to_string(l.p);
+    EXPECT_LE(test::max_abs_diff(got.state, ref.state), 1e-5) << at;
+    for (int i = 0; i < one.steps; ++i) {
+      EXPECT_NEAR(got.losses[std::size_t(i)], ref.losses[std::size_t(i)], 1e-5) << at << " step " << i;
+      EXPECT_NEAR(got.aux[std::size_t(i)], ref.aux[std::size_t(i)], 1e-6) << at << " step " << i;
+      EXPECT_EQ(got.routed[std::size_t(i)], ref.routed[std::size_t(i)])
+          << at << " step " << i << ": routing decisions differed: "
+          << routing_differences(got.routed[std::size_t(i)], ref.routed[std::size_t(i)]);
+    }
+  }
+}
+
+// The same folding in the actor runtime (in-process groups): the expert-parallel group
+// the tensor-parallel pair of a replica with a pipeline, a group over two replicas' pairs,
+// and combined-1f1b's pairs (run one after the other with tensor parallelism) follow one
+// process within 1e-5 after 10 steps, with the same load-balancing loss (reported once
+// per tensor-parallel group) and routing (each rank's part of the sequences); the pipeline
+// evaluation (every pipeline of the replicas a group spans runs each of their forwards,
+// the first replica's ranks score) equals the plain loop's.
+TEST(ExpertParallel, StageActorsFoldExpertGroupsOntoTensorParallelRanks) {
+  auto one = moe_job();
+  one.eval_tokens = 32;  // several evaluation forwards per group
+  local_trainer plain(one);
+  std::vector<step_stats> ref;
+  for (int i = 0; i < one.steps; ++i) ref.push_back(plain.step());
+  const auto ref_eval = plain.evaluate();
+  struct layout {
+    int t, ep, d, p, m;
+    const char* schedule;
+  };
+  test::temp_dir dir;
+  actor_run_options quiet;
+  quiet.quiet = true;
+  for (const auto& l : {layout{2, 2, 1, 2, 2, "1f1b"}, layout{2, 4, 2, 1, 2, "1f1b"},
+                        layout{2, 2, 1, 1, 4, "combined-1f1b"}}) {
+    auto c = one;
+    c.runtime = "actors";
+    c.tensor_parallel = l.t;
+    c.sequence_parallel = true;
+    c.expert_parallel = l.ep;
+    c.data_parallel = l.d;
+    c.pipeline = l.p;
+    c.microbatches = l.m;
+    c.schedule = l.schedule;
+    const std::string at = "t " + std::to_string(l.t) + " ep " + std::to_string(l.ep) + " d " + std::to_string(l.d) +
+                           " p " + std::to_string(l.p) + " " + l.schedule;
+    c.metrics = dir / (std::to_string(l.ep) + l.schedule + ".jsonl");
+    const auto got = run_actor_training(c, quiet);
+    ASSERT_EQ(got.exit_code, 0) << at << ": " << got.error;
+    EXPECT_LE(test::max_abs_diff(got.final_state, plain.state()), 1e-5) << at;
+    ASSERT_EQ(got.evaluations.size(), 1u) << at;
+    EXPECT_NEAR(got.evaluations[0].loss, ref_eval.loss, 1e-5) << at;
+    std::ifstream metrics(c.metrics);
+    int i = 0;
+    for (std::string line; std::getline(metrics, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      ASSERT_LT(i, one.steps) << at;
+      const auto& st = ref[std::size_t(i)];
+      EXPECT_NEAR(j.at("loss").get<double>(), st.loss, 1e-5) << at << " step " << i;
+      EXPECT_NEAR(j.at("aux_loss").get<double>(), st.aux_loss, 1e-6) << at << " step " << i;
+      const auto [fewest, most] = expert_token_range(st.expert_tokens);
+      EXPECT_EQ(j.at("expert_tokens_min").get<std::vector<std::int64_t>>(), fewest) << at << " step " << i;
+      EXPECT_EQ(j.at("expert_tokens_max").get<std::vector<std::int64_t>>(), most) << at << " step " << i;
+      ++i;
+    }
+    EXPECT_EQ(i, one.steps) << at;
+  }
+}
+
 TEST(ExpertParallel, BadLayoutsSaySo) {
   const auto error_of = test::config_error_of;
   auto c = moe_job();
@@ -335,7 +426,7 @@ TEST(ExpertParallel, BadLayoutsSaySo) {
   EXPECT_NE(error_of(c).find("the 4 experts do not split over 3 ranks"), std::string::npos) << error_of(c);
   c = moe_job();
   c.expert_parallel = 2;
-  EXPECT_NE(error_of(c).find("expert_parallel 2 does not divide data_parallel 1"), std::string::npos) << error_of(c);
+  EXPECT_NE(error_of(c).find("expert_parallel 2 does not divide data_parallel x tensor_parallel 1 x 1"), std::string::npos) << error_of(c);
   c.data_parallel = 2;
   c.runtime = "actors";
   c.schedule = "dataflow";
@@ -347,6 +438,20 @@ TEST(ExpertParallel, BadLayoutsSaySo) {
   dense.data_parallel = 2;
   dense.runtime = "local";
   EXPECT_NE(error_of(dense).find("the model has no experts"), std::string::npos) << error_of(dense);
+  c = moe_job();
+  c.tensor_parallel = 2;
+  EXPECT_NE(error_of(c).find("experts with tensor_parallel 2 need sequence_parallel = true"), std::string::npos)
+      << error_of(c);
+  c.sequence_parallel = true;
+  c.moe_capacity_factor = 1;
+  EXPECT_NE(error_of(c).find("moe_capacity_factor with tensor_parallel 2"), std::string::npos) << error_of(c);
+  c.moe_capacity_factor = 0;
+  c.expert_parallel = 2;  // (the group: the tensor-parallel pair)
+  EXPECT_EQ(error_of(c), "");
+  c.expert_parallel = 8;
+  c.experts = 8;
+  EXPECT_NE(error_of(c).find("expert_parallel 8 does not divide data_parallel x tensor_parallel 1 x 2"),
+            std::string::npos) << error_of(c);
   dense.expert_parallel = 1;
   dense.moe_capacity_factor = 1.25;
   EXPECT_NE(error_of(dense).find("moe_capacity_factor 1.25: the model has no experts"), std::string::npos)
