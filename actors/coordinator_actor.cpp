@@ -430,12 +430,12 @@ void write_metrics(self_ptr self, const nlohmann::json& line) {
     // Set by the launcher for a restart after a failure, or for a launch that takes hosts
     // back (its stop request's time).
     const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-    if (const char* failed = std::getenv("TROUPE_FAILED_AT")) {
+    if (const auto& failed = s.ctx->launch.failed_at) {
       s.recovery["cause"] = "failure";
-      s.recovery["seconds_from_failure_to_step"] = now - std::atof(failed);
-    } else if (const char* stopped = std::getenv("TROUPE_REGROW_AT")) {
+      s.recovery["seconds_from_failure_to_step"] = now - *failed;
+    } else if (const auto& stopped = s.ctx->launch.regrow_at) {
       s.recovery["cause"] = "hosts back";
-      s.recovery["seconds_from_stop_to_step"] = now - std::atof(stopped);
+      s.recovery["seconds_from_stop_to_step"] = now - *stopped;
     }
     s.metrics << s.recovery.dump() << '\n';
     s.recovery = nullptr;
@@ -451,7 +451,7 @@ void open_metrics(self_ptr self) {
   auto& s = self->state;
   const auto& cfg = s.ctx->cfg;
   if (cfg.metrics.empty()) return;
-  const bool resumed = s.ctx->start_step > 0 || s.ctx->launch_attempt > 0;
+  const bool resumed = s.ctx->start_step > 0 || s.ctx->launch.attempt > 0;
   const bool continues = resumed || !cfg.resume.empty();
   // (A restarted job without a checkpoint starts at step 0 again: its old step lines go too.)
   std::int64_t last = -1;  // the last step the log had a line for
@@ -472,7 +472,7 @@ void open_metrics(self_ptr self) {
                   {"step", s.ctx->start_step},
                   {"checkpoint", cfg.resume.empty() ? cfg.load : cfg.resume},
                   {"replayed_steps", std::max<std::int64_t>(0, last + 1 - s.ctx->start_step)},
-                  {"launch_attempt", s.ctx->launch_attempt}};
+                  {"launch_attempt", s.ctx->launch.attempt}};
   }
   s.metrics.open(cfg.metrics, continues ? std::ios::app : std::ios::trunc);
   if (!s.metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
@@ -948,7 +948,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
   st.result = result;
   st.lrs = {ctx->cfg.lr, ctx->cfg.min_lr, ctx->cfg.warmup};
   open_metrics(self);
-  st.profile_request = kernel_profile_from_env();  // checked before the run (check_kernel_profile_env)
+  st.profile_request = parse_kernel_profile(ctx->launch.kernel_profile);  // checked before the run (check_kernel_profile)
   if (st.profile_request && kernel_profile::available()) st.profile = std::make_shared<kernel_profile>();
   if (st.profile && st.profile_request->last >= ctx->cfg.steps)
     spdlog::warn("TROUPE_KERNEL_PROFILE asks for steps up to {}, but the run has {}: no profile will be written",

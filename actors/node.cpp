@@ -251,11 +251,11 @@ actor_run_result run_node(const node_options& o) {
         if (o.node == 0) {
           cfg = o.cfg;
           cfg.validate();
-          resolve_resume(cfg);  // one checkpoint folder for every node (they get this config)
+          resolve_resume(cfg, o.run.launch.resume_auto);  // one checkpoint folder for every node (they get this config)
           node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes, cfg.tensor_parallel);  // fits, or a clear error now
           const auto data = training_data::identity(cfg);  // the data every node must read
           check_output_paths(cfg);
-          check_kernel_profile_env();
+          check_kernel_profile(o.run.launch.kernel_profile);
           registrar_handle = spawn_registrar(sys, o.token, o.nodes, cfg.to_toml(), steady_clock_ns(), data);
           auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)
                                  : sys.middleman().publish(registrar_handle, o.port, nullptr, true);
@@ -298,7 +298,7 @@ actor_run_result run_node(const node_options& o) {
             spdlog::warn("{}: {} node processes share this machine's {} GPU(s)", where, o.nodes_per_host, gpus);
         }
         // this node's stages' parameters (and moments), not the whole model's
-        std::shared_ptr<const runtime_context> ctx = std::make_shared<runtime_context>(cfg, clock, slots);
+        std::shared_ptr<const runtime_context> ctx = std::make_shared<runtime_context>(cfg, clock, slots, o.run.launch);
         const auto how = transport_for(*ctx, o.transport, where);
         node_plan plan;
         if (o.rejoin) {  // communicators come with the coordinator's recovery round

@@ -36,7 +36,8 @@ void release_freed_memory() {
 }  // namespace
 
 runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock_,
-                                 const std::optional<std::vector<std::pair<int, int>>>& slots)
+                                 const std::optional<std::vector<std::pair<int, int>>>& slots,
+                                 const launch_info& launch_)
     : cfg(c),
       spec(c.model()),
       tied_name(tied_parameter(spec)),
@@ -54,6 +55,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
       split_backward(dataflow ? c.split_backward : sched.split_backward()),
       ranges(partition_layers(spec.n_layers(), p, v, c.split)),
       clock(clock_ ? std::move(clock_) : std::make_shared<const job_clock>(steady_clock_ns())) {
+  launch = launch_;
   try {
     device = resolve_device(c.device);
     compute_dtype = parse_precision(c.precision);
@@ -62,10 +64,8 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   } catch (const std::invalid_argument& e) {
     throw config_error(std::string("invalid configuration: ") + e.what());
   }
-  resolve_resume(cfg);
-  if (const char* a = std::getenv("TROUPE_LAUNCH_ATTEMPT")) launch_attempt = std::atoi(a);
-  if (const char* b = std::getenv("TROUPE_BACKWARD_ON_STAGE_THREAD")) backward_on_stage_threads = std::string(b) == "1";
-  if (launch_attempt == cfg.fault_attempt) faults = fault_plan::parse(cfg);
+  resolve_resume(cfg, launch.resume_auto);
+  if (launch.attempt == cfg.fault_attempt) faults = fault_plan::parse(cfg);
   if (!cfg.resume.empty()) {
     std::function<bool(const std::string&)> keep;
     if (slots) keep = [mine = parameters_of(*slots)](const std::string& name) { return mine.count(name) > 0; };
@@ -228,8 +228,8 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
   } restore{caller_threads};
   training_data::check_available(cfg);  // a clear error now rather than a dead loader later
   check_output_paths(cfg);               // and rather than losing the run at its end
-  check_kernel_profile_env();
-  auto ctx = std::make_shared<const runtime_context>(cfg);
+  check_kernel_profile(opts.launch.kernel_profile);
+  auto ctx = std::make_shared<const runtime_context>(cfg, nullptr, std::nullopt, opts.launch);
   auto wiring = std::make_shared<job_wiring>();
   auto result = std::make_shared<actor_run_result>();
   {

@@ -28,6 +28,7 @@
 
 #include "actors/payload.hpp"
 #include "actors/trace.hpp"
+#include "compute/launch_info.hpp"
 #include "compute/fault_plan.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/job_config.hpp"
@@ -47,8 +48,11 @@ struct runtime_context {
   /// runs only these stages ((replica, stage) pairs) keeps of the initial or resumed
   /// parameters and moments only what their slices take (keep_only); a checkpoint folder
   /// it resumes is read so, file by file, never whole. None: the whole model.
+  /// `launch`: what the launcher said besides the configuration (a restart, benchmark
+  /// hooks).
   explicit runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock = nullptr,
-                           const std::optional<std::vector<std::pair<int, int>>>& slots = std::nullopt);
+                           const std::optional<std::vector<std::pair<int, int>>>& slots = std::nullopt,
+                           const launch_info& launch = {});
 
   job_config cfg;
   model_spec spec;
@@ -97,13 +101,13 @@ struct runtime_context {
   /// The names of the parameters the slices of `slots` take.
   std::set<std::string> parameters_of(const std::vector<std::pair<int, int>>& slots) const;
   std::int64_t start_step = 0;       ///< --load / --resume: the checkpoint's next step
-  /// How often the launcher has restarted this job (TROUPE_LAUNCH_ATTEMPT); injected
-  /// faults fire in one launch only (faults.attempt, default the first).
-  int launch_attempt = 0;
-  /// TROUPE_BACKWARD_ON_STAGE_THREAD=1: every stage's backward on its own thread (stages
-  /// with an expert-parallel group always; compute/device.hpp's backward_on_this_thread),
-  /// to compare on a GPU with LibTorch's one autograd thread per device.
-  bool backward_on_stage_threads = false;
+  /// What the launcher said: how often it has restarted this job (`launch.attempt`;
+  /// injected faults fire in one launch only, faults.attempt, default the first), the
+  /// restart's cause for the metrics, and the benchmarks' hooks: every stage's backward on
+  /// its own thread (`launch.backward_on_stage_threads`; stages with a group always,
+  /// compute/device.hpp's backward_on_this_thread), to compare on a GPU with LibTorch's
+  /// one autograd thread per device; a delay in every all-to-all; a kernel profile.
+  launch_info launch;
   /// The [faults] keys, parsed once; empty unless this launch is the one they fire in.
   /// Each actor asks its own fault_injector made from it.
   fault_plan faults;
@@ -221,6 +225,9 @@ struct actor_run_options {
   /// there only --save and checkpoint_dir gather it, so without them node 0 never holds
   /// more of the model than its own stages.
   bool final_state = true;
+  /// What the launcher said besides the configuration (launch/ reads it from the
+  /// environment; tests leave it empty).
+  launch_info launch;
 };
 
 struct actor_run_result {

@@ -133,8 +133,8 @@ struct stage_state {
   int group_size() const { return ep_size / std::gcd(ep_size, tp_size) * tp_size; }
   /// Whether backwards run on the stage's thread (backward_on_this_thread): in a group
   /// (required: its collectives would wait for each other on LibTorch's one autograd
-  /// thread per GPU), or when the job asks (runtime_context::backward_on_stage_threads).
-  bool backward_here() const { return group_size() > 1 || ctx->backward_on_stage_threads; }
+  /// thread per GPU), or when the launcher asks (launch_info::backward_on_stage_threads).
+  bool backward_here() const { return group_size() > 1 || ctx->launch.backward_on_stage_threads; }
   // (micro-batch or evaluation forward, chunk) of the forward and of the backward
   // computing now (both at once in an overlapped pair), for their all-to-alls' events.
   key computing_forward{-1, -1}, computing_backward{-1, -1};
@@ -1124,9 +1124,10 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
     };
     expert_parallel ep{experts->rank(), experts->size(),
                        as_collective_group(experts, nullptr, observer([] { return false; }),
-                                           entry(label("forwards"), first, experts->size())),
+                                           entry(label("forwards"), first, experts->size()), ctx->launch.all_to_all_delay),
                        as_collective_group(experts_backward, nullptr, observer([] { return true; }),
-                                           entry(label("backwards"), first, experts->size()))};
+                                           entry(label("backwards"), first, experts->size()),
+                                           ctx->launch.all_to_all_delay)};
     for (auto& chunk : st.chunks) chunk->set_expert_parallel(ep);
     st.ep_size = experts->size();
   }

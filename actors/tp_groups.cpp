@@ -17,22 +17,15 @@ std::int64_t row_elements(const torch::Tensor& t) {
   return n;
 }
 
-/// Benchmarks of hiding the all-to-all (tests/bench/experts): TROUPE_TEST_ALLTOALL_DELAY_MS
-/// makes every all-to-all last that much longer, as a network with that latency would
-/// (this kernel has no netem to add it to a link).
-std::chrono::microseconds test_delay() {
-  static const std::chrono::microseconds delay = [] {
-    const char* v = std::getenv("TROUPE_TEST_ALLTOALL_DELAY_MS");
-    return std::chrono::microseconds(v && *v ? std::int64_t(std::atof(v) * 1000) : 0);
-  }();
-  return delay;
-}
-
 class communicator_group final : public collective_group {
  public:
   communicator_group(std::shared_ptr<transport::communicator> comm, std::shared_ptr<collective_traffic> traffic,
-                     collective_observer observe, collective_entry enter)
-      : comm_(std::move(comm)), traffic_(std::move(traffic)), observe_(std::move(observe)), enter_(std::move(enter)) {}
+                     collective_observer observe, collective_entry enter, std::chrono::microseconds all_to_all_delay)
+      : comm_(std::move(comm)),
+        traffic_(std::move(traffic)),
+        observe_(std::move(observe)),
+        enter_(std::move(enter)),
+        all_to_all_delay_(all_to_all_delay) {}
   int rank() const override { return comm_->rank(); }
   int size() const override { return comm_->size(); }
   // (The transports take flat tensors: views of the same memory.)
@@ -76,7 +69,8 @@ class communicator_group final : public collective_group {
     const auto w = start();
     while (!w->wait(std::chrono::seconds(60))) {
     }
-    if (kind == &collective_traffic::all_to_all && test_delay().count() > 0) std::this_thread::sleep_for(test_delay());
+    if (kind == &collective_traffic::all_to_all && all_to_all_delay_.count() > 0)
+      std::this_thread::sleep_for(all_to_all_delay_);
     const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
     if (observe_) observe_(name, bytes, double(waited.count()) * 1e-9);
     if (!traffic_) return;
@@ -88,6 +82,7 @@ class communicator_group final : public collective_group {
   std::shared_ptr<collective_traffic> traffic_;
   collective_observer observe_;
   collective_entry enter_;
+  std::chrono::microseconds all_to_all_delay_;  ///< benchmarks: launch_info::all_to_all_delay
 };
 
 }  // namespace
@@ -99,9 +94,10 @@ double collective_traffic::ring_bytes(int size) const {
 
 std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm,
                                                       std::shared_ptr<collective_traffic> traffic,
-                                                      collective_observer observe, collective_entry enter) {
+                                                      collective_observer observe, collective_entry enter,
+                                                      std::chrono::microseconds all_to_all_delay) {
   return std::make_shared<communicator_group>(std::move(comm), std::move(traffic), std::move(observe),
-                                              std::move(enter));
+                                              std::move(enter), all_to_all_delay);
 }
 
 std::vector<std::shared_ptr<collective_group>> counted_in_process_groups(int size,

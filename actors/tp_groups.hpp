@@ -2,6 +2,7 @@
 // Tensor-parallel groups over transport/ communicators: compute/'s collective_group (the
 // blocking collectives the parallel layers call) as the transport's asynchronous ones.
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,11 +34,14 @@ using collective_observer = std::function<void(const char* name, std::int64_t by
 using collective_entry = std::function<void(const char* name)>;
 
 /// `comm` as a collective_group: each collective is started and waited for (and counted
-/// into `traffic`, and told to `enter` and then `observe`, when given).
+/// into `traffic`, and told to `enter` and then `observe`, when given). Benchmarks of
+/// hiding the all-to-all (tests/bench/experts): every all-to-all lasts `all_to_all_delay`
+/// longer, as a network with that latency would (launch_info::all_to_all_delay).
 std::shared_ptr<collective_group> as_collective_group(std::shared_ptr<transport::communicator> comm,
                                                       std::shared_ptr<collective_traffic> traffic = nullptr,
                                                       collective_observer observe = nullptr,
-                                                      collective_entry enter = nullptr);
+                                                      collective_entry enter = nullptr,
+                                                      std::chrono::microseconds all_to_all_delay = {});
 
 /// Groups whose ranks are threads of this process (transport/local/: bit-identical sums
 /// to the UCX backend's).

@@ -376,9 +376,7 @@ job_config checkpoint_job_config(const std::string& folder) {
   }
 }
 
-void resolve_resume(job_config& cfg) {
-  const char* env = std::getenv("TROUPE_RESUME_AUTO");
-  const bool auto_env = env && std::string(env) == "1";
+void resolve_resume(job_config& cfg, bool restarted) {
   auto has_checkpoint = [](const std::string& root) {
     try {
       return !root.empty() && !find_checkpoint(root).empty();
@@ -386,7 +384,7 @@ void resolve_resume(job_config& cfg) {
       return false;
     }
   };
-  if (auto_env && has_checkpoint(cfg.checkpoint_dir)) {
+  if (restarted && has_checkpoint(cfg.checkpoint_dir)) {
     cfg.resume = find_checkpoint(cfg.checkpoint_dir);
     return;
   }

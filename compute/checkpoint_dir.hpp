@@ -75,10 +75,10 @@ job_config checkpoint_job_config(const std::string& folder);
 std::vector<std::pair<std::string, std::string>> training_identity(const job_config& cfg);
 
 /// Resolves `cfg.resume` in place: "auto" is the newest checkpoint of cfg.checkpoint_dir
-/// (none yet: "", a fresh start); a folder becomes its step folder. With
-/// TROUPE_RESUME_AUTO=1 in the environment (set by the launcher when it restarts a job)
-/// the newest checkpoint of checkpoint_dir wins over the configured one.
-void resolve_resume(job_config& cfg);
+/// (none yet: "", a fresh start); a folder becomes its step folder. With `restarted`
+/// (launch_info::resume_auto: the launcher restarts the job) the newest checkpoint of
+/// checkpoint_dir wins over the configured one.
+void resolve_resume(job_config& cfg, bool restarted);
 
 /// The files and folders a run will write (output.save and its ".optim" beside it, metrics, trace,
 /// checkpoint_dir, which is created) can be written: a missing or read-only folder, or a

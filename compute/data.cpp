@@ -7,6 +7,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -118,13 +119,11 @@ std::vector<std::uint8_t> read_all(int fd, std::size_t size_hint, const std::str
   return out;
 }
 
-/// TROUPE_TEXT_NO_MMAP=1 (testing): every text is read as if its mapping had failed.
-bool mapping_disabled() {
-  const char* v = std::getenv("TROUPE_TEXT_NO_MMAP");
-  return v && *v && std::string(v) != "0";
-}
+std::atomic<bool> no_mapping{false};  // text_corpus::fail_mappings_for_testing
 
 }  // namespace
+
+void text_corpus::fail_mappings_for_testing(bool fail) { no_mapping.store(fail); }
 
 void text_corpus::map_files(const std::vector<std::string>& files, const std::string& what) {
   struct closer {  // the file is closed however this iteration ends (a mapping keeps it)
@@ -141,7 +140,7 @@ void text_corpus::map_files(const std::vector<std::string>& files, const std::st
     if (size == 0) continue;
     void* addr = MAP_FAILED;
     int err = ENODEV;  // TROUPE_TEXT_NO_MMAP
-    if (!mapping_disabled()) {
+    if (!no_mapping.load()) {
       addr = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
       err = errno;
     }

@@ -52,6 +52,10 @@ class text_corpus {
   /// A corpus of given training and validation bytes (data.val_text: no 90/10 split).
   text_corpus(std::vector<std::uint8_t> train, const std::vector<std::uint8_t>& valid);
 
+  /// Tests: every text read from now on is read as if its mapping had failed (a file
+  /// system without mmap), until called with false.
+  static void fail_mappings_for_testing(bool fail);
+
   /// A text of one's own (data.text): the file `path`, or every file of the folder `path`
   /// whose name does not start with '.', in byte order of names (links to files count;
   /// subfolders are not read).

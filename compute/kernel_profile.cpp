@@ -16,13 +16,12 @@
 
 namespace troupe {
 
-std::optional<kernel_profile_request> kernel_profile_from_env() {
-  const char* v = std::getenv("TROUPE_KERNEL_PROFILE");
-  if (!v || !*v) return std::nullopt;
+std::optional<kernel_profile_request> parse_kernel_profile(const std::string& request) {
+  if (request.empty()) return std::nullopt;
   kernel_profile_request r;
-  std::string s = v;
+  std::string s = request;
   const auto bad = [&] {
-    return std::invalid_argument("TROUPE_KERNEL_PROFILE=" + std::string(v) +
+    return std::invalid_argument("TROUPE_KERNEL_PROFILE=" + request +
                                  ": expected FILE[:FIRST[:LAST]] with 0 <= FIRST <= LAST (steps, 0-based)");
   };
   const auto number = [&](const std::string& t) {
@@ -47,8 +46,8 @@ std::optional<kernel_profile_request> kernel_profile_from_env() {
   return r;
 }
 
-void check_kernel_profile_env() {
-  if (kernel_profile_from_env() && !kernel_profile::available())
+void check_kernel_profile(const std::string& request) {
+  if (parse_kernel_profile(request) && !kernel_profile::available())
     throw std::invalid_argument(
         "TROUPE_KERNEL_PROFILE is set, but this build has no kernel profiler (it needs LibTorch 2.x with CUDA)");
 }

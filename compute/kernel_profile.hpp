@@ -18,13 +18,14 @@ struct kernel_profile_request {
   int first = 5, last = 6;
 };
 
-/// TROUPE_KERNEL_PROFILE parsed; nullopt when unset. Throws std::invalid_argument on a
+/// A kernel profile request, FILE[:FIRST[:LAST]] (launch_info::kernel_profile, from
+/// TROUPE_KERNEL_PROFILE), parsed; nullopt when empty. Throws std::invalid_argument on a
 /// malformed value.
-std::optional<kernel_profile_request> kernel_profile_from_env();
+std::optional<kernel_profile_request> parse_kernel_profile(const std::string& request);
 
-/// Throws std::invalid_argument when TROUPE_KERNEL_PROFILE is set but malformed, or this
-/// build cannot profile kernels: before a run starts rather than at its first step.
-void check_kernel_profile_env();
+/// Throws std::invalid_argument when `request` is malformed, or set where this build
+/// cannot profile kernels: before a run starts rather than at its first step.
+void check_kernel_profile(const std::string& request);
 
 class kernel_profile {
  public:

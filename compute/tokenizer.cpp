@@ -143,10 +143,14 @@ tokenizer_info tokenizer_info_of(const std::string& path) {
   return it->second;
 }
 
+namespace {
+std::string process_cache_dir;  // set_default_cache_dir
+}  // namespace
+
+void set_default_cache_dir(const std::string& dir) { process_cache_dir = dir; }
+
 std::string default_cache_dir() {
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return (fs::path(xdg) / "troupe").string();
-  if (const char* home = std::getenv("HOME"); home && *home) return (fs::path(home) / ".cache" / "troupe").string();
-  return (fs::temp_directory_path() / "troupe-cache").string();
+  return process_cache_dir.empty() ? (fs::temp_directory_path() / "troupe-cache").string() : process_cache_dir;
 }
 
 token_corpus::token_corpus(const text_corpus& text, const std::string& text_fingerprint, const tokenizer& tok,

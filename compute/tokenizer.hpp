@@ -91,7 +91,11 @@ class token_corpus {
   bool written_ = false;
 };
 
-/// The default cache folder: $XDG_CACHE_HOME/troupe, else ~/.cache/troupe.
+/// The token cache's folder where data.cache_dir is empty: this process's
+/// set_default_cache_dir, else a folder under the system's temporary folder.
 std::string default_cache_dir();
+/// Sets default_cache_dir for this process: launch/ does, once, from the environment
+/// ($XDG_CACHE_HOME/troupe, else ~/.cache/troupe; each node process from its own host's).
+void set_default_cache_dir(const std::string& dir);
 
 }  // namespace troupe

@@ -31,11 +31,6 @@ int run_ended(int code, const std::string& msg) {
   return code;
 }
 
-std::string env_or(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : fallback;
-}
-
 void install_stop_handlers(bool coordinator) {
   if (coordinator) {
     std::signal(SIGTERM, on_stop_signal);

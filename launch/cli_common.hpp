@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "compute/job_config.hpp"
+#include "launch/environment.hpp"
 
 namespace troupe_cli {
 
@@ -23,7 +24,6 @@ int fail(int code, const std::string& msg);
 /// is no error (its checkpoint is written).
 int run_ended(int code, const std::string& msg);
 /// The environment variable `name`, or `fallback` when it is unset or empty.
-std::string env_or(const char* name, const std::string& fallback);
 /// SIGTERM and SIGUSR1 to the coordinator's process (or the local loop's) stop the run
 /// after its step, with a checkpoint (compute/trainer.hpp: exit_stopped); SIGUSR2 has it
 /// log what every actor waits for. Other nodes ignore SIGUSR1 (SLURM's --signal reaches

@@ -146,8 +146,7 @@ std::string check_host(const troupe::job_config& cfg, bool quick) {
   }
   // A restart resumes from checkpoint_dir (TROUPE_RESUME_AUTO=1, set by the launcher) and
   // every node reads its start state there: the folder must be on this host too.
-  const char* resume_auto = std::getenv("TROUPE_RESUME_AUTO");
-  if (resume_auto && std::string(resume_auto) == "1" && !cfg.checkpoint_dir.empty() &&
+  if (troupe_cli::read_environment().resume_auto && !cfg.checkpoint_dir.empty() &&
       !std::filesystem::is_directory(cfg.checkpoint_dir))
     throw std::runtime_error("checkpoint_dir " + cfg.checkpoint_dir +
                              " is not on this host (every node reads its start state there: it must be a folder "
@@ -382,6 +381,11 @@ int main(int argc, char** argv) {
   auto logger = spdlog::stderr_color_mt("troupe");
   spdlog::set_default_logger(logger);
   spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
+  try {
+    troupe_cli::read_environment();  // the process's one read of its environment (launch/environment.hpp)
+  } catch (const troupe::config_error& e) {
+    return fail(exit_usage, e.what());
+  }
 
   CLI::App app{"Troupe: actor-based distributed training"};
   app.require_subcommand(1);
@@ -620,6 +624,7 @@ int main(int argc, char** argv) {
     if (cfg.runtime == "local") return troupe::run_training(cfg, troupe::stop_requested, troupe::in_process_groups);
     troupe::actor_run_options opts;
     opts.final_state = false;  // nothing here reads it: --save and checkpoint_dir gather what they write
+    opts.launch = troupe_cli::read_environment();
     const auto result = troupe::run_actor_training(cfg, opts);
     if (result.exit_code != 0) return run_ended(result.exit_code, result.error);
     return 0;

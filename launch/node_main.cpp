@@ -30,6 +30,7 @@ int run_node_command(const config_flags& flags) {
     if (!(probe_s >= 0)) throw std::invalid_argument("TROUPE_CLOCK_PROBE_SECONDS must be 0 or more seconds");
     o.clock_probe_interval = std::chrono::milliseconds(std::int64_t(probe_s * 1000));
     o.clock_drift_ppm = std::stod(env_or("TROUPE_TEST_CLOCK_DRIFT_PPM", "0"));  // tests: a clock at another rate
+    o.run.launch = read_environment();
   } catch (const std::exception& e) {
     return fail(exit_usage, std::string("bad node environment: ") + e.what());
   }

@@ -148,6 +148,7 @@ void coll(communicator& c, c10d::ProcessGroupGloo& gloo) {
 int run_rank(const std::string& mode, int rank, int size, const std::string& dir) {
   torch::set_num_threads(1);
   ucx_options uo;  // TROUPE_BENCH_DIRECT_MAX_BYTES: another direct-exchange threshold (0: ring only)
+  if (const char* tls = std::getenv("UCX_TLS")) uo.tls = tls;  // (the progress loop's spin follows it)
   if (const char* d = std::getenv("TROUPE_BENCH_DIRECT_MAX_BYTES")) uo.direct_max_bytes = std::stoll(d);
   // TROUPE_BENCH_DRIVE=0: collectives without ucx_options::drive (A/B)
   if (const char* d = std::getenv("TROUPE_BENCH_DRIVE")) uo.drive = std::string(d) != "0";

@@ -9,6 +9,7 @@
 #include <optional>
 #include <thread>
 
+#include "launch/environment.hpp"
 #include "compute/device.hpp"
 #include "test_util.hpp"
 #include "process_group.hpp"
@@ -119,34 +120,25 @@ TEST(Transport, LocalMismatchAndAbortAreErrors) {
 }
 
 // The UCX progress loop sleeps at once where UCX_TLS allows TCP only and the machine has
-// fewer cores than ranks on it, spins otherwise; TROUPE_UCX_SPIN or an explicit option wins.
+// fewer cores than ranks on it, spins otherwise; TROUPE_UCX_SPIN or an explicit option
+// wins. (launch/ reads both variables once: troupe_cli::ucx_options_from.)
 TEST(Transport, UcxSpinFollowsTheTransports) {
-  struct env_guard {
-    std::string name;
-    std::optional<std::string> old;
-    env_guard(const char* n) : name(n) {
-      if (const char* v = std::getenv(n)) old = v;
-    }
-    ~env_guard() { old ? setenv(name.c_str(), old->c_str(), 1) : unsetenv(name.c_str()); }
-  } tls("UCX_TLS"), spin("TROUPE_UCX_SPIN");
-  unsetenv("TROUPE_UCX_SPIN");
   const std::vector<std::pair<std::string, int>> cases{
       {"tcp", 0}, {"tcp,self", 0}, {"self,tcp", 0}, {"sm,self", 2000}, {"tcp,sm,self", 2000},
       {"rc,tcp", 2000}, {"^sm", 2000}, {"all", 2000}};
   const int crowded = int(std::thread::hardware_concurrency()) + 1;
   for (const auto& [value, want] : cases) {
-    setenv("UCX_TLS", value.c_str(), 1);
-    EXPECT_EQ(resolve_spin(-1, crowded), want) << value;
-    EXPECT_EQ(resolve_spin(-1, 1), 2000) << value << ": a core per rank";
+    const auto o = troupe_cli::ucx_options_from(nullptr, value.c_str());
+    EXPECT_EQ(o.tls, value);
+    EXPECT_EQ(resolve_spin(o.spin, crowded, o.tls), want) << value;
+    EXPECT_EQ(resolve_spin(o.spin, 1, o.tls), 2000) << value << ": a core per rank";
   }
-  unsetenv("UCX_TLS");
   EXPECT_EQ(resolve_spin(-1), 2000);
-  setenv("UCX_TLS", "tcp", 1);
-  EXPECT_EQ(resolve_spin(7, crowded), 7);
-  setenv("TROUPE_UCX_SPIN", "300", 1);
-  EXPECT_EQ(resolve_spin(-1, crowded), 300);
-  setenv("TROUPE_UCX_SPIN", "many", 1);
-  EXPECT_THROW(resolve_spin(-1), std::invalid_argument);
+  EXPECT_EQ(resolve_spin(7, crowded, "tcp"), 7);
+  const auto spin = troupe_cli::ucx_options_from("300", "tcp");
+  EXPECT_EQ(resolve_spin(spin.spin, crowded, spin.tls), 300);
+  EXPECT_THROW(troupe_cli::ucx_options_from("many", nullptr), troupe::config_error);
+  EXPECT_THROW(troupe_cli::ucx_options_from("3x", nullptr), troupe::config_error);
 }
 
 TEST(Transport, LocalSendRecvAndCompletionCallbacks) {

@@ -251,7 +251,8 @@ TEST(Data, MappedTextCostsNoHeap) {
                                           << "-byte text";
 }
 
-// A file system that cannot map a text (mmap fails; forced here with TROUPE_TEXT_NO_MMAP):
+// A file system that cannot map a text (mmap fails; forced here with
+// text_corpus::fail_mappings_for_testing):
 // the text is read into memory instead, with a warning, and gives the same samples.
 TEST(Data, ATextThatCannotBeMappedIsReadIntoMemory) {
   troupe::test::temp_dir dir;
@@ -263,11 +264,11 @@ TEST(Data, ATextThatCannotBeMappedIsReadIntoMemory) {
     all.insert(all.end(), part.begin(), part.end());
   }
   const auto mapped = text_corpus::read_text(dir / "texts");
-  ::setenv("TROUPE_TEXT_NO_MMAP", "1", 1);
+  text_corpus::fail_mappings_for_testing(true);
   const auto before = anonymous_resident_bytes();
   const auto read = text_corpus::read_text(dir / "texts");
   const auto grown = anonymous_resident_bytes() - before;
-  ::unsetenv("TROUPE_TEXT_NO_MMAP");
+  text_corpus::fail_mappings_for_testing(false);
   EXPECT_EQ(mapped.mapped_bytes(), all.size());
   EXPECT_EQ(read.mapped_bytes(), 0u);
   ASSERT_EQ(read.size(), all.size());

@@ -49,6 +49,27 @@ TEST(Layering, MessagesDependOnlyOnCafAndLibTorch) {
   EXPECT_TRUE(bad.empty()) << listed(bad);
 }
 
+// No environment variable is read below launch/ (launch/environment.hpp reads them once
+// into launch_info and the UCX options), except the settings of other libraries that
+// Troupe must not contradict: cuBLAS's workspace for deterministic runs, glibc malloc's
+// tunables.
+TEST(Layering, NoEnvironmentVariableIsReadBelowLaunch) {
+  std::vector<std::string> bad;
+  for (const char* layer : {"actors", "compute", "transport", "messages"}) {
+    const std::filesystem::path root = std::string(TROUPE_SOURCE_DIR) + "/" + layer;
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
+      const auto ext = entry.path().extension();
+      if (ext != ".hpp" && ext != ".cpp") continue;
+      std::ifstream in(entry.path());
+      for (std::string line; std::getline(in, line);)
+        if (line.find("getenv(") != std::string::npos && line.find("CUBLAS_WORKSPACE_CONFIG") == std::string::npos &&
+            line.find("std::getenv(user)") == std::string::npos)
+          bad.push_back(entry.path().lexically_relative(TROUPE_SOURCE_DIR).string() + ": " + line);
+    }
+  }
+  EXPECT_TRUE(bad.empty()) << listed(bad);
+}
+
 TEST(Layering, TheCheckFindsAnInclude) {  // the checks above can fail
   EXPECT_FALSE(violations("actors", std::regex(R"("messages/type_ids.hpp")")).empty());
 }

@@ -288,7 +288,7 @@ void ucx_comm::connect(const std::vector<std::string>& all) {
     ucx_addresses.push_back(std::move(ucx_address));
     local += machine == here;
   }
-  spin_ = resolve_spin(opts_.spin, local);
+  spin_ = resolve_spin(opts_.spin, local, opts_.tls);
   eps_.assign(size_, nullptr);
   for (int r = 0; r < size_; ++r) {
     ucp_ep_params_t ep{};
@@ -796,18 +796,10 @@ class pending_impl : public ucx_pending {
 };
 }  // namespace
 
-int resolve_spin(int requested, int local_ranks) {
+int resolve_spin(int requested, int local_ranks, const std::string& tls) {
   if (requested >= 0) return requested;
-  if (const char* e = std::getenv("TROUPE_UCX_SPIN"); e && *e) {
-    try {
-      return std::max(0, std::stoi(e));
-    } catch (const std::exception&) {
-      throw std::invalid_argument(std::string("TROUPE_UCX_SPIN must be a count, not '") + e + "'");
-    }
-  }
   // UCX_TLS naming tcp and nothing else but self (or "^..." exclusions: not TCP-only).
-  const char* tls = std::getenv("UCX_TLS");
-  if (!tls || *tls == '^') return 2000;
+  if (tls.empty() || tls.front() == '^') return 2000;
   bool tcp = false, other = false;
   std::stringstream in(tls);
   for (std::string t; std::getline(in, t, ',');) (t == "tcp" ? tcp : other) |= t != "self";
@@ -815,6 +807,13 @@ int resolve_spin(int requested, int local_ranks) {
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
   return local_ranks > cores ? 0 : 2000;
 }
+
+namespace {
+ucx_options process_options;  // set_process_ucx_options (launch/, before any communicator)
+}  // namespace
+
+void set_process_ucx_options(const ucx_options& opts) { process_options = opts; }
+const ucx_options& process_ucx_options() { return process_options; }
 
 std::unique_ptr<ucx_pending> prepare_ucx_communicator(int rank, int size, ucx_options opts) {
   return std::make_unique<pending_impl>(rank, size, opts);

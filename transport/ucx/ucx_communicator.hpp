@@ -24,14 +24,17 @@ namespace troupe::transport {
 struct ucx_options {
   /// Every blocking step of a collective fails after this long (a peer died or froze).
   std::chrono::milliseconds timeout{60000};
-  /// Progress-loop spins before sleeping on the event fd (latency vs CPU). -1: the
-  /// environment's TROUPE_UCX_SPIN, else 0 where UCX_TLS allows TCP only and more ranks
-  /// of the communicator share this machine than it has cores (the kernel moves the
+  /// Progress-loop spins before sleeping on the event fd (latency vs CPU). -1: 0 where
+  /// `tls` allows TCP only and more ranks of the communicator share this machine than it
+  /// has cores (the kernel moves the
   /// bytes; spinning only takes cores from it: 4 ranks on 2 cores, one-element all-reduce
   /// 320-500 us sleeping, 800-940 spinning), else 2000 (polling pays: shared memory and
   /// RDMA, and TCP with a core per rank: 2 ranks on 2 cores, 47-76 us spinning, 127-222
   /// sleeping).
   int spin = -1;
+  /// UCX_TLS as UCX reads it (launch/ fills it from the environment, with `spin` from
+  /// TROUPE_UCX_SPIN: process_ucx_options); "": UCX's default, every transport.
+  std::string tls;
   /// UCX peer-failure handling (errors instead of timeouts when a peer dies); UCX 1.13
   /// supports it on TCP and RDMA but not on shared memory, so it is off by default.
   bool peer_failure_handling = false;
@@ -48,8 +51,14 @@ struct ucx_options {
 };
 
 /// The progress loop's spin count for `requested` (see ucx_options::spin), with
-/// `local_ranks` ranks of the communicator on this machine.
-int resolve_spin(int requested, int local_ranks = 1);
+/// `local_ranks` ranks of the communicator on this machine and UCX_TLS `tls`.
+int resolve_spin(int requested, int local_ranks = 1, const std::string& tls = "");
+
+/// The options every UCX communicator of this process starts from (prepare_ucx_communicator's
+/// default): launch/ sets them once from the environment (TROUPE_UCX_SPIN, UCX_TLS)
+/// before any is made; nothing below launch/ reads the environment.
+void set_process_ucx_options(const ucx_options& opts);
+const ucx_options& process_ucx_options();
 
 /// All-gathers one string per rank (rank order): the bootstrap that exchanges UCX worker
 /// addresses, supplied by the caller (the actors' control plane, or a rendezvous folder).
@@ -64,11 +73,11 @@ class ucx_pending {
   virtual const std::string& address() const = 0;
   virtual std::shared_ptr<communicator> connect(const std::vector<std::string>& addresses) = 0;
 };
-std::unique_ptr<ucx_pending> prepare_ucx_communicator(int rank, int size, ucx_options opts = {});
+std::unique_ptr<ucx_pending> prepare_ucx_communicator(int rank, int size, ucx_options opts = process_ucx_options());
 
 /// Creates rank `rank` of `size`: makes a UCX worker, exchanges addresses, connects.
 std::shared_ptr<communicator> make_ucx_communicator(int rank, int size, const address_exchange& exchange,
-                                                    ucx_options opts = {});
+                                                    ucx_options opts = process_ucx_options());
 
 /// The memory types this machine's UCX can move (ucp_context_query): "host" always, "cuda"
 /// and others where its build has the modules (Debian's UCX 1.13 has none).

@@ -1,0 +1,79 @@
+#include "launch/environment.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <stdexcept>
+
+#include "compute/job_config.hpp"
+#include "compute/tokenizer.hpp"
+
+namespace troupe_cli {
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+
+namespace {
+
+/// `name`'s value as a number; nullopt when unset or empty.
+std::optional<double> number(const char* name) {
+  const auto v = env_or(name, "");
+  if (v.empty()) return std::nullopt;
+  try {
+    std::size_t used = 0;
+    const double x = std::stod(v, &used);
+    if (used == v.size()) return x;
+  } catch (const std::exception&) {
+  }
+  throw troupe::config_error(std::string(name) + " must be a number, not '" + v + "'");
+}
+
+}  // namespace
+
+troupe::launch_info launch_info_from_environment() {
+  troupe::launch_info l;
+  l.attempt = int(number("TROUPE_LAUNCH_ATTEMPT").value_or(0));
+  l.resume_auto = env_or("TROUPE_RESUME_AUTO", "") == "1";
+  l.failed_at = number("TROUPE_FAILED_AT");
+  l.regrow_at = number("TROUPE_REGROW_AT");
+  l.backward_on_stage_threads = env_or("TROUPE_BACKWARD_ON_STAGE_THREAD", "") == "1";
+  l.all_to_all_delay = std::chrono::microseconds(std::int64_t(number("TROUPE_TEST_ALLTOALL_DELAY_MS").value_or(0) * 1000));
+  l.kernel_profile = env_or("TROUPE_KERNEL_PROFILE", "");
+  return l;
+}
+
+troupe::transport::ucx_options ucx_options_from(const char* spin, const char* tls) {
+  troupe::transport::ucx_options o;
+  if (spin && *spin) {
+    try {
+      std::size_t used = 0;
+      o.spin = std::max(0, std::stoi(spin, &used));
+      if (used != std::string(spin).size()) throw std::invalid_argument(spin);
+    } catch (const std::exception&) {
+      throw troupe::config_error(std::string("TROUPE_UCX_SPIN must be a count, not '") + spin + "'");
+    }
+  }
+  if (tls) o.tls = tls;
+  return o;
+}
+
+std::string cache_dir_from(const char* xdg_cache_home, const char* home) {
+  namespace fs = std::filesystem;
+  if (xdg_cache_home && *xdg_cache_home) return (fs::path(xdg_cache_home) / "troupe").string();
+  if (home && *home) return (fs::path(home) / ".cache" / "troupe").string();
+  return "";
+}
+
+const troupe::launch_info& read_environment() {
+  static const troupe::launch_info read = [] {
+    troupe::transport::set_process_ucx_options(ucx_options_from(std::getenv("TROUPE_UCX_SPIN"), std::getenv("UCX_TLS")));
+    troupe::set_default_cache_dir(cache_dir_from(std::getenv("XDG_CACHE_HOME"), std::getenv("HOME")));
+    return launch_info_from_environment();
+  }();
+  return read;
+}
+
+}  // namespace troupe_cli
