@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <regex>
 #include <string>
@@ -11,8 +12,8 @@
 
 namespace {
 
-/// "FILE: #include LINE" for every include of the layer's files that `forbidden` matches.
-std::vector<std::string> violations(const std::string& layer, const std::regex& forbidden) {
+/// "FILE: LINE" for every line of the layer's sources that `wanted` picks.
+std::vector<std::string> lines_of(const std::string& layer, const std::function<bool(const std::string&)>& wanted) {
   std::vector<std::string> out;
   const std::filesystem::path root = std::string(TROUPE_SOURCE_DIR) + "/" + layer;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
@@ -20,10 +21,21 @@ std::vector<std::string> violations(const std::string& layer, const std::regex& 
     if (ext != ".hpp" && ext != ".cpp") continue;
     std::ifstream in(entry.path());
     for (std::string line; std::getline(in, line);)
-      if (line.rfind("#include", 0) == 0 && std::regex_search(line, forbidden))
-        out.push_back(entry.path().lexically_relative(TROUPE_SOURCE_DIR).string() + ": " + line);
+      if (wanted(line)) out.push_back(entry.path().lexically_relative(TROUPE_SOURCE_DIR).string() + ": " + line);
   }
   return out;
+}
+
+/// Every include of the layer's files that `forbidden` matches.
+std::vector<std::string> violations(const std::string& layer, const std::regex& forbidden) {
+  return lines_of(layer, [&](const std::string& line) {
+    return line.rfind("#include", 0) == 0 && std::regex_search(line, forbidden);
+  });
+}
+
+/// Every line of the layer's files that calls getenv.
+std::vector<std::string> environment_reads(const std::string& layer) {
+  return lines_of(layer, [](const std::string& line) { return line.find("getenv(") != std::string::npos; });
 }
 
 std::string listed(const std::vector<std::string>& v) {
@@ -55,21 +67,14 @@ TEST(Layering, MessagesDependOnlyOnCafAndLibTorch) {
 // tunables.
 TEST(Layering, NoEnvironmentVariableIsReadBelowLaunch) {
   std::vector<std::string> bad;
-  for (const char* layer : {"actors", "compute", "transport", "messages"}) {
-    const std::filesystem::path root = std::string(TROUPE_SOURCE_DIR) + "/" + layer;
-    for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
-      const auto ext = entry.path().extension();
-      if (ext != ".hpp" && ext != ".cpp") continue;
-      std::ifstream in(entry.path());
-      for (std::string line; std::getline(in, line);)
-        if (line.find("getenv(") != std::string::npos && line.find("CUBLAS_WORKSPACE_CONFIG") == std::string::npos &&
-            line.find("std::getenv(user)") == std::string::npos)
-          bad.push_back(entry.path().lexically_relative(TROUPE_SOURCE_DIR).string() + ": " + line);
-    }
-  }
+  for (const char* layer : {"actors", "compute", "transport", "messages"})
+    for (const auto& line : environment_reads(layer))
+      if (line.find("CUBLAS_WORKSPACE_CONFIG") == std::string::npos && line.find("std::getenv(user)") == std::string::npos)
+        bad.push_back(line);
   EXPECT_TRUE(bad.empty()) << listed(bad);
 }
 
-TEST(Layering, TheCheckFindsAnInclude) {  // the checks above can fail
+TEST(Layering, TheChecksFindWhatTheyLookFor) {  // the checks above can fail
+  EXPECT_FALSE(environment_reads("launch").empty());
   EXPECT_FALSE(violations("actors", std::regex(R"("messages/type_ids.hpp")")).empty());
 }
