@@ -1,4 +1,5 @@
 #include "actors/coordinator_actor.hpp"
+#include "actors/coordinator_state.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -25,9 +26,8 @@
 #include "compute/trainer.hpp"
 #include "messages/type_ids.hpp"
 
-namespace troupe {
+namespace troupe::coordinator {
 
-namespace {
 
 /// Where the gradient-norm partial of virtual stage `x`'s shard of pipeline `pipe` goes
 /// among a step's partials: (virtual stage, tensor-parallel rank, data-parallel rank)
@@ -36,73 +36,6 @@ std::size_t partial_index(const runtime_context& ctx, int x, int pipe) {
   return (std::size_t(x) * ctx.t + ctx.tp_of(pipe)) * ctx.d + ctx.dp_of(pipe);
 }
 
-constexpr auto state_timeout = std::chrono::seconds(60);
-constexpr auto checkpoint_write_timeout = std::chrono::minutes(10);  // a stage's files, on a slow shared disk
-constexpr auto reset_check_timeout = std::chrono::seconds(60);
-constexpr auto watchdog_tick = std::chrono::milliseconds(500);
-constexpr auto wait_answer_timeout = std::chrono::seconds(2);  // an actor's answer to the hang probe
-constexpr double first_step_hang_seconds = 60;               // the watchdog's limit before a step's time is known
-constexpr std::size_t recent_step_count = 16;                // the steps whose median sets the limit
-
-struct coordinator_state {
-  std::shared_ptr<const runtime_context> ctx;
-  std::shared_ptr<job_wiring> wiring;
-  actor_run_options opts;
-  std::shared_ptr<actor_run_result> result;
-  std::vector<caf::actor> supervisors;  // one per node
-  caf::response_promise done;
-  bool finished = false;
-  lr_schedule lrs;
-  std::optional<batch> eval_set;  // read at the first evaluation
-  std::ofstream metrics;
-  // per step
-  std::int64_t step = 0;
-  step_stats stats;
-  double started_us = 0;
-  std::vector<double> losses, partials;
-  int n_losses = 0, n_partials = 0, n_stages = 0, n_shards = 0;
-  // Which reports of this step arrived (a duplicate is dropped, never counted twice).
-  std::vector<bool> seen_losses, seen_partials, seen_stages, seen_shards;
-  bool committed = false;
-  std::vector<trace_event> events;
-  std::vector<int> peaks;
-  double elapsed = 0;
-  int timed = 0;
-  int skipped = 0;           // updates skipped for NaN/inf gradients
-  bool skipping = false;     // this step's update is skipped
-  double checkpoint_seconds = 0;  // spent on the checkpoint folders written
-  int checkpoints = 0;
-  int checkpoint_failures = 0;  // checkpoints due that could not be written (the run went on)
-  nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
-  std::int32_t attempt = 0;  // of this step: > 0 after in-place retries
-  bool retrying = false;     // the supervisors are rebuilding the actors: ignore theirs
-  std::int32_t rounds = 0;   // in-place recoveries so far (the actors' generation)
-  bool node_lost = false;    // a node process that cannot rejoin is gone: no in-place retry
-  caf::actor registrar;      // several nodes: where a lost node's restarted process rejoins
-  std::map<int, caf::actor> lost;  // lost nodes awaiting a restarted process: their old supervisor
-  int rejoins = 0;           // node processes the launcher restarted so far (opts.node_restarts)
-  int skipped_before = 0;    // `skipped` when the step began (a retry counts again)
-  // An evaluation through the pipeline (between steps): each forward's score, by forward.
-  bool evaluating = false;
-  std::vector<eval_score> eval_scores;
-  std::vector<bool> seen_evals;
-  int n_evals = 0;
-  std::function<void(evaluation)> eval_then;
-  // The hang watchdog: the seconds of the last committed steps, when this step last made
-  // progress (a report arrived), and whether the actors are being asked what they wait for.
-  std::deque<double> recent_steps;
-  double last_progress_us = 0;
-  bool diagnosing = false;
-  std::vector<std::string> sent;     // message_key of what it sent this step (the wait-for graph)
-  bool in_step = false;              // between a step's begin and its commit or abort
-  std::vector<int> stage_nodes;      // [replica * p + stage]: the node of the stage (and of its shard)
-  std::vector<int> loader_nodes;     // [replica]
-  // TROUPE_KERNEL_PROFILE: the GPU kernels of chosen steps (compute/kernel_profile.hpp).
-  std::optional<kernel_profile_request> profile_request;
-  std::shared_ptr<kernel_profile> profile;
-};
-
-using self_ptr = caf::stateful_actor<coordinator_state>*;
 
 /// True the first time report `index` of this step arrives; a duplicate (a resent or
 /// duplicated control message) is logged and dropped.
@@ -116,10 +49,7 @@ bool first_report(std::vector<bool>& seen, std::size_t index, const char* what, 
 }
 
 void begin(self_ptr self);
-/// Aborts the step and ends the run, or retries it in place (see the definition).
-void fail(self_ptr self, const std::string& why, bool recoverable = true);
 
-/// request_all's `failed` that ends the wait and fails the step: "WHAT: the error".
 std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::string what) {
   return [self, what](std::size_t, caf::error& err) {
     fail(self, what + ": " + self->system().render(err));
@@ -127,7 +57,6 @@ std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::stri
   };
 }
 
-/// Every actor of the rows of `grid`, row by row.
 std::vector<caf::actor> all_of(const std::vector<std::vector<caf::actor>>& grid) {
   std::vector<caf::actor> out;
   for (const auto& row : grid) out.insert(out.end(), row.begin(), row.end());
@@ -272,293 +201,6 @@ void retry_in_place(self_ptr self) {
                      std::to_string(self->state.ctx->cfg.rejoin_timeout) + " s (" + self->system().render(err) + ")");
             });
   }
-}
-
-/// Fetches the full model (model order, on the host) from replica 0's stages (tensor
-/// parallelism: those of each of its ranks, the parts put together), then calls `then`.
-void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
-  auto& s = self->state;
-  const int p = s.ctx->p;
-  std::vector<caf::actor> stages;  // pipelines 0 .. t - 1, stage by stage
-  for (int q = 0; q < s.ctx->t; ++q) stages.insert(stages.end(), s.wiring->stages[q].begin(), s.wiring->stages[q].end());
-  auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(s.ctx->t);
-  request_all<state_reply>(
-      self, stages, state_timeout,
-      [parts, p](std::size_t i, state_reply& rep) {
-        for (std::size_t j = 0; j < rep.names.size(); ++j)
-          (*parts)[i / p].emplace(rep.names[j], tensor_of(rep.tensors[j]).to(torch::kCPU));
-      },
-      [self, parts, then] {
-        const auto& spec = self->state.ctx->spec;
-        const auto by_name = parts->size() == 1 ? parts->front() : unshard_by_name(spec, {}, *parts);
-        state_dict full;
-        for (const auto& name : parameter_names(spec)) full.emplace_back(name, by_name.at(name));
-        then(std::move(full));
-      },
-      fail_with(self, "no parameters from a stage"), state_atom_v);
-}
-
-/// Fetches every optimizer shard's AdamW moments (and, in bf16 jobs, main parameters) by
-/// parameter name (tensor parallelism: each rank's parts put together into the whole
-/// parameters of `model`'s shapes), then calls `then`.
-void fetch_moments(self_ptr self, const state_dict& model, std::function<void(named_moments)> then) {
-  const auto& ctx = *self->state.ctx;
-  auto parts = std::make_shared<std::vector<named_moments>>(ctx.t);
-  request_all<shard_moments>(
-      self, all_of(self->state.wiring->shards), state_timeout,  // [stage][pipeline]
-      [parts, pipes = ctx.pipes, t = ctx.t](std::size_t i, shard_moments& rep) {
-        add_shard_moments((*parts)[std::size_t(int(i % std::size_t(pipes)) % t)], rep);
-      },
-      [self, parts, model, then] {
-        if (parts->size() == 1) return then(std::move(parts->front()));
-        then(unshard_moments(self->state.ctx->spec, model, *parts));
-      },
-      fail_with(self, "no optimizer state from a shard"), state_atom_v);
-}
-
-/// The model to save and report: replica 0's stages' parameters, or where they are
-/// rounded (bf16 jobs) the shards' fp32 main parameters. Fetches the shards' state, puts
-/// their main parameters into `model`, then calls `then` with both.
-void with_shard_state(self_ptr self, state_dict model, std::function<void(state_dict, named_moments)> then) {
-  fetch_moments(self, model, [=](named_moments moments) mutable {
-    use_main_params(model, moments);
-    then(std::move(model), std::move(moments));
-  });
-}
-
-/// The model to report at the end (final_state), then `then`.
-void fetch_final_state(self_ptr self, std::function<void(state_dict)> then) {
-  fetch_state(self, [=](state_dict model) {
-    if (self->state.ctx->compute_dtype == torch::kFloat32) return then(std::move(model));
-    with_shard_state(self, std::move(model), [=](state_dict model, named_moments) { then(std::move(model)); });
-  });
-}
-
-/// A checkpoint due after this step that could not be written. An interim one (a full
-/// disk) does not end the run: the training state is whole in memory, so it is logged and
-/// the run goes on to the next one; but the run's last (`final`: the end, or a stop) must
-/// be written: false (the run failed).
-bool checkpoint_failed(self_ptr self, const std::string& what, bool final) {
-  auto& s = self->state;
-  const auto next = s.step + 1;
-  if (final) {
-    fail(self, "cannot write the checkpoint of step " + std::to_string(next) + " (the run's last): " + what, false);
-    return false;
-  }
-  log_checkpoint_not_written(next, what, s.ctx->cfg.checkpoint_interval);
-  ++s.checkpoint_failures;
-  return true;
-}
-
-/// Writes FILE.optim and FILE (--save, as the plain loop does) from the gathered model.
-/// False where the run failed (see checkpoint_failed).
-bool save_file(self_ptr self, const state_dict& model, const named_moments& moments, bool final) {
-  const auto& cfg = self->state.ctx->cfg;
-  const auto next = self->state.step + 1;
-  try {
-    save_state_dict(cfg.save + ".optim", optimizer_state_dict(moments, model, next));
-    save_state_dict(cfg.save, model);
-    spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
-    return true;
-  } catch (const std::exception& e) {
-    return checkpoint_failed(self, e.what(), final);
-  }
-}
-
-/// Writes a checkpoint folder in checkpoint_dir. No process gathers the model for it:
-/// this one creates the step's temporary folder, replica 0's stages write their files
-/// into it from their own processes (write_checkpoint), and this one then writes the
-/// manifest and renames the folder. Calls `then` unless the run failed (see
-/// checkpoint_failed).
-void write_folder(self_ptr self, bool final, std::function<void()> then) {
-  auto& s = self->state;
-  const auto& cfg = s.ctx->cfg;
-  const auto next = s.step + 1;
-  const double t0 = s.ctx->now_us();
-  std::string tmp;
-  try {
-    tmp = begin_checkpoint_dir(cfg.checkpoint_dir, next);
-  } catch (const std::exception& e) {
-    if (checkpoint_failed(self, e.what(), final)) then();
-    return;
-  }
-  const int p = s.ctx->p;
-  auto files = std::make_shared<std::vector<checkpoint_file>>();
-  auto errors = std::make_shared<std::vector<std::string>>(p);  // per stage, reported in stage order
-  auto conclude = [=] {
-    auto& s = self->state;
-    const auto& cfg = s.ctx->cfg;
-    if (s.finished) return abandon_checkpoint_dir(cfg.checkpoint_dir, next);  // ended meanwhile (a node lost)
-    std::string what;
-    for (const auto& e : *errors)
-      if (!e.empty()) what += (what.empty() ? "" : "; ") + e;
-    try {
-      if (!what.empty()) throw checkpoint_error(what);
-      const auto where = finish_checkpoint_dir(cfg.checkpoint_dir, cfg, *files, next, cfg.keep_checkpoints);
-      const double seconds = (s.ctx->now_us() - t0) * 1e-6;
-      spdlog::info("step {}: checkpoint written to {} ({} stage(s) wrote their files in {:.2f} s)", next, where, p,
-                   seconds);
-      s.checkpoint_seconds += seconds;
-      ++s.checkpoints;
-    } catch (const std::exception& e) {
-      abandon_checkpoint_dir(cfg.checkpoint_dir, next);
-      if (!checkpoint_failed(self, e.what(), final)) return;
-    }
-    then();
-  };
-  request_all<stage_checkpoint>(
-      self, s.wiring->stages[0], checkpoint_write_timeout,
-      [self, errors, files](std::size_t k, stage_checkpoint& rep) {
-        if (!rep.error.empty()) (*errors)[k] = "stage " + std::to_string(k) + ": " + rep.error;
-        auto& events = self->state.result->events;
-        events.insert(events.end(), rep.events.begin(), rep.events.end());
-        for (const auto& f : rep.files) files->push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
-      },
-      conclude,
-      [self, errors](std::size_t k, caf::error& err) {
-        (*errors)[k] = "stage " + std::to_string(k) + ": no answer (" + self->system().render(err) + ")";
-        return true;
-      },
-      write_checkpoint{tmp, next});
-}
-
-/// Appends a step's line to the metrics log (after a resumed run's "resume" line).
-void write_metrics(self_ptr self, const nlohmann::json& line) {
-  auto& s = self->state;
-  if (!s.metrics.is_open()) return;
-  if (!s.recovery.is_null()) {
-    // Set by the launcher for a restart after a failure, or for a launch that takes hosts
-    // back (its stop request's time).
-    const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-    if (const auto& failed = s.ctx->launch.failed_at) {
-      s.recovery["cause"] = "failure";
-      s.recovery["seconds_from_failure_to_step"] = now - *failed;
-    } else if (const auto& stopped = s.ctx->launch.regrow_at) {
-      s.recovery["cause"] = "hosts back";
-      s.recovery["seconds_from_stop_to_step"] = now - *stopped;
-    }
-    s.metrics << s.recovery.dump() << '\n';
-    s.recovery = nullptr;
-  }
-  s.metrics << line.dump() << '\n' << std::flush;
-}
-
-/// A fresh run starts a new metrics log (an older run's lines would mix with its own). A
-/// resumed or restarted run, or one asked to resume, continues it: lines of the steps it
-/// runs again go (they come back as the steps commit), events stay, and a "resume" line
-/// says from where and how much runs again.
-void open_metrics(self_ptr self) {
-  auto& s = self->state;
-  const auto& cfg = s.ctx->cfg;
-  if (cfg.metrics.empty()) return;
-  const bool resumed = s.ctx->start_step > 0 || s.ctx->launch.attempt > 0;
-  const bool continues = resumed || !cfg.resume.empty();
-  // (A restarted job without a checkpoint starts at step 0 again: its old step lines go too.)
-  std::int64_t last = -1;  // the last step the log had a line for
-  if (continues) {
-    std::ifstream in(cfg.metrics);
-    std::string kept, text;
-    while (std::getline(in, text)) {
-      const auto j = nlohmann::json::parse(text, nullptr, false);
-      const auto step = j.is_object() && j.contains("step") && j.at("step").is_number_integer() ? j.at("step").get<std::int64_t>() : -1;
-      // Step lines of the steps this run does again go; events (aborts, resumes) stay.
-      if (step < s.ctx->start_step || !j.is_object() || !j.contains("loss")) kept += text + "\n";
-      else last = std::max(last, step);
-    }
-    if (in.is_open()) write_file_atomically(cfg.metrics, kept);
-  }
-  if (resumed) {
-    s.recovery = {{"event", "resume"},
-                  {"step", s.ctx->start_step},
-                  {"checkpoint", cfg.resume.empty() ? cfg.load : cfg.resume},
-                  {"replayed_steps", std::max<std::int64_t>(0, last + 1 - s.ctx->start_step)},
-                  {"launch_attempt", s.ctx->launch.attempt}};
-  }
-  s.metrics.open(cfg.metrics, continues ? std::ios::app : std::ios::trunc);
-  if (!s.metrics) throw std::runtime_error("cannot open metrics file " + cfg.metrics);
-}
-
-/// Writes an evaluation's fields and time (`eval_seconds`) into the step's metrics line and
-/// keeps it for the run's result.
-void record_evaluation(self_ptr self, const evaluation& e, double seconds, nlohmann::json& line) {
-  for (const auto& [key, value] : e.fields()) line[key] = value;
-  line["eval_seconds"] = seconds;
-  self->state.result->evaluations.push_back({e, int(self->state.step) + 1});
-}
-
-/// The evaluation set, read at the first evaluation and kept.
-const batch& evaluation_set(self_ptr self) {
-  auto& s = self->state;
-  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
-  if (!s.eval_set) s.eval_set = training_data(s.ctx->cfg, training_data::use::evaluation).evaluation_set();
-  return *s.eval_set;
-}
-
-/// eval_mode gather: evaluates the whole model, gathered from the stages, here.
-void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line, double t0) {
-  auto& s = self->state;
-  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
-  local_pipeline model(s.ctx->spec, state, 1, 1, {}, 1, s.ctx->device);  // on the job's device
-  const auto e = evaluate_model(model, evaluation_set(self), s.ctx->spec.type == model_spec::kind::decoder,
-                                int(s.step) + 1, s.ctx->cfg.eval_tokens);
-  record_evaluation(self, e, (s.ctx->now_us() - t0) * 1e-6, line);
-}
-
-/// eval_mode pipeline (Megatron's forward-only schedule): the evaluation set's forwards
-/// go forward only through the stage actors, forward f through replica f mod d (expert
-/// parallelism: through each replica of group f mod (d / EP)), all of them sent at once
-/// (a stage runs each as its input arrives, so the forwards pipeline); the last stages
-/// score them (`eval_result`). Once every forward is scored the stages
-/// hand over their ops' trace events, and `then` gets the evaluation, combined in forward
-/// order as evaluate_model combines it. Nothing is gathered: no process holds more of the
-/// model than its stages. A failure or a timeout (step_timeout) ends the run as a failure
-/// after a committed step does (exit 75: a restart from the newest checkpoint).
-void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
-  auto& s = self->state;
-  const auto& ctx = *s.ctx;
-  const auto& set = evaluation_set(self);
-  const auto plan = plan_evaluation(set, ctx.spec.type == model_spec::kind::decoder, ctx.cfg.eval_tokens);
-  s.evaluating = true;
-  s.eval_scores.assign(plan.size(), {});
-  s.seen_evals.assign(plan.size(), false);
-  s.n_evals = 0;
-  s.eval_then = std::move(then);
-  // Expert parallelism: forward f through every pipeline of block f mod (pipes / width),
-  // the pipelines of the whole replicas an expert-parallel group spans (EP consecutive
-  // pipelines, tensor-parallel rank fastest: width lcm(EP, T)), scored by the block's
-  // first replica (the others serve its tokens' experts). Tensor parallelism: that
-  // replica's every pipeline scores its part of the vocabulary.
-  const int ep = ctx.cfg.expert_parallel, width = ep / std::gcd(ep, ctx.t) * ctx.t, groups = ctx.pipes / width;
-  for (std::size_t f = 0; f < plan.size(); ++f) {
-    const int first = int(f % std::size_t(groups)) * width;
-    const auto rows = [&](const torch::Tensor& t) { return make_payload(t.narrow(0, plan[f].begin, plan[f].rows)); };
-    for (int r = first; r < first + ctx.t; ++r)
-      self->send(s.wiring->stages[r].at(ctx.loss_stage()), eval_target{s.step, std::int32_t(f), rows(set.target)});
-    for (int r = first; r < first + width; ++r)
-      self->send(s.wiring->stages[r].front(), eval_activation{s.step, std::int32_t(f), 0, rows(set.input)});
-  }
-  self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), eval_atom_v, s.step);
-}
-
-/// Every forward is scored: collects the stages' evaluation events (the trace), then
-/// hands the evaluation on.
-void end_evaluation(self_ptr self) {
-  auto& s = self->state;
-  request_all<std::vector<trace_event>>(
-      self, all_of(s.wiring->stages), state_timeout,
-      [self](std::size_t, std::vector<trace_event>& events) {
-        auto& all = self->state.result->events;
-        all.insert(all.end(), events.begin(), events.end());
-      },
-      [self] {
-        auto& s = self->state;
-        s.evaluating = false;
-        const auto e = combine_evaluation(s.eval_scores, evaluation_set(self),
-                                          s.ctx->spec.type == model_spec::kind::decoder, 0);  // logged with its time
-        auto then = std::move(s.eval_then);
-        then(e);
-      },
-      fail_with(self, "no evaluation events from a stage"), eval_atom_v, s.step);
 }
 
 /// After a clean reset: evaluation / checkpoint when due, then the next step or the end.
@@ -1121,13 +763,15 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
   };
 }
 
-}  // namespace
+}  // namespace troupe::coordinator
+
+namespace troupe {
 
 caf::actor spawn_coordinator_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
                                    std::shared_ptr<job_wiring> wiring, actor_run_options opts,
                                    std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors,
                                    caf::actor registrar) {
-  return sys.spawn(coordinator_behavior, std::move(ctx), std::move(wiring), std::move(opts), std::move(result),
+  return sys.spawn(coordinator::coordinator_behavior, std::move(ctx), std::move(wiring), std::move(opts), std::move(result),
                    std::move(supervisors), std::move(registrar));
 }
 

@@ -1,0 +1,169 @@
+#pragma once
+// The coordinator's state and the parts of its protocol in files of their own, beside
+// coordinator_actor.cpp (the step: begin, reports, commit, retries, the hang watchdog):
+// coordinator_checkpoints.cpp (the model and moments gathered from the actors, --save
+// files and checkpoint folders), coordinator_metrics.cpp (the metrics log) and
+// coordinator_evaluation.cpp (evaluation in this process or through the pipeline).
+// Internal to those files.
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <caf/all.hpp>
+#include <nlohmann/json.hpp>
+
+#include "actors/coordinator_actor.hpp"
+#include "compute/kernel_profile.hpp"
+#include "compute/optimizer.hpp"
+#include "compute/trainer.hpp"
+
+namespace troupe::coordinator {
+
+constexpr auto state_timeout = std::chrono::seconds(60);
+constexpr auto checkpoint_write_timeout = std::chrono::minutes(10);  // a stage's files, on a slow shared disk
+constexpr auto reset_check_timeout = std::chrono::seconds(60);
+constexpr auto watchdog_tick = std::chrono::milliseconds(500);
+constexpr auto wait_answer_timeout = std::chrono::seconds(2);  // an actor's answer to the hang probe
+constexpr double first_step_hang_seconds = 60;               // the watchdog's limit before a step's time is known
+constexpr std::size_t recent_step_count = 16;                // the steps whose median sets the limit
+
+struct coordinator_state {
+  std::shared_ptr<const runtime_context> ctx;
+  std::shared_ptr<job_wiring> wiring;
+  actor_run_options opts;
+  std::shared_ptr<actor_run_result> result;
+  std::vector<caf::actor> supervisors;  // one per node
+  caf::response_promise done;
+  bool finished = false;
+  lr_schedule lrs;
+  std::optional<batch> eval_set;  // read at the first evaluation
+  std::ofstream metrics;
+  // per step
+  std::int64_t step = 0;
+  step_stats stats;
+  double started_us = 0;
+  std::vector<double> losses, partials;
+  int n_losses = 0, n_partials = 0, n_stages = 0, n_shards = 0;
+  // Which reports of this step arrived (a duplicate is dropped, never counted twice).
+  std::vector<bool> seen_losses, seen_partials, seen_stages, seen_shards;
+  bool committed = false;
+  std::vector<trace_event> events;
+  std::vector<int> peaks;
+  double elapsed = 0;
+  int timed = 0;
+  int skipped = 0;           // updates skipped for NaN/inf gradients
+  bool skipping = false;     // this step's update is skipped
+  double checkpoint_seconds = 0;  // spent on the checkpoint folders written
+  int checkpoints = 0;
+  int checkpoint_failures = 0;  // checkpoints due that could not be written (the run went on)
+  nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
+  std::int32_t attempt = 0;  // of this step: > 0 after in-place retries
+  bool retrying = false;     // the supervisors are rebuilding the actors: ignore theirs
+  std::int32_t rounds = 0;   // in-place recoveries so far (the actors' generation)
+  bool node_lost = false;    // a node process that cannot rejoin is gone: no in-place retry
+  caf::actor registrar;      // several nodes: where a lost node's restarted process rejoins
+  std::map<int, caf::actor> lost;  // lost nodes awaiting a restarted process: their old supervisor
+  int rejoins = 0;           // node processes the launcher restarted so far (opts.node_restarts)
+  int skipped_before = 0;    // `skipped` when the step began (a retry counts again)
+  // An evaluation through the pipeline (between steps): each forward's score, by forward.
+  bool evaluating = false;
+  std::vector<eval_score> eval_scores;
+  std::vector<bool> seen_evals;
+  int n_evals = 0;
+  std::function<void(evaluation)> eval_then;
+  // The hang watchdog: the seconds of the last committed steps, when this step last made
+  // progress (a report arrived), and whether the actors are being asked what they wait for.
+  std::deque<double> recent_steps;
+  double last_progress_us = 0;
+  bool diagnosing = false;
+  std::vector<std::string> sent;     // message_key of what it sent this step (the wait-for graph)
+  bool in_step = false;              // between a step's begin and its commit or abort
+  std::vector<int> stage_nodes;      // [replica * p + stage]: the node of the stage (and of its shard)
+  std::vector<int> loader_nodes;     // [replica]
+  // TROUPE_KERNEL_PROFILE: the GPU kernels of chosen steps (compute/kernel_profile.hpp).
+  std::optional<kernel_profile_request> profile_request;
+  std::shared_ptr<kernel_profile> profile;
+};
+
+using self_ptr = caf::stateful_actor<coordinator_state>*;
+
+// --- coordinator_actor.cpp
+
+/// Aborts the step and ends the run, or retries it in place (see the definition).
+void fail(self_ptr self, const std::string& why, bool recoverable = true);
+/// request_all's `failed` that ends the wait and fails the step: "WHAT: the error".
+std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::string what);
+/// Every actor of the rows of `grid`, row by row.
+std::vector<caf::actor> all_of(const std::vector<std::vector<caf::actor>>& grid);
+
+// --- coordinator_checkpoints.cpp
+
+/// Fetches the full model (model order, on the host) from replica 0's stages (tensor
+/// parallelism: those of each of its ranks, the parts put together), then calls `then`.
+void fetch_state(self_ptr self, std::function<void(state_dict)> then);
+/// Fetches every optimizer shard's AdamW moments (and, in bf16 jobs, main parameters) by
+/// parameter name (tensor parallelism: each rank's parts put together into the whole
+/// parameters of `model`'s shapes), then calls `then`.
+void fetch_moments(self_ptr self, const state_dict& model, std::function<void(named_moments)> then);
+/// The model to save and report: replica 0's stages' parameters, or where they are
+/// rounded (bf16 jobs) the shards' fp32 main parameters. Fetches the shards' state, puts
+/// their main parameters into `model`, then calls `then` with both.
+void with_shard_state(self_ptr self, state_dict model, std::function<void(state_dict, named_moments)> then);
+/// The model to report at the end (final_state), then `then`.
+void fetch_final_state(self_ptr self, std::function<void(state_dict)> then);
+/// A checkpoint due after this step that could not be written. An interim one (a full
+/// disk) does not end the run: the training state is whole in memory, so it is logged and
+/// the run goes on to the next one; but the run's last (`final`: the end, or a stop) must
+/// be written: false (the run failed).
+bool checkpoint_failed(self_ptr self, const std::string& what, bool final);
+/// Writes FILE.optim and FILE (--save, as the plain loop does) from the gathered model.
+/// False where the run failed (see checkpoint_failed).
+bool save_file(self_ptr self, const state_dict& model, const named_moments& moments, bool final);
+/// Writes a checkpoint folder in checkpoint_dir. No process gathers the model for it:
+/// this one creates the step's temporary folder, replica 0's stages write their files
+/// into it from their own processes (write_checkpoint), and this one then writes the
+/// manifest and renames the folder. Calls `then` unless the run failed (see
+/// checkpoint_failed).
+void write_folder(self_ptr self, bool final, std::function<void()> then);
+
+// --- coordinator_metrics.cpp
+
+/// Appends a step's line to the metrics log (after a resumed run's "resume" line).
+void write_metrics(self_ptr self, const nlohmann::json& line);
+/// A fresh run starts a new metrics log (an older run's lines would mix with its own). A
+/// resumed or restarted run, or one asked to resume, continues it: lines of the steps it
+/// runs again go (they come back as the steps commit), events stay, and a "resume" line
+/// says from where and how much runs again.
+void open_metrics(self_ptr self);
+
+// --- coordinator_evaluation.cpp
+
+/// Writes an evaluation's fields and time (`eval_seconds`) into the step's metrics line and
+/// keeps it for the run's result.
+void record_evaluation(self_ptr self, const evaluation& e, double seconds, nlohmann::json& line);
+/// The evaluation set, read at the first evaluation and kept.
+const batch& evaluation_set(self_ptr self);
+/// eval_mode gather: evaluates the whole model, gathered from the stages, here.
+void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line, double t0);
+/// eval_mode pipeline (Megatron's forward-only schedule): the evaluation set's forwards
+/// go forward only through the stage actors, forward f through replica f mod d (expert
+/// parallelism: through each replica of group f mod (d / EP)), all of them sent at once
+/// (a stage runs each as its input arrives, so the forwards pipeline); the last stages
+/// score them (`eval_result`). Once every forward is scored the stages
+/// hand over their ops' trace events, and `then` gets the evaluation, combined in forward
+/// order as evaluate_model combines it. Nothing is gathered: no process holds more of the
+/// model than its stages. A failure or a timeout (step_timeout) ends the run as a failure
+/// after a committed step does (exit 75: a restart from the newest checkpoint).
+void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then);
+/// Every forward is scored: collects the stages' evaluation events (the trace), then
+/// hands the evaluation on.
+void end_evaluation(self_ptr self);
+
+}  // namespace troupe::coordinator
