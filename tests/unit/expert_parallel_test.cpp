@@ -114,6 +114,27 @@ std::pair<int, int> overlapped_pairs(const std::vector<trace_event>& events, con
   return {pairs, overlapped};
 }
 
+/// An actor run's metrics log (`path`) against the plain loop's steps `ref`: per step the
+/// loss within 1e-5, the load-balancing loss within 1e-6, the same fewest and most
+/// (token, choice) pairs per expert layer; one line per step.
+void expect_metrics_follow(const std::string& path, const std::vector<step_stats>& ref, const std::string& at) {
+  std::ifstream metrics(path);
+  std::size_t i = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    ASSERT_LT(i, ref.size()) << at;
+    const auto& st = ref[i];
+    EXPECT_NEAR(j.at("loss").get<double>(), st.loss, 1e-5) << at << " step " << i;
+    EXPECT_NEAR(j.at("aux_loss").get<double>(), st.aux_loss, 1e-6) << at << " step " << i;
+    const auto [fewest, most] = expert_token_range(st.expert_tokens);
+    EXPECT_EQ(j.at("expert_tokens_min").get<std::vector<std::int64_t>>(), fewest) << at << " step " << i;
+    EXPECT_EQ(j.at("expert_tokens_max").get<std::vector<std::int64_t>>(), most) << at << " step " << i;
+    ++i;
+  }
+  EXPECT_EQ(i, ref.size()) << at;
+}
+
 }  // namespace
 
 // Rank r sends (r + q) % 3 rows of two values to rank q (some none): each row says where
@@ -399,21 +420,7 @@ TEST(ExpertParallel, StageActorsFoldExpertGroupsOntoTensorParallelRanks) {
     EXPECT_LE(test::max_abs_diff(got.final_state, plain.state()), 1e-5) << at;
     ASSERT_EQ(got.evaluations.size(), 1u) << at;
     EXPECT_NEAR(got.evaluations[0].loss, ref_eval.loss, 1e-5) << at;
-    std::ifstream metrics(c.metrics);
-    int i = 0;
-    for (std::string line; std::getline(metrics, line);) {
-      const auto j = nlohmann::json::parse(line);
-      if (!j.contains("loss")) continue;
-      ASSERT_LT(i, one.steps) << at;
-      const auto& st = ref[std::size_t(i)];
-      EXPECT_NEAR(j.at("loss").get<double>(), st.loss, 1e-5) << at << " step " << i;
-      EXPECT_NEAR(j.at("aux_loss").get<double>(), st.aux_loss, 1e-6) << at << " step " << i;
-      const auto [fewest, most] = expert_token_range(st.expert_tokens);
-      EXPECT_EQ(j.at("expert_tokens_min").get<std::vector<std::int64_t>>(), fewest) << at << " step " << i;
-      EXPECT_EQ(j.at("expert_tokens_max").get<std::vector<std::int64_t>>(), most) << at << " step " << i;
-      ++i;
-    }
-    EXPECT_EQ(i, one.steps) << at;
+    expect_metrics_follow(c.metrics, ref, at);
   }
 }
 
@@ -533,21 +540,8 @@ TEST(ExpertParallel, StageActorsOfAGroupMeetInTheAllToAll) {
     ASSERT_EQ(got.exit_code, 0) << at << ": " << got.error;
     EXPECT_LE(test::max_abs_diff(got.final_state, plain.state()), 1e-5) << at;
     ASSERT_EQ(got.losses.size(), ref.size()) << at;
-    std::ifstream metrics(c.metrics);
-    int i = 0;
-    for (std::string line; std::getline(metrics, line);) {
-      const auto j = nlohmann::json::parse(line);
-      if (!j.contains("loss")) continue;
-      ASSERT_LT(i, one.steps) << at;
-      const auto& st = ref[std::size_t(i)];
-      EXPECT_NEAR(got.losses[std::size_t(i)], st.loss, 1e-5) << at << " step " << i;
-      EXPECT_NEAR(j.at("aux_loss").get<double>(), st.aux_loss, 1e-6) << at << " step " << i;
-      const auto [fewest, most] = expert_token_range(st.expert_tokens);
-      EXPECT_EQ(j.at("expert_tokens_min").get<std::vector<std::int64_t>>(), fewest) << at << " step " << i;
-      EXPECT_EQ(j.at("expert_tokens_max").get<std::vector<std::int64_t>>(), most) << at << " step " << i;
-      ++i;
-    }
-    EXPECT_EQ(i, one.steps) << at;
+    for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got.losses[i], ref[i].loss, 1e-5) << at << " step " << i;
+    expect_metrics_follow(c.metrics, ref, at);
     const auto sched = make_schedule(parse_schedule_kind(l.schedule), l.p, l.m, l.v);
     for (std::int64_t step : {std::int64_t(0), std::int64_t(one.steps - 1)}) {
       const auto ops = actor_test::executed(got.events, step);
