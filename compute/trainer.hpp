@@ -196,8 +196,8 @@ std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> expert_token_ran
 /// The (token, choice) pairs of `counts` dropped past their experts' capacity, all layers.
 std::int64_t expert_pairs_dropped(const expert_counts& counts);
 /// A model with experts: the step's "aux_loss", "expert_tokens_min", "expert_tokens_max"
-/// and, with a capacity factor, "expert_dropped" into a metrics line (JSON text of an
-/// object, as nlohmann::json::dump writes it); without experts nothing.
+/// and, with a capacity factor, "expert_dropped" into its metrics line; without experts
+/// nothing.
 void add_expert_metrics(nlohmann::json& line, const step_stats& st, const model_spec& spec);
 
 /// "1m05s" / "2h03m".
