@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "actors/trace.hpp"
-#include "compute/kernel_profile.hpp"
 
 namespace troupe {
 
@@ -137,29 +136,6 @@ TEST(Trace, JobClockNowIsOnTheEpochsTimeline) {
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const double real_us = double(steady_clock_ns() - start) * 1e-3;
   EXPECT_NEAR(pretend.now_us(), real_us, 200.0);  // uncorrected: 5 s + 2.5 ms off
-}
-
-// TROUPE_KERNEL_PROFILE=FILE[:FIRST[:LAST]] (launch_info::kernel_profile): the steps
-// default to 5..6; a malformed value, or a build without a kernel profiler (LibTorch 1.x or
-// no CUDA), is refused before a run.
-TEST(KernelProfile, RequestIsParsedOrRefused) {
-  EXPECT_FALSE(parse_kernel_profile(""));
-  EXPECT_NO_THROW(check_kernel_profile(""));
-  auto r = parse_kernel_profile("/tmp/k.json");
-  ASSERT_TRUE(r);
-  EXPECT_EQ(r->path, "/tmp/k.json");
-  EXPECT_EQ(r->first, 5);
-  EXPECT_EQ(r->last, 6);
-  r = parse_kernel_profile("k.json:3");
-  EXPECT_EQ(r->first, 3);
-  EXPECT_EQ(r->last, 3);
-  r = parse_kernel_profile("k.json:2:9");
-  EXPECT_EQ(r->first, 2);
-  EXPECT_EQ(r->last, 9);
-  if (kernel_profile::available()) EXPECT_NO_THROW(check_kernel_profile("k.json:2:9"));
-  else EXPECT_THROW(check_kernel_profile("k.json:2:9"), std::invalid_argument);
-  for (const char* bad : {":1:2", "k.json:x", "k.json:4:2", "k.json:-1", "k.json:1:2x"})
-    EXPECT_THROW(parse_kernel_profile(bad), std::invalid_argument) << bad;
 }
 
 }  // namespace troupe
