@@ -352,6 +352,7 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
     asked->push_back({s.wiring->loaders[r], {ctx.loader_name(r), s.loader_nodes.at(r)}});
   auto answers = std::make_shared<std::vector<std::optional<wait_report>>>(asked->size());
   auto boards = std::make_shared<std::vector<wait_report>>();  // what the nodes' threads compute
+  auto answered = std::make_shared<std::vector<bool>>(s.supervisors.size(), false);  // by node: its board came
   auto finish = [=] {
     auto& s = self->state;
     s.diagnosing = false;
@@ -376,7 +377,12 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
         reports.push_back(*on_board);
         continue;
       }
-      if (any != boards->end()) stub.state = any->state;
+      if (any != boards->end())
+        stub.state = any->state;
+      else if (stub.node >= 0 && std::size_t(stub.node) < answered->size() && (*answered)[std::size_t(stub.node)])
+        stub.state = "its node answered, but its thread is in no op: frozen or stuck in the actor's own code";
+      else if (answered->size() > 1)
+        stub.state = "its node process did not answer either: frozen, cut off or gone";
       silent.push_back(std::move(stub));
     }
     const auto d =
@@ -404,7 +410,8 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
     if (std::all_of(answers->begin(), answers->end(), [](const auto& a) { return a.has_value(); })) return finish();
     request_all<std::vector<wait_report>>(
         self, s.supervisors, wait_answer_timeout,
-        [boards](std::size_t, std::vector<wait_report>& found) {
+        [boards, answered](std::size_t i, std::vector<wait_report>& found) {
+          (*answered)[i] = true;
           boards->insert(boards->end(), found.begin(), found.end());
         },
         finish, [](std::size_t, caf::error&) { return true; }, activity_atom_v, step);

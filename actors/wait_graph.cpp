@@ -34,9 +34,12 @@ std::string joined(const std::vector<std::string>& names, std::size_t most = 100
 }
 
 /// Why a silent actor is silent: its node's word for it (the op its thread is in, for
-/// how long), else that its thread is blocked.
+/// how long, or that it is in none), else that its thread is blocked.
 std::string blocked_text(const wait_report& r) {
-  return r.state.empty() ? "its thread is blocked: a long op, or frozen" : r.state + ": a long op, or frozen in it";
+  if (r.state.empty()) return "its thread is blocked: a long op, or frozen";
+  if (r.state.rfind("its thread is in op ", 0) == 0 || r.state.rfind("its thread is in the ", 0) == 0)
+    return r.state + ": a long op, or frozen in it";
+  return r.state;  // (a whole sentence: in no op, or its node silent too)
 }
 
 }  // namespace

@@ -81,7 +81,7 @@ hang lost-gradient "gradient mb 0 chunk 0 from $s11 to $s10 was sent and never r
 hang stalled-reduce-scatter "shard\[stage 1, rank 0\] \(node 0\) waits for nothing \(holds every gradient bucket and started no reduce-scatter" \
   "shard\[stage 1, rank 1\] \(node 1\) waits for the reduce-scatter of its gradients from shard\[stage 1, rank 0\] \(node 0\)" \
   --stall 1:0:4
-hang frozen-actor "$s01 \(node 0\) does not answer" \
+hang frozen-actor "$s01 \(node 0\) does not answer \(its node answered, but its thread is in no op" \
   "$s01 \(node 0\) did not answer within 2 s" --freeze 0:1:4:25
 
 # A slow but healthy step: an activation delayed 2 s. No diagnosis, no retry, the same bits.

@@ -78,6 +78,15 @@ TEST(WaitGraph, AnActorThatDoesNotAnswerIsTheRoot) {
   EXPECT_TRUE(has_line(d, "stage 1 (node 0) did not answer within 2 s"));
 }
 
+// Its node answered for it and its thread is in no op (the coordinator's words): said as
+// they are, without the guess about a long op.
+TEST(WaitGraph, AnActorFrozenOutsideAnOpIsSaidToBe) {
+  auto coordinator = waiting("coordinator", 0, "4 loss reports", "stage 1");
+  const std::string no_op = "its node answered, but its thread is in no op: frozen or stuck in the actor's own code";
+  const auto d = diagnose_waits({coordinator}, {idle("stage 1", 0, no_op)}, 2);
+  EXPECT_EQ(d.root, "stage 1 (node 0) does not answer (" + no_op + ")");
+}
+
 TEST(WaitGraph, AnActorInsideALongOpIsNamedWithItsOp) {
   auto coordinator = waiting("coordinator", 0, "4 loss reports", "stage 1");
   const auto d = diagnose_waits({coordinator}, {idle("stage 1", 0, "its thread is in op F2 (mb 2, chunk 0) for 9.0 s")}, 2);
