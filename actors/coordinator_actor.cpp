@@ -7,7 +7,6 @@
 #include <fstream>
 #include <deque>
 #include <map>
-#include <numeric>
 #include <optional>
 
 #include <caf/all.hpp>

@@ -1,5 +1,7 @@
 #include "actors/coordinator_state.hpp"
 
+#include <numeric>
+
 #include "actors/request_all.hpp"
 #include "actors/trace.hpp"
 #include "messages/type_ids.hpp"
