@@ -10,16 +10,16 @@ namespace troupe::coordinator {
 
 void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
   auto& s = self->state;
-  const int p = s.ctx->p;
-  std::vector<caf::actor> stages;  // pipelines 0 .. t - 1, stage by stage
-  for (int q = 0; q < s.ctx->t; ++q) stages.insert(stages.end(), s.wiring->stages[q].begin(), s.wiring->stages[q].end());
-  auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(s.ctx->t);
+  const int p = s.ctx->p, t = s.ctx->t;
+  // Pipelines 0 .. t - 1 (replica 0's tensor-parallel ranks), stage by stage; with expert
+  // parallelism at least 0 .. EP - 1, which hold every share of the experts.
+  std::vector<caf::actor> stages;
+  for (int q = 0; q < std::max(t, s.ctx->ep); ++q)
+    stages.insert(stages.end(), s.wiring->stages[q].begin(), s.wiring->stages[q].end());
+  auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(t);
   request_all<state_reply>(
       self, stages, state_timeout,
-      [parts, p](std::size_t i, state_reply& rep) {
-        for (std::size_t j = 0; j < rep.names.size(); ++j)
-          (*parts)[i / p].emplace(rep.names[j], tensor_of(rep.tensors[j]).to(torch::kCPU));
-      },
+      [parts, p, t](std::size_t i, state_reply& rep) { add_stage_state(*parts, int(i) / p % t, rep); },
       [self, parts, then] {
         const auto& spec = self->state.ctx->spec;
         const auto by_name = parts->size() == 1 ? parts->front() : unshard_by_name(spec, {}, *parts);
@@ -36,7 +36,7 @@ void fetch_moments(self_ptr self, const state_dict& model, std::function<void(na
   request_all<shard_moments>(
       self, all_of(self->state.wiring->shards), state_timeout,  // [stage][pipeline]
       [parts, pipes = ctx.pipes, t = ctx.t](std::size_t i, shard_moments& rep) {
-        add_shard_moments((*parts)[std::size_t(int(i % std::size_t(pipes)) % t)], rep);
+        add_shard_moments(*parts, int(i % std::size_t(pipes)) % t, rep);
       },
       [self, parts, model, then] {
         if (parts->size() == 1) return then(std::move(parts->front()));

@@ -91,6 +91,11 @@ constexpr std::int32_t expert_group_base = -(1 << 24);
 constexpr std::int32_t expert_group_entry(int stage, int group, int groups, bool backward) {
   return expert_group_base - 2 * (stage * groups + group) - (backward ? 1 : 0);
 }
+/// The entries of the shards' expert-data-parallel groups (expert parallelism): the shards
+/// of stage k of the pipelines holding share c of the experts (q mod EP = c) are entry
+/// expert_shard_entry(k, c, EP), rank q / EP; below every expert group's entry. Over UCX.
+constexpr std::int32_t expert_shard_base = -(1 << 26);
+constexpr std::int32_t expert_shard_entry(int stage, int share, int ep) { return expert_shard_base - (stage * ep + share); }
 /// The entries of tensor-parallel groups that span node processes (node_slots with more
 /// nodes than p x d): the stage actors of pipelines t dp .. t dp + t - 1 at stage k are
 /// entry tensor_group_entry(k, dp, d), rank tp; below every expert group's entry. They run

@@ -31,7 +31,7 @@ constexpr std::int32_t link_entry(int from) { return -2 - from; }
 /// A node's communicators: per slot (r, k) rank r of stage k's d shards, the world of the
 /// nodes (rank = node), which carries activations between them, and (expert parallelism)
 /// per slot rank r mod EP of its stage's two expert-parallel groups (forwards',
-/// backwards'). Made at join and
+/// backwards') and rank r / EP of its shard's expert-data-parallel group. Made at join and
 /// again for every in-place recovery; addresses (and machine keys, GPU keys, NCCL ids) go
 /// through the registrar (stage -1: the world). The shard groups only run collectives:
 /// over NCCL where `transport.nccl` asks and every member has a GPU of its own
@@ -73,11 +73,14 @@ class ucx_renewal : public comm_renewal {
           add(tensor_group_entry(k, q / t_, d_), q % t_, tensors_.back()->address(), gpu);
         }
     if (ep_ > 1)
-      for (const auto& [r, k] : slots_)
+      for (const auto& [r, k] : slots_) {
         for (const bool backward : {false, true}) {
           experts_.push_back(transport::prepare_ucx_communicator(r % ep_, ep_));
           add(expert_group_entry(k, r / ep_, d_ * t_ / ep_, backward), r % ep_, experts_.back()->address(), "");
         }
+        expert_shards_.push_back(transport::prepare_ucx_communicator(r / ep_, d_ * t_ / ep_));
+        add(expert_shard_entry(k, r % ep_, ep_), r / ep_, expert_shards_.back()->address(), "");
+      }
     if (!gpu.empty())  // the links this node sends on (no address: a NCCL id's place)
       for (const auto& [from, to] : links_)
         if (from == node_) add(link_entry(from), to, "", "");
@@ -166,6 +169,11 @@ class ucx_renewal : public comm_renewal {
           .push_back(staged(
               experts_[i]->connect(column(expert_group_entry(k, r / ep_, d_ * t_ / ep_, backward), ep_, table.addresses))));
     }
+    for (std::size_t i = 0; i < expert_shards_.size(); ++i) {
+      const auto [r, k] = slots_[i];
+      plan.edp_comms.push_back(
+          staged(expert_shards_[i]->connect(column(expert_shard_entry(k, r % ep_, ep_), d_ * t_ / ep_, table.addresses))));
+    }
     auto [to, from] = make_links(table, column(-1, nodes_, table.gpus), plan.world);
     if (transport_.ipc != node_transport::ipc_memory::off) {
       std::vector<bool> same(nodes_, false);
@@ -211,6 +219,7 @@ class ucx_renewal : public comm_renewal {
   std::string machine_;  // transport::machine_key(), sent with the addresses
   std::vector<std::unique_ptr<transport::ucx_pending>> pending_;  // per slot, then the world
   std::vector<std::unique_ptr<transport::ucx_pending>> experts_;  // per slot: its expert-parallel groups (EP > 1), forwards' and backwards'
+  std::vector<std::unique_ptr<transport::ucx_pending>> expert_shards_;  // per slot: its shard's expert-data-parallel group (EP > 1)
   std::vector<std::unique_ptr<transport::ucx_pending>> tensors_;  // per slot whose tensor-parallel group spans nodes
   node_addresses mine_;
   std::vector<std::pair<int, int>> links_;  // link_pairs() where links are asked for

@@ -29,7 +29,8 @@ enum class shard_phase {
 
 struct shard_state {
   struct chunk_shard {
-    std::vector<flat_range> buckets;  // the chunk's gradient buckets (grad_buckets)
+    std::vector<flat_range> buckets;  // the chunk's gradient buckets (slice_buckets)
+    shard_groups groups;       // the groups its regions are reduced over (dense, experts)
     shard_layout layout;       // this rank's piece of each bucket (its shard: their concatenation)
     std::vector<std::int64_t> at;  // where each bucket's piece begins in the shard
     adamw_shard opt;
@@ -46,6 +47,9 @@ struct shard_state {
   std::shared_ptr<const runtime_context> ctx;
   std::shared_ptr<const job_wiring> wiring;
   std::shared_ptr<transport::communicator> comm;
+  /// Expert parallelism: the expert-data-parallel group (the shards of the pipelines
+  /// holding the same experts), over which the chunks' expert regions are reduced.
+  std::shared_ptr<transport::communicator> expert_comm;
   std::shared_ptr<snapshot_store> store;
   int stage = 0, rank = 0;  // rank: the pipeline (dp t + tp) whose stage it updates
   std::string name;
@@ -76,6 +80,10 @@ struct shard_state {
   std::vector<std::string> sent;  ///< message_key of what it sent this step (wait-for graph)
 
   std::string stage_actor_name() const { return ctx->stage_name(rank, stage); }
+  /// The communicator bucket `b` of chunk `ch` is reduced and gathered over.
+  transport::communicator& comm_of(const chunk_shard& ch, int b) const {
+    return ch.groups.in_experts(ch.buckets[std::size_t(b)]) ? *expert_comm : *comm;
+  }
   void record_sent(const std::string& what, const std::string& to) { sent.push_back(message_key(what, name, to)); }
 };
 
@@ -97,6 +105,9 @@ wait_report shard_waits(const shard_state& s, std::int64_t step) {
   std::vector<std::string> peers;  // the other shards of the stage's data-parallel group
   for (int r = s.ctx->tp_of(s.rank); r < s.ctx->pipes; r += s.ctx->t)
     if (r != s.rank) peers.push_back(s.ctx->shard_name(s.stage, r));
+  if (s.expert_comm)  // and of its expert-data-parallel group
+    for (int r = s.rank % s.ctx->ep; r < s.ctx->pipes; r += s.ctx->ep)
+      if (r != s.rank && r % s.ctx->t != s.rank % s.ctx->t) peers.push_back(s.ctx->shard_name(s.stage, r));
   switch (s.phase) {
     case shard_phase::between_steps:
       rep.state = "done with the step";
@@ -147,19 +158,22 @@ void take_snapshot(shard_state& s, std::int64_t step) {
   for (const auto& ch : s.chunks) {
     snap->chunks.push_back(ch.opt.current());
     snap->stage_numel.push_back(ch.gathered.numel());
+    snap->stage_expert_offset.push_back(std::min(ch.groups.expert_offset, ch.gathered.numel()));
   }
   s.store->put(s.stage, s.rank, std::move(snap));
 }
 
 caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int stage, int rank,
-                             std::shared_ptr<transport::communicator> comm, std::shared_ptr<snapshot_store> store,
+                             std::shared_ptr<transport::communicator> comm,
+                             std::shared_ptr<transport::communicator> expert_comm, std::shared_ptr<snapshot_store> store,
                              std::shared_ptr<const shard_snapshot> from) {
   self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
   st.comm = comm;
+  st.expert_comm = expert_comm;
   st.store = store;
   st.stage = stage;
   st.rank = rank;
@@ -169,22 +183,27 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
   if (comm->size() != ctx->d || comm->rank() != dp)
     throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
                            std::to_string(comm->size()));
+  if ((ctx->ep > 1) != bool(expert_comm) ||
+      (expert_comm && (expert_comm->size() != ctx->edp || expert_comm->rank() != rank / ctx->ep)))
+    throw std::logic_error(st.name + ": no expert-data-parallel communicator of " + std::to_string(ctx->edp) +
+                           " ranks with its rank " + std::to_string(rank / std::max(1, ctx->ep)));
   const adamw_options opts{ctx->cfg.beta1, ctx->cfg.beta2, ctx->cfg.eps, ctx->cfg.weight_decay};
   const std::map<std::string, torch::Tensor> init_by_name(ctx->init.begin(), ctx->init.end());
   const tensor_parallel tp{ctx->tp_of(rank), ctx->t, ctx->sequence_parallel, nullptr};  // (the layout of its part)
   for (int c = 0; c < ctx->v; ++c) {
     // A slice only to learn the layout and initial values of this range; dropped at once.
     auto layout = make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device,
-                             torch::kFloat32, tp);
+                             torch::kFloat32, tp, ctx->experts_of(rank));
     const auto n = layout->flat_params().numel();
     st.chunks.emplace_back();
     auto& ch = st.chunks.back();
     ch.buckets = ctx->buckets_of(*layout);
-    ch.layout = bucket_shard(ch.buckets, ctx->d, dp);
+    ch.groups = ctx->groups_of(rank, *layout);
+    ch.layout = bucket_shard(ch.buckets, ch.groups);
     std::vector<torch::Tensor> mine;
     for (std::size_t b = 0; b < ch.buckets.size(); ++b) {
       const auto& piece = ch.layout[b];
-      if (transport::piece(ch.buckets[b].size(), ctx->d, dp) !=
+      if (transport::piece(ch.buckets[b].size(), ch.groups.ranks_of(ch.buckets[b]), ch.groups.rank_of(ch.buckets[b])) !=
           std::make_pair(piece.begin - ch.buckets[b].begin, piece.end - ch.buckets[b].begin))
         throw std::logic_error("bucket pieces differ from the transport's pieces");
       ch.at.push_back(b == 0 ? 0 : ch.at.back() + ch.layout[b - 1].size());
@@ -245,8 +264,8 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       if (s.reduce_scatters++ == 0) s.completed = 0;
       ch.start_us[b] = s.ctx->now_us();
       const auto& bucket = ch.buckets[b];
-      report_to_self(s.comm->reduce_scatter(ch.grads.narrow(0, bucket.begin, bucket.size()),
-                                            ch.reduced.narrow(0, ch.at[b], ch.layout[b].size())),
+      report_to_self(s.comm_of(ch, b).reduce_scatter(ch.grads.narrow(0, bucket.begin, bucket.size()),
+                                                     ch.reduced.narrow(0, ch.at[b], ch.layout[b].size())),
                      collective::reduce_scatter, ci, b);
       if (s.reduce_scatters == s.order.size()) s.phase = shard_phase::reducing;
     }
@@ -263,8 +282,8 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
       auto& ch = s.chunks[ci];
       const auto& mine = ch.rounded.defined() ? ch.rounded : ch.opt.params();
       const auto& bucket = ch.buckets[b];
-      report_to_self(s.comm->all_gather(mine.narrow(0, ch.at[b], ch.layout[b].size()),
-                                        ch.gathered.narrow(0, bucket.begin, bucket.size())),
+      report_to_self(s.comm_of(ch, b).all_gather(mine.narrow(0, ch.at[b], ch.layout[b].size()),
+                                                 ch.gathered.narrow(0, bucket.begin, bucket.size())),
                      collective::all_gather, ci, b);
     }
   };
@@ -330,6 +349,7 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     if (running) {
       rep.leftovers.push_back(std::to_string(running) + " collective(s) still running");
       self->state.comm->abort(self->state.name + " reset with collectives running");
+      if (self->state.expert_comm) self->state.expert_comm->abort(self->state.name + " reset with collectives running");
     }
     self->state.pending.clear();
     if (!self->state.stash.empty())
@@ -479,9 +499,10 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
 caf::actor spawn_optimizer_shard_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                                        std::shared_ptr<const job_wiring> wiring, int stage, int rank,
                                        std::shared_ptr<transport::communicator> comm,
+                                       std::shared_ptr<transport::communicator> expert_comm,
                                        std::shared_ptr<snapshot_store> store, std::shared_ptr<const shard_snapshot> from) {
   return supervisor->spawn<caf::monitored>(shard_behavior, std::move(ctx), std::move(wiring), stage, rank,
-                                           std::move(comm), std::move(store), std::move(from));
+                                           std::move(comm), std::move(expert_comm), std::move(store), std::move(from));
 }
 
 }  // namespace troupe

@@ -49,6 +49,8 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
       t(c.tensor_parallel),
       pipes(c.data_parallel * c.tensor_parallel),
       sequence_parallel(c.tensor_parallel > 1 && c.sequence_parallel),
+      ep(c.expert_parallel),
+      edp(c.expert_parallel > 1 ? c.data_parallel * c.tensor_parallel / c.expert_parallel : 1),
       n_virtual(c.pipeline * c.chunks),
       dataflow(c.schedule == "dataflow"),
       sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
@@ -101,7 +103,8 @@ std::set<std::string> runtime_context::parameters_of(const std::vector<std::pair
   std::set<std::string> names;
   for (const auto& slot : slots)
     for (int c = 0; c < v; ++c)
-      for (auto& name : slice_parameter_names(spec, ranges.at(virtual_stage(slot.second, c)))) names.insert(std::move(name));
+      for (auto& name : slice_parameter_names(spec, ranges.at(virtual_stage(slot.second, c))))
+        if (experts_of(slot.first).holds(name, spec.decoder.n_experts)) names.insert(std::move(name));
   return names;
 }
 
@@ -121,7 +124,7 @@ void runtime_context::keep_only(const std::vector<std::pair<int, int>>& slots) {
 }
 
 std::vector<flat_range> runtime_context::buckets_of(const model_slice& slice) const {
-  return grad_buckets(slice.entries(), slice.flat_grads().numel(), d, d > 1 ? cfg.bucket_size : 0);
+  return slice_buckets(slice, groups_of(0, slice), d > 1 || edp > 1 ? cfg.bucket_size : 0);
 }
 
 std::vector<std::int64_t> runtime_context::activation_shape(int x, std::int64_t rows) const {
@@ -266,16 +269,23 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
   return *result;
 }
 
-std::int64_t add_shard_moments(named_moments& out, const shard_moments& state) {
+std::int64_t add_shard_moments(std::vector<named_moments>& by_tp, int tp, const shard_moments& state) {
   std::int64_t bytes = 0;
   for (std::size_t i = 0; i < state.names.size(); ++i) {
     // On the host, whatever device the shard computes on: checkpoints and the run's
     // result hold CPU tensors (a GPU run's files load anywhere).
     const auto data = tensor_of(state.tensors[i]).to(torch::kCPU);
     bytes += std::int64_t(data.nbytes());
-    add_moment_piece(out, {state.names[i], state.offsets[i], state.numels[i], data});
+    add_moment_piece(by_tp.at(expert_of(state.names[i]) >= 0 ? 0 : std::size_t(tp)),
+                     {state.names[i], state.offsets[i], state.numels[i], data});
   }
   return bytes;
+}
+
+void add_stage_state(std::vector<std::map<std::string, torch::Tensor>>& by_tp, int tp, const state_reply& state) {
+  for (std::size_t j = 0; j < state.names.size(); ++j)
+    by_tp.at(expert_of(state.names[j]) >= 0 ? 0 : std::size_t(tp))
+        .emplace(state.names[j], tensor_of(state.tensors[j]).to(torch::kCPU));
 }
 
 }  // namespace troupe

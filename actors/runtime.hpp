@@ -68,6 +68,18 @@ struct runtime_context {
   bool sequence_parallel = false;
   int dp_of(int pipe) const { return pipe / t; }
   int tp_of(int pipe) const { return pipe % t; }
+  /// Expert parallelism (parallel.expert_parallel): pipelines EP g .. EP g + EP - 1 are an
+  /// expert-parallel group; pipeline q holds share q mod EP of each expert layer's experts,
+  /// and its shards shard them over the `edp` = d t / EP pipelines holding the same share
+  /// (its expert-data-parallel group, rank q / EP).
+  int ep = 1, edp = 1;
+  expert_share experts_of(int pipe) const {
+    return ep > 1 ? expert_share{pipe % ep, ep, edp} : expert_share{};
+  }
+  /// The groups shard `pipe`'s buffer of a chunk laid out as `slice` is reduced over.
+  shard_groups groups_of(int pipe, const model_slice& slice) const {
+    return {d, dp_of(pipe), slice.expert_offset(), edp, ep > 1 ? pipe / ep : 0};
+  }
   int n_virtual;
   bool dataflow;                     ///< no fixed order (schedule = "dataflow")
   schedule sched;                    ///< fixed-order kinds (for dataflow: 1f1b, unused)
@@ -134,7 +146,8 @@ struct runtime_context {
   std::string shard_name(int stage, int rank) const;
   std::string loader_name(int replica) const;
   /// The gradient buckets of a chunk laid out as `slice` (stages and shards agree on
-  /// them): parallel.bucket_size's with data parallelism, else one.
+  /// them): parallel.bucket_size's with data parallelism, else one per region
+  /// (slice_buckets).
   std::vector<flat_range> buckets_of(const model_slice& slice) const;
 };
 
@@ -185,9 +198,14 @@ void fetch_payload(const job_wiring& w, const tensor_payload& p,
                    std::function<void(tensor_payload, const std::string& error)> done,
                    torch::Device device = torch::kCPU, bool pinned = false);
 
-/// Puts a shard's pieces of optimizer state (its checkpoint answer) into `out`, on the
-/// host; returns their bytes.
-std::int64_t add_shard_moments(named_moments& out, const shard_moments& state);
+/// Puts the pieces of optimizer state of a shard of tensor-parallel rank `tp` (its
+/// checkpoint answer) into by_tp[tp], on the host, and those of experts (whole on every
+/// rank, each share's own) into by_tp[0], where unshard_moments takes every parameter
+/// every rank holds whole from; returns their bytes.
+std::int64_t add_shard_moments(std::vector<named_moments>& by_tp, int tp, const shard_moments& state);
+/// Puts the parameters of a stage actor of tensor-parallel rank `tp` (its state_reply)
+/// into by_tp likewise, on the host.
+void add_stage_state(std::vector<std::map<std::string, torch::Tensor>>& by_tp, int tp, const state_reply& state);
 
 /// Exit status of a run that failed in a way a restart from its last checkpoint can
 /// cure (a node or actor lost, a step aborted); the launcher restarts such jobs.

@@ -19,17 +19,20 @@ shard_copy copy_of(int stage, int rank, const shard_snapshot& snap) {
     c.steps.push_back(ch.steps);
   }
   c.stage_numel = snap.stage_numel;
+  c.stage_expert_offset = snap.stage_expert_offset;
   return c;
 }
 
 std::shared_ptr<const shard_snapshot> snapshot_of(const shard_copy& c) {
   const auto n = c.params.size();
-  if (c.exp_avg.size() != n || c.exp_avg_sq.size() != n || c.steps.size() != n || c.stage_numel.size() != n)
+  if (c.exp_avg.size() != n || c.exp_avg_sq.size() != n || c.steps.size() != n || c.stage_numel.size() != n ||
+      c.stage_expert_offset.size() != n)
     throw std::runtime_error("malformed copy of shard[stage " + std::to_string(c.stage) + ", rank " +
                              std::to_string(c.rank) + "]");
   auto snap = std::make_shared<shard_snapshot>();
   snap->step = c.step;
   snap->stage_numel = c.stage_numel;
+  snap->stage_expert_offset = c.stage_expert_offset;
   for (std::size_t i = 0; i < n; ++i) {
     const auto& p = tensor_of(c.params[i]);
     for (const auto* t : {&p, &tensor_of(c.exp_avg[i]), &tensor_of(c.exp_avg_sq[i])})

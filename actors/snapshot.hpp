@@ -30,6 +30,10 @@ struct shard_snapshot {
   std::int64_t step = 0;
   std::vector<adamw_shard::state> chunks;
   std::vector<std::int64_t> stage_numel;  ///< per chunk: elements of the stage's whole buffer
+  /// Per chunk: where its expert region begins (shard_groups; stage_numel: none). The
+  /// parameters before the step are the dense pieces of the data-parallel group's shards
+  /// in rank order, then the expert pieces of the expert-data-parallel group's.
+  std::vector<std::int64_t> stage_expert_offset;
 };
 
 class snapshot_store {

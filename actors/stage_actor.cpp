@@ -103,6 +103,12 @@ struct stage_state {
   // so they wait for the sum over the group (chunk_done).
   std::vector<std::vector<char>> replicated_bucket;
   bool sums_replicated() const { return tp_size > 1 && ctx->sequence_parallel; }
+  /// Whether `e` is summed over the tensor-parallel group (sums_replicated): a parameter
+  /// every rank holds whole; not the experts, each rank's own (expert_share), which their
+  /// shards sum over the expert-data-parallel group.
+  bool summed_over_tp(const param_entry& e) const {
+    return e.split == tp_split::replicated && !(ctx->ep > 1 && expert_of(e.name) >= 0);
+  }
   int params_received = 0;
   std::vector<trace_event> events;
   std::vector<caf::message> stash;        // messages of a later step
@@ -568,7 +574,7 @@ class stage_logic {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> grads;
     for (const auto& e : slice.entries())
-      if (e.split == tp_split::replicated) grads.push_back(slice.param(e.name).mutable_grad());
+      if (s_.summed_over_tp(e)) grads.push_back(slice.param(e.name).mutable_grad());
     if (grads.empty()) return;
     std::vector<torch::Tensor> flat;
     for (const auto& g : grads) flat.push_back(g.reshape({-1}));
@@ -1112,7 +1118,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   for (int c = 0; c < ctx->v; ++c) {
     // bf16 jobs: bf16 parameters (the initial ones rounded, as the all-gather rounds).
     st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device,
-                                   ctx->compute_dtype, tp));
+                                   ctx->compute_dtype, tp, ctx->experts_of(replica)));
     st.chunks.back()->set_recompute(parse_recompute(ctx->cfg.recompute));
     st.chunks.back()->set_residual_dtype(ctx->residual_dtype);
     st.chunks.back()->set_aux_loss_scale(double(ctx->mbs) / ctx->cfg.global_batch);  // (experts)
@@ -1133,11 +1139,13 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   }
   // Restarted in place: the parameters before the step being retried (the shards' fp32
   // main parameters; bf16 stages round them as the all-gather does).
-  // The supervisor gathers each rank's whole shard in rank order: put every bucket's
+  // The supervisor gathers each rank's whole shard in rank order (per region: the dense
+  // one's over the data-parallel group, the experts' over theirs): put every bucket's
   // pieces back in place.
   if (!params.empty())
     for (int c = 0; c < ctx->v; ++c)
-      st.chunks[c]->set_params(from_rank_order(params.at(c), ctx->buckets_of(*st.chunks[c]), ctx->d));
+      st.chunks[c]->set_params(
+          from_rank_order(params.at(c), ctx->buckets_of(*st.chunks[c]), ctx->groups_of(replica, *st.chunks[c])));
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   if (st.order)
     for (const auto& op : *st.order)
@@ -1168,7 +1176,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
       for (std::size_t i = 0; i < entries.size(); ++i) {
         if (entries[i].name == ctx->tied_name)
           for (int b : watch->buckets_holding(i)) tied[b] = 1;
-        if (s.sums_replicated() && entries[i].split == tp_split::replicated)
+        if (s.sums_replicated() && s.summed_over_tp(entries[i]))
           for (int b : watch->buckets_holding(i)) summed[b] = 1;
       }
       s.tied_bucket.push_back(std::move(tied));
@@ -1303,14 +1311,22 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         const int t = ctx->t;
         auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(t);  // by rank: shaped
         auto moments = std::make_shared<std::vector<named_moments>>(t);                       // by rank: flat
-        // The stage's parameters in model order (shared copies left out), with their shapes.
+        // The stage's parameters in model order (shared copies left out), with their shapes
+        // (the experts of other shares: held by pipelines 1 .. EP - 1, shapes unused).
         std::vector<std::pair<std::string, std::vector<std::int64_t>>> names;
         for (auto& c : s.chunks)
-          for (const auto& e : c->entries())
-            if (!e.shared_copy) names.emplace_back(e.name, e.shape);
-        // bf16 without tensor parallelism: the shards' fp32 main parameters are what is
-        // written, so the rounded ones are not copied (use_main_params replaces each).
-        const bool from_shards = ctx->compute_dtype != torch::kFloat32 && t == 1;
+          for (const auto& name : slice_parameter_names(ctx->spec, c->range())) {
+            const auto& entries = c->entries();
+            const auto e = std::find_if(entries.begin(), entries.end(), [&](const auto& x) { return x.name == name; });
+            if (e == entries.end() ? expert_of(name) >= 0 : !e->shared_copy)
+              names.emplace_back(name, e == entries.end() ? std::vector<std::int64_t>{} : e->shape);
+          }
+        // bf16 without tensor or expert parallelism: the shards' fp32 main parameters are
+        // what is written, so the rounded ones are not copied (use_main_params replaces each).
+        const bool from_shards = ctx->compute_dtype != torch::kFloat32 && t == 1 && ctx->ep == 1;
+        // The other pipelines holding parts of this stage: replica 0's tensor-parallel
+        // ranks, and the pipelines holding the other shares of the experts.
+        const int holders = std::max(t, ctx->ep);
         if (!from_shards)
           for (auto& c : s.chunks)
             for (auto& [name, p] : c->state()) (*parts)[0].emplace(name, std::move(p));
@@ -1356,23 +1372,20 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
           request_all<shard_moments>(
               self, wiring->shards[stage], std::chrono::seconds(60),  // [pipeline]
               [=](std::size_t i, shard_moments& rep) {
-                gathered->bytes += add_shard_moments((*moments)[std::size_t(ctx->tp_of(int(i)))], rep);
+                gathered->bytes += add_shard_moments(*moments, ctx->tp_of(int(i)), rep);
               },
               write, fail_with("no optimizer state from a shard"), state_atom_v);
         };
-        if (t == 1) {
+        if (holders == 1) {
           fetch_moments();
           return rp;
         }
-        std::vector<caf::actor> peers;  // the stage's other tensor-parallel ranks of replica 0
-        for (int q = 1; q < t; ++q) peers.push_back(wiring->stages[q][s.stage]);
+        std::vector<caf::actor> peers;  // pipelines 1 .. holders - 1
+        for (int q = 1; q < holders; ++q) peers.push_back(wiring->stages[q][s.stage]);
         request_all<state_reply>(
             self, peers, std::chrono::seconds(60),
-            [=](std::size_t i, state_reply& rep) {
-              for (std::size_t j = 0; j < rep.names.size(); ++j)
-                (*parts)[i + 1].emplace(rep.names[j], tensor_of(rep.tensors[j]).to(torch::kCPU));
-            },
-            fetch_moments, fail_with("no parameters from a tensor-parallel rank"), state_atom_v);
+            [=](std::size_t i, state_reply& rep) { add_stage_state(*parts, ctx->tp_of(int(i) + 1), rep); },
+            fetch_moments, fail_with("no parameters from a tensor- or expert-parallel rank"), state_atom_v);
         return rp;
       },
       [=](plant_atom) {  // tests: a stray buffered tensor the next reset must report

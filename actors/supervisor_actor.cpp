@@ -60,6 +60,13 @@ node_plan local_node_plan(const runtime_context& ctx) {
   }
   const int ep = ctx.cfg.expert_parallel;
   if (ep > 1) {
+    // The shards' expert-data-parallel groups: one per (stage, share), rank q / EP.
+    std::map<std::pair<int, int>, std::vector<std::shared_ptr<transport::communicator>>> edp_groups;
+    for (const auto& [q, k] : plan.slots) {
+      auto& g = edp_groups[{k, q % ep}];
+      if (g.empty()) g = transport::make_local_group(ctx.edp);
+      plan.edp_comms.push_back(g.at(std::size_t(q / ep)));
+    }
     // (stage, group, backward) -> the group's members
     std::map<std::tuple<int, int, bool>, std::vector<std::shared_ptr<transport::communicator>>> ep_groups;
     for (const auto& [r, k] : plan.slots)
@@ -115,7 +122,9 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       mine.slot_replicas.push_back(r);
       mine.slot_stages.push_back(k);
       mine.shards.push_back(wiring->shards[k][r] =
-                                add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan->comms.at(i), store, from),
+                                add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan->comms.at(i),
+                                                                plan->edp_comms.empty() ? nullptr : plan->edp_comms.at(i),
+                                                                store, from),
                                     ctx->shard_name(k, r)));
       mine.stages.push_back(wiring->stages[r][k] =
                                 add(spawn_stage_actor(self, ctx, wiring, r, k,
@@ -176,9 +185,15 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
       rec.from.push_back(snap);
       rec.params.emplace_back();
       for (std::size_t c = 0; c < snap->chunks.size(); ++c) {
+        // The dense region over the data-parallel group, the experts' over theirs.
         const auto& piece = snap->chunks[c].params;
-        rec.params.back().push_back(torch::empty({snap->stage_numel.at(c)}, piece.options()));
-        works.push_back(plan->comms.at(i)->all_gather(piece, rec.params.back().back()));
+        const auto n = snap->stage_numel.at(c), split = snap->stage_expert_offset.at(c);
+        auto& whole = rec.params.back().emplace_back(torch::empty({n}, piece.options()));
+        const auto dense = split / ctx->d;
+        works.push_back(plan->comms.at(i)->all_gather(piece.narrow(0, 0, dense), whole.narrow(0, 0, split)));
+        if (split < n)
+          works.push_back(plan->edp_comms.at(i)->all_gather(piece.narrow(0, dense, piece.numel() - dense),
+                                                            whole.narrow(0, split, n - split)));
       }
     }
     rec.pending = int(works.size());  // every node hosts at least one slot
@@ -191,7 +206,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<con
   // (a send whose receiver was killed).
   auto renew = [=] {
     std::vector<std::shared_ptr<transport::communicator>> old = std::move(plan->comms);
-    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms, &plan->tp_comms}) {
+    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms, &plan->tp_comms, &plan->edp_comms}) {
       old.insert(old.end(), ep->begin(), ep->end());
       ep->clear();
     }

@@ -50,6 +50,10 @@ struct node_plan {
   int node = 0;
   std::vector<std::pair<int, int>> slots;
   std::vector<std::shared_ptr<transport::communicator>> comms;  ///< per slot
+  /// Per slot (expert parallelism, else empty): its shard's expert-data-parallel group, the
+  /// shards of stage k of the pipelines q' = q mod EP, q mod EP + EP, ... (which hold the
+  /// same experts), rank q / EP.
+  std::vector<std::shared_ptr<transport::communicator>> edp_comms;
   /// Per slot: its stage actor's expert-parallel group (parallel.expert_parallel = EP > 1:
   /// the stage actors of replicas EP g .. EP g + EP - 1 at that stage, rank replica mod EP),
   /// in which the experts' all-to-alls of forwards run, and a second one of the same ranks

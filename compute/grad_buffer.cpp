@@ -22,27 +22,54 @@ std::vector<flat_range> shard_ranges(std::int64_t padded_size, int ranks) {
   return out;
 }
 
-std::vector<flat_range> grad_buckets(const std::vector<param_entry>& entries, std::int64_t padded_size, int ranks,
-                                     std::int64_t bucket_elems) {
-  shard_ranges(padded_size, ranks);  // checks the size
-  if (bucket_elems <= 0) return {{0, padded_size}};
+namespace {
+
+/// grad_buckets of the region [region.begin, region.end) (its parameters' entries), in order.
+std::vector<flat_range> region_buckets(const std::vector<param_entry>& entries, flat_range region, int ranks,
+                                       std::int64_t bucket_elems) {
+  shard_ranges(region.size(), ranks);  // checks the size
+  if (region.size() == 0) return {};
+  if (bucket_elems <= 0) return {region};
   std::vector<flat_range> out;
-  std::int64_t end = padded_size;
+  std::int64_t end = region.end;
   for (auto e = entries.rbegin(); e != entries.rend(); ++e) {
-    const auto cut = e->offset / ranks * ranks;  // where this parameter begins, rounded down
-    if (cut > 0 && end - cut >= bucket_elems) {
+    if (e->offset < region.begin || e->offset >= region.end) continue;
+    // Where this parameter begins, rounded down (in the region's multiples of the ranks).
+    const auto cut = region.begin + (e->offset - region.begin) / ranks * ranks;
+    if (cut > region.begin && end - cut >= bucket_elems) {
       out.push_back({cut, end});
       end = cut;
     }
   }
-  if (end > 0) out.push_back({0, end});
+  if (end > region.begin) out.push_back({region.begin, end});
   std::reverse(out.begin(), out.end());
   return out;
 }
 
+}  // namespace
+
+std::vector<flat_range> grad_buckets(const std::vector<param_entry>& entries, std::int64_t padded_size, int ranks,
+                                     std::int64_t bucket_elems) {
+  auto out = region_buckets(entries, {0, padded_size}, ranks, bucket_elems);
+  return out.empty() ? std::vector<flat_range>{{0, 0}} : out;
+}
+
+std::vector<flat_range> slice_buckets(const model_slice& slice, const shard_groups& g, std::int64_t bucket_elems) {
+  const auto n = slice.flat_grads().numel(), split = std::min(g.expert_offset, n);
+  auto out = region_buckets(slice.entries(), {0, split}, g.ranks, bucket_elems);
+  const auto experts = region_buckets(slice.entries(), {split, n}, g.expert_ranks, bucket_elems);
+  out.insert(out.end(), experts.begin(), experts.end());
+  return out;
+}
+
 shard_layout bucket_shard(const std::vector<flat_range>& buckets, int ranks, int rank) {
+  return bucket_shard(buckets, shard_groups{ranks, rank});
+}
+
+shard_layout bucket_shard(const std::vector<flat_range>& buckets, const shard_groups& g) {
   shard_layout out;
   for (const auto& b : buckets) {
+    const int ranks = g.ranks_of(b), rank = g.rank_of(b);
     if (b.size() % ranks != 0) throw std::invalid_argument("a gradient bucket's size must be a multiple of the ranks");
     const auto piece = b.size() / ranks;
     out.push_back({b.begin + rank * piece, b.begin + (rank + 1) * piece});
@@ -57,14 +84,27 @@ std::int64_t shard_size(const shard_layout& shard) {
 }
 
 torch::Tensor from_rank_order(const torch::Tensor& gathered, const std::vector<flat_range>& buckets, int ranks) {
+  return from_rank_order(gathered, buckets, shard_groups{ranks, 0});
+}
+
+torch::Tensor from_rank_order(const torch::Tensor& gathered, const std::vector<flat_range>& buckets,
+                              const shard_groups& g) {
   if (buckets.size() <= 1) return gathered;
   auto out = torch::empty_like(gathered);
-  const auto per_rank = gathered.numel() / ranks;
-  for (int r = 0; r < ranks; ++r) {
-    std::int64_t at = r * per_rank;  // rank r's shard in `gathered`
-    for (const auto& piece : bucket_shard(buckets, ranks, r)) {
-      out.narrow(0, piece.begin, piece.size()).copy_(gathered.narrow(0, at, piece.size()));
-      at += piece.size();
+  const auto n = gathered.numel(), split = std::min(g.expert_offset, n);
+  // Each region: its ranks' shards one after the other, from `base`.
+  for (const bool experts : {false, true}) {
+    const std::int64_t base = experts ? split : 0, size = experts ? n - split : split;
+    const int ranks = experts ? g.expert_ranks : g.ranks;
+    std::vector<flat_range> mine;
+    for (const auto& b : buckets)
+      if (g.in_experts(b) == experts) mine.push_back(b);
+    for (int r = 0; r < ranks; ++r) {
+      std::int64_t at = base + r * (size / ranks);  // rank r's shard in `gathered`
+      for (const auto& piece : bucket_shard(mine, ranks, r)) {
+        out.narrow(0, piece.begin, piece.size()).copy_(gathered.narrow(0, at, piece.size()));
+        at += piece.size();
+      }
     }
   }
   return out;

@@ -18,6 +18,7 @@
 // the equal ranges above.
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -59,9 +60,32 @@ using shard_layout = std::vector<flat_range>;
 std::vector<flat_range> grad_buckets(const std::vector<param_entry>& entries, std::int64_t padded_size, int ranks,
                                      std::int64_t bucket_elems);
 
+/// The groups a slice's buffer is reduced and sharded over (Megatron's expert-data-parallel
+/// layout): its dense region [0, expert_offset) over the data-parallel group, its expert
+/// region (model_slice::expert_offset; expert_share) over the expert-data-parallel group,
+/// the ranks holding the same experts.
+///
+///   buffer:     | dense parameters ............ | pad | this rank's experts ... | pad |
+///   reduced over the data-parallel group (d)     | the expert-data-parallel group (d t / EP)
+struct shard_groups {
+  int ranks = 1, rank = 0;  ///< the data-parallel group, this rank's place in it
+  std::int64_t expert_offset = std::numeric_limits<std::int64_t>::max();  ///< none: past the end
+  int expert_ranks = 1, expert_rank = 0;  ///< the expert-data-parallel group
+  bool in_experts(const flat_range& r) const { return r.begin >= expert_offset; }
+  int ranks_of(const flat_range& r) const { return in_experts(r) ? expert_ranks : ranks; }
+  int rank_of(const flat_range& r) const { return in_experts(r) ? expert_rank : rank; }
+};
+
+/// The gradient buckets of `slice` (grad_buckets) for `g`: its dense region's over
+/// g.ranks, then its expert region's over g.expert_ranks; no bucket spans both.
+std::vector<flat_range> slice_buckets(const model_slice& slice, const shard_groups& g, std::int64_t bucket_elems);
+
 /// Rank `rank`'s shard of a buffer cut into `buckets`: its equal piece of each bucket
 /// (what a reduce-scatter of that bucket over `ranks` ranks gives it), in bucket order.
 shard_layout bucket_shard(const std::vector<flat_range>& buckets, int ranks, int rank);
+
+/// The same over both regions of `g`: each bucket's piece for this rank of its group.
+shard_layout bucket_shard(const std::vector<flat_range>& buckets, const shard_groups& g);
 
 /// Elements of a shard (the sum of its ranges).
 std::int64_t shard_size(const shard_layout& shard);
@@ -70,6 +94,10 @@ std::int64_t shard_size(const shard_layout& shard);
 /// all-gather of each rank's whole shard gives): every piece put back in its bucket.
 /// With one bucket, `gathered` itself.
 torch::Tensor from_rank_order(const torch::Tensor& gathered, const std::vector<flat_range>& buckets, int ranks);
+/// The same over both regions of `g`: `gathered` holds the dense region's shards in rank
+/// order (g.ranks of them), then the expert region's (g.expert_ranks).
+torch::Tensor from_rank_order(const torch::Tensor& gathered, const std::vector<flat_range>& buckets,
+                              const shard_groups& g);
 
 /// The overlap of one parameter with one shard.
 struct shard_piece {

@@ -176,6 +176,20 @@ std::vector<std::string> slice_parameter_names(const model_spec& spec, const lay
   return names;
 }
 
+int expert_of(const std::string& name) {
+  static const std::string key = ".block_sparse_moe.experts.";
+  const auto at = name.find(key);
+  if (at == std::string::npos) return -1;
+  return std::stoi(name.substr(at + key.size()));
+}
+
+bool expert_share::holds(const std::string& name, int n_experts) const {
+  const int e = expert_of(name);
+  if (e < 0 || !active()) return true;
+  const int per = n_experts / size;
+  return e >= rank * per && e < (rank + 1) * per;
+}
+
 decoder_arch parse_decoder_arch(const std::string& name) {
   if (name == "gpt2") return decoder_arch::gpt2;
   if (name == "llama") return decoder_arch::llama;
@@ -340,15 +354,37 @@ bool computes_in_fp32(const std::string& name) {
 
 }  // namespace
 
-void model_slice::allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
+void model_slice::allocate(const model_spec& spec, const state_dict& state, std::vector<std::string> names,
                            const std::vector<std::string>& shared_copies, std::int64_t pad_to,
-                           torch::Device device, torch::ScalarType param_dtype) {
+                           torch::Device device, torch::ScalarType param_dtype, const expert_share& experts) {
   if (param_dtype != torch::kFloat32 && param_dtype != torch::kBFloat16)
     throw model_error(std::string("parameters in ") + c10::toString(param_dtype) + ": expected fp32 or bf16");
+  auto round_up = [](std::int64_t n, std::int64_t to) {
+    to = std::max<std::int64_t>(to, 1);
+    return (n + to - 1) / to * to;
+  };
+  // With an active share: the dense parameters, then this rank's experts.
+  std::size_t first_expert = names.size();
+  if (experts.active()) {
+    const int E = spec.type == model_spec::kind::decoder ? spec.decoder.n_experts : 0;
+    if (E % experts.size != 0)
+      throw model_error(std::to_string(E) + " experts cannot be shared by " + std::to_string(experts.size) +
+                        " expert-parallel ranks");
+    std::vector<std::string> dense, own;
+    for (auto& name : names)
+      if (expert_of(name) < 0)
+        dense.push_back(std::move(name));
+      else if (experts.holds(name, E))
+        own.push_back(std::move(name));
+    first_expert = dense.size();
+    names = std::move(dense);
+    names.insert(names.end(), own.begin(), own.end());
+  }
   std::map<std::string, torch::Tensor> given(state.begin(), state.end());
   entries_.clear();
   std::int64_t offset = 0;
   for (const auto& name : names) {
+    if (entries_.size() == first_expert) offset = expert_offset_ = round_up(offset, pad_to);
     auto it = given.find(name);
     if (it == given.end()) throw model_error("state_dict has no parameter " + name);
     param_entry e;
@@ -363,9 +399,12 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, cons
     offset += e.numel;
     entries_.push_back(e);
   }
-  numel_ = offset;
-  pad_to = std::max<std::int64_t>(pad_to, 1);
-  const std::int64_t padded = (offset + pad_to - 1) / pad_to * pad_to;
+  numel_ = 0;
+  for (const auto& e : entries_) numel_ += e.numel;
+  const bool has_experts = first_expert < names.size();
+  const std::int64_t padded = has_experts ? expert_offset_ + round_up(offset - expert_offset_, experts.pad_to)
+                                          : round_up(offset, pad_to);
+  if (!has_experts) expert_offset_ = padded;
   torch::NoGradGuard no_grad;
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   flat_params_ = torch::zeros({padded}, opts.dtype(param_dtype));
@@ -408,7 +447,8 @@ namespace {
 class decoder_slice final : public model_slice {
  public:
   decoder_slice(const model_spec& spec, const layer_range& range, const state_dict& state, std::int64_t pad_to,
-                torch::Device device, torch::ScalarType param_dtype, const tensor_parallel& tp)
+                torch::Device device, torch::ScalarType param_dtype, const tensor_parallel& tp,
+                const expert_share& experts)
       : cfg_(spec.decoder), tp_(tp) {
     range_ = range;
     std::vector<std::string> shared;
@@ -416,7 +456,7 @@ class decoder_slice final : public model_slice {
       shared.push_back(tied_parameter(spec));  // tied output layer: this stage's copy
     const auto names = slice_parameter_names(spec, range);
     if (!tp_.active()) {
-      allocate(spec, state, names, shared, pad_to, device, param_dtype);
+      allocate(spec, state, names, shared, pad_to, device, param_dtype, experts);
     } else {
       check_tensor_parallel(spec, tp_.size, tp_.sequence);
       // (No group: a slice for the layout of the rank's part only, which computes nothing;
@@ -429,12 +469,16 @@ class decoder_slice final : public model_slice {
       std::map<std::string, torch::Tensor> given(state.begin(), state.end());
       state_dict part;
       for (const auto& name : names) {
+        if (!experts.holds(name, cfg_.n_experts)) continue;
         auto it = given.find(name);
         if (it == given.end()) throw model_error("state_dict has no parameter " + name);
         part.emplace_back(name, shard_parameter(spec, name, it->second, tp_.size, tp_.rank));
-        if (tp_.rank > 0 && tp_split_of(spec, name) == tp_split::replicated) shared.push_back(name);
+        // (Sharded experts are no copies: each rank's are its expert-data-parallel group's.)
+        if (tp_.rank > 0 && tp_split_of(spec, name) == tp_split::replicated &&
+            !(experts.active() && expert_of(name) >= 0))
+          shared.push_back(name);
       }
-      allocate(spec, part, names, shared, pad_to, device, param_dtype);
+      allocate(spec, part, names, shared, pad_to, device, param_dtype, experts);
       heads_ = cfg_.n_head / tp_.size;
       kv_heads_ = cfg_.kv_heads() / tp_.size;
       vocab_first_ = std::int64_t(cfg_.vocab / tp_.size) * tp_.rank;
@@ -948,7 +992,7 @@ class mlp_slice final : public model_slice {
             std::int64_t pad_to, torch::Device device, torch::ScalarType param_dtype)
       : n_layers_(spec.n_layers()) {
     range_ = range;
-    allocate(spec, state, slice_parameter_names(spec, range), {}, pad_to, device, param_dtype);
+    allocate(spec, state, slice_parameter_names(spec, range), {}, pad_to, device, param_dtype, {});
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {
@@ -1012,14 +1056,16 @@ torch::Tensor model_slice::forward_cached(const torch::Tensor&, kv_cache&) {
 
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
                                         const state_dict& state, std::int64_t pad_to, torch::Device device,
-                                        torch::ScalarType param_dtype, const tensor_parallel& tp) {
+                                        torch::ScalarType param_dtype, const tensor_parallel& tp,
+                                        const expert_share& experts) {
   if (range.first < 0 || range.last > spec.n_layers() || range.first >= range.last)
     throw model_error("layer range [" + std::to_string(range.first) + ", " +
                       std::to_string(range.last) + ") does not fit " + spec.name() + " with " +
                       std::to_string(spec.n_layers()) + " layers");
   if (spec.type == model_spec::kind::decoder)
-    return std::make_unique<decoder_slice>(spec, range, state, pad_to, device, param_dtype, tp);
+    return std::make_unique<decoder_slice>(spec, range, state, pad_to, device, param_dtype, tp, experts);
   check_tensor_parallel(spec, tp.size, tp.sequence);  // (refuses a split of the MLP)
+  if (experts.active()) throw model_error(spec.name() + " has no experts to share over expert-parallel ranks");
   return std::make_unique<mlp_slice>(spec, range, state, pad_to, device, param_dtype);
 }
 

@@ -147,6 +147,26 @@ std::vector<std::string> parameter_names(const model_spec& spec);
 /// tied output layer.
 std::vector<std::string> slice_parameter_names(const model_spec& spec, const layer_range& range);
 
+/// The expert an expert parameter belongs to ("model.layers.1.block_sparse_moe.experts.3.w1.weight":
+/// 3); -1 for every other parameter (the router included).
+int expert_of(const std::string& name);
+
+/// The experts a slice holds under expert parallelism (Megatron's expert-data-parallel
+/// layout): rank `rank` of `size` holds experts [rank E/size, (rank + 1) E/size) of each
+/// expert layer and no other. They come after the dense parameters, in a region of the
+/// flat buffers of their own (model_slice::expert_offset), padded to a multiple of
+/// `pad_to`: the expert-data-parallel group (the ranks holding the same experts) shards
+/// that region, as the data-parallel group shards the dense one. Inactive (size 1): the
+/// slice holds every expert, in the model's order, and has no expert region.
+struct expert_share {
+  int rank = 0;
+  int size = 1;
+  std::int64_t pad_to = 1;
+  bool active() const { return size > 1; }
+  /// Whether this rank holds parameter `name` (every parameter but other ranks' experts).
+  bool holds(const std::string& name, int n_experts) const;
+};
+
 /// The full model's number of parameters (the tied output layer counted once).
 std::int64_t parameter_count(const model_spec& spec);
 
@@ -263,6 +283,10 @@ class model_slice {
   void set_params(const torch::Tensor& src);
   torch::Tensor flat_grads() const { return flat_grads_; }
   std::int64_t numel() const { return numel_; }  ///< without padding
+  /// Where the expert region of the flat buffers begins (a slice made with an active
+  /// expert_share): [0, expert_offset()) holds the dense parameters, padded; the rest this
+  /// rank's experts, padded. Without an expert region: the buffers' length.
+  std::int64_t expert_offset() const { return expert_offset_; }
   void zero_grads() { flat_grads_.zero_(); }
 
   /// This slice's parameters (shared copies left out) as a state_dict (fp32 CPU copies).
@@ -310,8 +334,9 @@ class model_slice {
   void set_aux_loss_scale(double scale) { aux_scale_ = scale; }
   /// Expert parallelism: this slice computes only rank `ep.rank`'s experts (E/EP of each
   /// expert layer), for the tokens of every rank of the group, whose other members run
-  /// the same forwards and backwards in the same order (compute/expert_parallel.hpp). The
-  /// slice still holds every expert's parameters; the other ranks' get no gradient here.
+  /// the same forwards and backwards in the same order (compute/expert_parallel.hpp). Made
+  /// with the matching expert_share, the slice holds only those experts; without one it
+  /// holds every expert, and the other ranks' get no gradient here.
   void set_expert_parallel(expert_parallel ep) { ep_ = std::move(ep); }
   /// The load-balancing loss those forwards added, times the scale (summed over blocks and
   /// forwards), and zeroes it: after a step's forwards, the step's auxiliary loss (for
@@ -331,10 +356,11 @@ class model_slice {
   torch::Tensor aux_sum_;  ///< take_aux_loss's, undefined when nothing was added
   std::map<int, torch::Tensor> expert_tokens_;  ///< take_expert_tokens's, on the slice's device
 
-  /// Lays out `names` (taken from `state`) into the flat buffers.
-  void allocate(const model_spec& spec, const state_dict& state, const std::vector<std::string>& names,
+  /// Lays out `names` (taken from `state`) into the flat buffers; with an active `experts`,
+  /// only that rank's experts, in a region of their own after the dense parameters.
+  void allocate(const model_spec& spec, const state_dict& state, std::vector<std::string> names,
                 const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device,
-                torch::ScalarType param_dtype);
+                torch::ScalarType param_dtype, const expert_share& experts);
   layer_range range_;
   recompute_mode recompute_ = recompute_mode::none;
   torch::ScalarType residual_ = torch::kFloat32;
@@ -346,6 +372,7 @@ class model_slice {
   torch::Tensor flat_params_, flat_grads_;
   std::vector<std::size_t> fp32_copies_;  ///< entries whose parameter is an fp32 copy (bf16 slices)
   std::int64_t numel_ = 0;
+  std::int64_t expert_offset_ = 0;
 };
 
 /// Builds the slice for `range`, taking its parameters from a full-model `state`.
@@ -357,10 +384,12 @@ class model_slice {
 /// backward run the group's collectives (a `tp` without a group: a slice that only lays
 /// out the rank's part, for optimizer shards). The parameters every rank holds whole are
 /// shared copies on ranks other than 0 (counted once in the grad norm, saved once).
+/// `experts`: the experts the slice holds (expert_share; the experts are whole on every
+/// tensor-parallel rank and no shared copies: each expert-data-parallel group holds its own).
 std::unique_ptr<model_slice> make_slice(const model_spec& spec, const layer_range& range,
                                         const state_dict& state, std::int64_t pad_to = 1,
                                         torch::Device device = torch::kCPU,
                                         torch::ScalarType param_dtype = torch::kFloat32,
-                                        const tensor_parallel& tp = {});
+                                        const tensor_parallel& tp = {}, const expert_share& experts = {});
 
 }  // namespace troupe

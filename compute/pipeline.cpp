@@ -6,11 +6,11 @@ namespace troupe {
 
 local_pipeline::local_pipeline(const model_spec& spec, const state_dict& init, int stages,
                                int chunks, const std::vector<int>& split, std::int64_t pad_to,
-                               torch::Device device, const tensor_parallel& tp)
-    : spec_(spec), stages_(stages), chunks_(chunks) {
+                               torch::Device device, const tensor_parallel& tp, const expert_share& experts)
+    : spec_(spec), stages_(stages), chunks_(chunks), experts_(experts) {
   check_state(spec, init);
   for (const auto& range : partition_layers(spec.n_layers(), stages, chunks, split))
-    slices_.push_back(make_slice(spec, range, init, pad_to, device, torch::kFloat32, tp));
+    slices_.push_back(make_slice(spec, range, init, pad_to, device, torch::kFloat32, tp, experts));
 }
 
 std::vector<double> local_pipeline::run_step(const schedule& sched,
@@ -109,7 +109,8 @@ state_dict local_pipeline::state() const {
   for (const auto& s : slices_)
     for (auto& [name, t] : s->state(/*include_shared_copies=*/true)) all.emplace(name, t);
   state_dict out;
-  for (const auto& name : parameter_names(spec_)) out.emplace_back(name, all.at(name));
+  for (const auto& name : parameter_names(spec_))
+    if (experts_.holds(name, spec_.decoder.n_experts)) out.emplace_back(name, all.at(name));
   return out;
 }
 

@@ -16,10 +16,12 @@ class local_pipeline {
   /// `split`: explicit layer counts per virtual stage (empty: even split);
   /// `pad_to`: flat buffers padded to a multiple of this (data-parallel width); `tp`:
   /// the pipeline of one tensor-parallel rank (its slices hold that rank's parts; the
-  /// group's pipelines each run on a thread of their own, in the same order).
+  /// group's pipelines each run on a thread of their own, in the same order); `experts`:
+  /// the experts its slices hold (expert_share).
   local_pipeline(const model_spec& spec, const state_dict& init, int stages, int chunks = 1,
                  const std::vector<int>& split = {}, std::int64_t pad_to = 1,
-                 torch::Device device = torch::kCPU, const tensor_parallel& tp = {});
+                 torch::Device device = torch::kCPU, const tensor_parallel& tp = {},
+                 const expert_share& experts = {});
 
   int stages() const { return stages_; }
   int chunks() const { return chunks_; }
@@ -48,12 +50,14 @@ class local_pipeline {
   torch::Tensor forward(const torch::Tensor& input);
 
   /// Full-model parameters (each once, canonical order), cloned. Tensor parallelism:
-  /// this rank's parts of them (unshard_state puts the ranks' together).
+  /// this rank's parts of them (unshard_state puts the ranks' together); sharded experts:
+  /// this rank's experts only.
   state_dict state() const;
 
  private:
   model_spec spec_;
   int stages_, chunks_;
+  expert_share experts_;
   std::vector<std::unique_ptr<model_slice>> slices_;
 };
 

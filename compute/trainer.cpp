@@ -180,14 +180,18 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
   // Expert-parallel groups fold onto the dense layout (Megatron's): EP consecutive ranks
   // q = r T + t (tensor-parallel rank fastest), so a group spans ep_block_ whole replicas.
   ep_block_ = ep_ / std::gcd(ep_, tp_);
+  // Each rank holds its group's share of the experts; the ranks holding the same share
+  // (the expert-data-parallel group) shard its optimizer state.
+  const int edp = d * tp_ / ep_;
   for (int r = 0; r < d; ++r) {
     if (tp_ > 1) groups_.push_back(groups(tp_));
     for (int t = 0; t < tp_; ++t) {
       const int q = r * tp_ + t;
       if (ep_ > 1 && q % ep_ == 0) ep_groups_.push_back(groups(ep_));  // ranks q .. q + ep_ - 1
       const tensor_parallel tp{t, tp_, cfg.sequence_parallel, tp_ > 1 ? groups_.back().at(std::size_t(t)) : nullptr};
-      replicas_.push_back(
-          std::make_unique<local_pipeline>(spec_, *init, cfg.pipeline, cfg.chunks, cfg.split, d, torch::kCPU, tp));
+      const expert_share share = ep_ > 1 ? expert_share{q % ep_, ep_, edp} : expert_share{};
+      replicas_.push_back(std::make_unique<local_pipeline>(spec_, *init, cfg.pipeline, cfg.chunks, cfg.split, d,
+                                                           torch::kCPU, tp, share));
       for (int x = 0; x < replicas_.back()->virtual_stages(); ++x) {
         auto& slice = replicas_.back()->slice(x);
         slice.set_recompute(parse_recompute(cfg.recompute));
@@ -195,21 +199,35 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
       }
     }
   }
-  // One distributed optimizer per (virtual stage, tensor-parallel rank), sharded over the
-  // replicas.
+  // One distributed optimizer per (virtual stage, tensor-parallel rank) for the dense
+  // parameters, sharded over the replicas; one per (virtual stage, expert share) for the
+  // experts, sharded over the ranks holding that share.
   const adamw_options opts{cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
-  for (int x = 0; x < replicas_.front()->virtual_stages(); ++x)
-    for (int t = 0; t < tp_; ++t) {
-      auto& s = replica(0, t).slice(x);
-      const auto ranges = shard_ranges(s.flat_params().numel(), d);
-      for (int r = 0; r < d; ++r) {
-        const auto& range = ranges[r];
-        shards_.push_back({x, t, r, range,
-                           adamw_shard(s.flat_params().narrow(0, range.begin, range.size()),
-                                       decay_mask(s.entries(), {range}), opts),
-                           norm_mask(s.entries(), {range})});
-      }
+  auto add_shards = [&](int x, std::vector<int> members, std::int64_t begin, std::int64_t end, bool experts) {
+    auto& s = replicas_.at(std::size_t(members.front()))->slice(x);
+    const int n = int(members.size());
+    for (auto range : shard_ranges(end - begin, n)) {
+      range = {begin + range.begin, begin + range.end};
+      shards_.push_back({x, members, range, experts,
+                         adamw_shard(s.flat_params().narrow(0, range.begin, range.size()),
+                                     decay_mask(s.entries(), {range}), opts),
+                         norm_mask(s.entries(), {range})});
     }
+  };
+  for (int x = 0; x < replicas_.front()->virtual_stages(); ++x) {
+    for (int t = 0; t < tp_; ++t) {
+      std::vector<int> members;
+      for (int r = 0; r < d; ++r) members.push_back(r * tp_ + t);
+      add_shards(x, members, 0, replica(0, t).slice(x).expert_offset(), false);
+    }
+    for (int c = 0; ep_ > 1 && c < ep_; ++c) {
+      std::vector<int> members;
+      for (int q = c; q < d * tp_; q += ep_) members.push_back(q);
+      const auto& s = replicas_.at(std::size_t(c))->slice(x);
+      if (s.flat_params().numel() > s.expert_offset())
+        add_shards(x, members, s.expert_offset(), s.flat_params().numel(), true);
+    }
+  }
   if (!cfg.load.empty()) load_checkpoint(cfg.load);
 }
 
@@ -248,26 +266,27 @@ step_stats local_trainer::step() {
     }
   }
   torch::NoGradGuard no_grad;
-  // Reduce-scatter: each shard receives the sum over replicas of its range (rank order).
+  // Reduce-scatter: each shard receives the sum over its group of its range (rank order).
+  auto range_of = [this](int q, const shard& sh, bool grads) {
+    auto& slice = replicas_.at(std::size_t(q))->slice(sh.virtual_stage);
+    return (grads ? slice.flat_grads() : slice.flat_params()).narrow(0, sh.range.begin, sh.range.size());
+  };
   std::vector<torch::Tensor> reduced(shards_.size());
   double sq_norm = 0;
   for (std::size_t i = 0; i < shards_.size(); ++i) {
     const auto& sh = shards_[i];
-    auto sum = replica(0, sh.tp).slice(sh.virtual_stage).flat_grads().narrow(0, sh.range.begin, sh.range.size()).clone();
-    for (int r = 1; r < d; ++r)
-      sum.add_(replica(r, sh.tp).slice(sh.virtual_stage).flat_grads().narrow(0, sh.range.begin, sh.range.size()));
+    auto sum = range_of(sh.members.front(), sh, true).clone();
+    for (std::size_t j = 1; j < sh.members.size(); ++j) sum.add_(range_of(sh.members[j], sh, true));
     sq_norm += partial_sq_norm(sum, sh.norm_mask);
     reduced[i] = sum;
   }
   st.grad_norm = std::sqrt(sq_norm);
   const double scale = cfg_.clip > 0 ? clip_factor(sq_norm, cfg_.clip) : 1.0;
-  // Update each shard, then all-gather: every replica copies every updated range.
+  // Update each shard, then all-gather: every member copies every updated range.
   for (std::size_t i = 0; i < shards_.size(); ++i) {
     auto& sh = shards_[i];
     sh.opt.step(reduced[i], st.lr, scale, torch::get_num_threads());
-    for (int r = 0; r < d; ++r)
-      replica(r, sh.tp).slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(
-          sh.opt.params());
+    for (int q : sh.members) range_of(q, sh, false).copy_(sh.opt.params());
   }
   for (auto& rep : replicas_) rep->zero_grads();
   ++next_step_;
@@ -397,7 +416,8 @@ void local_trainer::sum_replicated_grads(int r) {
   torch::NoGradGuard no_grad;
   for (int x = 0; x < replica(r).virtual_stages(); ++x)
     for (const auto& e : replica(r).slice(x).entries()) {
-      if (e.split != tp_split::replicated) continue;
+      // (Sharded experts are summed over their expert-data-parallel group instead.)
+      if (e.split != tp_split::replicated || (ep_ > 1 && expert_of(e.name) >= 0)) continue;
       auto sum = replica(r, 0).slice(x).param(e.name).grad().clone();
       for (int t = 1; t < tp_; ++t) sum.add_(replica(r, t).slice(x).param(e.name).grad());
       for (int t = 0; t < tp_; ++t) replica(r, t).slice(x).param(e.name).mutable_grad().copy_(sum);
@@ -419,26 +439,43 @@ evaluation local_trainer::evaluate() {
 
 
 state_dict local_trainer::state() const {
-  if (tp_ == 1) return replicas_[0]->state();
-  std::vector<state_dict> parts;
-  for (int t = 0; t < tp_; ++t) parts.push_back(replicas_[std::size_t(t)]->state());
+  if (tp_ == 1 && ep_ == 1) return replicas_[0]->state();
+  // The dense parameters from replica 0's tensor-parallel ranks (q = t), each expert from
+  // a rank holding it (ranks q < EP hold every share once).
+  std::vector<std::map<std::string, torch::Tensor>> parts(static_cast<std::size_t>(std::max(tp_, ep_)));
+  for (std::size_t q = 0; q < parts.size(); ++q) {
+    const auto s = replicas_.at(q)->state();
+    parts[q] = {s.begin(), s.end()};
+  }
   state_dict out;
-  for (std::size_t i = 0; i < parts.front().size(); ++i) {
+  for (const auto& name : parameter_names(spec_)) {
+    if (ep_ > 1 && expert_of(name) >= 0) {
+      for (const auto& part : parts)
+        if (part.count(name)) {
+          out.emplace_back(name, part.at(name));
+          break;
+        }
+      continue;
+    }
     std::vector<torch::Tensor> each;
-    for (const auto& p : parts) each.push_back(p[i].second);
-    out.emplace_back(parts.front()[i].first, unshard_parameter(spec_, parts.front()[i].first, each));
+    for (int t = 0; t < tp_; ++t) each.push_back(parts[std::size_t(t)].at(name));
+    out.emplace_back(name, unshard_parameter(spec_, name, each));
   }
   return out;
 }
 
 state_dict local_trainer::optimizer_state() const {
+  // The dense moments by tensor-parallel rank, the experts' (whole on every rank) apart.
   std::vector<named_moments> by_rank(static_cast<std::size_t>(tp_));
+  named_moments experts;
   for (const auto& sh : shards_)
-    gather_moments(replicas_[std::size_t(sh.tp)]->slice(sh.virtual_stage).entries(), {sh.range}, sh.opt,
-                   by_rank[std::size_t(sh.tp)]);
-  if (tp_ == 1) return optimizer_state_dict(by_rank.front(), replicas_[0]->state(), next_step_);
+    gather_moments(replicas_.at(std::size_t(sh.members.front()))->slice(sh.virtual_stage).entries(), {sh.range},
+                   sh.opt, sh.experts ? experts : by_rank[std::size_t(sh.tp(tp_))]);
   const auto model = state();
-  return optimizer_state_dict(unshard_moments(spec_, model, by_rank), model, next_step_);
+  auto whole = tp_ == 1 ? by_rank.front() : unshard_moments(spec_, model, by_rank);
+  whole.exp_avg.insert(experts.exp_avg.begin(), experts.exp_avg.end());
+  whole.exp_avg_sq.insert(experts.exp_avg_sq.begin(), experts.exp_avg_sq.end());
+  return optimizer_state_dict(whole, model, next_step_);
 }
 
 void local_trainer::save_checkpoint(const std::string& path) const {
@@ -456,16 +493,17 @@ void local_trainer::load_checkpoint(const std::string& path) {
     optim.push_back(shard_by_name(spec_, ckpt.params, ckpt.optim, tp_, t));
   }
   for (auto& sh : shards_) {
+    const auto t = std::size_t(sh.tp(tp_));  // (experts are whole on every rank)
     try {
-      restore_shard(replica(0, sh.tp).slice(sh.virtual_stage).entries(), {sh.range}, sh.opt,
-                    params[std::size_t(sh.tp)], optim[std::size_t(sh.tp)], ckpt.step);
+      restore_shard(replicas_.at(std::size_t(sh.members.front()))->slice(sh.virtual_stage).entries(), {sh.range},
+                    sh.opt, params[t], optim[t], ckpt.step);
     } catch (const std::runtime_error& e) {
       throw checkpoint_error("optimizer checkpoint " + path + ".optim: " + e.what());
     }
     torch::NoGradGuard no_grad;
-    for (int r = 0; r < cfg_.data_parallel; ++r)
-      replica(r, sh.tp).slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size()).copy_(
-          sh.opt.params());
+    for (int q : sh.members)
+      replicas_.at(std::size_t(q))->slice(sh.virtual_stage).flat_params().narrow(0, sh.range.begin, sh.range.size())
+          .copy_(sh.opt.params());
   }
   next_step_ = int(ckpt.step);
 }

@@ -154,13 +154,18 @@ class local_trainer {
   /// whole over the ranks (sequence parallelism: each computed its positions' share).
   void sum_replicated_grads(int replica);
 
+  /// One range of one virtual stage's buffers and its optimizer state: a range of the
+  /// dense region, summed over the data-parallel group (one tensor-parallel rank's
+  /// replicas), or of the expert region, summed over the expert-data-parallel group (the
+  /// ranks q with the same q mod EP).
   struct shard {
     int virtual_stage = 0;
-    int tp = 0;  ///< tensor-parallel rank of the slice
-    int rank = 0;
+    std::vector<int> members;  ///< the ranks q = r T + t whose buffers it sums and updates
     flat_range range;
+    bool experts = false;
     adamw_shard opt;
     torch::Tensor norm_mask;
+    int tp(int tp_size) const { return members.front() % tp_size; }
   };
 
   job_config cfg_;

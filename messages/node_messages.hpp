@@ -119,6 +119,7 @@ struct shard_copy {
   std::int64_t step = 0;
   std::vector<tensor_payload> params, exp_avg, exp_avg_sq;
   std::vector<std::int64_t> steps, stage_numel;
+  std::vector<std::int64_t> stage_expert_offset;  ///< per chunk (shard_snapshot)
 };
 
 template <class Inspector>
@@ -156,7 +157,7 @@ typename Inspector::result_type inspect(Inspector& f, wiring_msg& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, shard_copy& x) {
   return f(caf::meta::type_name("shard_copy"), x.stage, x.rank, x.step, x.params, x.exp_avg, x.exp_avg_sq, x.steps,
-           x.stage_numel);
+           x.stage_numel, x.stage_expert_offset);
 }
 
 }  // namespace troupe

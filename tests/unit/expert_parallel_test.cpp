@@ -12,6 +12,8 @@
 
 #include "actor_test_util.hpp"
 #include "actors/tp_groups.hpp"
+#include "compute/checkpoint.hpp"
+#include "compute/checkpoint_dir.hpp"
 #include "compute/expert_parallel.hpp"
 #include "compute/trainer.hpp"
 #include "test_util.hpp"
@@ -274,6 +276,46 @@ TEST(ExpertParallel, TrainingWithExpertRanksEqualsOneProcess) {
   EXPECT_EQ(test::max_abs_diff(over_ucx.state, in_process.state), 0.0);
 }
 
+// Megatron's expert-data-parallel layout: each rank holds only its share of the experts
+// (EP 4 over 4 replicas: one of the 4 experts of each layer), its buffers are the dense
+// parameters and that one expert; the optimizer updates each expert on its own rank, and
+// the model it gives back (and saves) is whole.
+TEST(ExpertParallel, EachRankHoldsOnlyItsShareOfTheExperts) {
+  auto one = moe_job();
+  one.steps = 2;
+  local_trainer single(one);
+  const auto& whole = single.replica(0).slice(0);
+  std::int64_t expert_elems = 0;
+  for (const auto& e : whole.entries())
+    if (expert_of(e.name) >= 0) expert_elems += e.numel;
+  ASSERT_GT(expert_elems, whole.numel() / 2);  // (moe-tiny: most parameters are experts')
+  auto c = one;
+  c.expert_parallel = 4;
+  c.data_parallel = 4;
+  local_trainer t(c, std::nullopt, in_process_groups);
+  for (int r = 0; r < 4; ++r) {
+    const auto& slice = t.replica(r).slice(0);
+    EXPECT_EQ(slice.numel(), whole.numel() - expert_elems * 3 / 4) << "replica " << r;
+    for (const auto& e : slice.entries())
+      if (expert_of(e.name) >= 0) EXPECT_EQ(expert_of(e.name), r) << e.name;
+  }
+  for (int i = 0; i < c.steps; ++i) {
+    const auto a = t.step(), b = single.step();
+    EXPECT_NEAR(a.loss, b.loss, 1e-5) << "step " << i;
+  }
+  const auto state = t.state();
+  check_state(c.model(), state);
+  EXPECT_LE(test::max_abs_diff(state, single.state()), 1e-5);
+  // Each expert was updated where it lives: every expert moved from its initial values.
+  const auto init = initial_state(c.model(), c.seed);
+  const std::map<std::string, torch::Tensor> before(init.begin(), init.end());
+  for (const auto& [name, p] : state)
+    if (expert_of(name) >= 0) EXPECT_FALSE(p.equal(before.at(name))) << name;
+  const auto optim = t.optimizer_state();
+  for (const auto& [name, m] : optim)
+    if (expert_of(name) >= 0) EXPECT_GT(m.abs().sum().item<double>(), 0.0) << name;
+}
+
 // The capacity factor (model.moe_capacity_factor): with 0.5 each expert takes at most
 // ceil(0.5 x 16 x 2 / 4) = 4 of a sequence's 32 (token, choice) pairs, so at least half of
 // every layer's pairs are dropped, and the metrics count them; expert-parallel layouts
@@ -491,6 +533,48 @@ TEST(ExpertParallel, ACheckpointResumesWithAnotherExpertWidth) {
   ASSERT_EQ(t.next_step(), 5);
   for (int i = 5; i < one.steps; ++i) EXPECT_NEAR(t.step().loss, ref.losses[std::size_t(i)], 1e-5) << "step " << i;
   EXPECT_LE(test::max_abs_diff(t.state(), ref.state), 1e-5);
+}
+
+// The actor runtime with the experts sharded (EP 4 over 2 replicas' tensor-parallel
+// pairs: each pipeline holds one expert per layer, each share one shard group of 1): the
+// checkpoint folder that replica 0's stage actors write with the other pipelines' experts
+// and every shard's moments holds what the run's --save file holds (the whole model), and
+// it resumes with EP 2 (two experts per pipeline, shard groups of 2) as the run went on.
+TEST(ExpertParallel, CheckpointFoldersHoldEveryExpertAndResumeWithAnotherWidth) {
+  test::temp_dir dir;
+  auto c = moe_job();
+  c.runtime = "actors";
+  c.tensor_parallel = 2;
+  c.sequence_parallel = true;
+  c.expert_parallel = 4;
+  c.data_parallel = 2;
+  c.steps = 4;
+  c.checkpoint_dir = dir / "ckpt";
+  c.checkpoint_interval = 2;
+  c.save = dir / "run.pt";
+  actor_run_options quiet;
+  quiet.quiet = true;
+  const auto run = run_actor_training(c, quiet);
+  ASSERT_EQ(run.exit_code, 0) << run.error;
+  const auto ckpt = read_checkpoint_dir(dir / "ckpt/step-00000004", c);
+  EXPECT_EQ(test::max_abs_diff(ckpt.model, load_state_dict(c.save)), 0.0);
+  const state_dict optim(ckpt.optim.begin(), ckpt.optim.end());
+  EXPECT_EQ(test::max_abs_diff(optim, load_state_dict(c.save + ".optim")), 0.0);
+  auto one = moe_job();
+  one.steps = c.steps;
+  local_trainer plain(one);
+  for (int i = 0; i < c.steps; ++i) plain.step();
+  EXPECT_LE(test::max_abs_diff(ckpt.model, plain.state()), 1e-5);
+  auto resumed = c;
+  resumed.expert_parallel = 2;
+  resumed.save.clear();
+  resumed.checkpoint_dir.clear();
+  resumed.resume = dir / "ckpt/step-00000002";
+  const auto again = run_actor_training(resumed, quiet);
+  ASSERT_EQ(again.exit_code, 0) << again.error;
+  ASSERT_EQ(again.losses.size(), 2u);
+  EXPECT_NEAR(again.losses[1], run.losses[3], 1e-6);
+  EXPECT_LE(test::max_abs_diff(again.final_state, run.final_state), 1e-6);
 }
 
 }  // namespace troupe

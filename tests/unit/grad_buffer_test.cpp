@@ -157,6 +157,62 @@ TEST(GradBuffer, ABufferComesBackFromItsBucketShardsInRankOrder) {
   }
 }
 
+// A slice holding one share of the experts (expert_share): the dense parameters first,
+// padded to the data-parallel width, then its experts, padded to the expert-data-parallel
+// width; buckets of each region over its own group, none across the boundary; the two
+// groups' whole-shard all-gathers (dense region in rank order, then the experts' in theirs)
+// put the buffer back.
+TEST(GradBuffer, AnExpertRegionIsShardedOverItsOwnGroup) {
+  auto spec = model_spec::moe_tiny();
+  const int d = 3, share = 1, ep = 2, edp = 5;
+  const auto slice = make_slice(spec, partition_layers(spec.n_layers(), 1)[0], initial_state(spec, 1), d,
+                                torch::kCPU, torch::kFloat32, {}, expert_share{share, ep, edp});
+  const auto n = slice->flat_grads().numel(), split = slice->expert_offset();
+  ASSERT_LT(split, n);
+  EXPECT_EQ(split % d, 0);
+  EXPECT_EQ((n - split) % edp, 0);
+  // Only experts 2 and 3 of each layer (4 experts over 2 ranks), all of them past the split.
+  int experts = 0;
+  for (const auto& e : slice->entries()) {
+    const int x = expert_of(e.name);
+    EXPECT_EQ(x < 0, e.offset < split) << e.name;
+    if (x < 0) continue;
+    ++experts;
+    EXPECT_TRUE(x == 2 || x == 3) << e.name;
+  }
+  EXPECT_EQ(experts, 2 * 3 * spec.decoder.n_layer);  // (w1, w2, w3)
+  EXPECT_EQ(slice->numel(), parameter_count(spec) - 2 * 3 * spec.decoder.n_layer * spec.decoder.d_model *
+                                                         spec.decoder.expert_d_ff());
+  const auto whole = torch::arange(n, torch::kFloat64);
+  for (std::int64_t elems : {0, 5000}) {
+    shard_groups g{d, 0, split, edp, 0};
+    const auto buckets = slice_buckets(*slice, g, elems);
+    for (const auto& b : buckets) {
+      EXPECT_TRUE(b.end <= split || b.begin >= split) << "a bucket spans both regions";
+      EXPECT_EQ(b.size() % g.ranks_of(b), 0);
+    }
+    EXPECT_EQ(buckets.front().begin, 0);
+    EXPECT_EQ(buckets.back().end, n);
+    if (elems) EXPECT_GT(buckets.size(), 3u);
+    // Each group's ranks in order: the dense region's (d), then the experts' (edp).
+    std::vector<torch::Tensor> shards;
+    for (const bool in_experts : {false, true})
+      for (int r = 0; r < (in_experts ? edp : d); ++r) {
+        g.rank = in_experts ? 0 : r;
+        g.expert_rank = in_experts ? r : 0;
+        const auto layout = bucket_shard(buckets, g);
+        for (std::size_t b = 0; b < buckets.size(); ++b)
+          if (g.in_experts(buckets[b]) == in_experts)
+            shards.push_back(whole.narrow(0, layout[b].begin, layout[b].size()));
+      }
+    EXPECT_TRUE(from_rank_order(torch::cat(shards), buckets, g).equal(whole)) << elems;
+  }
+  // Without a share: every expert, in the model's order, and no expert region.
+  const auto all = make_slice(spec, partition_layers(spec.n_layers(), 1)[0], initial_state(spec, 1), d);
+  EXPECT_EQ(all->expert_offset(), all->flat_grads().numel());
+  EXPECT_EQ(all->numel(), parameter_count(spec));
+}
+
 TEST(GradBuffer, BucketShardsRestoreAndGatherTheSameMomentsByName) {
   const int d = 2;
   auto slice = full_gpt(d);
