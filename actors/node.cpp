@@ -186,10 +186,11 @@ int assign_nccl_ids(node_addresses& table, const std::function<std::string()>& m
   const auto n = std::min({table.stages.size(), table.replicas.size(), table.gpus.size()});
   table.nccl_ids.resize(table.stages.size());
   // Per group (a shard group >= 0, the world -1, a tensor-parallel group spread over
-  // nodes <= tensor_group_base): its members' GPU keys by rank.
+  // nodes <= tensor_group_base, an expert shard group): its members' GPU keys by rank.
+  auto is_group = [](int stage) { return stage >= 0 || stage <= tensor_group_base || is_expert_shard_entry(stage); };
   std::map<int, std::vector<std::string>> keys;
   for (std::size_t i = 0; i < n; ++i)
-    if ((table.stages[i] >= -1 || table.stages[i] <= tensor_group_base) && table.replicas[i] >= 0) {
+    if ((is_group(table.stages[i]) || table.stages[i] == -1) && table.replicas[i] >= 0) {
       auto& column = keys[table.stages[i]];
       if (int(column.size()) <= table.replicas[i]) column.resize(table.replicas[i] + 1);
       column[table.replicas[i]] = table.gpus[i];
@@ -200,7 +201,7 @@ int assign_nccl_ids(node_addresses& table, const std::function<std::string()>& m
   for (std::size_t i = 0; i < n; ++i) {
     const int stage = table.stages[i], rank = table.replicas[i];
     std::string refusal;
-    if ((stage >= 0 || stage <= tensor_group_base) && rank == 0)
+    if (is_group(stage) && rank == 0)
       refusal = nccl_refusal(keys[stage]);
     else if (stage <= -2 && stage > expert_group_base)
       refusal = nccl_refusal({world_key(-2 - stage), world_key(rank)});

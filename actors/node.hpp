@@ -93,7 +93,8 @@ constexpr std::int32_t expert_group_entry(int stage, int group, int groups, bool
 }
 /// The entries of the shards' expert-data-parallel groups (expert parallelism): the shards
 /// of stage k of the pipelines holding share c of the experts (q mod EP = c) are entry
-/// expert_shard_entry(k, c, EP), rank q / EP; below every expert group's entry. Over UCX.
+/// expert_shard_entry(k, c, EP), rank q / EP; below every expert group's entry. Over NCCL
+/// where asked for and every member has a GPU of its own (as a shard group), else UCX.
 constexpr std::int32_t expert_shard_base = -(1 << 26);
 constexpr std::int32_t expert_shard_entry(int stage, int share, int ep) { return expert_shard_base - (stage * ep + share); }
 /// The entries of tensor-parallel groups that span node processes (node_slots with more
@@ -103,10 +104,11 @@ constexpr std::int32_t expert_shard_entry(int stage, int share, int ep) { return
 /// gets an id, as a shard group's), else over UCX.
 constexpr std::int32_t tensor_group_base = -(1 << 28);
 constexpr std::int32_t tensor_group_entry(int stage, int replica, int d) { return tensor_group_base - (stage * d + replica); }
+constexpr bool is_expert_shard_entry(std::int32_t entry) { return entry <= expert_shard_base && entry > tensor_group_base; }
 
 /// The registrar's part of NCCL, once every node has sent its entries of an address
 /// round: a NCCL unique id (`make_id()`; empty where making one failed) for each shard
-/// group and each tensor-parallel group spread over nodes whose members' GPU keys
+/// group, expert shard group and tensor-parallel group spread over nodes whose members' GPU keys
 /// nccl_refusal accepts (into its rank 0's entry), and for
 /// each link entry (stage -2 - from, replica = to; not an expert group's) whose two nodes' world entries'
 /// keys it accepts. No other ids are made: NCCL keeps a thread waiting for the ranks of

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <any>
 #include <map>
+#include <numeric>
 #include <set>
 
 #include <spdlog/spdlog.h>
@@ -79,7 +80,7 @@ class ucx_renewal : public comm_renewal {
           add(expert_group_entry(k, r / ep_, d_ * t_ / ep_, backward), r % ep_, experts_.back()->address(), "");
         }
         expert_shards_.push_back(transport::prepare_ucx_communicator(r / ep_, d_ * t_ / ep_));
-        add(expert_shard_entry(k, r % ep_, ep_), r / ep_, expert_shards_.back()->address(), "");
+        add(expert_shard_entry(k, r % ep_, ep_), r / ep_, expert_shards_.back()->address(), gpu);
       }
     if (!gpu.empty())  // the links this node sends on (no address: a NCCL id's place)
       for (const auto& [from, to] : links_)
@@ -99,13 +100,32 @@ class ucx_renewal : public comm_renewal {
       if (transport_.staged == staging::off) return c;
       return transport::stage_through_host(std::move(c), /*always=*/transport_.staged == staging::all_tensors);
     };
+    // A group's communicator: NCCL where asked for and every member has a GPU of its own
+    // (the registrar put an id in its rank 0's entry), else UCX. Making a NCCL one waits
+    // for its other ranks.
+    auto group_comm = [&](int entry, int rank, int size, transport::ucx_pending& ucx,
+                          const std::string& what) -> std::shared_ptr<transport::communicator> {
+      auto refusal = transport_.nccl ? nccl_refusal(column(entry, size, table.gpus)) : "not asked for";
+      const auto id = column(entry, size, table.nccl_ids).at(0);
+      if (refusal.empty() && id.empty()) refusal = "node 0 made no NCCL id for it (see its log)";
+      if (!refusal.empty()) {
+        if (transport_.nccl) spdlog::info("node {}: {} stay on UCX: {}", node_, what, refusal);
+        return staged(ucx.connect(column(entry, size, table.addresses)));
+      }
+      const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(transport_.device));
+      // Staged: a rejoined node's shard state (buddy copies) is in host memory.
+      auto comm = transport::stage_through_device(
+          transport::make_nccl_communicator(std::vector<char>(id.begin(), id.end()), rank, size, transport_.device), gpu);
+      spdlog::info("node {}: {} (rank {} of {}) over NCCL on {}", node_, what, rank, size, gpu.str());
+      return comm;
+    };
     node_plan plan;
     plan.node = node_;
     plan.slots = slots_;
     // NCCL communicators are made in the order of the shard groups (stage, tp) on every
     // node (making one waits for its other ranks: no node may wait on a group another
     // node makes later), then the tensor-parallel groups spread over nodes (at most one
-    // per node).
+    // per node), then the expert-data-parallel groups in the order of their entries.
     std::vector<std::size_t> order(slots_.size());
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) {
@@ -114,44 +134,16 @@ class ucx_renewal : public comm_renewal {
     plan.comms.resize(slots_.size());
     for (const auto i : order) {
       const auto [q, k] = slots_[i];
-      const int g = shard_group(q, k), r = q / t_;
-      auto refusal = transport_.nccl ? nccl_refusal(column(g, d_, table.gpus)) : "not asked for";
-      const auto id = column(g, d_, table.nccl_ids).at(0);
-      if (refusal.empty() && id.empty()) refusal = "node 0 made no NCCL id for it (see its log)";
-      if (refusal.empty()) {
-        const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(transport_.device));
-        // Staged: a rejoined node's shard state (buddy copies) is in host memory.
-        plan.comms[i] = transport::stage_through_device(
-            transport::make_nccl_communicator(std::vector<char>(id.begin(), id.end()), r, d_, transport_.device), gpu);
-        spdlog::info("node {}: stage {}'s shard collectives (rank {} of {}) over NCCL on {}", node_, k, r, d_,
-                     gpu.str());
-      } else {
-        if (transport_.nccl) spdlog::info("node {}: stage {}'s shard collectives stay on UCX: {}", node_, k, refusal);
-        plan.comms[i] = staged(pending_[i]->connect(column(g, d_, table.addresses)));
-      }
+      plan.comms[i] = group_comm(shard_group(q, k), q / t_, d_, *pending_[i],
+                                 "stage " + std::to_string(k) + "'s shard collectives");
     }
     if (t_ > 1) {  // tensor-parallel groups: in process where the group is here, else over UCX
       std::map<std::pair<int, int>, std::vector<std::shared_ptr<transport::communicator>>> groups;
       std::size_t next = 0;
       for (const auto& [q, k] : slots_) {
         if (!whole_group_here(q, k)) {
-          const int entry = tensor_group_entry(k, q / t_, d_);
-          auto& ucx = tensors_.at(next++);
-          auto refusal = transport_.nccl ? nccl_refusal(column(entry, t_, table.gpus)) : "not asked for";
-          const auto id = column(entry, t_, table.nccl_ids).at(0);
-          if (refusal.empty() && id.empty()) refusal = "node 0 made no NCCL id for it (see its log)";
-          if (!refusal.empty()) {
-            if (transport_.nccl)
-              spdlog::info("node {}: stage {}'s tensor-parallel collectives stay on UCX: {}", node_, k, refusal);
-            plan.tp_comms.push_back(staged(ucx->connect(column(entry, t_, table.addresses))));
-            continue;
-          }
-          const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(transport_.device));
-          plan.tp_comms.push_back(transport::stage_through_device(
-              transport::make_nccl_communicator(std::vector<char>(id.begin(), id.end()), q % t_, t_, transport_.device),
-              gpu));
-          spdlog::info("node {}: stage {}'s tensor-parallel collectives (rank {} of {}) over NCCL on {}", node_, k,
-                       q % t_, t_, gpu.str());
+          plan.tp_comms.push_back(group_comm(tensor_group_entry(k, q / t_, d_), q % t_, t_, *tensors_.at(next++),
+                                             "stage " + std::to_string(k) + "'s tensor-parallel collectives"));
           continue;
         }
         auto& g = groups[{q / t_, k}];
@@ -169,10 +161,17 @@ class ucx_renewal : public comm_renewal {
           .push_back(staged(
               experts_[i]->connect(column(expert_group_entry(k, r / ep_, d_ * t_ / ep_, backward), ep_, table.addresses))));
     }
-    for (std::size_t i = 0; i < expert_shards_.size(); ++i) {
-      const auto [r, k] = slots_[i];
-      plan.edp_comms.push_back(
-          staged(expert_shards_[i]->connect(column(expert_shard_entry(k, r % ep_, ep_), d_ * t_ / ep_, table.addresses))));
+    if (!expert_shards_.empty()) {
+      std::vector<std::size_t> by_entry(slots_.size());  // (every node: the same order of groups)
+      std::iota(by_entry.begin(), by_entry.end(), 0);
+      auto entry_of = [this](std::size_t i) { return expert_shard_entry(slots_[i].second, slots_[i].first % ep_, ep_); };
+      std::stable_sort(by_entry.begin(), by_entry.end(), [&](auto a, auto b) { return entry_of(a) > entry_of(b); });
+      plan.edp_comms.resize(slots_.size());
+      for (const auto i : by_entry) {
+        const auto [r, k] = slots_[i];
+        plan.edp_comms[i] = group_comm(entry_of(i), r / ep_, d_ * t_ / ep_, *expert_shards_[i],
+                                       "stage " + std::to_string(k) + "'s expert shard collectives");
+      }
     }
     auto [to, from] = make_links(table, column(-1, nodes_, table.gpus), plan.world);
     if (transport_.ipc != node_transport::ipc_memory::off) {

@@ -339,6 +339,36 @@ TEST(MultiProcessNccl, TheRegistrarMakesIdsForTensorParallelGroupsSpreadOverNode
   EXPECT_EQ(made, 1);
 }
 
+// An expert shard group (entry expert_shard_entry, rank q / EP): an id in its rank 0's
+// entry where each member has a GPU of its own, none where they share one; an expert
+// group's entries (the all-to-alls, UCX only) get none.
+TEST(MultiProcessNccl, TheRegistrarMakesIdsForExpertShardGroups) {
+  auto table_of = [](const std::string& gpu0, const std::string& gpu1) {
+    node_addresses t;
+    for (const int entry : {expert_shard_entry(1, 1, 2), expert_group_entry(1, 0, 2, false)})
+      for (int rank = 0; rank < 2; ++rank) {
+        t.stages.push_back(entry);
+        t.replicas.push_back(rank);
+        t.addresses.emplace_back("a");
+        t.machines.emplace_back("m");
+        t.gpus.push_back(rank == 0 ? gpu0 : gpu1);
+        t.nccl_ids.emplace_back();
+      }
+    return t;
+  };
+  EXPECT_TRUE(is_expert_shard_entry(expert_shard_entry(3, 7, 8)));
+  EXPECT_FALSE(is_expert_shard_entry(expert_group_entry(3, 7, 8, true)));
+  EXPECT_FALSE(is_expert_shard_entry(tensor_group_entry(0, 0, 1)));
+  int made = 0;
+  auto make_id = [&] { return "id " + std::to_string(made++); };
+  auto t = table_of("m/gpu 0", "m/gpu 1");
+  EXPECT_EQ(assign_nccl_ids(t, make_id), 1);
+  EXPECT_EQ(t.nccl_ids, (std::vector<std::string>{"id 0", "", "", ""}));
+  t = table_of("m/gpu 0", "m/gpu 0");
+  EXPECT_EQ(assign_nccl_ids(t, make_id), 0);
+  EXPECT_EQ(made, 1);
+}
+
 // A p2 x d1 job on 2 nodes whose node 1 (stage 1) pretends another machine (`env`: its
 // clock's skew and drift, TROUPE_TEST_CLOCK_*). Returns node 1's log and each tensor
 // message received earlier on node 0's timeline than its send began (by more than the
