@@ -163,42 +163,24 @@ void take_snapshot(shard_state& s, std::int64_t step) {
   s.store->put(s.stage, s.rank, std::move(snap));
 }
 
-caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared_ptr<const runtime_context> ctx,
-                             std::shared_ptr<const job_wiring> wiring, int stage, int rank,
-                             std::shared_ptr<transport::communicator> comm,
-                             std::shared_ptr<transport::communicator> expert_comm, std::shared_ptr<snapshot_store> store,
-                             std::shared_ptr<const shard_snapshot> from) {
-  self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
-  auto& st = self->state;
-  st.ctx = ctx;
-  st.wiring = wiring;
-  st.comm = comm;
-  st.expert_comm = expert_comm;
-  st.store = store;
-  st.stage = stage;
-  st.rank = rank;
-  st.name = ctx->shard_name(stage, rank);
-  // Its data-parallel group: the stage's shards of the same tensor-parallel rank.
-  const int dp = ctx->dp_of(rank);
-  if (comm->size() != ctx->d || comm->rank() != dp)
-    throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
-                           std::to_string(comm->size()));
-  if ((ctx->ep > 1) != bool(expert_comm) ||
-      (expert_comm && (expert_comm->size() != ctx->edp || expert_comm->rank() != rank / ctx->ep)))
-    throw std::logic_error(st.name + ": no expert-data-parallel communicator of " + std::to_string(ctx->edp) +
-                           " ranks with its rank " + std::to_string(rank / std::max(1, ctx->ep)));
+using shard_self = caf::stateful_actor<shard_state>*;
+
+/// Lays out the shard's chunks (its piece of each gradient bucket, over the bucket's
+/// group) and their optimizer state: the initial parameters, a resumed checkpoint's
+/// moments, or (`from`: restarted in place) the state before the step being retried.
+void init_chunks(shard_state& st, const std::shared_ptr<const shard_snapshot>& from) {
+  const auto& ctx = st.ctx;
   const adamw_options opts{ctx->cfg.beta1, ctx->cfg.beta2, ctx->cfg.eps, ctx->cfg.weight_decay};
-  const std::map<std::string, torch::Tensor> init_by_name(ctx->init.begin(), ctx->init.end());
-  const tensor_parallel tp{ctx->tp_of(rank), ctx->t, ctx->sequence_parallel, nullptr};  // (the layout of its part)
+  const tensor_parallel tp{ctx->tp_of(st.rank), ctx->t, ctx->sequence_parallel, nullptr};  // (the layout of its part)
   for (int c = 0; c < ctx->v; ++c) {
     // A slice only to learn the layout and initial values of this range; dropped at once.
-    auto layout = make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device,
-                             torch::kFloat32, tp, ctx->experts_of(rank));
+    auto layout = make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(st.stage, c)], ctx->init, ctx->d, ctx->device,
+                             torch::kFloat32, tp, ctx->experts_of(st.rank));
     const auto n = layout->flat_params().numel();
     st.chunks.emplace_back();
     auto& ch = st.chunks.back();
     ch.buckets = ctx->buckets_of(*layout);
-    ch.groups = ctx->groups_of(rank, *layout);
+    ch.groups = ctx->groups_of(st.rank, *layout);
     ch.layout = bucket_shard(ch.buckets, ch.groups);
     std::vector<torch::Tensor> mine;
     for (std::size_t b = 0; b < ch.buckets.size(); ++b) {
@@ -222,273 +204,322 @@ caf::behavior shard_behavior(caf::stateful_actor<shard_state>* self, std::shared
     if (from) ch.opt.assign(from->chunks.at(c));  // restarted in place: the state before the step being retried
     ch.entries = layout->entries();
   }
-  if (!from)  // started with the job: a resumed checkpoint's moments, if any
-    ctx->with_resume_moments([&](const std::map<std::string, torch::Tensor>& moments) {
-      if (moments.empty()) return;
-      if (ctx->t == 1) {
-        for (auto& ch : st.chunks) restore_shard(ch.entries, ch.layout, ch.opt, init_by_name, moments, ctx->start_step);
-        return;
-      }
-      // Tensor parallelism: this rank's parts of the whole checkpoint's tensors.
-      const auto params = shard_by_name(ctx->spec, init_by_name, init_by_name, ctx->t, ctx->tp_of(rank));
-      const auto mine = shard_by_name(ctx->spec, init_by_name, moments, ctx->t, ctx->tp_of(rank));
-      for (auto& ch : st.chunks) restore_shard(ch.entries, ch.layout, ch.opt, params, mine, ctx->start_step);
-    });
+  if (from) return;
+  // Started with the job: a resumed checkpoint's moments, if any.
+  ctx->with_resume_moments([&](const std::map<std::string, torch::Tensor>& moments) {
+    if (moments.empty()) return;
+    const std::map<std::string, torch::Tensor> init_by_name(ctx->init.begin(), ctx->init.end());
+    if (ctx->t == 1) {
+      for (auto& ch : st.chunks) restore_shard(ch.entries, ch.layout, ch.opt, init_by_name, moments, ctx->start_step);
+      return;
+    }
+    // Tensor parallelism: this rank's parts of the whole checkpoint's tensors.
+    const auto params = shard_by_name(ctx->spec, init_by_name, init_by_name, ctx->t, ctx->tp_of(st.rank));
+    const auto mine = shard_by_name(ctx->spec, init_by_name, moments, ctx->t, ctx->tp_of(st.rank));
+    for (auto& ch : st.chunks) restore_shard(ch.entries, ch.layout, ch.opt, params, mine, ctx->start_step);
+  });
+}
+
+/// Whether a message of `step` is for now; one of a later step waits in the stash.
+bool accept(shard_self self, std::int64_t step) {
+  if (step == self->state.step) return true;
+  if (step > self->state.step) self->state.stash.push_back(self->current_mailbox_element()->move_content_to_message());
+  return false;
+}
+
+/// Keeps `w`; its completion comes back to the shard as collective_done.
+void report_to_self(shard_self self, transport::work_ptr w, collective kind, int ci, int bucket) {
+  auto& s = self->state;
+  w->on_complete([me = caf::actor_cast<caf::actor>(self), step = s.step, kind, ci, bucket](const std::string& err) {
+    caf::anon_send(me, collective_done{step, std::int32_t(kind), ci, bucket, err});
+  });
+  s.pending.push_back(std::move(w));
+}
+
+/// Starts the reduce-scatters of the buckets handed over, in `order` (the stage hands a
+/// bucket over as soon as the step's last backward has produced it, while that backward
+/// and the other chunks' go on).
+void start_reduce_scatters(shard_self self) {
+  auto& s = self->state;
+  while (s.reduce_scatters < s.order.size()) {
+    const auto [ci, b] = s.order[s.reduce_scatters];
+    auto& ch = s.chunks[ci];
+    if (!ch.here[b]) return;
+    if (s.reduce_scatters++ == 0) s.completed = 0;
+    ch.start_us[b] = s.ctx->now_us();
+    const auto& bucket = ch.buckets[b];
+    report_to_self(self,
+                   s.comm_of(ch, b).reduce_scatter(ch.grads.narrow(0, bucket.begin, bucket.size()),
+                                                   ch.reduced.narrow(0, ch.at[b], ch.layout[b].size())),
+                   collective::reduce_scatter, ci, b);
+    if (s.reduce_scatters == s.order.size()) s.phase = shard_phase::reducing;
+  }
+}
+
+/// Starts every bucket's all-gather.
+void start_all_gathers(shard_self self) {
+  auto& s = self->state;
+  s.completed = 0;
+  s.phase = shard_phase::gathering;
+  s.phase_start_us = s.ctx->now_us();
+  for (auto& ch : s.chunks)
+    if (ch.rounded.defined()) ch.rounded.copy_(ch.opt.params());
+  for (const auto& [ci, b] : s.order) {
+    auto& ch = s.chunks[ci];
+    const auto& mine = ch.rounded.defined() ? ch.rounded : ch.opt.params();
+    const auto& bucket = ch.buckets[b];
+    report_to_self(self,
+                   s.comm_of(ch, b).all_gather(mine.narrow(0, ch.at[b], ch.layout[b].size()),
+                                               ch.gathered.narrow(0, bucket.begin, bucket.size())),
+                   collective::all_gather, ci, b);
+  }
+}
+
+/// Reports the step done once its all-gather finished and the buddy holds its copies.
+void maybe_done(shard_self self) {
+  auto& s = self->state;
+  if (!s.gathered) return;
+  if (s.copies_pending > 0) {
+    s.phase = shard_phase::copying;
+    return;
+  }
+  s.gathered = false;
+  s.phase = shard_phase::between_steps;
+  s.record_sent("shard done", "coordinator");
+  self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
+  s.events.clear();
+}
+
+/// Sends the state before step `before` (in the store) to the buddy's supervisor.
+void send_copy(shard_self self, std::int64_t before) {
+  auto& s = self->state;
+  const auto snap = s.store->get(s.stage, s.rank, before);
+  if (!s.wiring->buddy || !snap) return;
+  s.copied = before;
+  ++s.copies_pending;
+  const double t0 = s.ctx->now_us();
+  // The tensors go over the nodes' world communicator (UCX), the message carries their
+  // handles; they stay untouched until acknowledged (double-buffered: see snapshot.hpp).
+  auto copy = copy_of(s.stage, s.rank, *snap);
+  std::int64_t bytes = 0;
+  for (auto* v : {&copy.params, &copy.exp_avg, &copy.exp_avg_sq})
+    for (auto& p : *v) {
+      bytes += payload_bytes(p);
+      p = ship_payload(*s.wiring, p, s.wiring->buddy_node, s.name);
+    }
+  self->request(s.wiring->buddy, std::chrono::seconds(s.ctx->cfg.step_timeout), std::move(copy))
+      .then(
+          [self, step = s.step, t0, bytes](bool) {
+            auto& s = self->state;
+            if (step != s.step) return;
+            s.events.push_back({"buddy-copy", s.rank, s.stage, -1, -1, s.step, t0, s.ctx->now_us(), bytes});
+            --s.copies_pending;
+            maybe_done(self);
+          },
+          [self, step = s.step](caf::error& err) {
+            auto& s = self->state;
+            if (step != s.step) return;
+            self->send(s.wiring->coordinator,
+                       runtime_failure{s.step, s.name, "copy to its buddy node: " + self->system().render(err),
+                                       s.wiring->generation});
+          });
+}
+
+/// Drops the step's state (a reset or an abort): what was still held is the reset's report.
+reset_report drop_step_state(shard_self self) {
+  auto& s = self->state;
+  reset_report rep{s.name, {}};
+  int held = 0;
+  for (auto& c : s.chunks) {
+    held += c.grads.defined();
+    c.grads = torch::Tensor();
+    std::fill(c.here.begin(), c.here.end(), 0);
+  }
+  if (held) rep.leftovers.push_back(std::to_string(held) + " gradient buffer(s) held");
+  std::size_t running = 0;
+  for (auto& w : s.pending) running += !w->done();
+  if (running) {
+    rep.leftovers.push_back(std::to_string(running) + " collective(s) still running");
+    s.comm->abort(s.name + " reset with collectives running");
+    if (s.expert_comm) s.expert_comm->abort(s.name + " reset with collectives running");
+  }
+  s.pending.clear();
+  if (!s.stash.empty()) rep.leftovers.push_back(std::to_string(s.stash.size()) + " stashed message(s)");
+  s.stash.clear();
+  s.received = 0;
+  s.reduce_scatters = 0;
+  s.events.clear();
+  s.phase = shard_phase::between_steps;
+  return rep;
+}
+
+void on_begin_step(shard_self self, const begin_step& msg) {
+  auto& s = self->state;
+  s.step = msg.step;
+  s.attempt = msg.attempt;
+  s.lr = msg.lr;
+  s.received = 0;
+  s.reduce_scatters = 0;
+  s.gathered = false;
+  s.phase = shard_phase::collecting;
+  s.sent.clear();
+  // A new or rebuilt shard: the buddy gets the state it starts from.
+  if (s.copied < s.step) send_copy(self, s.step);
+  auto stash = std::move(s.stash);
+  s.stash.clear();
+  for (auto& m : stash) self->send(self, std::move(m));
+}
+
+/// A bucket of the stage's gradients, final: its reduce-scatter starts in its turn.
+void on_grad_shard(shard_self self, grad_shard& msg) {
+  if (!accept(self, msg.step)) return;
+  auto& s = self->state;
+  auto& c = s.chunks.at(msg.chunk);
+  const auto problem = check_payload(msg.data, {c.gathered.numel()}, torch::kFloat32);
+  if (!problem.empty()) {
+    self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient buffer: " + problem, s.wiring->generation});
+    return;
+  }
+  if (msg.bucket < 0 || std::size_t(msg.bucket) >= c.buckets.size() || c.here[msg.bucket]) {
+    self->send(s.wiring->coordinator,
+               runtime_failure{s.step, s.name,
+                               "gradient bucket " + std::to_string(msg.bucket) + " of chunk " +
+                                   std::to_string(msg.chunk) + ": unknown or handed over twice",
+                               s.wiring->generation});
+    return;
+  }
+  c.grads = tensor_of(msg.data);
+  c.here[msg.bucket] = 1;
+  if (s.faults.shard_stalls(s.stage, s.rank, s.step, s.attempt)) {
+    if (++s.received == int(s.order.size())) {
+      s.phase = shard_phase::stalled;
+      spdlog::warn("fault injected: {} stalls: no reduce-scatter in step {} (index {})", s.name, s.step + 1, s.step);
+    }
+    return;
+  }
+  ++s.received;
+  start_reduce_scatters(self);
+}
+
+/// A reduce-scatter or all-gather finished: after the last reduce-scatter the gradient
+/// norm's partials go to the coordinator; after the last all-gather the parameters go to
+/// the stage.
+void on_collective_done(shard_self self, const collective_done& msg) {
+  auto& s = self->state;
+  if (msg.step != s.step) return;  // a collective of an aborted step
+  if (!msg.error.empty()) {
+    self->send(s.wiring->coordinator,
+               runtime_failure{s.step, s.name,
+                               std::string(transport::collective_name(collective(msg.kind))) + " of chunk " +
+                                   std::to_string(msg.chunk) + " (bucket " + std::to_string(msg.bucket) +
+                                   "): " + msg.error,
+                               s.wiring->generation});
+    return;
+  }
+  if (collective(msg.kind) == collective::reduce_scatter) {  // one event per bucket (its number as mb)
+    const auto& ch = s.chunks.at(msg.chunk);
+    s.events.push_back({"reduce-scatter", s.rank, s.stage, msg.bucket, msg.chunk, s.step, ch.start_us.at(msg.bucket),
+                        s.ctx->now_us(), ch.buckets.at(msg.bucket).size() * std::int64_t(sizeof(float))});
+  }
+  if (++s.completed < s.order.size()) return;
+  s.pending.clear();
+  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
+  if (collective(msg.kind) == collective::reduce_scatter) {
+    for (int ci = 0; ci < s.ctx->v; ++ci) {
+      auto& ch = s.chunks[ci];
+      ch.grads = torch::Tensor();  // the stage's buffer is no longer read
+      std::fill(ch.here.begin(), ch.here.end(), 0);
+      s.record_sent("gradient-norm partial of chunk " + std::to_string(ci), "coordinator");
+      self->send(s.wiring->coordinator, grad_norm_partial{s.step, s.ctx->virtual_stage(s.stage, ci), s.rank,
+                                                          partial_sq_norm(ch.reduced, ch.norm_mask)});
+    }
+    s.phase = shard_phase::awaiting_clip;
+    return;
+  }
+  // (The all-gather phase of all chunks, with the bytes of their whole buffers.)
+  std::int64_t bytes = 0;
+  for (const auto& ch : s.chunks) bytes += ch.gathered.nbytes();
+  s.events.push_back({"all-gather", s.rank, s.stage, -1, -1, s.step, s.phase_start_us, s.ctx->now_us(), bytes});
+  for (int ci = 0; ci < s.ctx->v; ++ci) {
+    s.record_sent("parameters of chunk " + std::to_string(ci), s.stage_actor_name());
+    self->send(s.wiring->stages[s.rank][s.stage], param_shard{s.step, ci, s.rank, make_payload(s.chunks[ci].gathered)});
+  }
+  s.gathered = true;
+  maybe_done(self);
+}
+
+/// The coordinator's clip factor: the update, the snapshot before the next step, the
+/// all-gather and the buddy's copy.
+void on_clip_factor(shard_self self, const clip_factor_msg& msg) {
+  if (!accept(self, msg.step)) return;
+  torch::set_num_threads(1);
+  auto& s = self->state;
+  trace_event ev{"optimizer", s.rank, s.stage, -1, -1, s.step, s.ctx->now_us(), 0};
+  if (!msg.skip)  // skipped: no update, no AdamW step count (Megatron's loss scaler)
+    for (auto& ch : s.chunks) ch.opt.step(ch.reduced, s.lr, msg.factor, s.ctx->cfg.threads);
+  // The state before the next step, for in-place retries (no copy: the update wrote
+  // the other half of the double-buffered state).
+  take_snapshot(s, s.step + 1);
+  ev.end_us = s.ctx->now_us();
+  s.events.push_back(ev);
+  start_all_gathers(self);
+  send_copy(self, s.step + 1);
+}
+
+/// Checkpoints: AdamW moments by parameter name, and the fp32 main parameters where the
+/// stages hold them rounded (bf16 jobs).
+shard_moments checkpoint_answer(const shard_state& s) {
+  const bool main = s.ctx->compute_dtype != torch::kFloat32;
+  shard_moments rep;
+  for (const auto& ch : s.chunks)
+    for (auto& piece : moment_pieces(ch.entries, ch.layout, ch.opt, main)) {
+      rep.names.push_back(std::move(piece.name));
+      rep.offsets.push_back(piece.offset);
+      rep.numels.push_back(piece.numel);
+      rep.tensors.push_back(make_payload(piece.data));
+    }
+  return rep;
+}
+
+caf::behavior shard_behavior(shard_self self, std::shared_ptr<const runtime_context> ctx,
+                             std::shared_ptr<const job_wiring> wiring, int stage, int rank,
+                             std::shared_ptr<transport::communicator> comm,
+                             std::shared_ptr<transport::communicator> expert_comm, std::shared_ptr<snapshot_store> store,
+                             std::shared_ptr<const shard_snapshot> from) {
+  self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
+  auto& st = self->state;
+  st.ctx = ctx;
+  st.wiring = wiring;
+  st.comm = comm;
+  st.expert_comm = expert_comm;
+  st.store = store;
+  st.stage = stage;
+  st.rank = rank;
+  st.name = ctx->shard_name(stage, rank);
+  // Its data-parallel group: the stage's shards of the same tensor-parallel rank.
+  const int dp = ctx->dp_of(rank);
+  if (comm->size() != ctx->d || comm->rank() != dp)
+    throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
+                           std::to_string(comm->size()));
+  if ((ctx->ep > 1) != bool(expert_comm) ||
+      (expert_comm && (expert_comm->size() != ctx->edp || expert_comm->rank() != rank / ctx->ep)))
+    throw std::logic_error(st.name + ": no expert-data-parallel communicator of " + std::to_string(ctx->edp) +
+                           " ranks with its rank " + std::to_string(rank / std::max(1, ctx->ep)));
+  init_chunks(st, from);
   for (int c = ctx->v - 1; c >= 0; --c)
     for (int b = int(st.chunks[c].buckets.size()) - 1; b >= 0; --b) st.order.emplace_back(c, b);
   if (!from) take_snapshot(st, ctx->start_step);
   st.faults = fault_injector(ctx->faults);
-  auto accept = [self](std::int64_t step) {
-    if (step == self->state.step) return true;
-    if (step > self->state.step)
-      self->state.stash.push_back(self->current_mailbox_element()->move_content_to_message());
-    return false;
-  };
-  // Each collective reports to this actor as collective_done.
-  auto report_to_self = [self](transport::work_ptr w, collective kind, int ci, int bucket) {
-    auto& s = self->state;
-    w->on_complete([me = caf::actor_cast<caf::actor>(self), step = s.step, kind, ci, bucket](const std::string& err) {
-      caf::anon_send(me, collective_done{step, std::int32_t(kind), ci, bucket, err});
-    });
-    s.pending.push_back(std::move(w));
-  };
-  // Starts the reduce-scatters of the buckets handed over, in `order` (the stage hands a
-  // bucket over as soon as the step's last backward has produced it, while that backward
-  // and the other chunks' go on).
-  auto start_reduce_scatters = [self, report_to_self] {
-    auto& s = self->state;
-    while (s.reduce_scatters < s.order.size()) {
-      const auto [ci, b] = s.order[s.reduce_scatters];
-      auto& ch = s.chunks[ci];
-      if (!ch.here[b]) return;
-      if (s.reduce_scatters++ == 0) s.completed = 0;
-      ch.start_us[b] = s.ctx->now_us();
-      const auto& bucket = ch.buckets[b];
-      report_to_self(s.comm_of(ch, b).reduce_scatter(ch.grads.narrow(0, bucket.begin, bucket.size()),
-                                                     ch.reduced.narrow(0, ch.at[b], ch.layout[b].size())),
-                     collective::reduce_scatter, ci, b);
-      if (s.reduce_scatters == s.order.size()) s.phase = shard_phase::reducing;
-    }
-  };
-  // Starts every bucket's all-gather.
-  auto start_all_gathers = [self, report_to_self] {
-    auto& s = self->state;
-    s.completed = 0;
-    s.phase = shard_phase::gathering;
-    s.phase_start_us = s.ctx->now_us();
-    for (auto& ch : s.chunks)
-      if (ch.rounded.defined()) ch.rounded.copy_(ch.opt.params());
-    for (const auto& [ci, b] : s.order) {
-      auto& ch = s.chunks[ci];
-      const auto& mine = ch.rounded.defined() ? ch.rounded : ch.opt.params();
-      const auto& bucket = ch.buckets[b];
-      report_to_self(s.comm_of(ch, b).all_gather(mine.narrow(0, ch.at[b], ch.layout[b].size()),
-                                                 ch.gathered.narrow(0, bucket.begin, bucket.size())),
-                     collective::all_gather, ci, b);
-    }
-  };
-  // Reports the step done once its all-gather finished and the buddy holds its copies.
-  auto maybe_done = [self] {
-    auto& s = self->state;
-    if (!s.gathered) return;
-    if (s.copies_pending > 0) {
-      s.phase = shard_phase::copying;
-      return;
-    }
-    s.gathered = false;
-    s.phase = shard_phase::between_steps;
-    s.record_sent("shard done", "coordinator");
-    self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
-    s.events.clear();
-  };
-  // Sends the state before step `before` (in the store) to the buddy's supervisor.
-  auto send_copy = [self, maybe_done](std::int64_t before) {
-    auto& s = self->state;
-    const auto snap = s.store->get(s.stage, s.rank, before);
-    if (!s.wiring->buddy || !snap) return;
-    s.copied = before;
-    ++s.copies_pending;
-    const double t0 = s.ctx->now_us();
-    // The tensors go over the nodes' world communicator (UCX), the message carries their
-    // handles; they stay untouched until acknowledged (double-buffered: see snapshot.hpp).
-    auto copy = copy_of(s.stage, s.rank, *snap);
-    std::int64_t bytes = 0;
-    for (auto* v : {&copy.params, &copy.exp_avg, &copy.exp_avg_sq})
-      for (auto& p : *v) {
-        bytes += payload_bytes(p);
-        p = ship_payload(*s.wiring, p, s.wiring->buddy_node, s.name);
-      }
-    self->request(s.wiring->buddy, std::chrono::seconds(s.ctx->cfg.step_timeout), std::move(copy))
-        .then(
-            [self, maybe_done, step = s.step, t0, bytes](bool) {
-              auto& s = self->state;
-              if (step != s.step) return;
-              s.events.push_back({"buddy-copy", s.rank, s.stage, -1, -1, s.step, t0, s.ctx->now_us(), bytes});
-              --s.copies_pending;
-              maybe_done();
-            },
-            [self, step = s.step](caf::error& err) {
-              auto& s = self->state;
-              if (step != s.step) return;
-              self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "copy to its buddy node: " +
-                                                                                    self->system().render(err),
-                                                                s.wiring->generation});
-            });
-  };
-  auto drop_step_state = [self] {
-    reset_report rep{self->state.name, {}};
-    int held = 0;
-    for (auto& c : self->state.chunks) {
-      held += c.grads.defined();
-      c.grads = torch::Tensor();
-      std::fill(c.here.begin(), c.here.end(), 0);
-    }
-    if (held) rep.leftovers.push_back(std::to_string(held) + " gradient buffer(s) held");
-    std::size_t running = 0;
-    for (auto& w : self->state.pending) running += !w->done();
-    if (running) {
-      rep.leftovers.push_back(std::to_string(running) + " collective(s) still running");
-      self->state.comm->abort(self->state.name + " reset with collectives running");
-      if (self->state.expert_comm) self->state.expert_comm->abort(self->state.name + " reset with collectives running");
-    }
-    self->state.pending.clear();
-    if (!self->state.stash.empty())
-      rep.leftovers.push_back(std::to_string(self->state.stash.size()) + " stashed message(s)");
-    self->state.stash.clear();
-    self->state.received = 0;
-    self->state.reduce_scatters = 0;
-    self->state.events.clear();
-    self->state.phase = shard_phase::between_steps;
-    return rep;
-  };
-  // A collective phase of all chunks, with the bytes of their whole buffers.
-  auto trace_phase = [self](const char* name, std::int64_t bytes) {
-    auto& s = self->state;
-    s.events.push_back({name, s.rank, s.stage, -1, -1, s.step, s.phase_start_us, s.ctx->now_us(), bytes});
-  };
   return {
-      [=](const begin_step& msg) {
-        auto& s = self->state;
-        s.step = msg.step;
-        s.attempt = msg.attempt;
-        s.lr = msg.lr;
-        s.received = 0;
-        s.reduce_scatters = 0;
-        s.gathered = false;
-        s.phase = shard_phase::collecting;
-        s.sent.clear();
-        // A new or rebuilt shard: the buddy gets the state it starts from.
-        if (s.copied < s.step) send_copy(s.step);
-        auto stash = std::move(s.stash);
-        s.stash.clear();
-        for (auto& m : stash) self->send(self, std::move(m));
-      },
-      [=](grad_shard& msg) {
-        if (!accept(msg.step)) return;
-        auto& s = self->state;
-        auto& c = s.chunks.at(msg.chunk);
-        const auto problem = check_payload(msg.data, {c.gathered.numel()}, torch::kFloat32);
-        if (!problem.empty()) {
-          self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient buffer: " + problem, s.wiring->generation});
-          return;
-        }
-        if (msg.bucket < 0 || std::size_t(msg.bucket) >= c.buckets.size() || c.here[msg.bucket]) {
-          self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient bucket " +
-                                                                               std::to_string(msg.bucket) +
-                                                                               " of chunk " + std::to_string(msg.chunk) +
-                                                                               ": unknown or handed over twice",
-                                                            s.wiring->generation});
-          return;
-        }
-        c.grads = tensor_of(msg.data);
-        c.here[msg.bucket] = 1;
-        if (s.faults.shard_stalls(s.stage, s.rank, s.step, s.attempt)) {
-          if (++s.received == int(s.order.size())) {
-            s.phase = shard_phase::stalled;
-            spdlog::warn("fault injected: {} stalls: no reduce-scatter in step {} (index {})", s.name, s.step + 1,
-                         s.step);
-          }
-          return;
-        }
-        ++s.received;
-        start_reduce_scatters();
-      },
-      [=](const collective_done& msg) {
-        auto& s = self->state;
-        if (msg.step != s.step) return;  // a collective of an aborted step
-        if (!msg.error.empty()) {
-          self->send(s.wiring->coordinator,
-                     runtime_failure{s.step, s.name, std::string(transport::collective_name(collective(msg.kind))) +
-                                                         " of chunk " + std::to_string(msg.chunk) + " (bucket " +
-                                                         std::to_string(msg.bucket) + "): " + msg.error,
-                                     s.wiring->generation});
-          return;
-        }
-        if (collective(msg.kind) == collective::reduce_scatter) {  // one event per bucket (its number as mb)
-          const auto& ch = s.chunks.at(msg.chunk);
-          s.events.push_back({"reduce-scatter", s.rank, s.stage, msg.bucket, msg.chunk, s.step,
-                              ch.start_us.at(msg.bucket), s.ctx->now_us(),
-                              ch.buckets.at(msg.bucket).size() * std::int64_t(sizeof(float))});
-        }
-        if (++s.completed < s.order.size()) return;
-        s.pending.clear();
-        torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
-        if (collective(msg.kind) == collective::reduce_scatter) {
-          for (int ci = 0; ci < s.ctx->v; ++ci) {
-            auto& ch = s.chunks[ci];
-            ch.grads = torch::Tensor();  // the stage's buffer is no longer read
-            std::fill(ch.here.begin(), ch.here.end(), 0);
-            s.record_sent("gradient-norm partial of chunk " + std::to_string(ci), "coordinator");
-            self->send(s.wiring->coordinator, grad_norm_partial{s.step, s.ctx->virtual_stage(s.stage, ci), s.rank,
-                                                                partial_sq_norm(ch.reduced, ch.norm_mask)});
-          }
-          s.phase = shard_phase::awaiting_clip;
-        } else {
-          std::int64_t bytes = 0;
-          for (const auto& ch : s.chunks) bytes += ch.gathered.nbytes();
-          trace_phase("all-gather", bytes);
-          for (int ci = 0; ci < s.ctx->v; ++ci) {
-            s.record_sent("parameters of chunk " + std::to_string(ci), s.stage_actor_name());
-            self->send(s.wiring->stages[s.rank][s.stage],
-                       param_shard{s.step, ci, s.rank, make_payload(s.chunks[ci].gathered)});
-          }
-          s.gathered = true;
-          maybe_done();
-        }
-      },
-      [=](const clip_factor_msg& msg) {
-        if (!accept(msg.step)) return;
-        torch::set_num_threads(1);
-        auto& s = self->state;
-        trace_event ev{"optimizer", s.rank, s.stage, -1, -1, s.step, s.ctx->now_us(), 0};
-        if (!msg.skip)  // skipped: no update, no AdamW step count (Megatron's loss scaler)
-          for (auto& ch : s.chunks) ch.opt.step(ch.reduced, s.lr, msg.factor, s.ctx->cfg.threads);
-        // The state before the next step, for in-place retries (no copy: the update wrote
-        // the other half of the double-buffered state).
-        take_snapshot(s, s.step + 1);
-        ev.end_us = s.ctx->now_us();
-        s.events.push_back(ev);
-        start_all_gathers();
-        send_copy(s.step + 1);
-      },
-      [=](const reset_step&) -> reset_report { return drop_step_state(); },
-      [=](wait_atom, std::int64_t step) -> wait_report { return shard_waits(self->state, step); },
-      // Checkpoints: AdamW moments by parameter name, and the fp32 main parameters where
-      // the stages hold them rounded (bf16 jobs).
-      [=](state_atom) -> shard_moments {
-        const bool main = self->state.ctx->compute_dtype != torch::kFloat32;
-        shard_moments rep;
-        for (const auto& ch : self->state.chunks)
-          for (auto& piece : moment_pieces(ch.entries, ch.layout, ch.opt, main)) {
-            rep.names.push_back(std::move(piece.name));
-            rep.offsets.push_back(piece.offset);
-            rep.numels.push_back(piece.numel);
-            rep.tensors.push_back(make_payload(piece.data));
-          }
-        return rep;
-      },
-      [=](const abort_step& msg) {
-        drop_step_state();
+      [self](const begin_step& msg) { on_begin_step(self, msg); },
+      [self](grad_shard& msg) { on_grad_shard(self, msg); },
+      [self](const collective_done& msg) { on_collective_done(self, msg); },
+      [self](const clip_factor_msg& msg) { on_clip_factor(self, msg); },
+      [self](const reset_step&) -> reset_report { return drop_step_state(self); },
+      [self](wait_atom, std::int64_t step) -> wait_report { return shard_waits(self->state, step); },
+      [self](state_atom) -> shard_moments { return checkpoint_answer(self->state); },
+      [self](const abort_step& msg) {
+        drop_step_state(self);
         self->state.step = msg.step;
       },
   };
