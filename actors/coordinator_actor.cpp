@@ -603,7 +603,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
                  st.profile_request->last + 1, ctx->cfg.steps);
   wiring->coordinator = caf::actor_cast<caf::actor>(self);
   if (supervisors.empty())  // one process: this node's supervisor hosts every replica
-    supervisors.push_back(self->spawn(supervisor_actor, ctx, wiring, local_node_plan(*ctx)));
+    supervisors.push_back(spawn_supervisor_actor(self->system(), ctx, wiring, local_node_plan(*ctx)));
   st.supervisors = supervisors;
   for (auto& sup : st.supervisors) self->monitor(sup);  // remote ones: the node's connection
   // An exception out of a handler (a bug, or a file system failing under the run) ends the

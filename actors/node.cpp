@@ -321,7 +321,7 @@ actor_run_result run_node(const node_options& o) {
         for (const auto& [r, k] : slots)
           hosted += " (" + std::to_string(ctx->dp_of(r)) + "," + std::to_string(k) +
                     (ctx->t > 1 ? "," + std::to_string(ctx->tp_of(r)) : "") + ")";
-        supervisor = sys.spawn(supervisor_actor, ctx, wiring, std::move(plan));
+        supervisor = spawn_supervisor_actor(sys, ctx, wiring, std::move(plan));
         ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, supervisor}, where + ": ready");
         joined = false;
         const std::string here = o.nodes_per_host > 1 ? ", node process " + std::to_string(o.local_node + 1) + " of " +

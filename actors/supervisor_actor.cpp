@@ -80,385 +80,455 @@ node_plan local_node_plan(const runtime_context& ctx) {
   return plan;
 }
 
-caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<const runtime_context> ctx,
-                               std::shared_ptr<job_wiring> wiring, node_plan initial_plan) {
-  using child_list = std::vector<std::pair<caf::actor, std::string>>;
-  auto children = std::make_shared<child_list>();
-  auto store = std::make_shared<snapshot_store>();
-  auto buddies = std::make_shared<snapshot_store>();  // copies of the previous node's shards
-  // Copies whose tensors are still arriving (by id).
-  struct incoming_copy {
-    shard_copy copy;
-    std::mutex m;
-    std::string error;
-    std::atomic<int> left{0};
-    caf::response_promise promise;
+namespace {
+
+/// A buddy copy whose tensors are still arriving.
+struct incoming_copy {
+  shard_copy copy;
+  std::mutex m;
+  std::string error;
+  std::atomic<int> left{0};
+  caf::response_promise promise;
+};
+
+/// A step retried in place: the old actors are killed; when the last one is down the
+/// node gets fresh communicators, every stage's parameters before the step are
+/// all-gathered from its shards' snapshots over them (the shards of a stage may live on
+/// other nodes), and new actors start from the snapshots.
+struct recovery {
+  std::int64_t step = -1;
+  std::int32_t round = 0;
+  caf::typed_response_promise<node_actors> promise;
+  std::vector<std::vector<torch::Tensor>> params;  // per slot, per chunk (all-gather outputs)
+  std::vector<std::shared_ptr<const shard_snapshot>> from;  // kept alive while gathering
+  int pending = 0;
+  std::string error;
+};
+
+struct supervisor_state {
+  std::shared_ptr<const runtime_context> ctx;
+  std::shared_ptr<job_wiring> wiring;
+  node_plan plan;
+  std::vector<std::pair<caf::actor, std::string>> children;  // (handle, name)
+  node_actors mine;  // the children's handles, as the coordinator gets them
+  std::shared_ptr<snapshot_store> store = std::make_shared<snapshot_store>();  // this node's shards' snapshots
+  std::shared_ptr<snapshot_store> buddies = std::make_shared<snapshot_store>();  // copies of the previous node's
+  std::map<std::uint64_t, std::shared_ptr<incoming_copy>> incoming;  // by id
+  std::uint64_t next_copy = 0;
+  std::optional<recovery> recovering;
+  // Old communicators being closed (a thread each); their destruction waits for them.
+  std::list<std::future<void>> retired;
+};
+
+using supervisor_self = caf::stateful_actor<supervisor_state>*;
+
+/// Spawns this node's actors on the plan's communicators; `step` >= 0: restarted in
+/// place (the job's `round`-th recovery), from the snapshots of the state before that
+/// step, each stage with `params` (per slot, per chunk: its parameters before the step).
+node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t round,
+                      std::vector<std::vector<torch::Tensor>> params) {
+  auto& s = self->state;
+  const auto& ctx = s.ctx;
+  const auto& plan = s.plan;
+  auto& wiring = *s.wiring;
+  s.children.clear();
+  auto add = [&](caf::actor a, std::string name) {
+    s.children.emplace_back(a, std::move(name));
+    return a;
   };
-  auto incoming = std::make_shared<std::map<std::uint64_t, std::shared_ptr<incoming_copy>>>();
-  auto next_copy = std::make_shared<std::uint64_t>(0);
-  auto plan = std::make_shared<node_plan>(std::move(initial_plan));
+  node_actors mine;
+  mine.node = plan.node;
+  if (step >= 0) wiring.generation = round;  // what the replaced actors still report is stale
+  auto comm_or_null = [](const std::vector<std::shared_ptr<transport::communicator>>& comms, std::size_t i) {
+    return comms.empty() ? nullptr : comms.at(i);
+  };
+  for (std::size_t i = 0; i < plan.slots.size(); ++i) {
+    const auto [r, k] = plan.slots[i];
+    auto from = step >= 0 ? s.store->get(k, r, step) : nullptr;
+    mine.slot_replicas.push_back(r);
+    mine.slot_stages.push_back(k);
+    mine.shards.push_back(wiring.shards[k][r] = add(spawn_optimizer_shard_actor(self, ctx, s.wiring, k, r,
+                                                                                plan.comms.at(i),
+                                                                                comm_or_null(plan.edp_comms, i),
+                                                                                s.store, from),
+                                                    ctx->shard_name(k, r)));
+    mine.stages.push_back(wiring.stages[r][k] =
+                              add(spawn_stage_actor(self, ctx, s.wiring, r, k,
+                                                    params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
+                                                    comm_or_null(plan.ep_comms, i),
+                                                    comm_or_null(plan.ep_backward_comms, i),
+                                                    comm_or_null(plan.tp_comms, i)),
+                                  ctx->stage_name(r, k)));
+  }
+  for (int r : plan.loader_replicas) {
+    mine.loader_replicas.push_back(r);
+    mine.loaders.push_back(wiring.loaders[r] =
+                               add(spawn_data_loader_actor(self, ctx, s.wiring, r), ctx->loader_name(r)));
+  }
+  spdlog::debug("supervisor of node {}: spawned {} actors", plan.node, s.children.size());
+  return mine;
+}
+
+bool current(const supervisor_state& s, std::int32_t round) { return s.recovering && s.recovering->round == round; }
+
+/// Ends the recovery under way with the error `why`.
+void give_up(supervisor_self self, const std::string& why) {
+  auto& s = self->state;
+  if (!s.recovering) return;
+  s.recovering->promise.deliver(
+      caf::make_error(caf::sec::runtime_error, "node " + std::to_string(s.plan.node) + ": " + why));
+  s.recovering.reset();
+}
+
+/// Starts the all-gather of every stage's parameters; each completion comes back as
+/// (gathered, round, error).
+void gather(supervisor_self self) {
+  auto& s = self->state;
+  auto& rec = *s.recovering;
+  const auto me = caf::actor_cast<caf::actor>(self);
+  std::vector<transport::work_ptr> works;
+  for (std::size_t i = 0; i < s.plan.slots.size(); ++i) {
+    const auto [r, k] = s.plan.slots[i];
+    auto snap = s.store->get(k, r, rec.step);
+    if (!snap)
+      return give_up(self, "no snapshot of shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) +
+                               "] before step " + std::to_string(rec.step + 1));
+    rec.from.push_back(snap);
+    rec.params.emplace_back();
+    for (std::size_t c = 0; c < snap->chunks.size(); ++c) {
+      // The dense region over the data-parallel group, the experts' over theirs.
+      const auto& piece = snap->chunks[c].params;
+      const auto n = snap->stage_numel.at(c), split = snap->stage_expert_offset.at(c);
+      auto& whole = rec.params.back().emplace_back(torch::empty({n}, piece.options()));
+      const auto dense = split / s.ctx->d;
+      works.push_back(s.plan.comms.at(i)->all_gather(piece.narrow(0, 0, dense), whole.narrow(0, 0, split)));
+      if (split < n)
+        works.push_back(s.plan.edp_comms.at(i)->all_gather(piece.narrow(0, dense, piece.numel() - dense),
+                                                           whole.narrow(0, split, n - split)));
+    }
+  }
+  rec.pending = int(works.size());  // every node hosts at least one slot
+  for (auto& w : works)
+    w->on_complete([me, round = rec.round](const std::string& err) { caf::anon_send(me, gathered_atom_v, round, err); });
+}
+
+/// Replaces the communicators (the old ones may be in the middle of a collective, with
+/// messages of the aborted step on their way), then gathers. The old ones are closed on
+/// a thread of their own: closing waits up to seconds for transfers UCX cannot cancel
+/// (a send whose receiver was killed).
+void renew(supervisor_self self) {
+  auto& s = self->state;
+  auto& plan = s.plan;
+  std::vector<std::shared_ptr<transport::communicator>> old = std::move(plan.comms);
+  for (auto* group : {&plan.ep_comms, &plan.ep_backward_comms, &plan.tp_comms, &plan.edp_comms}) {
+    old.insert(old.end(), group->begin(), group->end());
+    group->clear();
+  }
+  if (plan.world) old.push_back(std::move(plan.world));
+  plan.comms.clear();
+  plan.world = nullptr;
+  s.wiring->world = nullptr;
+  for (auto& c : old) c->abort("replaced: the step is retried in place");
+  s.retired.remove_if([](std::future<void>& f) { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
+  s.retired.push_back(std::async(std::launch::async, [old = std::move(old)]() mutable { old.clear(); }));
+  try {
+    if (!plan.renew) {  // one process: in-process communicators
+      plan = local_node_plan(*s.ctx);
+      return gather(self);
+    }
+    std::shared_ptr<comm_renewal> fresh = plan.renew();
+    auto addrs = fresh->addresses();
+    const auto round = addrs.round = s.recovering->round;
+    // Every node's addresses of this round: a node process that rejoins may take a while.
+    const auto wait = std::chrono::seconds(60 + s.ctx->cfg.rejoin_timeout);
+    self->request(plan.registrar, wait, addrs)
+        .then(
+            [self, fresh, round](const node_addresses& table) {
+              auto& s = self->state;
+              if (!current(s, round)) return;
+              try {
+                auto next = fresh->connect(table);
+                next.registrar = s.plan.registrar;
+                next.renew = s.plan.renew;
+                s.plan = std::move(next);
+                s.wiring->world = s.plan.world;
+              } catch (const std::exception& e) {
+                return give_up(self, std::string("fresh communicators: ") + e.what());
+              }
+              gather(self);
+            },
+            [self, round](caf::error& err) {
+              if (current(self->state, round)) give_up(self, "address exchange: " + self->system().render(err));
+            });
+  } catch (const std::exception& e) {
+    give_up(self, std::string("fresh communicators: ") + e.what());
+  }
+}
+
+/// Stage actors waiting in an expert-parallel all-to-all or a tensor-parallel collective
+/// hold their threads (and read no messages) until a peer joins it: a step given up, or
+/// retried in place, fails those collectives first, so that the actors can take their
+/// exit or abort.
+void release_groups(supervisor_state& s, const std::string& why) {
+  for (auto* group : {&s.plan.ep_comms, &s.plan.ep_backward_comms, &s.plan.tp_comms})
+    for (auto& c : *group)
+      if (c) c->abort(why);
+}
+
+/// A child that is gone leaves the list (a recovery waits only for the living); one
+/// that died is reported to the coordinator.
+void on_child_down(supervisor_self self, const caf::down_msg& msg) {
+  auto& s = self->state;
+  std::string name = "unknown actor";
+  for (auto it = s.children.begin(); it != s.children.end(); ++it)
+    if (it->first.address() == msg.source) {
+      name = it->second;
+      s.children.erase(it);
+      break;
+    }
+  if (s.recovering) {
+    if (s.children.empty()) renew(self);
+    return;
+  }
+  if (msg.reason == caf::exit_reason::user_shutdown || msg.reason == caf::exit_reason::normal) return;
+  if (s.wiring->coordinator)
+    self->send(s.wiring->coordinator,
+               runtime_failure{-1, name, "actor died: " + self->system().render(msg.reason), s.wiring->generation});
+}
+
+/// Starts recovery `round` (a newer one replaces one under way: a node was lost during
+/// it); an error when `round` is not newer than the one under way.
+caf::result<node_actors> start_recovery(supervisor_self self, std::int64_t step, std::int32_t round) {
+  auto& s = self->state;
+  if (s.recovering) {
+    if (s.recovering->round >= round)
+      return caf::make_error(caf::sec::runtime_error, "recovery round " + std::to_string(round) + " is not the newest");
+    give_up(self, "recovery round " + std::to_string(s.recovering->round) + " replaced by round " + std::to_string(round));
+  }
+  auto rp = self->make_response_promise<node_actors>();
+  s.recovering = recovery{step, round, rp, {}, {}, 0, {}};
+  return rp;
+}
+
+/// This node process was lost and restarted: its shards' state before `step` comes from
+/// `buddy` (the next node's supervisor), then the recovery goes on as a retry's.
+caf::result<node_actors> recover_from_buddy(supervisor_self self, std::int64_t step, std::int32_t round,
+                                            const caf::actor& buddy) {
+  auto& s = self->state;
+  if (!s.children.empty()) return caf::make_error(caf::sec::runtime_error, std::string("not a rejoined node"));
+  auto rp = start_recovery(self, step, round);
+  if (!current(s, round)) return rp;
+  self->request(buddy, std::chrono::seconds(60), buddy_atom_v, step)
+      .then(
+          [self, step, round](const std::vector<shard_copy>& copies) {
+            auto& s = self->state;
+            if (!current(s, round)) return;
+            try {
+              for (const auto& c : copies) s.store->put(c.stage, c.rank, snapshot_of(c));
+            } catch (const std::exception& e) {
+              return give_up(self, std::string("copies from the buddy node: ") + e.what());
+            }
+            spdlog::info("node {}: state of {} optimizer shard(s) before step {} taken from the buddy node", s.plan.node,
+                         copies.size(), step + 1);
+            renew(self);
+          },
+          [self, round](caf::error& err) {
+            if (current(self->state, round)) give_up(self, "copies from the buddy node: " + self->system().render(err));
+          });
+  return rp;
+}
+
+/// A buddy copy of a shard of the previous node: its tensors come over the nodes' world
+/// communicator (UCX); once all are in (copied_atom), the copy is kept and acknowledged.
+caf::result<bool> receive_copy(supervisor_self self, shard_copy& copy) {
+  auto& s = self->state;
+  auto in = std::make_shared<incoming_copy>();
+  in->copy = std::move(copy);
+  std::vector<tensor_payload*> remote;
+  for (auto* v : {&in->copy.params, &in->copy.exp_avg, &in->copy.exp_avg_sq})
+    for (auto& p : *v)
+      if (p.src_node >= 0) remote.push_back(&p);
+  if (!remote.empty() && !s.wiring->world)
+    return caf::make_error(caf::sec::runtime_error, std::string("no world communicator for a shard copy"));
+  const auto id = ++s.next_copy;
+  in->promise = self->make_response_promise<bool>();
+  in->left = int(remote.size()) + 1;
+  s.incoming[id] = in;
+  const auto me = caf::actor_cast<caf::actor>(self);
+  auto arrived = [in, me, id] {
+    if (--in->left == 0) caf::anon_send(me, copied_atom_v, id);
+  };
+  for (auto* p : remote)
+    // Kept in host memory; from a GPU job's shards (CUDA IPC on one machine, staged
+    // otherwise) into page-locked memory, reused from step to step by LibTorch's
+    // caching host allocator: the shard's step waits for this copy.
+    fetch_payload(*s.wiring, *p, [in, p, arrived](tensor_payload got, const std::string& err) {
+      {
+        std::lock_guard<std::mutex> lock(in->m);
+        if (!err.empty()) in->error = err;
+        else *p = std::move(got);
+      }
+      arrived();
+    }, torch::kCPU, /*pinned=*/s.ctx->device.is_cuda());
+  arrived();
+  return in->promise;
+}
+
+/// Every tensor of copy `id` is in: kept (the two newest of each shard), acknowledged.
+void copy_arrived(supervisor_self self, std::uint64_t id) {
+  auto& s = self->state;
+  auto it = s.incoming.find(id);
+  if (it == s.incoming.end()) return;
+  auto in = it->second;
+  s.incoming.erase(it);
+  std::lock_guard<std::mutex> lock(in->m);
+  try {
+    if (!in->error.empty()) throw std::runtime_error("shard copy: " + in->error);
+    s.buddies->put(in->copy.stage, in->copy.rank, snapshot_of(in->copy));
+    in->promise.deliver(true);
+  } catch (const std::exception& e) {
+    in->promise.deliver(caf::make_error(caf::sec::runtime_error, e.what()));
+  }
+}
+
+/// One all-gather of a recovery finished; after the last, the new actors start.
+void on_gathered(supervisor_self self, std::int32_t round, const std::string& err) {
+  auto& s = self->state;
+  if (!current(s, round)) return;
+  auto& rec = *s.recovering;
+  if (!err.empty() && rec.error.empty()) rec.error = err;
+  if (--rec.pending > 0) return;
+  if (!rec.error.empty()) return give_up(self, "gathering the stages' parameters: " + rec.error);
+  try {
+    s.mine = spawn_all(self, rec.step, rec.round, std::move(rec.params));
+  } catch (const std::exception& e) {
+    return give_up(self, e.what());
+  }
+  rec.promise.deliver(s.mine);
+  s.recovering.reset();
+}
+
+/// The whole job's handles, before the first step or a retried one (while no actor reads
+/// the wiring).
+void take_wiring(supervisor_state& s, const wiring_msg& msg) {
+  const auto& ctx = *s.ctx;
+  auto& wiring = *s.wiring;
+  wiring.coordinator = msg.coordinator;
+  const int nodes = int(msg.supervisors.size());
+  wiring.buddy_node = nodes > 1 && s.plan.node > 0 ? (s.plan.node + 1) % nodes : -1;
+  wiring.buddy = wiring.buddy_node >= 0 ? msg.supervisors.at(wiring.buddy_node) : caf::actor();
+  wiring.nodes.assign(ctx.pipes, std::vector<int>(ctx.p, 0));
+  for (int r = 0; r < ctx.pipes; ++r)
+    for (int k = 0; k < ctx.p; ++k) wiring.nodes[r][k] = msg.nodes.at(std::size_t(r) * ctx.p + k);
+  for (int r = 0; r < ctx.pipes; ++r) {
+    wiring.loaders[r] = msg.loaders.at(r);
+    for (int k = 0; k < ctx.p; ++k) {
+      wiring.stages[r][k] = msg.stages.at(std::size_t(r) * ctx.p + k);
+      wiring.shards[k][r] = msg.shards.at(std::size_t(k) * ctx.pipes + r);
+    }
+  }
+}
+
+/// Resets every child and collects what each still held.
+caf::result<std::vector<reset_report>> reset_children(supervisor_self self, const reset_step& msg) {
+  auto rp = self->make_response_promise<std::vector<reset_report>>();
+  auto reports = std::make_shared<std::vector<reset_report>>();
+  std::vector<caf::actor> handles;
+  auto names = std::make_shared<std::vector<std::string>>();
+  for (const auto& [h, n] : self->state.children) {
+    handles.push_back(h);
+    names->push_back(n);
+  }
+  request_all<reset_report>(
+      self, handles, reset_timeout,
+      [reports](std::size_t, reset_report& rep) {
+        if (!rep.leftovers.empty()) reports->push_back(rep);
+      },
+      [reports, rp]() mutable { rp.deliver(*reports); },
+      [self, reports, names](std::size_t i, caf::error& err) {
+        reports->push_back({(*names)[i], {"no reset answer: " + self->system().render(err)}});
+        return true;
+      },
+      msg);
+  return rp;
+}
+
+caf::behavior supervisor_behavior(supervisor_self self, std::shared_ptr<const runtime_context> ctx,
+                                  std::shared_ptr<job_wiring> wiring, node_plan initial_plan) {
+  auto& s = self->state;
+  s.ctx = ctx;
+  s.wiring = wiring;
+  s.plan = std::move(initial_plan);
   // The wiring covers the whole job; entries of other nodes arrive with wiring_msg.
   wiring->stages.assign(ctx->pipes, std::vector<caf::actor>(ctx->p));
   wiring->shards.assign(ctx->p, std::vector<caf::actor>(ctx->pipes));
   wiring->loaders.assign(ctx->pipes, caf::actor());
-  wiring->node = plan->node;
-  wiring->world = plan->world;
-  // Spawns this node's actors on the plan's communicators; `step` >= 0: restarted in
-  // place (the job's `round`-th recovery), from the snapshots of the state before that
-  // step, each stage with `params` (per slot, per chunk: its parameters before the step).
-  auto spawn_all = [self, ctx, wiring, store, children, plan](std::int64_t step, std::int32_t round,
-                                                              std::vector<std::vector<torch::Tensor>> params) {
-    children->clear();
-    auto add = [&](caf::actor a, std::string name) {
-      children->emplace_back(a, std::move(name));
-      return a;
-    };
-    node_actors mine;
-    mine.node = plan->node;
-    if (step >= 0) wiring->generation = round;  // what the replaced actors still report is stale
-    for (std::size_t i = 0; i < plan->slots.size(); ++i) {
-      const auto [r, k] = plan->slots[i];
-      auto from = step >= 0 ? store->get(k, r, step) : nullptr;
-      mine.slot_replicas.push_back(r);
-      mine.slot_stages.push_back(k);
-      mine.shards.push_back(wiring->shards[k][r] =
-                                add(spawn_optimizer_shard_actor(self, ctx, wiring, k, r, plan->comms.at(i),
-                                                                plan->edp_comms.empty() ? nullptr : plan->edp_comms.at(i),
-                                                                store, from),
-                                    ctx->shard_name(k, r)));
-      mine.stages.push_back(wiring->stages[r][k] =
-                                add(spawn_stage_actor(self, ctx, wiring, r, k,
-                                                      params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
-                                                      plan->ep_comms.empty() ? nullptr : plan->ep_comms.at(i),
-                                                      plan->ep_comms.empty() ? nullptr : plan->ep_backward_comms.at(i),
-                                                      plan->tp_comms.empty() ? nullptr : plan->tp_comms.at(i)),
-                                    ctx->stage_name(r, k)));
-    }
-    for (int r : plan->loader_replicas) {
-      mine.loader_replicas.push_back(r);
-      mine.loaders.push_back(wiring->loaders[r] = add(spawn_data_loader_actor(self, ctx, wiring, r),
-                                                      ctx->loader_name(r)));
-    }
-    spdlog::debug("supervisor of node {}: spawned {} actors", plan->node, children->size());
-    return mine;
-  };
+  wiring->node = s.plan.node;
+  wiring->world = s.plan.world;
   // A node process restarted after a loss starts without actors: the coordinator's
   // recover (with the buddy that holds its shards' state) spawns them.
-  auto mine = std::make_shared<node_actors>();
-  mine->node = plan->node;
-  if (!plan->rejoining) *mine = spawn_all(-1, 0, {});
-
-  // A step retried in place: the old actors are killed; when the last one is down the
-  // node gets fresh communicators, every stage's parameters before the step are
-  // all-gathered from its shards' snapshots over them (the shards of a stage may live on
-  // other nodes), and new actors start from the snapshots.
-  struct recovery {
-    std::int64_t step = -1;
-    std::int32_t round = 0;
-    caf::typed_response_promise<node_actors> promise;
-    std::vector<std::vector<torch::Tensor>> params;  // per slot, per chunk (all-gather outputs)
-    std::vector<std::shared_ptr<const shard_snapshot>> from;  // kept alive while gathering
-    int pending = 0;
-    std::string error;
-  };
-  auto recovering = std::make_shared<std::optional<recovery>>();
-  auto retired = std::make_shared<std::list<std::future<void>>>();  // closing old communicators
-  auto current = [=](std::int32_t round) { return *recovering && (*recovering)->round == round; };
-  auto give_up = [=](const std::string& why) {
-    if (!*recovering) return;
-    (*recovering)->promise.deliver(caf::make_error(caf::sec::runtime_error, "node " + std::to_string(plan->node) +
-                                                                                  ": " + why));
-    recovering->reset();
-  };
-  // Starts the all-gather of every stage's parameters; each completion comes back as
-  // (gathered, round, error).
-  auto gather = [=] {
-    auto& rec = **recovering;
-    const auto me = caf::actor_cast<caf::actor>(self);
-    std::vector<transport::work_ptr> works;
-    for (std::size_t i = 0; i < plan->slots.size(); ++i) {
-      const auto [r, k] = plan->slots[i];
-      auto snap = store->get(k, r, rec.step);
-      if (!snap)
-        return give_up("no snapshot of shard[stage " + std::to_string(k) + ", rank " + std::to_string(r) +
-                       "] before step " + std::to_string(rec.step + 1));
-      rec.from.push_back(snap);
-      rec.params.emplace_back();
-      for (std::size_t c = 0; c < snap->chunks.size(); ++c) {
-        // The dense region over the data-parallel group, the experts' over theirs.
-        const auto& piece = snap->chunks[c].params;
-        const auto n = snap->stage_numel.at(c), split = snap->stage_expert_offset.at(c);
-        auto& whole = rec.params.back().emplace_back(torch::empty({n}, piece.options()));
-        const auto dense = split / ctx->d;
-        works.push_back(plan->comms.at(i)->all_gather(piece.narrow(0, 0, dense), whole.narrow(0, 0, split)));
-        if (split < n)
-          works.push_back(plan->edp_comms.at(i)->all_gather(piece.narrow(0, dense, piece.numel() - dense),
-                                                            whole.narrow(0, split, n - split)));
-      }
-    }
-    rec.pending = int(works.size());  // every node hosts at least one slot
-    for (auto& w : works)
-      w->on_complete([me, round = rec.round](const std::string& err) { caf::anon_send(me, gathered_atom_v, round, err); });
-  };
-  // Replaces the communicators (the old ones may be in the middle of a collective, with
-  // messages of the aborted step on their way), then gathers. The old ones are closed on
-  // a thread of their own: closing waits up to seconds for transfers UCX cannot cancel
-  // (a send whose receiver was killed).
-  auto renew = [=] {
-    std::vector<std::shared_ptr<transport::communicator>> old = std::move(plan->comms);
-    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms, &plan->tp_comms, &plan->edp_comms}) {
-      old.insert(old.end(), ep->begin(), ep->end());
-      ep->clear();
-    }
-    if (plan->world) old.push_back(std::move(plan->world));
-    plan->comms.clear();
-    plan->world = nullptr;
-    wiring->world = nullptr;
-    for (auto& c : old) c->abort("replaced: the step is retried in place");
-    retired->remove_if([](std::future<void>& f) { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
-    retired->push_back(std::async(std::launch::async, [old = std::move(old)]() mutable { old.clear(); }));
-    try {
-      if (!plan->renew) {  // one process: in-process communicators
-        *plan = local_node_plan(*ctx);
-        return gather();
-      }
-      std::shared_ptr<comm_renewal> fresh = plan->renew();
-      auto addrs = fresh->addresses();
-      const auto round = addrs.round = (*recovering)->round;
-      // Every node's addresses of this round: a node process that rejoins may take a while.
-      const auto wait = std::chrono::seconds(60 + ctx->cfg.rejoin_timeout);
-      self->request(plan->registrar, wait, addrs)
-          .then(
-              [=](const node_addresses& table) {
-                if (!current(round)) return;
-                try {
-                  auto next = fresh->connect(table);
-                  next.registrar = plan->registrar;
-                  next.renew = plan->renew;
-                  *plan = std::move(next);
-                  wiring->world = plan->world;
-                } catch (const std::exception& e) {
-                  return give_up(std::string("fresh communicators: ") + e.what());
-                }
-                gather();
-              },
-              [=](caf::error& err) {
-                if (current(round)) give_up("address exchange: " + self->system().render(err));
-              });
-    } catch (const std::exception& e) {
-      give_up(std::string("fresh communicators: ") + e.what());
-    }
-  };
-  self->set_down_handler([=](const caf::down_msg& msg) {
-    // A child that is gone leaves the list (a recovery waits only for the living).
-    std::string name = "unknown actor";
-    for (auto it = children->begin(); it != children->end(); ++it)
-      if (it->first.address() == msg.source) {
-        name = it->second;
-        children->erase(it);
-        break;
-      }
-    if (*recovering) {
-      if (children->empty()) renew();
-      return;
-    }
-    if (msg.reason == caf::exit_reason::user_shutdown || msg.reason == caf::exit_reason::normal) return;
-    auto coordinator = wiring->coordinator;
-    if (coordinator)
-      self->send(coordinator,
-                 runtime_failure{-1, name, "actor died: " + self->system().render(msg.reason), wiring->generation});
-  });
-  // Stage actors waiting in an expert-parallel all-to-all or a tensor-parallel collective
-  // hold their threads (and read no messages) until a peer joins it: a step given up, or
-  // retried in place, fails those collectives first, so that the actors can take their
-  // exit or abort.
-  auto release_groups = [plan](const std::string& why) {
-    for (auto* ep : {&plan->ep_comms, &plan->ep_backward_comms, &plan->tp_comms})
-      for (auto& c : *ep)
-        if (c) c->abort(why);
-  };
-  self->set_exit_handler([=](const caf::exit_msg& msg) {
-    release_groups("the node is shutting down");
-    for (auto& [h, n] : *children) self->send_exit(h, msg.reason);
+  s.mine.node = s.plan.node;
+  if (!s.plan.rejoining) s.mine = spawn_all(self, -1, 0, {});
+  self->set_down_handler([self](const caf::down_msg& msg) { on_child_down(self, msg); });
+  self->set_exit_handler([self](const caf::exit_msg& msg) {
+    release_groups(self->state, "the node is shutting down");
+    for (auto& [h, n] : self->state.children) self->send_exit(h, msg.reason);
     self->quit(msg.reason);
   });
-  // The handlers above live as long as this actor's object, which a remote node's proxy
-  // may keep after the actor is gone: drop the children's handles at termination, or a
-  // detached stage actor is never destroyed and the actor system waits for it forever.
-  self->attach_functor([children, retired] {
-    children->clear();
-    retired->clear();  // waits until the old communicators are closed
-  });
-  // Starts recovery `round` (a newer one replaces one under way: a node was lost during
-  // it); nothing when `round` is not newer than the one under way.
-  auto start_recovery = [=](std::int64_t step, std::int32_t round) -> std::optional<caf::typed_response_promise<node_actors>> {
-    if (*recovering) {
-      if ((*recovering)->round >= round) return std::nullopt;
-      give_up("recovery round " + std::to_string((*recovering)->round) + " replaced by round " + std::to_string(round));
-    }
-    auto rp = self->make_response_promise<node_actors>();
-    *recovering = recovery{step, round, rp, {}, {}, 0, {}};
-    return rp;
-  };
-  auto stale_round = [](std::int32_t round) {
-    return caf::make_error(caf::sec::runtime_error, "recovery round " + std::to_string(round) + " is not the newest");
-  };
+  // (The state, the children's handles with it, goes when the actor quits: a remote
+  // node's proxy may keep this actor's object alive after it is gone, and a detached
+  // stage actor that a handle still named would never be destroyed, the actor system
+  // waiting for it forever.)
   return {
-      [=](run_atom) { return *mine; },  // spawned: here are the handles
-      [=](recover_atom, std::int64_t step, std::int32_t round) -> caf::result<node_actors> {
-        auto rp = start_recovery(step, round);
-        if (!rp) return stale_round(round);
-        if (children->empty()) {
-          renew();
+      [self](run_atom) { return self->state.mine; },  // spawned: here are the handles
+      [self](recover_atom, std::int64_t step, std::int32_t round) -> caf::result<node_actors> {
+        auto& s = self->state;
+        auto rp = start_recovery(self, step, round);
+        if (!current(s, round)) return rp;
+        if (s.children.empty()) {
+          renew(self);
         } else {
-          release_groups("the step is retried in place");
-          for (auto& [h, n] : *children) self->send_exit(h, caf::exit_reason::kill);
+          release_groups(s, "the step is retried in place");
+          for (auto& [h, n] : s.children) self->send_exit(h, caf::exit_reason::kill);
         }
-        return *rp;
-      },
-      // This node process was lost and restarted: its shards' state before `step` comes
-      // from `buddy` (the next node's supervisor), then the recovery goes on as above.
-      [=](recover_atom, std::int64_t step, std::int32_t round, const caf::actor& buddy) -> caf::result<node_actors> {
-        if (!children->empty()) return caf::make_error(caf::sec::runtime_error, std::string("not a rejoined node"));
-        auto rp = start_recovery(step, round);
-        if (!rp) return stale_round(round);
-        self->request(buddy, std::chrono::seconds(60), buddy_atom_v, step)
-            .then(
-                [=](const std::vector<shard_copy>& copies) {
-                  if (!current(round)) return;
-                  try {
-                    for (const auto& c : copies) store->put(c.stage, c.rank, snapshot_of(c));
-                  } catch (const std::exception& e) {
-                    return give_up(std::string("copies from the buddy node: ") + e.what());
-                  }
-                  spdlog::info("node {}: state of {} optimizer shard(s) before step {} taken from the buddy node",
-                               plan->node, copies.size(), step + 1);
-                  renew();
-                },
-                [=](caf::error& err) {
-                  if (current(round)) give_up("copies from the buddy node: " + self->system().render(err));
-                });
-        return *rp;
-      },
-      // Buddy copies of the previous node's shards: their tensors come over the nodes'
-      // world communicator (UCX); once all are in, the copy is kept (the two newest of
-      // each shard) and acknowledged ...
-      [=](shard_copy& copy) -> caf::result<bool> {
-        auto in = std::make_shared<incoming_copy>();
-        in->copy = std::move(copy);
-        std::vector<tensor_payload*> remote;
-        for (auto* v : {&in->copy.params, &in->copy.exp_avg, &in->copy.exp_avg_sq})
-          for (auto& p : *v)
-            if (p.src_node >= 0) remote.push_back(&p);
-        if (!remote.empty() && !wiring->world)
-          return caf::make_error(caf::sec::runtime_error, std::string("no world communicator for a shard copy"));
-        const auto id = ++*next_copy;
-        in->promise = self->make_response_promise<bool>();
-        in->left = int(remote.size()) + 1;
-        (*incoming)[id] = in;
-        const auto me = caf::actor_cast<caf::actor>(self);
-        auto arrived = [in, me, id] {
-          if (--in->left == 0) caf::anon_send(me, copied_atom_v, id);
-        };
-        for (auto* p : remote)
-          // Kept in host memory; from a GPU job's shards (CUDA IPC on one machine, staged
-          // otherwise) into page-locked memory, reused from step to step by LibTorch's
-          // caching host allocator: the shard's step waits for this copy.
-          fetch_payload(*wiring, *p, [in, p, arrived](tensor_payload got, const std::string& err) {
-            {
-              std::lock_guard<std::mutex> lock(in->m);
-              if (!err.empty()) in->error = err;
-              else *p = std::move(got);
-            }
-            arrived();
-          }, torch::kCPU, /*pinned=*/ctx->device.is_cuda());
-        arrived();
-        return in->promise;
-      },
-      [=](copied_atom, std::uint64_t id) {
-        auto it = incoming->find(id);
-        if (it == incoming->end()) return;
-        auto in = it->second;
-        incoming->erase(it);
-        std::lock_guard<std::mutex> lock(in->m);
-        try {
-          if (!in->error.empty()) throw std::runtime_error("shard copy: " + in->error);
-          buddies->put(in->copy.stage, in->copy.rank, snapshot_of(in->copy));
-          in->promise.deliver(true);
-        } catch (const std::exception& e) {
-          in->promise.deliver(caf::make_error(caf::sec::runtime_error, e.what()));
-        }
-      },
-      // ... and handed to that node's restarted process.
-      [=](buddy_atom, std::int64_t step) {
-        std::vector<shard_copy> out;
-        for (const auto& [key, snap] : buddies->all_before(step)) out.push_back(copy_of(key.first, key.second, *snap));
-        return out;
-      },
-      [=](gathered_atom, std::int32_t round, const std::string& err) {
-        if (!current(round)) return;
-        auto& rec = **recovering;
-        if (!err.empty() && rec.error.empty()) rec.error = err;
-        if (--rec.pending > 0) return;
-        if (!rec.error.empty()) return give_up("gathering the stages' parameters: " + rec.error);
-        try {
-          *mine = spawn_all(rec.step, rec.round, std::move(rec.params));
-        } catch (const std::exception& e) {
-          return give_up(e.what());
-        }
-        rec.promise.deliver(*mine);
-        recovering->reset();
-      },
-      [=](const wiring_msg& msg) {
-        // Before the first step or a retried one, while no actor reads the wiring.
-        wiring->coordinator = msg.coordinator;
-        const int nodes = int(msg.supervisors.size());
-        wiring->buddy_node = nodes > 1 && plan->node > 0 ? (plan->node + 1) % nodes : -1;
-        wiring->buddy = wiring->buddy_node >= 0 ? msg.supervisors.at(wiring->buddy_node) : caf::actor();
-        wiring->nodes.assign(ctx->pipes, std::vector<int>(ctx->p, 0));
-        for (int r = 0; r < ctx->pipes; ++r)
-          for (int k = 0; k < ctx->p; ++k) wiring->nodes[r][k] = msg.nodes.at(std::size_t(r) * ctx->p + k);
-        for (int r = 0; r < ctx->pipes; ++r) {
-          wiring->loaders[r] = msg.loaders.at(r);
-          for (int k = 0; k < ctx->p; ++k) {
-            wiring->stages[r][k] = msg.stages.at(std::size_t(r) * ctx->p + k);
-            wiring->shards[k][r] = msg.shards.at(std::size_t(k) * ctx->pipes + r);
-          }
-        }
-        return true;
-      },
-      [=](check_atom, const reset_step& msg) {
-        // Reset every actor and collect what each still held.
-        auto rp = self->make_response_promise<std::vector<reset_report>>();
-        auto reports = std::make_shared<std::vector<reset_report>>();
-        std::vector<caf::actor> handles;
-        auto names = std::make_shared<std::vector<std::string>>();
-        for (const auto& [h, n] : *children) {
-          handles.push_back(h);
-          names->push_back(n);
-        }
-        request_all<reset_report>(
-            self, handles, reset_timeout,
-            [reports](std::size_t, reset_report& rep) {
-              if (!rep.leftovers.empty()) reports->push_back(rep);
-            },
-            [reports, rp]() mutable { rp.deliver(*reports); },
-            [self, reports, names](std::size_t i, caf::error& err) {
-              reports->push_back({(*names)[i], {"no reset answer: " + self->system().render(err)}});
-              return true;
-            },
-            msg);
         return rp;
       },
-      [=](const abort_step& msg) {
-        release_groups("step " + std::to_string(msg.step + 1) + " aborted: " + msg.reason);
-        for (auto& [h, n] : *children) self->send(h, msg);
+      [self](recover_atom, std::int64_t step, std::int32_t round, const caf::actor& buddy) {
+        return recover_from_buddy(self, step, round, buddy);
+      },
+      [self](shard_copy& copy) { return receive_copy(self, copy); },
+      [self](copied_atom, std::uint64_t id) { copy_arrived(self, id); },
+      // The copies of the previous node's shards before `step`, for that node's restarted process.
+      [self](buddy_atom, std::int64_t step) {
+        std::vector<shard_copy> out;
+        for (const auto& [key, snap] : self->state.buddies->all_before(step))
+          out.push_back(copy_of(key.first, key.second, *snap));
+        return out;
+      },
+      [self](gathered_atom, std::int32_t round, const std::string& err) { on_gathered(self, round, err); },
+      [self](const wiring_msg& msg) {
+        take_wiring(self->state, msg);
+        return true;
+      },
+      [self](check_atom, const reset_step& msg) { return reset_children(self, msg); },
+      [self](const abort_step& msg) {
+        release_groups(self->state, "step " + std::to_string(msg.step + 1) + " aborted: " + msg.reason);
+        for (auto& [h, n] : self->state.children) self->send(h, msg);
       },
       // The hang diagnosis: what this process's threads compute in `step` (for the stage
       // actors that cannot answer while inside an op).
-      [=](activity_atom, std::int64_t step) { return activity_board::reports(wiring->generation, step); },
-      [=](plant_atom, int replica, int stage) { self->send(wiring->stages.at(replica).at(stage), plant_atom_v); },
+      [self](activity_atom, std::int64_t step) { return activity_board::reports(self->state.wiring->generation, step); },
+      [self](plant_atom, int replica, int stage) {
+        self->send(self->state.wiring->stages.at(replica).at(stage), plant_atom_v);
+      },
   };
+}
+
+}  // namespace
+
+caf::actor spawn_supervisor_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
+                                  std::shared_ptr<job_wiring> wiring, node_plan plan) {
+  return sys.spawn(supervisor_behavior, std::move(ctx), std::move(wiring), std::move(plan));
 }
 
 }  // namespace troupe

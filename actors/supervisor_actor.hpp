@@ -87,7 +87,9 @@ std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes, i
 /// communicators.
 node_plan local_node_plan(const runtime_context& ctx);
 
-caf::behavior supervisor_actor(caf::event_based_actor* self, std::shared_ptr<const runtime_context> ctx,
-                               std::shared_ptr<job_wiring> wiring, node_plan plan);
+/// Spawns the supervisor of a node (a stateful actor: its state, the children's handles
+/// with it, goes when it quits).
+caf::actor spawn_supervisor_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
+                                  std::shared_ptr<job_wiring> wiring, node_plan plan);
 
 }  // namespace troupe
