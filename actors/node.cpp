@@ -214,6 +214,121 @@ int assign_nccl_ids(node_addresses& table, const std::function<std::string()>& m
   return given;
 }
 
+namespace {
+
+/// The actor system of a node process: the middleman (with TLS where asked for), the
+/// message types, failure detection on.
+void configure_node_system(caf::actor_system_config& acfg, const node_options& o) {
+  acfg.load<caf::io::middleman>();
+  acfg.add_message_types<caf::id_block::troupe>();
+  acfg.set("scheduler.policy", caf::atom("sharing"));
+  acfg.set("scheduler.max-threads", std::size_t{2});
+  // CAF's failure detection is off by default: a frozen or vanished node must be noticed.
+  acfg.set("middleman.heartbeat-interval", caf::timespan{o.heartbeat});
+  acfg.set("middleman.connection-timeout", caf::timespan{o.connection_timeout});
+  if (use_tls(o)) {
+    for (const auto* path : {&o.tls_certificate, &o.tls_key, &o.tls_cafile})
+      if (path->empty() || ::access(path->c_str(), R_OK) != 0)
+        throw config_error("TLS needs a readable certificate, key and CA file (got '" + *path + "')");
+    acfg.load<caf::openssl::manager>();
+    acfg.openssl_certificate = o.tls_certificate;
+    acfg.openssl_key = o.tls_key;
+    acfg.openssl_cafile = o.tls_cafile;
+  }
+}
+
+/// Node 0: checks the job (`cfg`, its own configuration, resolved) and publishes the
+/// registrar the other nodes join.
+caf::actor open_registrar(caf::actor_system& sys, const node_options& o, job_config& cfg) {
+  cfg = o.cfg;
+  cfg.validate();
+  resolve_resume(cfg, o.run.launch.resume_auto);  // one checkpoint folder for every node (they get this config)
+  node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes, cfg.tensor_parallel);  // fits, or a clear error now
+  const auto data = training_data::identity(cfg);  // the data every node must read
+  check_output_paths(cfg);
+  check_kernel_profile(o.run.launch.kernel_profile);
+  auto registrar = spawn_registrar(sys, o.token, o.nodes, cfg.to_toml(), steady_clock_ns(), data);
+  auto port = use_tls(o) ? caf::openssl::publish(registrar, o.port, nullptr, true)
+                         : sys.middleman().publish(registrar, o.port, nullptr, true);
+  if (!port)
+    throw node_failure(1, "node 0: cannot listen on port " + std::to_string(o.port) + ": " + sys.render(port.error()));
+  spdlog::info("node 0 of {}: coordinator listening on port {}{}", o.nodes, *port, use_tls(o) ? " (TLS)" : "");
+  return registrar;
+}
+
+/// Node 0, once every node is ready: runs the coordinator until the job ends, then waits
+/// for every supervisor to stop (so the other nodes get the word before this process
+/// closes its connections).
+void lead_job(caf::scoped_actor& self, const node_options& o, const job_config& cfg,
+              std::shared_ptr<const runtime_context> ctx, std::shared_ptr<job_wiring> wiring,
+              std::shared_ptr<actor_run_result> shared_result, const caf::actor& registrar) {
+  auto& sys = self->system();
+  const auto supervisors =
+      ask<std::vector<caf::actor>>(self, registrar, o.join_timeout, run_atom_v, "node 0: waiting for the other nodes");
+  if (!o.run.quiet)
+    spdlog::info("training {}{} for {} steps on {} nodes: {}pipeline {} x data-parallel {}, {} micro-batches of {} "
+                 "({}), {} intra-op thread(s) per stage{}",
+                 cfg.model_label(), cfg.data_label(), cfg.steps, o.nodes, cfg.model_parallel_label(), cfg.pipeline,
+                 cfg.data_parallel, cfg.microbatches, cfg.microbatch_size(), cfg.schedule_label(), cfg.threads,
+                 cfg.compute_note());
+  auto run_opts = o.run;
+  if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;
+  auto coordinator = spawn_coordinator_actor(sys, ctx, wiring, run_opts, shared_result, supervisors, registrar);
+  self->request(coordinator, caf::infinite, run_atom_v)
+      .receive([&](int code) { shared_result->exit_code = code; },
+               [&](caf::error& err) {
+                 shared_result->exit_code = 1;
+                 if (shared_result->error.empty()) shared_result->error = "coordinator failed: " + sys.render(err);
+               });
+  // The coordinator told every supervisor to stop: wait until they have. The registrar
+  // knows the current ones (a rejoined node's replaces the lost one's); a node lost for
+  // good leaves its old, dead one (its down comes at once).
+  auto current = supervisors;
+  self->request(registrar, 1s, run_atom_v)
+      .receive([&](std::vector<caf::actor>& now) { current = std::move(now); }, [](caf::error&) {});
+  for (auto& sup : current) self->monitor(sup);
+  std::size_t down = 0;
+  bool waiting = true;
+  while (waiting && down < current.size())
+    self->receive([&](const caf::down_msg&) { ++down; }, caf::after(10s) >> [&] { waiting = false; });
+}
+
+/// Nodes other than 0: serve until the coordinator stops our supervisor, or node 0 is
+/// gone. Ending any other way, the process ends with the recoverable status: the launcher
+/// starts it again, and it rejoins the job if node 0 is still there (a link that was cut
+/// for a while, node 0 stalled past the connection timeout); if node 0 is gone for good,
+/// the launcher restarts the whole job anyway.
+void serve_job(caf::scoped_actor& self, const std::string& where, const caf::actor& supervisor,
+               const caf::actor& registrar, actor_run_result& result) {
+  auto& sys = self->system();
+  self->monitor(supervisor);
+  self->monitor(registrar);
+  bool running = true;
+  while (running) {
+    self->receive([&](const caf::down_msg& msg) {
+      if (msg.source == supervisor.address()) {
+        running = false;
+        const bool clean = msg.reason == caf::exit_reason::user_shutdown;
+        result.exit_code = clean ? 0 : exit_recoverable;
+        if (!clean) result.error = where + ": supervisor stopped: " + sys.render(msg.reason);
+      } else {
+        // Node 0 gone: a clean end reaches our supervisor first; give it a moment.
+        self->receive([&](const caf::down_msg& m2) {
+          if (m2.source == supervisor.address() && m2.reason == caf::exit_reason::user_shutdown) running = false;
+        }, caf::after(2s) >> [] {});
+        if (running) {
+          running = false;
+          result.exit_code = exit_recoverable;
+          result.error = where + ": lost the coordinator (node 0): " + sys.render(msg.reason);
+          self->send_exit(supervisor, caf::exit_reason::user_shutdown);
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
 actor_run_result run_node(const node_options& o) {
   actor_run_result result;
   const int caller_threads = torch::get_num_threads();
@@ -226,22 +341,7 @@ actor_run_result run_node(const node_options& o) {
   auto shared_result = std::make_shared<actor_run_result>();
   {
     caf::actor_system_config acfg;
-    acfg.load<caf::io::middleman>();
-    acfg.add_message_types<caf::id_block::troupe>();
-    acfg.set("scheduler.policy", caf::atom("sharing"));
-    acfg.set("scheduler.max-threads", std::size_t{2});
-    // CAF's failure detection is off by default: a frozen or vanished node must be noticed.
-    acfg.set("middleman.heartbeat-interval", caf::timespan{o.heartbeat});
-    acfg.set("middleman.connection-timeout", caf::timespan{o.connection_timeout});
-    if (use_tls(o)) {
-      for (const auto* path : {&o.tls_certificate, &o.tls_key, &o.tls_cafile})
-        if (path->empty() || ::access(path->c_str(), R_OK) != 0)
-          throw config_error("TLS needs a readable certificate, key and CA file (got '" + *path + "')");
-      acfg.load<caf::openssl::manager>();
-      acfg.openssl_certificate = o.tls_certificate;
-      acfg.openssl_key = o.tls_key;
-      acfg.openssl_cafile = o.tls_cafile;
-    }
+    configure_node_system(acfg, o);
     caf::actor_system sys{acfg};
     caf::actor registrar_handle, supervisor, clock_keeper;
     bool joined = false;  // a node other than 0 between its join and its node_ready
@@ -249,24 +349,7 @@ actor_run_result run_node(const node_options& o) {
       {
         caf::scoped_actor self{sys};
         job_config cfg;
-        if (o.node == 0) {
-          cfg = o.cfg;
-          cfg.validate();
-          resolve_resume(cfg, o.run.launch.resume_auto);  // one checkpoint folder for every node (they get this config)
-          node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes, cfg.tensor_parallel);  // fits, or a clear error now
-          const auto data = training_data::identity(cfg);  // the data every node must read
-          check_output_paths(cfg);
-          check_kernel_profile(o.run.launch.kernel_profile);
-          registrar_handle = spawn_registrar(sys, o.token, o.nodes, cfg.to_toml(), steady_clock_ns(), data);
-          auto port = use_tls(o) ? caf::openssl::publish(registrar_handle, o.port, nullptr, true)
-                                 : sys.middleman().publish(registrar_handle, o.port, nullptr, true);
-          if (!port)
-            throw node_failure(1, "node 0: cannot listen on port " + std::to_string(o.port) + ": " +
-                                      sys.render(port.error()));
-          spdlog::info("node 0 of {}: coordinator listening on port {}{}", o.nodes, *port, use_tls(o) ? " (TLS)" : "");
-        } else {
-          registrar_handle = connect_to_registrar(sys, o);
-        }
+        registrar_handle = o.node == 0 ? open_registrar(sys, o, cfg) : connect_to_registrar(sys, o);
         const std::string where = "node " + std::to_string(o.node);
         const auto offer = ask<job_offer>(self, registrar_handle, o.join_timeout,
                                            node_hello{o.version ? o.version : protocol_version, o.token, o.node,
@@ -331,67 +414,10 @@ actor_run_result run_node(const node_options& o) {
                      ctx->t > 1 ? ",tp" : "", hosted,
                      o.rejoin ? ": rejoined the job, waiting for the coordinator's recovery" : "");
         if (o.node == 0) {
-          const auto supervisors = ask<std::vector<caf::actor>>(self, registrar_handle, o.join_timeout, run_atom_v,
-                                                                "node 0: waiting for the other nodes");
-          if (!o.run.quiet)
-            spdlog::info("training {}{} for {} steps on {} nodes: {}pipeline {} x data-parallel {}, {} micro-batches of {} "
-                         "({}), {} intra-op thread(s) per stage{}",
-                         cfg.model_label(), cfg.data_label(), cfg.steps, o.nodes, cfg.model_parallel_label(), cfg.pipeline,
-                         cfg.data_parallel, cfg.microbatches,
-                         cfg.microbatch_size(), cfg.schedule_label(), cfg.threads, cfg.compute_note());
-          auto run_opts = o.run;
-          if (run_opts.trace_path.empty()) run_opts.trace_path = cfg.trace;
-          auto coordinator =
-              spawn_coordinator_actor(sys, ctx, wiring, run_opts, shared_result, supervisors, registrar_handle);
-          self->request(coordinator, caf::infinite, run_atom_v)
-              .receive([&](int code) { shared_result->exit_code = code; },
-                       [&](caf::error& err) {
-                         shared_result->exit_code = 1;
-                         if (shared_result->error.empty()) shared_result->error = "coordinator failed: " + sys.render(err);
-                       });
-          // The coordinator told every supervisor to stop: wait until they have (so the
-          // other nodes get the word before this process closes its connections). The
-          // registrar knows the current ones (a rejoined node's replaces the lost one's);
-          // a node lost for good leaves its old, dead one (its down comes at once).
-          auto current = supervisors;
-          self->request(registrar_handle, 1s, run_atom_v)
-              .receive([&](std::vector<caf::actor>& now) { current = std::move(now); }, [](caf::error&) {});
-          for (auto& sup : current) self->monitor(sup);
-          std::size_t down = 0;
-          bool waiting = true;
-          while (waiting && down < current.size())
-            self->receive([&](const caf::down_msg&) { ++down; }, caf::after(10s) >> [&] { waiting = false; });
+          lead_job(self, o, cfg, ctx, wiring, shared_result, registrar_handle);
           result = *shared_result;
         } else {
-          // Serve until the coordinator stops our supervisor, or node 0 is gone. Ending any
-          // other way, the process ends with the recoverable status: the launcher starts it
-          // again, and it rejoins the job if node 0 is still there (a link that was cut
-          // for a while, node 0 stalled past the connection timeout); if node 0 is gone
-          // for good, the launcher restarts the whole job anyway.
-          self->monitor(supervisor);
-          self->monitor(registrar_handle);
-          bool running = true;
-          while (running) {
-            self->receive([&](const caf::down_msg& msg) {
-              if (msg.source == supervisor.address()) {
-                running = false;
-                const bool clean = msg.reason == caf::exit_reason::user_shutdown;
-                result.exit_code = clean ? 0 : exit_recoverable;
-                if (!clean) result.error = where + ": supervisor stopped: " + sys.render(msg.reason);
-              } else {
-                // Node 0 gone: a clean end reaches our supervisor first; give it a moment.
-                self->receive([&](const caf::down_msg& m2) {
-                  if (m2.source == supervisor.address() && m2.reason == caf::exit_reason::user_shutdown) running = false;
-                }, caf::after(2s) >> [] {});
-                if (running) {
-                  running = false;
-                  result.exit_code = exit_recoverable;
-                  result.error = where + ": lost the coordinator (node 0): " + sys.render(msg.reason);
-                  self->send_exit(supervisor, caf::exit_reason::user_shutdown);
-                }
-              }
-            });
-          }
+          serve_job(self, where, supervisor, registrar_handle, result);
           if (clock->probes() > 1)
             spdlog::info("{}: its clock ran {:+.1f} ppm against node 0's ({} probes over {:.0f} s, last offset "
                          "{:+.3f} ms)",
