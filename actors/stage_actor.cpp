@@ -1066,6 +1066,102 @@ class stage_logic {
 
 namespace {
 
+/// Checkpoint folders: replica 0's stages write their own files into the step's
+/// temporary folder (no process gathers the whole model): the parameters, and the
+/// optimizer state assembled from the stage's shards, whose fp32 main parameters
+/// stand for the rounded ones in bf16 jobs. Tensor or expert parallelism: replica 0's
+/// rank 0 writes, with the parts of its stage's other ranks (their stage actors' and
+/// shards') put together: the files hold whole parameters, as without it.
+caf::result<stage_checkpoint> write_stage_checkpoint(caf::stateful_actor<stage_state>* self,
+                                                     const write_checkpoint& msg) {
+  const auto& ctx = self->state.ctx;
+  const auto& wiring = self->state.wiring;
+  auto& s = self->state;
+  auto rp = self->make_response_promise<stage_checkpoint>();
+  // Trace events on this stage's track (step: the one whose checkpoint it is).
+  auto gathered = std::make_shared<trace_event>(
+      trace_event{"checkpoint gather", s.replica, s.stage, -1, -1, msg.step - 1, ctx->now_us(), 0, 0});
+  const int t = ctx->t;
+  auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(t);  // by rank: shaped
+  auto moments = std::make_shared<std::vector<named_moments>>(t);                       // by rank: flat
+  // The stage's parameters in model order (shared copies left out), with their shapes
+  // (the experts of other shares: held by pipelines 1 .. EP - 1, shapes unused).
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> names;
+  for (auto& c : s.chunks)
+    for (const auto& name : slice_parameter_names(ctx->spec, c->range())) {
+      const auto& entries = c->entries();
+      const auto e = std::find_if(entries.begin(), entries.end(), [&](const auto& x) { return x.name == name; });
+      if (e == entries.end() ? expert_of(name) >= 0 : !e->shared_copy)
+        names.emplace_back(name, e == entries.end() ? std::vector<std::int64_t>{} : e->shape);
+    }
+  // bf16 without tensor or expert parallelism: the shards' fp32 main parameters are
+  // what is written, so the rounded ones are not copied (use_main_params replaces each).
+  const bool from_shards = ctx->compute_dtype != torch::kFloat32 && t == 1 && ctx->ep == 1;
+  // The other pipelines holding parts of this stage: replica 0's tensor-parallel
+  // ranks, and the pipelines holding the other shares of the experts.
+  const int holders = std::max(t, ctx->ep);
+  if (!from_shards)
+    for (auto& c : s.chunks)
+      for (auto& [name, p] : c->state()) (*parts)[0].emplace(name, std::move(p));
+  auto fail_with = [=](const std::string& what) {
+    return [=](std::size_t, caf::error& err) mutable {
+      rp.deliver(stage_checkpoint{{}, what + ": " + self->system().render(err), {}});
+      return false;
+    };
+  };
+  auto write = [=, stage = s.stage]() mutable {
+    gathered->end_us = ctx->now_us();
+    stage_checkpoint out;
+    out.events.push_back(*gathered);
+    auto written = *gathered;
+    written.name = "checkpoint write";
+    written.start_us = ctx->now_us();
+    try {
+      state_dict params;
+      named_moments whole;
+      if (t == 1) {
+        for (const auto& [name, shape] : names)
+          params.emplace_back(name, from_shards ? torch::zeros({}).expand(shape) : parts->front().at(name));
+        whole = std::move(moments->front());
+      } else {
+        const auto joined = unshard_by_name(ctx->spec, {}, *parts);
+        for (const auto& [name, shape] : names) params.emplace_back(name, joined.at(name));
+        whole = unshard_moments(ctx->spec, params, *moments);
+      }
+      use_main_params(params, whole);
+      for (const auto& f :
+           write_stage_files(msg.folder, stage, params, optimizer_state_dict(whole, params, msg.step)))
+        out.files.push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
+    } catch (const std::exception& e) {
+      out.error = e.what();
+    }
+    written.end_us = ctx->now_us();
+    written.bytes = 0;
+    for (const auto& f : out.files) written.bytes += std::int64_t(f.bytes);
+    out.events.push_back(written);
+    rp.deliver(std::move(out));
+  };
+  auto fetch_moments = [=, stage = s.stage]() mutable {
+    request_all<shard_moments>(
+        self, wiring->shards[stage], std::chrono::seconds(60),  // [pipeline]
+        [=](std::size_t i, shard_moments& rep) {
+          gathered->bytes += add_shard_moments(*moments, ctx->tp_of(int(i)), rep);
+        },
+        write, fail_with("no optimizer state from a shard"), state_atom_v);
+  };
+  if (holders == 1) {
+    fetch_moments();
+    return rp;
+  }
+  std::vector<caf::actor> peers;  // pipelines 1 .. holders - 1
+  for (int q = 1; q < holders; ++q) peers.push_back(wiring->stages[q][s.stage]);
+  request_all<state_reply>(
+      self, peers, std::chrono::seconds(60),
+      [=](std::size_t i, state_reply& rep) { add_stage_state(*parts, ctx->tp_of(int(i) + 1), rep); },
+      fetch_moments, fail_with("no parameters from a tensor- or expert-parallel rank"), state_atom_v);
+  return rp;
+}
+
 caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
@@ -1296,98 +1392,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
           }
         return rep;
       },
-      // Checkpoint folders: replica 0's stages write their own files into the step's
-      // temporary folder (no process gathers the whole model): the parameters, and the
-      // optimizer state assembled from the stage's shards, whose fp32 main parameters
-      // stand for the rounded ones in bf16 jobs. Tensor parallelism: replica 0's rank 0
-      // writes, with the parts of its stage's other ranks (their stage actors' and
-      // shards') put together: the files hold whole parameters, as without it.
-      [=](const write_checkpoint& msg) -> caf::result<stage_checkpoint> {
-        auto& s = self->state;
-        auto rp = self->make_response_promise<stage_checkpoint>();
-        // Trace events on this stage's track (step: the one whose checkpoint it is).
-        auto gathered = std::make_shared<trace_event>(
-            trace_event{"checkpoint gather", s.replica, s.stage, -1, -1, msg.step - 1, ctx->now_us(), 0, 0});
-        const int t = ctx->t;
-        auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(t);  // by rank: shaped
-        auto moments = std::make_shared<std::vector<named_moments>>(t);                       // by rank: flat
-        // The stage's parameters in model order (shared copies left out), with their shapes
-        // (the experts of other shares: held by pipelines 1 .. EP - 1, shapes unused).
-        std::vector<std::pair<std::string, std::vector<std::int64_t>>> names;
-        for (auto& c : s.chunks)
-          for (const auto& name : slice_parameter_names(ctx->spec, c->range())) {
-            const auto& entries = c->entries();
-            const auto e = std::find_if(entries.begin(), entries.end(), [&](const auto& x) { return x.name == name; });
-            if (e == entries.end() ? expert_of(name) >= 0 : !e->shared_copy)
-              names.emplace_back(name, e == entries.end() ? std::vector<std::int64_t>{} : e->shape);
-          }
-        // bf16 without tensor or expert parallelism: the shards' fp32 main parameters are
-        // what is written, so the rounded ones are not copied (use_main_params replaces each).
-        const bool from_shards = ctx->compute_dtype != torch::kFloat32 && t == 1 && ctx->ep == 1;
-        // The other pipelines holding parts of this stage: replica 0's tensor-parallel
-        // ranks, and the pipelines holding the other shares of the experts.
-        const int holders = std::max(t, ctx->ep);
-        if (!from_shards)
-          for (auto& c : s.chunks)
-            for (auto& [name, p] : c->state()) (*parts)[0].emplace(name, std::move(p));
-        auto fail_with = [=](const std::string& what) {
-          return [=](std::size_t, caf::error& err) mutable {
-            rp.deliver(stage_checkpoint{{}, what + ": " + self->system().render(err), {}});
-            return false;
-          };
-        };
-        auto write = [=, stage = s.stage]() mutable {
-          gathered->end_us = ctx->now_us();
-          stage_checkpoint out;
-          out.events.push_back(*gathered);
-          auto written = *gathered;
-          written.name = "checkpoint write";
-          written.start_us = ctx->now_us();
-          try {
-            state_dict params;
-            named_moments whole;
-            if (t == 1) {
-              for (const auto& [name, shape] : names)
-                params.emplace_back(name, from_shards ? torch::zeros({}).expand(shape) : parts->front().at(name));
-              whole = std::move(moments->front());
-            } else {
-              const auto joined = unshard_by_name(ctx->spec, {}, *parts);
-              for (const auto& [name, shape] : names) params.emplace_back(name, joined.at(name));
-              whole = unshard_moments(ctx->spec, params, *moments);
-            }
-            use_main_params(params, whole);
-            for (const auto& f :
-                 write_stage_files(msg.folder, stage, params, optimizer_state_dict(whole, params, msg.step)))
-              out.files.push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
-          } catch (const std::exception& e) {
-            out.error = e.what();
-          }
-          written.end_us = ctx->now_us();
-          written.bytes = 0;
-          for (const auto& f : out.files) written.bytes += std::int64_t(f.bytes);
-          out.events.push_back(written);
-          rp.deliver(std::move(out));
-        };
-        auto fetch_moments = [=, stage = s.stage]() mutable {
-          request_all<shard_moments>(
-              self, wiring->shards[stage], std::chrono::seconds(60),  // [pipeline]
-              [=](std::size_t i, shard_moments& rep) {
-                gathered->bytes += add_shard_moments(*moments, ctx->tp_of(int(i)), rep);
-              },
-              write, fail_with("no optimizer state from a shard"), state_atom_v);
-        };
-        if (holders == 1) {
-          fetch_moments();
-          return rp;
-        }
-        std::vector<caf::actor> peers;  // pipelines 1 .. holders - 1
-        for (int q = 1; q < holders; ++q) peers.push_back(wiring->stages[q][s.stage]);
-        request_all<state_reply>(
-            self, peers, std::chrono::seconds(60),
-            [=](std::size_t i, state_reply& rep) { add_stage_state(*parts, ctx->tp_of(int(i) + 1), rep); },
-            fetch_moments, fail_with("no parameters from a tensor- or expert-parallel rank"), state_atom_v);
-        return rp;
-      },
+      [=](const write_checkpoint& msg) { return write_stage_checkpoint(self, msg); },
       [=](plant_atom) {  // tests: a stray buffered tensor the next reset must report
         self->state.inputs[{-1, -1}] = torch::zeros({1});
       },

@@ -539,7 +539,8 @@ TEST(ExpertParallel, ACheckpointResumesWithAnotherExpertWidth) {
 // pairs: each pipeline holds one expert per layer, each share one shard group of 1): the
 // checkpoint folder that replica 0's stage actors write with the other pipelines' experts
 // and every shard's moments holds what the run's --save file holds (the whole model), and
-// it resumes with EP 2 (two experts per pipeline, shard groups of 2) as the run went on.
+// it resumes with EP 2 (two experts per pipeline, shard groups of 2) as the run went on;
+// in bf16 likewise.
 TEST(ExpertParallel, CheckpointFoldersHoldEveryExpertAndResumeWithAnotherWidth) {
   test::temp_dir dir;
   auto c = moe_job();
@@ -575,6 +576,18 @@ TEST(ExpertParallel, CheckpointFoldersHoldEveryExpertAndResumeWithAnotherWidth) 
   ASSERT_EQ(again.losses.size(), 2u);
   EXPECT_NEAR(again.losses[1], run.losses[3], 1e-6);
   EXPECT_LE(test::max_abs_diff(again.final_state, run.final_state), 1e-6);
+  // bf16 (the stages' parameters rounded, the shards' fp32 main parameters written): the
+  // folder holds the --save file's values too.
+  auto bf16 = c;
+  bf16.precision = "bf16";
+  bf16.steps = 2;
+  bf16.checkpoint_dir = dir / "bf16";
+  bf16.save = dir / "bf16.pt";
+  ASSERT_EQ(run_actor_training(bf16, quiet).exit_code, 0);
+  const auto half = read_checkpoint_dir(dir / "bf16/step-00000002", bf16);
+  EXPECT_EQ(test::max_abs_diff(half.model, load_state_dict(bf16.save)), 0.0);
+  const state_dict half_optim(half.optim.begin(), half.optim.end());
+  EXPECT_EQ(test::max_abs_diff(half_optim, load_state_dict(bf16.save + ".optim")), 0.0);
 }
 
 }  // namespace troupe
