@@ -1066,6 +1066,90 @@ class stage_logic {
 
 namespace {
 
+/// A group collective's end, on the trace: on the stage's track inside the op it served.
+/// It is told on the thread computing the op (the stage's, an overlapped pair's
+/// forward's, or autograd's in a backward while the stage's thread waits for it).
+/// `backward`: whether the op is the backward; `prefix`: the tensor-parallel group's
+/// events are "tp all-reduce", ...
+collective_observer group_observer(stage_state* state, std::function<bool()> backward, std::string prefix = "") {
+  return [state, backward, prefix](const char* name, std::int64_t bytes, double seconds) {
+    activity_board::leave_collective();
+    const double end = state->ctx->now_us();
+    const auto k = backward() ? state->computing_backward : state->computing_forward;
+    std::lock_guard<std::mutex> lock(state->events_mutex);
+    (state->running ? state->events : state->eval_events)
+        .push_back({prefix + name, state->replica, state->stage, k.first, k.second, state->step, end - seconds * 1e6,
+                    end, bytes});
+  };
+}
+
+/// The hang diagnosis's view of a thread waiting in one of its group's collectives
+/// (activity_board): the group `label`, its members (pipelines `first` .. first + size - 1
+/// of this stage), the call.
+collective_entry group_entry(const stage_state& st, std::string label, int first, int size) {
+  group_identity id{std::move(label), {}};
+  for (int i = 0; i < size; ++i) id.members.push_back(st.ctx->stage_name(first + i, st.stage));
+  auto group = std::make_shared<const group_identity>(std::move(id));
+  auto calls = std::make_shared<std::int64_t>(0);
+  return [group, calls](const char* name) { activity_board::enter_collective(name, group, (*calls)++); };
+}
+
+/// Tensor parallelism (`tensors`: this stage's group, else null): the slices' place.
+tensor_parallel join_tensor_group(stage_state& st, const std::shared_ptr<transport::communicator>& tensors) {
+  if (!tensors) return {};
+  const auto& ctx = *st.ctx;
+  if (tensors->size() != ctx.t || tensors->rank() != ctx.tp_of(st.replica))
+    throw std::logic_error(st.name + ": tensor-parallel communicator is rank " + std::to_string(tensors->rank()) +
+                           " of " + std::to_string(tensors->size()));
+  st.tp_size = tensors->size();
+  const int dp = ctx.dp_of(st.replica);
+  auto* state = &st;
+  st.tp_group = as_collective_group(
+      tensors, nullptr, group_observer(state, [state] { return state->in_backward; }, "tp "),
+      group_entry(st, fmt::format("tensor-parallel group of replica {}, stage {}", dp, st.stage), dp * ctx.t, ctx.t));
+  return {tensors->rank(), tensors->size(), ctx.sequence_parallel, st.tp_group};
+}
+
+/// The stage's chunks: bf16 jobs get bf16 parameters (the initial ones rounded, as the
+/// all-gather rounds); restarted in place, the parameters before the step being retried
+/// (`params`: the shards' fp32 main parameters, which the supervisor gathered in rank
+/// order, per region: the dense one's over the data-parallel group, the experts' over
+/// theirs; every bucket's pieces go back in place, rounded as the all-gather rounds).
+void make_chunks(stage_state& st, const tensor_parallel& tp, const std::vector<torch::Tensor>& params) {
+  const auto& ctx = *st.ctx;
+  for (int c = 0; c < ctx.v; ++c) {
+    st.chunks.push_back(make_slice(ctx.spec, ctx.ranges[ctx.virtual_stage(st.stage, c)], ctx.init, ctx.d, ctx.device,
+                                   ctx.compute_dtype, tp, ctx.experts_of(st.replica)));
+    auto& chunk = *st.chunks.back();
+    chunk.set_recompute(parse_recompute(ctx.cfg.recompute));
+    chunk.set_residual_dtype(ctx.residual_dtype);
+    chunk.set_aux_loss_scale(double(ctx.mbs) / ctx.cfg.global_batch);  // (experts)
+    if (!params.empty())
+      chunk.set_params(from_rank_order(params.at(c), ctx.buckets_of(chunk), ctx.groups_of(st.replica, chunk)));
+  }
+}
+
+/// Expert parallelism: the chunks compute their share of the experts for the tokens of
+/// the group (`experts`: the forwards' all-to-alls, `experts_backward`: the backwards').
+void join_expert_groups(stage_state& st, const std::shared_ptr<transport::communicator>& experts,
+                        const std::shared_ptr<transport::communicator>& experts_backward) {
+  const auto& ctx = *st.ctx;
+  const int first = st.replica - experts->rank(), last = first + experts->size() - 1;
+  auto label = [&](const char* pass) {
+    return fmt::format("expert-parallel group of replicas {}-{}, stage {} ({})", first, last, st.stage, pass);
+  };
+  auto* state = &st;
+  expert_parallel ep{experts->rank(), experts->size(),
+                     as_collective_group(experts, nullptr, group_observer(state, [] { return false; }),
+                                         group_entry(st, label("forwards"), first, experts->size()),
+                                         ctx.launch.all_to_all_delay),
+                     as_collective_group(experts_backward, nullptr, group_observer(state, [] { return true; }),
+                                         group_entry(st, label("backwards"), first, experts->size()),
+                                         ctx.launch.all_to_all_delay)};
+  for (auto& chunk : st.chunks) chunk->set_expert_parallel(ep);
+  st.ep_size = experts->size();
+}
+
 /// Checkpoint folders: replica 0's stages write their own files into the step's
 /// temporary folder (no process gathers the whole model): the parameters, and the
 /// optimizer state assembled from the stage's shards, whose fp32 main parameters
@@ -1174,74 +1258,9 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
   st.stage = stage;
   st.name = ctx->stage_name(replica, stage);
   st.generation = wiring->generation;
-  // Each collective of a group on the trace, on the stage's track inside the op it served.
-  // It is told on the thread computing the op (the stage's, an overlapped pair's
-  // forward's, or autograd's in a backward while the stage's thread waits for it).
-  auto* state = &st;
-  // (`prefix`: the tensor-parallel group's events are "tp all-reduce", ...)
-  auto observer = [state](std::function<bool()> backward, std::string prefix = "") -> collective_observer {
-    return [state, backward, prefix](const char* name, std::int64_t bytes, double seconds) {
-      activity_board::leave_collective();
-      const double end = state->ctx->now_us();
-      const auto k = backward() ? state->computing_backward : state->computing_forward;
-      std::lock_guard<std::mutex> lock(state->events_mutex);
-      (state->running ? state->events : state->eval_events)
-          .push_back({prefix + name, state->replica, state->stage, k.first, k.second, state->step,
-                      end - seconds * 1e6, end, bytes});
-    };
-  };
-  // The hang diagnosis's view of a thread waiting in one of its group's collectives
-  // (activity_board): the group, its members (pipelines `first`.. of this stage), the call.
-  auto entry = [&ctx, stage](std::string label, int first, int size) -> collective_entry {
-    group_identity id{std::move(label), {}};
-    for (int i = 0; i < size; ++i) id.members.push_back(ctx->stage_name(first + i, stage));
-    auto group = std::make_shared<const group_identity>(std::move(id));
-    auto calls = std::make_shared<std::int64_t>(0);
-    return [group, calls](const char* name) { activity_board::enter_collective(name, group, (*calls)++); };
-  };
-  tensor_parallel tp;
-  if (tensors) {
-    if (tensors->size() != ctx->t || tensors->rank() != ctx->tp_of(replica))
-      throw std::logic_error(st.name + ": tensor-parallel communicator is rank " + std::to_string(tensors->rank()) +
-                             " of " + std::to_string(tensors->size()));
-    st.tp_size = tensors->size();
-    const int dp = ctx->dp_of(replica);
-    st.tp_group = as_collective_group(
-        tensors, nullptr, observer([state] { return state->in_backward; }, "tp "),
-        entry(fmt::format("tensor-parallel group of replica {}, stage {}", dp, stage), dp * ctx->t, ctx->t));
-    tp = {tensors->rank(), tensors->size(), ctx->sequence_parallel, st.tp_group};
-  }
-  for (int c = 0; c < ctx->v; ++c) {
-    // bf16 jobs: bf16 parameters (the initial ones rounded, as the all-gather rounds).
-    st.chunks.push_back(make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(stage, c)], ctx->init, ctx->d, ctx->device,
-                                   ctx->compute_dtype, tp, ctx->experts_of(replica)));
-    st.chunks.back()->set_recompute(parse_recompute(ctx->cfg.recompute));
-    st.chunks.back()->set_residual_dtype(ctx->residual_dtype);
-    st.chunks.back()->set_aux_loss_scale(double(ctx->mbs) / ctx->cfg.global_batch);  // (experts)
-  }
-  if (experts) {
-    const int first = replica - experts->rank(), last = first + experts->size() - 1;
-    auto label = [&](const char* pass) {
-      return fmt::format("expert-parallel group of replicas {}-{}, stage {} ({})", first, last, stage, pass);
-    };
-    expert_parallel ep{experts->rank(), experts->size(),
-                       as_collective_group(experts, nullptr, observer([] { return false; }),
-                                           entry(label("forwards"), first, experts->size()), ctx->launch.all_to_all_delay),
-                       as_collective_group(experts_backward, nullptr, observer([] { return true; }),
-                                           entry(label("backwards"), first, experts->size()),
-                                           ctx->launch.all_to_all_delay)};
-    for (auto& chunk : st.chunks) chunk->set_expert_parallel(ep);
-    st.ep_size = experts->size();
-  }
-  // Restarted in place: the parameters before the step being retried (the shards' fp32
-  // main parameters; bf16 stages round them as the all-gather does).
-  // The supervisor gathers each rank's whole shard in rank order (per region: the dense
-  // one's over the data-parallel group, the experts' over theirs): put every bucket's
-  // pieces back in place.
-  if (!params.empty())
-    for (int c = 0; c < ctx->v; ++c)
-      st.chunks[c]->set_params(
-          from_rank_order(params.at(c), ctx->buckets_of(*st.chunks[c]), ctx->groups_of(replica, *st.chunks[c])));
+  const auto tp = join_tensor_group(st, tensors);
+  make_chunks(st, tp, params);
+  if (experts) join_expert_groups(st, experts, experts_backward);
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   if (st.order)
     for (const auto& op : *st.order)

@@ -193,7 +193,12 @@ TEST(Precision, Bf16StagesComputeWithTheMainParametersRoundedToBf16) {
     const auto j = nlohmann::json::parse(line);
     if (j.contains("val_loss")) job_val = j.at("val_loss").get<double>();
   }
-  torch::set_num_threads(1);
+  // (One thread, as the coordinator's evaluation; put back for the tests after this one.)
+  struct one_thread {
+    int before = torch::get_num_threads();
+    one_thread() { torch::set_num_threads(1); }
+    ~one_thread() { torch::set_num_threads(before); }
+  } single;
   const training_data data(c);
   auto eval = [&](const state_dict& sd) {
     local_pipeline model(c.model(), sd, 1);
