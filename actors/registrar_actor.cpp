@@ -95,151 +95,181 @@ void end_node_process(int node, std::int32_t pid, const char* why) {
                  node, pid, why);
 }
 
-caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string token, int nodes,
-                        std::string config_toml, std::int64_t epoch_ns, std::string data) {
-  self->state.epoch_ns = epoch_ns;
-  self->state.data = std::move(data);
-  self->state.token = std::move(token);
-  self->state.nodes = nodes;
-  self->state.config_toml = std::move(config_toml);
-  self->state.supervisors.resize(nodes);
-  auto offer = [self] {
-    return job_offer{self->state.config_toml, self->state.epoch_ns, transport::machine_key(), self->state.data};
-  };
-  auto admit_rejoin = [self](int node, const std::string& host) {
-    auto& s = self->state;
-    s.lost.erase(node);
-    s.joined.insert(node);
-    spdlog::info("node {} of {} rejoined from {}", node, s.nodes, host);
-  };
-  // A node's supervisor is gone (its process lost): another process may rejoin as it.
-  self->set_down_handler([=](const caf::down_msg& msg) {
-    auto& s = self->state;
-    if (msg.reason == caf::exit_reason::user_shutdown) return;  // the job's end
-    for (int i = 0; i < s.nodes; ++i)
-      if (s.supervisors[i] && s.supervisors[i].address() == msg.source) {
-        s.supervisors[i] = nullptr;
-        s.joined.erase(i);
-        s.lost.insert(i);
-        --s.ready;
-        // Fencing: a lost node's process that lives on (stopped, frozen, cut off) keeps
-        // its place; on this machine it is ended so that the launcher starts its
-        // replacement at once. A stopped one at once; any other after fence_grace (one
-        // that lost node 0 itself ends on its own meanwhile, with the recoverable status).
-        if (const auto pid = live_node_process(s, i)) {
-          const char state = process_state(pid);
-          if (state == 'T' || state == 't')
-            end_node_process(i, pid, "is stopped");
-          else
-            self->delayed_send(self, fence_grace, check_atom_v, std::int32_t(i), pid);
-        } else if (const auto remote = remote_node_process(s, i); remote > 0) {
-          // On another machine: launch/troupe, which passes node 0's log on, has that
-          // host end it at once (it cannot be seen from here whether it is stopped).
-          spdlog::warn("node {} is lost to the job; its process (pid {}) runs on another machine: the launcher ends it "
-                       "there if it lives on (fence request: node {} pid {})",
-                       i, remote, i, remote);
-        }
-        if (auto it = s.early_rejoins.find(i); it != s.early_rejoins.end()) {
-          s.processes[i] = s.early_processes[i];
-          admit_rejoin(i, "a process restarted by the launcher");
-          it->second.deliver(offer());
-          s.early_rejoins.erase(it);
-        }
+using registrar_self = caf::stateful_actor<registrar_state>*;
+
+job_offer offer_of(const registrar_state& s) {
+  return job_offer{s.config_toml, s.epoch_ns, transport::machine_key(), s.data};
+}
+
+void admit_rejoin(registrar_state& s, int node, const std::string& host) {
+  s.lost.erase(node);
+  s.joined.insert(node);
+  spdlog::info("node {} of {} rejoined from {}", node, s.nodes, host);
+}
+
+/// A node's supervisor is gone (its process lost): another process may rejoin as it.
+void on_supervisor_down(registrar_self self, const caf::down_msg& msg) {
+  auto& s = self->state;
+  if (msg.reason == caf::exit_reason::user_shutdown) return;  // the job's end
+  for (int i = 0; i < s.nodes; ++i) {
+    if (!s.supervisors[i] || s.supervisors[i].address() != msg.source) continue;
+    s.supervisors[i] = nullptr;
+    s.joined.erase(i);
+    s.lost.insert(i);
+    --s.ready;
+    // Fencing: a lost node's process that lives on (stopped, frozen, cut off) keeps its
+    // place; on this machine it is ended so that the launcher starts its replacement at
+    // once. A stopped one at once; any other after fence_grace (one that lost node 0
+    // itself ends on its own meanwhile, with the recoverable status).
+    if (const auto pid = live_node_process(s, i)) {
+      const char state = process_state(pid);
+      if (state == 'T' || state == 't')
+        end_node_process(i, pid, "is stopped");
+      else
+        self->delayed_send(self, fence_grace, check_atom_v, std::int32_t(i), pid);
+    } else if (const auto remote = remote_node_process(s, i); remote > 0) {
+      // On another machine: launch/troupe, which passes node 0's log on, has that host
+      // end it at once (it cannot be seen from here whether it is stopped).
+      spdlog::warn("node {} is lost to the job; its process (pid {}) runs on another machine: the launcher ends it "
+                   "there if it lives on (fence request: node {} pid {})",
+                   i, remote, i, remote);
+    }
+    if (auto it = s.early_rejoins.find(i); it != s.early_rejoins.end()) {
+      s.processes[i] = s.early_processes[i];
+      admit_rejoin(s, i, "a process restarted by the launcher");
+      it->second.deliver(offer_of(s));
+      s.early_rejoins.erase(it);
+    }
+  }
+}
+
+/// A node joins (or a restarted process rejoins as a lost node): the job's offer, or the
+/// reason it is refused.
+caf::result<job_offer> on_hello(registrar_self self, const node_hello& h) {
+  auto& s = self->state;
+  std::string why;
+  if (h.version != protocol_version)
+    why = "protocol version " + std::to_string(h.version) + ", this job speaks " + std::to_string(protocol_version);
+  else if (h.token != s.token)
+    why = "wrong job token";
+  else if (h.nodes != s.nodes || h.node < 0 || h.node >= s.nodes)
+    why = "node " + std::to_string(h.node) + " of " + std::to_string(h.nodes) + " does not fit a job of " +
+          std::to_string(s.nodes) + " nodes";
+  else if (h.rejoin && h.node == 0)
+    why = "node 0 cannot rejoin (the coordinator's node)";
+  else if (h.rejoin && s.joined.count(h.node) && !s.early_rejoins.count(h.node)) {
+    // The old process's connection is not seen closed yet: answer once it is.
+    auto rp = self->make_response_promise<job_offer>();
+    s.early_rejoins.emplace(h.node, rp);
+    s.early_processes[h.node] = {h.machine, h.pid};
+    return rp;
+  } else if (h.rejoin && !s.lost.count(h.node))
+    why = "node " + std::to_string(h.node) + " is not a lost node: it cannot rejoin";
+  else if (!h.rejoin && (s.joined.count(h.node) || s.lost.count(h.node)))
+    why = "node " + std::to_string(h.node) + " has already joined";
+  if (!why.empty()) {
+    spdlog::warn("refused a node claiming to be node {} from {}: {}", h.node, h.host, why);
+    return caf::make_error(caf::sec::runtime_error, "join refused: " + why);
+  }
+  s.processes[h.node] = {h.machine, h.pid};
+  if (h.rejoin) {
+    admit_rejoin(s, h.node, h.host);
+  } else {
+    s.joined.insert(h.node);
+    spdlog::info("node {} of {} joined from {}", h.node, s.nodes, h.host);
+  }
+  return offer_of(s);
+}
+
+/// A node's addresses of round `a.round`: once every node's are in, every node gets the
+/// whole table (with the NCCL ids of the groups that run over NCCL).
+caf::result<node_addresses> on_addresses(registrar_self self, const node_addresses& a) {
+  auto& s = self->state;
+  if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
+  if (!s.joined.count(a.node)) return caf::make_error(caf::sec::runtime_error, "addresses from a node that has not joined");
+  auto& round = s.rounds[a.round];
+  if (!round.sent.insert(a.node).second)
+    return caf::make_error(caf::sec::runtime_error, "node " + std::to_string(a.node) +
+                                                        " sent its addresses twice in round " + std::to_string(a.round));
+  auto& t = round.table;
+  t.round = a.round;
+  t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
+  t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
+  t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
+  t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
+  t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
+  t.nccl_ids.insert(t.nccl_ids.end(), a.nccl_ids.begin(), a.nccl_ids.end());
+  auto rp = self->make_response_promise<node_addresses>();
+  round.waiters.push_back(rp);
+  if (int(round.sent.size()) == s.nodes) {
+    assign_nccl_ids(t, [] {
+      try {
+        const auto bytes = transport::nccl_unique_id();
+        return std::string(bytes.begin(), bytes.end());
+      } catch (const std::exception& e) {
+        spdlog::warn("registrar: no NCCL id (that group or link stays on UCX): {}", e.what());
+        return std::string();
       }
-  });
+    });
+    for (auto& w : round.waiters) w.deliver(t);
+    s.rounds.erase(a.round);
+  }
+  return rp;
+}
+
+/// A node's supervisor is ready; with every node's, the coordinator may start.
+caf::result<bool> on_ready(registrar_self self, const node_ready& r) {
+  auto& s = self->state;
+  if (!s.joined.count(r.node) || s.supervisors.at(r.node))
+    return caf::make_error(caf::sec::runtime_error, "ready from a node that has not joined");
+  s.supervisors[r.node] = r.supervisor;
+  self->monitor(r.supervisor);
+  if (++s.ready == s.nodes) {
+    for (auto& w : s.run_waiters) w.deliver(s.supervisors);
+    s.run_waiters.clear();
+  }
+  for (auto& w : s.rejoin_waiters[r.node]) w.deliver(r.supervisor);
+  s.rejoin_waiters.erase(r.node);
+  return true;
+}
+
+/// A node cannot run the job: everyone waiting is told why.
+bool on_unfit(registrar_state& s, const node_unfit& u) {
+  s.unfit = "node " + std::to_string(u.node) + " on " + u.host + " cannot run this job: " + u.reason;
+  spdlog::error("{}", s.unfit);
+  const auto why = caf::make_error(caf::sec::runtime_error, s.unfit);
+  for (auto& w : s.run_waiters) w.deliver(why);
+  s.run_waiters.clear();
+  for (auto& [round, r] : s.rounds)
+    for (auto& w : r.waiters) w.deliver(why);
+  s.rounds.clear();
+  for (auto& w : s.rejoin_waiters[u.node]) w.deliver(why);
+  s.rejoin_waiters.erase(u.node);
+  return true;
+}
+
+caf::behavior registrar(registrar_self self, std::string token, int nodes, std::string config_toml,
+                        std::int64_t epoch_ns, std::string data) {
+  auto& st = self->state;
+  st.epoch_ns = epoch_ns;
+  st.data = std::move(data);
+  st.token = std::move(token);
+  st.nodes = nodes;
+  st.config_toml = std::move(config_toml);
+  st.supervisors.resize(nodes);
+  self->set_down_handler([self](const caf::down_msg& msg) { on_supervisor_down(self, msg); });
   return {
       [](clock_atom) -> std::int64_t { return steady_clock_ns(); },  // a node's clock probe
-      [=](check_atom, std::int32_t node, std::int32_t pid) {  // fencing, after the grace
+      [self](check_atom, std::int32_t node, std::int32_t pid) {  // fencing, after the grace
         if (self->state.lost.count(node) && live_node_process(self->state, node) == pid)
           end_node_process(node, pid, "lives on (frozen or cut off)");
       },
-      [=](const node_hello& h) -> caf::result<job_offer> {
-        auto& s = self->state;
-        std::string why;
-        if (h.version != protocol_version)
-          why = "protocol version " + std::to_string(h.version) + ", this job speaks " + std::to_string(protocol_version);
-        else if (h.token != s.token)
-          why = "wrong job token";
-        else if (h.nodes != s.nodes || h.node < 0 || h.node >= s.nodes)
-          why = "node " + std::to_string(h.node) + " of " + std::to_string(h.nodes) + " does not fit a job of " +
-                std::to_string(s.nodes) + " nodes";
-        else if (h.rejoin && h.node == 0)
-          why = "node 0 cannot rejoin (the coordinator's node)";
-        else if (h.rejoin && s.joined.count(h.node) && !s.early_rejoins.count(h.node)) {
-          // The old process's connection is not seen closed yet: answer once it is.
-          auto rp = self->make_response_promise<job_offer>();
-          s.early_rejoins.emplace(h.node, rp);
-          s.early_processes[h.node] = {h.machine, h.pid};
-          return rp;
-        } else if (h.rejoin && !s.lost.count(h.node))
-          why = "node " + std::to_string(h.node) + " is not a lost node: it cannot rejoin";
-        else if (!h.rejoin && (s.joined.count(h.node) || s.lost.count(h.node)))
-          why = "node " + std::to_string(h.node) + " has already joined";
-        if (!why.empty()) {
-          spdlog::warn("refused a node claiming to be node {} from {}: {}", h.node, h.host, why);
-          return caf::make_error(caf::sec::runtime_error, "join refused: " + why);
-        }
-        s.processes[h.node] = {h.machine, h.pid};
-        if (h.rejoin) {
-          admit_rejoin(h.node, h.host);
-        } else {
-          s.joined.insert(h.node);
-          spdlog::info("node {} of {} joined from {}", h.node, s.nodes, h.host);
-        }
-        return offer();
-      },
-      [=](const node_addresses& a) -> caf::result<node_addresses> {
-        auto& s = self->state;
-        if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
-        if (!s.joined.count(a.node))
-          return caf::make_error(caf::sec::runtime_error, "addresses from a node that has not joined");
-        auto& round = s.rounds[a.round];
-        if (!round.sent.insert(a.node).second)
-          return caf::make_error(caf::sec::runtime_error, "node " + std::to_string(a.node) +
-                                                              " sent its addresses twice in round " +
-                                                              std::to_string(a.round));
-        auto& t = round.table;
-        t.round = a.round;
-        t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
-        t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
-        t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
-        t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
-        t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
-        t.nccl_ids.insert(t.nccl_ids.end(), a.nccl_ids.begin(), a.nccl_ids.end());
-        auto rp = self->make_response_promise<node_addresses>();
-        round.waiters.push_back(rp);
-        if (int(round.sent.size()) == s.nodes) {
-          assign_nccl_ids(t, [] {
-            try {
-              const auto bytes = transport::nccl_unique_id();
-              return std::string(bytes.begin(), bytes.end());
-            } catch (const std::exception& e) {
-              spdlog::warn("registrar: no NCCL id (that group or link stays on UCX): {}", e.what());
-              return std::string();
-            }
-          });
-          for (auto& w : round.waiters) w.deliver(t);
-          s.rounds.erase(a.round);
-        }
-        return rp;
-      },
-      [=](const node_ready& r) -> caf::result<bool> {
-        auto& s = self->state;
-        if (!s.joined.count(r.node) || s.supervisors.at(r.node))
-          return caf::make_error(caf::sec::runtime_error, "ready from a node that has not joined");
-        s.supervisors[r.node] = r.supervisor;
-        self->monitor(r.supervisor);
-        if (++s.ready == s.nodes) {
-          for (auto& w : s.run_waiters) w.deliver(s.supervisors);
-          s.run_waiters.clear();
-        }
-        for (auto& w : s.rejoin_waiters[r.node]) w.deliver(r.supervisor);
-        s.rejoin_waiters.erase(r.node);
-        return true;
-      },
+      [self](const node_hello& h) { return on_hello(self, h); },
+      [self](const node_addresses& a) { return on_addresses(self, a); },
+      [self](const node_ready& r) { return on_ready(self, r); },
       // The coordinator: the supervisor of the process that takes the place of node
       // `node`, whose supervisor `gone` was lost (answered once it is ready).
-      [=](rejoin_atom, std::int32_t node, const caf::actor& gone) -> caf::result<caf::actor> {
+      [self](rejoin_atom, std::int32_t node, const caf::actor& gone) -> caf::result<caf::actor> {
         auto& s = self->state;
         if (node <= 0 || node >= s.nodes) return caf::make_error(caf::sec::runtime_error, "no node " + std::to_string(node));
         if (s.supervisors[node] && s.supervisors[node] != gone) return s.supervisors[node];
@@ -247,21 +277,8 @@ caf::behavior registrar(caf::stateful_actor<registrar_state>* self, std::string 
         s.rejoin_waiters[node].push_back(rp);
         return rp;
       },
-      [=](const node_unfit& u) -> bool {
-        auto& s = self->state;
-        s.unfit = "node " + std::to_string(u.node) + " on " + u.host + " cannot run this job: " + u.reason;
-        spdlog::error("{}", s.unfit);
-        const auto why = caf::make_error(caf::sec::runtime_error, s.unfit);
-        for (auto& w : s.run_waiters) w.deliver(why);
-        s.run_waiters.clear();
-        for (auto& [round, r] : s.rounds)
-          for (auto& w : r.waiters) w.deliver(why);
-        s.rounds.clear();
-        for (auto& w : s.rejoin_waiters[u.node]) w.deliver(why);
-        s.rejoin_waiters.erase(u.node);
-        return true;
-      },
-      [=](run_atom) -> caf::result<std::vector<caf::actor>> {
+      [self](const node_unfit& u) { return on_unfit(self->state, u); },
+      [self](run_atom) -> caf::result<std::vector<caf::actor>> {
         auto& s = self->state;
         if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
         if (s.ready == s.nodes) return s.supervisors;
