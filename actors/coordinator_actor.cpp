@@ -584,6 +584,93 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
       fail_with(self, "a supervisor was not wired"), w);
 }
 
+/// A node's supervisor is gone: its actors and snapshots went with it (a rejoin, or the
+/// run ends for a restart from its newest checkpoint).
+void on_node_down(self_ptr self, const caf::down_msg& msg) {
+  auto& s = self->state;
+  for (std::size_t i = 0; i < s.supervisors.size(); ++i) {
+    if (msg.source != s.supervisors[i].address()) continue;
+    // Its actors and snapshots went with it. A node other than 0 whose process the
+    // launcher restarts rejoins (its shards' state is on its buddy); otherwise the run
+    // exits for a restart from the newest checkpoint.
+    const bool rejoinable =
+        i > 0 && s.registrar && s.rejoins < s.opts.node_restarts && s.ctx->cfg.rejoin_timeout > 0;
+    std::string why = (s.supervisors.size() == 1 ? std::string("the supervisor") : "node " + std::to_string(i)) +
+                      " is gone: " + self->system().render(msg.reason);
+    if (rejoinable) {
+      s.lost[int(i)] = s.supervisors[i];
+      ++s.rejoins;
+    } else {
+      s.node_lost = true;
+    }
+    // A lost node whose buddy (the next node) is lost too: its shards' copies are gone.
+    const int n = int(s.supervisors.size());
+    for (const auto& [j, gone] : s.lost)
+      if (s.lost.count((j + 1) % n)) {
+        s.node_lost = true;
+        why += " (node " + std::to_string(j) + " and node " + std::to_string((j + 1) % n) + ", which kept node " +
+               std::to_string(j) + "'s optimizer shard copies, are both lost)";
+        break;
+      }
+    s.retrying = false;  // an in-place retry under way cannot finish: a new round
+    return fail(self, why);
+  }
+}
+
+/// A shard's part of the gradient norm: with every part, the clip factor to every shard
+/// (none, and the update skipped, for a norm that is not finite).
+void on_grad_norm_partial(self_ptr self, const grad_norm_partial& msg) {
+  auto& s = self->state;
+  if (msg.step != s.step || s.retrying) return;
+  const auto i = partial_index(*s.ctx, msg.virtual_stage, msg.rank);
+  if (!first_report(s.seen_partials, i, "grad-norm partial", s.step)) return;
+  s.partials.at(i) = msg.sq_norm;
+  s.last_progress_us = s.ctx->now_us();
+  if (++s.n_partials < s.ctx->n_virtual * s.ctx->pipes) return;
+  double sq = 0;
+  for (double x : s.partials) sq += x;  // (virtual stage, tp rank, rank) order, as the reference
+  s.stats.grad_norm = std::sqrt(sq);
+  // NaN/inf gradients (a NaN or inf loss): skip this step's update, as Megatron's
+  // loss scaler does, up to max_skipped_steps; the shards keep their state.
+  s.skipping = !std::isfinite(sq);
+  if (s.skipping) {
+    ++s.skipped;
+    spdlog::warn("step {}: gradient norm is {}: update skipped ({} skipped, at most {})", s.step + 1, std::sqrt(sq),
+                 s.skipped, s.ctx->cfg.max_skipped_steps);
+    if (s.skipped > s.ctx->cfg.max_skipped_steps)
+      return fail(self, "gradients not finite in " + std::to_string(s.skipped) + " steps (max_skipped_steps " +
+                            std::to_string(s.ctx->cfg.max_skipped_steps) + ")",
+                  false);
+  }
+  const double factor = s.skipping ? 0.0 : s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
+  for (int k = 0; k < s.ctx->p; ++k)
+    for (int r = 0; r < s.ctx->pipes; ++r) {
+      s.sent.push_back(message_key("the clip factor", "coordinator", s.ctx->shard_name(k, r)));
+      self->send(s.wiring->shards[k][r], clip_factor_msg{s.step, factor, s.skipping});
+    }
+}
+
+/// A stage finished its ops of the step: its peak, load-balancing loss, expert counts and
+/// trace events.
+void on_stage_done(self_ptr self, stage_done& msg) {
+  auto& s = self->state;
+  if (msg.step != s.step || s.retrying) return;
+  if (!first_report(s.seen_stages, std::size_t(msg.replica) * s.ctx->p + msg.stage, "stage-done report", s.step))
+    return;
+  s.peaks.at(std::size_t(msg.replica) * s.ctx->p + msg.stage) = msg.peak_in_flight;
+  s.stats.aux_loss += msg.aux_loss;
+  // Per expert layer: its block, E counts, the pairs dropped.
+  const std::size_t n = std::size_t(s.ctx->spec.decoder.n_experts) + 1;
+  for (std::size_t i = 0; n > 1 && i + n + 1 <= msg.expert_tokens.size(); i += n + 1)
+    add_expert_counts(s.stats.expert_tokens,
+                      {{int(msg.expert_tokens[i]), std::vector<std::int64_t>(msg.expert_tokens.begin() + std::ptrdiff_t(i) + 1,
+                                                                             msg.expert_tokens.begin() + std::ptrdiff_t(i + 1 + n))}});
+  s.last_progress_us = s.ctx->now_us();
+  s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
+  ++s.n_stages;
+  maybe_commit(self);
+}
+
 caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_context> ctx,
                                    std::shared_ptr<job_wiring> wiring, actor_run_options opts,
                                    std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors,
@@ -613,36 +700,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
     finish(self, 1, "the coordinator failed: " + self->system().render(err));
     return err;
   });
-  self->set_down_handler([=](const caf::down_msg& msg) {
-    auto& s = self->state;
-    for (std::size_t i = 0; i < s.supervisors.size(); ++i) {
-      if (msg.source != s.supervisors[i].address()) continue;
-      // Its actors and snapshots went with it. A node other than 0 whose process the
-      // launcher restarts rejoins (its shards' state is on its buddy); otherwise the run
-      // exits for a restart from the newest checkpoint.
-      const bool rejoinable =
-          i > 0 && s.registrar && s.rejoins < s.opts.node_restarts && s.ctx->cfg.rejoin_timeout > 0;
-      std::string why = (s.supervisors.size() == 1 ? std::string("the supervisor") : "node " + std::to_string(i)) +
-                        " is gone: " + self->system().render(msg.reason);
-      if (rejoinable) {
-        s.lost[int(i)] = s.supervisors[i];
-        ++s.rejoins;
-      } else {
-        s.node_lost = true;
-      }
-      // A lost node whose buddy (the next node) is lost too: its shards' copies are gone.
-      const int n = int(s.supervisors.size());
-      for (const auto& [j, gone] : s.lost)
-        if (s.lost.count((j + 1) % n)) {
-          s.node_lost = true;
-          why += " (node " + std::to_string(j) + " and node " + std::to_string((j + 1) % n) + ", which kept node " +
-                 std::to_string(j) + "'s optimizer shard copies, are both lost)";
-          break;
-        }
-      s.retrying = false;  // an in-place retry under way cannot finish: a new round
-      return fail(self, why);
-    }
-  });
+  self->set_down_handler([self](const caf::down_msg& msg) { on_node_down(self, msg); });
   return {
       [=](run_atom) {
         auto& s = self->state;
@@ -668,54 +726,8 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
         s.last_progress_us = s.ctx->now_us();
         maybe_commit(self);
       },
-      [=](const grad_norm_partial& msg) {
-        auto& s = self->state;
-        if (msg.step != s.step || s.retrying) return;
-        const auto i = partial_index(*s.ctx, msg.virtual_stage, msg.rank);
-        if (!first_report(s.seen_partials, i, "grad-norm partial", s.step)) return;
-        s.partials.at(i) = msg.sq_norm;
-        s.last_progress_us = s.ctx->now_us();
-        if (++s.n_partials < s.ctx->n_virtual * s.ctx->pipes) return;
-        double sq = 0;
-        for (double x : s.partials) sq += x;  // (virtual stage, tp rank, rank) order, as the reference
-        s.stats.grad_norm = std::sqrt(sq);
-        // NaN/inf gradients (a NaN or inf loss): skip this step's update, as Megatron's
-        // loss scaler does, up to max_skipped_steps; the shards keep their state.
-        s.skipping = !std::isfinite(sq);
-        if (s.skipping) {
-          ++s.skipped;
-          spdlog::warn("step {}: gradient norm is {}: update skipped ({} skipped, at most {})", s.step + 1, std::sqrt(sq),
-                       s.skipped, s.ctx->cfg.max_skipped_steps);
-          if (s.skipped > s.ctx->cfg.max_skipped_steps)
-            return fail(self, "gradients not finite in " + std::to_string(s.skipped) + " steps (max_skipped_steps " +
-                                  std::to_string(s.ctx->cfg.max_skipped_steps) + ")",
-                        false);
-        }
-        const double factor = s.skipping ? 0.0 : s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
-        for (int k = 0; k < s.ctx->p; ++k)
-          for (int r = 0; r < s.ctx->pipes; ++r) {
-            s.sent.push_back(message_key("the clip factor", "coordinator", s.ctx->shard_name(k, r)));
-            self->send(s.wiring->shards[k][r], clip_factor_msg{s.step, factor, s.skipping});
-          }
-      },
-      [=](stage_done& msg) {
-        auto& s = self->state;
-        if (msg.step != s.step || s.retrying) return;
-        if (!first_report(s.seen_stages, std::size_t(msg.replica) * s.ctx->p + msg.stage, "stage-done report", s.step))
-          return;
-        s.peaks.at(std::size_t(msg.replica) * s.ctx->p + msg.stage) = msg.peak_in_flight;
-        s.stats.aux_loss += msg.aux_loss;
-        // Per expert layer: its block, E counts, the pairs dropped.
-        const std::size_t n = std::size_t(s.ctx->spec.decoder.n_experts) + 1;
-        for (std::size_t i = 0; n > 1 && i + n + 1 <= msg.expert_tokens.size(); i += n + 1)
-          add_expert_counts(s.stats.expert_tokens,
-                            {{int(msg.expert_tokens[i]), std::vector<std::int64_t>(msg.expert_tokens.begin() + std::ptrdiff_t(i) + 1,
-                                                                                   msg.expert_tokens.begin() + std::ptrdiff_t(i + 1 + n))}});
-        s.last_progress_us = s.ctx->now_us();
-        s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
-        ++s.n_stages;
-        maybe_commit(self);
-      },
+      [self](const grad_norm_partial& msg) { on_grad_norm_partial(self, msg); },
+      [self](stage_done& msg) { on_stage_done(self, msg); },
       [=](shard_done& msg) {
         auto& s = self->state;
         if (msg.step != s.step || s.retrying) return;
