@@ -138,13 +138,17 @@ struct job_config {
            (precision != "fp32" && fp32_residual ? ", fp32 residual" : "") + (deterministic ? ", deterministic" : "");
   }
   /// For the start-of-training log line: "tensor-parallel 2 (sequence parallel) x " and/or
-  /// "expert-parallel 2 x " (empty without either).
+  /// "expert-parallel 2 (2 of the 4 experts on each rank) x " (empty without either).
   std::string model_parallel_label() const {
     std::string out;
     if (tensor_parallel > 1)
       out = "tensor-parallel " + std::to_string(tensor_parallel) + (sequence_parallel ? " (sequence parallel)" : "") +
             " x ";
-    if (expert_parallel > 1) out += "expert-parallel " + std::to_string(expert_parallel) + " x ";
+    if (expert_parallel > 1) {
+      const int e = model().decoder.n_experts;
+      out += "expert-parallel " + std::to_string(expert_parallel) + " (" + std::to_string(e / expert_parallel) +
+             " of the " + std::to_string(e) + " experts on each rank) x ";
+    }
     return out;
   }
   /// For the start-of-training log line: "1f1b", "dataflow, split backward".

@@ -94,11 +94,11 @@ expect_in train-combined-one-chunk-msg "$err" "needs at least 2 virtual chunks"
 # in a fixed order: dataflow is refused).
 check train-moe-ep 0 "$troupe" train --workload moe-tiny --runtime local --data-parallel 2 --expert-parallel 2 \
   --steps 1 --threads 1 --eval-interval 0 --layers 2
-expect_in train-moe-ep-log "$err" "expert-parallel 2 x pipeline 1 x data-parallel 2"
+expect_in train-moe-ep-log "$err" "expert-parallel 2 (2 of the 4 experts on each rank) x pipeline 1 x data-parallel 2"
 expect_in train-moe-ep-line "$out" "aux_loss"
 check train-moe-ep-actors 0 "$troupe" train --workload moe-tiny --data-parallel 2 --expert-parallel 2 --pipeline 2 \
   --steps 1 --threads 1 --eval-interval 0 --layers 2
-expect_in train-moe-ep-actors-log "$err" "with actors: expert-parallel 2 x pipeline 2 x data-parallel 2"
+expect_in train-moe-ep-actors-log "$err" "with actors: expert-parallel 2 (2 of the 4 experts on each rank) x pipeline 2 x data-parallel 2"
 check train-moe-ep-dataflow 2 "$troupe" train --workload moe-tiny --data-parallel 2 --expert-parallel 2 \
   --schedule dataflow
 expect_in train-moe-ep-dataflow-msg "$err" "expert_parallel 2 with schedule dataflow"

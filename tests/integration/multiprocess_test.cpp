@@ -226,7 +226,7 @@ TEST(MultiProcessExperts, NodesGiveExactlyTheInProcessParameters) {
     cfg.threads = 1;
     cfg.eval_tokens = 256;
     expect_the_in_process_run(cfg, dir, at);
-    EXPECT_NE(results[0].output.find("expert-parallel " + std::to_string(l.ep) + " x pipeline"), std::string::npos)
+    EXPECT_NE(results[0].output.find("expert-parallel " + std::to_string(l.ep) + " (" + std::to_string(4 / l.ep) + " of the 4 experts on each rank) x pipeline"), std::string::npos)
         << results[0].output;
   }
 }
