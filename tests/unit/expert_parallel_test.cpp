@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <numeric>
+#include <set>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -314,6 +315,32 @@ TEST(ExpertParallel, EachRankHoldsOnlyItsShareOfTheExperts) {
   const auto optim = t.optimizer_state();
   for (const auto& [name, m] : optim)
     if (expert_of(name) >= 0) EXPECT_GT(m.abs().sum().item<double>(), 0.0) << name;
+}
+
+// A node process keeps of the initial state only what its pipelines hold: its share of the
+// experts (pipeline q: share q mod EP), and the slices of its stages and shards build from
+// it.
+TEST(ExpertParallel, ANodeKeepsOnlyItsShareOfTheExperts) {
+  auto c = moe_job();
+  c.runtime = "actors";
+  c.expert_parallel = 2;
+  c.data_parallel = 2;
+  runtime_context ctx(c);
+  const auto all = ctx.init;
+  ctx.keep_only({{1, 0}});  // pipeline 1: experts 2 and 3 of each layer
+  std::set<std::string> kept;
+  for (const auto& [name, t] : ctx.init) kept.insert(name);
+  int experts = 0;
+  for (const auto& [name, t] : all) {
+    const int e = expert_of(name);
+    EXPECT_EQ(kept.count(name), e < 0 || e >= 2 ? 1u : 0u) << name;
+    experts += e >= 2;
+  }
+  EXPECT_EQ(experts, 2 * 3 * c.layers);
+  EXPECT_NO_THROW(make_slice(ctx.spec, ctx.ranges.at(0), ctx.init, 2, torch::kCPU, torch::kFloat32, {},
+                             ctx.experts_of(1)));
+  EXPECT_THROW(make_slice(ctx.spec, ctx.ranges.at(0), ctx.init, 2, torch::kCPU, torch::kFloat32, {}, ctx.experts_of(0)),
+               model_error);
 }
 
 // The capacity factor (model.moe_capacity_factor): with 0.5 each expert takes at most
