@@ -297,17 +297,21 @@ void on_child_down(supervisor_self self, const caf::down_msg& msg) {
 }
 
 /// Starts recovery `round` (a newer one replaces one under way: a node was lost during
-/// it); an error when `round` is not newer than the one under way.
-caf::result<node_actors> start_recovery(supervisor_self self, std::int64_t step, std::int32_t round) {
+/// it); nothing when `round` is not newer than the one under way (stale_round).
+std::optional<caf::typed_response_promise<node_actors>> start_recovery(supervisor_self self, std::int64_t step,
+                                                                       std::int32_t round) {
   auto& s = self->state;
   if (s.recovering) {
-    if (s.recovering->round >= round)
-      return caf::make_error(caf::sec::runtime_error, "recovery round " + std::to_string(round) + " is not the newest");
+    if (s.recovering->round >= round) return std::nullopt;
     give_up(self, "recovery round " + std::to_string(s.recovering->round) + " replaced by round " + std::to_string(round));
   }
   auto rp = self->make_response_promise<node_actors>();
   s.recovering = recovery{step, round, rp, {}, {}, 0, {}};
   return rp;
+}
+
+caf::error stale_round(std::int32_t round) {
+  return caf::make_error(caf::sec::runtime_error, "recovery round " + std::to_string(round) + " is not the newest");
 }
 
 /// This node process was lost and restarted: its shards' state before `step` comes from
@@ -317,7 +321,7 @@ caf::result<node_actors> recover_from_buddy(supervisor_self self, std::int64_t s
   auto& s = self->state;
   if (!s.children.empty()) return caf::make_error(caf::sec::runtime_error, std::string("not a rejoined node"));
   auto rp = start_recovery(self, step, round);
-  if (!current(s, round)) return rp;
+  if (!rp) return stale_round(round);
   self->request(buddy, std::chrono::seconds(60), buddy_atom_v, step)
       .then(
           [self, step, round](const std::vector<shard_copy>& copies) {
@@ -335,7 +339,7 @@ caf::result<node_actors> recover_from_buddy(supervisor_self self, std::int64_t s
           [self, round](caf::error& err) {
             if (current(self->state, round)) give_up(self, "copies from the buddy node: " + self->system().render(err));
           });
-  return rp;
+  return *rp;
 }
 
 /// A buddy copy of a shard of the previous node: its tensors come over the nodes' world
@@ -484,14 +488,14 @@ caf::behavior supervisor_behavior(supervisor_self self, std::shared_ptr<const ru
       [self](recover_atom, std::int64_t step, std::int32_t round) -> caf::result<node_actors> {
         auto& s = self->state;
         auto rp = start_recovery(self, step, round);
-        if (!current(s, round)) return rp;
+        if (!rp) return stale_round(round);
         if (s.children.empty()) {
           renew(self);
         } else {
           release_groups(s, "the step is retried in place");
           for (auto& [h, n] : s.children) self->send_exit(h, caf::exit_reason::kill);
         }
-        return rp;
+        return *rp;
       },
       [self](recover_atom, std::int64_t step, std::int32_t round, const caf::actor& buddy) {
         return recover_from_buddy(self, step, round, buddy);

@@ -97,6 +97,23 @@ void expect_the_in_process_run(job_config cfg, const test::temp_dir& dir, const 
   EXPECT_EQ(j.at("val_loss").get<double>(), single.evaluations[0].loss) << at;
 }
 
+/// An address table of groups of two ranks, one per entry of `entries` (in order), rank 0
+/// with GPU key `gpu0`, rank 1 with `gpu1`; no NCCL ids yet.
+node_addresses two_rank_table(const std::vector<std::int32_t>& entries, const std::string& gpu0,
+                              const std::string& gpu1) {
+  node_addresses t;
+  for (const auto entry : entries)
+    for (int rank = 0; rank < 2; ++rank) {
+      t.stages.push_back(entry);
+      t.replicas.push_back(rank);
+      t.addresses.emplace_back("a");
+      t.machines.emplace_back("m");
+      t.gpus.push_back(rank == 0 ? gpu0 : gpu1);
+      t.nccl_ids.emplace_back();
+    }
+  return t;
+}
+
 }  // namespace
 
 class MultiProcess : public ::testing::TestWithParam<layout> {};
@@ -318,16 +335,7 @@ TEST(MultiProcessNccl, TheRegistrarMakesIdsOnlyWhereNcclRuns) {
 // in its rank 0's entry where each member has a GPU of its own, none where they share one.
 TEST(MultiProcessNccl, TheRegistrarMakesIdsForTensorParallelGroupsSpreadOverNodes) {
   auto table_of = [](const std::string& gpu0, const std::string& gpu1) {
-    node_addresses t;
-    for (int tp = 0; tp < 2; ++tp) {
-      t.stages.push_back(tensor_group_entry(0, 0, 1));
-      t.replicas.push_back(tp);
-      t.addresses.emplace_back("a");
-      t.machines.emplace_back("m");
-      t.gpus.push_back(tp == 0 ? gpu0 : gpu1);
-      t.nccl_ids.emplace_back();
-    }
-    return t;
+    return two_rank_table({tensor_group_entry(0, 0, 1)}, gpu0, gpu1);
   };
   int made = 0;
   auto make_id = [&] { return "id " + std::to_string(made++); };
@@ -344,17 +352,7 @@ TEST(MultiProcessNccl, TheRegistrarMakesIdsForTensorParallelGroupsSpreadOverNode
 // group's entries (the all-to-alls, UCX only) get none.
 TEST(MultiProcessNccl, TheRegistrarMakesIdsForExpertShardGroups) {
   auto table_of = [](const std::string& gpu0, const std::string& gpu1) {
-    node_addresses t;
-    for (const int entry : {expert_shard_entry(1, 1, 2), expert_group_entry(1, 0, 2, false)})
-      for (int rank = 0; rank < 2; ++rank) {
-        t.stages.push_back(entry);
-        t.replicas.push_back(rank);
-        t.addresses.emplace_back("a");
-        t.machines.emplace_back("m");
-        t.gpus.push_back(rank == 0 ? gpu0 : gpu1);
-        t.nccl_ids.emplace_back();
-      }
-    return t;
+    return two_rank_table({expert_shard_entry(1, 1, 2), expert_group_entry(1, 0, 2, false)}, gpu0, gpu1);
   };
   EXPECT_TRUE(is_expert_shard_entry(expert_shard_entry(3, 7, 8)));
   EXPECT_FALSE(is_expert_shard_entry(expert_group_entry(3, 7, 8, true)));
