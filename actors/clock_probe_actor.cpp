@@ -5,7 +5,6 @@
 
 #include <caf/all.hpp>
 
-#include "messages/type_ids.hpp"
 
 namespace troupe {
 
@@ -21,8 +20,9 @@ struct clock_probe_state {
 /// timeline while the two clocks drift apart. The first comes 0.1 s after the join probe
 /// and the waits double up to `interval`: the rate is known early, and each estimate of it
 /// (good to the offset's error over the span probed) is used for no longer than that span.
-caf::behavior clock_probe_keeper(caf::stateful_actor<clock_probe_state>* self, caf::actor registrar,
-                                 std::shared_ptr<job_clock> clock, std::chrono::milliseconds interval) {
+clock_probe_actor::behavior_type clock_probe_keeper(clock_probe_actor::stateful_pointer<clock_probe_state> self,
+                                                    registrar_actor registrar, std::shared_ptr<job_clock> clock,
+                                                    std::chrono::milliseconds interval) {
   self->state.wait = std::min(self->state.wait, interval);
   self->delayed_send(self, self->state.wait, timeout_atom_v);
   return {
@@ -52,8 +52,8 @@ caf::behavior clock_probe_keeper(caf::stateful_actor<clock_probe_state>* self, c
 
 }  // namespace
 
-caf::actor spawn_clock_probe(caf::actor_system& sys, caf::actor registrar, std::shared_ptr<job_clock> clock,
-                             std::chrono::milliseconds interval) {
+clock_probe_actor spawn_clock_probe(caf::actor_system& sys, registrar_actor registrar, std::shared_ptr<job_clock> clock,
+                                    std::chrono::milliseconds interval) {
   return sys.spawn(clock_probe_keeper, std::move(registrar), std::move(clock), interval);
 }
 

@@ -6,14 +6,14 @@
 #include <chrono>
 #include <memory>
 
-#include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
 #include "actors/trace.hpp"
+#include "messages/interfaces.hpp"
 
 namespace troupe {
 
-caf::actor spawn_clock_probe(caf::actor_system& sys, caf::actor registrar, std::shared_ptr<job_clock> clock,
-                             std::chrono::milliseconds interval);
+clock_probe_actor spawn_clock_probe(caf::actor_system& sys, registrar_actor registrar, std::shared_ptr<job_clock> clock,
+                                    std::chrono::milliseconds interval);
 
 }  // namespace troupe

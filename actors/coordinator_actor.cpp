@@ -56,18 +56,12 @@ std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::stri
   };
 }
 
-std::vector<caf::actor> all_of(const std::vector<std::vector<caf::actor>>& grid) {
-  std::vector<caf::actor> out;
-  for (const auto& row : grid) out.insert(out.end(), row.begin(), row.end());
-  return out;
-}
-
 
 /// Stops everything and answers the run request.
 void finish(self_ptr self, int code, const std::string& error) {
   auto& s = self->state;
-  if (s.finished) return;
-  s.finished = true;
+  if (s.at == phase::finished) return;
+  enter(self, phase::finished);
   s.result->exit_code = code;
   s.result->error = error;
   if (code != 0) spdlog::error("{}", error);
@@ -91,15 +85,15 @@ void finish(self_ptr self, int code, const std::string& error) {
 /// problem that would come back the same way (exit 1).
 void retry_in_place(self_ptr self);
 
-void fail(self_ptr self, const std::string& why, bool recoverable) {
+void fail(self_ptr self, const std::string& why, bool recoverable, bool new_round) {
   auto& s = self->state;
-  if (s.finished || s.retrying) return;
-  s.in_step = false;
+  if (s.at == phase::finished || (s.at == phase::rebuilding && !new_round)) return;
+  const bool evaluating = s.at == phase::evaluating;
   // Step not committed, every node process alive: rebuild the actors from the snapshots
   // of the state before this step and run it again (bounded), instead of exiting for a
   // restart of the whole job.
-  const bool in_place =
-      recoverable && !s.committed && !s.node_lost && s.attempt < s.ctx->cfg.max_step_retries;
+  const bool committed = s.at == phase::between_steps || evaluating;
+  const bool in_place = recoverable && !committed && !s.node_lost && s.attempt < s.ctx->cfg.max_step_retries;
   if (!in_place)
     for (auto& sup : s.supervisors) self->send(sup, abort_step{s.step, why});
   if (s.metrics.is_open())  // when and why, for the time to detect and to recover
@@ -117,8 +111,8 @@ void fail(self_ptr self, const std::string& why, bool recoverable) {
               << '\n'
               << std::flush;
   // Steps count from 1 in what people read (progress lines), from 0 in metrics and faults.
-  const auto what = (s.evaluating ? "the evaluation after step " : "step ") + std::to_string(s.step + 1) + "/" +
-                    std::to_string(s.ctx->cfg.steps) + (s.evaluating ? " failed: " : " aborted: ") + why;
+  const auto what = (evaluating ? "the evaluation after step " : "step ") + std::to_string(s.step + 1) + "/" +
+                    std::to_string(s.ctx->cfg.steps) + (evaluating ? " failed: " : " aborted: ") + why;
   if (!in_place) return finish(self, recoverable ? exit_recoverable : 1, what);
   spdlog::warn("{}; retrying it in place ({} of at most {})", what, s.attempt + 1, s.ctx->cfg.max_step_retries);
   retry_in_place(self);
@@ -133,17 +127,17 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
 /// and failures their transfers report later carry the old generation.
 void retry_in_place(self_ptr self) {
   auto& s = self->state;
-  s.retrying = true;
+  enter(self, phase::rebuilding);
   const auto round = ++s.rounds;
   const double t0 = s.ctx->now_us();
   auto nodes = std::make_shared<std::vector<node_actors>>();
   auto rejoined = std::make_shared<std::vector<int>>();
   auto collect = [=](const node_actors& n) {
     auto& s = self->state;
-    if (!s.retrying || s.rounds != round) return;
+    if (s.at != phase::rebuilding || s.rounds != round) return;
     nodes->push_back(n);
     if (nodes->size() < s.supervisors.size()) return;
-    s.retrying = false;
+    enter(self, phase::wiring);
     ++s.attempt;
     s.skipped = s.skipped_before;
     const double took = (s.ctx->now_us() - t0) * 1e-6;
@@ -162,10 +156,9 @@ void retry_in_place(self_ptr self) {
   };
   auto failed = [=](const std::string& why) {
     auto& s = self->state;
-    if (!s.retrying || s.rounds != round) return;
-    s.retrying = false;
+    if (s.at != phase::rebuilding || s.rounds != round) return;
     s.attempt = s.ctx->cfg.max_step_retries;  // no further in-place attempt
-    fail(self, why);
+    fail(self, why, true, /*new_round=*/true);
   };
   const auto rebuild_failed = [=](caf::error& err) {
     failed("rebuilding the actors failed: " + self->system().render(err));
@@ -179,11 +172,12 @@ void retry_in_place(self_ptr self) {
     // A lost node: wait for the process the launcher starts in its place, then have it
     // rebuild from the copies of its shards on the next node (its buddy).
     self->request(s.registrar, std::chrono::seconds(s.ctx->cfg.rejoin_timeout), rejoin_atom_v, std::int32_t(i),
-                  s.lost.at(int(i)))
+                  caf::actor_cast<caf::actor>(s.lost.at(int(i))))
         .then(
-            [=](const caf::actor& sup) {
+            [=](const caf::actor& plain) {
+              const auto sup = caf::actor_cast<supervisor_actor>(plain);
               auto& s = self->state;
-              if (!s.retrying || s.rounds != round) return;
+              if (s.at != phase::rebuilding || s.rounds != round) return;
               const auto buddy = (i + 1) % s.supervisors.size();
               spdlog::info("node {} rejoined {:.2f} s after the abort: rebuilding its actors from the copies on node {}",
                            i, (s.ctx->now_us() - t0) * 1e-6, buddy);
@@ -191,10 +185,11 @@ void retry_in_place(self_ptr self) {
               s.supervisors[i] = sup;
               self->monitor(sup);
               rejoined->push_back(int(i));
-              self->request(sup, wait, recover_atom_v, s.step, round, s.supervisors[buddy]).then(collect, rebuild_failed);
+              self->request(sup, wait, recover_atom_v, s.step, round, caf::actor_cast<caf::actor>(s.supervisors[buddy]))
+                  .then(collect, rebuild_failed);
             },
             [=](caf::error& err) {
-              if (!self->state.retrying || self->state.rounds != round) return;
+              if (self->state.at != phase::rebuilding || self->state.rounds != round) return;
               self->state.node_lost = true;
               failed("node " + std::to_string(i) + " did not rejoin within " +
                      std::to_string(self->state.ctx->cfg.rejoin_timeout) + " s (" + self->system().render(err) + ")");
@@ -291,7 +286,7 @@ wait_report coordinator_waits(const coordinator_state& s) {
   rep.actor = "coordinator";
   rep.node = 0;
   rep.sent = s.sent;
-  if (!s.in_step) {
+  if (s.at != phase::stepping) {
     rep.state = s.step < ctx.cfg.steps ? "between steps (an evaluation, a checkpoint or the next step's start)"
                                        : "at the run's end";
     return rep;
@@ -337,7 +332,7 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
   const auto step = s.step;
   const auto attempt = s.attempt;
   struct asked_actor {
-    caf::actor handle;
+    step_actor handle;
     wait_report stub;  // its name and node, should it not answer
   };
   auto asked = std::make_shared<std::vector<asked_actor>>();
@@ -389,7 +384,7 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
     std::string block;
     for (const auto& line : d.lines) block += "\n  " + line;
     const auto what = "step " + std::to_string(step + 1) + "/" + std::to_string(s.ctx->cfg.steps);
-    const bool same = step == s.step && attempt == s.attempt && s.in_step && !s.retrying && !s.finished;
+    const bool same = step == s.step && attempt == s.attempt && s.at == phase::stepping;
     if (!hang) {
       spdlog::info("status of {} (the coordinator: {}; {:.1f} s since the step's last progress, hang limit {:.1f} "
                    "s); what each actor waits for:{}\n  root: {}",
@@ -415,7 +410,7 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
         },
         finish, [](std::size_t, caf::error&) { return true; }, activity_atom_v, step);
   };
-  std::vector<caf::actor> handles;
+  std::vector<step_actor> handles;
   for (const auto& a : *asked) handles.push_back(a.handle);
   request_all<wait_report>(
       self, handles, wait_answer_timeout, [answers](std::size_t i, wait_report& rep) { (*answers)[i] = std::move(rep); },
@@ -425,8 +420,7 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
 void commit(self_ptr self) {
   auto& s = self->state;
   const auto& ctx = *s.ctx;
-  s.committed = true;
-  s.in_step = false;
+  enter(self, phase::between_steps);  // committed
   s.stats.loss = 0;
   const double weight = double(ctx.mbs) / ctx.cfg.global_batch;
   for (double l : s.losses) s.stats.loss += l * weight;  // replica order, micro-batch order
@@ -485,7 +479,7 @@ void commit(self_ptr self) {
 void maybe_commit(self_ptr self) {
   auto& s = self->state;
   const auto& ctx = *s.ctx;
-  if (!s.committed && s.n_losses == ctx.d * ctx.m && s.n_stages == ctx.pipes * ctx.p && s.n_shards == ctx.p * ctx.pipes)
+  if (s.n_losses == ctx.d * ctx.m && s.n_stages == ctx.pipes * ctx.p && s.n_shards == ctx.p * ctx.pipes)
     commit(self);
 }
 
@@ -502,7 +496,6 @@ void begin(self_ptr self) {
   s.seen_partials.assign(s.partials.size(), false);
   s.seen_stages.assign(std::size_t(ctx.pipes) * ctx.p, false);
   s.seen_shards.assign(std::size_t(ctx.p) * ctx.pipes, false);
-  s.committed = false;
   s.skipping = false;
   s.events.clear();
   s.peaks.assign(std::size_t(ctx.pipes) * ctx.p, 0);
@@ -511,7 +504,7 @@ void begin(self_ptr self) {
   if (const auto& plant = s.opts.plant_leftover; plant && plant->step == s.step)
     self->send(s.supervisors.front(), plant_atom_v, plant->replica, plant->stage);
   s.skipped_before = s.skipped;
-  s.in_step = true;
+  enter(self, phase::stepping);
   s.last_progress_us = s.started_us;
   s.sent.clear();
   const auto begun = "begin of step " + std::to_string(s.step + 1);
@@ -544,7 +537,7 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
   w.loaders.resize(ctx.pipes);
   w.nodes.assign(std::size_t(ctx.pipes) * ctx.p, -1);
   // Buddy copies of the shards only where a lost node can come back (they cost time).
-  if (s.opts.node_restarts > 0 && ctx.cfg.rejoin_timeout > 0) w.supervisors = s.supervisors;
+  if (s.opts.node_restarts > 0 && ctx.cfg.rejoin_timeout > 0) w.supervisors = plain_handles(s.supervisors);
   s.stage_nodes.assign(std::size_t(ctx.pipes) * ctx.p, 0);
   s.loader_nodes.assign(ctx.pipes, 0);
   for (const auto& n : *nodes) {
@@ -562,15 +555,15 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
     if (!w.stages[i] || !w.shards[i]) return fail(self, "the nodes do not cover every stage", false);
   for (const auto& l : w.loaders)
     if (!l) return fail(self, "the nodes do not cover every data loader", false);
-  s.wiring->coordinator = w.coordinator;
-  s.wiring->stages.assign(ctx.pipes, {});
-  s.wiring->shards.assign(ctx.p, {});
+  s.wiring->coordinator = caf::actor_cast<coordinator_actor>(self);
+  s.wiring->stages.assign(ctx.pipes, std::vector<stage_actor>(ctx.p));
+  s.wiring->shards.assign(ctx.p, std::vector<shard_actor>(ctx.pipes));
   for (int r = 0; r < ctx.pipes; ++r)
-    s.wiring->stages[r].assign(w.stages.begin() + std::size_t(r) * ctx.p, w.stages.begin() + std::size_t(r + 1) * ctx.p);
-  for (int k = 0; k < ctx.p; ++k)
-    s.wiring->shards[k].assign(w.shards.begin() + std::size_t(k) * ctx.pipes,
-                               w.shards.begin() + std::size_t(k + 1) * ctx.pipes);
-  s.wiring->loaders = w.loaders;
+    for (int k = 0; k < ctx.p; ++k) {
+      s.wiring->stages[r][k] = caf::actor_cast<stage_actor>(w.stages[std::size_t(r) * ctx.p + k]);
+      s.wiring->shards[k][r] = caf::actor_cast<shard_actor>(w.shards[std::size_t(k) * ctx.pipes + r]);
+    }
+  s.wiring->loaders = typed_handles<loader_actor>(w.loaders);
   request_all<bool>(
       self, s.supervisors, std::chrono::seconds(60), [](std::size_t, bool&) {},
       [self] {
@@ -612,8 +605,7 @@ void on_node_down(self_ptr self, const caf::down_msg& msg) {
                std::to_string(j) + "'s optimizer shard copies, are both lost)";
         break;
       }
-    s.retrying = false;  // an in-place retry under way cannot finish: a new round
-    return fail(self, why);
+    return fail(self, why, true, /*new_round=*/true);  // an in-place retry under way cannot finish
   }
 }
 
@@ -621,7 +613,7 @@ void on_node_down(self_ptr self, const caf::down_msg& msg) {
 /// (none, and the update skipped, for a norm that is not finite).
 void on_grad_norm_partial(self_ptr self, const grad_norm_partial& msg) {
   auto& s = self->state;
-  if (msg.step != s.step || s.retrying) return;
+  if (msg.step != s.step) return;
   const auto i = partial_index(*s.ctx, msg.virtual_stage, msg.rank);
   if (!first_report(s.seen_partials, i, "grad-norm partial", s.step)) return;
   s.partials.at(i) = msg.sq_norm;
@@ -654,7 +646,7 @@ void on_grad_norm_partial(self_ptr self, const grad_norm_partial& msg) {
 /// trace events.
 void on_stage_done(self_ptr self, stage_done& msg) {
   auto& s = self->state;
-  if (msg.step != s.step || s.retrying) return;
+  if (msg.step != s.step) return;
   if (!first_report(s.seen_stages, std::size_t(msg.replica) * s.ctx->p + msg.stage, "stage-done report", s.step))
     return;
   s.peaks.at(std::size_t(msg.replica) * s.ctx->p + msg.stage) = msg.peak_in_flight;
@@ -671,10 +663,11 @@ void on_stage_done(self_ptr self, stage_done& msg) {
   maybe_commit(self);
 }
 
-caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_context> ctx,
-                                   std::shared_ptr<job_wiring> wiring, actor_run_options opts,
-                                   std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors,
-                                   caf::actor registrar) {
+coordinator_actor::behavior_type coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_context> ctx,
+                                                      std::shared_ptr<job_wiring> wiring, actor_run_options opts,
+                                                      std::shared_ptr<actor_run_result> result,
+                                                      std::vector<supervisor_actor> supervisors,
+                                                      registrar_actor registrar) {
   auto& st = self->state;
   st.registrar = std::move(registrar);
   st.ctx = ctx;
@@ -688,7 +681,7 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
   if (st.profile && st.profile_request->last >= ctx->cfg.steps)
     spdlog::warn("TROUPE_KERNEL_PROFILE asks for steps up to {}, but the run has {}: no profile will be written",
                  st.profile_request->last + 1, ctx->cfg.steps);
-  wiring->coordinator = caf::actor_cast<caf::actor>(self);
+  wiring->coordinator = caf::actor_cast<coordinator_actor>(self);
   if (supervisors.empty())  // one process: this node's supervisor hosts every replica
     supervisors.push_back(spawn_supervisor_actor(self->system(), ctx, wiring, local_node_plan(*ctx)));
   st.supervisors = supervisors;
@@ -701,94 +694,83 @@ caf::behavior coordinator_behavior(self_ptr self, std::shared_ptr<const runtime_
     return err;
   });
   self->set_down_handler([self](const caf::down_msg& msg) { on_node_down(self, msg); });
-  return {
-      [=](run_atom) {
-        auto& s = self->state;
-        s.done = self->make_response_promise();
-        self->delayed_send(self, watchdog_tick, watchdog_atom_v);
-        s.step = s.ctx->start_step;
-        if (s.step > 0)
-          spdlog::info("resumed from {}: continuing with step {}", s.ctx->cfg.resume.empty() ? s.ctx->cfg.load : s.ctx->cfg.resume,
-                       s.step + 1);
-        auto nodes = std::make_shared<std::vector<node_actors>>();
-        request_all<node_actors>(
-            self, s.supervisors, std::chrono::seconds(60), [nodes](std::size_t, node_actors& n) { nodes->push_back(n); },
-            [self, nodes] { wire_and_start(self, nodes); }, fail_with(self, "a supervisor did not start"), run_atom_v);
-        return s.done;
-      },
-      [=](const loss_report& msg) {
-        auto& s = self->state;
-        if (msg.step != s.step || s.retrying) return;
-        const auto i = std::size_t(s.ctx->dp_of(msg.replica)) * s.ctx->m + msg.mb;
-        if (!first_report(s.seen_losses, i, "loss report", s.step)) return;
-        s.losses.at(i) = msg.loss;
-        ++s.n_losses;
-        s.last_progress_us = s.ctx->now_us();
-        maybe_commit(self);
-      },
-      [self](const grad_norm_partial& msg) { on_grad_norm_partial(self, msg); },
-      [self](stage_done& msg) { on_stage_done(self, msg); },
-      [=](shard_done& msg) {
-        auto& s = self->state;
-        if (msg.step != s.step || s.retrying) return;
-        if (!first_report(s.seen_shards, std::size_t(msg.stage) * s.ctx->pipes + msg.rank, "shard-done report", s.step))
-          return;
-        s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
-        ++s.n_shards;
-        s.last_progress_us = s.ctx->now_us();
-        maybe_commit(self);
-      },
-      [=](const runtime_failure& msg) {
-        if (msg.generation != self->state.rounds) {  // from actors replaced since
-          spdlog::debug("stale failure report dropped: {}: {}", msg.actor, msg.what);
-          return;
-        }
-        fail(self, msg.actor + ": " + msg.what);
-      },
-      [=](const eval_result& msg) {
-        auto& s = self->state;
-        if (!s.evaluating || msg.step != s.step || msg.index < 0 || std::size_t(msg.index) >= s.eval_scores.size())
-          return;
-        if (!first_report(s.seen_evals, std::size_t(msg.index), "evaluation result", s.step)) return;
-        s.eval_scores[msg.index] = {msg.weighted, msg.correct};
-        if (++s.n_evals == int(s.eval_scores.size())) end_evaluation(self);
-      },
-      [=](eval_atom, std::int64_t step) {
-        auto& s = self->state;
-        if (!s.evaluating || step != s.step) return;
-        fail(self, "not finished within " + std::to_string(s.ctx->cfg.step_timeout) + " s (" +
-                       std::to_string(s.n_evals) + " of " + std::to_string(s.eval_scores.size()) + " forwards scored)");
-      },
-      [=](watchdog_atom) {
-        auto& s = self->state;
-        if (s.finished) return;
-        const double idle = (s.ctx->now_us() - s.last_progress_us) * 1e-6;
-        const double limit = hang_limit_seconds(s);
-        if (take_status_request())
-          diagnose(self, false, idle, limit);
-        else if (s.in_step && !s.diagnosing && s.ctx->cfg.hang_factor > 0 && idle > limit)
-          diagnose(self, true, idle, limit);
-        self->delayed_send(self, watchdog_tick, watchdog_atom_v);
-      },
-      [=](timeout_atom, std::int64_t step, std::int32_t attempt) {
-        auto& s = self->state;
-        if (step != s.step || attempt != s.attempt || s.committed || s.retrying) return;
-        fail(self, "step did not finish within " + std::to_string(s.ctx->cfg.step_timeout) + " s (losses " +
-                       std::to_string(s.n_losses) + "/" + std::to_string(s.ctx->d * s.ctx->m) + ", stages done " +
-                       std::to_string(s.n_stages) + "/" + std::to_string(s.ctx->pipes * s.ctx->p) + ", shards done " +
-                       std::to_string(s.n_shards) + "/" + std::to_string(s.ctx->p * s.ctx->pipes) + ")");
-      },
-  };
+  return idle(self);
+}
+
+caf::typed_response_promise<int> on_run(self_ptr self) {
+  auto& s = self->state;
+  s.done = self->make_response_promise<int>();
+  enter(self, phase::wiring);
+  self->delayed_send(self, watchdog_tick, watchdog_atom_v);
+  s.step = s.ctx->start_step;
+  if (s.step > 0)
+    spdlog::info("resumed from {}: continuing with step {}", s.ctx->cfg.resume.empty() ? s.ctx->cfg.load : s.ctx->cfg.resume,
+                 s.step + 1);
+  auto nodes = std::make_shared<std::vector<node_actors>>();
+  request_all<node_actors>(
+      self, s.supervisors, std::chrono::seconds(60), [nodes](std::size_t, node_actors& n) { nodes->push_back(n); },
+      [self, nodes] { wire_and_start(self, nodes); }, fail_with(self, "a supervisor did not start"), run_atom_v);
+  return s.done;
+}
+
+void on_loss_report(self_ptr self, const loss_report& msg) {
+  auto& s = self->state;
+  if (msg.step != s.step) return;
+  const auto i = std::size_t(s.ctx->dp_of(msg.replica)) * s.ctx->m + msg.mb;
+  if (!first_report(s.seen_losses, i, "loss report", s.step)) return;
+  s.losses.at(i) = msg.loss;
+  ++s.n_losses;
+  s.last_progress_us = s.ctx->now_us();
+  maybe_commit(self);
+}
+
+void on_shard_done(self_ptr self, shard_done& msg) {
+  auto& s = self->state;
+  if (msg.step != s.step) return;
+  if (!first_report(s.seen_shards, std::size_t(msg.stage) * s.ctx->pipes + msg.rank, "shard-done report", s.step))
+    return;
+  s.events.insert(s.events.end(), msg.events.begin(), msg.events.end());
+  ++s.n_shards;
+  s.last_progress_us = s.ctx->now_us();
+  maybe_commit(self);
+}
+
+void on_failure(self_ptr self, const runtime_failure& msg) {
+  if (msg.generation != self->state.rounds) {  // from actors replaced since
+    spdlog::debug("stale failure report dropped: {}: {}", msg.actor, msg.what);
+    return;
+  }
+  fail(self, msg.actor + ": " + msg.what);
+}
+
+void on_watchdog(self_ptr self) {
+  auto& s = self->state;
+  const double idle = (s.ctx->now_us() - s.last_progress_us) * 1e-6;
+  const double limit = hang_limit_seconds(s);
+  if (take_status_request())
+    diagnose(self, false, idle, limit);
+  else if (s.at == phase::stepping && !s.diagnosing && s.ctx->cfg.hang_factor > 0 && idle > limit)
+    diagnose(self, true, idle, limit);
+  self->delayed_send(self, watchdog_tick, watchdog_atom_v);
+}
+
+void on_step_timeout(self_ptr self, std::int64_t step, std::int32_t attempt) {
+  auto& s = self->state;
+  if (step != s.step || attempt != s.attempt) return;
+  fail(self, "step did not finish within " + std::to_string(s.ctx->cfg.step_timeout) + " s (losses " +
+                 std::to_string(s.n_losses) + "/" + std::to_string(s.ctx->d * s.ctx->m) + ", stages done " +
+                 std::to_string(s.n_stages) + "/" + std::to_string(s.ctx->pipes * s.ctx->p) + ", shards done " +
+                 std::to_string(s.n_shards) + "/" + std::to_string(s.ctx->p * s.ctx->pipes) + ")");
 }
 
 }  // namespace troupe::coordinator
 
 namespace troupe {
 
-caf::actor spawn_coordinator_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
-                                   std::shared_ptr<job_wiring> wiring, actor_run_options opts,
-                                   std::shared_ptr<actor_run_result> result, std::vector<caf::actor> supervisors,
-                                   caf::actor registrar) {
+coordinator_actor spawn_coordinator_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
+                                          std::shared_ptr<job_wiring> wiring, actor_run_options opts,
+                                          std::shared_ptr<actor_run_result> result,
+                                          std::vector<supervisor_actor> supervisors, registrar_actor registrar) {
   return sys.spawn(coordinator::coordinator_behavior, std::move(ctx), std::move(wiring), std::move(opts), std::move(result),
                    std::move(supervisors), std::move(registrar));
 }

@@ -13,7 +13,7 @@ void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
   const int p = s.ctx->p, t = s.ctx->t;
   // Pipelines 0 .. t - 1 (replica 0's tensor-parallel ranks), stage by stage; with expert
   // parallelism at least 0 .. EP - 1, which hold every share of the experts.
-  std::vector<caf::actor> stages;
+  std::vector<stage_actor> stages;
   for (int q = 0; q < std::max(t, s.ctx->ep); ++q)
     stages.insert(stages.end(), s.wiring->stages[q].begin(), s.wiring->stages[q].end());
   auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(t);
@@ -102,7 +102,7 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
   auto conclude = [=] {
     auto& s = self->state;
     const auto& cfg = s.ctx->cfg;
-    if (s.finished) return abandon_checkpoint_dir(cfg.checkpoint_dir, next);  // ended meanwhile (a node lost)
+    if (s.at == phase::finished) return abandon_checkpoint_dir(cfg.checkpoint_dir, next);  // ended meanwhile (a node lost)
     std::string what;
     for (const auto& e : *errors)
       if (!e.empty()) what += (what.empty() ? "" : "; ") + e;

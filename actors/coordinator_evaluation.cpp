@@ -35,7 +35,7 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
   const auto& ctx = *s.ctx;
   const auto& set = evaluation_set(self);
   const auto plan = plan_evaluation(set, ctx.spec.type == model_spec::kind::decoder, ctx.cfg.eval_tokens);
-  s.evaluating = true;
+  enter(self, phase::evaluating);
   s.eval_scores.assign(plan.size(), {});
   s.seen_evals.assign(plan.size(), false);
   s.n_evals = 0;
@@ -67,13 +67,28 @@ void end_evaluation(self_ptr self) {
       },
       [self] {
         auto& s = self->state;
-        s.evaluating = false;
+        enter(self, phase::between_steps);
         const auto e = combine_evaluation(s.eval_scores, evaluation_set(self),
                                           s.ctx->spec.type == model_spec::kind::decoder, 0);  // logged with its time
         auto then = std::move(s.eval_then);
         then(e);
       },
       fail_with(self, "no evaluation events from a stage"), eval_atom_v, s.step);
+}
+
+void on_eval_result(self_ptr self, const eval_result& msg) {
+  auto& s = self->state;
+  if (msg.step != s.step || msg.index < 0 || std::size_t(msg.index) >= s.eval_scores.size()) return;
+  if (!first_report(s.seen_evals, std::size_t(msg.index), "evaluation result", s.step)) return;
+  s.eval_scores[msg.index] = {msg.weighted, msg.correct};
+  if (++s.n_evals == int(s.eval_scores.size())) end_evaluation(self);
+}
+
+void on_eval_timeout(self_ptr self, std::int64_t step) {
+  auto& s = self->state;
+  if (step != s.step) return;
+  fail(self, "not finished within " + std::to_string(s.ctx->cfg.step_timeout) + " s (" + std::to_string(s.n_evals) +
+                 " of " + std::to_string(s.eval_scores.size()) + " forwards scored)");
 }
 
 }  // namespace troupe::coordinator

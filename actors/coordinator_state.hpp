@@ -1,7 +1,7 @@
 #pragma once
 // The coordinator's state and the parts of its protocol in files of their own, beside
 // coordinator_actor.cpp (the step: begin, reports, commit, retries, the hang watchdog):
-// coordinator_checkpoints.cpp (the model and moments gathered from the actors, --save
+// coordinator_phases.cpp (its named behaviors, one per phase), coordinator_checkpoints.cpp (the model and moments gathered from the actors, --save
 // files and checkpoint folders), coordinator_metrics.cpp (the metrics log) and
 // coordinator_evaluation.cpp (evaluation in this process or through the pipeline).
 // Internal to those files.
@@ -34,14 +34,28 @@ constexpr auto wait_answer_timeout = std::chrono::seconds(2);  // an actor's ans
 constexpr double first_step_hang_seconds = 60;               // the watchdog's limit before a step's time is known
 constexpr std::size_t recent_step_count = 16;                // the steps whose median sets the limit
 
+/// The coordinator's phases, each a named behavior (coordinator_phases.cpp; the diagram
+/// in coordinator_actor.hpp). What a phase does not expect is dropped there explicitly.
+enum class phase {
+  idle,           ///< spawned: waits for run_atom
+  wiring,         ///< the supervisors' actors are collected and wired, before a step's begin
+  stepping,       ///< a step runs: its reports are counted until the commit
+  between_steps,  ///< committed: reset check, checkpoints, then the next begin
+  evaluating,     ///< committed: an evaluation's forwards run through the pipeline
+  rebuilding,     ///< the supervisors rebuild their actors for an in-place retry
+  finished,       ///< the run request is answered; the actor quits
+};
+
+const char* phase_name(phase p);
+
 struct coordinator_state {
   std::shared_ptr<const runtime_context> ctx;
   std::shared_ptr<job_wiring> wiring;
   actor_run_options opts;
   std::shared_ptr<actor_run_result> result;
-  std::vector<caf::actor> supervisors;  // one per node
-  caf::response_promise done;
-  bool finished = false;
+  std::vector<supervisor_actor> supervisors;  // one per node
+  caf::typed_response_promise<int> done;  // the run request: the exit code
+  phase at = phase::idle;
   lr_schedule lrs;
   std::optional<batch> eval_set;  // read at the first evaluation
   std::ofstream metrics;
@@ -53,7 +67,6 @@ struct coordinator_state {
   int n_losses = 0, n_partials = 0, n_stages = 0, n_shards = 0;
   // Which reports of this step arrived (a duplicate is dropped, never counted twice).
   std::vector<bool> seen_losses, seen_partials, seen_stages, seen_shards;
-  bool committed = false;
   std::vector<trace_event> events;
   std::vector<int> peaks;
   double elapsed = 0;
@@ -65,15 +78,13 @@ struct coordinator_state {
   int checkpoint_failures = 0;  // checkpoints due that could not be written (the run went on)
   nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
   std::int32_t attempt = 0;  // of this step: > 0 after in-place retries
-  bool retrying = false;     // the supervisors are rebuilding the actors: ignore theirs
   std::int32_t rounds = 0;   // in-place recoveries so far (the actors' generation)
   bool node_lost = false;    // a node process that cannot rejoin is gone: no in-place retry
-  caf::actor registrar;      // several nodes: where a lost node's restarted process rejoins
-  std::map<int, caf::actor> lost;  // lost nodes awaiting a restarted process: their old supervisor
+  registrar_actor registrar;  // several nodes: where a lost node's restarted process rejoins
+  std::map<int, supervisor_actor> lost;  // lost nodes awaiting a restarted process: their old supervisor
   int rejoins = 0;           // node processes the launcher restarted so far (opts.node_restarts)
   int skipped_before = 0;    // `skipped` when the step began (a retry counts again)
   // An evaluation through the pipeline (between steps): each forward's score, by forward.
-  bool evaluating = false;
   std::vector<eval_score> eval_scores;
   std::vector<bool> seen_evals;
   int n_evals = 0;
@@ -84,7 +95,6 @@ struct coordinator_state {
   double last_progress_us = 0;
   bool diagnosing = false;
   std::vector<std::string> sent;     // message_key of what it sent this step (the wait-for graph)
-  bool in_step = false;              // between a step's begin and its commit or abort
   std::vector<int> stage_nodes;      // [replica * p + stage]: the node of the stage (and of its shard)
   std::vector<int> loader_nodes;     // [replica]
   // TROUPE_KERNEL_PROFILE: the GPU kernels of chosen steps (compute/kernel_profile.hpp).
@@ -92,16 +102,42 @@ struct coordinator_state {
   std::shared_ptr<kernel_profile> profile;
 };
 
-using self_ptr = caf::stateful_actor<coordinator_state>*;
+using self_ptr = coordinator_actor::stateful_pointer<coordinator_state>;
 
 // --- coordinator_actor.cpp
 
 /// Aborts the step and ends the run, or retries it in place (see the definition).
-void fail(self_ptr self, const std::string& why, bool recoverable = true);
+/// `new_round`: also while rebuilding (a node lost during it: that round cannot finish).
+void fail(self_ptr self, const std::string& why, bool recoverable = true, bool new_round = false);
+/// Stops everything and answers the run request with `code`.
+void finish(self_ptr self, int code, const std::string& error);
+/// True the first time report `index` of this step arrives; a duplicate is logged and dropped.
+bool first_report(std::vector<bool>& seen, std::size_t index, const char* what, std::int64_t step);
+// The handlers of the phases' messages.
+caf::typed_response_promise<int> on_run(self_ptr self);
+void on_loss_report(self_ptr self, const loss_report& msg);
+void on_grad_norm_partial(self_ptr self, const grad_norm_partial& msg);
+void on_stage_done(self_ptr self, stage_done& msg);
+void on_shard_done(self_ptr self, shard_done& msg);
+void on_failure(self_ptr self, const runtime_failure& msg);
+void on_watchdog(self_ptr self);
+void on_step_timeout(self_ptr self, std::int64_t step, std::int32_t attempt);
+
+// --- coordinator_phases.cpp
+
+/// Switches to phase `next`: its behavior (none for finished: the actor quits).
+void enter(self_ptr self, phase next);
+/// The behavior the coordinator is spawned with.
+coordinator_actor::behavior_type idle(self_ptr self);
 /// request_all's `failed` that ends the wait and fails the step: "WHAT: the error".
 std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::string what);
 /// Every actor of the rows of `grid`, row by row.
-std::vector<caf::actor> all_of(const std::vector<std::vector<caf::actor>>& grid);
+template <class Handle>
+std::vector<Handle> all_of(const std::vector<std::vector<Handle>>& grid) {
+  std::vector<Handle> out;
+  for (const auto& row : grid) out.insert(out.end(), row.begin(), row.end());
+  return out;
+}
 
 // --- coordinator_checkpoints.cpp
 
@@ -165,5 +201,9 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then);
 /// Every forward is scored: collects the stages' evaluation events (the trace), then
 /// hands the evaluation on.
 void end_evaluation(self_ptr self);
+/// An evaluation forward's score; after the last, end_evaluation.
+void on_eval_result(self_ptr self, const eval_result& msg);
+/// The evaluation's time limit (step_timeout) is up.
+void on_eval_timeout(self_ptr self, std::int64_t step);
 
 }  // namespace troupe::coordinator

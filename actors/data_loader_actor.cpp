@@ -1,6 +1,7 @@
 #include "actors/data_loader_actor.hpp"
 
 #include <caf/all.hpp>
+#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "compute/trainer.hpp"
@@ -44,7 +45,9 @@ wait_report loader_waits(const loader_state& s, std::int64_t step) {
   return rep;
 }
 
-void send_next(caf::stateful_actor<loader_state>* self) {
+using loader_self = loader_actor::stateful_pointer<loader_state>;
+
+void send_next(loader_self self) {
   torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   auto& s = self->state;
   const auto& ctx = *s.ctx;
@@ -60,8 +63,69 @@ void send_next(caf::stateful_actor<loader_state>* self) {
   self->send(row.at(ctx.loss_stage()), microbatch_target{s.step, k, make_payload(b.target)});
 }
 
-caf::behavior loader_behavior(caf::stateful_actor<loader_state>* self, std::shared_ptr<const runtime_context> ctx,
-                              std::shared_ptr<const job_wiring> wiring, int replica) {
+loader_actor::behavior_type feeding(loader_self self);
+
+/// Step `msg.step` begins: its first credit_window micro-batches go out at once.
+void start_step(loader_self self, const begin_step& msg);
+
+/// What both phases answer alike: the hang probe, the reset check, an abort.
+auto wait_handler(loader_self self) {
+  return [self](wait_atom, std::int64_t step) -> wait_report { return loader_waits(self->state, step); };
+}
+
+auto reset_handler(loader_self self) {
+  return [self](const reset_step&) -> reset_report {
+    reset_report rep{self->state.name, {}};
+    if (self->state.next_mb != self->state.ctx->m)
+      rep.leftovers.push_back(std::to_string(self->state.ctx->m - self->state.next_mb) + " micro-batch(es) never sent");
+    return rep;
+  };
+}
+
+/// Idle: every micro-batch of the step is sent (or none began): a credit now is stale.
+loader_actor::behavior_type idle(loader_self self) {
+  return {
+      [self](const begin_step& msg) { start_step(self, msg); },
+      [self](const credit& msg) {
+        spdlog::debug("{}: credit of step {} mb {} dropped (all sent)", self->state.name, msg.step + 1, msg.mb);
+      },
+      wait_handler(self),
+      reset_handler(self),
+      [self](const abort_step& msg) { self->state.step = msg.step; },
+  };
+}
+
+/// Feeding: each credit of this step sends the next micro-batch; after the last, idle.
+loader_actor::behavior_type feeding(loader_self self) {
+  return {
+      [self](const begin_step& msg) { start_step(self, msg); },
+      [self](const credit& msg) {
+        auto& s = self->state;
+        if (msg.step != s.step) return;
+        send_next(self);
+        if (s.next_mb == s.ctx->m) self->become(idle(self));
+      },
+      wait_handler(self),
+      reset_handler(self),
+      [self](const abort_step& msg) {
+        self->state.step = msg.step;
+        self->state.next_mb = self->state.ctx->m;
+        self->become(idle(self));
+      },
+  };
+}
+
+void start_step(loader_self self, const begin_step& msg) {
+  auto& s = self->state;
+  s.step = msg.step;
+  s.next_mb = 0;
+  s.sent.clear();
+  while (s.next_mb < s.ctx->m && s.next_mb < s.ctx->cfg.credit_window) send_next(self);
+  self->become(s.next_mb < s.ctx->m ? feeding(self) : idle(self));
+}
+
+loader_actor::behavior_type loader_behavior(loader_self self, std::shared_ptr<const runtime_context> ctx,
+                                           std::shared_ptr<const job_wiring> wiring, int replica) {
   self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
   auto& st = self->state;
   st.ctx = ctx;
@@ -69,36 +133,13 @@ caf::behavior loader_behavior(caf::stateful_actor<loader_state>* self, std::shar
   st.replica = replica;
   st.name = ctx->loader_name(replica);
   st.data = std::make_unique<training_data>(ctx->cfg, training_data::use::training);
-  return {
-      [=](const begin_step& msg) {
-        auto& s = self->state;
-        s.step = msg.step;
-        s.next_mb = 0;
-        s.sent.clear();
-        while (s.next_mb < s.ctx->m && s.next_mb < s.ctx->cfg.credit_window) send_next(self);
-      },
-      [=](const credit& msg) {
-        auto& s = self->state;
-        if (msg.step == s.step && s.next_mb < s.ctx->m) send_next(self);
-      },
-      [=](wait_atom, std::int64_t step) -> wait_report { return loader_waits(self->state, step); },
-      [=](const reset_step&) -> reset_report {
-        reset_report rep{self->state.name, {}};
-        if (self->state.next_mb != self->state.ctx->m)
-          rep.leftovers.push_back(std::to_string(self->state.ctx->m - self->state.next_mb) + " micro-batch(es) never sent");
-        return rep;
-      },
-      [=](const abort_step& msg) {
-        self->state.step = msg.step;
-        self->state.next_mb = self->state.ctx->m;
-      },
-  };
+  return idle(self);
 }
 
 }  // namespace
 
-caf::actor spawn_data_loader_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
-                                   std::shared_ptr<const job_wiring> wiring, int replica) {
+loader_actor spawn_data_loader_actor(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                                     std::shared_ptr<const job_wiring> wiring, int replica) {
   return supervisor->spawn<caf::monitored>(loader_behavior, std::move(ctx), std::move(wiring), replica);
 }
 

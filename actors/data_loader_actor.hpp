@@ -4,18 +4,20 @@
 // targets to the last, at most `credit_window` micro-batches ahead of what the first
 // stage has consumed (each consumed micro-batch returns a credit).
 //
+// Two named behaviors (become()):
+//
 //        begin_step (send window)        credit (send one more)
-//   idle -------------------------> feeding -----------------> feeding ... all sent
+//   idle -------------------------> feeding -----------------> feeding ... all sent: idle
+//     ^ a credit is stale here                 abort_step: idle
 #include <memory>
 
-#include <caf/actor.hpp>
-#include <caf/event_based_actor.hpp>
+#include <caf/local_actor.hpp>
 
 #include "actors/runtime.hpp"
 
 namespace troupe {
 
-caf::actor spawn_data_loader_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
-                                   std::shared_ptr<const job_wiring> wiring, int replica);
+loader_actor spawn_data_loader_actor(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                                     std::shared_ptr<const job_wiring> wiring, int replica);
 
 }  // namespace troupe

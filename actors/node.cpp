@@ -50,8 +50,8 @@ struct node_failure : std::runtime_error {
 };
 
 /// Blocking request from the node's main thread.
-template <class Reply, class Msg>
-Reply ask(caf::scoped_actor& self, const caf::actor& dest, std::chrono::milliseconds timeout, Msg&& msg,
+template <class Reply, class Handle, class Msg>
+Reply ask(caf::scoped_actor& self, const Handle& dest, std::chrono::milliseconds timeout, Msg&& msg,
           const std::string& what, int code = 1) {
   Reply out{};
   bool ok = false;
@@ -89,7 +89,7 @@ void check_node_data(const job_config& cfg, const job_offer& offer, const std::s
 /// A node other than node 0 that joined and then failed before it was ready (its data,
 /// the job's config, its transports): tells the registrar (node_unfit), so the job ends
 /// at once with the reason on node 0 rather than after node 0's join timeout.
-void tell_node_zero_unfit(caf::actor_system& sys, const caf::actor& registrar, const node_options& o,
+void tell_node_zero_unfit(caf::actor_system& sys, const registrar_actor& registrar, const node_options& o,
                           const std::string& error) {
   const std::string where = "node " + std::to_string(o.node);
   std::string reason = error;
@@ -109,7 +109,7 @@ void tell_node_zero_unfit(caf::actor_system& sys, const caf::actor& registrar, c
 /// clock; a node on another machine measures the offset to it by 8 round trips to the
 /// registrar now (clock_probe_keeper follows it from there). Tests pretend another machine
 /// whose clock is `o.clock_skew_ns` ahead and runs `o.clock_drift_ppm` fast.
-std::shared_ptr<job_clock> node_job_clock(caf::scoped_actor& self, const caf::actor& registrar,
+std::shared_ptr<job_clock> node_job_clock(caf::scoped_actor& self, const registrar_actor& registrar,
                                           const job_offer& offer, const node_options& o, const std::string& where) {
   const bool pretend = o.clock_skew_ns != 0 || o.clock_drift_ppm != 0;
   if (o.node == 0 || (offer.machine == transport::machine_key() && !pretend))
@@ -134,13 +134,17 @@ std::shared_ptr<job_clock> node_job_clock(caf::scoped_actor& self, const caf::ac
   return clock;
 }
 
-caf::actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
+registrar_actor connect_to_registrar(caf::actor_system& sys, const node_options& o) {
   const auto deadline = std::chrono::steady_clock::now() + o.join_timeout;
   std::string last;
   while (std::chrono::steady_clock::now() < deadline) {
-    auto r = use_tls(o) ? caf::openssl::remote_actor<caf::actor>(sys, o.host, o.port)
-                        : sys.middleman().remote_actor(o.host, o.port);
+    // Typed: the registrar's interface is checked as the connection opens.
+    auto r = use_tls(o) ? caf::openssl::remote_actor<registrar_actor>(sys, o.host, o.port)
+                        : sys.middleman().remote_actor<registrar_actor>(o.host, o.port);
     if (r) return *r;
+    if (r.error() == caf::sec::unexpected_actor_messaging_interface)  // waiting will not help
+      throw node_failure(1, "node " + std::to_string(o.node) + ": the coordinator at " + o.host + ":" +
+                                std::to_string(o.port) + " speaks another protocol (another Troupe build?)");
     last = sys.render(r.error());
     std::this_thread::sleep_for(200ms);
   }
@@ -239,7 +243,7 @@ void configure_node_system(caf::actor_system_config& acfg, const node_options& o
 
 /// Node 0: checks the job (`cfg`, its own configuration, resolved) and publishes the
 /// registrar the other nodes join.
-caf::actor open_registrar(caf::actor_system& sys, const node_options& o, job_config& cfg) {
+registrar_actor open_registrar(caf::actor_system& sys, const node_options& o, job_config& cfg) {
   cfg = o.cfg;
   cfg.validate();
   resolve_resume(cfg, o.run.launch.resume_auto);  // one checkpoint folder for every node (they get this config)
@@ -261,10 +265,10 @@ caf::actor open_registrar(caf::actor_system& sys, const node_options& o, job_con
 /// closes its connections).
 void lead_job(caf::scoped_actor& self, const node_options& o, const job_config& cfg,
               std::shared_ptr<const runtime_context> ctx, std::shared_ptr<job_wiring> wiring,
-              std::shared_ptr<actor_run_result> shared_result, const caf::actor& registrar) {
+              std::shared_ptr<actor_run_result> shared_result, const registrar_actor& registrar) {
   auto& sys = self->system();
-  const auto supervisors =
-      ask<std::vector<caf::actor>>(self, registrar, o.join_timeout, run_atom_v, "node 0: waiting for the other nodes");
+  const auto supervisors = typed_handles<supervisor_actor>(
+      ask<std::vector<caf::actor>>(self, registrar, o.join_timeout, run_atom_v, "node 0: waiting for the other nodes"));
   if (!o.run.quiet)
     spdlog::info("training {}{} for {} steps on {} nodes: {}pipeline {} x data-parallel {}, {} micro-batches of {} "
                  "({}), {} intra-op thread(s) per stage{}",
@@ -283,7 +287,7 @@ void lead_job(caf::scoped_actor& self, const node_options& o, const job_config& 
   // The coordinator told every supervisor to stop: wait until they have. The registrar
   // knows the current ones (a rejoined node's replaces the lost one's); a node lost for
   // good leaves its old, dead one (its down comes at once).
-  auto current = supervisors;
+  auto current = plain_handles(supervisors);
   self->request(registrar, 1s, run_atom_v)
       .receive([&](std::vector<caf::actor>& now) { current = std::move(now); }, [](caf::error&) {});
   for (auto& sup : current) self->monitor(sup);
@@ -298,8 +302,8 @@ void lead_job(caf::scoped_actor& self, const node_options& o, const job_config& 
 /// starts it again, and it rejoins the job if node 0 is still there (a link that was cut
 /// for a while, node 0 stalled past the connection timeout); if node 0 is gone for good,
 /// the launcher restarts the whole job anyway.
-void serve_job(caf::scoped_actor& self, const std::string& where, const caf::actor& supervisor,
-               const caf::actor& registrar, actor_run_result& result) {
+void serve_job(caf::scoped_actor& self, const std::string& where, const supervisor_actor& supervisor,
+               const registrar_actor& registrar, actor_run_result& result) {
   auto& sys = self->system();
   self->monitor(supervisor);
   self->monitor(registrar);
@@ -343,7 +347,9 @@ actor_run_result run_node(const node_options& o) {
     caf::actor_system_config acfg;
     configure_node_system(acfg, o);
     caf::actor_system sys{acfg};
-    caf::actor registrar_handle, supervisor, clock_keeper;
+    registrar_actor registrar_handle;
+    supervisor_actor supervisor;
+    clock_probe_actor clock_keeper;
     bool joined = false;  // a node other than 0 between its join and its node_ready
     try {
       {
@@ -405,7 +411,7 @@ actor_run_result run_node(const node_options& o) {
           hosted += " (" + std::to_string(ctx->dp_of(r)) + "," + std::to_string(k) +
                     (ctx->t > 1 ? "," + std::to_string(ctx->tp_of(r)) : "") + ")";
         supervisor = spawn_supervisor_actor(sys, ctx, wiring, std::move(plan));
-        ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, supervisor}, where + ": ready");
+        ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, caf::actor_cast<caf::actor>(supervisor)}, where + ": ready");
         joined = false;
         const std::string here = o.nodes_per_host > 1 ? ", node process " + std::to_string(o.local_node + 1) + " of " +
                                                              std::to_string(o.nodes_per_host) + " on this machine"

@@ -163,7 +163,7 @@ void take_snapshot(shard_state& s, std::int64_t step) {
   s.store->put(s.stage, s.rank, std::move(snap));
 }
 
-using shard_self = caf::stateful_actor<shard_state>*;
+using shard_self = shard_actor::stateful_pointer<shard_state>;
 
 /// Lays out the shard's chunks (its piece of each gradient bucket, over the bucket's
 /// group) and their optimizer state: the initial parameters, a resumed checkpoint's
@@ -230,7 +230,7 @@ bool accept(shard_self self, std::int64_t step) {
 /// Keeps `w`; its completion comes back to the shard as collective_done.
 void report_to_self(shard_self self, transport::work_ptr w, collective kind, int ci, int bucket) {
   auto& s = self->state;
-  w->on_complete([me = caf::actor_cast<caf::actor>(self), step = s.step, kind, ci, bucket](const std::string& err) {
+  w->on_complete([me = caf::actor_cast<shard_actor>(self), step = s.step, kind, ci, bucket](const std::string& err) {
     caf::anon_send(me, collective_done{step, std::int32_t(kind), ci, bucket, err});
   });
   s.pending.push_back(std::move(w));
@@ -367,7 +367,7 @@ void on_begin_step(shard_self self, const begin_step& msg) {
   if (s.copied < s.step) send_copy(self, s.step);
   auto stash = std::move(s.stash);
   s.stash.clear();
-  for (auto& m : stash) self->send(self, std::move(m));
+  for (auto& m : stash) caf::anon_send(caf::actor_cast<caf::actor>(self), std::move(m));  // in order, as they came
 }
 
 /// A bucket of the stage's gradients, final: its reduce-scatter starts in its turn.
@@ -481,11 +481,11 @@ shard_moments checkpoint_answer(const shard_state& s) {
   return rep;
 }
 
-caf::behavior shard_behavior(shard_self self, std::shared_ptr<const runtime_context> ctx,
-                             std::shared_ptr<const job_wiring> wiring, int stage, int rank,
-                             std::shared_ptr<transport::communicator> comm,
-                             std::shared_ptr<transport::communicator> expert_comm, std::shared_ptr<snapshot_store> store,
-                             std::shared_ptr<const shard_snapshot> from) {
+shard_actor::behavior_type shard_behavior(shard_self self, std::shared_ptr<const runtime_context> ctx,
+                                          std::shared_ptr<const job_wiring> wiring, int stage, int rank,
+                                          std::shared_ptr<transport::communicator> comm,
+                                          std::shared_ptr<transport::communicator> expert_comm,
+                                          std::shared_ptr<snapshot_store> store, std::shared_ptr<const shard_snapshot> from) {
   self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& eptr) { return error_from_exception(eptr); });
   auto& st = self->state;
   st.ctx = ctx;
@@ -527,11 +527,11 @@ caf::behavior shard_behavior(shard_self self, std::shared_ptr<const runtime_cont
 
 }  // namespace
 
-caf::actor spawn_optimizer_shard_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
-                                       std::shared_ptr<const job_wiring> wiring, int stage, int rank,
-                                       std::shared_ptr<transport::communicator> comm,
-                                       std::shared_ptr<transport::communicator> expert_comm,
-                                       std::shared_ptr<snapshot_store> store, std::shared_ptr<const shard_snapshot> from) {
+shard_actor spawn_optimizer_shard_actor(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                                        std::shared_ptr<const job_wiring> wiring, int stage, int rank,
+                                        std::shared_ptr<transport::communicator> comm,
+                                        std::shared_ptr<transport::communicator> expert_comm,
+                                        std::shared_ptr<snapshot_store> store, std::shared_ptr<const shard_snapshot> from) {
   return supervisor->spawn<caf::monitored>(shard_behavior, std::move(ctx), std::move(wiring), stage, rank,
                                            std::move(comm), std::move(expert_comm), std::move(store), std::move(from));
 }

@@ -16,8 +16,7 @@
 //     reset_step: drops the step's state (a collective still running is a leftover)
 #include <memory>
 
-#include <caf/actor.hpp>
-#include <caf/event_based_actor.hpp>
+#include <caf/local_actor.hpp>
 
 #include "actors/runtime.hpp"
 #include "actors/snapshot.hpp"
@@ -28,11 +27,11 @@ namespace troupe {
 /// Spawns shard `rank` of `stage`, monitored by `supervisor`; `comm` is rank `rank` of the
 /// stage's d shards (of its tensor-parallel rank); `expert_comm` (expert parallelism, else
 /// null) rank rank / EP of the shards of the pipelines holding the same experts.
-caf::actor spawn_optimizer_shard_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
-                                       std::shared_ptr<const job_wiring> wiring, int stage, int rank,
-                                       std::shared_ptr<transport::communicator> comm,
-                                       std::shared_ptr<transport::communicator> expert_comm,
-                                       std::shared_ptr<snapshot_store> store,
-                                       std::shared_ptr<const shard_snapshot> from = nullptr);
+shard_actor spawn_optimizer_shard_actor(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                                        std::shared_ptr<const job_wiring> wiring, int stage, int rank,
+                                        std::shared_ptr<transport::communicator> comm,
+                                        std::shared_ptr<transport::communicator> expert_comm,
+                                        std::shared_ptr<snapshot_store> store,
+                                        std::shared_ptr<const shard_snapshot> from = nullptr);
 
 }  // namespace troupe

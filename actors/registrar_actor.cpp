@@ -95,7 +95,7 @@ void end_node_process(int node, std::int32_t pid, const char* why) {
                  node, pid, why);
 }
 
-using registrar_self = caf::stateful_actor<registrar_state>*;
+using registrar_self = registrar_actor::stateful_pointer<registrar_state>;
 
 job_offer offer_of(const registrar_state& s) {
   return job_offer{s.config_toml, s.epoch_ns, transport::machine_key(), s.data};
@@ -248,8 +248,8 @@ bool on_unfit(registrar_state& s, const node_unfit& u) {
   return true;
 }
 
-caf::behavior registrar(registrar_self self, std::string token, int nodes, std::string config_toml,
-                        std::int64_t epoch_ns, std::string data) {
+registrar_actor::behavior_type registrar(registrar_self self, std::string token, int nodes,
+                                         std::string config_toml, std::int64_t epoch_ns, std::string data) {
   auto& st = self->state;
   st.epoch_ns = epoch_ns;
   st.data = std::move(data);
@@ -291,8 +291,8 @@ caf::behavior registrar(registrar_self self, std::string token, int nodes, std::
 
 }  // namespace
 
-caf::actor spawn_registrar(caf::actor_system& sys, std::string token, int nodes, std::string config_toml,
-                           std::int64_t epoch_ns, std::string data) {
+registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int nodes, std::string config_toml,
+                                std::int64_t epoch_ns, std::string data) {
   return sys.spawn(registrar, std::move(token), nodes, std::move(config_toml), epoch_ns, std::move(data));
 }
 

@@ -13,14 +13,15 @@
 #include <cstdint>
 #include <string>
 
-#include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
+
+#include "messages/interfaces.hpp"
 
 namespace troupe {
 
 /// The registrar of a job of `nodes` node processes; `config_toml` is the job's
 /// configuration, `epoch_ns` node 0's clock origin, `data` its data fingerprint.
-caf::actor spawn_registrar(caf::actor_system& sys, std::string token, int nodes, std::string config_toml,
-                           std::int64_t epoch_ns, std::string data);
+registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int nodes, std::string config_toml,
+                                std::int64_t epoch_ns, std::string data);
 
 }  // namespace troupe

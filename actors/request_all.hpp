@@ -8,17 +8,17 @@
 
 #include <caf/actor.hpp>
 #include <caf/error.hpp>
-#include <caf/event_based_actor.hpp>
 
 namespace troupe {
 
-/// Sends the message `msg...` to every actor of `to` as a request (each with `timeout`).
+/// Sends the message `msg...` to every actor of `to` (plain or typed handles; a typed one
+/// must answer it with `Reply`) as a request (each with `timeout`).
 /// `each(i, reply)` handles actor i's reply as it comes; `failed(i, error)` its error, and
 /// returns true to count it as answered (the wait goes on) or false to give up (nothing
 /// more is called). After the last answer, `done()` runs once; with no actor to ask, at
 /// once.
-template <class Reply, class Self, class... Message>
-void request_all(Self* self, const std::vector<caf::actor>& to, caf::timespan timeout,
+template <class Reply, class Self, class Handle, class... Message>
+void request_all(Self* self, const std::vector<Handle>& to, caf::timespan timeout,
                  std::function<void(std::size_t, Reply&)> each, std::function<void()> done,
                  std::function<bool(std::size_t, caf::error&)> failed, const Message&... msg) {
   struct wait {

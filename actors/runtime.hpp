@@ -36,6 +36,7 @@
 #include "compute/partition.hpp"
 #include "compute/schedule.hpp"
 #include "compute/trainer.hpp"
+#include "messages/interfaces.hpp"
 #include "messages/step_messages.hpp"
 #include "transport/transport.hpp"
 
@@ -154,10 +155,10 @@ struct runtime_context {
 /// Handles of all actors of the job, filled before the first step (the supervisor's own
 /// actors at spawn, the others by the coordinator's wiring_msg).
 struct job_wiring {
-  caf::actor coordinator;
-  std::vector<std::vector<caf::actor>> stages;  ///< [pipeline][stage]
-  std::vector<std::vector<caf::actor>> shards;  ///< [stage][pipeline]
-  std::vector<caf::actor> loaders;              ///< [pipeline]
+  coordinator_actor coordinator;
+  std::vector<std::vector<stage_actor>> stages;  ///< [pipeline][stage]
+  std::vector<std::vector<shard_actor>> shards;  ///< [stage][pipeline]
+  std::vector<loader_actor> loaders;             ///< [pipeline]
   /// Several nodes: the node of every stage ([replica][stage]), this node, and the
   /// nodes' world communicator (rank = node) that carries tensors between them.
   std::vector<std::vector<int>> nodes;
@@ -169,7 +170,7 @@ struct job_wiring {
   std::int32_t generation = 0;
   /// Several nodes, node > 0: the supervisor of the next node (buddy_node), which keeps
   /// copies of this node's optimizer shards (null: no copies).
-  caf::actor buddy;
+  supervisor_actor buddy;
   int buddy_node = -1;
 
   /// True when stage (replica, stage) lives in another process.

@@ -188,7 +188,7 @@ struct stage_state {
   bool is_last_virtual(int chunk) const { return virtual_of(chunk) == ctx->n_virtual - 1; }
   /// The (replica's) stage actor owning virtual stage x, its stage index, and the chunk index there.
   struct place_of {
-    caf::actor actor;
+    stage_actor actor;
     int stage, chunk;
   };
   place_of owner(int x) const {
@@ -221,9 +221,11 @@ struct stage_state {
 /// own reference), its autograd node stays for the backward.
 void deallocate(torch::Tensor& out) { out.set_data(torch::empty({1}, out.options())); }
 
+using stage_self = stage_actor::stateful_pointer<stage_state>;
+
 class stage_logic {
  public:
-  stage_logic(caf::stateful_actor<stage_state>* self) : self_(self), s_(self->state) {}
+  stage_logic(stage_self self) : self_(self), s_(self->state) {}
 
   bool ready(const pipeline_op& op) const {
     const key k{op.mb, op.chunk};
@@ -876,7 +878,7 @@ class stage_logic {
   /// Sends a message with a tensor to stage `dest_stage` of this replica and traces it
   /// (`what`, and this stage's micro-batch and chunk).
   template <class Msg>
-  void send_tensor(int dest_stage, const caf::actor& dest, Msg msg, const char* what, int mb, int chunk) {
+  void send_tensor(int dest_stage, const stage_actor& dest, Msg msg, const char* what, int mb, int chunk) {
     s_.record_sent(sent_of(msg, dest_stage));  // a message lost on the way counts as sent
     const double start = s_.ctx->now_us();
     const auto bytes = payload_bytes(msg.data);
@@ -886,7 +888,7 @@ class stage_logic {
 
   /// In-process hand-off, or over the world communicator when that stage is on another node.
   template <class Msg>
-  void deliver(int dest_stage, const caf::actor& dest, Msg msg) {
+  void deliver(int dest_stage, const stage_actor& dest, Msg msg) {
     const auto& w = *s_.wiring;
     // Fault injection, once: the first tensor message of the step.
     if (const auto fault = s_.faults.take_message(s_.replica, s_.stage, s_.step, s_.attempt, message_target::tensor)) {
@@ -912,7 +914,7 @@ class stage_logic {
   /// Hands `msg` to stage `dest_stage` of this replica: in process, or its tensor over the
   /// world communicator when that stage is on another node.
   template <class Msg>
-  void send_to_stage(int dest_stage, const caf::actor& dest, Msg msg) {
+  void send_to_stage(int dest_stage, const stage_actor& dest, Msg msg) {
     const auto& w = *s_.wiring;
     if (w.remote(s_.replica, dest_stage)) msg.data = ship_payload(w, msg.data, w.nodes[s_.replica][dest_stage], s_.name);
     self_->send(dest, std::move(msg));
@@ -1043,7 +1045,7 @@ class stage_logic {
   template <class Msg>
   bool fetched(const Msg& msg) {
     if (msg.data.src_node < 0) return true;
-    auto me = caf::actor_cast<caf::actor>(self_);
+    auto me = caf::actor_cast<stage_actor>(self_);
     fetch_payload(*s_.wiring, msg.data,
                   [me, m = Msg(msg), coordinator = s_.wiring->coordinator, name = s_.name,
                    generation = s_.wiring->generation](tensor_payload p, const std::string& err) mutable {
@@ -1058,7 +1060,7 @@ class stage_logic {
   }
 
  private:
-  caf::stateful_actor<stage_state>* self_;
+  stage_self self_;
   stage_state& s_;
 };
 
@@ -1156,7 +1158,7 @@ void join_expert_groups(stage_state& st, const std::shared_ptr<transport::commun
 /// stand for the rounded ones in bf16 jobs. Tensor or expert parallelism: replica 0's
 /// rank 0 writes, with the parts of its stage's other ranks (their stage actors' and
 /// shards') put together: the files hold whole parameters, as without it.
-caf::result<stage_checkpoint> write_stage_checkpoint(caf::stateful_actor<stage_state>* self,
+caf::result<stage_checkpoint> write_stage_checkpoint(stage_self self,
                                                      const write_checkpoint& msg) {
   const auto& ctx = self->state.ctx;
   const auto& wiring = self->state.wiring;
@@ -1237,7 +1239,7 @@ caf::result<stage_checkpoint> write_stage_checkpoint(caf::stateful_actor<stage_s
     fetch_moments();
     return rp;
   }
-  std::vector<caf::actor> peers;  // pipelines 1 .. holders - 1
+  std::vector<stage_actor> peers;  // pipelines 1 .. holders - 1
   for (int q = 1; q < holders; ++q) peers.push_back(wiring->stages[q][s.stage]);
   request_all<state_reply>(
       self, peers, std::chrono::seconds(60),
@@ -1246,11 +1248,12 @@ caf::result<stage_checkpoint> write_stage_checkpoint(caf::stateful_actor<stage_s
   return rp;
 }
 
-caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared_ptr<const runtime_context> ctx,
-                             std::shared_ptr<const job_wiring> wiring, int replica, int stage,
-                             std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
-                             std::shared_ptr<transport::communicator> experts_backward,
-                             std::shared_ptr<transport::communicator> tensors) {
+stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const runtime_context> ctx,
+                                          std::shared_ptr<const job_wiring> wiring, int replica, int stage,
+                                          std::vector<torch::Tensor> params,
+                                          std::shared_ptr<transport::communicator> experts,
+                                          std::shared_ptr<transport::communicator> experts_backward,
+                                          std::shared_ptr<transport::communicator> tensors) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
@@ -1341,7 +1344,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
         s.done_reported = false;
         auto stash = std::move(s.stash);
         s.stash.clear();
-        for (auto& m : stash) self->send(self, std::move(m));
+        for (auto& m : stash) caf::anon_send(caf::actor_cast<caf::actor>(self), std::move(m));  // in order, as they came
         logic->run_ready();
       },
       [=](microbatch_input& msg) {
@@ -1420,7 +1423,7 @@ caf::behavior stage_behavior(caf::stateful_actor<stage_state>* self, std::shared
 
 }  // namespace
 
-caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+stage_actor spawn_stage_actor(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
                              std::shared_ptr<transport::communicator> experts_backward,

@@ -19,8 +19,7 @@
 // earlier one dropped.
 #include <memory>
 
-#include <caf/actor.hpp>
-#include <caf/event_based_actor.hpp>
+#include <caf/local_actor.hpp>
 
 #include <vector>
 
@@ -40,7 +39,7 @@ namespace troupe {
 /// backward compute at once (on the CPU, without recomputation). `tensors`
 /// (parallel.tensor_parallel > 1): the stage's tensor-parallel group, rank pipeline mod T,
 /// in which its layers' collectives run (likewise in one order).
-caf::actor spawn_stage_actor(caf::event_based_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+stage_actor spawn_stage_actor(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params = {},
                              std::shared_ptr<transport::communicator> experts = nullptr,

@@ -109,7 +109,7 @@ struct supervisor_state {
   std::shared_ptr<const runtime_context> ctx;
   std::shared_ptr<job_wiring> wiring;
   node_plan plan;
-  std::vector<std::pair<caf::actor, std::string>> children;  // (handle, name)
+  std::vector<std::pair<step_actor, std::string>> children;  // (handle, name)
   node_actors mine;  // the children's handles, as the coordinator gets them
   std::shared_ptr<snapshot_store> store = std::make_shared<snapshot_store>();  // this node's shards' snapshots
   std::shared_ptr<snapshot_store> buddies = std::make_shared<snapshot_store>();  // copies of the previous node's
@@ -120,7 +120,7 @@ struct supervisor_state {
   std::list<std::future<void>> retired;
 };
 
-using supervisor_self = caf::stateful_actor<supervisor_state>*;
+using supervisor_self = supervisor_actor::stateful_pointer<supervisor_state>;
 
 /// Spawns this node's actors on the plan's communicators; `step` >= 0: restarted in
 /// place (the job's `round`-th recovery), from the snapshots of the state before that
@@ -132,9 +132,9 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
   const auto& plan = s.plan;
   auto& wiring = *s.wiring;
   s.children.clear();
-  auto add = [&](caf::actor a, std::string name) {
+  auto add = [&](const auto& a, std::string name) {  // a child; its plain handle for the coordinator
     s.children.emplace_back(a, std::move(name));
-    return a;
+    return caf::actor_cast<caf::actor>(a);
   };
   node_actors mine;
   mine.node = plan.node;
@@ -147,23 +147,19 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
     auto from = step >= 0 ? s.store->get(k, r, step) : nullptr;
     mine.slot_replicas.push_back(r);
     mine.slot_stages.push_back(k);
-    mine.shards.push_back(wiring.shards[k][r] = add(spawn_optimizer_shard_actor(self, ctx, s.wiring, k, r,
-                                                                                plan.comms.at(i),
-                                                                                comm_or_null(plan.edp_comms, i),
-                                                                                s.store, from),
-                                                    ctx->shard_name(k, r)));
-    mine.stages.push_back(wiring.stages[r][k] =
-                              add(spawn_stage_actor(self, ctx, s.wiring, r, k,
-                                                    params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
-                                                    comm_or_null(plan.ep_comms, i),
-                                                    comm_or_null(plan.ep_backward_comms, i),
-                                                    comm_or_null(plan.tp_comms, i)),
-                                  ctx->stage_name(r, k)));
+    wiring.shards[k][r] = spawn_optimizer_shard_actor(self, ctx, s.wiring, k, r, plan.comms.at(i),
+                                                      comm_or_null(plan.edp_comms, i), s.store, from);
+    mine.shards.push_back(add(wiring.shards[k][r], ctx->shard_name(k, r)));
+    wiring.stages[r][k] = spawn_stage_actor(self, ctx, s.wiring, r, k,
+                                            params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
+                                            comm_or_null(plan.ep_comms, i), comm_or_null(plan.ep_backward_comms, i),
+                                            comm_or_null(plan.tp_comms, i));
+    mine.stages.push_back(add(wiring.stages[r][k], ctx->stage_name(r, k)));
   }
   for (int r : plan.loader_replicas) {
     mine.loader_replicas.push_back(r);
-    mine.loaders.push_back(wiring.loaders[r] =
-                               add(spawn_data_loader_actor(self, ctx, s.wiring, r), ctx->loader_name(r)));
+    wiring.loaders[r] = spawn_data_loader_actor(self, ctx, s.wiring, r);
+    mine.loaders.push_back(add(wiring.loaders[r], ctx->loader_name(r)));
   }
   spdlog::debug("supervisor of node {}: spawned {} actors", plan.node, s.children.size());
   return mine;
@@ -185,7 +181,7 @@ void give_up(supervisor_self self, const std::string& why) {
 void gather(supervisor_self self) {
   auto& s = self->state;
   auto& rec = *s.recovering;
-  const auto me = caf::actor_cast<caf::actor>(self);
+  const auto me = caf::actor_cast<supervisor_actor>(self);
   std::vector<transport::work_ptr> works;
   for (std::size_t i = 0; i < s.plan.slots.size(); ++i) {
     const auto [r, k] = s.plan.slots[i];
@@ -322,7 +318,7 @@ caf::result<node_actors> recover_from_buddy(supervisor_self self, std::int64_t s
   if (!s.children.empty()) return caf::make_error(caf::sec::runtime_error, std::string("not a rejoined node"));
   auto rp = start_recovery(self, step, round);
   if (!rp) return stale_round(round);
-  self->request(buddy, std::chrono::seconds(60), buddy_atom_v, step)
+  self->request(caf::actor_cast<supervisor_actor>(buddy), std::chrono::seconds(60), buddy_atom_v, step)
       .then(
           [self, step, round](const std::vector<shard_copy>& copies) {
             auto& s = self->state;
@@ -358,7 +354,7 @@ caf::result<bool> receive_copy(supervisor_self self, shard_copy& copy) {
   in->promise = self->make_response_promise<bool>();
   in->left = int(remote.size()) + 1;
   s.incoming[id] = in;
-  const auto me = caf::actor_cast<caf::actor>(self);
+  const auto me = caf::actor_cast<supervisor_actor>(self);
   auto arrived = [in, me, id] {
     if (--in->left == 0) caf::anon_send(me, copied_atom_v, id);
   };
@@ -417,18 +413,19 @@ void on_gathered(supervisor_self self, std::int32_t round, const std::string& er
 void take_wiring(supervisor_state& s, const wiring_msg& msg) {
   const auto& ctx = *s.ctx;
   auto& wiring = *s.wiring;
-  wiring.coordinator = msg.coordinator;
+  wiring.coordinator = caf::actor_cast<coordinator_actor>(msg.coordinator);
   const int nodes = int(msg.supervisors.size());
   wiring.buddy_node = nodes > 1 && s.plan.node > 0 ? (s.plan.node + 1) % nodes : -1;
-  wiring.buddy = wiring.buddy_node >= 0 ? msg.supervisors.at(wiring.buddy_node) : caf::actor();
+  wiring.buddy = wiring.buddy_node >= 0 ? caf::actor_cast<supervisor_actor>(msg.supervisors.at(wiring.buddy_node))
+                                        : supervisor_actor();
   wiring.nodes.assign(ctx.pipes, std::vector<int>(ctx.p, 0));
   for (int r = 0; r < ctx.pipes; ++r)
     for (int k = 0; k < ctx.p; ++k) wiring.nodes[r][k] = msg.nodes.at(std::size_t(r) * ctx.p + k);
   for (int r = 0; r < ctx.pipes; ++r) {
-    wiring.loaders[r] = msg.loaders.at(r);
+    wiring.loaders[r] = caf::actor_cast<loader_actor>(msg.loaders.at(r));
     for (int k = 0; k < ctx.p; ++k) {
-      wiring.stages[r][k] = msg.stages.at(std::size_t(r) * ctx.p + k);
-      wiring.shards[k][r] = msg.shards.at(std::size_t(k) * ctx.pipes + r);
+      wiring.stages[r][k] = caf::actor_cast<stage_actor>(msg.stages.at(std::size_t(r) * ctx.p + k));
+      wiring.shards[k][r] = caf::actor_cast<shard_actor>(msg.shards.at(std::size_t(k) * ctx.pipes + r));
     }
   }
 }
@@ -437,7 +434,7 @@ void take_wiring(supervisor_state& s, const wiring_msg& msg) {
 caf::result<std::vector<reset_report>> reset_children(supervisor_self self, const reset_step& msg) {
   auto rp = self->make_response_promise<std::vector<reset_report>>();
   auto reports = std::make_shared<std::vector<reset_report>>();
-  std::vector<caf::actor> handles;
+  std::vector<step_actor> handles;
   auto names = std::make_shared<std::vector<std::string>>();
   for (const auto& [h, n] : self->state.children) {
     handles.push_back(h);
@@ -457,16 +454,16 @@ caf::result<std::vector<reset_report>> reset_children(supervisor_self self, cons
   return rp;
 }
 
-caf::behavior supervisor_behavior(supervisor_self self, std::shared_ptr<const runtime_context> ctx,
+supervisor_actor::behavior_type supervisor_behavior(supervisor_self self, std::shared_ptr<const runtime_context> ctx,
                                   std::shared_ptr<job_wiring> wiring, node_plan initial_plan) {
   auto& s = self->state;
   s.ctx = ctx;
   s.wiring = wiring;
   s.plan = std::move(initial_plan);
   // The wiring covers the whole job; entries of other nodes arrive with wiring_msg.
-  wiring->stages.assign(ctx->pipes, std::vector<caf::actor>(ctx->p));
-  wiring->shards.assign(ctx->p, std::vector<caf::actor>(ctx->pipes));
-  wiring->loaders.assign(ctx->pipes, caf::actor());
+  wiring->stages.assign(ctx->pipes, std::vector<stage_actor>(ctx->p));
+  wiring->shards.assign(ctx->p, std::vector<shard_actor>(ctx->pipes));
+  wiring->loaders.assign(ctx->pipes, loader_actor());
   wiring->node = s.plan.node;
   wiring->world = s.plan.world;
   // A node process restarted after a loss starts without actors: the coordinator's
@@ -530,8 +527,8 @@ caf::behavior supervisor_behavior(supervisor_self self, std::shared_ptr<const ru
 
 }  // namespace
 
-caf::actor spawn_supervisor_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
-                                  std::shared_ptr<job_wiring> wiring, node_plan plan) {
+supervisor_actor spawn_supervisor_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
+                                        std::shared_ptr<job_wiring> wiring, node_plan plan) {
   return sys.spawn(supervisor_behavior, std::move(ctx), std::move(wiring), std::move(plan));
 }
 

@@ -19,8 +19,7 @@
 #include <functional>
 #include <memory>
 
-#include <caf/actor.hpp>
-#include <caf/event_based_actor.hpp>
+#include <caf/actor_system.hpp>
 
 #include "actors/runtime.hpp"
 #include "messages/node_messages.hpp"
@@ -67,7 +66,7 @@ struct node_plan {
   std::vector<int> loader_replicas;
   std::shared_ptr<transport::communicator> world;  ///< between nodes (rank = node); null: one process
   /// Several nodes: where addresses are exchanged, and how to make fresh communicators.
-  caf::actor registrar;
+  registrar_actor registrar;
   std::function<std::unique_ptr<comm_renewal>()> renew;
   /// A node process restarted after a loss: no actors (nor communicators) until the
   /// coordinator's recover names the buddy holding its shards' state.
@@ -89,7 +88,7 @@ node_plan local_node_plan(const runtime_context& ctx);
 
 /// Spawns the supervisor of a node (a stateful actor: its state, the children's handles
 /// with it, goes when it quits).
-caf::actor spawn_supervisor_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
-                                  std::shared_ptr<job_wiring> wiring, node_plan plan);
+supervisor_actor spawn_supervisor_actor(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
+                                        std::shared_ptr<job_wiring> wiring, node_plan plan);
 
 }  // namespace troupe
