@@ -17,6 +17,9 @@
 #include <torch/torch.h>
 #include <ucp/api/ucp.h>
 
+#include "transport/algorithms/direct_exchange.hpp"
+#include "transport/algorithms/ring.hpp"
+
 namespace troupe::transport {
 
 namespace {
@@ -37,11 +40,6 @@ std::uint64_t coll_tag(int src, collective kind, std::uint64_t seq, int step) {
 // The communicator whose collective thread is driving its worker right now (set on that
 // thread only, cleared while it is inside UCX: callbacks must not post directly).
 thread_local const void* t_driver = nullptr;
-
-// One step of a ring: send to the right, receive from the left, `meanwhile` between
-// posting and waiting (ucx_comm::ring_exchange).
-using exchange_fn = std::function<void(collective, std::uint64_t, int, torch::Tensor, int, torch::Tensor, int,
-                                       const std::function<void()>&)>;
 
 void check_status(ucs_status_t s, const char* what) {
   if (s != UCS_OK) throw transport_error(std::string(what) + ": " + ucs_status_string(s));
@@ -142,20 +140,20 @@ class ucx_comm : public communicator, public std::enable_shared_from_this<ucx_co
   /// Sends to[p] to every other rank p and receives from[p] from it, all at once.
   void direct_exchange(collective kind, std::uint64_t seq, int step, const std::vector<torch::Tensor>& to,
                        const std::vector<torch::Tensor>& from, const std::function<void()>& meanwhile = {});
+  /// Direct exchange rather than a ring (transport/algorithms/): small tensors on 3 ranks or more.
   bool direct(const torch::Tensor& t) const {
     return size_ >= 3 && std::int64_t(t.nbytes()) <= opts_.direct_max_bytes;
   }
-  /// Reduce-scatter by direct exchange: this rank's piece of the sum in `output`, which
-  /// may alias the input's piece.
-  void direct_reduce_scatter(collective kind, std::uint64_t seq, torch::Tensor input, torch::Tensor output);
-  exchange_fn ring_step() {
+  /// The algorithms' exchange steps over this communicator's tagged transfers.
+  ring_exchange_fn ring_step() {
     return [this](collective k, std::uint64_t q, int s, torch::Tensor a, int d, torch::Tensor b, int src,
                   const std::function<void()>& meanwhile) { ring_exchange(k, q, s, a, d, b, src, meanwhile); };
   }
-  /// All-gather by direct exchange in place over `out`, whose piece `rank` is filled, or
-  /// is `mine` (sent from there and copied in while the transfers run) where defined.
-  void direct_all_gather(collective kind, std::uint64_t seq, int step, torch::Tensor out,
-                         torch::Tensor mine = torch::Tensor());
+  all_exchange_fn direct_step() {
+    return [this](collective k, std::uint64_t q, int s, const std::vector<torch::Tensor>& to,
+                  const std::vector<torch::Tensor>& from,
+                  const std::function<void()>& meanwhile) { direct_exchange(k, q, s, to, from, meanwhile); };
+  }
 
   const int rank_, size_;
   const ucx_options opts_;
@@ -511,49 +509,6 @@ void ucx_comm::direct_exchange(collective kind, std::uint64_t seq, int step, con
   for (auto& w : ws) await(w);
 }
 
-// Buffer i of the scratch kept by the communicator (fresh large buffers would page-fault
-// on every call), viewed as `count` elements of `dtype`; grows, never shrinks.
-static torch::Tensor scratch_view(std::vector<torch::Tensor>& scratch, std::size_t i, std::int64_t count,
-                                  torch::ScalarType dtype) {
-  if (scratch.size() <= i) scratch.resize(i + 1);
-  const auto bytes = std::max<std::int64_t>(1, count) * std::int64_t(c10::elementSize(dtype));
-  auto& t = scratch[i];
-  if (!t.defined() || std::int64_t(t.nbytes()) < bytes) t = torch::empty({bytes}, torch::kUInt8);
-  return t.narrow(0, 0, count * std::int64_t(c10::elementSize(dtype))).view(dtype);
-}
-
-void ucx_comm::direct_reduce_scatter(collective kind, std::uint64_t seq, torch::Tensor input, torch::Tensor output) {
-  const auto total = input.numel();
-  auto [b, e] = piece(total, size_, rank_);
-  const std::int64_t mine = e - b;
-  // Scratch: one piece per other rank, and the sum.
-  auto buffer = [&](int i) { return scratch_view(scratch_, std::size_t(i), mine, input.scalar_type()); };
-  std::vector<torch::Tensor> to(static_cast<std::size_t>(size_)), parts(static_cast<std::size_t>(size_));
-  for (int p = 0; p < size_; ++p) {
-    auto [pb, pe] = piece(total, size_, p);
-    to[p] = input.narrow(0, pb, pe - pb);
-    parts[p] = p == rank_ ? input.narrow(0, b, mine) : buffer(p);
-  }
-  direct_exchange(kind, seq, 0, to, parts);
-  auto sum = buffer(size_);  // not `output`: it may be one of the parts
-  ring_order_sum(sum, parts, rank_);
-  output.copy_(sum);
-}
-
-void ucx_comm::direct_all_gather(collective kind, std::uint64_t seq, int step, torch::Tensor out, torch::Tensor mine) {
-  std::vector<torch::Tensor> to(static_cast<std::size_t>(size_)), from(static_cast<std::size_t>(size_));
-  auto [b, e] = piece(out.numel(), size_, rank_);
-  auto slot = out.narrow(0, b, e - b);
-  for (int p = 0; p < size_; ++p) {
-    auto [pb, pe] = piece(out.numel(), size_, p);
-    to[p] = mine.defined() ? mine : slot;
-    from[p] = out.narrow(0, pb, pe - pb);
-  }
-  direct_exchange(kind, seq, step, to, from, [&] {
-    if (mine.defined()) slot.copy_(mine);
-  });
-}
-
 void ucx_comm::await(const work_ptr& w) {
   // Driving: progress here until the transfer is done, with the progress loop's patience
   // (then hand the worker back and sleep on the work like any other waiter).
@@ -581,53 +536,6 @@ void ucx_comm::await(const work_ptr& w) {
   }
 }
 
-// Ring reduce-scatter of `input` into `output` (piece `rank`). Step s sends the partial
-// sum of piece (r - s - 1) (at step 0 the rank's own input piece) and receives the partial
-// sum of piece (r - s - 2) from the left, adding its own input to it: only piece-sized
-// buffers, the input is not modified.
-static void ring_reduce_scatter(int rank, int n, collective kind, std::uint64_t seq, int step0, torch::Tensor input,
-                                torch::Tensor output, std::vector<torch::Tensor>& scratch,
-                                const exchange_fn& exchange) {
-  const auto total = input.numel();
-  const int right = (rank + 1) % n, left = (rank + n - 1) % n;
-  const auto longest = piece(total, n, 0);
-  const std::int64_t cap = std::max<std::int64_t>(1, longest.second - longest.first);
-  auto view = [&](int i) { return scratch_view(scratch, std::size_t(i), cap, input.scalar_type()); };
-  torch::Tensor in = view(0), sums[2] = {view(1), view(2)};
-  torch::Tensor outgoing;
-  for (int s = 0; s < n - 1; ++s) {
-    const int cs = ((rank - s - 1) % n + n) % n, cr = ((rank - s - 2) % n + n) % n;
-    auto [sb, se] = piece(total, n, cs);
-    auto [rb, re] = piece(total, n, cr);
-    if (s == 0) outgoing = input.narrow(0, sb, se - sb);
-    auto incoming = in.narrow(0, 0, re - rb);
-    exchange(kind, seq, step0 + s, outgoing, right, incoming, left, {});
-    auto sum = s == n - 2 ? output : sums[s % 2].narrow(0, 0, re - rb);
-    torch::add_out(sum, input.narrow(0, rb, re - rb), incoming);
-    outgoing = sum;
-  }
-  if (n == 1) output.copy_(input);
-}
-
-// Ring all-gather in place over `out` whose piece `rank` is filled, or is `mine`: then
-// step 0 sends from `mine` and copies it in while its transfers run.
-static void ring_all_gather(int rank, int n, collective kind, std::uint64_t seq, int step0, torch::Tensor out,
-                            torch::Tensor mine, const exchange_fn& exchange) {
-  const auto total = out.numel();
-  const int right = (rank + 1) % n, left = (rank + n - 1) % n;
-  for (int s = 0; s < n - 1; ++s) {
-    const int cs = ((rank - s) % n + n) % n, cr = ((rank - s - 1) % n + n) % n;
-    auto [sb, se] = piece(total, n, cs);
-    auto [rb, re] = piece(total, n, cr);
-    auto slot = out.narrow(0, sb, se - sb);
-    const bool first = s == 0 && mine.defined();
-    exchange(kind, seq, step0 + s, first ? mine : slot, right, out.narrow(0, rb, re - rb), left, [&] {
-      if (first) slot.copy_(mine);
-    });
-  }
-  if (n == 1 && mine.defined()) out.copy_(mine);
-}
-
 work_ptr ucx_comm::all_reduce(torch::Tensor t) {
   check_tensor(t, -1, "all_reduce");
   if (!summable(t.scalar_type())) throw std::invalid_argument("all_reduce: dtype cannot be summed");
@@ -635,8 +543,9 @@ work_ptr ucx_comm::all_reduce(torch::Tensor t) {
     auto flat = t.view({-1});
     auto [b, e] = piece(flat.numel(), size_, rank_);
     if (direct(flat)) {
-      direct_reduce_scatter(collective::all_reduce, seq, flat, flat.narrow(0, b, e - b));
-      return direct_all_gather(collective::all_reduce, seq, 1, flat);
+      direct_reduce_scatter(rank_, size_, collective::all_reduce, seq, flat, flat.narrow(0, b, e - b), scratch_,
+                            direct_step());
+      return direct_all_gather(rank_, size_, collective::all_reduce, seq, 1, flat, torch::Tensor(), direct_step());
     }
     // The sum of piece `rank` can land in place: no step before the last reads it.
     ring_reduce_scatter(rank_, size_, collective::all_reduce, seq, 0, flat, flat.narrow(0, b, e - b), scratch_,
@@ -651,7 +560,9 @@ work_ptr ucx_comm::reduce_scatter(torch::Tensor input, torch::Tensor output) {
   auto [b, e] = piece(input.numel(), size_, rank_);
   check_tensor(output, e - b, "reduce_scatter output");
   return enqueue(collective::reduce_scatter, [this, input, output](std::uint64_t seq) {
-    if (direct(input)) return direct_reduce_scatter(collective::reduce_scatter, seq, input.view({-1}), output.view({-1}));
+    if (direct(input))
+      return direct_reduce_scatter(rank_, size_, collective::reduce_scatter, seq, input.view({-1}), output.view({-1}),
+                                   scratch_, direct_step());
     ring_reduce_scatter(rank_, size_, collective::reduce_scatter, seq, 0, input.view({-1}), output.view({-1}), scratch_,
                         ring_step());
   });
@@ -674,7 +585,7 @@ work_ptr ucx_comm::all_gather(torch::Tensor input, torch::Tensor output) {
       if (mine.data_ptr() != slot.data_ptr()) slot.copy_(mine);
       mine = torch::Tensor();
     }
-    if (direct(flat)) return direct_all_gather(collective::all_gather, seq, 0, flat, mine);
+    if (direct(flat)) return direct_all_gather(rank_, size_, collective::all_gather, seq, 0, flat, mine, direct_step());
     ring_all_gather(rank_, size_, collective::all_gather, seq, 0, flat, mine, ring_step());
   });
 }
