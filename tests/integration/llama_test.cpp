@@ -3,8 +3,9 @@
 // checkpoint folder resumes in another layout, a failed step is retried in place,
 // evaluation runs in the pipeline, and generation with the key/value cache (rotary
 // positions, grouped key/value heads) equals generation without it. Against plain
-// PyTorch: tests/unit/pipeline_test.cpp (PytorchReference) and
-// tests/integration/multiprocess_test.cpp (MultiProcessLlama).
+// PyTorch: tests/unit/pytorch_reference_test.cpp (PytorchReference) and
+// tests/integration/multiprocess_llama_test.cpp (MultiProcessLlama). Every schedule
+// kind against the reference loop: llama_layouts_test.cpp.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -23,28 +24,6 @@ namespace troupe {
 using namespace actor_test;
 
 namespace {
-
-job_config llama_config(int steps) {
-  auto c = test::gpt_config(steps);
-  c.workload = "llama-tiny";  // gpt-tiny's data and training, Llama's model
-  return c;
-}
-
-const reference_run& llama_reference() {
-  static const reference_run ref = [] {
-    reference_run r;
-    r.state = test::shared_reference(
-        "actors-llama-tiny-reference",
-        [](std::vector<double>* losses) {
-          auto run = reference_of(llama_config(200));
-          *losses = run.losses;
-          return run.state;
-        },
-        &r.losses);
-    return r;
-  }();
-  return ref;
-}
 
 /// A small llama (2 layers, 4 heads sharing 2 key/value heads, context 24) trained for
 /// 100 steps: its next-byte distributions are far from uniform.
@@ -69,8 +48,6 @@ const state_dict& small_trained() {
   }();
   return state;
 }
-
-class LlamaLayouts : public ::testing::TestWithParam<layout> {};
 
 }  // namespace
 
@@ -103,27 +80,6 @@ TEST(Llama, ParametersHaveHuggingFaceNamesAndShapes) {
   EXPECT_EQ(std::count(last_names.begin(), last_names.end(), "model.embed_tokens.weight"), 0);
   EXPECT_EQ(last_names.back(), "lm_head.weight");
 }
-
-TEST_P(LlamaLayouts, SameParametersAndLossesAsTheReferenceLoop) {
-  const auto l = GetParam();
-  auto c = gpt_layout(l);
-  c.workload = "llama-tiny";
-  const auto got = run_actors(c);
-  ASSERT_EQ(got.exit_code, 0) << got.error;
-  const auto& ref = llama_reference();
-  EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5) << name_of(l);
-  EXPECT_GT(test::max_abs_diff(got.final_state, initial_state(c.model(), c.seed)), 1e-3) << "parameters did not move";
-  ASSERT_EQ(got.losses.size(), ref.losses.size());
-  for (std::size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i;
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, LlamaLayouts,
-    // Every schedule kind, with a pipeline and replicas: zero-bubble's split backward
-    // over the seven projections, dataflow's split W ops with gradient buckets.
-    ::testing::Values(layout{4, 1, 1, "1f1b"}, layout{4, 2, 1, "gpipe"}, layout{2, 2, 2, "interleaved-1f1b"},
-                      layout{4, 2, 1, "zero-bubble"}, layout{4, 2, 1, "dataflow", true, 20000}),
-    [](const auto& info) { return name_of(info.param); });
 
 // Recompute modes change no bit, in fp32 and bf16; a bf16 run follows the fp32 one.
 TEST(Llama, RecomputeAndBf16) {

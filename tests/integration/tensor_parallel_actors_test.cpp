@@ -176,7 +176,7 @@ TEST(TensorParallelActors, CheckpointFilesAreWholeAndResumeWithOtherWidths) {
   EXPECT_LE(test::max_abs_diff(saved, load_state_dict(local_path)), 1e-6);
   EXPECT_LE(test::max_abs_diff(load_state_dict(path + ".optim"), load_state_dict(local_path + ".optim")), 1e-6);
   // Resumed with T = 1 and T = 4 for two more steps: the same as the local loop resumed
-  // from the same file (itself checked across widths in tensor_parallel_test.cpp).
+  // from the same file (itself checked across widths in tensor_parallel_checkpoint_test.cpp).
   for (int width : {1, 4}) {
     auto c = two;
     c.tensor_parallel = width;

@@ -22,6 +22,13 @@ struct reference_run {
   std::vector<double> losses;
 };
 
+/// gpt-tiny's data and training with llama-tiny's model.
+inline job_config llama_config(int steps) {
+  auto c = test::gpt_config(steps);
+  c.workload = "llama-tiny";
+  return c;
+}
+
 inline reference_run reference_of(job_config c) {
   c.pipeline = c.data_parallel = c.chunks = 1;
   c.schedule = "1f1b";

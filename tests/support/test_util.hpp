@@ -44,7 +44,7 @@ inline std::string config_error_of(const job_config& c) {
 }
 
 /// gpt-tiny's configuration with a short run, on the CPU (the reference loop's device,
-/// also on GPU machines; tests/gpu/gpu_test.cpp compares devices).
+/// also on GPU machines; tests/gpu/gpu_equivalence_test.cpp compares devices).
 inline job_config gpt_config(int steps) {
   auto c = job_config::defaults_for("gpt-tiny");
   c.steps = steps;

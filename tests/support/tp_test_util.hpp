@@ -59,4 +59,7 @@ inline job_config with_layout(job_config c, const tp_layout& l) {
   return c;
 }
 
+/// The largest elementwise difference of `a` and `b`.
+inline double diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
 }  // namespace troupe::tp_test

@@ -1,6 +1,6 @@
 // Tensor and sequence parallelism (compute/tensor_parallel.hpp): each parallel layer
-// against its unsplit counterpart, and the local loop split over T ranks against the
-// unsplit run (WORKLOADS.md's equivalence rule), resumed across widths, and its errors.
+// against its unsplit counterpart. The local loop split over T ranks:
+// tensor_parallel_{training,checkpoint,config,evaluation,over_ucx}_test.cpp.
 #include <gtest/gtest.h>
 
 #include <thread>
@@ -38,8 +38,6 @@ void on_ranks(int size, const std::function<void(int, collective_group&)>& fn) {
   for (auto& th : threads) th.join();
   for (const auto& e : errors) ASSERT_EQ(e, "");
 }
-
-double diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
 
 torch::Tensor leaf(const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); }
 
@@ -150,164 +148,6 @@ TEST(TensorParallelLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheWholeOne
     EXPECT_LT(diff(torch::cat(w_grads), w.grad()), 1e-6) << size;
     EXPECT_LT(diff(torch::cat(l_grads, 1), l.grad()), 1e-7) << size;
   }
-}
-
-namespace {
-
-state_dict train(const job_config& c, std::vector<double>* losses = nullptr) {
-  local_trainer t(c, std::nullopt, in_process_groups);
-  for (int i = 0; i < c.steps; ++i) {
-    const auto st = t.step();
-    if (losses) losses->push_back(st.loss);
-  }
-  return t.state();
-}
-
-class TensorParallelTraining : public ::testing::TestWithParam<tp_layout> {};
-
-}  // namespace
-
-TEST_P(TensorParallelTraining, ParametersEqualTheUnsplitRunAfterTenSteps) {
-  const auto l = GetParam();
-  const auto base = small_job(l.workload);
-  std::vector<double> ref_losses, losses;
-  const auto ref = test::shared_reference(std::string("tp-unsplit-") + l.workload, [&](std::vector<double>* out) {
-    return train(base, out);
-  }, &ref_losses);
-  const auto c = with_layout(base, l);
-  const auto got = train(c, &losses);
-  EXPECT_LE(test::max_abs_diff(got, ref), 1e-5) << name_of(l);
-  ASSERT_EQ(losses.size(), ref_losses.size());
-  for (std::size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(losses[i], ref_losses[i], 1e-5) << "step " << i;
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, TensorParallelTraining,
-    ::testing::Values(
-        // gpt2: T x SP x P x D
-        tp_layout{2, 1, 1, false, "gpt-tiny", "1f1b", "none"}, tp_layout{2, 1, 1, true, "gpt-tiny", "1f1b", "none"},
-        tp_layout{4, 1, 1, false, "gpt-tiny", "1f1b", "none"}, tp_layout{4, 1, 1, true, "gpt-tiny", "1f1b", "none"},
-        tp_layout{2, 2, 1, false, "gpt-tiny", "1f1b", "none"}, tp_layout{2, 2, 1, true, "gpt-tiny", "1f1b", "none"},
-        tp_layout{2, 1, 2, false, "gpt-tiny", "1f1b", "none"}, tp_layout{2, 1, 2, true, "gpt-tiny", "1f1b", "none"},
-        tp_layout{4, 2, 2, false, "gpt-tiny", "1f1b", "none"}, tp_layout{4, 2, 2, true, "gpt-tiny", "1f1b", "none"},
-        tp_layout{2, 2, 2, true, "gpt-tiny", "gpipe", "none"},
-        // every schedule kind and recompute mode with sequence parallelism
-        tp_layout{2, 2, 1, true, "gpt-tiny", "zero-bubble", "none"},
-        tp_layout{2, 2, 1, true, "gpt-tiny", "interleaved-1f1b", "none"},
-        tp_layout{2, 2, 1, true, "gpt-tiny", "1f1b", "full"}, tp_layout{2, 1, 1, true, "gpt-tiny", "1f1b", "selective"},
-        // llama (2 key/value heads: T = 2)
-        tp_layout{2, 1, 1, false, "llama-tiny", "1f1b", "none"}, tp_layout{2, 1, 1, true, "llama-tiny", "1f1b", "none"},
-        tp_layout{2, 2, 2, true, "llama-tiny", "1f1b", "none"}, tp_layout{2, 2, 1, false, "llama-tiny", "zero-bubble", "full"}),
-    [](const ::testing::TestParamInfo<tp_layout>& info) { return name_of(info.param); });
-
-TEST(TensorParallelCheckpoint, AWidthTwoCheckpointResumesWithWidthsOneAndFour) {
-  test::temp_dir dir;
-  const auto path = dir / "tp2.pt";
-  auto two = small_job();
-  two.tensor_parallel = 2;
-  two.sequence_parallel = true;
-  two.steps = 10;
-  local_trainer first(two, std::nullopt, in_process_groups);
-  for (int i = 0; i < 5; ++i) first.step();
-  first.save_checkpoint(path);
-  // The files hold the whole model, as the unsplit loop writes it.
-  const auto saved = load_state_dict(path);
-  check_state(two.model(), saved);
-  EXPECT_EQ(test::max_abs_diff(saved, first.state()), 0.0);
-  for (int width : {1, 4}) {
-    auto c = two;
-    c.tensor_parallel = width;
-    c.load = path;
-    local_trainer resumed(c, std::nullopt, in_process_groups);
-    EXPECT_EQ(resumed.next_step(), 5);
-    EXPECT_EQ(test::max_abs_diff(resumed.state(), saved), 0.0) << width;
-    // ... and the optimizer state comes back whole: the next steps follow the width-2 run.
-    for (int i = 5; i < 10; ++i) resumed.step();
-    if (width == 1) {
-      for (int i = 5; i < 10; ++i) first.step();
-    }
-    EXPECT_LE(test::max_abs_diff(resumed.state(), first.state()), 1e-5) << width;
-  }
-}
-
-TEST(TensorParallelConfig, LayoutsThatCannotWorkSayWhichNumberAndWhatFits) {
-  const auto error_of = test::config_error_of;
-  auto c = small_job();
-  c.tensor_parallel = 3;
-  EXPECT_NE(error_of(c).find("tensor_parallel = 3 does not divide model.heads = 4"), std::string::npos) << error_of(c);
-  EXPECT_NE(error_of(c).find("fit this model: 1, 2, 4"), std::string::npos) << error_of(c);
-  auto llama = small_job("llama-tiny");
-  llama.tensor_parallel = 4;
-  EXPECT_NE(error_of(llama).find("does not divide model.kv_heads = 2"), std::string::npos) << error_of(llama);
-  EXPECT_NE(error_of(llama).find("fit this model: 1, 2"), std::string::npos) << error_of(llama);
-  c.tensor_parallel = 2;
-  c.d_ff = 33;
-  EXPECT_NE(error_of(c).find("does not divide model.d_ff = 33"), std::string::npos) << error_of(c);
-  c.d_ff = 0;
-  c.seq_len = 33;
-  EXPECT_EQ(error_of(c), "");  // without sequence parallelism the sequence stays whole
-  c.sequence_parallel = true;
-  EXPECT_NE(error_of(c).find("model.seq_len (with parallel.sequence_parallel) = 33"), std::string::npos)
-      << error_of(c);
-  auto mlp = job_config::defaults_for("fmnist-mlp");
-  mlp.runtime = "local";
-  mlp.tensor_parallel = 2;
-  EXPECT_NE(error_of(mlp).find("fmnist-mlp has none"), std::string::npos) << error_of(mlp);
-  // (The actor runtime's refusals: tensor_parallel_actors_test.cpp.)
-  // A loop given no groups says so.
-  auto two = small_job();
-  two.tensor_parallel = 2;
-  EXPECT_THROW(local_trainer t(two), config_error);
-}
-
-}  // namespace troupe
-
-namespace troupe {
-
-TEST(TensorParallelEvaluation, ValidationLossAndLogitsEqualTheUnsplitModels) {
-  auto one = small_job("llama-tiny");
-  auto two = one;
-  two.tensor_parallel = 2;
-  two.sequence_parallel = true;
-  local_trainer a(one), b(two, std::nullopt, in_process_groups);
-  for (int i = 0; i < 3; ++i) {
-    a.step();
-    b.step();
-  }
-  const auto ea = a.evaluate(), eb = b.evaluate();
-  EXPECT_NEAR(ea.loss, eb.loss, 1e-5);
-  EXPECT_NEAR(ea.bits_per_byte(), eb.bits_per_byte(), 1e-5);
-  // The logits, gathered over the vocabulary, on each rank.
-  const auto tokens = torch::randint(0, 256, {2, 32});
-  torch::NoGradGuard no_grad;
-  auto& whole = a.replica(0).slice(0);
-  const auto want = whole.logits(whole.forward(tokens));
-  std::vector<torch::Tensor> got(2);
-  std::vector<std::thread> ranks;
-  for (int t = 0; t < 2; ++t)
-    ranks.emplace_back([&, t] {
-      auto& part = b.replica(0, t).slice(0);
-      got[std::size_t(t)] = part.logits(part.forward(tokens));
-    });
-  for (auto& r : ranks) r.join();
-  for (const auto& g : got) EXPECT_LT(diff(g, want), 1e-5);
-}
-
-}  // namespace troupe
-
-namespace troupe {
-
-/// Tensor-parallel groups over UCX (shared memory between the threads of this process):
-/// what node processes would use between processes.
-TEST(TensorParallelOverUcx, GroupsOfUcxCommunicatorsGiveTheInProcessGroupsBits) {
-  const group_factory ucx = test::ucx_groups;
-  auto c = small_job("llama-tiny");
-  c.tensor_parallel = 2;
-  c.sequence_parallel = true;
-  c.pipeline = 2;
-  local_trainer over_ucx(c, std::nullopt, ucx), in_process(c, std::nullopt, in_process_groups);
-  for (int i = 0; i < 3; ++i) EXPECT_EQ(over_ucx.step().loss, in_process.step().loss) << "step " << i;
-  EXPECT_EQ(test::max_abs_diff(over_ucx.state(), in_process.state()), 0.0);
 }
 
 }  // namespace troupe
