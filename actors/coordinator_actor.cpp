@@ -56,7 +56,6 @@ std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::stri
   };
 }
 
-
 /// Stops everything and answers the run request.
 void finish(self_ptr self, int code, const std::string& error) {
   auto& s = self->state;

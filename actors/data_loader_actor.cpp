@@ -91,7 +91,10 @@ loader_actor::behavior_type idle(loader_self self) {
       },
       wait_handler(self),
       reset_handler(self),
-      [self](const abort_step& msg) { self->state.step = msg.step; },
+      [self](const abort_step& msg) {
+        self->state.step = msg.step;
+        self->state.next_mb = self->state.ctx->m;  // nothing owed
+      },
   };
 }
 

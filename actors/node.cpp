@@ -411,7 +411,8 @@ actor_run_result run_node(const node_options& o) {
           hosted += " (" + std::to_string(ctx->dp_of(r)) + "," + std::to_string(k) +
                     (ctx->t > 1 ? "," + std::to_string(ctx->tp_of(r)) : "") + ")";
         supervisor = spawn_supervisor_actor(sys, ctx, wiring, std::move(plan));
-        ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, caf::actor_cast<caf::actor>(supervisor)}, where + ": ready");
+        ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, caf::actor_cast<caf::actor>(supervisor)},
+                  where + ": ready");
         joined = false;
         const std::string here = o.nodes_per_host > 1 ? ", node process " + std::to_string(o.local_node + 1) + " of " +
                                                              std::to_string(o.nodes_per_host) + " on this machine"
