@@ -76,11 +76,13 @@ coordinator_actor::behavior_type evaluating_behavior(self_ptr self) {
   };
 }
 
-/// Wiring, between steps, rebuilding: no step runs, so any report is stale; the
-/// continuations of the phase's requests move it on.
-coordinator_actor::behavior_type waiting_behavior(self_ptr self) {
+/// No step runs, so any report is stale; the continuations of the phase's requests move it
+/// on. `run`: what a run request gets (idle: the run; wiring, between steps, rebuilding:
+/// refused).
+template <class Run>
+coordinator_actor::behavior_type waiting_behavior(self_ptr self, Run run) {
   return {
-      refuse_run(),
+      run,
       drop<loss_report>(self, "loss report"),
       drop<grad_norm_partial>(self, "gradient-norm partial"),
       drop<stage_done>(self, "stage-done report"),
@@ -110,18 +112,7 @@ const char* phase_name(phase p) {
 
 /// Spawned: the run request starts the job.
 coordinator_actor::behavior_type idle(self_ptr self) {
-  return {
-      [self](run_atom) { return on_run(self); },
-      drop<loss_report>(self, "loss report"),
-      drop<grad_norm_partial>(self, "gradient-norm partial"),
-      drop<stage_done>(self, "stage-done report"),
-      drop<shard_done>(self, "shard-done report"),
-      failures(self),
-      drop<eval_result>(self, "evaluation result"),
-      no_eval_timeout(),
-      watchdog(self),
-      no_step_timeout(),
-  };
+  return waiting_behavior(self, [self](run_atom) { return on_run(self); });
 }
 
 void enter(self_ptr self, phase next) {
@@ -134,7 +125,7 @@ void enter(self_ptr self, phase next) {
     case phase::evaluating: return self->become(evaluating_behavior(self));
     case phase::wiring:
     case phase::between_steps:
-    case phase::rebuilding: return self->become(waiting_behavior(self));
+    case phase::rebuilding: return self->become(waiting_behavior(self, refuse_run()));
     case phase::finished: return;  // finish() quits
   }
 }
