@@ -6,7 +6,9 @@
 # replayed, and no process left. Then the same with node 1 on another machine (a
 # --hostfile job; a stand-in for ssh runs its hosts' commands here, 127.0.0.2's in an IPC
 # namespace of their own, so that the nodes take it for another machine): node 0 asks for
-# it to be ended, and the launcher has the watcher on its host end it.
+# it to be ended, and the launcher has the watcher on its host end it. Then under SLURM
+# (a stand-in for srun, task 1 on "another machine"): node 0's task passes the request to
+# task 1, which ends its node and starts it again.
 #   tests/faults/fence_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 job=(train --pipeline 2 --data-parallel 2 --steps 24 --eval-interval 0)
@@ -19,7 +21,7 @@ job=(train --pipeline 2 --data-parallel 2 --steps 24 --eval-interval 0)
 frozen() {
   local name=$1 fenced=$2 pid rc out secs node1 stopped_at i
   shift 2
-  "$launcher" "${job[@]}" "$@" --metrics "$tmp/$name.jsonl" --save "$tmp/$name.pt" >"$tmp/$name.log" 2>&1 &
+  ${srun:-} "$launcher" "${job[@]}" "$@" --metrics "$tmp/$name.jsonl" --save "$tmp/$name.pt" >"$tmp/$name.log" 2>&1 &
   pid=$!
   for ((i = 0; i < 600; i++)); do grep -q "step  *6/24 |" "$tmp/$name.log" && break; sleep 0.1; done
   node1=$(own_pids | while read -r p; do grep -qzx "TROUPE_NODE=1" "/proc/$p/environ" 2>/dev/null && echo "$p"; done | head -1)
@@ -79,6 +81,33 @@ if unshare --ipc true 2>/dev/null; then
     || bad "remote: the launcher did not pass node 0's request on" "$tmp/remote.log"
 else
   echo "skip remote: unshare --ipc needs root"
+fi
+
+# Under SLURM: a stand-in for `srun -n 2` starts the two tasks, task 1 in an IPC namespace
+# of its own (another machine). Node 0's task passes the request on through the fence
+# folder, task 1 ends its frozen node and starts it again to rejoin.
+cat >"$tmp/srun-2" <<'SRUN'
+#!/usr/bin/env bash
+cd "$(dirname "$0")"  # (srun: the submitting folder)
+export SLURM_NTASKS=2 SLURM_NNODES=2 SLURM_NODELIST=localhost SLURM_JOB_ID=$$
+SLURM_PROCID=0 SLURM_LOCALID=0 "$@" &
+t0=$!
+SLURM_PROCID=1 SLURM_LOCALID=0 unshare --ipc "$@" &
+t1=$!
+wait $t0 || exit $?
+wait $t1
+SRUN
+chmod +x "$tmp/srun-2"
+if unshare --ipc true 2>/dev/null; then
+  export TROUPE_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n') TROUPE_PORT=$(/usr/bin/python3 "$root/launch/free_port.py")
+  srun=$tmp/srun-2 frozen slurm "fence request: node 1 pid PID"
+  grep -q "troupe: ending node 1's process (pid [0-9]*) on its host (node 0's fence request)" "$tmp/slurm.log" \
+    && ok "slurm: task 1 ended its node on node 0's request (the fence folder)" \
+    || bad "slurm: task 1 did not end its node" "$tmp/slurm.log"
+  ! ls -d "$tmp"/.troupe-fence-* 2>/dev/null && ok "slurm: the fence folder is gone" || bad "slurm: the fence folder is left"
+  unset TROUPE_JOB_TOKEN TROUPE_PORT
+else
+  echo "skip slurm: unshare --ipc needs root"
 fi
 sleep 0.5
 [ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"

@@ -146,7 +146,7 @@ elif real_slurm; then
   # scancel stops the whole job: srun ends, no node process is left.
   srun -n 2 "$launcher" train --data-parallel 2 --steps 500 --eval-interval 0 >scancel.log 2>&1 &
   srun_pid=$!
-  for ((i = 0; i < 300; i++)); do grep -q "^step 1/" scancel.log 2>/dev/null && break; sleep 0.1; done
+  for ((i = 0; i < 300; i++)); do grep -q "^step  *1/" scancel.log 2>/dev/null && break; sleep 0.1; done
   scancel "$(squeue -h -o %i | head -1)"
   for ((i = 0; i < 100; i++)); do kill -0 $srun_pid 2>/dev/null || break; sleep 0.1; done
   kill -0 $srun_pid 2>/dev/null && bad "srun still running 10 s after scancel" scancel.log
