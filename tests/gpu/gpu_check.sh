@@ -131,7 +131,12 @@ step gtests gtests gtests "$([ -n "${TROUPE_GPU_GTESTS:-}" ] && echo 1 || echo 3
   "${TROUPE_GPU_GTESTS:-Device*:Precision*:*Gpu*:KernelProfile*:*Nccl*:Checkpoint*:-Checkpoint.Python*}"
 step gtests-2x gtests gtests-2x 8 'Recompute*:Generate*:ZeroBubble*:-Generate.GreedyEqualsPlainPytorch*'
 
-job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps 14 --eval-interval 0)
+# TROUPE_GPU_CHECK_JOB_STEPS: the steps of the job most checks run (default 14; at least 8:
+# a checkpoint folder every 7 steps, a node killed at step 5). CTest's run on the CPU
+# takes 8, which exercises the same code in less time.
+job_steps=${TROUPE_GPU_CHECK_JOB_STEPS:-14}
+[ "$job_steps" -ge 8 ] || { echo "gpu_check: TROUPE_GPU_CHECK_JOB_STEPS must be at least 8" >&2; exit 1; }
+job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps "$job_steps" --eval-interval 0)
 run_job() { "$build/troupe" "${job[@]}" --metrics "$out/$1.jsonl" --save "$out/$1.pt" "${@:2}"; }
 inplace() {  # inplace NAME FAULT...: the fault is retried in place (no resume), bit-identical to ref
   run_job "$@" >"$out/$1.run" 2>&1 || { cat "$out/$1.run"; return 1; }
@@ -160,7 +165,7 @@ assert len(a) == len(b) == 1 and abs(a[0] - b[0]) <= 1e-5 * b[0], (a, b)
 PY
 }
 step eval-modes eval_modes
-step inplace-throw inplace throw --throw-at 1:1:10
+step inplace-throw inplace throw --throw-at 1:1:6
 step inplace-throw-after-update inplace late --throw-at 0:0:5:late
 
 rotate() {
@@ -240,7 +245,7 @@ step nodes-4-links nodes nodes-4-links links
 step nodes-4-links-rejoin nodes nodes-4-links-rejoin links --kill-node 3:5
 # --device auto with several nodes: the GPU when node 0 has one (as --device cuda above).
 auto_nodes() {
-  local job=(train --device auto --pipeline 2 --data-parallel 2 --steps 14 --eval-interval 0)
+  local job=(train --device auto --pipeline 2 --data-parallel 2 --steps "$job_steps" --eval-interval 0)
   nodes nodes-4-auto ipc || return 1
   [ "$device" = cpu ] || [ "$(grep -c "computes on cuda:" "$out/nodes-4-auto.run")" = 4 ] ||
     { echo "not every node computes on a GPU"; return 1; }
