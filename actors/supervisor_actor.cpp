@@ -167,6 +167,21 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
 
 bool current(const supervisor_state& s, std::int32_t round) { return s.recovering && s.recovering->round == round; }
 
+supervisor_actor::behavior_type serving(supervisor_self self);
+supervisor_actor::behavior_type recovering(supervisor_self self);
+
+/// Switches to the behavior of the phase `recovering` says (the diagram in
+/// supervisor_actor.hpp): serving, or recovering (a retry in place, or a rejoin).
+void enter_phase(supervisor_self self) {
+  auto& s = self->state;
+  if (s.recovering)
+    spdlog::debug("supervisor of node {}: recovering (round {}, step {})", s.plan.node, s.recovering->round,
+                  s.recovering->step + 1);
+  else
+    spdlog::debug("supervisor of node {}: serving", s.plan.node);
+  self->become(s.recovering ? recovering(self) : serving(self));
+}
+
 /// Ends the recovery under way with the error `why`.
 void give_up(supervisor_self self, const std::string& why) {
   auto& s = self->state;
@@ -174,6 +189,7 @@ void give_up(supervisor_self self, const std::string& why) {
   s.recovering->promise.deliver(
       caf::make_error(caf::sec::runtime_error, "node " + std::to_string(s.plan.node) + ": " + why));
   s.recovering.reset();
+  enter_phase(self);
 }
 
 /// Starts the all-gather of every stage's parameters; each completion comes back as
@@ -271,25 +287,32 @@ void release_groups(supervisor_state& s, const std::string& why) {
       if (c) c->abort(why);
 }
 
-/// A child that is gone leaves the list (a recovery waits only for the living); one
-/// that died is reported to the coordinator.
-void on_child_down(supervisor_self self, const caf::down_msg& msg) {
-  auto& s = self->state;
-  std::string name = "unknown actor";
+/// The name of the child that `msg` says is gone; it leaves the list.
+std::string erase_child(supervisor_state& s, const caf::down_msg& msg) {
   for (auto it = s.children.begin(); it != s.children.end(); ++it)
     if (it->first.address() == msg.source) {
-      name = it->second;
+      auto name = std::move(it->second);
       s.children.erase(it);
-      break;
+      return name;
     }
-  if (s.recovering) {
-    if (s.children.empty()) renew(self);
-    return;
-  }
+  return "unknown actor";
+}
+
+/// Serving: a child that died is reported to the coordinator.
+void on_child_down(supervisor_self self, const caf::down_msg& msg) {
+  auto& s = self->state;
+  const auto name = erase_child(s, msg);
   if (msg.reason == caf::exit_reason::user_shutdown || msg.reason == caf::exit_reason::normal) return;
   if (s.wiring->coordinator)
     self->send(s.wiring->coordinator,
                runtime_failure{-1, name, "actor died: " + self->system().render(msg.reason), s.wiring->generation});
+}
+
+/// Recovering: the children were told to go; after the last, fresh communicators.
+void on_killed_child_down(supervisor_self self, const caf::down_msg& msg) {
+  auto& s = self->state;
+  erase_child(s, msg);
+  if (s.children.empty()) renew(self);
 }
 
 /// Starts recovery `round` (a newer one replaces one under way: a node was lost during
@@ -303,6 +326,7 @@ std::optional<caf::typed_response_promise<node_actors>> start_recovery(superviso
   }
   auto rp = self->make_response_promise<node_actors>();
   s.recovering = recovery{step, round, rp, {}, {}, 0, {}};
+  enter_phase(self);
   return rp;
 }
 
@@ -406,6 +430,7 @@ void on_gathered(supervisor_self self, std::int32_t round, const std::string& er
   }
   rec.promise.deliver(s.mine);
   s.recovering.reset();
+  enter_phase(self);
 }
 
 /// The whole job's handles, before the first step or a retried one (while no actor reads
@@ -454,6 +479,112 @@ caf::result<std::vector<reset_report>> reset_children(supervisor_self self, cons
   return rp;
 }
 
+// --- the two phases' behaviors: each handles every message of supervisor_actor's
+// interface; what the phases share is written once below.
+
+auto spawned(supervisor_self self) {
+  return [self](run_atom) { return self->state.mine; };  // spawned: here are the handles
+}
+
+/// A step retried in place: the children are killed (renew once the last is down), or,
+/// with none (a rejoined node's before its first recovery), renewed at once. A newer round
+/// replaces one under way (a node was lost during it).
+auto retry_in_place(supervisor_self self) {
+  return [self](recover_atom, std::int64_t step, std::int32_t round) -> caf::result<node_actors> {
+    auto& s = self->state;
+    auto rp = start_recovery(self, step, round);
+    if (!rp) return stale_round(round);
+    if (s.children.empty()) {
+      renew(self);
+    } else {
+      release_groups(s, "the step is retried in place");
+      for (auto& [h, n] : s.children) self->send_exit(h, caf::exit_reason::kill);
+    }
+    return *rp;
+  };
+}
+
+auto rejoin(supervisor_self self) {
+  return [self](recover_atom, std::int64_t step, std::int32_t round, const caf::actor& buddy) {
+    return recover_from_buddy(self, step, round, buddy);
+  };
+}
+
+auto take_copy(supervisor_self self) {
+  return [self](shard_copy& copy) { return receive_copy(self, copy); };
+}
+
+auto copy_in(supervisor_self self) {
+  return [self](copied_atom, std::uint64_t id) { copy_arrived(self, id); };
+}
+
+/// The copies of the previous node's shards before `step`, for that node's restarted process.
+auto buddy_copies(supervisor_self self) {
+  return [self](buddy_atom, std::int64_t step) {
+    std::vector<shard_copy> out;
+    for (const auto& [key, snap] : self->state.buddies->all_before(step))
+      out.push_back(copy_of(key.first, key.second, *snap));
+    return out;
+  };
+}
+
+auto wiring(supervisor_self self) {
+  return [self](const wiring_msg& msg) {
+    take_wiring(self->state, msg);
+    return true;
+  };
+}
+
+auto abort(supervisor_self self) {
+  return [self](const abort_step& msg) {
+    release_groups(self->state, "step " + std::to_string(msg.step + 1) + " aborted: " + msg.reason);
+    for (auto& [h, n] : self->state.children) self->send(h, msg);
+  };
+}
+
+/// The hang diagnosis: what this process's threads compute in `step` (for the stage
+/// actors that cannot answer while inside an op).
+auto activity(supervisor_self self) {
+  return [self](activity_atom, std::int64_t step) { return activity_board::reports(self->state.wiring->generation, step); };
+}
+
+auto plant(supervisor_self self) {
+  return [self](plant_atom, int replica, int stage) {
+    self->send(self->state.wiring->stages.at(replica).at(stage), plant_atom_v);
+  };
+}
+
+/// Serving: the children run the job's steps; between steps the reset check; a child
+/// that dies is reported.
+supervisor_actor::behavior_type serving(supervisor_self self) {
+  self->set_down_handler([self](const caf::down_msg& msg) { on_child_down(self, msg); });
+  return {
+      spawned(self), retry_in_place(self), rejoin(self), take_copy(self), copy_in(self), buddy_copies(self),
+      [self](gathered_atom, std::int32_t round, const std::string&) {  // of a recovery given up
+        spdlog::debug("supervisor of node {}: an all-gather of recovery round {} dropped", self->state.plan.node, round);
+      },
+      wiring(self),
+      [self](check_atom, const reset_step& msg) { return reset_children(self, msg); },
+      abort(self), activity(self), plant(self),
+  };
+}
+
+/// Recovering: the children are killed, the communicators renewed, the stages'
+/// parameters gathered, then new children spawned (on_gathered), and back to serving.
+supervisor_actor::behavior_type recovering(supervisor_self self) {
+  self->set_down_handler([self](const caf::down_msg& msg) { on_killed_child_down(self, msg); });
+  return {
+      spawned(self), retry_in_place(self), rejoin(self), take_copy(self), copy_in(self), buddy_copies(self),
+      [self](gathered_atom, std::int32_t round, const std::string& err) { on_gathered(self, round, err); },
+      wiring(self),
+      [self](check_atom, const reset_step&) -> caf::result<std::vector<reset_report>> {
+        return caf::make_error(caf::sec::runtime_error,
+                               "node " + std::to_string(self->state.plan.node) + " is recovering: no step to reset");
+      },
+      abort(self), activity(self), plant(self),
+  };
+}
+
 supervisor_actor::behavior_type supervisor_behavior(supervisor_self self, std::shared_ptr<const runtime_context> ctx,
                                   std::shared_ptr<job_wiring> wiring, node_plan initial_plan) {
   auto& s = self->state;
@@ -470,7 +601,6 @@ supervisor_actor::behavior_type supervisor_behavior(supervisor_self self, std::s
   // recover (with the buddy that holds its shards' state) spawns them.
   s.mine.node = s.plan.node;
   if (!s.plan.rejoining) s.mine = spawn_all(self, -1, 0, {});
-  self->set_down_handler([self](const caf::down_msg& msg) { on_child_down(self, msg); });
   self->set_exit_handler([self](const caf::exit_msg& msg) {
     release_groups(self->state, "the node is shutting down");
     for (auto& [h, n] : self->state.children) self->send_exit(h, msg.reason);
@@ -480,49 +610,7 @@ supervisor_actor::behavior_type supervisor_behavior(supervisor_self self, std::s
   // node's proxy may keep this actor's object alive after it is gone, and a detached
   // stage actor that a handle still named would never be destroyed, the actor system
   // waiting for it forever.)
-  return {
-      [self](run_atom) { return self->state.mine; },  // spawned: here are the handles
-      [self](recover_atom, std::int64_t step, std::int32_t round) -> caf::result<node_actors> {
-        auto& s = self->state;
-        auto rp = start_recovery(self, step, round);
-        if (!rp) return stale_round(round);
-        if (s.children.empty()) {
-          renew(self);
-        } else {
-          release_groups(s, "the step is retried in place");
-          for (auto& [h, n] : s.children) self->send_exit(h, caf::exit_reason::kill);
-        }
-        return *rp;
-      },
-      [self](recover_atom, std::int64_t step, std::int32_t round, const caf::actor& buddy) {
-        return recover_from_buddy(self, step, round, buddy);
-      },
-      [self](shard_copy& copy) { return receive_copy(self, copy); },
-      [self](copied_atom, std::uint64_t id) { copy_arrived(self, id); },
-      // The copies of the previous node's shards before `step`, for that node's restarted process.
-      [self](buddy_atom, std::int64_t step) {
-        std::vector<shard_copy> out;
-        for (const auto& [key, snap] : self->state.buddies->all_before(step))
-          out.push_back(copy_of(key.first, key.second, *snap));
-        return out;
-      },
-      [self](gathered_atom, std::int32_t round, const std::string& err) { on_gathered(self, round, err); },
-      [self](const wiring_msg& msg) {
-        take_wiring(self->state, msg);
-        return true;
-      },
-      [self](check_atom, const reset_step& msg) { return reset_children(self, msg); },
-      [self](const abort_step& msg) {
-        release_groups(self->state, "step " + std::to_string(msg.step + 1) + " aborted: " + msg.reason);
-        for (auto& [h, n] : self->state.children) self->send(h, msg);
-      },
-      // The hang diagnosis: what this process's threads compute in `step` (for the stage
-      // actors that cannot answer while inside an op).
-      [self](activity_atom, std::int64_t step) { return activity_board::reports(self->state.wiring->generation, step); },
-      [self](plant_atom, int replica, int stage) {
-        self->send(self->state.wiring->stages.at(replica).at(stage), plant_atom_v);
-      },
-  };
+  return serving(self);
 }
 
 }  // namespace

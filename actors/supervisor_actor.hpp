@@ -3,19 +3,25 @@
 // node_plan; in one process: all of them), reports their handles to the coordinator, takes
 // the whole job's handles (wiring_msg), and after every committed step resets each actor
 // and checks what it still held. An actor that dies is reported to the coordinator.
+// Two named behaviors (supervisor_actor.cpp), switched with become():
 //
-//   init (spawn) --run: node_actors--> --wiring_msg--> ready --check/reset_step--> resetting
-//        --all reports--> ready;  down_msg of a child --> runtime_failure to the coordinator
-//   ready --recover(step, round)--> kills every child --last down--> fresh communicators
-//        (one process: in-process ones; several nodes: new UCX workers whose addresses go
-//        through the registrar as round `round`) --> each stage's parameters before `step`
-//        all-gathered from its shards' in-memory snapshots (snapshot.hpp) over the fresh
-//        communicators --> new children from the snapshots --node_actors--> ready
-//        (the coordinator then sends every node the new handles: wiring_msg)
-//   a node process restarted after a loss: no children until recover(step, round, buddy):
-//        its shards' state before `step` from the buddy (buddy_atom), then as above
-//   shard_copy (from a shard of the previous node) --> kept, the two newest per shard;
-//        buddy_atom(step) --> the copies of the state before `step`
+//   serving: (spawn) --run: node_actors--> --wiring_msg--> --check/reset_step--> resets
+//        every child, answers what they still held;  down_msg of a child --> runtime_failure
+//        to the coordinator
+//   serving --recover(step, round)--> recovering: kills every child --last down--> fresh
+//        communicators (one process: in-process ones; several nodes: new UCX workers whose
+//        addresses go through the registrar as round `round`) --> each stage's parameters
+//        before `step` all-gathered from its shards' in-memory snapshots (snapshot.hpp)
+//        over the fresh communicators --> new children from the snapshots --node_actors-->
+//        serving (the coordinator then sends every node the new handles: wiring_msg).
+//        A newer round replaces one under way; an error ends it (back to serving, the
+//        coordinator told). A reset check while recovering is refused.
+//   a node process restarted after a loss: serving with no children until
+//        recover(step, round, buddy): its shards' state before `step` from the buddy
+//        (buddy_atom), then recovering as above
+//   both: shard_copy (from a shard of the previous node) --> kept, the two newest per
+//        shard; buddy_atom(step) --> the copies of the state before `step`; the threads'
+//        activity for the hang probe
 #include <functional>
 #include <memory>
 

@@ -1,6 +1,7 @@
 // The coordinator's phases (named behaviors switched with become(); coordinator_actor.hpp
 // draws them): a run goes through them in order, and a failed step through rebuilding
-// and wiring before it runs again. Read from the coordinator's debug log of each switch.
+// and wiring before it runs again, while the supervisor goes from serving to recovering
+// and back (supervisor_actor.hpp). Read from the debug log of each switch.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -21,8 +22,10 @@ namespace troupe {
 namespace {
 
 /// Runs `c` in one process with the log at debug level going to a string only; returns
-/// the coordinator's phase switches as "from>to@step".
-std::vector<std::string> phase_switches(const job_config& c, actor_run_result& result) {
+/// the coordinator's phase switches as "from>to@step" (and in `supervisor`, when given,
+/// the supervisor's as "node N: PHASE").
+std::vector<std::string> phase_switches(const job_config& c, actor_run_result& result,
+                                        std::vector<std::string>* supervisor = nullptr) {
   std::ostringstream out;
   auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
   auto capture = std::make_shared<spdlog::logger>("phases", sink);
@@ -35,10 +38,12 @@ std::vector<std::string> phase_switches(const job_config& c, actor_run_result& r
   spdlog::set_default_logger(previous);
   std::vector<std::string> switches;
   const std::regex line(R"(coordinator: ([a-z ]+) -> ([a-z ]+) \(step (\d+)\))");
+  const std::regex supervisor_line(R"(supervisor of (node \d+: (serving|recovering \(round \d+, step \d+\))))");
   std::istringstream in(out.str());
   for (std::string l; std::getline(in, l);) {
     std::smatch m;
     if (std::regex_search(l, m, line)) switches.push_back(m[1].str() + ">" + m[2].str() + "@" + m[3].str());
+    if (supervisor && std::regex_search(l, m, supervisor_line)) supervisor->push_back(m[1].str());
   }
   return switches;
 }
@@ -83,8 +88,11 @@ TEST(CoordinatorPhases, AFailedStepIsRebuiltAndWiredBeforeItRunsAgain) {
   c.step_timeout = 30;
   c.set("faults.throw_at", "0:1:1", "test");  // replica 0, stage 1 throws in step 2
   actor_run_result r;
-  const auto got = phase_switches(c, r);
+  std::vector<std::string> supervisor;
+  const auto got = phase_switches(c, r, &supervisor);
   ASSERT_EQ(r.exit_code, 0) << r.error;
+  // The supervisor serves from its start; the retry of step 2 is its first recovery.
+  EXPECT_EQ(supervisor, (std::vector<std::string>{"node 0: recovering (round 1, step 2)", "node 0: serving"}));
   const std::vector<std::string> want{
       "idle>wiring@1",
       "wiring>stepping@1",
