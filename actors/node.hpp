@@ -86,7 +86,8 @@ struct node_addresses;  // messages/node_messages.hpp
 /// The address table's entries (node_addresses::stages) of expert-parallel groups: the
 /// stage actors of replicas EP g .. EP g + EP - 1 at stage k are group g of `groups`, entry
 /// expert_group_entry(k, g, groups, backward) for the forwards' group and the backwards';
-/// below every link entry (-2 - node). They run over UCX (no NCCL id).
+/// below every link entry (-2 - node). Over NCCL where asked for and every member has a
+/// GPU of its own (their rank 0's entry gets an id, as a shard group's), else over UCX.
 constexpr std::int32_t expert_group_base = -(1 << 24);
 constexpr std::int32_t expert_group_entry(int stage, int group, int groups, bool backward) {
   return expert_group_base - 2 * (stage * groups + group) - (backward ? 1 : 0);
@@ -105,6 +106,7 @@ constexpr std::int32_t expert_shard_entry(int stage, int share, int ep) { return
 constexpr std::int32_t tensor_group_base = -(1 << 28);
 constexpr std::int32_t tensor_group_entry(int stage, int replica, int d) { return tensor_group_base - (stage * d + replica); }
 constexpr bool is_expert_shard_entry(std::int32_t entry) { return entry <= expert_shard_base && entry > tensor_group_base; }
+constexpr bool is_expert_group_entry(std::int32_t entry) { return entry <= expert_group_base && entry > expert_shard_base; }
 
 /// The registrar's part of NCCL, once every node has sent its entries of an address
 /// round: a NCCL unique id (`make_id()`; empty where making one failed) for each shard

@@ -77,7 +77,7 @@ class ucx_renewal : public comm_renewal {
       for (const auto& [r, k] : slots_) {
         for (const bool backward : {false, true}) {
           experts_.push_back(transport::prepare_ucx_communicator(r % ep_, ep_));
-          add(expert_group_entry(k, r / ep_, d_ * t_ / ep_, backward), r % ep_, experts_.back()->address(), "");
+          add(expert_group_entry(k, r / ep_, d_ * t_ / ep_, backward), r % ep_, experts_.back()->address(), gpu);
         }
         expert_shards_.push_back(transport::prepare_ucx_communicator(r / ep_, d_ * t_ / ep_));
         add(expert_shard_entry(k, r % ep_, ep_), r / ep_, expert_shards_.back()->address(), gpu);
@@ -125,7 +125,8 @@ class ucx_renewal : public comm_renewal {
     // NCCL communicators are made in the order of the shard groups (stage, tp) on every
     // node (making one waits for its other ranks: no node may wait on a group another
     // node makes later), then the tensor-parallel groups spread over nodes (at most one
-    // per node), then the expert-data-parallel groups in the order of their entries.
+    // per node), then the expert groups and the expert-data-parallel groups, each in the
+    // order of their entries.
     std::vector<std::size_t> order(slots_.size());
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) {
@@ -154,12 +155,23 @@ class ucx_renewal : public comm_renewal {
     for (const auto& [r, k] : slots_)
       if (k == 0) plan.loader_replicas.push_back(r);
     plan.world = staged(pending_.back()->connect(column(-1, nodes_, table.addresses)));
-    for (std::size_t i = 0; i < experts_.size(); ++i) {
-      const auto [r, k] = slots_[i / 2];
-      const bool backward = i % 2 == 1;
-      (backward ? plan.ep_backward_comms : plan.ep_comms)
-          .push_back(staged(
-              experts_[i]->connect(column(expert_group_entry(k, r / ep_, d_ * t_ / ep_, backward), ep_, table.addresses))));
+    if (!experts_.empty()) {  // expert groups (forwards', backwards' per slot), in the order of their entries
+      auto entry_of = [this](std::size_t i) {
+        const auto [r, k] = slots_[i / 2];
+        return expert_group_entry(k, r / ep_, d_ * t_ / ep_, /*backward=*/i % 2 == 1);
+      };
+      std::vector<std::size_t> by_entry(experts_.size());
+      std::iota(by_entry.begin(), by_entry.end(), 0);
+      std::stable_sort(by_entry.begin(), by_entry.end(), [&](auto a, auto b) { return entry_of(a) > entry_of(b); });
+      plan.ep_comms.resize(slots_.size());
+      plan.ep_backward_comms.resize(slots_.size());
+      for (const auto i : by_entry) {
+        const auto [r, k] = slots_[i / 2];
+        const bool backward = i % 2 == 1;
+        (backward ? plan.ep_backward_comms : plan.ep_comms)[i / 2] =
+            group_comm(entry_of(i), r % ep_, ep_, *experts_[i],
+                       "stage " + std::to_string(k) + "'s expert all-to-alls of " + (backward ? "backwards" : "forwards"));
+      }
     }
     if (!expert_shards_.empty()) {
       std::vector<std::size_t> by_entry(slots_.size());  // (every node: the same order of groups)

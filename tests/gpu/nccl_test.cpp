@@ -52,7 +52,16 @@ TEST(NcclBackend, OneRankRunsEveryCollectiveOnTheGpu) {
   comm->broadcast(ids, 0)->wait_or_throw(timeout);
   EXPECT_TRUE(torch::equal(ids.cpu(), torch::arange(7, torch::kInt64)));
 
+  // An all-to-all of one rank: its own piece, sent to and received from itself in one
+  // NCCL group; nothing to move is no call at all.
+  auto rows = torch::arange(12, gpu.dtype(torch::kFloat32)), got = torch::zeros({12}, gpu);
+  comm->all_to_all(rows, {12}, got, {12})->wait_or_throw(timeout);
+  EXPECT_TRUE(torch::equal(rows.cpu(), got.cpu()));
+  comm->all_to_all(rows.narrow(0, 0, 0), {0}, got.narrow(0, 0, 0), {0})->wait_or_throw(timeout);
+
   // Bad input is refused before anything is queued.
+  EXPECT_THROW(comm->all_to_all(rows, {11}, got, {12}), std::invalid_argument);  // counts not the tensor's
+  EXPECT_THROW(comm->all_to_all(rows, {6, 6}, got, {6, 6}), std::invalid_argument);  // 2 ranks' counts
   EXPECT_THROW(comm->all_reduce(torch::ones({3})), std::invalid_argument);            // CPU tensor
   EXPECT_THROW(comm->all_reduce(torch::ones({3}, gpu.dtype(torch::kBool))), std::invalid_argument);
   EXPECT_THROW(comm->reduce_scatter(in, torch::empty({3}, gpu)), std::invalid_argument);

@@ -133,22 +133,25 @@ TEST(MultiProcessNccl, TheRegistrarMakesIdsForTensorParallelGroupsSpreadOverNode
   EXPECT_EQ(made, 1);
 }
 
-// An expert shard group (entry expert_shard_entry, rank q / EP): an id in its rank 0's
-// entry where each member has a GPU of its own, none where they share one; an expert
-// group's entries (the all-to-alls, UCX only) get none.
-TEST(MultiProcessNccl, TheRegistrarMakesIdsForExpertShardGroups) {
+// An expert shard group (entry expert_shard_entry, rank q / EP) and an expert group (the
+// all-to-alls: entry expert_group_entry, rank q mod EP): an id in each one's rank 0's
+// entry where each member has a GPU of its own, none where they share one.
+TEST(MultiProcessNccl, TheRegistrarMakesIdsForExpertShardGroupsAndExpertGroups) {
   auto table_of = [](const std::string& gpu0, const std::string& gpu1) {
     return two_rank_table({expert_shard_entry(1, 1, 2), expert_group_entry(1, 0, 2, false)}, gpu0, gpu1);
   };
   EXPECT_TRUE(is_expert_shard_entry(expert_shard_entry(3, 7, 8)));
   EXPECT_FALSE(is_expert_shard_entry(expert_group_entry(3, 7, 8, true)));
   EXPECT_FALSE(is_expert_shard_entry(tensor_group_entry(0, 0, 1)));
+  EXPECT_TRUE(is_expert_group_entry(expert_group_entry(3, 7, 8, true)));
+  EXPECT_FALSE(is_expert_group_entry(expert_shard_entry(0, 0, 1)));
+  EXPECT_FALSE(is_expert_group_entry(-2 - 5));  // a link's
   int made = 0;
   auto make_id = [&] { return "id " + std::to_string(made++); };
   auto t = table_of("m/gpu 0", "m/gpu 1");
-  EXPECT_EQ(assign_nccl_ids(t, make_id), 1);
-  EXPECT_EQ(t.nccl_ids, (std::vector<std::string>{"id 0", "", "", ""}));
+  EXPECT_EQ(assign_nccl_ids(t, make_id), 2);
+  EXPECT_EQ(t.nccl_ids, (std::vector<std::string>{"id 0", "", "id 1", ""}));
   t = table_of("m/gpu 0", "m/gpu 0");
   EXPECT_EQ(assign_nccl_ids(t, make_id), 0);
-  EXPECT_EQ(made, 1);
+  EXPECT_EQ(made, 2);
 }

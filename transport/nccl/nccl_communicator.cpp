@@ -141,6 +141,44 @@ class nccl_communicator final : public communicator {
     });
   }
 
+  /// One NCCL group of a send and a receive per rank with a count (this rank's own piece
+  /// included: NCCL copies it), as PyTorch's ProcessGroupNCCL does.
+  work_ptr all_to_all(torch::Tensor input, const std::vector<std::int64_t>& send_counts, torch::Tensor output,
+                      const std::vector<std::int64_t>& recv_counts) override {
+    check(input, -1, "all_to_all input");
+    check(output, -1, "all_to_all output");
+    if (output.scalar_type() != input.scalar_type()) throw std::invalid_argument("nccl all_to_all: dtypes differ");
+    if (int(send_counts.size()) != size_ || int(recv_counts.size()) != size_)
+      throw std::invalid_argument("nccl all_to_all: a count per rank expected (" + std::to_string(size_) + ")");
+    std::int64_t sent = 0, received = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (send_counts[r] < 0 || recv_counts[r] < 0) throw std::invalid_argument("nccl all_to_all: a negative count");
+      sent += send_counts[r];
+      received += recv_counts[r];
+    }
+    if (sent != input.numel() || received != output.numel())
+      throw std::invalid_argument("nccl all_to_all: the counts sum to " + std::to_string(sent) + " / " +
+                                  std::to_string(received) + " elements, the tensors hold " +
+                                  std::to_string(input.numel()) + " / " + std::to_string(output.numel()));
+    const auto bytes = static_cast<std::int64_t>(input.element_size());
+    return enqueue("nccl all_to_all", {input, output}, [&](cudaStream_t s) {
+      auto* in = static_cast<char*>(input.data_ptr());
+      auto* out = static_cast<char*>(output.data_ptr());
+      ncclResult_t r = ncclGroupStart();
+      if (r != ncclSuccess) return r;
+      std::int64_t at_in = 0, at_out = 0;
+      for (int p = 0; p < size_ && r == ncclSuccess; ++p) {
+        if (send_counts[p] > 0) r = ncclSend(in + at_in * bytes, send_counts[p] * bytes, ncclInt8, p, comm_, s);
+        if (r == ncclSuccess && recv_counts[p] > 0)
+          r = ncclRecv(out + at_out * bytes, recv_counts[p] * bytes, ncclInt8, p, comm_, s);
+        at_in += send_counts[p];
+        at_out += recv_counts[p];
+      }
+      const auto end = ncclGroupEnd();  // (a group started is ended, whatever happened in it)
+      return r != ncclSuccess ? r : end;
+    });
+  }
+
   void abort(const std::string& why) override { fail_all(why); }
 
   /// For nccl_link: a send the caller's stream does not wait for (the tensor is kept
