@@ -94,8 +94,13 @@ SLURM_PROCID=0 SLURM_LOCALID=0 "$@" &
 t0=$!
 SLURM_PROCID=1 SLURM_LOCALID=0 unshare --ipc "$@" &
 t1=$!
-wait $t0 || exit $?
+wait $t0
+rc=$?
+[ $rc = 0 ] || kill -TERM $t1 2>/dev/null  # (as srun ends the other tasks)
 wait $t1
+rc1=$?
+[ $rc != 0 ] || rc=$rc1
+exit $rc
 SRUN
 chmod +x "$tmp/srun-2"
 if unshare --ipc true 2>/dev/null; then
