@@ -82,6 +82,12 @@ auto reset_handler(loader_self self) {
   };
 }
 
+/// Step `msg.step` was aborted: nothing of it is owed any more.
+void owe_nothing(loader_state& s, const abort_step& msg) {
+  s.step = msg.step;
+  s.next_mb = s.ctx->m;
+}
+
 /// Idle: every micro-batch of the step is sent (or none began): a credit now is stale.
 loader_actor::behavior_type idle(loader_self self) {
   return {
@@ -91,10 +97,7 @@ loader_actor::behavior_type idle(loader_self self) {
       },
       wait_handler(self),
       reset_handler(self),
-      [self](const abort_step& msg) {
-        self->state.step = msg.step;
-        self->state.next_mb = self->state.ctx->m;  // nothing owed
-      },
+      [self](const abort_step& msg) { owe_nothing(self->state, msg); },
   };
 }
 
@@ -111,8 +114,7 @@ loader_actor::behavior_type feeding(loader_self self) {
       wait_handler(self),
       reset_handler(self),
       [self](const abort_step& msg) {
-        self->state.step = msg.step;
-        self->state.next_mb = self->state.ctx->m;
+        owe_nothing(self->state, msg);
         self->become(idle(self));
       },
   };

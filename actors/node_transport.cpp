@@ -29,6 +29,17 @@ constexpr std::uint32_t kLinkTag = 0xfffffff0u;
 /// receiving node, its `nccl_ids` entry the id): -2 - from (-1 is the world).
 constexpr std::int32_t link_entry(int from) { return -2 - from; }
 
+/// The indices 0 .. n-1 from the highest `entry_of` to the lowest: the order in which
+/// every node makes the groups of one kind (making a NCCL communicator waits for its other
+/// ranks, so no node may wait on a group another node makes later).
+template <class EntryOf>
+std::vector<std::size_t> in_entry_order(std::size_t n, EntryOf entry_of) {
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return entry_of(a) > entry_of(b); });
+  return order;
+}
+
 /// A node's communicators: per slot (r, k) rank r of stage k's d shards, the world of the
 /// nodes (rank = node), which carries activations between them, and (expert parallelism)
 /// per slot rank r mod EP of its stage's two expert-parallel groups (forwards',
@@ -160,12 +171,9 @@ class ucx_renewal : public comm_renewal {
         const auto [r, k] = slots_[i / 2];
         return expert_group_entry(k, r / ep_, d_ * t_ / ep_, /*backward=*/i % 2 == 1);
       };
-      std::vector<std::size_t> by_entry(experts_.size());
-      std::iota(by_entry.begin(), by_entry.end(), 0);
-      std::stable_sort(by_entry.begin(), by_entry.end(), [&](auto a, auto b) { return entry_of(a) > entry_of(b); });
       plan.ep_comms.resize(slots_.size());
       plan.ep_backward_comms.resize(slots_.size());
-      for (const auto i : by_entry) {
+      for (const auto i : in_entry_order(experts_.size(), entry_of)) {
         const auto [r, k] = slots_[i / 2];
         const bool backward = i % 2 == 1;
         (backward ? plan.ep_backward_comms : plan.ep_comms)[i / 2] =
@@ -174,12 +182,9 @@ class ucx_renewal : public comm_renewal {
       }
     }
     if (!expert_shards_.empty()) {
-      std::vector<std::size_t> by_entry(slots_.size());  // (every node: the same order of groups)
-      std::iota(by_entry.begin(), by_entry.end(), 0);
       auto entry_of = [this](std::size_t i) { return expert_shard_entry(slots_[i].second, slots_[i].first % ep_, ep_); };
-      std::stable_sort(by_entry.begin(), by_entry.end(), [&](auto a, auto b) { return entry_of(a) > entry_of(b); });
       plan.edp_comms.resize(slots_.size());
-      for (const auto i : by_entry) {
+      for (const auto i : in_entry_order(slots_.size(), entry_of)) {
         const auto [r, k] = slots_[i];
         plan.edp_comms[i] = group_comm(entry_of(i), r / ep_, d_ * t_ / ep_, *expert_shards_[i],
                                        "stage " + std::to_string(k) + "'s expert shard collectives");

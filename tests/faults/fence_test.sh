@@ -104,7 +104,7 @@ exit $rc
 SRUN
 chmod +x "$tmp/srun-2"
 if unshare --ipc true 2>/dev/null; then
-  export TROUPE_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n') TROUPE_PORT=$(/usr/bin/python3 "$root/launch/free_port.py")
+  export TROUPE_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n') TROUPE_PORT=$(free_port)
   srun=$tmp/srun-2 frozen slurm "fence request: node 1 pid PID"
   grep -q "troupe: ending node 1's process (pid [0-9]*) on its host (node 0's fence request)" "$tmp/slurm.log" \
     && ok "slurm: task 1 ended its node on node 0's request (the fence folder)" \

@@ -10,7 +10,6 @@
 #   tests/integration/slurm_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 cd "$tmp"
-free_port() { /usr/bin/python3 "$root/launch/free_port.py"; }
 job=(train --data-parallel 2 --steps 4 --eval-interval 0)
 slurm=(SLURM_NTASKS=2 SLURM_NNODES=1 SLURM_NODELIST=localhost SLURM_JOB_ID=4242)
 

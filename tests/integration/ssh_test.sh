@@ -28,7 +28,6 @@ if [ ! -x $sshd ]; then
   fi
   sshd=$deps/usr/sbin/sshd libs=$deps/usr/lib/x86_64-linux-gnu:$deps/lib/x86_64-linux-gnu
 fi
-free_port() { /usr/bin/python3 "$root/launch/free_port.py"; }
 s=$tmp/ssh port=$(free_port)
 mkdir -p "$s" /run/sshd
 ssh-keygen -q -t ed25519 -N '' -f "$s/host" && ssh-keygen -q -t ed25519 -N '' -f "$s/user" && cp "$s/user.pub" "$s/auth"

@@ -1,7 +1,8 @@
 # Shared by the launcher's shell tests (launcher, restart, soak): sourced as
 #   source "$(dirname "$0")/launcher_lib.sh" REPO_ROOT BUILD_DIR
 # Sets root, launcher, tmp (removed at exit with every node process this test started),
-# fail; ok NAME, bad NAME [LOG] (prints the log's tail), own_pids, nodes_left, unpack_debs.
+# fail; ok NAME, bad NAME [LOG] (prints the log's tail), own_pids, nodes_left, free_port,
+# unpack_debs.
 #
 # The test's own processes carry TROUPE_TEST_TAG (unique to the test; the launcher passes
 # TROUPE_* variables to every node, locally, over ssh and under srun), so that a test
@@ -31,6 +32,8 @@ trap cleanup EXIT
 ok() { echo "ok   $1"; }
 bad() { echo "FAIL $1"; shift; [ $# -gt 0 ] && tail -30 "$1"; fail=1; }
 nodes_left() { own_pids | wc -l; }
+# A free TCP port below the kernel's ephemeral range (as the launcher picks its own).
+free_port() { /usr/bin/python3 "$root/launch/free_port.py"; }
 # unpack_debs DIR LOG PACKAGE...: Debian packages fetched with `apt-get download` (after
 # an `apt-get update` if the first try fails) and unpacked into DIR (nothing installed);
 # 1 when they cannot be had (the apt output in LOG).
