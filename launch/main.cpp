@@ -37,6 +37,7 @@
 #include "compute/job_config.hpp"
 #include "compute/schedule.hpp"
 #include "compute/trainer.hpp"
+#include "launch/blas_kernels.hpp"
 #include "launch/cli_common.hpp"
 
 using namespace troupe_cli;
@@ -377,6 +378,7 @@ int run_eval_command(const config_flags& flags, const std::string& from) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  troupe::run_with_blas_kernels(argv);
   troupe::tune_host_allocator();
   auto logger = spdlog::stderr_color_mt("troupe");
   spdlog::set_default_logger(logger);
@@ -509,6 +511,11 @@ int main(int argc, char** argv) {
   auto* reference = app.add_subcommand("config-reference", "print every configuration key as Markdown "
                                                            "(docs/configuration.md)");
 
+  // troupe blas-core (for launch/troupe, tests/run, tests/bench/run): the OpenBLAS kernels
+  // this program computes with, which they export as OPENBLAS_CORETYPE.
+  auto* blas_core = app.add_subcommand("blas-core", "print the OpenBLAS core type whose kernels this program "
+                                                    "uses (nothing when the BLAS is not OpenBLAS)");
+
   // Run as `troupe-node`: the node subcommand.
   std::vector<std::string> args(argv + 1, argv + argc);
   const std::string self_name = argv[0];
@@ -528,6 +535,11 @@ int main(int argc, char** argv) {
     return fail(exit_usage, e.what());
   }
 
+  if (*blas_core) {
+    const auto core = troupe::blas_core_in_use();
+    if (!core.empty()) std::printf("%s\n", core.c_str());
+    return 0;
+  }
   if (*reference) {
     std::fputs(troupe::config_reference().c_str(), stdout);
     return 0;

@@ -12,6 +12,7 @@
 #include <dlfcn.h>
 #include <torch/torch.h>
 
+#include "launch/blas_kernels.hpp"
 #include "compute/generate.hpp"
 #include "compute/schedule.hpp"
 #include "compute/trainer.hpp"
@@ -121,4 +122,11 @@ BENCHMARK(BM_Generate)
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  troupe::run_with_blas_kernels(argv);  // as the troupe command does
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -29,6 +29,7 @@
 #include <torch/torch.h>
 
 #include "actors/runtime.hpp"
+#include "launch/blas_kernels.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/host_memory.hpp"
 #include "compute/trainer.hpp"
@@ -194,6 +195,7 @@ void zero_bubble_rows(job_config c, int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  troupe::run_with_blas_kernels(argv);  // as the troupe command does
   const int steps = argc > 1 ? std::atoi(argv[1]) : 12;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each row as it is measured (a run cut short keeps them)
   troupe::tune_host_allocator();  // as the troupe command does

@@ -26,6 +26,7 @@
 
 #include "actors/runtime.hpp"
 #include "actors/tp_groups.hpp"
+#include "launch/blas_kernels.hpp"
 #include "compute/trainer.hpp"
 
 namespace {
@@ -89,6 +90,7 @@ measured run_actors(job_config c, int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  troupe::run_with_blas_kernels(argv);  // as the troupe command does
   const int steps = argc > 1 ? std::atoi(argv[1]) : 5;
   spdlog::set_level(spdlog::level::warn);  // (the actor runs' start and end lines)
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
