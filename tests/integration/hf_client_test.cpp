@@ -13,6 +13,7 @@
 #include "compute/job_config.hpp"
 #include "compute/partition.hpp"
 #include "test_util.hpp"
+#include "build_paths.hpp"
 
 namespace troupe {
 
@@ -21,8 +22,8 @@ namespace {
 /// The venv's python, made on first use; "" where it cannot be made.
 const std::string& hf_python() {
   static const std::string py = [] {
-    const std::string venv = std::filesystem::path(TROUPE_BINARY).parent_path() / "hf-venv";
-    const std::string cmd = std::string(TROUPE_SOURCE_DIR) + "/tests/support/python/hf_venv.sh " + venv;
+    const std::string venv = std::filesystem::path(troupe::test::troupe_binary).parent_path() / "hf-venv";
+    const std::string cmd = std::string(troupe::test::source_dir) + "/tests/support/python/hf_venv.sh " + venv;
     std::string out;
     if (FILE* p = ::popen(cmd.c_str(), "r")) {
       char buf[512];
@@ -59,7 +60,7 @@ void expect_transformers_agree(const job_config& c) {
   }
   EXPECT_GT(logits.abs().max().item<double>(), 1.0) << "logits too flat to compare";
   save_state_dict(dir / "troupe.pt", {{"tokens", tokens}, {"logits", logits}});
-  const std::string cmd = hf_python() + " " + TROUPE_SOURCE_DIR + "/tests/support/python/hf_check.py " + (dir / "hf") +
+  const std::string cmd = hf_python() + " " + troupe::test::source_dir + "/tests/support/python/hf_check.py " + (dir / "hf") +
                           " " + (dir / "troupe.pt");
   EXPECT_EQ(std::system(cmd.c_str()), 0) << c.model_label() << ": " << cmd;
 }

@@ -10,6 +10,7 @@
 #include "process_group.hpp"
 #include "temp_dir.hpp"
 #include "transport/ipc/ipc.hpp"
+#include "build_paths.hpp"
 
 using namespace troupe;
 using namespace troupe::transport;
@@ -22,7 +23,7 @@ void run_ipc_peers(const std::string& kind) {
   test::process_group group(
       n,
       [&](int r) {
-        return std::vector<std::string>{TROUPE_IPC_PEER, kind, std::to_string(r), std::to_string(n), dir.path.string()};
+        return std::vector<std::string>{troupe::test::ipc_peer, kind, std::to_string(r), std::to_string(n), dir.path.string()};
       },
       {"UCX_TLS=sm,self", "OMP_NUM_THREADS=1"}, dir.path.string());
   const auto results = group.wait(std::chrono::seconds(240));

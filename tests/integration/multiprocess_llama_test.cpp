@@ -8,6 +8,7 @@
 #include "actors/runtime.hpp"
 #include "compute/checkpoint.hpp"
 #include "node_jobs.hpp"
+#include "build_paths.hpp"
 
 using namespace troupe;
 using test::free_port;
@@ -20,7 +21,7 @@ using test::start;
 TEST(MultiProcessLlama, NodesFollowPlainPytorch) {
   test::temp_dir dir;
   constexpr int steps = 5;
-  const std::string cmd = std::string("/usr/bin/python3 ") + TROUPE_SOURCE_DIR +
+  const std::string cmd = std::string("/usr/bin/python3 ") + troupe::test::source_dir +
                           "/tests/support/python/gpt_reference.py " + dir.path.string() + " " +
                           std::to_string(steps) + " " + std::to_string(steps) + " --workload llama-tiny";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;

@@ -16,6 +16,7 @@
 #include "transport/host_staging.hpp"
 #include "transport/local/local_group.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
+#include "build_paths.hpp"
 
 using namespace troupe;
 using namespace troupe::transport;
@@ -29,7 +30,7 @@ std::vector<test::process_group::result> run_peers(const std::string& mode, int 
   test::process_group group(
       n,
       [&](int r) {
-        return std::vector<std::string>{TROUPE_TRANSPORT_PEER, mode, std::to_string(r), std::to_string(n),
+        return std::vector<std::string>{troupe::test::transport_peer, mode, std::to_string(r), std::to_string(n),
                                         dir.path.string()};
       },
       {"UCX_TLS=" + tls, "OMP_NUM_THREADS=1"}, dir.path.string());
@@ -47,7 +48,7 @@ class TransportProcesses : public ::testing::TestWithParam<std::tuple<int, std::
 // float tolerance (bit for bit for int64).
 TEST_P(TransportProcesses, CollectivesMatchReferenceAndGloo) {
   const auto [n, link] = GetParam();
-  if (std::string(TROUPE_TRANSPORT_PEER).empty()) GTEST_SKIP() << "built without gloo headers: no transport peer";
+  if (std::string(troupe::test::transport_peer).empty()) GTEST_SKIP() << "built without gloo headers: no transport peer";
   test::temp_dir dir;
   const auto results = run_peers("check", n, transports_of(link), dir, std::chrono::seconds(240));
   for (int r = 0; r < n; ++r) {
@@ -65,7 +66,7 @@ INSTANTIATE_TEST_SUITE_P(Ucx, TransportProcesses,
 // Ranks that call different collectives at the same position get an error (naming the
 // mismatch) instead of hanging.
 TEST(TransportProcesses, MismatchedCollectivesFailOnEveryRank) {
-  if (std::string(TROUPE_TRANSPORT_PEER).empty()) GTEST_SKIP() << "built without gloo headers: no transport peer";
+  if (std::string(troupe::test::transport_peer).empty()) GTEST_SKIP() << "built without gloo headers: no transport peer";
   test::temp_dir dir;
   const auto results = run_peers("mismatch", 3, "sm,self", dir, std::chrono::seconds(60));
   std::string all;

@@ -15,10 +15,11 @@
 #include "compute/checkpoint.hpp"
 #include "process_group.hpp"
 #include "test_util.hpp"
+#include "build_paths.hpp"
 
 namespace troupe::test {
 
-inline const std::string node_binary = std::filesystem::path(TROUPE_BINARY).parent_path() / "troupe-node";
+inline const std::string node_binary = std::filesystem::path(troupe::test::troupe_binary).parent_path() / "troupe-node";
 
 inline int free_port() {
   static int next = 24000 + (getpid() % 4000) * 2;  // distinct per test process (one counter in all files)

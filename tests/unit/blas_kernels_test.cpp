@@ -9,12 +9,13 @@
 #include <strings.h>
 
 #include "launch/blas_kernels.hpp"
+#include "build_paths.hpp"
 
 namespace {
 
 /// `troupe blas-core` run by the shell with `env` before it: its first output line.
 std::string troupe_blas_core(const std::string& env) {
-  const std::string cmd = "env " + env + " " TROUPE_BINARY " blas-core";
+  const std::string cmd = "env " + env + " " + troupe::test::troupe_binary + " blas-core";
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return "(popen failed)";
   char line[256] = {};

@@ -12,6 +12,7 @@
 #include "compute/grad_buffer.hpp"
 #include "compute/remove_tree.hpp"
 #include "test_util.hpp"
+#include "build_paths.hpp"
 
 namespace troupe {
 
@@ -70,7 +71,7 @@ TEST(Checkpoint, PythonTorchLoadReadsItWithGpt2Names) {
 // Python printed, in the file's order and dtype; what is no state_dict is refused by name.
 TEST(Checkpoint, PythonFilesAsUsersSaveThem) {
   test::temp_dir dir;
-  const std::string cmd = std::string("/usr/bin/python3 ") + TROUPE_SOURCE_DIR +
+  const std::string cmd = std::string("/usr/bin/python3 ") + troupe::test::source_dir +
                           "/tests/support/python/save_state_dicts.py " + dir.path.string();
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   for (const std::string stem : {"module", "views", "half", "renamed"}) {

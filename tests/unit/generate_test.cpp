@@ -12,6 +12,7 @@
 #include "compute/trainer.hpp"
 #include "cached_forward.hpp"
 #include "test_util.hpp"
+#include "build_paths.hpp"
 
 namespace troupe {
 
@@ -70,7 +71,7 @@ TEST(Generate, GreedyEqualsPlainPytorchPastTheContext) {
   EXPECT_EQ(text.substr(0, 5), "The q");
   EXPECT_EQ(streamed, text.substr(5));
 
-  const std::string cmd = std::string("/usr/bin/python3 ") + TROUPE_SOURCE_DIR + "/tests/support/python/gpt_generate.py " +
+  const std::string cmd = std::string("/usr/bin/python3 ") + troupe::test::source_dir + "/tests/support/python/gpt_generate.py " +
                           (dir / "model.pt") + " 'The q' 40 --layers 2 --heads 2 --d-model 32 --seq-len 24 > " +
                           (dir / "ids.txt");
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;

@@ -9,19 +9,20 @@
 #include <regex>
 #include <string>
 #include <vector>
+#include "build_paths.hpp"
 
 namespace {
 
 /// "FILE: LINE" for every line of the layer's sources that `wanted` picks.
 std::vector<std::string> lines_of(const std::string& layer, const std::function<bool(const std::string&)>& wanted) {
   std::vector<std::string> out;
-  const std::filesystem::path root = std::string(TROUPE_SOURCE_DIR) + "/" + layer;
+  const std::filesystem::path root = std::string(troupe::test::source_dir) + "/" + layer;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
     const auto ext = entry.path().extension();
     if (ext != ".hpp" && ext != ".cpp") continue;
     std::ifstream in(entry.path());
     for (std::string line; std::getline(in, line);)
-      if (wanted(line)) out.push_back(entry.path().lexically_relative(TROUPE_SOURCE_DIR).string() + ": " + line);
+      if (wanted(line)) out.push_back(entry.path().lexically_relative(troupe::test::source_dir).string() + ": " + line);
   }
   return out;
 }

@@ -11,6 +11,7 @@
 
 #include "actors/payload.hpp"
 #include "messages/type_ids.hpp"
+#include "build_paths.hpp"
 
 namespace troupe {
 
@@ -51,7 +52,7 @@ TEST(Messages, TypeIdBlockRegistersEveryMessage) {
       std::make_index_sequence<caf::id_block::troupe::end - caf::id_block::troupe::begin>{});
   std::size_t declared = 0;
   // Every struct of every messages/ header is a message (a helper type belongs elsewhere).
-  for (const auto& entry : std::filesystem::directory_iterator(std::string(TROUPE_SOURCE_DIR) + "/messages")) {
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(troupe::test::source_dir) + "/messages")) {
     if (entry.path().extension() != ".hpp" || entry.path().filename() == "type_ids.hpp") continue;
     for (const auto& name : declared_structs(entry.path())) {
       ++declared;

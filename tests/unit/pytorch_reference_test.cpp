@@ -14,6 +14,7 @@
 #include "held_bytes.hpp"
 #include "local_training.hpp"
 #include "test_util.hpp"
+#include "build_paths.hpp"
 
 
 namespace troupe {
@@ -32,7 +33,7 @@ void expect_same_as_pytorch(const std::vector<std::pair<std::string, std::string
                             std::initializer_list<int> pipelines) {
   test::temp_dir dir;
   constexpr int steps = 5;
-  std::string cmd = std::string("/usr/bin/python3 ") + TROUPE_SOURCE_DIR + "/tests/support/python/gpt_reference.py " +
+  std::string cmd = std::string("/usr/bin/python3 ") + troupe::test::source_dir + "/tests/support/python/gpt_reference.py " +
                     dir.path.string() + " " + std::to_string(steps) + " 200";
   for (auto [key, value] : shape) {
     std::replace(key.begin(), key.end(), '_', '-');  // the key's flag

@@ -13,6 +13,7 @@
 #include "compute/trainer.hpp"
 #include "quiet_run.hpp"
 #include "test_util.hpp"
+#include "build_paths.hpp"
 
 namespace troupe {
 
@@ -71,7 +72,7 @@ TEST(Tokenizer, RoundTripsTheCorpusAndEncodesAsPythonDoes) {
   EXPECT_EQ(tok.decode(valid), std::string(valid_bytes.begin(), valid_bytes.end()));
   EXPECT_LT(tokens.n_train(), fortunes.n_train() / 2) << "a BPE of 1024 pieces should halve the length at least";
   // Python's SentencePiece, same model, same text: the same ids.
-  const std::string cmd = std::string("/usr/bin/python3 ") + TROUPE_SOURCE_DIR + "/tests/support/python/sp_encode.py " +
+  const std::string cmd = std::string("/usr/bin/python3 ") + troupe::test::source_dir + "/tests/support/python/sp_encode.py " +
                           (dir / "tok.model") + " " + (dir / "py");
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   const auto py_train = read_ids(dir / "py.train"), py_valid = read_ids(dir / "py.valid");
