@@ -511,7 +511,7 @@ int main(int argc, char** argv) {
   auto* reference = app.add_subcommand("config-reference", "print every configuration key as Markdown "
                                                            "(docs/configuration.md)");
 
-  // troupe blas-core (for launch/troupe, tests/run, tests/bench/run): the OpenBLAS kernels
+  // troupe blas-core (for tests/run, tests/bench/run): the OpenBLAS kernels
   // this program computes with, which they export as OPENBLAS_CORETYPE.
   auto* blas_core = app.add_subcommand("blas-core", "print the OpenBLAS core type whose kernels this program "
                                                     "uses (nothing when the BLAS is not OpenBLAS)");
