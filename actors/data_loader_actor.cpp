@@ -38,7 +38,7 @@ wait_report loader_waits(const loader_state& s, std::int64_t step) {
   rep.state = "sent " + std::to_string(s.next_mb) + " of " + std::to_string(s.ctx->m) + " micro-batches";
   if (s.step == step && s.next_mb < s.ctx->m) {
     const auto stage0 = s.ctx->stage_name(s.replica, 0);
-    rep.waits_for = "credit mb " + std::to_string(s.next_mb - s.ctx->cfg.credit_window);
+    rep.waits_for = "credit mb " + std::to_string(s.next_mb - s.ctx->ahead);
     rep.from = {stage0};
     rep.keys = {message_key(rep.waits_for, stage0, s.name)};
   }
@@ -65,7 +65,7 @@ void send_next(loader_self self) {
 
 loader_actor::behavior_type feeding(loader_self self);
 
-/// Step `msg.step` begins: its first credit_window micro-batches go out at once.
+/// Step `msg.step` begins: its first `ahead` micro-batches go out at once (by default all).
 void start_step(loader_self self, const begin_step& msg);
 
 /// What both phases answer alike: the hang probe, the reset check, an abort.
@@ -125,7 +125,7 @@ void start_step(loader_self self, const begin_step& msg) {
   s.step = msg.step;
   s.next_mb = 0;
   s.sent.clear();
-  while (s.next_mb < s.ctx->m && s.next_mb < s.ctx->cfg.credit_window) send_next(self);
+  while (s.next_mb < s.ctx->ahead) send_next(self);
   self->become(s.next_mb < s.ctx->m ? feeding(self) : idle(self));
 }
 

@@ -1,8 +1,9 @@
 #pragma once
 // data_loader_actor: one per data-parallel replica. Produces the replica's micro-batches
 // of each step deterministically (WORKLOADS.md) and sends inputs to the first stage and
-// targets to the last, at most `credit_window` micro-batches ahead of what the first
-// stage has consumed (each consumed micro-batch returns a credit).
+// targets to the last: all of a step's at its begin, or (parallel.credit_window) that
+// many ahead of what the first stage has consumed (each consumed micro-batch returns a
+// credit while there are more to send).
 //
 // Two named behaviors (become()):
 //

@@ -46,6 +46,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
       m(c.microbatches),
       v(c.chunks),
       mbs(c.microbatch_size()),
+      ahead(c.credit_window > 0 ? std::min(c.credit_window, c.microbatches) : c.microbatches),
       t(c.tensor_parallel),
       pipes(c.data_parallel * c.tensor_parallel),
       sequence_parallel(c.tensor_parallel > 1 && c.sequence_parallel),

@@ -59,6 +59,9 @@ struct runtime_context {
   model_spec spec;
   std::string tied_name;             ///< tied_parameter(spec): "" when the decoder is untied
   int p, d, m, v, mbs;
+  /// Micro-batches a data loader sends at a step's begin (parallel.credit_window; 0: all
+  /// m, and no credits); each credit of stage 0 for micro-batch k asks for k + ahead.
+  int ahead;
   /// Tensor parallelism (parallel.tensor_parallel): each replica is `t` pipelines, one per
   /// tensor-parallel rank, whose stage actors of a stage meet in their group's
   /// collectives. The runtime's pipelines ("replica" indices of stages, loaders and

@@ -265,7 +265,11 @@ const std::vector<key_def>& key_defs() {
               "reduce-scattered as soon as the step's last backward has produced it, while that backward goes "
               "on (Megatron's overlapped gradient reduction and its default size); 0: one bucket per chunk",
               &job_config::bucket_size, 0, 1LL << 40),
-      int_key("parallel.credit_window", "micro-batches a data loader sends ahead", &job_config::credit_window, 1, 1000000),
+      int_key("parallel.credit_window",
+              "micro-batches a data loader sends ahead of stage 0's forwards, one more for each credit stage 0 "
+              "returns; 0: every micro-batch of the step at its begin, and no credits (a credit wakes the loader's "
+              "thread each micro-batch)",
+              &job_config::credit_window, 0, 1000000),
       {{"parallel.split", "explicit layers per virtual stage, e.g. 3,5"},
        [](job_config& c, const std::string& v) {
          c.split.clear();

@@ -72,7 +72,7 @@ struct job_config {
   /// backward compute at once, one's all-to-alls waiting while the other computes
   /// (false: one after the other, faster on few cores when the all-to-all is quick)
   bool overlap_pairs = true;
-  int credit_window = 2;              ///< micro-batches a loader sends ahead of consumption
+  int credit_window = 0;              ///< micro-batches a loader sends ahead of consumption (0: the whole step's)
   std::int64_t bucket_size = 40000000;  ///< d > 1: gradient buckets of at least this many elements per
                                         ///< chunk, reduce-scattered during the last backward (0: one
                                         ///< bucket; Megatron's default size)

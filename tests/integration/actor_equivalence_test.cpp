@@ -69,10 +69,12 @@ INSTANTIATE_TEST_SUITE_P(
     // each other kind deep and with replicas (interleaved also without); gradient buckets
     // reduce-scattered during the last backward under 1f1b, interleaving and dataflow. The
     // V kinds hold both copies of the tied embedding on stage 0; dualpipev splits some
-    // backwards and keeps others whole, with buckets too.
-    ::testing::Values(layout{1, 1, 1, "1f1b"}, layout{4, 1, 1, "1f1b"}, layout{2, 2, 1, "1f1b"},
-                      layout{4, 2, 1, "gpipe"}, layout{4, 1, 2, "interleaved-1f1b"},
-                      layout{2, 2, 2, "interleaved-1f1b"}, layout{4, 2, 1, "dataflow"},
+    // backwards and keeps others whole, with buckets too. Loaders send a step's
+    // micro-batches at its begin, or a window ahead, one more per credit of stage 0.
+    ::testing::Values(layout{1, 1, 1, "1f1b"}, layout{1, 1, 1, "1f1b", false, 0, 1}, layout{4, 1, 1, "1f1b"},
+                      layout{2, 2, 1, "1f1b"}, layout{4, 2, 1, "gpipe"},
+                      layout{4, 1, 2, "interleaved-1f1b", false, 0, 2}, layout{2, 2, 2, "interleaved-1f1b"},
+                      layout{4, 2, 1, "dataflow", false, 0, 3},
                       layout{4, 2, 1, "dataflow", true}, layout{4, 2, 1, "zero-bubble"},
                       layout{2, 2, 1, "1f1b", false, 20000}, layout{2, 2, 2, "interleaved-1f1b", false, 20000},
                       layout{4, 2, 1, "dataflow", true, 20000}, layout{2, 2, 2, "combined-1f1b"},

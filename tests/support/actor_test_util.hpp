@@ -68,6 +68,7 @@ struct layout {
   const char* schedule;
   bool split_backward = false;  // dataflow
   std::int64_t bucket_size = 0;  // gradient buckets (parallel.bucket_size)
+  int credit_window = 0;         // parallel.credit_window (0: the loader sends the whole step at once)
 };
 
 inline std::string name_of(const layout& l) {
@@ -75,7 +76,8 @@ inline std::string name_of(const layout& l) {
   if (k == "interleaved-1f1b") k = "interleaved";
   std::replace(k.begin(), k.end(), '-', '_');  // gtest names: letters, digits, _
   return "p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_v" + std::to_string(l.v) + "_" + k +
-         (l.split_backward ? "_split" : "") + (l.bucket_size ? "_buckets" : "");
+         (l.split_backward ? "_split" : "") + (l.bucket_size ? "_buckets" : "") +
+         (l.credit_window ? "_credits" + std::to_string(l.credit_window) : "");
 }
 
 inline void PrintTo(const layout& l, std::ostream* os) { *os << name_of(l); }
@@ -88,6 +90,7 @@ inline job_config gpt_layout(const layout& l) {
   c.schedule = l.schedule;
   c.split_backward = l.split_backward;
   c.bucket_size = l.bucket_size;
+  c.credit_window = l.credit_window;
   c.microbatches = l.d == 1 ? 8 : 4;
   return c;
 }
