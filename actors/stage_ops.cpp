@@ -56,8 +56,15 @@ void stage_logic::run_ready(bool weight_turn) {
 
 void stage_logic::report_losses() {
   if (s_.ctx->tp_of(s_.replica) != 0) s_.losses.clear();
-  for (auto& [mb, loss] : s_.losses) {
-    loss_report rep{s_.step, s_.replica, mb, loss.item<double>()};
+  if (s_.losses.empty()) return;
+  // The step's losses reach the host in one copy (on a GPU one synchronisation, not one
+  // per micro-batch).
+  std::vector<torch::Tensor> each;
+  for (const auto& [mb, loss] : s_.losses) each.push_back(loss.reshape({}));
+  const auto values = torch::stack(each).to(torch::kCPU, torch::kFloat64);
+  const auto* value = values.data_ptr<double>();
+  for (const auto& [mb, loss] : s_.losses) {
+    loss_report rep{s_.step, s_.replica, mb, *value++};
     s_.record_sent({stage_state::sent_message::loss, mb});
     if (!report_fault(message_target::loss_report, "loss report", rep)) self_->send(s_.wiring->coordinator, rep);
   }
