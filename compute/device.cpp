@@ -168,6 +168,10 @@ void synchronize(torch::Device device) {
   if (device.is_cuda()) c10::cuda::device_synchronize();
 }
 
+bool stream_idle(torch::Device device) {
+  return !device.is_cuda() || c10::cuda::getCurrentCUDAStream(device.index()).query();
+}
+
 struct gpu_op_clock::impl {
   c10::DeviceIndex device = 0;
   // Timing events (cudaEventDefault): the anchor, and the marks, reused step after step.
@@ -207,6 +211,7 @@ ready_event record_ready(const torch::Tensor&) { return nullptr; }
 void wait_ready(const ready_event&, const torch::Tensor&) {}
 void use_own_stream(torch::Device) {}
 void synchronize(torch::Device) {}
+bool stream_idle(torch::Device) { return true; }
 
 struct gpu_op_clock::impl {};
 gpu_op_clock::gpu_op_clock(torch::Device) {}
@@ -216,5 +221,10 @@ double gpu_op_clock::at_us(int i) { throw std::out_of_range("gpu_op_clock: no ma
 #endif
 
 gpu_op_clock::~gpu_op_clock() = default;
+
+torch::Tensor to_device_async(const torch::Tensor& host, torch::Device device) {
+  if (!device.is_cuda() || !host.device().is_cpu()) return host.to(device);
+  return host.pin_memory().to(device, host.scalar_type(), /*non_blocking=*/true);
+}
 
 }  // namespace troupe

@@ -110,6 +110,18 @@ void use_own_stream(torch::Device device);
 
 /// Blocks until every kernel queued on `device` is done (no-op for CPU).
 void synchronize(torch::Device device);
+/// Whether the calling thread's current stream of `device` has run all that was queued on
+/// it (true for CPU).
+bool stream_idle(torch::Device device);
+
+/// A host tensor on `device`, without the host waiting for the device: bound for a GPU it
+/// is copied into page-locked memory (LibTorch's caching host allocator, which keeps the
+/// block until the copy has run) and the copy is queued on the current stream. A plain
+/// `.to(device)` synchronises the current stream first: a stage receiving its next
+/// micro-batch's input would wait for the kernels of the one before, and the GPU would
+/// idle while the host launches the next forward. Elsewhere: `.to(device)`. For tensors
+/// the caller owns (nothing else writes into `host` afterwards).
+torch::Tensor to_device_async(const torch::Tensor& host, torch::Device device);
 
 /// When a stage's ops ran on the GPU. A stage launches its kernels and goes on: the
 /// host's time around an op is its launch, not its run. Each mark records a timing event

@@ -3,8 +3,9 @@
 //   overhead     p=1 d=1 actor step vs the plain single-process loop, same threads
 //   pipelining   p=2, 1 intra-op thread per stage vs p=1 with 1 thread; measured bubble
 //                vs the simulator's for the measured forward/backward costs
-//   messaging    runtime cost per micro-batch: fmnist-mlp with 1-sample micro-batches
-//                (almost no compute), 64 vs 16 micro-batches per step, actors vs plain loop
+//   messaging    runtime cost per micro-batch: a one-layer gpt-tiny of width 32 with
+//                1-sample micro-batches (little compute), 64 vs 16 micro-batches per step,
+//                actors vs plain loop
 //   memory       bytes of fp32 main params + AdamW moments per optimizer shard, D = 1, 2, 4
 //   recompute    activation recomputation (train.recompute = selective, full): bytes one
 //                micro-batch holds for its backward with each and without (gpt-tiny,
@@ -208,19 +209,27 @@ int main(int argc, char** argv) {
     zero_bubble_rows(gpt, steps);
     return 0;
   }
-  // Overhead: p = 1, d = 1, 2 threads, both runtimes.
+  // Overhead: p = 1, d = 1, 2 threads, both runtimes, in 8 rounds of a pair (plain loop
+  // first in even rounds, actors first in odd ones). The VM's speed drifts by several per
+  // cent over minutes, less within a pair: besides the fastest of each, the median of the
+  // pairs' ratios.
   {
     auto c = gpt;
     c.threads = 2;
-    // Alternate the two, four times, and keep the faster of each (the machine is shared:
-    // single runs vary by 10-30 %).
     double plain = 1e9, actors = 1e9;
-    for (int round = 0; round < 4; ++round) {
-      plain = std::min(plain, plain_step_seconds(c, steps));
-      actors = std::min(actors, actor_step_seconds(c, steps).step_s);
+    std::vector<double> ratios;
+    for (int round = 0; round < 8; ++round) {
+      double p = 0, a = 0;
+      if (round % 2 == 0) p = plain_step_seconds(c, steps);
+      a = actor_step_seconds(c, steps).step_s;
+      if (round % 2 == 1) p = plain_step_seconds(c, steps);
+      plain = std::min(plain, p);
+      actors = std::min(actors, a);
+      ratios.push_back(a / p);
     }
-    std::printf("| gpt-tiny step, p=1 d=1, 2 threads: plain loop / actors | %.1f ms / %.1f ms (actors %+.1f %%) |\n",
-                plain * 1e3, actors * 1e3, 100 * (actors / plain - 1));
+    std::printf("| gpt-tiny step, p=1 d=1, 2 threads: plain loop / actors, fastest of 8 rounds; median of the rounds' "
+                "actors / plain | %.1f ms / %.1f ms (actors %+.1f %%); %+.1f %% |\n",
+                plain * 1e3, actors * 1e3, 100 * (actors / plain - 1), 100 * (median(ratios) - 1));
   }
   // `troupe_runtime_bench STEPS overhead`: the overhead and messaging parts only (an
   // A/B of something around the runtime, e.g. LD_PRELOAD of another malloc).
@@ -240,28 +249,41 @@ int main(int argc, char** argv) {
     std::printf("| p=2 bubble: measured / simulated (measured F %.1f ms, B %.1f ms) | %.3f / %.3f |\n", f, b,
                 two.bubble, sim.bubble);
   }
-  // Messaging: fmnist-mlp with 1-sample micro-batches, 1 thread, p=1. The cost of one
-  // more micro-batch is (T(64) - T(16)) / 48 per runtime (per-step costs cancel); the
-  // runtime's overhead per micro-batch is the actors' cost minus the plain loop's.
-  // Fastest of 8 alternating rounds: a difference of 48 micro-batches' time over a
-  // 45 ms step moves by about 20 us per micro-batch when this VM's speed moves by 2 %.
+  // Messaging: a one-layer gpt-tiny of width 32 over 16 tokens (the callgrind script's),
+  // 1-sample micro-batches, 1 thread, p=1: about 0.2 ms of compute per micro-batch, so
+  // that this VM's speed, which moves by a few per cent, moves the figure by a few us
+  // (fmnist-mlp's 0.7 ms per sample moved it by +-25 us). The cost of one more
+  // micro-batch is (T(64) - T(16)) / 48 per runtime (per-step costs cancel); the
+  // runtime's overhead per micro-batch is the actors' cost minus the plain loop's: from
+  // the fastest run of each of the four over 8 rounds, and the median of the rounds' own.
   {
-    auto c = job_config::defaults_for("fmnist-mlp");
+    auto c = job_config::defaults_for("gpt-tiny");
+    c.layers = 1;
+    c.d_model = 32;
+    c.heads = 2;
+    c.seq_len = 16;
     c.threads = 1;
+    c.steps = 200;
     double plain[2] = {1e9, 1e9}, actors[2] = {1e9, 1e9}, gaps = 1e9;
     const int counts[2] = {16, 64};
-    for (int round = 0; round < 8; ++round)
+    std::vector<double> differences;  // per round: the actors' cost per micro-batch minus the plain loop's
+    for (int round = 0; round < 8; ++round) {
+      double p[2], a[2];
       for (int i = 0; i < 2; ++i) {
         c.global_batch = c.microbatches = counts[i];
-        plain[i] = std::min(plain[i], plain_step_seconds(c, 3 * steps));
-        const auto a = actor_step_seconds(c, 3 * steps);
-        actors[i] = std::min(actors[i], a.step_s);
-        if (i == 1) gaps = std::min(gaps, median_gap_per_microbatch(a.events, counts[i]));
+        p[i] = plain_step_seconds(c, 3 * steps);
+        const auto run = actor_step_seconds(c, 3 * steps);
+        a[i] = run.step_s;
+        plain[i] = std::min(plain[i], p[i]);
+        actors[i] = std::min(actors[i], a[i]);
+        if (i == 1) gaps = std::min(gaps, median_gap_per_microbatch(run.events, counts[i]));
       }
+      differences.push_back(((a[1] - a[0]) - (p[1] - p[0])) / 48);
+    }
     const double per_plain = (plain[1] - plain[0]) / 48, per_actors = (actors[1] - actors[0]) / 48;
-    std::printf("| per micro-batch (fmnist-mlp, 1 sample, p=1): plain loop / actors / difference | %.1f / %.1f "
-                "/ %.1f us |\n",
-                per_plain * 1e6, per_actors * 1e6, (per_actors - per_plain) * 1e6);
+    std::printf("| per micro-batch (gpt-tiny of 1 layer, width 32, 16 tokens, 1 sample, p=1): plain loop / actors / "
+                "difference, fastest runs; median of the rounds' differences | %.1f / %.1f / %.1f us; %.1f us |\n",
+                per_plain * 1e6, per_actors * 1e6, (per_actors - per_plain) * 1e6, median(differences) * 1e6);
     std::printf("| per micro-batch: the stage's wait between its ops (message + scheduling; trace gaps, 64 "
                 "micro-batches) | %.1f us |\n",
                 gaps);

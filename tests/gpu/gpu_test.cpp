@@ -74,6 +74,31 @@ TEST(Gpu, OpClockTimesTheGpuNotTheLaunch) {
   EXPECT_GT(done - launch1, 0.5 * (g1 - g0));  // the host did wait for the work after launching it
 }
 
+// A stage's next input goes to the GPU without the host waiting for the kernels queued
+// before it (to_device_async): when the call returns they are still running. A plain
+// .to() waits for them (why the helper exists). The values arrive either way.
+TEST(Gpu, AnInputCopyDoesNotWaitForQueuedKernels) {
+  if (!cuda_usable()) GTEST_SKIP() << "no usable GPU (or a LibTorch without CUDA)";
+  const torch::Device dev(torch::kCUDA, 0);
+  auto a = torch::randn({4096, 4096}, torch::TensorOptions().device(dev));
+  const auto host = torch::randint(50000, {16, 1024}, torch::kInt64);
+  auto queue = [&] {  // ~5.5 TFLOP: many ms of GPU work, launched in far less
+    for (int i = 0; i < 40; ++i) a = torch::mm(a, a).tanh_();
+  };
+  to_device_async(host, dev);  // warm-up: cuBLAS, the caching host allocator's first block
+  queue();
+  synchronize(dev);
+  queue();
+  const auto async_copy = to_device_async(host, dev);
+  EXPECT_FALSE(stream_idle(dev)) << "to_device_async waited for the kernels queued before it";
+  synchronize(dev);
+  queue();
+  const auto plain_copy = host.to(dev);
+  EXPECT_TRUE(stream_idle(dev)) << "a plain .to() no longer waits for the stream: to_device_async may be unneeded";
+  EXPECT_TRUE(torch::equal(async_copy.cpu(), host));
+  EXPECT_TRUE(torch::equal(plain_copy.cpu(), host));
+}
+
 // A checkpoint folder written by a GPU run (parameters and AdamW moments gathered from
 // the GPU) resumes on the CPU; the resumed run ends within 1e-4 of the GPU run's end.
 TEST(Gpu, CheckpointOfAGpuRunResumesOnTheCpu) {
