@@ -295,12 +295,12 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
         auto& s = self->state;
         const auto problem = check_payload(msg.data, ctx->input_shape(), ctx->input_dtype());
         if (!problem.empty()) return logic->fail("micro-batch input " + std::to_string(msg.mb) + ": " + problem);
-        s.inputs[{msg.mb, 0}] = to_device_async(tensor_of(msg.data), ctx->device);
+        s.inputs[{msg.mb, 0}] = logic->to_device(tensor_of(msg.data));
         logic->run_ready();
       },
       [=](microbatch_target& msg) {
         if (!logic->accept(msg.step) || !logic->first_time(received::target, {msg.mb, 0}, "micro-batch target")) return;
-        self->state.targets[msg.mb] = to_device_async(tensor_of(msg.data), ctx->device);
+        self->state.targets[msg.mb] = logic->to_device(tensor_of(msg.data));
         logic->run_ready();
       },
       [=](forward_activation& msg) {

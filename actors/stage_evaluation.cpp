@@ -47,7 +47,7 @@ void stage_logic::run_eval_forward(const eval_activation& msg) {
     throw std::runtime_error("injected fault: " + s_.name + " throws in the evaluation after step " +
                              std::to_string(s_.step + 1));
   }
-  auto in = to_device_async(tensor_of(msg.data), ctx.device);
+  auto in = to_device(tensor_of(msg.data));
   if (x > 0) in = in.to(ctx.residual_dtype);  // the stage computes from its residual stream's dtype
   trace_event ev{"eval F", s_.replica, s_.stage, msg.index, msg.chunk, s_.step, ctx.now_us(), 0};
   s_.computing_forward = {msg.index, msg.chunk};
@@ -76,7 +76,7 @@ void stage_logic::on_eval_target(const eval_target& msg) {
   if (!eval_accepts(msg.step, "target")) return;
   const auto problem = check_payload(msg.data, msg.data.shape, torch::kInt64);
   if (!problem.empty()) return fail("evaluation target of forward " + std::to_string(msg.index) + ": " + problem);
-  s_.eval_targets[msg.index] = to_device_async(tensor_of(msg.data), s_.ctx->device);
+  s_.eval_targets[msg.index] = to_device(tensor_of(msg.data));
   score_eval(msg.index);
 }
 

@@ -22,6 +22,9 @@ struct launch_info {
   std::optional<double> failed_at, regrow_at;
   /// Benchmarks: every backward on its stage actor's thread (TROUPE_BACKWARD_ON_STAGE_THREAD=1).
   bool backward_on_stage_threads = false;
+  /// Benchmarks: a stage copies its inputs and targets to the GPU with a plain `.to()`,
+  /// which waits for its stream (TROUPE_BLOCKING_INPUT_COPIES=1; to_device_async's A/B).
+  bool blocking_input_copies = false;
   /// Benchmarks: every all-to-all lasts this much longer, as a network with that latency
   /// would (TROUPE_TEST_ALLTOALL_DELAY_MS; this kernel has no netem).
   std::chrono::microseconds all_to_all_delay{0};

@@ -40,6 +40,7 @@ troupe::launch_info launch_info_from_environment() {
   l.failed_at = number("TROUPE_FAILED_AT");
   l.regrow_at = number("TROUPE_REGROW_AT");
   l.backward_on_stage_threads = env_or("TROUPE_BACKWARD_ON_STAGE_THREAD", "") == "1";
+  l.blocking_input_copies = env_or("TROUPE_BLOCKING_INPUT_COPIES", "") == "1";
   l.all_to_all_delay = std::chrono::microseconds(std::int64_t(number("TROUPE_TEST_ALLTOALL_DELAY_MS").value_or(0) * 1000));
   l.kernel_profile = env_or("TROUPE_KERNEL_PROFILE", "");
   return l;

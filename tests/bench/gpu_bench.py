@@ -243,6 +243,11 @@ def main():
         add("Troupe actors p=4, 4 micro-batches of 4 x 1024, backwards on the stage threads", 4, 4,
             env={"TROUPE_BACKWARD_ON_STAGE_THREAD": "1"})
     add("Troupe actors llama-small p=1, 4 micro-batches of 4 x 1024", 1, 4, workload="llama-small")
+    # Inputs copied to the GPU without waiting for the stage's stream (to_device_async)
+    # against a plain .to(), which waits for the previous micro-batch's kernels, alternating.
+    for r in range(int(os.environ.get("TROUPE_GPU_BENCH_ROUNDS", "1"))):
+        for name, env in (("", None), (", blocking input copies", {"TROUPE_BLOCKING_INPUT_COPIES": "1"})):
+            add(f"Troupe actors p=1, 4 micro-batches of 4 x 1024, round {r + 1}{name}", 1, 4, env=env)
     # What the same bits every run cost (LibTorch's deterministic kernels, strict).
     add("Troupe actors p=4, deterministic = true, 4 micro-batches", 4, 4, ("--deterministic", "true"))
     add("Troupe actors p=1, deterministic = true, 4 micro-batches", 1, 4, ("--deterministic", "true"))

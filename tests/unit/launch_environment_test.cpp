@@ -30,7 +30,8 @@ struct environment_guard {
 TEST(LaunchEnvironment, TheLaunchersVariablesBecomeTheLaunchInfo) {
   environment_guard env;
   for (const char* name : {"TROUPE_LAUNCH_ATTEMPT", "TROUPE_RESUME_AUTO", "TROUPE_FAILED_AT", "TROUPE_REGROW_AT",
-                           "TROUPE_BACKWARD_ON_STAGE_THREAD", "TROUPE_TEST_ALLTOALL_DELAY_MS", "TROUPE_KERNEL_PROFILE"})
+                           "TROUPE_BACKWARD_ON_STAGE_THREAD", "TROUPE_BLOCKING_INPUT_COPIES", "TROUPE_TEST_ALLTOALL_DELAY_MS",
+                           "TROUPE_KERNEL_PROFILE"})
     env.set(name, nullptr);
   auto l = troupe_cli::launch_info_from_environment();
   EXPECT_EQ(l.attempt, 0);
@@ -38,12 +39,14 @@ TEST(LaunchEnvironment, TheLaunchersVariablesBecomeTheLaunchInfo) {
   EXPECT_FALSE(l.failed_at);
   EXPECT_FALSE(l.regrow_at);
   EXPECT_FALSE(l.backward_on_stage_threads);
+  EXPECT_FALSE(l.blocking_input_copies);
   EXPECT_EQ(l.all_to_all_delay.count(), 0);
   EXPECT_EQ(l.kernel_profile, "");
   env.set("TROUPE_LAUNCH_ATTEMPT", "2");
   env.set("TROUPE_RESUME_AUTO", "1");
   env.set("TROUPE_FAILED_AT", "1790000000.25");
   env.set("TROUPE_BACKWARD_ON_STAGE_THREAD", "1");
+  env.set("TROUPE_BLOCKING_INPUT_COPIES", "1");
   env.set("TROUPE_TEST_ALLTOALL_DELAY_MS", "2.5");
   env.set("TROUPE_KERNEL_PROFILE", "k.json:3:4");
   l = troupe_cli::launch_info_from_environment();
@@ -53,6 +56,7 @@ TEST(LaunchEnvironment, TheLaunchersVariablesBecomeTheLaunchInfo) {
   EXPECT_DOUBLE_EQ(*l.failed_at, 1790000000.25);
   EXPECT_FALSE(l.regrow_at);
   EXPECT_TRUE(l.backward_on_stage_threads);
+  EXPECT_TRUE(l.blocking_input_copies);
   EXPECT_EQ(l.all_to_all_delay.count(), 2500);
   EXPECT_EQ(l.kernel_profile, "k.json:3:4");
   env.set("TROUPE_REGROW_AT", "soon");
