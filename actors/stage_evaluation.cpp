@@ -47,7 +47,9 @@ void stage_logic::run_eval_forward(const eval_activation& msg) {
     throw std::runtime_error("injected fault: " + s_.name + " throws in the evaluation after step " +
                              std::to_string(s_.step + 1));
   }
-  auto in = to_device(tensor_of(msg.data));
+  // (A loader's windows through to_device; another stage's activation as it came: a
+  // transport may hand over a buffer it reuses.)
+  auto in = x == 0 ? to_device(tensor_of(msg.data)) : tensor_of(msg.data).to(ctx.device);
   if (x > 0) in = in.to(ctx.residual_dtype);  // the stage computes from its residual stream's dtype
   trace_event ev{"eval F", s_.replica, s_.stage, msg.index, msg.chunk, s_.step, ctx.now_us(), 0};
   s_.computing_forward = {msg.index, msg.chunk};

@@ -237,9 +237,10 @@ class stage_logic {
   /// goes first.
   void run_ready(bool weight_turn = false);
 
-  /// A loader's input or target (or an evaluation's) on the job's device, queued on the
-  /// stage's stream without waiting for it (to_device_async); a plain `.to()` when the
-  /// launcher asks (launch_info::blocking_input_copies, the benchmark's A/B).
+  /// A loader's input or target (or an evaluation's, from the loader) on the job's
+  /// device, queued on the stage's stream without waiting for it (to_device_async); a
+  /// plain `.to()` when the launcher asks (launch_info::blocking_input_copies, the
+  /// benchmark's A/B).
   torch::Tensor to_device(const torch::Tensor& host) const {
     return s_.ctx->launch.blocking_input_copies ? host.to(s_.ctx->device) : to_device_async(host, s_.ctx->device);
   }
