@@ -250,9 +250,9 @@ int main(int argc, char** argv) {
                 two.bubble, sim.bubble);
   }
   // Messaging: a one-layer gpt-tiny of width 32 over 16 tokens (the callgrind script's),
-  // 1-sample micro-batches, 1 thread, p=1: about 0.2 ms of compute per micro-batch, so
-  // that this VM's speed, which moves by a few per cent, moves the figure by a few us
-  // (fmnist-mlp's 0.7 ms per sample moved it by +-25 us). The cost of one more
+  // 1-sample micro-batches, 1 thread, p=1: about 0.56 ms per micro-batch, nearly all of
+  // it LibTorch's per-op cost (fmnist-mlp's 0.7 ms: this VM's drift of a few per cent
+  // moves the figure by tens of us, hence the rounds' medians). The cost of one more
   // micro-batch is (T(64) - T(16)) / 48 per runtime (per-step costs cancel); the
   // runtime's overhead per micro-batch is the actors' cost minus the plain loop's: from
   // the fastest run of each of the four over 8 rounds, and the median of the rounds' own.
