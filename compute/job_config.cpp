@@ -522,10 +522,6 @@ void job_config::validate() const {
       fail("experts with tensor_parallel " + std::to_string(tensor_parallel) +
            " need sequence_parallel = true (--sequence-parallel): each rank's experts compute on its part of "
            "the sequence (as Megatron asserts); without it every rank would hold the same tokens");
-    if (g.n_experts > 0 && tensor_parallel > 1 && moe_capacity_factor > 0)
-      fail("moe_capacity_factor with tensor_parallel " + std::to_string(tensor_parallel) +
-           ": the capacity is per sequence, and sequence parallelism splits each sequence over the group; "
-           "dropping over a split sequence is not built");
     if (g.vocab_used > g.vocab)
       fail("vocab " + std::to_string(g.vocab) + " is below the tokenizer's " + std::to_string(g.vocab_used) + " pieces");
   }

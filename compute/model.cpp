@@ -866,8 +866,7 @@ class decoder_slice final : public model_slice {
     // rerun in the backward) drops what exceeds the experts' capacity; a dropped pair's
     // expert is E, no expert's.
     const bool graph = torch::GradMode::is_enabled(), training = graph || checkpointing_ || recomputing_;
-    const auto capacity = training ? cfg_.expert_capacity(T) : 0;
-    const auto routed = capacity > 0 ? drop_past_capacity(probs.detach(), chosen, B, capacity) : chosen;
+    const auto routed = training && cfg_.moe_capacity_factor > 0 ? within_capacity(probs.detach(), chosen, B) : chosen;
     torch::Tensor out = ep_.active() ? parallel_experts(x, routed, weights, p) : local_experts(x, routed, weights, p);
     out = out.view({B, T, d});
     // A training forward counts its load-balancing loss once (not when a full recompute
@@ -901,6 +900,22 @@ class decoder_slice final : public model_slice {
       aux_sum_ = aux_sum_.defined() ? aux_sum_ + counted : counted;
     }
     return graph ? add_aux_loss::apply(out, aux, aux_scale_) : out;
+  }
+
+  /// `chosen` (B T, k) less the pairs past their experts' capacity in each sequence
+  /// (drop_past_capacity). Under sequence parallelism this rank holds T of each sequence's
+  /// T x size tokens: the router's probabilities of the whole sequences are gathered over
+  /// the group (no gradient), every rank decides for the whole sequences, the same way
+  /// (the stable sorts of the same values), and keeps its own positions.
+  torch::Tensor within_capacity(const torch::Tensor& probs, const torch::Tensor& chosen, std::int64_t B) {
+    const std::int64_t T = chosen.size(0) / B;
+    if (!sequence()) return drop_past_capacity(probs, chosen, B, cfg_.expert_capacity(T));
+    const std::int64_t E = probs.size(1), k = chosen.size(1), whole = T * tp_.size;
+    const auto all = tp::gather_dim(probs.view({B, T, E}), 1, group()).reshape({B * whole, E});
+    const auto all_chosen =
+        std::get<1>(torch::sort(all, /*stable=*/true, /*dim=*/-1, /*descending=*/true)).narrow(1, 0, k);
+    const auto kept = drop_past_capacity(all, all_chosen, B, cfg_.expert_capacity(whole));
+    return kept.view({B, whole, k}).narrow(1, T * tp_.rank, T).reshape({B * T, k});
   }
 
   /// The capacity factor (Megatron's token dropping, drop policy "probs", per sequence so

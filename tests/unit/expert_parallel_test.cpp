@@ -345,9 +345,9 @@ TEST(ExpertParallel, ANodeKeepsOnlyItsShareOfTheExperts) {
 
 // The capacity factor (model.moe_capacity_factor): with 0.5 each expert takes at most
 // ceil(0.5 x 16 x 2 / 4) = 4 of a sequence's 32 (token, choice) pairs, so at least half of
-// every layer's pairs are dropped, and the metrics count them; expert-parallel layouts
-// and the actor runtime drop the same pairs (per sequence) and follow one process within
-// 1e-5. A factor of E/k (2) leaves room for every pair: the same bits as no factor.
+// every layer's pairs are dropped, and the metrics count them; expert-parallel layouts,
+// with tensor and sequence parallelism too (a rank holds part of each sequence), and the
+// actor runtime drop the same pairs (per sequence) and follow one process within 1e-5. A factor of E/k (2) leaves room for every pair: the same bits as no factor.
 // Evaluation never drops.
 TEST(ExpertParallel, ACapacityFactorDropsTheSamePairsInEveryLayout) {
   auto one = moe_job();
@@ -374,13 +374,17 @@ TEST(ExpertParallel, ACapacityFactorDropsTheSamePairsInEveryLayout) {
   }
   EXPECT_NE(ref.losses, plain.losses);
   EXPECT_GT(test::max_abs_diff(ref.state, plain.state), 1e-4);  // (dropped pairs: other gradients)
-  for (const auto& [ep, d, p] : {std::tuple{2, 2, 1}, std::tuple{2, 4, 2}}) {
+  for (const auto& [t, ep, d, p] : {std::tuple{1, 2, 2, 1}, std::tuple{1, 2, 4, 2}, std::tuple{2, 1, 1, 1},
+                                    std::tuple{2, 4, 2, 2}}) {
     auto c = capped;
+    c.tensor_parallel = t;
+    c.sequence_parallel = t > 1;
     c.expert_parallel = ep;
     c.data_parallel = d;
     c.pipeline = p;
     const auto got = train(c);
-    const std::string at = "ep " + std::to_string(ep) + " d " + std::to_string(d) + " p " + std::to_string(p);
+    const std::string at = "t " + std::to_string(t) + " ep " + std::to_string(ep) + " d " + std::to_string(d) +
+                           " p " + std::to_string(p);
     EXPECT_LE(test::max_abs_diff(got.state, ref.state), 1e-5) << at;
     for (int i = 0; i < one.steps; ++i) {
       EXPECT_NEAR(got.losses[std::size_t(i)], ref.losses[std::size_t(i)], 1e-5) << at << " step " << i;
@@ -389,29 +393,35 @@ TEST(ExpertParallel, ACapacityFactorDropsTheSamePairsInEveryLayout) {
           << routing_differences(got.routed[std::size_t(i)], ref.routed[std::size_t(i)]);
     }
   }
-  // The actor runtime (EP 2 over 2 replicas, 2 stages): the metrics' dropped pairs.
+  // The actor runtime (EP 2 over 2 replicas, 2 stages; and over a tensor-parallel pair
+  // with sequence parallelism): the metrics' dropped pairs.
   test::temp_dir dir;
-  auto c = capped;
-  c.runtime = "actors";
-  c.expert_parallel = 2;
-  c.data_parallel = 2;
-  c.pipeline = 2;
-  c.metrics = dir / "metrics.jsonl";
-  actor_run_options quiet;
-  quiet.quiet = true;
-  const auto got = run_actor_training(c, quiet);
-  ASSERT_EQ(got.exit_code, 0) << got.error;
-  EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5);
-  std::ifstream metrics(c.metrics);
-  int i = 0;
-  for (std::string line; std::getline(metrics, line);) {
-    const auto j = nlohmann::json::parse(line);
-    if (!j.contains("loss")) continue;
-    ASSERT_LT(i, one.steps);
-    EXPECT_EQ(j.at("expert_dropped").get<std::int64_t>(), expert_pairs_dropped(ref.routed[std::size_t(i)])) << "step " << i;
-    ++i;
+  for (const int t : {1, 2}) {
+    auto c = capped;
+    c.runtime = "actors";
+    c.tensor_parallel = t;
+    c.sequence_parallel = t > 1;
+    c.expert_parallel = 2;
+    c.data_parallel = 3 - t;
+    c.pipeline = 2;
+    c.metrics = dir / ("metrics" + std::to_string(t) + ".jsonl");
+    actor_run_options quiet;
+    quiet.quiet = true;
+    const auto got = run_actor_training(c, quiet);
+    ASSERT_EQ(got.exit_code, 0) << "t " << t << ": " << got.error;
+    EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5) << "t " << t;
+    std::ifstream metrics(c.metrics);
+    int i = 0;
+    for (std::string line; std::getline(metrics, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      ASSERT_LT(i, one.steps);
+      EXPECT_EQ(j.at("expert_dropped").get<std::int64_t>(), expert_pairs_dropped(ref.routed[std::size_t(i)]))
+          << "t " << t << " step " << i;
+      ++i;
+    }
+    EXPECT_EQ(i, one.steps) << "t " << t;
   }
-  EXPECT_EQ(i, one.steps);
   // Evaluation drops nothing: the same scores with and without a factor.
   EXPECT_EQ(local_trainer(capped).evaluate().loss, local_trainer(one).evaluate().loss);
 }
@@ -519,9 +529,6 @@ TEST(ExpertParallel, BadLayoutsSaySo) {
   EXPECT_NE(error_of(c).find("experts with tensor_parallel 2 need sequence_parallel = true"), std::string::npos)
       << error_of(c);
   c.sequence_parallel = true;
-  c.moe_capacity_factor = 1;
-  EXPECT_NE(error_of(c).find("moe_capacity_factor with tensor_parallel 2"), std::string::npos) << error_of(c);
-  c.moe_capacity_factor = 0;
   c.expert_parallel = 2;  // (the group: the tensor-parallel pair)
   EXPECT_EQ(error_of(c), "");
   c.expert_parallel = 8;
