@@ -16,14 +16,12 @@ void record_evaluation(self_ptr self, const evaluation& e, double seconds, nlohm
 
 const batch& evaluation_set(self_ptr self) {
   auto& s = self->state;
-  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   if (!s.eval_set) s.eval_set = training_data(s.ctx->cfg, training_data::use::evaluation).evaluation_set();
   return *s.eval_set;
 }
 
 void evaluate(self_ptr self, const state_dict& state, nlohmann::json& line, double t0) {
   auto& s = self->state;
-  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   local_pipeline model(s.ctx->spec, state, 1, 1, {}, 1, s.ctx->device);  // on the job's device
   const auto e = evaluate_model(model, evaluation_set(self), s.ctx->spec.type == model_spec::kind::decoder,
                                 int(s.step) + 1, s.ctx->cfg.eval_tokens);

@@ -48,7 +48,6 @@ wait_report loader_waits(const loader_state& s, std::int64_t step) {
 using loader_self = loader_actor::stateful_pointer<loader_state>;
 
 void send_next(loader_self self) {
-  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   auto& s = self->state;
   const auto& ctx = *s.ctx;
   const int k = s.next_mb++;

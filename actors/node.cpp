@@ -1,5 +1,6 @@
 #include "actors/node.hpp"
 
+#include "actors/intra_op_threads.hpp"
 #include "compute/checkpoint_dir.hpp"
 #include "compute/device.hpp"
 #include "compute/kernel_profile.hpp"
@@ -230,6 +231,7 @@ void configure_node_system(caf::actor_system_config& acfg, const node_options& o
   acfg.add_message_types<caf::id_block::troupe>();
   acfg.set("scheduler.policy", caf::atom("sharing"));
   acfg.set("scheduler.max-threads", std::size_t{2});
+  acfg.add_thread_hook<one_intra_op_thread>();  // (see runtime.cpp)
   // CAF's failure detection is off by default: a frozen or vanished node must be noticed.
   acfg.set("middleman.heartbeat-interval", caf::timespan{o.heartbeat});
   acfg.set("middleman.connection-timeout", caf::timespan{o.connection_timeout});

@@ -423,7 +423,6 @@ void on_collective_done(shard_self self, const collective_done& msg) {
   }
   if (++s.completed < s.order.size()) return;
   s.pending.clear();
-  torch::set_num_threads(1);  // intra-op threads belong to the stage actors (see runtime.cpp)
   if (collective(msg.kind) == collective::reduce_scatter) {
     for (int ci = 0; ci < s.ctx->v; ++ci) {
       auto& ch = s.chunks[ci];
@@ -452,7 +451,6 @@ void on_collective_done(shard_self self, const collective_done& msg) {
 /// all-gather and the buddy's copy.
 void on_clip_factor(shard_self self, const clip_factor_msg& msg) {
   if (!accept(self, msg.step)) return;
-  torch::set_num_threads(1);
   auto& s = self->state;
   trace_event ev{"optimizer", s.rank, s.stage, -1, -1, s.step, s.ctx->now_us(), 0};
   if (!msg.skip)  // skipped: no update, no AdamW step count (Megatron's loss scaler)

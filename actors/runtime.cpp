@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "actors/coordinator_actor.hpp"
+#include "actors/intra_op_threads.hpp"
 #include "compute/checkpoint.hpp"
 #include "compute/checkpoint_dir.hpp"
 #include "compute/hf_folder.hpp"
@@ -223,7 +224,8 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
   // (this one, the scheduler's) runs them on one. libgomp gives every thread that starts
   // a parallel region a team of its own, and once there are more OpenMP threads than
   // cores it stops spin-waiting between regions, which made each of LibTorch's many small
-  // parallel regions pay a futex wake-up (p=1 steps 58 % slower than the plain loop).
+  // parallel regions pay a futex wake-up (p=1 steps 58 % slower than the plain loop; the
+  // scheduler's threads: one_intra_op_thread, intra_op_threads.hpp).
   const int caller_threads = torch::get_num_threads();
   torch::set_num_threads(1);
   struct restore_threads {
@@ -244,6 +246,7 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
     // work-stealing's polling, which would take cores from LibTorch's intra-op threads.
     acfg.set("scheduler.policy", caf::atom("sharing"));
     acfg.set("scheduler.max-threads", std::size_t{2});
+    acfg.add_thread_hook<one_intra_op_thread>();
     caf::actor_system sys{acfg};
     if (!opts.quiet)
       spdlog::info("training {}{} for {} steps with actors: {}pipeline {} x data-parallel {}, {} micro-batches of {} ({}), "

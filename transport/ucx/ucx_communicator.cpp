@@ -19,6 +19,7 @@
 
 #include "transport/algorithms/direct_exchange.hpp"
 #include "transport/algorithms/ring.hpp"
+#include "transport/torch_threads.hpp"
 
 namespace troupe::transport {
 
@@ -395,6 +396,7 @@ void ucx_comm::posted(pending_op* op, ucs_status_ptr_t req) {
 
 void ucx_comm::progress_loop() {
   c10::AutoGradMode no_grad(false);  // tensors here are data (see executor_loop)
+  compute_on_one_intra_op_thread();
   int idle = 0;
   while (true) {
     if (driving_) {
@@ -437,6 +439,7 @@ void ucx_comm::executor_loop() {
   // Tensors are data to the transport: writing into a caller's view (made without grad
   // mode, as inside a custom autograd function) must not be recorded by the autograd.
   c10::AutoGradMode no_grad(false);
+  compute_on_one_intra_op_thread();  // (the ring's sums)
   while (true) {
     std::function<void()> job;
     {

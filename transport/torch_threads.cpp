@@ -1,0 +1,12 @@
+#include "transport/torch_threads.hpp"
+
+#include <ATen/Parallel.h>
+
+namespace troupe::transport {
+
+void compute_on_one_intra_op_thread() {
+  (void)at::get_num_threads();  // (LibTorch's lazy set-up of this thread)
+  at::set_num_threads(1);
+}
+
+}  // namespace troupe::transport
