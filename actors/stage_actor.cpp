@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "actors/stage_logic.hpp"
+#include "transport/torch_threads.hpp"
 
 namespace troupe {
 
@@ -260,7 +261,7 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
           spdlog::default_logger()->flush();
           ::kill(::getpid(), SIGKILL);
         }
-        if (ctx->cfg.threads > 0) torch::set_num_threads(ctx->cfg.threads);
+        if (ctx->cfg.threads > 0) transport::set_intra_op_threads(ctx->cfg.threads);
         if (!s.stream_set) {  // a detached actor: this thread is its own from now on
           use_own_stream(ctx->device);
           s.stream_set = true;

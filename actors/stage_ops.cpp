@@ -1,6 +1,7 @@
 // The stage's ops in a step: which runs next, forward, backward and weight passes,
 // overlapped pairs, gradient buckets, the tied embedding, parameters (stage_logic.hpp).
 #include "actors/stage_logic.hpp"
+#include "transport/torch_threads.hpp"
 
 namespace troupe::stage_detail {
 
@@ -250,7 +251,7 @@ void stage_logic::execute_pair(const pipeline_op& f, const pipeline_op& b) {
   auto wf = begin_op(f), wb = begin_op(b);
   const int threads = s_.ctx->cfg.threads;
   auto forward = std::async(std::launch::async, [this, &wf, threads] {
-    if (threads > 0) torch::set_num_threads(threads);
+    if (threads > 0) transport::set_intra_op_threads(threads);
     compute(wf);
     wf.computed_us = s_.ctx->now_us();
   });
