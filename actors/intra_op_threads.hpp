@@ -9,8 +9,8 @@ namespace troupe {
 /// starts runs LibTorch's ops on one intra-op thread
 /// (transport::compute_on_one_intra_op_thread). Without it such a thread took the count
 /// a stage actor had set, at its first parallel LibTorch op, and started a second OpenMP
-/// team: the optimizer shard's in-process reduce-scatter did in some runs, and llama-tiny
-/// with 2 threads then ran at 4,000 tokens/s instead of 7,000.
+/// team (the optimizer shard's in-process reduce-scatter did; docs/performance.md,
+/// llama-tiny).
 class one_intra_op_thread final : public caf::thread_hook {
  public:
   void init(caf::actor_system&) override {}

@@ -1,6 +1,6 @@
 #pragma once
-// LibTorch's intra-op threads belong to the stage actors: a thread of anything else (the
-// transport's, an actor system's scheduler) runs LibTorch ops on one.
+// LibTorch's intra-op threads belong to the threads that compute: a thread that only
+// moves data (the transport's, an actor system's scheduler) runs LibTorch ops on one.
 
 namespace troupe::transport {
 
@@ -12,7 +12,8 @@ void set_intra_op_threads(int n);
 
 /// set_intra_op_threads(1). libgomp gives every thread that starts a parallel region a
 /// team of its own, and once there are more OpenMP threads than cores it stops
-/// spin-waiting between regions: every small op of a stage then pays a futex wake-up.
+/// spin-waiting between regions: every small op of the computing threads then pays a
+/// futex wake-up.
 void compute_on_one_intra_op_thread();
 
 }  // namespace troupe::transport

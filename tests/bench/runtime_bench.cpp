@@ -219,9 +219,8 @@ int main(int argc, char** argv) {
     double plain = 1e9, actors = 1e9;
     std::vector<double> ratios;
     for (int round = 0; round < 8; ++round) {
-      double p = 0, a = 0;
-      if (round % 2 == 0) p = plain_step_seconds(c, steps);
-      a = actor_step_seconds(c, steps).step_s;
+      double p = round % 2 == 0 ? plain_step_seconds(c, steps) : 0;
+      const double a = actor_step_seconds(c, steps).step_s;
       if (round % 2 == 1) p = plain_step_seconds(c, steps);
       plain = std::min(plain, p);
       actors = std::min(actors, a);

@@ -1,7 +1,6 @@
 // LibTorch's intra-op threads belong to the stage actors: a thread of the transport or of
 // an actor system's scheduler computes on one, even after a stage actor raised the
-// process-wide count (a second OpenMP team made libgomp stop spin-waiting: llama-tiny at
-// 2 threads ran at 4,000 tokens/s instead of 7,000 in some runs).
+// process-wide count (a second OpenMP team makes libgomp stop spin-waiting).
 #include <gtest/gtest.h>
 
 #include <condition_variable>
