@@ -210,6 +210,7 @@ void after_reset(self_ptr self, nlohmann::json line) {
   const bool folder = !cfg.checkpoint_dir.empty() && due;
   auto proceed = [self, last, stop, done_steps](state_dict state) {
     auto& s = self->state;
+    if ((last || stop) && !s.save_failure.empty()) return finish(self, 1, save_failure_text(s));
     if (stop) return finish(self, exit_stopped, stopped_text(stop, done_steps, s.ctx->cfg));
     if (last) {
       s.result->final_state = std::move(state);

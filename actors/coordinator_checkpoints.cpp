@@ -72,16 +72,31 @@ bool checkpoint_failed(self_ptr self, const std::string& what, bool final) {
 }
 
 bool save_file(self_ptr self, const state_dict& model, const named_moments& moments, bool final) {
-  const auto& cfg = self->state.ctx->cfg;
-  const auto next = self->state.step + 1;
+  auto& s = self->state;
+  const auto& cfg = s.ctx->cfg;
+  const auto next = s.step + 1;
   try {
-    save_state_dict(cfg.save + ".optim", optimizer_state_dict(moments, model, next));
-    save_state_dict(cfg.save, model);
+    save_state_dict_pair(cfg.save, model, optimizer_state_dict(moments, model, next), next);
+    s.saved_step = next;
     spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
     return true;
   } catch (const std::exception& e) {
-    return checkpoint_failed(self, e.what(), final);
+    if (!final) return checkpoint_failed(self, e.what(), final);
+    // The run's last: the checkpoint folder (if the job has one) is still written, and the
+    // run then fails, saying where its weights are (save_failure_text).
+    s.save_failure = "cannot write --save " + cfg.save + " at step " + std::to_string(next) + " (the run's last): " +
+                     e.what() + "; " + cfg.save + " and " + cfg.save + ".optim are as " +
+                     (s.saved_step >= 0 ? "this run wrote them at step " + std::to_string(s.saved_step)
+                                        : std::string("they were before this run"));
+    spdlog::error("{}", s.save_failure);
+    return true;
   }
+}
+
+std::string save_failure_text(const coordinator_state& s) {
+  return s.save_failure + "; the run's final weights are " +
+         (s.last_folder.empty() ? std::string("not saved (the job has no checkpoint_dir)")
+                                : "in checkpoint folder " + s.last_folder);
 }
 
 void write_folder(self_ptr self, bool final, std::function<void()> then) {
@@ -109,6 +124,7 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
     try {
       if (!what.empty()) throw checkpoint_error(what);
       const auto where = finish_checkpoint_dir(cfg.checkpoint_dir, cfg, *files, next, cfg.keep_checkpoints);
+      s.last_folder = where;
       const double seconds = (s.ctx->now_us() - t0) * 1e-6;
       spdlog::info("step {}: checkpoint written to {} ({} stage(s) wrote their files in {:.2f} s)", next, where, p,
                    seconds);

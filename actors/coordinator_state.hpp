@@ -76,6 +76,9 @@ struct coordinator_state {
   double checkpoint_seconds = 0;  // spent on the checkpoint folders written
   int checkpoints = 0;
   int checkpoint_failures = 0;  // checkpoints due that could not be written (the run went on)
+  std::int64_t saved_step = -1;  // the step of this run's newest --save pair (-1: none yet)
+  std::string last_folder;       // this run's newest checkpoint folder ("": none yet)
+  std::string save_failure;      // the run's last --save could not be written: why, and what is intact
   nlohmann::json recovery;   // a resumed run's "resume" line, written with its first step
   std::int32_t attempt = 0;  // of this step: > 0 after in-place retries
   std::int32_t rounds = 0;   // in-place recoveries so far (the actors' generation)
@@ -159,9 +162,13 @@ void fetch_final_state(self_ptr self, std::function<void(state_dict)> then);
 /// the run goes on to the next one; but the run's last (`final`: the end, or a stop) must
 /// be written: false (the run failed).
 bool checkpoint_failed(self_ptr self, const std::string& what, bool final);
-/// Writes FILE.optim and FILE (--save, as the plain loop does) from the gathered model.
-/// False where the run failed (see checkpoint_failed).
+/// Writes the --save pair FILE and FILE.optim (as the plain loop does) from the gathered
+/// model. False where the run failed (see checkpoint_failed). The run's last that cannot
+/// be written sets save_failure: the checkpoint folder is still written, then the run
+/// fails with save_failure_text.
 bool save_file(self_ptr self, const state_dict& model, const named_moments& moments, bool final);
+/// Why the run's last --save failed, what is intact, and where the final weights are.
+std::string save_failure_text(const coordinator_state& s);
 /// Writes a checkpoint folder in checkpoint_dir. No process gathers the model for it:
 /// this one creates the step's temporary folder, replica 0's stages write their files
 /// into it from their own processes (write_checkpoint), and this one then writes the

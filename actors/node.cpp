@@ -149,7 +149,7 @@ registrar_actor connect_to_registrar(caf::actor_system& sys, const node_options&
     last = sys.render(r.error());
     std::this_thread::sleep_for(200ms);
   }
-  throw node_failure(1, "node " + std::to_string(o.node) + ": cannot reach the coordinator at " + o.host + ":" +
+  throw node_failure(exit_coordinator_unreachable, "node " + std::to_string(o.node) + ": cannot reach the coordinator at " + o.host + ":" +
                             std::to_string(o.port) + " within " + std::to_string(o.join_timeout.count() / 1000) +
                             " s (" + last + ")");
 }
@@ -251,10 +251,11 @@ void configure_node_system(caf::actor_system_config& acfg, const node_options& o
 registrar_actor open_registrar(caf::actor_system& sys, const node_options& o, job_config& cfg) {
   cfg = o.cfg;
   cfg.validate();
-  resolve_resume(cfg, o.run.launch.resume_auto);  // one checkpoint folder for every node (they get this config)
   node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes, cfg.tensor_parallel);  // fits, or a clear error now
+  check_output_paths(cfg);  // (and checkpoint_dir locked for this job before anything in it is read)
+  resolve_resume(cfg, o.run.launch.resume_auto);  // one checkpoint folder for every node (they get this config)
+  if (report_complete_run(cfg)) throw node_failure(0, "the run is already complete");  // (a clean end, status 0)
   const auto data = training_data::identity(cfg);  // the data every node must read
-  check_output_paths(cfg);
   check_kernel_profile(o.run.launch.kernel_profile);
   auto registrar = spawn_registrar(sys, o.token, o.nodes, cfg.to_toml(), steady_clock_ns(), data);
   auto port = use_tls(o) ? caf::openssl::publish(registrar, o.port, nullptr, true)
@@ -393,7 +394,10 @@ actor_run_result run_node(const node_options& o) {
             spdlog::warn("{}: {} node processes share this machine's {} GPU(s)", where, o.nodes_per_host, gpus);
         }
         // this node's stages' parameters (and moments), not the whole model's
-        std::shared_ptr<const runtime_context> ctx = std::make_shared<runtime_context>(cfg, clock, slots, o.run.launch);
+        // (cfg.resume is node 0's resolved step folder: no node looks for another.)
+        auto launch = o.run.launch;
+        launch.resume_auto = false;
+        std::shared_ptr<const runtime_context> ctx = std::make_shared<runtime_context>(cfg, clock, slots, launch);
         const auto how = transport_for(*ctx, o.transport, where);
         node_plan plan;
         if (o.rejoin) {  // communicators come with the coordinator's recovery round
@@ -446,7 +450,9 @@ actor_run_result run_node(const node_options& o) {
       result.error = e.what();
       if (supervisor) caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
     } catch (const std::exception& e) {
-      result.exit_code = 1;
+      // Node 0 reads the job's input (data, initial weights, the checkpoint it continues
+      // from): what is wrong there is bad input. Another node's is its host's failure.
+      result.exit_code = o.node == 0 ? exit_code_of(e) : 1;
       result.error = "node " + std::to_string(o.node) + ": " + e.what();
       if (supervisor) caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
     }

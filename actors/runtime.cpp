@@ -235,7 +235,11 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
   training_data::check_available(cfg);  // a clear error now rather than a dead loader later
   check_output_paths(cfg);               // and rather than losing the run at its end
   check_kernel_profile(opts.launch.kernel_profile);
-  auto ctx = std::make_shared<const runtime_context>(cfg, nullptr, std::nullopt, opts.launch);
+  resolve_resume(cfg, opts.launch.resume_auto);  // (checkpoint_dir locked by check_output_paths)
+  if (report_complete_run(cfg)) return {};
+  auto launch = opts.launch;
+  launch.resume_auto = false;  // resolved
+  auto ctx = std::make_shared<const runtime_context>(cfg, nullptr, std::nullopt, launch);
   auto wiring = std::make_shared<job_wiring>();
   auto result = std::make_shared<actor_run_result>();
   {

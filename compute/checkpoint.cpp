@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <random>
+#include <sstream>
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
@@ -27,7 +29,11 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
   write_file_atomically(path, [&](const byte_sink& sink) { sink(bytes.data(), bytes.size()); });
 }
 
-void write_file_atomically(const std::string& path, const std::function<void(const byte_sink&)>& produce) {
+namespace {
+
+/// `produce`'s bytes in a new temporary file beside `path`, synced; returns its name.
+/// Throws checkpoint_error (no temporary file left).
+std::string write_temporary(const std::string& path, const std::function<void(const byte_sink&)>& produce) {
   namespace fs = std::filesystem;
   const fs::path target(path);
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
@@ -66,13 +72,25 @@ void write_file_atomically(const std::string& path, const std::function<void(con
   }
   if (::fchmod(fd, 0644) != 0 || ::fsync(fd) != 0) give_up("cannot sync");
   ::close(fd);
+  return tmp;
+}
+
+/// Renames the temporary file `tmp` to `path` (removing `tmp` if that fails). Throws
+/// checkpoint_error.
+void rename_into_place(const std::string& tmp, const std::string& path) {
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
     ::unlink(tmp.c_str());
     errno = e;
     fail("cannot rename into", path);
   }
-  // Make the rename itself durable.
+}
+
+/// Makes the renames in `path`'s folder durable.
+void sync_folder_of(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path target(path);
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
   if (dfd >= 0) {
     ::fsync(dfd);
@@ -80,11 +98,59 @@ void write_file_atomically(const std::string& path, const std::function<void(con
   }
 }
 
+constexpr const char* pair_record = "troupe_save_pair";
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, const std::function<void(const byte_sink&)>& produce) {
+  rename_into_place(write_temporary(path, produce), path);
+  sync_folder_of(path);
+}
+
+void save_state_dict_pair(const std::string& path, const state_dict& model, const state_dict& optim,
+                          std::int64_t step) {
+  std::random_device rd;
+  char id[40];
+  std::snprintf(id, sizeof id, "%08x%08x%08x", rd(), rd(), rd());
+  const std::vector<std::pair<std::string, std::string>> mark{
+      {pair_record, "step " + std::to_string(step) + "\nid " + id + "\n"}};
+  const auto optim_tmp =
+      write_temporary(path + ".optim", [&](const byte_sink& sink) { write_state_dict(optim, sink, mark); });
+  std::string model_tmp;
+  try {
+    model_tmp = write_temporary(path, [&](const byte_sink& sink) { write_state_dict(model, sink, mark); });
+  } catch (...) {
+    ::unlink(optim_tmp.c_str());
+    throw;
+  }
+  try {
+    rename_into_place(optim_tmp, path + ".optim");
+  } catch (...) {
+    ::unlink(model_tmp.c_str());
+    throw;
+  }
+  rename_into_place(model_tmp, path);
+  sync_folder_of(path);
+}
+
+pair_mark read_pair_mark(const std::vector<char>& bytes) {
+  pair_mark m;
+  std::istringstream in(read_torch_record(bytes, pair_record));
+  std::string key;
+  while (in >> key) {
+    if (key == "step" && !(in >> m.step)) return {};
+    if (key == "id" && !(in >> m.id)) return {};
+  }
+  if (m.id.empty()) return {};
+  return m;
+}
+
 void save_state_dict(const std::string& path, const state_dict& state) {
   write_file_atomically(path, [&](const byte_sink& sink) { write_state_dict(state, sink); });
 }
 
-void write_state_dict(const state_dict& state, const byte_sink& sink) {
+void write_state_dict(const state_dict& state, const byte_sink& sink,
+                      const std::vector<std::pair<std::string, std::string>>& records) {
   c10::Dict<std::string, torch::Tensor> dict;
   for (const auto& [name, t] : state) dict.insert(name, t.detach().contiguous());
   // What torch::jit::pickle_save writes (torch.save's zip format), but with the dict
@@ -101,6 +167,7 @@ void write_state_dict(const state_dict& state, const byte_sink& sink) {
     return n;
   });
   torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
+  for (const auto& [name, text] : records) writer.writeRecord(name, text.data(), text.size());
   writer.writeEndOfFile();
 }
 

@@ -1,5 +1,7 @@
 #include "compute/checkpoint_dir.hpp"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -8,10 +10,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -64,14 +68,117 @@ std::string stage_file_name(int stage, const std::string& kind) {
   return (kind == "parameters" ? "stage-" : "optim-stage-") + std::to_string(stage) + ".pt";
 }
 
+/// A step folder's name: "step-" and digits.
+bool is_step_folder_name(const std::string& name) {
+  return name.size() > 5 && name.rfind("step-", 0) == 0 &&
+         std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
 /// The step folders of `root`, oldest first.
 std::vector<fs::path> step_folders(const fs::path& root) {
   std::vector<fs::path> out;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(root, ec))
-    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) out.push_back(e.path());
+    if (e.is_directory() && is_step_folder_name(e.path().filename().string())) out.push_back(e.path());
   std::sort(out.begin(), out.end());
   return out;
+}
+
+/// The folder `latest` names, or "" (with a warning) when it names none that is complete:
+/// it is not a file, or holds anything but a step folder's name (NUL bytes, a path).
+std::string latest_folder(const fs::path& root) {
+  const auto file = root / "latest";
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return "";
+  std::string name, why;
+  if (!fs::is_regular_file(file, ec)) {
+    why = "is not a file";
+  } else {
+    try {
+      name = read_bytes(file);
+    } catch (const checkpoint_error& e) {
+      why = "cannot be read";
+    }
+    while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
+    if (why.empty() && !is_step_folder_name(name)) why = "holds no step folder's name";
+    if (why.empty() && !fs::exists(root / name / "manifest.json", ec)) why = "names " + name + ", which has no manifest.json";
+  }
+  if (why.empty()) return (root / name).string();
+  spdlog::warn("checkpoint folder {}: 'latest' {}; taking the newest complete step folder", root.string(), why);
+  return "";
+}
+
+/// Every file of step folder `folder` is as its manifest says (size and CRC-32, read in
+/// pieces). Throws checkpoint_error naming what is wrong.
+void verify_checkpoint_files(const fs::path& folder) {
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(read_bytes(folder / "manifest.json"));
+    if (manifest.value("format", "") != "troupe-checkpoint" || manifest.value("version", 0) != manifest_version)
+      throw checkpoint_error("manifest.json is not a version " + std::to_string(manifest_version) + " Troupe manifest");
+    std::vector<char> piece(std::size_t(1) << 20);
+    for (const auto& f : manifest.at("files")) {
+      const auto name = f.at("name").get<std::string>();
+      std::ifstream in(folder / name, std::ios::binary);
+      if (!in) throw checkpoint_error(name + " is missing");
+      std::uint64_t size = 0;
+      uLong crc = crc32(0L, Z_NULL, 0);
+      while (in) {
+        in.read(piece.data(), std::streamsize(piece.size()));
+        const auto n = std::size_t(in.gcount());
+        crc = crc32_z(crc, reinterpret_cast<const Bytef*>(piece.data()), n);
+        size += n;
+      }
+      if (size != f.at("bytes").get<std::uint64_t>() || std::uint32_t(crc) != f.at("crc32").get<std::uint32_t>())
+        throw checkpoint_error(name + " is truncated or corrupt (" + std::to_string(size) + " bytes, manifest says " +
+                               std::to_string(f.at("bytes").get<std::uint64_t>()) + ")");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw checkpoint_error(std::string("manifest.json is not valid (") + e.what() + ")");
+  }
+}
+
+/// Moves a step folder that does not verify out of the way (corrupt-step-N beside it, for
+/// inspection): no later run takes it, and a new checkpoint of its step does not remove it.
+std::string move_aside(const fs::path& folder) {
+  auto to = folder.parent_path() / ("corrupt-" + folder.filename().string());
+  for (int i = 2; fs::exists(to); ++i)
+    to = folder.parent_path() / ("corrupt-" + folder.filename().string() + "." + std::to_string(i));
+  std::error_code ec;
+  fs::rename(folder, to, ec);
+  return ec ? std::string() : to.string();
+}
+
+/// The newest step folder of checkpoint root `root` that verifies ('latest' first, then
+/// the step folders newest first), or "" when it has none. One that does not verify is
+/// moved aside with a warning and the next older one taken; with `strict` it is refused.
+std::string newest_sound_checkpoint(const fs::path& root, bool strict) {
+  std::vector<fs::path> candidates;
+  if (const auto latest = latest_folder(root); !latest.empty()) candidates.emplace_back(latest);
+  auto all = step_folders(root);
+  for (auto it = all.rbegin(); it != all.rend(); ++it)
+    if (fs::exists(*it / "manifest.json") && std::find(candidates.begin(), candidates.end(), *it) == candidates.end())
+      candidates.push_back(*it);
+  std::vector<std::string> bad;
+  for (const auto& folder : candidates) {
+    try {
+      verify_checkpoint_files(folder);
+      return folder.string();
+    } catch (const checkpoint_error& e) {
+      if (strict)
+        throw checkpoint_error("checkpoint " + folder.string() + ": " + e.what() +
+                               " (output.strict_resume: no fall-back to an older checkpoint)");
+      const auto kept = move_aside(folder);
+      spdlog::warn("checkpoint {} does not verify ({}); kept for inspection as {}; trying the next older one",
+                   folder.string(), e.what(), kept.empty() ? folder.string() + " (it could not be moved)" : kept);
+      bad.push_back(folder.filename().string());
+    }
+  }
+  if (!bad.empty())
+    throw checkpoint_error("no checkpoint in " + root.string() + " verifies (" + std::to_string(bad.size()) +
+                           " did not, kept as corrupt-*): refusing to start from step 0 over them; move them away "
+                           "to start afresh");
+  return "";
 }
 
 }  // namespace
@@ -227,15 +334,7 @@ std::string find_checkpoint(const std::string& path) {
   const fs::path p(path);
   if (fs::exists(p / "manifest.json")) return p.string();
   if (!fs::exists(p)) throw checkpoint_error("checkpoint folder " + path + " does not exist");
-  if (fs::exists(p / "latest")) {
-    auto name = read_bytes(p / "latest");
-    name.erase(std::remove_if(name.begin(), name.end(), [](char c) { return c == '\n' || c == '\r' || c == ' '; }),
-               name.end());
-    if (!name.empty() && fs::exists(p / name / "manifest.json")) return (p / name).string();
-    spdlog::warn("checkpoint folder {}: 'latest' names {}, which has no manifest.json; taking the newest complete "
-                 "step folder",
-                 path, name);
-  }
+  if (const auto latest = latest_folder(p); !latest.empty()) return latest;
   // No usable 'latest' (a crash between writing a folder and 'latest'): the newest step
   // folder with a manifest (folders get their final name only when complete).
   auto all = step_folders(p);
@@ -377,27 +476,51 @@ job_config checkpoint_job_config(const std::string& folder) {
 }
 
 void resolve_resume(job_config& cfg, bool restarted) {
-  auto has_checkpoint = [](const std::string& root) {
-    try {
-      return !root.empty() && !find_checkpoint(root).empty();
-    } catch (const checkpoint_error&) {
-      return false;
+  const bool from_root = restarted || cfg.resume == "auto" ||
+                         (!cfg.resume.empty() && !fs::exists(fs::path(cfg.resume) / "manifest.json"));
+  if (!from_root) return;  // none, or a step folder itself (read_checkpoint_dir checks it whole)
+  std::error_code ec;
+  const bool has_root = !cfg.checkpoint_dir.empty() && fs::is_directory(cfg.checkpoint_dir, ec);
+  if (restarted && has_root) {
+    if (auto found = newest_sound_checkpoint(cfg.checkpoint_dir, cfg.strict_resume); !found.empty()) {
+      cfg.resume = std::move(found);
+      return;
     }
-  };
-  if (restarted && has_checkpoint(cfg.checkpoint_dir)) {
-    cfg.resume = find_checkpoint(cfg.checkpoint_dir);
-    return;
   }
   if (cfg.resume == "auto") {
-    if (has_checkpoint(cfg.checkpoint_dir)) {
-      cfg.resume = find_checkpoint(cfg.checkpoint_dir);
-    } else {
+    cfg.resume = has_root ? newest_sound_checkpoint(cfg.checkpoint_dir, cfg.strict_resume) : "";
+    if (cfg.resume.empty())
       spdlog::info("resume = auto: no checkpoint in {} yet, starting from step 0", cfg.checkpoint_dir);
-      cfg.resume.clear();
-    }
     return;
   }
-  if (!cfg.resume.empty()) cfg.resume = find_checkpoint(cfg.resume);
+  if (cfg.resume.empty() || fs::exists(fs::path(cfg.resume) / "manifest.json")) return;
+  if (!fs::exists(cfg.resume)) throw checkpoint_error("checkpoint folder " + cfg.resume + " does not exist");
+  auto found = newest_sound_checkpoint(cfg.resume, cfg.strict_resume);
+  if (found.empty())
+    throw checkpoint_error(cfg.resume + " is not a Troupe checkpoint (no manifest.json, no complete step folder)");
+  cfg.resume = std::move(found);
+}
+
+bool report_complete_run(const job_config& cfg) {
+  if (cfg.resume.empty()) return false;
+  std::int64_t step = -1;
+  try {
+    step = nlohmann::json::parse(read_bytes(fs::path(cfg.resume) / "manifest.json")).at("step").get<std::int64_t>();
+  } catch (const nlohmann::json::exception&) {
+    return false;  // read_checkpoint_dir says what is wrong with it
+  }
+  if (step < cfg.steps) return false;
+  spdlog::info("the run is already complete: checkpoint {} is at step {} of {}; nothing to train", cfg.resume, step,
+               cfg.steps);
+  if (cfg.save.empty()) return true;
+  const auto ckpt = read_checkpoint_dir(cfg.resume, cfg);  // checked whole, as a resume would
+  state_dict optim{{"step", ckpt.optim.at("step")}};
+  for (const auto& [name, p] : ckpt.model)
+    for (const char* moment : {"exp_avg.", "exp_avg_sq."})
+      if (auto it = ckpt.optim.find(moment + name); it != ckpt.optim.end()) optim.emplace_back(it->first, it->second);
+  save_state_dict_pair(cfg.save, ckpt.model, optim, ckpt.step);
+  spdlog::info("step {}: checkpoint written to {} (and {}.optim) from {}", ckpt.step, cfg.save, cfg.save, cfg.resume);
+  return true;
 }
 
 namespace {
@@ -424,8 +547,57 @@ void require_writable_file(const std::string& path, const std::string& key) {
 
 }  // namespace
 
+void lock_checkpoint_dir(const std::string& dir) {
+  static std::mutex mutex;
+  static std::map<std::string, int> held;  // folder -> its lock's descriptor, open until the process ends
+  std::error_code ec;
+  const auto key = fs::weakly_canonical(dir, ec).string();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (held.count(key)) return;
+  const auto path = fs::path(dir) / ".lock";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0)
+    throw config_error("output.checkpoint_dir = '" + dir + "': cannot open its lock file " + path.string() + ": " +
+                       std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    char buf[256] = {};
+    const auto n = ::pread(fd, buf, sizeof buf - 1, 0);
+    std::string holder = n > 0 ? std::string(buf, std::size_t(n)) : std::string("another process");
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    ::close(fd);
+    if (e == EWOULDBLOCK)
+      throw config_error("output.checkpoint_dir = '" + dir + "' is in use by another running job (" + holder +
+                         "; its lock " + path.string() +
+                         "): two jobs would overwrite each other's checkpoints; give this job another "
+                         "checkpoint_dir, or end the other one");
+    throw config_error("output.checkpoint_dir = '" + dir + "': cannot lock " + path.string() + ": " +
+                       std::strerror(e));
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::time_t now = std::time(nullptr);
+  char when[64] = {};
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  const auto text = "pid " + std::to_string(::getpid()) + " on " + host + ", since " + when + "\n";
+  if (::ftruncate(fd, 0) == 0 && ::pwrite(fd, text.data(), text.size(), 0) < 0) {
+  }  // (who holds it is for the message above only)
+  held[key] = fd;
+}
+
 void check_output_paths(const job_config& cfg) {
   require_writable_file(cfg.save, "output.save");  // its ".optim" goes beside it
+  if (!cfg.save.empty()) {
+    // The new pair is written in full beside the old one before it replaces it.
+    std::error_code ec;
+    const auto dir = fs::path(cfg.save).has_parent_path() ? fs::path(cfg.save).parent_path() : fs::path(".");
+    const auto space = fs::space(dir, ec);
+    const double need = double(parameter_count(cfg.model())) * 12;  // fp32 parameters and AdamW's 2 moments
+    if (!ec && double(space.available) < need)
+      spdlog::warn("output.save {}: its folder has {:.0f} MB free; the pair it writes (and {}.optim) takes about {:.0f} "
+                   "MB: a save that does not fit is logged and skipped (the run's last must fit)",
+                   cfg.save, double(space.available) / 1e6, cfg.save, need / 1e6);
+  }
   require_writable_file(cfg.metrics, "output.metrics");
   require_writable_file(cfg.trace, "output.trace");
   if (!cfg.checkpoint_dir.empty()) {
@@ -434,6 +606,7 @@ void check_output_paths(const job_config& cfg) {
     if (ec)
       throw config_error("output.checkpoint_dir = '" + cfg.checkpoint_dir + "': cannot create it: " + ec.message());
     require_writable_folder(cfg.checkpoint_dir, "output.checkpoint_dir", cfg.checkpoint_dir);
+    lock_checkpoint_dir(cfg.checkpoint_dir);
     // A checkpoint that does not fit is logged and the run goes on without it: say so now
     // if the folder's file system is short of the space the checkpoints will take (the
     // keep_checkpoints newest, and the next one, written before the oldest is removed).

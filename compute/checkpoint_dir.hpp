@@ -75,15 +75,31 @@ job_config checkpoint_job_config(const std::string& folder);
 std::vector<std::pair<std::string, std::string>> training_identity(const job_config& cfg);
 
 /// Resolves `cfg.resume` in place: "auto" is the newest checkpoint of cfg.checkpoint_dir
-/// (none yet: "", a fresh start); a folder becomes its step folder. With `restarted`
-/// (launch_info::resume_auto: the launcher restarts the job) the newest checkpoint of
-/// checkpoint_dir wins over the configured one.
+/// (none yet: "", a fresh start); a checkpoint root becomes its newest step folder; a
+/// step folder stays. With `restarted` (launch_info::resume_auto: the launcher restarts
+/// the job) the newest checkpoint of checkpoint_dir wins over the configured one. Taken
+/// from a root, a step folder must verify (every file's size and CRC-32): the newest one
+/// that does not is moved aside (corrupt-step-N, with a warning) and the next older one
+/// taken, unless cfg.strict_resume, which refuses it. Throws checkpoint_error (a root
+/// whose checkpoints all fail to verify is refused, not started afresh over).
 void resolve_resume(job_config& cfg, bool restarted);
 
+/// A run whose checkpoint to continue from (cfg.resume, resolved) is already at its last
+/// step: logs that it is complete and writes output.save from that checkpoint where the
+/// job has one; true then (nothing to train). Throws checkpoint_error.
+bool report_complete_run(const job_config& cfg);
+
+/// Locks checkpoint folder `dir` for this process (flock on DIR/.lock, which records its
+/// pid and host; the kernel releases it when the process ends, however it ends): a second
+/// job on the same folder is refused (config_error) instead of overwriting this one's
+/// checkpoints. Again for the same folder: nothing. check_output_paths takes it.
+void lock_checkpoint_dir(const std::string& dir);
+
 /// The files and folders a run will write (output.save and its ".optim" beside it, metrics, trace,
-/// checkpoint_dir, which is created) can be written: a missing or read-only folder, or a
-/// file path that is a folder, is a config_error naming the key now, not a failure after
-/// the training it would lose.
+/// checkpoint_dir, which is created and locked: lock_checkpoint_dir) can be written: a
+/// missing or read-only folder, or a file path that is a folder, is a config_error naming
+/// the key now, not a failure after the training it would lose. A folder short of the
+/// space a save or checkpoint takes is warned about.
 void check_output_paths(const job_config& cfg);
 
 }  // namespace troupe

@@ -320,6 +320,9 @@ const std::vector<key_def>& key_defs() {
               1, 1000000),
       string_key("output.resume", "continue from a checkpoint folder (or checkpoint_dir's newest: auto)",
                  &job_config::resume),
+      bool_key("output.strict_resume",
+               "refuse a newest checkpoint that does not verify instead of taking the newest one that does",
+               &job_config::strict_resume),
       string_key("output.trace", "Chrome trace JSON of every executed op (actors runtime)", &job_config::trace),
       string_key("faults.throw_at", "replica:stage:step[:late|:eval] - that stage actor throws in that step (0-based index; late: "
                  "when its updated parameters arrive; eval: in the evaluation after that step; testing)", &job_config::throw_at),

@@ -96,6 +96,7 @@ struct job_config {
   std::string checkpoint_dir;         ///< checkpoint folders (every checkpoint_interval, end)
   int keep_checkpoints = 3;           ///< newest step folders kept in checkpoint_dir
   std::string resume;                 ///< checkpoint folder to continue from, or "auto"
+  bool strict_resume = false;         ///< a newest checkpoint that does not verify: refused, not passed over
   std::string trace;                  ///< Chrome trace JSON of every executed op
   // [faults] (testing): parsed and checked by fault_plan (compute/fault_plan.hpp)
   std::string throw_at;               ///< "replica:stage:step[:late|:eval]": that stage throws

@@ -427,4 +427,16 @@ named_tensors read_torch_state_dict(const std::vector<char>& bytes) {
   return out;
 }
 
+std::string read_torch_record(const std::vector<char>& bytes, const std::string& name) {
+  if (bytes.size() < 4 || std::memcmp(bytes.data(), "PK\x03\x04", 4) != 0) return "";
+  try {
+    caffe2::serialize::PyTorchStreamReader archive(std::make_shared<bytes_adapter>(bytes));
+    if (!archive.hasRecord(name)) return "";
+    auto [data, size] = archive.getRecord(name);
+    return std::string(static_cast<const char*>(data.get()), size);
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
 }  // namespace troupe

@@ -28,4 +28,8 @@ using named_tensors = std::vector<std::pair<std::string, torch::Tensor>>;
 /// which the caller adds).
 named_tensors read_torch_state_dict(const std::vector<char>& bytes);
 
+/// The text of the archive's record `name` (beside data.pkl, which torch.load does not
+/// read), or "" when the bytes are no zip archive or it has no such record.
+std::string read_torch_record(const std::vector<char>& bytes, const std::string& name);
+
 }  // namespace troupe

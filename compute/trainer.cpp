@@ -479,9 +479,7 @@ state_dict local_trainer::optimizer_state() const {
 }
 
 void local_trainer::save_checkpoint(const std::string& path) const {
-  // Optimizer first: a model file next to a stale optimizer file is never the newest.
-  save_state_dict(path + ".optim", optimizer_state());
-  save_state_dict(path, state());
+  save_state_dict_pair(path, state(), optimizer_state(), next_step_);
 }
 
 void local_trainer::load_checkpoint(const std::string& path) {
@@ -520,17 +518,40 @@ state_dict optimizer_state_dict(const named_moments& moments, const state_dict& 
 
 checkpoint read_checkpoint(const std::string& path, const model_spec& spec, int total_steps) {
   checkpoint c;
-  auto model = load_state_dict(path);
+  const auto model_bytes = read_file_bytes(path);
+  auto model = load_state_dict(model_bytes, path);
   check_state(spec, model);
   c.model = model;
   c.params = {model.begin(), model.end()};
-  const auto optim = load_state_dict(path + ".optim");
+  const auto optim_bytes = read_file_bytes(path + ".optim");
+  const auto optim = load_state_dict(optim_bytes, path + ".optim");
   c.optim = {optim.begin(), optim.end()};
   c.step = c.optim.count("step") ? c.optim.at("step").item<std::int64_t>() : -1;
   if (c.step < 0 || c.step > total_steps)
     throw checkpoint_error("optimizer checkpoint " + path + ".optim has no valid step for a run of " +
                            std::to_string(total_steps) + " steps");
+  // The two files of one --save, not a model beside another save's optimizer state (a
+  // crash between the two renames; a file copied over one of them).
+  const auto model_mark = read_pair_mark(model_bytes), optim_mark = read_pair_mark(optim_bytes);
+  auto step_text = [](const pair_mark& m) {
+    return m.step < 0 ? std::string("of no --save (no pair mark)") : "of step " + std::to_string(m.step);
+  };
+  if (!(model_mark == optim_mark))
+    throw checkpoint_error("checkpoint " + path + " (" + step_text(model_mark) + ") and " + path + ".optim (" +
+                           step_text(optim_mark) +
+                           ") are not the two files of one --save: resuming from them would continue another "
+                           "run's optimizer state (use the pair one save wrote, a checkpoint folder, or --init " +
+                           path + " for its weights alone)");
+  if (optim_mark.step >= 0 && optim_mark.step != c.step)
+    throw checkpoint_error("optimizer checkpoint " + path + ".optim holds step " + std::to_string(c.step) +
+                           " but is marked as step " + std::to_string(optim_mark.step));
   return c;
+}
+
+int exit_code_of(const std::exception& e) {
+  const bool input = dynamic_cast<const config_error*>(&e) || dynamic_cast<const data_error*>(&e) ||
+                     dynamic_cast<const checkpoint_error*>(&e) || dynamic_cast<const model_error*>(&e);
+  return input ? exit_bad_input : 1;
 }
 
 // --- the training loop -------------------------------------------------------------------
@@ -627,7 +648,9 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
         trainer.save_checkpoint(cfg.save);
         spdlog::info("step {}: checkpoint written to {} (and {}.optim)", trainer.next_step(), cfg.save, cfg.save);
       } catch (const std::exception& e) {
-        if (last || stop) throw;  // the run's result: exit 1 with the reason
+        if (last || stop)  // the run's result: exit 1 with the reason (no bad input: a failure)
+          throw std::runtime_error(std::string(e.what()) + "; " + cfg.save + " and " + cfg.save +
+                                   ".optim are as they were: the run's final weights are not saved");
         log_checkpoint_not_written(trainer.next_step(), e.what(), cfg.checkpoint_interval);
       }
     }

@@ -215,6 +215,13 @@ std::string progress_line(const step_stats& st, int total_steps, double eta_seco
 /// job has somewhere to write one, and ended. 128 + SIGTERM, as if the signal had ended
 /// it; the launcher does not restart it.
 constexpr int exit_stopped = 143;
+
+/// Exit status of bad input: a configuration, data, initial weights or a checkpoint to
+/// continue from that cannot be used. The launcher does not restart such a job.
+constexpr int exit_bad_input = 2;
+/// exit_bad_input for what reading the job's input throws (config_error, data_error,
+/// checkpoint_error, model_error), else 1 (a failure).
+int exit_code_of(const std::exception& e);
 /// The reason of such a stop: "stopped by SIGTERM after step 7 of 200: its checkpoint is
 /// in ckpt (continue with --resume ckpt)" (checkpoint_dir, else save, else nothing saved).
 std::string stopped_text(int signal, int done_steps, const job_config& cfg);

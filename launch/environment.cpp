@@ -1,6 +1,11 @@
 #include "launch/environment.hpp"
 
+#include <sys/prctl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -14,6 +19,17 @@ namespace troupe_cli {
 std::string env_or(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
   return v && *v ? v : fallback;
+}
+
+void end_with_launcher() {
+  const auto launcher = env_or("TROUPE_LAUNCHER_PID", "");
+  if (launcher.empty()) return;
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  // (Checked after the request: a launcher that died just before it is seen here.)
+  if (std::to_string(::getppid()) != launcher) {
+    std::fprintf(stderr, "troupe: error: its launcher (pid %s) has ended: not starting\n", launcher.c_str());
+    std::_Exit(1);
+  }
 }
 
 namespace {

@@ -26,6 +26,12 @@ troupe::transport::ucx_options ucx_options_from(const char* spin, const char* tl
 /// ("" where neither is set).
 std::string cache_dir_from(const char* xdg_cache_home, const char* home);
 
+/// A process that launch/troupe started on its own machine (TROUPE_LAUNCHER_PID: the
+/// launcher's shell) ends with it, however the launcher ends (SIGKILL too): the kernel
+/// sends this process SIGKILL when its parent dies (PR_SET_PDEATHSIG). A launcher already
+/// gone ends it at once (status 1). Without the variable: nothing.
+void end_with_launcher();
+
 /// Reads the environment once (the first call; a malformed value throws config_error on
 /// every call): installs the UCX options for every communicator of this process
 /// (transport::set_process_ucx_options) and the token cache's default folder

@@ -24,6 +24,7 @@
 
 #include "actors/node.hpp"
 #include "actors/runtime.hpp"
+#include "actors/supervisor_actor.hpp"
 #include "actors/timeline_svg.hpp"
 #include "actors/tp_groups.hpp"
 #include "compute/checkpoint.hpp"
@@ -217,8 +218,8 @@ bool model_and_data_key(const std::string& k) {
 }
 
 /// Runs `body` with the model of --checkpoint `from`, after `check` (if given) of the
-/// flags' configuration: bad flags or configuration exit 2, an unreadable or mis-shaped
-/// model or missing data 1.
+/// flags' configuration: bad flags or configuration, an unreadable or mis-shaped model or
+/// missing data exit 2; any other failure 1.
 int with_trained_model(const config_flags& flags, const std::string& from,
                        const std::function<int(trained_model&)>& body,
                        const std::function<void(troupe::job_config&)>& check = {}) {
@@ -230,13 +231,13 @@ int with_trained_model(const config_flags& flags, const std::string& from,
     m = load_trained_model(flags, from, cfg);
   } catch (const std::invalid_argument& e) {  // config_error too
     return fail(exit_usage, e.what());
-  } catch (const std::exception& e) {
-    return fail(1, e.what());
+  } catch (const std::exception& e) {  // a model or data that cannot be read: bad input too
+    return fail(troupe::exit_code_of(e), e.what());
   }
   try {
     return body(m);
-  } catch (const std::exception& e) {
-    return fail(1, e.what());
+  } catch (const std::exception& e) {  // (its data missing, too, is bad input)
+    return fail(troupe::exit_code_of(e), e.what());
   }
 }
 
@@ -315,7 +316,7 @@ int run_tokenizer_command(const tokenizer_args& a) {
                  tok.fingerprint());
     return 0;
   } catch (const std::exception& e) {
-    return fail(1, e.what());
+    return fail(troupe::exit_code_of(e), e.what());
   }
 }
 
@@ -378,6 +379,7 @@ int run_eval_command(const config_flags& flags, const std::string& from) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  troupe_cli::end_with_launcher();  // (before anything else: it is kept across the re-exec below)
   troupe::run_with_blas_kernels(argv);
   troupe::tune_host_allocator();
   auto logger = spdlog::stderr_color_mt("troupe");
@@ -470,6 +472,19 @@ int main(int argc, char** argv) {
   check_flags.add_to(check, {}, false);
   bool check_quick = false;
   check->add_flag("--quick", check_quick, "no kernel on the device (the job may be running on it)");
+
+  // troupe check-job (for launch/troupe): what can be checked before a multi-node job's
+  // node processes start
+  auto* check_job = app.add_subcommand("check-job",
+                                       "whether a job of these flags can start on --nodes node processes (launch/troupe "
+                                       "asks before it starts them): exit 2 with the reason when not");
+  config_flags check_job_flags;
+  check_job_flags.add_to(check_job);
+  int check_job_nodes = 1;
+  bool check_job_here = false;
+  check_job->add_option("--nodes", check_job_nodes, "node processes")->required();
+  check_job->add_flag("--here", check_job_here,
+                      "node 0 runs on this machine: its data and output paths (checkpoint_dir free) too");
 
   // troupe schedule
   auto* sched = app.add_subcommand("schedule", "print a pipeline schedule and its simulated bubble");
@@ -595,6 +610,24 @@ int main(int argc, char** argv) {
       return fail(exit_usage, e.what());
     }
   }
+  if (*check_job) {
+    try {
+      // (The device is node 0's to check: the launcher's machine may have no GPU.)
+      auto cfg = check_job_flags.load(check_job_here ? std::vector<std::pair<std::string, std::string>>{}
+                                                     : std::vector<std::pair<std::string, std::string>>{
+                                                           {"train.device", "cpu"}});
+      cfg.validate();
+      troupe::node_slots(cfg.pipeline, cfg.data_parallel, 0, check_job_nodes, cfg.tensor_parallel);
+      if (check_job_here) {
+        spdlog::set_level(spdlog::level::err);  // (node 0 warns about what it finds itself)
+        troupe::training_data::check_available(cfg);
+        troupe::check_output_paths(cfg);  // (its lock on checkpoint_dir ends with this process)
+      }
+      return 0;
+    } catch (const std::exception& e) {
+      return fail(troupe::exit_code_of(e), e.what());
+    }
+  }
   if (*check) {
     if (!check_flags.config_path.empty() && !std::filesystem::is_regular_file(check_flags.config_path))
       return fail(1, "config file " + check_flags.config_path + " is not on this host (in " +
@@ -640,15 +673,7 @@ int main(int argc, char** argv) {
     const auto result = troupe::run_actor_training(cfg, opts);
     if (result.exit_code != 0) return run_ended(result.exit_code, result.error);
     return 0;
-  } catch (const troupe::config_error& e) {  // e.g. an output folder that does not exist
-    return fail(exit_usage, e.what());
-  } catch (const troupe::data_error& e) {
-    return fail(1, e.what());
-  } catch (const troupe::checkpoint_error& e) {
-    return fail(1, e.what());
-  } catch (const troupe::model_error& e) {
-    return fail(1, e.what());
-  } catch (const std::exception& e) {
-    return fail(1, e.what());
+  } catch (const std::exception& e) {  // bad input (a missing folder, data, weights, checkpoint): 2
+    return fail(troupe::exit_code_of(e), e.what());
   }
 }

@@ -1,4 +1,7 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
 
 #include <algorithm>
 #include <filesystem>
@@ -11,6 +14,7 @@
 #include "compute/checkpoint_dir.hpp"
 #include "compute/grad_buffer.hpp"
 #include "compute/remove_tree.hpp"
+#include "compute/trainer.hpp"
 #include "test_util.hpp"
 #include "build_paths.hpp"
 
@@ -174,7 +178,10 @@ TEST(Checkpoint, OutputPathsAreCheckedBeforeTraining) {
                       {"checkpoint_dir", d + "/ck/deeper"}}),
             "");
   EXPECT_TRUE(std::filesystem::is_directory(d + "/ck/deeper"));  // made now
-  EXPECT_TRUE(std::filesystem::is_empty(d + "/ck/deeper"));       // the probe file is gone
+  // the probe file is gone; the job's lock stays (lock_checkpoint_dir)
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(d + "/ck/deeper")) left.push_back(e.path().filename());
+  EXPECT_EQ(left, std::vector<std::string>{".lock"});
   EXPECT_EQ(error_of({{"save", d + "/nope/m.pt"}}), "output.save = '" + d + "/nope/m.pt': folder " + d + "/nope does not exist");
   EXPECT_EQ(error_of({{"save", d}}), "output.save = '" + d + "' is a folder, not a file");
   EXPECT_NE(error_of({{"metrics", d + "/nope/m.jsonl"}}).find("output.metrics"), std::string::npos);
@@ -328,6 +335,125 @@ TEST(Checkpoint, AReadKeepingSomeParametersStillChecksEveryFile) {
     f.put(char(~byte));
   }
   fails(folder, "stage-0.pt is truncated or corrupt");
+}
+
+// The two files of one --save carry the same mark (step and id): a model beside another
+// save's optimizer state, which a crash between the two renames leaves, is refused with
+// both steps named. Files without marks (written by hand, or by older builds) still load.
+TEST(Checkpoint, AMixedSavePairIsRefusedNamingBothSteps) {
+  test::temp_dir dir;
+  const auto spec = model_spec::gpt_tiny();
+  const auto model = initial_state(spec, 7);
+  const auto moments = moments_of(model);
+  save_state_dict_pair(dir / "a.pt", model, optimizer_state_dict(moments, model, 2), 2);
+  save_state_dict_pair(dir / "b.pt", model, optimizer_state_dict(moments, model, 4), 4);
+  int files = 0;  // nothing but the four files: no temporary one
+  for (const auto& e : std::filesystem::directory_iterator(dir.path)) files += e.is_regular_file();
+  EXPECT_EQ(files, 4);
+  EXPECT_EQ(read_checkpoint(dir / "a.pt", spec, 10).step, 2);
+  EXPECT_EQ(read_pair_mark(read_file_bytes(dir / "b.pt")).step, 4);
+  auto refusal = [&](const std::string& path) -> std::string {
+    try {
+      read_checkpoint(path, spec, 10);
+    } catch (const checkpoint_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  std::filesystem::copy_file(dir / "b.pt.optim", dir / "a.pt.optim", std::filesystem::copy_options::overwrite_existing);
+  EXPECT_NE(refusal(dir / "a.pt").find("a.pt (of step 2) and " + dir / "a.pt.optim (of step 4) are not the two files "
+                                                                        "of one --save"),
+            std::string::npos)
+      << refusal(dir / "a.pt");
+  // Same step, another save (another run's pair at the same step): refused too.
+  save_state_dict_pair(dir / "c.pt", model, optimizer_state_dict(moments, model, 4), 4);
+  std::filesystem::copy_file(dir / "c.pt.optim", dir / "b.pt.optim", std::filesystem::copy_options::overwrite_existing);
+  EXPECT_NE(refusal(dir / "b.pt").find("(of step 4) and " + dir / "b.pt.optim (of step 4) are not"), std::string::npos);
+  // One marked, one not.
+  save_state_dict(dir / "c.pt", model);
+  EXPECT_NE(refusal(dir / "c.pt").find("c.pt (of no --save (no pair mark)) and"), std::string::npos) << refusal(dir / "c.pt");
+  // Neither marked: as before.
+  save_state_dict(dir / "c.pt.optim", optimizer_state_dict(moments, model, 3));
+  EXPECT_EQ(read_checkpoint(dir / "c.pt", spec, 10).step, 3);
+}
+
+// --resume from a checkpoint root: a 'latest' that names no step folder (NUL bytes, a
+// folder, a path) and a newest step folder that does not verify are passed over with a
+// warning, the bad folder kept aside (corrupt-step-N); strict_resume refuses instead; a
+// root whose folders all fail is refused, never started afresh over.
+TEST(Checkpoint, ResumeFallsBackToTheNewestFolderThatVerifies) {
+  test::temp_dir dir;
+  const std::string root = dir / "ck";
+  auto cfg = load_job_config("", {{"pipeline", "2"}, {"steps", "4"}, {"checkpoint_dir", root}});
+  const auto model = initial_state(model_spec::gpt_tiny(), 7);
+  const auto stages = two_stages(model);
+  const auto moments = moments_of(model);
+  for (const std::int64_t step : {2, 3}) {
+    const auto tmp = begin_checkpoint_dir(root, step);
+    auto files = write_stage_files(tmp, 0, stages[0], optimizer_state_dict(moments, stages[0], step));
+    const auto second = write_stage_files(tmp, 1, stages[1], optimizer_state_dict(moments, stages[1], step));
+    files.insert(files.end(), second.begin(), second.end());
+    finish_checkpoint_dir(root, cfg, files, step, 3);
+  }
+  auto resolved = [&](job_config c, bool restarted = false) {
+    resolve_resume(c, restarted);
+    return c.resume;
+  };
+  cfg.resume = "auto";
+  EXPECT_EQ(resolved(cfg), root + "/step-00000003");
+  for (const std::string junk : {std::string("\0\0\0\0", 4), std::string("../elsewhere\n"), std::string("step-9\n")}) {
+    std::ofstream(root + "/latest", std::ios::binary) << junk;
+    EXPECT_EQ(resolved(cfg), root + "/step-00000003");
+  }
+  std::filesystem::remove(root + "/latest");
+  std::filesystem::create_directory(root + "/latest");
+  EXPECT_EQ(resolved(cfg), root + "/step-00000003");
+  EXPECT_EQ(find_checkpoint(root), root + "/step-00000003");
+  std::filesystem::resize_file(root + "/step-00000003/optim-stage-1.pt", 100);
+  auto strict = cfg;
+  strict.strict_resume = true;
+  try {
+    resolved(strict);
+    ADD_FAILURE() << "strict_resume took a corrupt folder";
+  } catch (const checkpoint_error& e) {
+    EXPECT_NE(std::string(e.what()).find("step-00000003: optim-stage-1.pt is truncated or corrupt"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(std::filesystem::exists(root + "/step-00000003"));
+  EXPECT_EQ(resolved(cfg, true), root + "/step-00000002");  // (a restart by the launcher)
+  EXPECT_TRUE(std::filesystem::exists(root + "/corrupt-step-00000003/optim-stage-1.pt"));
+  EXPECT_EQ(read_checkpoint_dir(resolved(cfg), cfg).step, 2);
+  // A named root too; a step folder named by itself is taken as it is (read whole later).
+  auto named = cfg;
+  named.resume = root;
+  EXPECT_EQ(resolved(named), root + "/step-00000002");
+  named.resume = root + "/corrupt-step-00000003";
+  EXPECT_EQ(resolved(named), root + "/corrupt-step-00000003");
+  std::filesystem::resize_file(root + "/step-00000002/stage-0.pt", 10);
+  try {
+    resolved(cfg);
+    ADD_FAILURE() << "started over folders that all fail";
+  } catch (const checkpoint_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no checkpoint in " + root + " verifies"), std::string::npos) << e.what();
+  }
+}
+
+// A checkpoint folder is locked by the job that writes it: flock on DIR/.lock, which says
+// who holds it; another process cannot take it while this one lives.
+TEST(Checkpoint, ACheckpointFolderIsLockedForItsJob) {
+  test::temp_dir dir;
+  std::filesystem::create_directories(dir / "ck");
+  lock_checkpoint_dir(dir / "ck");
+  lock_checkpoint_dir(dir / "ck");  // again: nothing
+  std::ifstream in(dir / "ck/.lock");
+  std::string holder;
+  std::getline(in, holder);
+  EXPECT_EQ(holder.rfind("pid " + std::to_string(::getpid()) + " on ", 0), 0u) << holder;
+  EXPECT_NE(std::system(("flock -n " + dir / "ck/.lock" + " true").c_str()), 0);  // another process: refused
+  std::filesystem::create_directories(dir / "free");
+  std::ofstream(dir / "free/.lock") << "pid 1 on gone, since then\n";  // a dead job's: no lock held
+  EXPECT_EQ(std::system(("flock -n " + dir / "free/.lock" + " true").c_str()), 0);
+  lock_checkpoint_dir(dir / "free");
 }
 
 }  // namespace troupe
