@@ -510,6 +510,11 @@ bool report_complete_run(const job_config& cfg) {
     return false;  // read_checkpoint_dir says what is wrong with it
   }
   if (step < cfg.steps) return false;
+  try {
+    verify_checkpoint_files(cfg.resume);  // complete, and intact: not a corrupt folder called done
+  } catch (const checkpoint_error& e) {
+    throw checkpoint_error("checkpoint " + cfg.resume + ": " + e.what());
+  }
   spdlog::info("the run is already complete: checkpoint {} is at step {} of {}; nothing to train", cfg.resume, step,
                cfg.steps);
   if (cfg.save.empty()) return true;
