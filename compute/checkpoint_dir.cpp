@@ -96,7 +96,7 @@ std::string latest_folder(const fs::path& root) {
   } else {
     try {
       name = read_bytes(file);
-    } catch (const checkpoint_error& e) {
+    } catch (const checkpoint_error&) {
       why = "cannot be read";
     }
     while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
@@ -510,15 +510,11 @@ bool report_complete_run(const job_config& cfg) {
     return false;  // read_checkpoint_dir says what is wrong with it
   }
   if (step < cfg.steps) return false;
-  try {
-    verify_checkpoint_files(cfg.resume);  // complete, and intact: not a corrupt folder called done
-  } catch (const checkpoint_error& e) {
-    throw checkpoint_error("checkpoint " + cfg.resume + ": " + e.what());
-  }
+  // Checked whole, as a resume would: intact, and this run's (its training configuration).
+  const auto ckpt = read_checkpoint_dir(cfg.resume, cfg);
   spdlog::info("the run is already complete: checkpoint {} is at step {} of {}; nothing to train", cfg.resume, step,
                cfg.steps);
   if (cfg.save.empty()) return true;
-  const auto ckpt = read_checkpoint_dir(cfg.resume, cfg);  // checked whole, as a resume would
   state_dict optim{{"step", ckpt.optim.at("step")}};
   for (const auto& [name, p] : ckpt.model)
     for (const char* moment : {"exp_avg.", "exp_avg_sq."})
@@ -585,8 +581,9 @@ void lock_checkpoint_dir(const std::string& dir) {
   char when[64] = {};
   std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
   const auto text = "pid " + std::to_string(::getpid()) + " on " + host + ", since " + when + "\n";
-  if (::ftruncate(fd, 0) == 0 && ::pwrite(fd, text.data(), text.size(), 0) < 0) {
-  }  // (who holds it is for the message above only)
+  // (Who holds it is for a refusal's message only: a failed write changes nothing else.)
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) < 0)
+    spdlog::debug("cannot write who holds {}: {}", path.string(), std::strerror(errno));
   held[key] = fd;
 }
 
