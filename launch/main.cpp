@@ -477,7 +477,8 @@ int main(int argc, char** argv) {
   // node processes start
   auto* check_job = app.add_subcommand("check-job",
                                        "whether a job of these flags can start on --nodes node processes (launch/troupe "
-                                       "asks before it starts them): exit 2 with the reason when not");
+                                       "asks before it starts them): prints its checkpoint_dir (an empty line: none); "
+                                       "exit 2 with the reason when it cannot");
   config_flags check_job_flags;
   check_job_flags.add_to(check_job);
   int check_job_nodes = 1;
@@ -623,6 +624,7 @@ int main(int argc, char** argv) {
         troupe::training_data::check_available(cfg);
         troupe::check_output_paths(cfg);  // (its lock on checkpoint_dir ends with this process)
       }
+      std::printf("%s\n", cfg.checkpoint_dir.c_str());  // what a restart would resume from
       return 0;
     } catch (const std::exception& e) {
       return fail(troupe::exit_code_of(e), e.what());

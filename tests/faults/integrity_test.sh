@@ -5,7 +5,8 @@
 # - a checkpoint_dir in use by a running job is refused to a second job (exit 2, before
 #   its node processes start); the lock of a job killed by SIGKILL does not block the next;
 # - a frozen node 0 (SIGSTOP, never continued) is ended and the job restarts from its
-#   newest checkpoint, bit-identical to the fault-free run;
+#   newest checkpoint, bit-identical to the fault-free run; without a checkpoint_dir it
+#   ends with exit 75 and the reason;
 # - SIGKILL of the launcher ends its node processes (and its one process);
 # - a `latest` of NUL bytes and a corrupt newest step folder fall back, with warnings, to
 #   the newest folder that verifies (the corrupt one kept aside), bit-identical; strict
@@ -97,6 +98,21 @@ took=$(seconds_since "${stopped_at:-0}")
   || bad "frozen node 0: exit $rc" "$tmp/frozen.log"
 same_params "$tmp/ref.pt" "$tmp/frozen.pt" && ok "frozen node 0: bit-identical to the fault-free run" \
   || bad "frozen node 0: parameters differ"
+# Without a checkpoint_dir there is nothing to restart from: a clear error, in bounded time.
+TROUPE_JOIN_TIMEOUT_MS=4000 "$launcher" train --nodes 2 --pipeline 2 --data-parallel 2 --eval-interval 0 --steps 2000 \
+  >"$tmp/frozen-bare.log" 2>&1 &
+launch=$!
+if started "$tmp/frozen-bare.log" "step  *3/2000 |"; then
+  kill -STOP "$(node_pid "$tmp/frozen-bare.log" 0)"
+  stopped_at=$(date +%s.%N)
+fi
+wait $launch
+rc=$?
+took=$(seconds_since "${stopped_at:-0}")
+[ $rc = 75 ] && grep -q "node 0 did not answer and was ended; the job has no checkpoint_dir to restart from" \
+  "$tmp/frozen-bare.log" && ! grep -q "; restart 1 of" "$tmp/frozen-bare.log" \
+  && ok "frozen node 0, no checkpoint_dir: exit 75 with the reason, ${took} s after the stop" \
+  || bad "frozen node 0, no checkpoint_dir: exit $rc" "$tmp/frozen-bare.log"
 
 # 4. SIGKILL of the launcher: its node processes end with it (2 nodes, and one process).
 for n in 2 1; do
