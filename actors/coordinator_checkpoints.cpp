@@ -85,9 +85,11 @@ bool save_file(self_ptr self, const state_dict& model, const named_moments& mome
     // The run's last: the checkpoint folder (if the job has one) is still written, and the
     // run then fails, saying where its weights are (save_failure_text).
     s.save_failure = "cannot write --save " + cfg.save + " at step " + std::to_string(next) + " (the run's last): " +
-                     e.what() + "; " + cfg.save + " and " + cfg.save + ".optim are as " +
-                     (s.saved_step >= 0 ? "this run wrote them at step " + std::to_string(s.saved_step)
-                                        : std::string("they were before this run"));
+                     e.what();
+    if (!dynamic_cast<const mixed_pair_error*>(&e))
+      s.save_failure += "; " + cfg.save + " and " + cfg.save + ".optim are as " +
+                        (s.saved_step >= 0 ? "this run wrote them at step " + std::to_string(s.saved_step)
+                                           : std::string("they were before this run"));
     spdlog::error("{}", s.save_failure);
     return true;
   }

@@ -149,7 +149,10 @@ registrar_actor connect_to_registrar(caf::actor_system& sys, const node_options&
     last = sys.render(r.error());
     std::this_thread::sleep_for(200ms);
   }
-  throw node_failure(exit_coordinator_unreachable, "node " + std::to_string(o.node) + ": cannot reach the coordinator at " + o.host + ":" +
+  // A rejoining node reached node 0 before: node 0 is frozen, cut off or gone (the
+  // launcher ends it). A first join that fails may be this node's own fault (TLS, a port).
+  throw node_failure(o.rejoin ? exit_coordinator_unreachable : 1,
+                     "node " + std::to_string(o.node) + ": cannot reach the coordinator at " + o.host + ":" +
                             std::to_string(o.port) + " within " + std::to_string(o.join_timeout.count() / 1000) +
                             " s (" + last + ")");
 }
@@ -252,7 +255,9 @@ registrar_actor open_registrar(caf::actor_system& sys, const node_options& o, jo
   cfg = o.cfg;
   cfg.validate();
   node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes, cfg.tensor_parallel);  // fits, or a clear error now
-  check_output_paths(cfg);  // (and checkpoint_dir locked for this job before anything in it is read)
+  // (And checkpoint_dir locked for this job before anything in it is read; a restart
+  // waits a little for its previous launch's node 0 to let go of it.)
+  check_output_paths(cfg, o.run.launch.attempt > 0 ? 30 : 0);
   resolve_resume(cfg, o.run.launch.resume_auto);  // one checkpoint folder for every node (they get this config)
   if (report_complete_run(cfg)) throw node_failure(0, "the run is already complete");  // (a clean end, status 0)
   const auto data = training_data::identity(cfg);  // the data every node must read
@@ -373,7 +378,13 @@ actor_run_result run_node(const node_options& o) {
           cfg = job_config_from_toml(offer.config_toml, "the coordinator's job config");
           check_node_data(cfg, offer, where);
         }
-        if (o.rejoin) cfg.fault_attempt = -1;  // the faults of this launch were the old process's
+        if (o.rejoin) {
+          cfg.fault_attempt = -1;  // the faults of this launch were the old process's
+          // Its state comes from the buddy copies and the shards, not from the checkpoint
+          // the job started from (which keep_checkpoints may have removed by now).
+          cfg.resume.clear();
+          cfg.load.clear();
+        }
         const auto slots = node_slots(cfg.pipeline, cfg.data_parallel, o.node, o.nodes, cfg.tensor_parallel);
         // threads = 0: share the machine's cores between the stage actors of every node on
         // it (more OpenMP threads than cores, in several processes, spin against each other).

@@ -233,7 +233,7 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
     ~restore_threads() { torch::set_num_threads(n); }
   } restore{caller_threads};
   training_data::check_available(cfg);  // a clear error now rather than a dead loader later
-  check_output_paths(cfg);               // and rather than losing the run at its end
+  check_output_paths(cfg, opts.launch.attempt > 0 ? 30 : 0);  // and rather than losing the run at its end
   check_kernel_profile(opts.launch.kernel_profile);
   resolve_resume(cfg, opts.launch.resume_auto);  // (checkpoint_dir locked by check_output_paths)
   if (report_complete_run(cfg)) return {};

@@ -215,9 +215,9 @@ void add_stage_state(std::vector<std::map<std::string, torch::Tensor>>& by_tp, i
 /// cure (a node or actor lost, a step aborted); the launcher restarts such jobs.
 /// (EX_TEMPFAIL of sysexits.h.)
 constexpr int exit_recoverable = 75;
-/// Exit status of a node process other than node 0 that could not reach the coordinator
-/// (node 0) within its join timeout: node 0 is frozen, cut off or gone. The launcher then
-/// ends node 0, and the job restarts. (EX_UNAVAILABLE of sysexits.h.)
+/// Exit status of a rejoining node process (not node 0) that could not reach the
+/// coordinator (node 0) within its join timeout: node 0 is frozen, cut off or gone. The
+/// launcher then ends node 0, and the job restarts. (EX_UNAVAILABLE of sysexits.h.)
 constexpr int exit_coordinator_unreachable = 69;
 
 /// Asks the coordinator of this process to stop after the step in progress (with a

@@ -129,7 +129,13 @@ void save_state_dict_pair(const std::string& path, const state_dict& model, cons
     ::unlink(model_tmp.c_str());
     throw;
   }
-  rename_into_place(model_tmp, path);
+  try {
+    rename_into_place(model_tmp, path);
+  } catch (const checkpoint_error& e) {
+    sync_folder_of(path);
+    throw mixed_pair_error(std::string(e.what()) + ", after " + path +
+                           ".optim was replaced: the two files are now of different saves (--load refuses them)");
+  }
   sync_folder_of(path);
 }
 

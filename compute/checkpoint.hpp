@@ -46,11 +46,18 @@ struct pair_mark {
   bool operator==(const pair_mark& o) const { return step == o.step && id == o.id; }
 };
 
+/// save_state_dict_pair's failure after FILE.optim was replaced but FILE was not (its
+/// rename failed): the two files on disk are of different saves, which read_checkpoint
+/// refuses.
+struct mixed_pair_error : checkpoint_error {
+  using checkpoint_error::checkpoint_error;
+};
+
 /// Writes the --save pair: `model` to `path` and `optim` to `path`.optim, both marked with
 /// `step` and one new id. Both are written in full (and synced) under temporary names
 /// before either is renamed into place: a crash leaves the old pair, or the new one, or
 /// (between the two renames) a pair whose marks differ, which read_checkpoint refuses.
-/// Throws checkpoint_error (a failed write: both files as they were).
+/// Throws checkpoint_error (a failed write: both files as they were), or mixed_pair_error.
 void save_state_dict_pair(const std::string& path, const state_dict& model, const state_dict& optim,
                           std::int64_t step);
 

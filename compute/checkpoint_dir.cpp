@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -108,19 +110,32 @@ std::string latest_folder(const fs::path& root) {
   return "";
 }
 
+/// A step folder whose bytes are not what its manifest says (a file missing, truncated or
+/// changed, a manifest that does not parse): corrupt. Other failures to verify one (a
+/// manifest of another version, a read error) are checkpoint_error only.
+struct corrupt_checkpoint : checkpoint_error {
+  using checkpoint_error::checkpoint_error;
+};
+
 /// Every file of step folder `folder` is as its manifest says (size and CRC-32, read in
-/// pieces). Throws checkpoint_error naming what is wrong.
+/// pieces). Throws corrupt_checkpoint naming what is wrong, or checkpoint_error.
 void verify_checkpoint_files(const fs::path& folder) {
   nlohmann::json manifest;
   try {
     manifest = nlohmann::json::parse(read_bytes(folder / "manifest.json"));
+  } catch (const nlohmann::json::exception& e) {
+    throw corrupt_checkpoint(std::string("manifest.json is not valid JSON (") + e.what() + ")");
+  }
+  try {
     if (manifest.value("format", "") != "troupe-checkpoint" || manifest.value("version", 0) != manifest_version)
       throw checkpoint_error("manifest.json is not a version " + std::to_string(manifest_version) + " Troupe manifest");
     std::vector<char> piece(std::size_t(1) << 20);
     for (const auto& f : manifest.at("files")) {
       const auto name = f.at("name").get<std::string>();
+      std::error_code ec;
+      if (!fs::exists(folder / name, ec) && !ec) throw corrupt_checkpoint(name + " is missing");
       std::ifstream in(folder / name, std::ios::binary);
-      if (!in) throw checkpoint_error(name + " is missing");
+      if (!in) throw checkpoint_error("cannot read " + name + ": " + std::strerror(errno));
       std::uint64_t size = 0;
       uLong crc = crc32(0L, Z_NULL, 0);
       while (in) {
@@ -129,12 +144,13 @@ void verify_checkpoint_files(const fs::path& folder) {
         crc = crc32_z(crc, reinterpret_cast<const Bytef*>(piece.data()), n);
         size += n;
       }
+      if (in.bad()) throw checkpoint_error("cannot read " + name + ": " + std::strerror(errno));
       if (size != f.at("bytes").get<std::uint64_t>() || std::uint32_t(crc) != f.at("crc32").get<std::uint32_t>())
-        throw checkpoint_error(name + " is truncated or corrupt (" + std::to_string(size) + " bytes, manifest says " +
-                               std::to_string(f.at("bytes").get<std::uint64_t>()) + ")");
+        throw corrupt_checkpoint(name + " is truncated or corrupt (" + std::to_string(size) + " bytes, manifest says " +
+                                 std::to_string(f.at("bytes").get<std::uint64_t>()) + ")");
     }
   } catch (const nlohmann::json::exception& e) {
-    throw checkpoint_error(std::string("manifest.json is not valid (") + e.what() + ")");
+    throw corrupt_checkpoint(std::string("manifest.json lacks a field (") + e.what() + ")");
   }
 }
 
@@ -150,34 +166,42 @@ std::string move_aside(const fs::path& folder) {
 }
 
 /// The newest step folder of checkpoint root `root` that verifies ('latest' first, then
-/// the step folders newest first), or "" when it has none. One that does not verify is
-/// moved aside with a warning and the next older one taken; with `strict` it is refused.
-std::string newest_sound_checkpoint(const fs::path& root, bool strict) {
+/// the step folders newest first), or "" when it has none. Those newer that do not are
+/// passed over with a warning and, once one that verifies is found and `move` (the job
+/// holds the root's lock), the corrupt ones are moved aside. With `strict` the first that
+/// does not verify is refused; when none verifies nothing is moved and the root is
+/// refused (a later run refuses it again rather than starting afresh).
+std::string newest_sound_checkpoint(const fs::path& root, bool strict, bool move) {
   std::vector<fs::path> candidates;
   if (const auto latest = latest_folder(root); !latest.empty()) candidates.emplace_back(latest);
   auto all = step_folders(root);
   for (auto it = all.rbegin(); it != all.rend(); ++it)
     if (fs::exists(*it / "manifest.json") && std::find(candidates.begin(), candidates.end(), *it) == candidates.end())
       candidates.push_back(*it);
-  std::vector<std::string> bad;
+  std::vector<std::pair<fs::path, bool>> failed;  // (folder, corrupt)
   for (const auto& folder : candidates) {
     try {
       verify_checkpoint_files(folder);
-      return folder.string();
     } catch (const checkpoint_error& e) {
       if (strict)
         throw checkpoint_error("checkpoint " + folder.string() + ": " + e.what() +
                                " (output.strict_resume: no fall-back to an older checkpoint)");
-      const auto kept = move_aside(folder);
-      spdlog::warn("checkpoint {} does not verify ({}); kept for inspection as {}; trying the next older one",
-                   folder.string(), e.what(), kept.empty() ? folder.string() + " (it could not be moved)" : kept);
-      bad.push_back(folder.filename().string());
+      spdlog::warn("checkpoint {} does not verify ({}); trying the next older one", folder.string(), e.what());
+      failed.emplace_back(folder, dynamic_cast<const corrupt_checkpoint*>(&e) != nullptr);
+      continue;
     }
+    for (const auto& [bad, corrupt] : failed) {
+      if (!corrupt || !move) continue;
+      const auto kept = move_aside(bad);
+      spdlog::warn("checkpoint {} kept for inspection as {}", bad.string(),
+                   kept.empty() ? bad.string() + " (it could not be moved)" : kept);
+    }
+    return folder.string();
   }
-  if (!bad.empty())
-    throw checkpoint_error("no checkpoint in " + root.string() + " verifies (" + std::to_string(bad.size()) +
-                           " did not, kept as corrupt-*): refusing to start from step 0 over them; move them away "
-                           "to start afresh");
+  if (!failed.empty())
+    throw checkpoint_error("no checkpoint in " + root.string() + " verifies (" + std::to_string(failed.size()) +
+                           " did not; see above): refusing to start from step 0 over them; move them away to start "
+                           "afresh");
   return "";
 }
 
@@ -481,21 +505,24 @@ void resolve_resume(job_config& cfg, bool restarted) {
   if (!from_root) return;  // none, or a step folder itself (read_checkpoint_dir checks it whole)
   std::error_code ec;
   const bool has_root = !cfg.checkpoint_dir.empty() && fs::is_directory(cfg.checkpoint_dir, ec);
+  // (Folders are moved aside only in the job's own checkpoint_dir, which it holds locked.)
   if (restarted && has_root) {
-    if (auto found = newest_sound_checkpoint(cfg.checkpoint_dir, cfg.strict_resume); !found.empty()) {
+    if (auto found = newest_sound_checkpoint(cfg.checkpoint_dir, cfg.strict_resume, true); !found.empty()) {
       cfg.resume = std::move(found);
       return;
     }
   }
   if (cfg.resume == "auto") {
-    cfg.resume = has_root ? newest_sound_checkpoint(cfg.checkpoint_dir, cfg.strict_resume) : "";
+    cfg.resume = has_root ? newest_sound_checkpoint(cfg.checkpoint_dir, cfg.strict_resume, true) : "";
     if (cfg.resume.empty())
       spdlog::info("resume = auto: no checkpoint in {} yet, starting from step 0", cfg.checkpoint_dir);
     return;
   }
   if (cfg.resume.empty() || fs::exists(fs::path(cfg.resume) / "manifest.json")) return;
   if (!fs::exists(cfg.resume)) throw checkpoint_error("checkpoint folder " + cfg.resume + " does not exist");
-  auto found = newest_sound_checkpoint(cfg.resume, cfg.strict_resume);
+  std::error_code same_ec;
+  const bool own = !cfg.checkpoint_dir.empty() && fs::equivalent(cfg.resume, cfg.checkpoint_dir, same_ec);
+  auto found = newest_sound_checkpoint(cfg.resume, cfg.strict_resume, own);
   if (found.empty())
     throw checkpoint_error(cfg.resume + " is not a Troupe checkpoint (no manifest.json, no complete step folder)");
   cfg.resume = std::move(found);
@@ -548,7 +575,7 @@ void require_writable_file(const std::string& path, const std::string& key) {
 
 }  // namespace
 
-void lock_checkpoint_dir(const std::string& dir) {
+void lock_checkpoint_dir(const std::string& dir, double wait_seconds) {
   static std::mutex mutex;
   static std::map<std::string, int> held;  // folder -> its lock's descriptor, open until the process ends
   std::error_code ec;
@@ -560,7 +587,22 @@ void lock_checkpoint_dir(const std::string& dir) {
   if (fd < 0)
     throw config_error("output.checkpoint_dir = '" + dir + "': cannot open its lock file " + path.string() + ": " +
                        std::strerror(errno));
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+  // A restarted job may find the lock of its previous launch's node 0 still held for a
+  // moment (a process the launcher is ending on another host, an NFS lease): it waits.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
+  int locked = ::flock(fd, LOCK_EX | LOCK_NB);
+  while (locked != 0 && errno == EWOULDBLOCK && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    locked = ::flock(fd, LOCK_EX | LOCK_NB);
+  }
+  if (locked != 0 && (errno == ENOSYS || errno == ENOLCK || errno == EOPNOTSUPP || errno == EINVAL)) {
+    spdlog::warn("checkpoint_dir {}: its file system cannot lock {} ({}): nothing keeps a second job from writing "
+                 "into it",
+                 dir, path.string(), std::strerror(errno));
+    held[key] = fd;
+    return;
+  }
+  if (locked != 0) {
     const int e = errno;
     char buf[256] = {};
     const auto n = ::pread(fd, buf, sizeof buf - 1, 0);
@@ -587,7 +629,7 @@ void lock_checkpoint_dir(const std::string& dir) {
   held[key] = fd;
 }
 
-void check_output_paths(const job_config& cfg) {
+void check_output_paths(const job_config& cfg, double lock_wait_seconds) {
   require_writable_file(cfg.save, "output.save");  // its ".optim" goes beside it
   if (!cfg.save.empty()) {
     // The new pair is written in full beside the old one before it replaces it.
@@ -608,7 +650,7 @@ void check_output_paths(const job_config& cfg) {
     if (ec)
       throw config_error("output.checkpoint_dir = '" + cfg.checkpoint_dir + "': cannot create it: " + ec.message());
     require_writable_folder(cfg.checkpoint_dir, "output.checkpoint_dir", cfg.checkpoint_dir);
-    lock_checkpoint_dir(cfg.checkpoint_dir);
+    lock_checkpoint_dir(cfg.checkpoint_dir, lock_wait_seconds);
     // A checkpoint that does not fit is logged and the run goes on without it: say so now
     // if the folder's file system is short of the space the checkpoints will take (the
     // keep_checkpoints newest, and the next one, written before the oldest is removed).

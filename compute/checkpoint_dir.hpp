@@ -80,8 +80,9 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
 /// the job) the newest checkpoint of checkpoint_dir wins over the configured one. Taken
 /// from a root, a step folder must verify (every file's size and CRC-32): the newest one
 /// that does not is moved aside (corrupt-step-N, with a warning) and the next older one
-/// taken, unless cfg.strict_resume, which refuses it. Throws checkpoint_error (a root
-/// whose checkpoints all fail to verify is refused, not started afresh over).
+/// taken, unless cfg.strict_resume, which refuses it (moved aside only in the job's own
+/// checkpoint_dir, and only once a folder that verifies is found). Throws checkpoint_error
+/// (a root whose checkpoints all fail to verify is refused, not started afresh over).
 void resolve_resume(job_config& cfg, bool restarted);
 
 /// A run whose checkpoint to continue from (cfg.resume, resolved) is already at its last
@@ -92,14 +93,16 @@ bool report_complete_run(const job_config& cfg);
 /// Locks checkpoint folder `dir` for this process (flock on DIR/.lock, which records its
 /// pid and host; the kernel releases it when the process ends, however it ends): a second
 /// job on the same folder is refused (config_error) instead of overwriting this one's
-/// checkpoints. Again for the same folder: nothing. check_output_paths takes it.
-void lock_checkpoint_dir(const std::string& dir);
+/// checkpoints, after up to `wait_seconds` of trying again. Again for the same folder:
+/// nothing. A file system that cannot lock: a warning. check_output_paths takes it.
+void lock_checkpoint_dir(const std::string& dir, double wait_seconds = 0);
 
 /// The files and folders a run will write (output.save and its ".optim" beside it, metrics, trace,
 /// checkpoint_dir, which is created and locked: lock_checkpoint_dir) can be written: a
 /// missing or read-only folder, or a file path that is a folder, is a config_error naming
 /// the key now, not a failure after the training it would lose. A folder short of the
-/// space a save or checkpoint takes is warned about.
-void check_output_paths(const job_config& cfg);
+/// space a save or checkpoint takes is warned about. `lock_wait_seconds`: see
+/// lock_checkpoint_dir (a restarted job's).
+void check_output_paths(const job_config& cfg, double lock_wait_seconds = 0);
 
 }  // namespace troupe

@@ -649,8 +649,11 @@ int run_training(const job_config& cfg, const std::function<int()>& stop_request
         spdlog::info("step {}: checkpoint written to {} (and {}.optim)", trainer.next_step(), cfg.save, cfg.save);
       } catch (const std::exception& e) {
         if (last || stop)  // the run's result: exit 1 with the reason (no bad input: a failure)
-          throw std::runtime_error(std::string(e.what()) + "; " + cfg.save + " and " + cfg.save +
-                                   ".optim are as they were: the run's final weights are not saved");
+          throw std::runtime_error(std::string(e.what()) +
+                                   (dynamic_cast<const mixed_pair_error*>(&e)
+                                        ? std::string()
+                                        : "; " + cfg.save + " and " + cfg.save + ".optim are as they were") +
+                                   ": the run's final weights are not saved");
         log_checkpoint_not_written(trainer.next_step(), e.what(), cfg.checkpoint_interval);
       }
     }
