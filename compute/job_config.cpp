@@ -221,7 +221,7 @@ const std::vector<key_def>& key_defs() {
                  "experts, in training: each expert takes at most ceil(factor x seq_len x moe_top_k / experts) "
                  "(token, choice) pairs of a sequence, those with the highest router probability; the others are "
                  "dropped (they add nothing to their token, which keeps its residual) and counted in the metrics "
-                 "(0: none dropped, WORKLOADS.md's moe-tiny; evaluation and generation never drop)",
+                 "(0: none dropped, as in the moe-tiny workload; evaluation and generation never drop)",
                  &job_config::moe_capacity_factor, 0, 1e3),
       {{"model.tie_embeddings",
         "true: the output layer is the token embedding (gpt2's wte; with pipeline stages the first and last "
