@@ -405,10 +405,7 @@ actor_run_result run_node(const node_options& o) {
             spdlog::warn("{}: {} node processes share this machine's {} GPU(s)", where, o.nodes_per_host, gpus);
         }
         // this node's stages' parameters (and moments), not the whole model's
-        // (cfg.resume is node 0's resolved step folder: no node looks for another.)
-        auto launch = o.run.launch;
-        launch.resume_auto = false;
-        std::shared_ptr<const runtime_context> ctx = std::make_shared<runtime_context>(cfg, clock, slots, launch);
+        std::shared_ptr<const runtime_context> ctx = std::make_shared<runtime_context>(cfg, clock, slots, o.run.launch);
         const auto how = transport_for(*ctx, o.transport, where);
         node_plan plan;
         if (o.rejoin) {  // communicators come with the coordinator's recovery round

@@ -68,7 +68,9 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   } catch (const std::invalid_argument& e) {
     throw config_error(std::string("invalid configuration: ") + e.what());
   }
-  resolve_resume(cfg, launch.resume_auto);
+  // A root or "auto" becomes its step folder; a restart's choice (launch.resume_auto) is
+  // the caller's, made once (run_actor_training, node 0 for every node).
+  resolve_resume(cfg, false);
   if (launch.attempt == cfg.fault_attempt) faults = fault_plan::parse(cfg);
   if (!cfg.resume.empty()) {
     std::function<bool(const std::string&)> keep;
@@ -237,9 +239,7 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
   check_kernel_profile(opts.launch.kernel_profile);
   resolve_resume(cfg, opts.launch.resume_auto);  // (checkpoint_dir locked by check_output_paths)
   if (report_complete_run(cfg)) return {};
-  auto launch = opts.launch;
-  launch.resume_auto = false;  // resolved
-  auto ctx = std::make_shared<const runtime_context>(cfg, nullptr, std::nullopt, launch);
+  auto ctx = std::make_shared<const runtime_context>(cfg, nullptr, std::nullopt, opts.launch);
   auto wiring = std::make_shared<job_wiring>();
   auto result = std::make_shared<actor_run_result>();
   {

@@ -50,7 +50,9 @@ struct runtime_context {
   /// parameters and moments only what their slices take (keep_only); a checkpoint folder
   /// it resumes is read so, file by file, never whole. None: the whole model.
   /// `launch`: what the launcher said besides the configuration (a restart, benchmark
-  /// hooks).
+  /// hooks). A restart's newest checkpoint (launch.resume_auto) is the caller's to resolve
+  /// (resolve_resume; node 0 does it once for every node); a root or "auto" left in
+  /// `c.resume` becomes its step folder here.
   explicit runtime_context(const job_config& c, std::shared_ptr<const job_clock> clock = nullptr,
                            const std::optional<std::vector<std::pair<int, int>>>& slots = std::nullopt,
                            const launch_info& launch = {});

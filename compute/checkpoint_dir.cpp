@@ -630,17 +630,18 @@ void lock_checkpoint_dir(const std::string& dir, double wait_seconds) {
 }
 
 void check_output_paths(const job_config& cfg, double lock_wait_seconds) {
+  // What one checkpoint of the model takes: fp32 parameters and AdamW's two moments.
+  const double checkpoint_bytes = double(parameter_count(cfg.model())) * 12;
   require_writable_file(cfg.save, "output.save");  // its ".optim" goes beside it
   if (!cfg.save.empty()) {
     // The new pair is written in full beside the old one before it replaces it.
     std::error_code ec;
     const auto dir = fs::path(cfg.save).has_parent_path() ? fs::path(cfg.save).parent_path() : fs::path(".");
     const auto space = fs::space(dir, ec);
-    const double need = double(parameter_count(cfg.model())) * 12;  // fp32 parameters and AdamW's 2 moments
-    if (!ec && double(space.available) < need)
+    if (!ec && double(space.available) < checkpoint_bytes)
       spdlog::warn("output.save {}: its folder has {:.0f} MB free; the pair it writes (and {}.optim) takes about {:.0f} "
                    "MB: a save that does not fit is logged and skipped (the run's last must fit)",
-                   cfg.save, double(space.available) / 1e6, cfg.save, need / 1e6);
+                   cfg.save, double(space.available) / 1e6, cfg.save, checkpoint_bytes / 1e6);
   }
   require_writable_file(cfg.metrics, "output.metrics");
   require_writable_file(cfg.trace, "output.trace");
@@ -656,7 +657,7 @@ void check_output_paths(const job_config& cfg, double lock_wait_seconds) {
     // keep_checkpoints newest, and the next one, written before the oldest is removed).
     const auto space = fs::space(cfg.checkpoint_dir, ec);
     if (!ec) {
-      const double each = double(parameter_count(cfg.model())) * 12;  // fp32 parameters and AdamW's 2 moments
+      const double each = checkpoint_bytes;
       const double have = double(step_folders(cfg.checkpoint_dir).size());
       const double more = each * std::max(1.0, cfg.keep_checkpoints + 1 - have);
       if (double(space.available) < more)
