@@ -4,7 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
-#include "compute/trainer.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "messages/type_ids.hpp"
 
 namespace troupe {

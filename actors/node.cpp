@@ -1,9 +1,9 @@
 #include "actors/node.hpp"
 
 #include "actors/intra_op_threads.hpp"
-#include "compute/checkpoint_dir.hpp"
-#include "compute/device.hpp"
-#include "compute/kernel_profile.hpp"
+#include "compute/checkpoint/checkpoint_dir.hpp"
+#include "compute/runtime/device.hpp"
+#include "compute/runtime/kernel_profile.hpp"
 
 #include <unistd.h>
 
@@ -20,12 +20,12 @@
 #include <torch/torch.h>
 
 #include "actors/clock_probe_actor.hpp"
-#include "actors/coordinator_actor.hpp"
+#include "actors/coordinator/coordinator.hpp"
 #include "actors/node_transport.hpp"
 #include "actors/registrar_actor.hpp"
 #include "actors/supervisor_actor.hpp"
 #include "actors/trace.hpp"
-#include "compute/trainer.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "messages/type_ids.hpp"
 #include "transport/host_staging.hpp"
 #include "transport/ipc/ipc.hpp"

@@ -4,9 +4,10 @@
 #include <torch/torch.h>
 
 #include "actors/snapshot.hpp"
-#include "compute/grad_buffer.hpp"
-#include "compute/optimizer.hpp"
-#include "compute/tensor_parallel.hpp"
+#include "compute/optim/grad_buffer.hpp"
+#include "compute/optim/optimizer.hpp"
+#include "compute/parallel/tensor_parallel.hpp"
+#include "compute/models/tensor_parallel_layout.hpp"
 #include "messages/type_ids.hpp"
 #include "transport/transport.hpp"
 

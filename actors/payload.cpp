@@ -2,7 +2,7 @@
 
 #include <sstream>
 
-#include "compute/device.hpp"
+#include "compute/runtime/device.hpp"
 
 namespace troupe {
 

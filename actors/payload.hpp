@@ -1,7 +1,7 @@
 #pragma once
 // Making and reading the tensor payloads of messages (messages/tensor_payload.hpp) on a
 // device: a GPU tensor handed to another actor carries a ready event its consumer's
-// stream waits on (compute/device.hpp).
+// stream waits on (compute/runtime/device.hpp).
 #include <string>
 
 #include <torch/types.h>

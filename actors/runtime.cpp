@@ -7,14 +7,14 @@
 #include <caf/all.hpp>
 #include <torch/torch.h>
 
-#include "actors/coordinator_actor.hpp"
+#include "actors/coordinator/coordinator.hpp"
 #include "actors/intra_op_threads.hpp"
-#include "compute/checkpoint.hpp"
-#include "compute/checkpoint_dir.hpp"
-#include "compute/hf_folder.hpp"
-#include "compute/kernel_profile.hpp"
-#include "compute/device.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint_dir.hpp"
+#include "compute/checkpoint/hf_folder.hpp"
+#include "compute/runtime/kernel_profile.hpp"
+#include "compute/runtime/device.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "messages/type_ids.hpp"
 
 #if defined(__GLIBC__)
@@ -71,7 +71,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   // A root or "auto" becomes its step folder; a restart's choice (launch.resume_auto) is
   // the caller's, made once (run_actor_training, node 0 for every node).
   resolve_resume(cfg, false);
-  if (launch.attempt == cfg.fault_attempt) faults = fault_plan::parse(cfg);
+  if (launch.attempt == cfg.fault_attempt) faults = fault_plan::parse(cfg.faults());
   if (!cfg.resume.empty()) {
     std::function<bool(const std::string&)> keep;
     if (slots) keep = [mine = parameters_of(*slots)](const std::string& name) { return mine.count(name) > 0; };

@@ -28,14 +28,14 @@
 
 #include "actors/payload.hpp"
 #include "actors/trace.hpp"
-#include "compute/launch_info.hpp"
-#include "compute/fault_plan.hpp"
-#include "compute/grad_buffer.hpp"
-#include "compute/job_config.hpp"
-#include "compute/model.hpp"
-#include "compute/partition.hpp"
-#include "compute/schedule.hpp"
-#include "compute/trainer.hpp"
+#include "actors/launch_info.hpp"
+#include "compute/config/fault_plan.hpp"
+#include "compute/optim/grad_buffer.hpp"
+#include "compute/config/job_config.hpp"
+#include "compute/models/model.hpp"
+#include "compute/models/partition.hpp"
+#include "compute/schedule/schedule.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "messages/interfaces.hpp"
 #include "messages/step_messages.hpp"
 #include "transport/transport.hpp"
@@ -123,7 +123,7 @@ struct runtime_context {
   /// injected faults fire in one launch only, faults.attempt, default the first), the
   /// restart's cause for the metrics, and the benchmarks' hooks: every stage's backward on
   /// its own thread (`launch.backward_on_stage_threads`; stages with a group always,
-  /// compute/device.hpp's backward_on_this_thread), to compare on a GPU with LibTorch's
+  /// compute/runtime/device.hpp's backward_on_this_thread), to compare on a GPU with LibTorch's
   /// one autograd thread per device; a delay in every all-to-all; a kernel profile.
   launch_info launch;
   /// The [faults] keys, parsed once; empty unless this launch is the one they fire in.

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "compute/optimizer.hpp"
+#include "compute/optim/optimizer.hpp"
 #include "messages/node_messages.hpp"
 
 namespace troupe {

@@ -14,8 +14,8 @@
 #include "actors/data_loader_actor.hpp"
 #include "actors/optimizer_shard_actor.hpp"
 #include "actors/request_all.hpp"
-#include "actors/stage_actor.hpp"
-#include "compute/job_config.hpp"
+#include "actors/stage/stage.hpp"
+#include "compute/config/job_config.hpp"
 #include "messages/type_ids.hpp"
 #include "transport/local/local_group.hpp"
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "compute/schedule.hpp"
+#include "compute/schedule/schedule.hpp"
 
 namespace troupe {
 

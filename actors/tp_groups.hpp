@@ -7,7 +7,7 @@
 #include <functional>
 #include <memory>
 
-#include "compute/collective_group.hpp"
+#include "compute/parallel/collective_group.hpp"
 #include "transport/transport.hpp"
 
 namespace troupe {

@@ -9,7 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "compute/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
 
 namespace troupe {
 

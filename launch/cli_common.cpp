@@ -5,7 +5,7 @@
 #include <cstdlib>
 
 #include "actors/runtime.hpp"
-#include "compute/trainer.hpp"
+#include "compute/trainer/local_trainer.hpp"
 
 namespace {
 

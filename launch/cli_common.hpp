@@ -1,6 +1,6 @@
 #pragma once
 // What the troupe command's subcommands share: the configuration flags (every key of
-// compute/job_config.hpp, plus --config, plus the environment's faults), exit statuses,
+// compute/config/job_config.hpp, plus --config, plus the environment's faults), exit statuses,
 // error lines, and the signal handlers of a process that runs a job.
 #include <deque>
 #include <functional>
@@ -11,7 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "compute/job_config.hpp"
+#include "compute/config/job_config.hpp"
 #include "launch/environment.hpp"
 
 namespace troupe_cli {
@@ -25,7 +25,7 @@ int fail(int code, const std::string& msg);
 int run_ended(int code, const std::string& msg);
 /// The environment variable `name`, or `fallback` when it is unset or empty.
 /// SIGTERM and SIGUSR1 to the coordinator's process (or the local loop's) stop the run
-/// after its step, with a checkpoint (compute/trainer.hpp: exit_stopped); SIGUSR2 has it
+/// after its step, with a checkpoint (compute/trainer/local_trainer.hpp: exit_stopped); SIGUSR2 has it
 /// log what every actor waits for. Other nodes ignore SIGUSR1 (SLURM's --signal reaches
 /// every task; node 0 ends the job) and SIGUSR2, and end on SIGTERM as before.
 void install_stop_handlers(bool coordinator);

@@ -11,8 +11,8 @@
 #include <optional>
 #include <stdexcept>
 
-#include "compute/job_config.hpp"
-#include "compute/tokenizer.hpp"
+#include "compute/config/job_config.hpp"
+#include "compute/data/tokenizer.hpp"
 
 namespace troupe_cli {
 

@@ -1,11 +1,11 @@
 #pragma once
 // The environment of a troupe process, read once by its main: what launch/troupe and the
 // benchmarks set (TROUPE_*), and UCX's transports. Nothing below launch/ reads an
-// environment variable; these structs carry what was read (compute/launch_info.hpp,
+// environment variable; these structs carry what was read (actors/launch_info.hpp,
 // transport::ucx_options).
 #include <string>
 
-#include "compute/launch_info.hpp"
+#include "actors/launch_info.hpp"
 #include "transport/ucx/ucx_communicator.hpp"
 
 namespace troupe_cli {

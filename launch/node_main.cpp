@@ -7,7 +7,7 @@
 #include <stdexcept>
 
 #include "actors/node.hpp"
-#include "compute/device.hpp"
+#include "compute/runtime/device.hpp"
 #include "launch/cli_common.hpp"
 
 namespace troupe_cli {

@@ -77,7 +77,7 @@ struct eval_target {
   tensor_payload data;
 };
 
-/// Last stage -> coordinator: evaluation forward `index`'s score (compute/trainer.hpp's
+/// Last stage -> coordinator: evaluation forward `index`'s score (compute/trainer/local_trainer.hpp's
 /// eval_score: its mean loss times its rows; classifiers: its rows classified correctly).
 struct eval_result {
   std::int64_t step = 0;

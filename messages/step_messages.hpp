@@ -150,7 +150,7 @@ struct write_checkpoint {
   std::int64_t step = 0;  ///< the steps the checkpoint has finished
 };
 
-/// A file a stage wrote into a checkpoint folder (compute/checkpoint.hpp's checkpoint_file).
+/// A file a stage wrote into a checkpoint folder (compute/checkpoint/checkpoint.hpp's checkpoint_file).
 struct written_file {
   std::string name;  ///< in the step folder: "stage-K.pt", "optim-stage-K.pt"
   std::int32_t stage = 0;

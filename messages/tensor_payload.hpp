@@ -30,7 +30,7 @@ struct tensor_payload {
   std::int32_t src_node = -1;
   std::uint32_t tag = 0;
   /// In-process hand-off of a GPU tensor: the event its producer recorded after the
-  /// kernels that write it (compute/device.hpp's ready_event; the consumer's stream waits
+  /// kernels that write it (compute/runtime/device.hpp's ready_event; the consumer's stream waits
   /// on it; never serialised). actors/payload.hpp makes and reads payloads with it.
   std::shared_ptr<void> ready;
 };

@@ -13,9 +13,9 @@
 #include <torch/torch.h>
 
 #include "launch/blas_kernels.hpp"
-#include "compute/generate.hpp"
-#include "compute/schedule.hpp"
-#include "compute/trainer.hpp"
+#include "compute/trainer/generate.hpp"
+#include "compute/schedule/schedule.hpp"
+#include "compute/trainer/local_trainer.hpp"
 
 namespace {
 

@@ -239,7 +239,7 @@ def main():
                 workload="llama-small")
             add(f"Troupe actors p=4, 4 micro-batches of 4 x 1024{stream}", 4, 4, extra)
         # Each stage's backward on its own thread, not on LibTorch's one autograd thread for
-        # the GPU (what expert parallelism needs; compute/device.hpp).
+        # the GPU (what expert parallelism needs; compute/runtime/device.hpp).
         add("Troupe actors p=4, 4 micro-batches of 4 x 1024, backwards on the stage threads", 4, 4,
             env={"TROUPE_BACKWARD_ON_STAGE_THREAD": "1"})
     add("Troupe actors llama-small p=1, 4 micro-batches of 4 x 1024", 1, 4, workload="llama-small")

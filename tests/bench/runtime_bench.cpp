@@ -31,9 +31,9 @@
 
 #include "actors/runtime.hpp"
 #include "launch/blas_kernels.hpp"
-#include "compute/grad_buffer.hpp"
-#include "compute/host_memory.hpp"
-#include "compute/trainer.hpp"
+#include "compute/optim/grad_buffer.hpp"
+#include "compute/runtime/host_memory.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "tests/support/held_bytes.hpp"
 
 namespace {

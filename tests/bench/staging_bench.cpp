@@ -19,7 +19,7 @@
 #include <iostream>
 
 #include "bench_util.hpp"
-#include "compute/device.hpp"
+#include "compute/runtime/device.hpp"
 #include "transport/host_staging.hpp"
 #include "transport/ipc/ipc.hpp"
 #include "transport/ordered_p2p.hpp"

@@ -27,7 +27,7 @@
 #include "actors/runtime.hpp"
 #include "actors/tp_groups.hpp"
 #include "launch/blas_kernels.hpp"
-#include "compute/trainer.hpp"
+#include "compute/trainer/local_trainer.hpp"
 
 namespace {
 

@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/runtime.hpp"
-#include "compute/checkpoint.hpp"
-#include "compute/checkpoint_dir.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint_dir.hpp"
 #include "test_util.hpp"
 
 namespace troupe {

@@ -12,11 +12,11 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/runtime.hpp"
-#include "compute/checkpoint.hpp"
-#include "compute/device.hpp"
-#include "compute/pipeline.hpp"
-#include "compute/partition.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/runtime/device.hpp"
+#include "compute/trainer/local_pipeline.hpp"
+#include "compute/models/partition.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "gpu_jobs.hpp"
 #include "held_bytes.hpp"
 #include "test_util.hpp"

@@ -4,7 +4,7 @@
 // Without a GPU (CI) these tests skip; a build without NCCL says so clearly.
 #include <gtest/gtest.h>
 
-#include "compute/device.hpp"
+#include "compute/runtime/device.hpp"
 #include "transport/host_staging.hpp"
 #include "transport/ipc/ipc.hpp"
 #include "transport/nccl/nccl_communicator.hpp"

@@ -15,10 +15,10 @@
 #include "actors/runtime.hpp"
 #include "actors/supervisor_actor.hpp"
 #include "actors/trace.hpp"
-#include "compute/checkpoint.hpp"
-#include "compute/grad_buffer.hpp"
-#include "compute/partition.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/optim/grad_buffer.hpp"
+#include "compute/models/partition.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "test_util.hpp"
 
 namespace troupe {

@@ -1,4 +1,4 @@
-// The coordinator's phases (named behaviors switched with become(); coordinator_actor.hpp
+// The coordinator's phases (named behaviors switched with become(); actors/coordinator/coordinator.hpp
 // draws them): a run goes through them in order, and a failed step through rebuilding
 // and wiring before it runs again, while the supervisor goes from serving to recovering
 // and back (supervisor_actor.hpp). Read from the debug log of each switch.

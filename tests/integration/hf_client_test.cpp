@@ -8,10 +8,11 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "compute/checkpoint.hpp"
-#include "compute/hf_folder.hpp"
-#include "compute/job_config.hpp"
-#include "compute/partition.hpp"
+#include "compute/models/model.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/checkpoint/hf_folder.hpp"
+#include "compute/config/job_config.hpp"
+#include "compute/models/partition.hpp"
 #include "test_util.hpp"
 #include "build_paths.hpp"
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "compute/device.hpp"
+#include "compute/runtime/device.hpp"
 #include "process_group.hpp"
 #include "temp_dir.hpp"
 #include "transport/ipc/ipc.hpp"

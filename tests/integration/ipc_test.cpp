@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <thread>
 
-#include "compute/device.hpp"
+#include "compute/runtime/device.hpp"
 #include "counting_memory.hpp"
 #include "process_group.hpp"
 #include "temp_dir.hpp"

@@ -14,9 +14,9 @@
 
 #include "actor_test_util.hpp"
 #include "cached_forward.hpp"
-#include "compute/generate.hpp"
-#include "compute/hf_folder.hpp"
-#include "compute/partition.hpp"
+#include "compute/trainer/generate.hpp"
+#include "compute/checkpoint/hf_folder.hpp"
+#include "compute/models/partition.hpp"
 #include "quiet_run.hpp"
 
 namespace troupe {

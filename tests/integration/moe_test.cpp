@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "actor_test_util.hpp"
-#include "compute/partition.hpp"
+#include "compute/models/partition.hpp"
 #include "quiet_run.hpp"
 
 namespace troupe {

@@ -7,7 +7,7 @@
 #include <regex>
 
 #include "actors/runtime.hpp"
-#include "compute/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
 #include "node_jobs.hpp"
 
 using namespace troupe;

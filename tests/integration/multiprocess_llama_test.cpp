@@ -6,7 +6,7 @@
 #include <fstream>
 
 #include "actors/runtime.hpp"
-#include "compute/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
 #include "node_jobs.hpp"
 #include "build_paths.hpp"
 

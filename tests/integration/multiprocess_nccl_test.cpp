@@ -7,7 +7,7 @@
 
 #include "actors/node.hpp"
 #include "actors/runtime.hpp"
-#include "compute/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
 #include "node_jobs.hpp"
 #include "messages/node_messages.hpp"
 

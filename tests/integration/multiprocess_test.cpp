@@ -8,7 +8,7 @@
 #include <fstream>
 
 #include "actors/runtime.hpp"
-#include "compute/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
 #include "node_jobs.hpp"
 
 using namespace troupe;

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "compute/device.hpp"
+#include "compute/runtime/device.hpp"
 #include "transport/nccl/nccl_communicator.hpp"
 
 namespace troupe {

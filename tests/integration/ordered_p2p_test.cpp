@@ -7,7 +7,7 @@
 #include <atomic>
 #include <chrono>
 
-#include "compute/device.hpp"
+#include "compute/runtime/device.hpp"
 #include "transport/local/local_group.hpp"
 #include "transport/nccl/nccl_communicator.hpp"
 #include "transport/ordered_p2p.hpp"

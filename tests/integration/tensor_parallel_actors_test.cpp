@@ -9,10 +9,11 @@
 #include <string>
 
 #include "actors/runtime.hpp"
-#include "compute/checkpoint.hpp"
-#include "compute/checkpoint_dir.hpp"
-#include "compute/tensor_parallel.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint_dir.hpp"
+#include "compute/parallel/tensor_parallel.hpp"
+#include "compute/models/tensor_parallel_layout.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "actors/tp_groups.hpp"
 #include "test_util.hpp"
 #include "tp_test_util.hpp"

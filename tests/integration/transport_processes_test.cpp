@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "launch/environment.hpp"
-#include "compute/device.hpp"
+#include "compute/runtime/device.hpp"
 #include "test_util.hpp"
 #include "process_group.hpp"
 #include "rank_threads.hpp"

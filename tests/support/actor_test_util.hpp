@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "actors/runtime.hpp"
-#include "compute/schedule.hpp"
-#include "compute/trainer.hpp"
+#include "compute/schedule/schedule.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "test_util.hpp"
 
 namespace troupe::actor_test {

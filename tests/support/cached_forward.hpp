@@ -8,7 +8,7 @@
 #include <memory>
 #include <vector>
 
-#include "compute/model.hpp"
+#include "compute/models/model.hpp"
 
 namespace troupe::test {
 

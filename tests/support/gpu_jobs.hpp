@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "actors/runtime.hpp"
-#include "compute/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
 #include "test_util.hpp"
 
 namespace troupe::gpu_jobs {

@@ -7,8 +7,8 @@
 
 #include <torch/torch.h>
 
-#include "compute/device.hpp"
-#include "compute/model.hpp"
+#include "compute/runtime/device.hpp"
+#include "compute/models/model.hpp"
 
 namespace troupe::test {
 

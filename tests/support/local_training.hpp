@@ -2,9 +2,9 @@
 // Training with the local loop (compute/trainer) for the unit tests.
 #include <vector>
 
-#include "compute/checkpoint.hpp"
-#include "compute/job_config.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/config/job_config.hpp"
+#include "compute/trainer/local_trainer.hpp"
 
 namespace troupe::test {
 

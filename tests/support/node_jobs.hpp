@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "actors/runtime.hpp"
-#include "compute/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
 #include "process_group.hpp"
 #include "test_util.hpp"
 #include "build_paths.hpp"

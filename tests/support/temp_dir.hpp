@@ -4,7 +4,7 @@
 #include <filesystem>
 #include <string>
 
-#include "compute/remove_tree.hpp"
+#include "compute/runtime/remove_tree.hpp"
 
 namespace troupe::test {
 

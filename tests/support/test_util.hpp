@@ -11,9 +11,9 @@
 
 #include <torch/types.h>
 
-#include "compute/checkpoint.hpp"
-#include "compute/job_config.hpp"
-#include "compute/model.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/config/job_config.hpp"
+#include "compute/models/model.hpp"
 #include "temp_dir.hpp"
 
 namespace troupe::test {

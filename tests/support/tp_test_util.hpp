@@ -4,7 +4,7 @@
 #include <ostream>
 #include <string>
 
-#include "compute/job_config.hpp"
+#include "compute/config/job_config.hpp"
 
 namespace troupe::tp_test {
 

@@ -10,17 +10,17 @@
 #include <sstream>
 #include <set>
 
-#include "compute/checkpoint.hpp"
-#include "compute/checkpoint_dir.hpp"
-#include "compute/grad_buffer.hpp"
-#include "compute/remove_tree.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint_dir.hpp"
+#include "compute/optim/grad_buffer.hpp"
+#include "compute/runtime/remove_tree.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "test_util.hpp"
 #include "build_paths.hpp"
 
 namespace troupe {
 
-// remove_tree replaces std::filesystem::remove_all (see compute/remove_tree.hpp): nested
+// remove_tree replaces std::filesystem::remove_all (see compute/runtime/remove_tree.hpp): nested
 // folders go, a symbolic link goes without what it points to, a missing path is no error.
 TEST(Checkpoint, RemoveTreeRemovesFoldersButNotWhatLinksPointTo) {
   test::temp_dir dir;

@@ -4,9 +4,9 @@
 #include <fstream>
 #include <set>
 
-#include "compute/data.hpp"
-#include "compute/splitmix.hpp"
-#include "compute/trainer.hpp"
+#include "compute/data/data.hpp"
+#include "compute/runtime/splitmix.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "temp_dir.hpp"
 
 namespace troupe {

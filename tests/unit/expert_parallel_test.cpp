@@ -1,4 +1,4 @@
-// Expert parallelism (compute/expert_parallel.hpp): the all-to-all with per-rank sizes on
+// Expert parallelism (compute/parallel/expert_parallel.hpp): the all-to-all with per-rank sizes on
 // every transport, a rank that receives no tokens, and training with EP ranks equal to
 // one process, in the local loop and with the actor runtime's stage actors.
 #include <gtest/gtest.h>
@@ -13,10 +13,10 @@
 
 #include "actor_test_util.hpp"
 #include "actors/tp_groups.hpp"
-#include "compute/checkpoint.hpp"
-#include "compute/checkpoint_dir.hpp"
-#include "compute/expert_parallel.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint_dir.hpp"
+#include "compute/parallel/expert_parallel.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "test_util.hpp"
 #include "ucx_groups.hpp"
 

@@ -1,9 +1,9 @@
-// The [faults] keys parsed once into a fault plan (compute/fault_plan.hpp), and the
+// The [faults] keys parsed once into a fault plan (compute/config/fault_plan.hpp), and the
 // injector the actors ask.
 #include <gtest/gtest.h>
 
-#include "compute/fault_plan.hpp"
-#include "compute/job_config.hpp"
+#include "compute/config/fault_plan.hpp"
+#include "compute/config/job_config.hpp"
 
 namespace troupe {
 
@@ -12,7 +12,7 @@ namespace {
 // A p2 x d2 job with `keys`.
 fault_plan plan_of(std::vector<std::pair<std::string, std::string>> keys) {
   keys.insert(keys.begin(), {{"pipeline", "2"}, {"data_parallel", "2"}});
-  return fault_plan::parse(load_job_config("", keys));
+  return fault_plan::parse(load_job_config("", keys).faults());
 }
 
 std::string error_of(std::vector<std::pair<std::string, std::string>> keys) {

@@ -2,7 +2,7 @@
 // pipelined, data-parallel run equals one process.
 #include <gtest/gtest.h>
 
-#include "compute/trainer.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "local_training.hpp"
 #include "test_util.hpp"
 

@@ -1,4 +1,4 @@
-// `troupe generate` (compute/generate.cpp): greedy generation equals plain PyTorch's on
+// `troupe generate` (compute/trainer/generate.cpp): greedy generation equals plain PyTorch's on
 // the same weights, past the model's context too; sampling is seeded and keeps to the
 // top k; bad input is refused.
 #include <gtest/gtest.h>
@@ -6,10 +6,10 @@
 #include <fstream>
 #include <set>
 
-#include "compute/checkpoint.hpp"
-#include "compute/generate.hpp"
-#include "compute/partition.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/trainer/generate.hpp"
+#include "compute/models/partition.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "cached_forward.hpp"
 #include "test_util.hpp"
 #include "build_paths.hpp"

@@ -3,9 +3,10 @@
 #include <map>
 #include <set>
 
-#include "compute/device.hpp"
-#include "compute/grad_buffer.hpp"
-#include "compute/partition.hpp"
+#include "compute/models/model.hpp"
+#include "compute/runtime/device.hpp"
+#include "compute/optim/grad_buffer.hpp"
+#include "compute/models/partition.hpp"
 
 namespace troupe {
 

@@ -1,4 +1,4 @@
-// compute/grad_buffer.hpp's grad_ready_watch: which gradient buckets are final during a
+// compute/optim/grad_buffer.hpp's grad_ready_watch: which gradient buckets are final during a
 // backward (what lets the reduce-scatter of a bucket start before the backward ends).
 #include <gtest/gtest.h>
 
@@ -6,9 +6,10 @@
 #include <set>
 #include <vector>
 
-#include "compute/device.hpp"
-#include "compute/grad_buffer.hpp"
-#include "compute/partition.hpp"
+#include "compute/models/model.hpp"
+#include "compute/runtime/device.hpp"
+#include "compute/optim/grad_buffer.hpp"
+#include "compute/models/partition.hpp"
 
 namespace troupe {
 

@@ -1,4 +1,4 @@
-// Hugging Face folders (compute/hf_folder.cpp): export then read back is bit-identical for
+// Hugging Face folders (compute/checkpoint/hf_folder.cpp): export then read back is bit-identical for
 // both families, GPT-2's Conv1D layout and prefix, shards, padded vocabulary rows, a run
 // started from a folder, and every bad input named. That transformers itself loads the
 // folders with the same logits: tests/integration/hf_client_test.cpp.
@@ -8,10 +8,10 @@
 #include <filesystem>
 #include <fstream>
 
-#include "compute/hf_folder.hpp"
-#include "compute/checkpoint.hpp"
-#include "compute/safetensors.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/hf_folder.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/checkpoint/safetensors.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "test_util.hpp"
 
 namespace troupe {

@@ -2,8 +2,8 @@
 
 #include <fstream>
 
-#include "compute/job_config.hpp"
-#include "compute/model.hpp"
+#include "compute/config/job_config.hpp"
+#include "compute/models/model.hpp"
 #include "test_util.hpp"
 
 namespace troupe {

@@ -1,9 +1,9 @@
-// compute/kernel_profile.hpp: the request for a kernel profile of some steps.
+// compute/runtime/kernel_profile.hpp: the request for a kernel profile of some steps.
 #include <gtest/gtest.h>
 
 #include <stdexcept>
 
-#include "compute/kernel_profile.hpp"
+#include "compute/runtime/kernel_profile.hpp"
 
 namespace troupe {
 

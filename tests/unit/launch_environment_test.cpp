@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "compute/job_config.hpp"
+#include "compute/config/job_config.hpp"
 #include "launch/environment.hpp"
 
 namespace {

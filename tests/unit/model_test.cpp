@@ -2,8 +2,8 @@
 
 #include <cmath>
 
-#include "compute/model.hpp"
-#include "compute/partition.hpp"
+#include "compute/models/model.hpp"
+#include "compute/models/partition.hpp"
 
 namespace troupe {
 

@@ -6,7 +6,7 @@
 
 #include "actors/node.hpp"
 #include "actors/supervisor_actor.hpp"
-#include "compute/job_config.hpp"
+#include "compute/config/job_config.hpp"
 
 // Node layouts: equal runs of the replica-major (replica, stage) list.
 TEST(NodeLayout, SlotsAreEqualRunsOfReplicaMajorStages) {

@@ -2,7 +2,7 @@
 
 #include <torch/optim/adamw.h>
 
-#include "compute/optimizer.hpp"
+#include "compute/optim/optimizer.hpp"
 
 namespace troupe {
 

@@ -1,7 +1,7 @@
-// compute/partition.hpp: layers split into pipeline stages and virtual chunks.
+// compute/models/partition.hpp: layers split into pipeline stages and virtual chunks.
 #include <gtest/gtest.h>
 
-#include "compute/partition.hpp"
+#include "compute/models/partition.hpp"
 
 namespace troupe {
 

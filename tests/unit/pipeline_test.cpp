@@ -9,8 +9,8 @@
 #include <fstream>
 #include <thread>
 
-#include "compute/checkpoint.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "held_bytes.hpp"
 #include "local_training.hpp"
 #include "test_util.hpp"

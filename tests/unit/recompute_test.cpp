@@ -6,9 +6,9 @@
 #include <gtest/gtest.h>
 #include <torch/version.h>
 
-#include "compute/device.hpp"
-#include "compute/partition.hpp"
-#include "compute/trainer.hpp"
+#include "compute/runtime/device.hpp"
+#include "compute/models/partition.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "held_bytes.hpp"
 #include "quiet_run.hpp"
 #include "test_util.hpp"

@@ -1,4 +1,4 @@
-// The safetensors format (compute/safetensors.cpp) against bytes built by hand from the
+// The safetensors format (compute/checkpoint/safetensors.cpp) against bytes built by hand from the
 // format's description: an 8-byte little-endian header length, a JSON header of dtype,
 // shape and data_offsets (and __metadata__), then the raw little-endian data.
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "compute/safetensors.hpp"
+#include "compute/checkpoint/safetensors.hpp"
 #include "test_util.hpp"
 
 namespace troupe {

@@ -2,7 +2,7 @@
 
 #include <sstream>
 
-#include "compute/schedule.hpp"
+#include "compute/schedule/schedule.hpp"
 
 namespace troupe {
 

@@ -11,7 +11,7 @@
 
 #include "actors/timeline_svg.hpp"
 #include "actors/trace.hpp"
-#include "compute/schedule.hpp"
+#include "compute/schedule/schedule.hpp"
 
 namespace troupe {
 

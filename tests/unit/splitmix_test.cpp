@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
-#include "compute/data.hpp"
-#include "compute/splitmix.hpp"
+#include "compute/data/data.hpp"
+#include "compute/runtime/splitmix.hpp"
 
 namespace troupe {
 

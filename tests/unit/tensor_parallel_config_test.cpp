@@ -7,8 +7,9 @@
 
 #include "actors/tp_groups.hpp"
 #include "ucx_groups.hpp"
-#include "compute/tensor_parallel.hpp"
-#include "compute/trainer.hpp"
+#include "compute/parallel/tensor_parallel.hpp"
+#include "compute/models/tensor_parallel_layout.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "test_util.hpp"
 #include "tp_test_util.hpp"
 

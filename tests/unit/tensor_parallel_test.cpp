@@ -1,4 +1,4 @@
-// Tensor and sequence parallelism (compute/tensor_parallel.hpp): each parallel layer
+// Tensor and sequence parallelism (compute/parallel/tensor_parallel.hpp): each parallel layer
 // against its unsplit counterpart. The local loop split over T ranks:
 // tensor_parallel_{training,checkpoint,config,evaluation,over_ucx}_test.cpp.
 #include <gtest/gtest.h>
@@ -9,8 +9,9 @@
 
 #include "actors/tp_groups.hpp"
 #include "ucx_groups.hpp"
-#include "compute/tensor_parallel.hpp"
-#include "compute/trainer.hpp"
+#include "compute/parallel/tensor_parallel.hpp"
+#include "compute/models/tensor_parallel_layout.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "test_util.hpp"
 #include "tp_test_util.hpp"
 

@@ -1,4 +1,4 @@
-// Tokenized text (WORKLOADS.md section 5; compute/tokenizer.cpp): a SentencePiece BPE
+// Tokenized text (WORKLOADS.md section 5; compute/data/tokenizer.cpp): a SentencePiece BPE
 // tokenizer trained with the pinned options round-trips every byte of the fortunes corpus
 // and encodes it exactly as Python's SentencePiece does; the token cache is written once
 // and a stale one is never read; the padded vocabulary rows are left out of the softmax;
@@ -8,9 +8,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "compute/checkpoint.hpp"
-#include "compute/tokenizer.hpp"
-#include "compute/trainer.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/data/tokenizer.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "quiet_run.hpp"
 #include "test_util.hpp"
 #include "build_paths.hpp"

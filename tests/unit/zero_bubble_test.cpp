@@ -4,9 +4,9 @@
 // with the same parameters as 1f1b in both runtimes.
 #include <gtest/gtest.h>
 
-#include "compute/device.hpp"
-#include "compute/partition.hpp"
-#include "compute/trainer.hpp"
+#include "compute/runtime/device.hpp"
+#include "compute/models/partition.hpp"
+#include "compute/trainer/local_trainer.hpp"
 #include "quiet_run.hpp"
 #include "test_util.hpp"
 

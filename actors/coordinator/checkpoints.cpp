@@ -1,0 +1,158 @@
+#include "actors/coordinator/state.hpp"
+
+#include "actors/request_all.hpp"
+#include "compute/checkpoint/checkpoint.hpp"
+#include "compute/checkpoint/checkpoint_dir.hpp"
+#include "compute/parallel/tensor_parallel.hpp"
+#include "compute/models/tensor_parallel_layout.hpp"
+#include "messages/type_ids.hpp"
+
+namespace troupe::coordinator {
+
+void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
+  auto& s = self->state;
+  const int p = s.ctx->p, t = s.ctx->t;
+  // Pipelines 0 .. t - 1 (replica 0's tensor-parallel ranks), stage by stage; with expert
+  // parallelism at least 0 .. EP - 1, which hold every share of the experts.
+  std::vector<stage_actor> stages;
+  for (int q = 0; q < std::max(t, s.ctx->ep); ++q)
+    stages.insert(stages.end(), s.wiring->stages[q].begin(), s.wiring->stages[q].end());
+  auto parts = std::make_shared<std::vector<std::map<std::string, torch::Tensor>>>(t);
+  request_all<state_reply>(
+      self, stages, state_timeout,
+      [parts, p, t](std::size_t i, state_reply& rep) { add_stage_state(*parts, int(i) / p % t, rep); },
+      [self, parts, then] {
+        const auto& spec = self->state.ctx->spec;
+        const auto by_name = parts->size() == 1 ? parts->front() : unshard_by_name(spec, {}, *parts);
+        state_dict full;
+        for (const auto& name : parameter_names(spec)) full.emplace_back(name, by_name.at(name));
+        then(std::move(full));
+      },
+      fail_with(self, "no parameters from a stage"), state_atom_v);
+}
+
+void fetch_moments(self_ptr self, const state_dict& model, std::function<void(named_moments)> then) {
+  const auto& ctx = *self->state.ctx;
+  auto parts = std::make_shared<std::vector<named_moments>>(ctx.t);
+  request_all<shard_moments>(
+      self, all_of(self->state.wiring->shards), state_timeout,  // [stage][pipeline]
+      [parts, pipes = ctx.pipes, t = ctx.t](std::size_t i, shard_moments& rep) {
+        add_shard_moments(*parts, int(i % std::size_t(pipes)) % t, rep);
+      },
+      [self, parts, model, then] {
+        if (parts->size() == 1) return then(std::move(parts->front()));
+        then(unshard_moments(self->state.ctx->spec, model, *parts));
+      },
+      fail_with(self, "no optimizer state from a shard"), state_atom_v);
+}
+
+void with_shard_state(self_ptr self, state_dict model, std::function<void(state_dict, named_moments)> then) {
+  fetch_moments(self, model, [=](named_moments moments) mutable {
+    use_main_params(model, moments);
+    then(std::move(model), std::move(moments));
+  });
+}
+
+void fetch_final_state(self_ptr self, std::function<void(state_dict)> then) {
+  fetch_state(self, [=](state_dict model) {
+    if (self->state.ctx->compute_dtype == torch::kFloat32) return then(std::move(model));
+    with_shard_state(self, std::move(model), [=](state_dict model, named_moments) { then(std::move(model)); });
+  });
+}
+
+bool checkpoint_failed(self_ptr self, const std::string& what, bool final) {
+  auto& s = self->state;
+  const auto next = s.step + 1;
+  if (final) {
+    fail(self, "cannot write the checkpoint of step " + std::to_string(next) + " (the run's last): " + what, false);
+    return false;
+  }
+  log_checkpoint_not_written(next, what, s.ctx->cfg.checkpoint_interval);
+  ++s.checkpoint_failures;
+  return true;
+}
+
+bool save_file(self_ptr self, const state_dict& model, const named_moments& moments, bool final) {
+  auto& s = self->state;
+  const auto& cfg = s.ctx->cfg;
+  const auto next = s.step + 1;
+  try {
+    save_state_dict_pair(cfg.save, model, optimizer_state_dict(moments, model, next), next);
+    s.saved_step = next;
+    spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
+    return true;
+  } catch (const std::exception& e) {
+    if (!final) return checkpoint_failed(self, e.what(), final);
+    // The run's last: the checkpoint folder (if the job has one) is still written, and the
+    // run then fails, saying where its weights are (save_failure_text).
+    s.save_failure = "cannot write --save " + cfg.save + " at step " + std::to_string(next) + " (the run's last): " +
+                     e.what();
+    if (!dynamic_cast<const mixed_pair_error*>(&e))
+      s.save_failure += "; " + cfg.save + " and " + cfg.save + ".optim are as " +
+                        (s.saved_step >= 0 ? "this run wrote them at step " + std::to_string(s.saved_step)
+                                           : std::string("they were before this run"));
+    spdlog::error("{}", s.save_failure);
+    return true;
+  }
+}
+
+std::string save_failure_text(const coordinator_state& s) {
+  return s.save_failure + "; the run's final weights are " +
+         (s.last_folder.empty() ? std::string("not saved (the job has no checkpoint_dir)")
+                                : "in checkpoint folder " + s.last_folder);
+}
+
+void write_folder(self_ptr self, bool final, std::function<void()> then) {
+  auto& s = self->state;
+  const auto& cfg = s.ctx->cfg;
+  const auto next = s.step + 1;
+  const double t0 = s.ctx->now_us();
+  std::string tmp;
+  try {
+    tmp = begin_checkpoint_dir(cfg.checkpoint_dir, next);
+  } catch (const std::exception& e) {
+    if (checkpoint_failed(self, e.what(), final)) then();
+    return;
+  }
+  const int p = s.ctx->p;
+  auto files = std::make_shared<std::vector<checkpoint_file>>();
+  auto errors = std::make_shared<std::vector<std::string>>(p);  // per stage, reported in stage order
+  auto conclude = [=] {
+    auto& s = self->state;
+    const auto& cfg = s.ctx->cfg;
+    if (s.at == phase::finished) return abandon_checkpoint_dir(cfg.checkpoint_dir, next);  // ended meanwhile (a node lost)
+    std::string what;
+    for (const auto& e : *errors)
+      if (!e.empty()) what += (what.empty() ? "" : "; ") + e;
+    try {
+      if (!what.empty()) throw checkpoint_error(what);
+      const auto where = finish_checkpoint_dir(cfg.checkpoint_dir, cfg, *files, next, cfg.keep_checkpoints);
+      s.last_folder = where;
+      const double seconds = (s.ctx->now_us() - t0) * 1e-6;
+      spdlog::info("step {}: checkpoint written to {} ({} stage(s) wrote their files in {:.2f} s)", next, where, p,
+                   seconds);
+      s.checkpoint_seconds += seconds;
+      ++s.checkpoints;
+    } catch (const std::exception& e) {
+      abandon_checkpoint_dir(cfg.checkpoint_dir, next);
+      if (!checkpoint_failed(self, e.what(), final)) return;
+    }
+    then();
+  };
+  request_all<stage_checkpoint>(
+      self, s.wiring->stages[0], checkpoint_write_timeout,
+      [self, errors, files](std::size_t k, stage_checkpoint& rep) {
+        if (!rep.error.empty()) (*errors)[k] = "stage " + std::to_string(k) + ": " + rep.error;
+        auto& events = self->state.result->events;
+        events.insert(events.end(), rep.events.begin(), rep.events.end());
+        for (const auto& f : rep.files) files->push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
+      },
+      conclude,
+      [self, errors](std::size_t k, caf::error& err) {
+        (*errors)[k] = "stage " + std::to_string(k) + ": no answer (" + self->system().render(err) + ")";
+        return true;
+      },
+      write_checkpoint{tmp, next});
+}
+
+}  // namespace troupe::coordinator

@@ -1,0 +1,399 @@
+// The stage's ops in a step: which runs next, forward, backward and weight passes,
+// overlapped pairs, gradient buckets, the tied embedding, parameters (actors/stage/logic.hpp).
+#include "actors/stage/logic.hpp"
+#include "transport/torch_threads.hpp"
+
+namespace troupe::stage_detail {
+
+bool stage_logic::ready(const pipeline_op& op) const {
+  const key k{op.mb, op.chunk};
+  if (op.kind == op_kind::forward) {
+    if (!s_.inputs.count(k)) return false;
+    return !s_.is_last_virtual(op.chunk) || s_.targets.count(op.mb);
+  }
+  if (op.kind == op_kind::weight) return s_.deferred.count(k) && !s_.saved.count(k);
+  if (!s_.saved.count(k)) return false;
+  return s_.is_last_virtual(op.chunk) || s_.out_grads.count(k);
+}
+
+void stage_logic::run_ready(bool weight_turn) {
+  if (!s_.running) return;
+  if (s_.order) {
+    const auto& order = *s_.order;
+    while (s_.next_op < order.size()) {
+      const auto& op = order[s_.next_op];
+      if (op.paired && s_.next_op + 1 < order.size() && overlaps_pairs()) {
+        if (!ready(op) || !ready(order[s_.next_op + 1])) break;
+        s_.next_op += 2;
+        execute_pair(op, order[s_.next_op - 1]);
+        continue;
+      }
+      if (!ready(op)) break;
+      ++s_.next_op;
+      execute(op);
+    }
+  } else {
+    for (;;) {
+      if (auto op = next_dataflow_op()) {
+        execute(*op);
+      } else if (auto w = next_weight_op(); w && weight_due()) {
+        if (!weight_turn) {
+          if (!s_.turn_asked) self_->send(self_, run_atom_v);  // a turn after what waits in the mailbox
+          s_.turn_asked = true;
+          break;
+        }
+        execute(*w);
+        weight_turn = false;
+      } else {
+        break;
+      }
+    }
+  }
+  if (s_.ops_done == s_.total_ops && s_.running) {
+    report_losses();
+    after_backward();
+  }
+}
+
+void stage_logic::report_losses() {
+  if (s_.ctx->tp_of(s_.replica) != 0) s_.losses.clear();
+  if (s_.losses.empty()) return;
+  // The step's losses reach the host in one copy (on a GPU one synchronisation, not one
+  // per micro-batch).
+  std::vector<torch::Tensor> each;
+  for (const auto& [mb, loss] : s_.losses) each.push_back(loss.reshape({}));
+  const auto values = torch::stack(each).to(torch::kCPU, torch::kFloat64);
+  const auto* value = values.data_ptr<double>();
+  for (const auto& [mb, loss] : s_.losses) {
+    loss_report rep{s_.step, s_.replica, mb, *value++};
+    s_.record_sent({stage_state::sent_message::loss, mb});
+    if (!report_fault(message_target::loss_report, "loss report", rep)) self_->send(s_.wiring->coordinator, rep);
+  }
+  s_.losses.clear();
+}
+
+std::chrono::microseconds stage_logic::delay_of(const message_fault& f) {
+  return std::chrono::microseconds(std::int64_t(f.delay_seconds * 1e6));
+}
+
+std::optional<pipeline_op> stage_logic::next_dataflow_op() const {
+  // Backwards first (they free memory), lowest micro-batch first; then forwards if
+  // the in-flight bound allows.
+  for (const auto& [k, sv] : s_.saved) {
+    pipeline_op op{op_kind::backward, k.first, k.second};
+    if (ready(op)) return op;
+  }
+  if (s_.in_flight >= in_flight_bound()) return std::nullopt;
+  for (const auto& [k, t] : s_.inputs) {
+    pipeline_op op{op_kind::forward, k.first, k.second};
+    if (ready(op)) return op;  // inputs leave the buffer when forwarded
+  }
+  return std::nullopt;
+}
+
+bool stage_logic::weight_due() const {
+  return s_.in_flight >= in_flight_bound() || s_.forwards_done == s_.ctx->m * s_.ctx->v;
+}
+
+std::optional<pipeline_op> stage_logic::next_weight_op() const {
+  for (const auto& [k, store] : s_.deferred) {
+    pipeline_op op{op_kind::weight, k.first, k.second};
+    if (ready(op)) return op;
+  }
+  return std::nullopt;
+}
+
+void stage_logic::inject_op_faults() {
+  if (s_.faults.stage_throws(s_.replica, s_.stage, s_.step, s_.attempt, throw_point::in_step)) {
+    spdlog::warn("fault injected: {} throws in step {} (index {})", s_.name, s_.step + 1, s_.step);
+    throw std::runtime_error("injected fault: " + s_.name + " throws in step " + std::to_string(s_.step + 1));
+  }
+  if (const auto seconds = s_.faults.take_freeze(s_.replica, s_.stage, s_.step, s_.attempt)) {
+    spdlog::warn("fault injected: {} blocks its thread for {} s in step {} (index {})", s_.name, *seconds,
+                 s_.step + 1, s_.step);
+    std::this_thread::sleep_for(std::chrono::duration<double>(*seconds));
+  }
+}
+
+stage_logic::op_work stage_logic::begin_op(const pipeline_op& op) {
+  const auto& ctx = *s_.ctx;
+  op_work w;
+  w.op = op;
+  w.k = {op.mb, op.chunk};
+  w.x = s_.virtual_of(op.chunk);
+  w.ev = trace_event{op_letter(op.kind), s_.replica, s_.stage, op.mb, op.chunk, s_.step, ctx.now_us(), 0};
+  w.gpu_start = s_.gpu_clock ? s_.gpu_clock->mark() : -1;
+  w.split = s_.splits(w.k);
+  if (op.kind == op_kind::weight) {
+    w.store = &s_.deferred[w.k];
+  } else if (op.kind == op_kind::forward) {
+    w.in = std::move(s_.inputs[w.k]);
+    s_.inputs.erase(w.k);
+    if (w.x > 0) w.in = w.in.detach().requires_grad_(true);
+    if (s_.is_last_virtual(op.chunk)) w.target = s_.targets[op.mb];
+    if (w.split) w.store = &s_.deferred[w.k];
+  } else {
+    w.sv = std::move(s_.saved[w.k]);
+    s_.saved.erase(w.k);
+    // The chunk's last op: its buckets go to the shard as this backward finishes them
+    // (split backwards: after their W's, in chunk_done).
+    if (!w.split && s_.chunk_ops_left.at(op.chunk) == 1) s_.watches.at(op.chunk)->arm();
+    if (!s_.is_last_virtual(op.chunk)) {
+      w.grad = std::move(s_.out_grads[w.k]);
+      s_.out_grads.erase(w.k);
+    }
+  }
+  return w;
+}
+
+void stage_logic::compute(op_work& w) {
+  const auto& ctx = *s_.ctx;
+  auto& slice = *s_.chunks[w.op.chunk];
+  activity_board::op_scope busy(s_.name, s_.wiring->node, s_.generation, s_.step, op_letter(w.op.kind), w.op.mb,
+                                w.op.chunk);
+  if (w.op.kind == op_kind::forward) s_.computing_forward = w.k;
+  if (w.op.kind == op_kind::backward) s_.computing_backward = w.k;
+  s_.in_backward = w.op.kind == op_kind::backward;
+  if (w.op.kind == op_kind::weight) {
+    w.store->apply();
+  } else if (w.op.kind == op_kind::forward) {
+    precision_scope amp(ctx.device, ctx.compute_dtype);
+    if (w.split) slice.defer_weight_grads(w.store);
+    w.out = slice.forward(w.in);
+    slice.defer_weight_grads(nullptr);
+    if (s_.is_last_virtual(w.op.chunk)) w.loss = slice.loss(w.out, w.target);
+  } else {
+    // Expert parallelism on a GPU: the backward on this thread, not on LibTorch's one
+    // autograd thread for the device, where the group's backward all-to-alls would
+    // wait for each other (compute/runtime/device.hpp).
+    backward_on_this_thread here(s_.backward_here());
+    if (s_.is_last_virtual(w.op.chunk))
+      w.sv.output.backward();
+    else
+      torch::autograd::backward({w.sv.output}, {w.grad.to(w.sv.output.scalar_type())});
+  }
+}
+
+void stage_logic::end_op(op_work& w) {
+  const auto& ctx = *s_.ctx;
+  const auto& op = w.op;
+  if (op.kind == op_kind::weight) {
+    s_.deferred.erase(w.k);
+    --s_.in_flight;
+  } else if (op.kind == op_kind::forward) {
+    auto out = std::move(w.out);
+    if (s_.is_last_virtual(op.chunk)) {
+      auto loss = std::move(w.loss);
+      if (s_.faults.nan_loss(s_.step, s_.attempt))  // fault injection
+        loss = loss * std::numeric_limits<double>::quiet_NaN();
+      s_.targets.erase(op.mb);
+      s_.losses.emplace_back(op.mb, loss.detach());  // reported after the last op: no sync now
+      out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
+    } else {
+      const auto next = s_.owner(w.x + 1);
+      // Activations travel in the compute dtype (bf16 jobs: half the bytes, as Megatron's
+      // pipeline sends bf16); the receiver widens them to fp32.
+      send_tensor(next.stage, next.actor,
+                  forward_activation{s_.step, op.mb, next.chunk,
+                                     make_payload(out.detach().to(ctx.compute_dtype), ctx.cfg.checksum)},
+                  "activation", op.mb, op.chunk);
+      deallocate(out);
+    }
+    // A credit asks the loader for micro-batch mb + ahead: none once that is past the
+    // step's last (each credit wakes the loader's thread: docs/performance.md measured about
+    // 70 us per micro-batch on the 2-core VM).
+    if (w.x == 0 && op.mb + ctx.ahead < ctx.m) {
+      s_.record_sent({stage_state::sent_message::credit, op.mb});
+      self_->send(s_.wiring->loaders[s_.replica], credit{s_.step, op.mb});
+    }
+    s_.saved[w.k] = {w.in, out};
+    s_.peak_in_flight = std::max(s_.peak_in_flight, ++s_.in_flight);
+    ++s_.forwards_done;
+  } else {
+    if (w.x > 0) {
+      const auto prev = s_.owner(w.x - 1);
+      send_tensor(prev.stage, prev.actor,
+                  backward_grad{s_.step, op.mb, prev.chunk,
+                                make_payload(w.sv.input.grad().to(ctx.compute_dtype), ctx.cfg.checksum)},
+                  "gradient",
+                  op.mb, op.chunk);
+    }
+    if (!w.split) --s_.in_flight;  // split: the W's inputs stay until it runs
+  }
+  s_.last_op = op;
+  w.ev.end_us = w.computed_us >= 0 ? w.computed_us : ctx.now_us();
+  if (w.gpu_start >= 0) s_.gpu_spans.push_back({s_.events.size(), w.gpu_start, s_.gpu_clock->mark()});
+  push_event(std::move(w.ev));
+  ++s_.ops_done;
+  if (--s_.chunk_ops_left.at(op.chunk) == 0) chunk_done(op.chunk);
+}
+
+void stage_logic::push_event(trace_event ev) {
+  std::lock_guard<std::mutex> lock(s_.events_mutex);
+  s_.events.push_back(std::move(ev));
+}
+
+void stage_logic::execute(const pipeline_op& op) {
+  if (s_.ops_done == 1) inject_op_faults();
+  auto w = begin_op(op);
+  compute(w);
+  end_op(w);
+}
+
+bool stage_logic::overlaps_pairs() const {
+  const auto& ctx = *s_.ctx;
+  return ctx.cfg.overlap_pairs && s_.ep_size > 1 && s_.tp_size == 1 && ctx.device.is_cpu() &&
+         ctx.cfg.recompute == "none";
+}
+
+void stage_logic::execute_pair(const pipeline_op& f, const pipeline_op& b) {
+  if (s_.ops_done <= 1) inject_op_faults();
+  auto wf = begin_op(f), wb = begin_op(b);
+  const int threads = s_.ctx->cfg.threads;
+  auto forward = std::async(std::launch::async, [this, &wf, threads] {
+    if (threads > 0) transport::set_intra_op_threads(threads);
+    compute(wf);
+    wf.computed_us = s_.ctx->now_us();
+  });
+  std::exception_ptr failed;
+  try {
+    compute(wb);
+    wb.computed_us = s_.ctx->now_us();
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  try {
+    forward.get();
+  } catch (...) {
+    if (!failed) failed = std::current_exception();
+  }
+  if (failed) std::rethrow_exception(failed);
+  end_op(wf);
+  end_op(wb);
+}
+
+void stage_logic::chunk_done(int chunk) {
+  const auto& ctx = *s_.ctx;
+  s_.watches.at(chunk)->finish();
+  if (s_.sums_replicated()) {
+    activity_board::op_scope busy(s_.name, s_.wiring->node, s_.generation, s_.step,
+                                  "the sum of the replicated parameters' gradients", -1, chunk);
+    sum_replicated_grads(*s_.chunks.at(chunk));
+    if (!s_.is_tied_chunk(chunk)) send_held(chunk);  // (a tied chunk's wait for the tied sum too)
+  }
+  if (!s_.is_tied_chunk(chunk)) return;
+  if (s_.tied_here()) return;  // both copies here: summed once every op ran (after_backward)
+  auto& mine = tied_slice().param(ctx.tied_name).mutable_grad();
+  const auto peer = s_.tied_peer();
+  send_tensor(peer, s_.wiring->stages[s_.replica][peer],
+              tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)}, "tied gradient", -1, -1);
+  s_.tied_pending = true;
+  if (s_.tied_in.defined()) on_tied(std::move(s_.tied_in));
+}
+
+void stage_logic::sum_replicated_grads(model_slice& slice) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (const auto& e : slice.entries())
+    if (s_.summed_over_tp(e)) grads.push_back(slice.param(e.name).mutable_grad());
+  if (grads.empty()) return;
+  std::vector<torch::Tensor> flat;
+  for (const auto& g : grads) flat.push_back(g.reshape({-1}));
+  auto sum = torch::cat(flat);
+  s_.tp_group->all_reduce(sum);
+  std::int64_t at = 0;
+  for (auto& g : grads) {
+    g.copy_(sum.narrow(0, at, g.numel()).view(g.sizes()));
+    at += g.numel();
+  }
+}
+
+void stage_logic::after_backward() {
+  s_.running = false;
+  const auto& ctx = *s_.ctx;
+  if (s_.holds_tied_copy() && s_.tied_here()) {  // both copies here: sum locally, as the reference does
+    auto& first = s_.chunks.at(ctx.place(0).second)->param(ctx.tied_name).mutable_grad();
+    auto& last = s_.chunks.at(ctx.place(ctx.n_virtual - 1).second)->param(ctx.tied_name).mutable_grad();
+    {
+      torch::NoGradGuard g;
+      first.add_(last);
+      last.copy_(first);
+    }
+    for (int c = 0; c < ctx.v; ++c) send_held(c);
+  }
+}
+
+void stage_logic::on_tied(torch::Tensor other) {
+  if (!s_.tied_pending) {  // our own tied chunk is not done yet: keep it for later
+    s_.tied_in = std::move(other);
+    return;
+  }
+  {
+    torch::NoGradGuard g;
+    tied_slice().param(s_.ctx->tied_name).mutable_grad().add_(other);
+  }
+  s_.tied_pending = false;
+  s_.tied_in = torch::Tensor();
+  send_held(s_.tied_chunk());
+}
+
+void stage_logic::bucket_ready(int chunk, int b) {
+  if ((s_.tied_bucket.at(chunk).at(b) && s_.is_tied_chunk(chunk)) || s_.replicated_bucket.at(chunk).at(b)) {
+    s_.held.at(chunk).push_back(b);
+    return;
+  }
+  send_bucket(chunk, b);
+}
+
+void stage_logic::send_held(int chunk) {
+  for (int b : s_.held.at(chunk)) send_bucket(chunk, b);
+  s_.held.at(chunk).clear();
+}
+
+void stage_logic::send_bucket(int chunk, int b) {
+  s_.record_sent({stage_state::sent_message::bucket, chunk, b});
+  caf::anon_send(s_.wiring->shards[s_.stage][s_.replica],
+                 grad_shard{s_.step, chunk, s_.replica, b, make_payload(s_.chunks[chunk]->flat_grads())});
+}
+
+void stage_logic::on_params(const param_shard& msg) {
+  if (s_.faults.stage_throws(s_.replica, s_.stage, s_.step, s_.attempt, throw_point::after_update)) {
+    spdlog::warn("fault injected: {} throws in step {} (index {}) as its updated parameters arrive", s_.name,
+                 s_.step + 1, s_.step);
+    throw std::runtime_error("injected fault: " + s_.name + " throws after the update in step " +
+                             std::to_string(s_.step + 1));
+  }
+  auto& chunk = *s_.chunks.at(msg.chunk);
+  // bf16 jobs: the shards gather their main parameters rounded to bf16.
+  const auto problem = check_payload(msg.data, {chunk.flat_params().numel()}, s_.ctx->compute_dtype);
+  if (!problem.empty()) throw std::runtime_error(s_.name + ": parameters from the shard: " + problem);
+  chunk.set_params(tensor_of(msg.data));
+  if (++s_.params_received == s_.ctx->v) {
+    // On a GPU the compute ops' spans are when the stream ran them (their kernels were
+    // done before the gradients they made were reduced), not when the host launched them.
+    for (const auto& g : s_.gpu_spans) {
+      s_.events[g.event].start_us = s_.gpu_clock->at_us(g.start);
+      s_.events[g.event].end_us = s_.gpu_clock->at_us(g.end);
+    }
+    s_.record_sent({stage_state::sent_message::done});
+    s_.done_reported = true;
+    double aux = 0;  // (experts)
+    expert_counts routed;
+    for (auto& chunk : s_.chunks) {
+      aux += chunk->take_aux_loss();
+      add_expert_counts(routed, chunk->take_expert_tokens());
+    }
+    // (A tensor-parallel group's ranks computed the same load-balancing loss, rank 0
+    // reports it; each routed its own part of the sequences.)
+    if (s_.ctx->tp_of(s_.replica) != 0) aux = 0;
+    std::vector<std::int64_t> flat;
+    for (const auto& [layer, counts] : routed) {
+      flat.push_back(layer);
+      flat.insert(flat.end(), counts.begin(), counts.end());
+    }
+    self_->send(s_.wiring->coordinator, stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight,
+                                                   std::move(s_.events), aux, std::move(flat)});
+  }
+}
+
+}  // namespace troupe::stage_detail

@@ -1,0 +1,46 @@
+#pragma once
+// Hugging Face model folders in and out: `config.json` (a LlamaConfig or GPT2Config) and
+// `model.safetensors`, as `save_pretrained` writes them and `from_pretrained` reads them.
+//
+// llama keeps Troupe's names (they are LlamaForCausalLM's). gpt2 takes
+// GPT2LMHeadModel's: a `transformer.` prefix, and the Conv1D layout [in, out] for the
+// weights of c_attn, attn.c_proj, c_fc and mlp.c_proj (Troupe's are [out, in], as
+// nn.Linear's). A tied output layer is not written (from_pretrained ties it again).
+// Reading takes one file, or shards listed by `model.safetensors.index.json`, or a
+// `pytorch_model.bin` (torch.save's format), and checks config.json against the job's
+// model: a folder of another model is refused, naming what differs.
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <torch/types.h>
+
+#include "compute/models/model.hpp"
+
+namespace troupe {
+
+struct hf_export_options {
+  torch::ScalarType dtype = torch::kFloat32;  ///< of the written tensors (and config.json's torch_dtype)
+  std::int64_t vocab = 0;  ///< embedding rows written (0: the tokenizer's pieces, vocab_used, or the model's vocab)
+};
+
+/// config.json's fields for `spec` (every one whose Hugging Face default differs from
+/// Troupe's model is written).
+nlohmann::ordered_json hf_config(const model_spec& spec, const hf_export_options& opts = {});
+
+/// Writes `state` (Troupe's names, the full model) into folder `dir` (made if missing):
+/// config.json and model.safetensors, each atomically. Returns the tensors written.
+std::size_t export_hf_folder(const std::string& dir, const model_spec& spec, const state_dict& state,
+                             const hf_export_options& opts = {});
+
+/// Whether `dir` is a Hugging Face model folder (a config.json, and no Troupe checkpoint).
+bool is_hf_folder(const std::string& dir);
+
+/// The weights of Hugging Face folder `dir` in Troupe's names and layout, fp32, checked
+/// against `spec` (config.json, then every tensor's presence and shape). Throws
+/// checkpoint_error naming the folder and what is wrong.
+state_dict read_hf_folder(const std::string& dir, const model_spec& spec);
+
+/// Initial weights from `path`: a Hugging Face folder, or a state_dict file.
+state_dict read_initial_weights(const std::string& path, const model_spec& spec);
+
+}  // namespace troupe

@@ -1,0 +1,784 @@
+#include "compute/config/job_config.hpp"
+#include "compute/parallel/tensor_parallel.hpp"
+#include "compute/models/tensor_parallel_layout.hpp"
+#include "compute/data/tokenizer.hpp"
+
+#include "compute/runtime/device.hpp"
+#include "compute/config/fault_plan.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include <toml++/toml.h>
+
+#include "compute/schedule/schedule.hpp"
+
+namespace troupe {
+
+namespace {
+
+struct key_def {
+  config_key key;
+  std::function<void(job_config&, const std::string&)> set;
+  std::function<std::string(const job_config&)> get;
+};
+
+[[noreturn]] void bad(const std::string& what) { throw std::invalid_argument(what); }
+
+long long parse_int(const std::string& v) {
+  std::size_t used = 0;
+  long long x = 0;
+  try {
+    x = std::stoll(v, &used);
+  } catch (...) {
+    bad("expected an integer");
+  }
+  if (used != v.size()) bad("expected an integer");
+  return x;
+}
+
+double parse_double(const std::string& v) {
+  std::size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &used);
+  } catch (...) {
+    bad("expected a number");
+  }
+  if (used != v.size() || !std::isfinite(x)) bad("expected a finite number");
+  return x;
+}
+
+std::string fmt_double(double x) {
+  std::ostringstream o;
+  o.precision(17);
+  o << x;
+  return o.str();
+}
+
+template <class T>
+key_def int_key(std::string name, std::string help, T job_config::*field, long long lo, long long hi) {
+  return {{name, help},
+          [=](job_config& c, const std::string& v) {
+            const auto x = parse_int(v);
+            if (x < lo || x > hi)
+              bad("must be between " + std::to_string(lo) + " and " + std::to_string(hi));
+            c.*field = static_cast<T>(x);
+          },
+          [=](const job_config& c) { return std::to_string(c.*field); }};
+}
+
+key_def double_key(std::string name, std::string help, double job_config::*field, double lo, double hi) {
+  return {{name, help},
+          [=](job_config& c, const std::string& v) {
+            const auto x = parse_double(v);
+            if (x < lo || x > hi) bad("must be between " + fmt_double(lo) + " and " + fmt_double(hi));
+            c.*field = x;
+          },
+          [=](const job_config& c) { return fmt_double(c.*field); }};
+}
+
+key_def bool_key(std::string name, std::string help, bool job_config::*field) {
+  return {{name, help + " (true/false)"},
+          [=](job_config& c, const std::string& v) {
+            if (v != "true" && v != "false") bad("expected true or false");
+            c.*field = v == "true";
+          },
+          [=](const job_config& c) { return std::string(c.*field ? "true" : "false"); }};
+}
+
+/// `s` as a TOML basic string: in double quotes, with quotes, backslashes and control
+/// characters escaped. A string without those reads as it always did ("gpt-tiny"):
+/// checkpoint manifests hold these texts and a resumed run compares them.
+std::string toml_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\b': out += "\\b"; break;
+      case '\t': out += "\\t"; break;
+      case '\n': out += "\\n"; break;
+      case '\f': out += "\\f"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          char code[8];
+          std::snprintf(code, sizeof code, "\\u%04x", c);
+          out += code;
+        } else {
+          out += ch;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+key_def string_key(std::string name, std::string help, std::string job_config::*field) {
+  return {{name, help},
+          [=](job_config& c, const std::string& v) { c.*field = v; },
+          [=](const job_config& c) { return toml_string(c.*field); }};
+}
+
+const char* const workload_names = "gpt-tiny, gpt-small, llama-tiny, llama-small, moe-tiny, moe-small or fmnist-mlp";
+
+const std::vector<key_def>& key_defs() {
+  static const std::vector<key_def> defs = {
+      string_key("train.workload", "gpt-tiny, gpt-small, llama-tiny, llama-small, moe-tiny, moe-small or fmnist-mlp",
+                 &job_config::workload),
+      int_key("train.steps", "optimizer steps (also the lr schedule's length)", &job_config::steps, 1, 10000000),
+      int_key("train.seed", "seed of initial weights and data sampling", &job_config::seed, 0, 0xffffffffLL),
+      int_key("train.threads", "LibTorch intra-op threads (0: every hardware thread)", &job_config::threads, 0, 1024),
+      int_key("train.eval_interval", "validation every N steps and at the end", &job_config::eval_interval, 0, 10000000),
+      string_key("train.eval_mode",
+                 "actors: pipeline (the validation windows go forward only through the stage actors, each "
+                 "replica a share, as Megatron's forward-only schedule) or gather (node 0 gathers the whole "
+                 "model and evaluates it alone)",
+                 &job_config::eval_mode),
+      int_key("train.eval_tokens",
+              "tokens per evaluation forward (whole windows, at least one): bounds evaluation's activations",
+              &job_config::eval_tokens, 1, 1LL << 40),
+      string_key("train.runtime", "actors (the actor runtime) or local (the plain loop)", &job_config::runtime),
+      int_key("train.step_timeout", "seconds before an unfinished step is aborted (the hard limit; see hang_factor)",
+              &job_config::step_timeout, 1, 1000000),
+      double_key("train.hang_factor",
+                 "a step with no progress for this many times the recent steps' median time (and at least "
+                 "hang_min_seconds; 60 s before a step's time is known) is a hang: every actor is asked what it "
+                 "waits for, the wait-for graph is logged and the step retried in place (0: no watchdog)",
+                 &job_config::hang_factor, 0, 1000),
+      int_key("train.hang_min_seconds", "the hang watchdog's shortest limit, in seconds", &job_config::hang_min_seconds,
+              1, 1000000),
+      int_key("train.max_skipped_steps", "NaN/inf gradients: updates skipped (actors) before the run stops",
+              &job_config::max_skipped_steps, 0, 1000000),
+      int_key("train.max_step_retries",
+              "a failed step is retried in place (actors rebuilt from in-memory snapshots, every node process "
+              "alive) this often before the run exits for a restart from its newest checkpoint",
+              &job_config::max_step_retries, 0, 1000),
+      int_key("train.rejoin_timeout",
+              "several nodes: seconds the coordinator waits for a lost node process (not node 0) that the "
+              "launcher restarts to rejoin before the run exits for a restart (0: it does not wait)",
+              &job_config::rejoin_timeout, 0, 100000),
+      bool_key("train.checksum", "CRC-32 on every activation and gradient payload", &job_config::checksum),
+      string_key("train.device", "auto, cpu, cuda or cuda:N (auto: the first GPU when one is usable)",
+                 &job_config::device),
+      string_key("train.precision", "fp32, or bf16 (autocast compute with bf16 parameter values; fp32 main parameters and optimizer)",
+                 &job_config::precision),
+      bool_key("train.deterministic",
+               "LibTorch's deterministic algorithms, strict (slower on a GPU: the same bits every run, as "
+               "torch.use_deterministic_algorithms(True); sets CUBLAS_WORKSPACE_CONFIG=:4096:8)",
+               &job_config::deterministic),
+      bool_key("train.fp32_residual",
+               "bf16 decoders: the residual stream between the blocks, and the layer norms' input and output, in "
+               "fp32 (what autocast alone gives: a cast around each layer norm); false: in bf16, as Megatron's "
+               "default (layer norm statistics still in fp32; 13 % more tokens/s for gpt-small on an H100). fp32 "
+               "jobs and fmnist-mlp ignore it",
+               &job_config::fp32_residual),
+      string_key("train.recompute",
+                 "none, selective (the attention core keeps only q, k, v and runs again in the backward) or "
+                 "full (each transformer block keeps only its input and runs again in the backward; least "
+                 "memory, one more forward)",
+                 &job_config::recompute),
+      {{"model.architecture",
+        "gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama (rotary positions, RMSNorm, "
+        "grouped-query attention, SwiGLU MLP, no biases; Hugging Face names); empty: the workload's"},
+       [](job_config& c, const std::string& v) {
+         if (!v.empty()) parse_decoder_arch(v);
+         c.architecture = v;
+       },
+       [](const job_config& c) { return toml_string(c.architecture); }},
+      int_key("model.layers", "decoders: transformer blocks (0: the workload's)", &job_config::layers, 0, 4096),
+      int_key("model.heads", "decoders: attention heads, dividing d_model (0: the workload's)", &job_config::heads, 0,
+              4096),
+      int_key("model.kv_heads",
+              "llama: key/value heads, dividing heads (grouped-query attention; 0: the workload's, gpt2's is heads)",
+              &job_config::kv_heads, 0, 4096),
+      int_key("model.d_model", "decoders: model width (0: the workload's)", &job_config::d_model, 0, 1 << 16),
+      int_key("model.d_ff", "decoders: MLP hidden width (0: the workload's d_ff scaled with d_model: 4 x d_model for "
+              "gpt, 3 x for llama-tiny)", &job_config::d_ff, 0, 1 << 18),
+      int_key("model.seq_len", "decoders: tokens per sample, also gpt2's position table's length (0: the workload's)",
+              &job_config::seq_len, 0, 1 << 16),
+      int_key("model.vocab", "decoders: rows of the token embedding, at least the data's 256 byte values (0: 256)",
+              &job_config::vocab, 0, 1 << 24),
+      double_key("model.rope_theta", "llama: the rotary embedding's base (0: 10000)", &job_config::rope_theta, 0, 1e12),
+      double_key("model.norm_eps", "decoders: LayerNorm's / RMSNorm's epsilon (0: 1e-5)", &job_config::norm_eps, 0, 1),
+      int_key("model.experts",
+              "llama: a mixture of experts (Mixtral's sparse MLP) with this many experts in place of the MLP "
+              "(0: the workload's: moe-tiny 4, moe-small 8, the others dense)",
+              &job_config::experts, 0, 1024),
+      int_key("model.moe_top_k", "experts per token (0: the workload's, 2)", &job_config::moe_top_k, 0, 1024),
+      int_key("model.moe_d_ff", "each expert's width (0: the workload's: moe-tiny 192, else d_ff)",
+              &job_config::moe_d_ff, 0, 1 << 20),
+      int_key("model.moe_every", "experts in blocks 0, N, 2N, ... (0: the workload's, 1: every block)",
+              &job_config::moe_every, 0, 1024),
+      double_key("model.moe_aux_loss_coeff",
+                 "the load-balancing loss's coefficient (negative: the workload's, 0.01; 0: none)",
+                 &job_config::moe_aux_loss_coeff, -1, 1e3),
+      double_key("model.moe_capacity_factor",
+                 "experts, in training: each expert takes at most ceil(factor x seq_len x moe_top_k / experts) "
+                 "(token, choice) pairs of a sequence, those with the highest router probability; the others are "
+                 "dropped (they add nothing to their token, which keeps its residual) and counted in the metrics "
+                 "(0: none dropped, as in the moe-tiny workload; evaluation and generation never drop)",
+                 &job_config::moe_capacity_factor, 0, 1e3),
+      {{"model.tie_embeddings",
+        "true: the output layer is the token embedding (gpt2's wte; with pipeline stages the first and last "
+        "hold a copy, their gradients summed), false: an lm_head of its own; auto: the architecture's "
+        "(gpt2 tied, llama not)"},
+       [](job_config& c, const std::string& v) {
+         if (v != "auto" && v != "true" && v != "false") bad("expected auto, true or false");
+         c.tie_embeddings = v;
+       },
+       [](const job_config& c) { return c.tie_embeddings == "auto" ? toml_string("auto") : c.tie_embeddings; }},
+      int_key("parallel.pipeline", "pipeline stages", &job_config::pipeline, 1, 1024),
+      int_key("parallel.data_parallel", "data-parallel replicas (sharded optimizer)", &job_config::data_parallel, 1, 1024),
+      int_key("parallel.tensor_parallel",
+              "ranks each decoder layer is split over (Megatron's tensor parallelism: heads, MLP width and "
+              "vocabulary; a group's stage actors share one node process)",
+              &job_config::tensor_parallel, 1, 1024),
+      int_key("parallel.expert_parallel",
+              "ranks each expert layer's experts are spread over (expert parallelism: an all-to-all sends each "
+              "token to its experts' rank): EP consecutive ranks of the dense layout, tensor-parallel rank fastest "
+              "(Megatron's folding); divides data_parallel x tensor_parallel and the experts",
+              &job_config::expert_parallel, 1, 1024),
+      bool_key("parallel.sequence_parallel",
+               "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
+               "(all-gather and reduce-scatter instead of all-reduce)",
+               &job_config::sequence_parallel),
+      int_key("parallel.microbatches", "micro-batches per replica per step", &job_config::microbatches, 1, 1000000),
+      int_key("parallel.chunks", "virtual chunks per stage (interleaved-1f1b)", &job_config::chunks, 1, 64),
+      string_key("parallel.schedule", "gpipe, 1f1b, interleaved-1f1b, zero-bubble, combined-1f1b, zbv, dualpipev (zbv and dualpipev: chunks = 2) or dataflow", &job_config::schedule),
+      int_key("parallel.max_in_flight", "dataflow: micro-batches in flight per stage (0: stages)", &job_config::max_in_flight, 0, 1000000),
+      bool_key("parallel.split_backward",
+               "dataflow: split each backward into B (the input's gradient) and W (the weights'); a W runs "
+               "when nothing else can and the in-flight bound or the step's end needs it (zero-bubble always splits)",
+               &job_config::split_backward),
+      bool_key("parallel.overlap_pairs",
+               "combined-1f1b and dualpipev with expert parallelism (actors runtime, CPU): a pair's forward and "
+               "backward compute at once on two threads, so that one's all-to-alls wait while the other computes "
+               "(false: one after the other; faster on few cores where the all-to-all is quick)",
+               &job_config::overlap_pairs),
+      int_key("parallel.bucket_size",
+              "data parallelism: gradient buckets of at least this many elements per chunk, each "
+              "reduce-scattered as soon as the step's last backward has produced it, while that backward goes "
+              "on (Megatron's overlapped gradient reduction and its default size); 0: one bucket per chunk",
+              &job_config::bucket_size, 0, 1LL << 40),
+      int_key("parallel.credit_window",
+              "micro-batches a data loader sends ahead of stage 0's forwards, one more for each credit stage 0 "
+              "returns; 0: every micro-batch of the step at its begin, and no credits (a credit wakes the loader's "
+              "thread each micro-batch)",
+              &job_config::credit_window, 0, 1000000),
+      {{"parallel.split", "explicit layers per virtual stage, e.g. 3,5"},
+       [](job_config& c, const std::string& v) {
+         c.split.clear();
+         if (v.empty()) return;
+         std::stringstream in(v);
+         std::string item;
+         while (std::getline(in, item, ',')) {
+           const auto x = parse_int(item);
+           if (x < 1) bad("every entry must be >= 1");
+           c.split.push_back(int(x));
+         }
+       },
+       [](const job_config& c) {
+         std::string s = "[";
+         for (std::size_t i = 0; i < c.split.size(); ++i) s += (i ? ", " : "") + std::to_string(c.split[i]);
+         return s + "]";
+       }},
+      double_key("optimizer.lr", "peak learning rate", &job_config::lr, 0, 10),
+      double_key("optimizer.min_lr", "final learning rate of the cosine decay", &job_config::min_lr, 0, 10),
+      int_key("optimizer.warmup", "linear warm-up steps", &job_config::warmup, 0, 10000000),
+      double_key("optimizer.weight_decay", "AdamW weight decay on 2-D weights", &job_config::weight_decay, 0, 10),
+      double_key("optimizer.beta1", "Adam beta1", &job_config::beta1, 0, 0.999999),
+      double_key("optimizer.beta2", "Adam beta2", &job_config::beta2, 0, 0.999999999),
+      double_key("optimizer.eps", "Adam epsilon", &job_config::eps, 0, 1),
+      double_key("optimizer.clip", "global gradient-norm clip (0: off)", &job_config::clip, 0, 1e9),
+      int_key("data.global_batch", "sequences (or images) per optimizer step", &job_config::global_batch, 1, 100000000),
+      string_key("data.fortunes_dir", "fortunes corpus folder", &job_config::fortunes_dir),
+      string_key("data.text", "gpt: a text of your own to train and evaluate on, a file or a folder of files (bytes "
+                 "or data.tokenizer's pieces are the tokens; default: the fortunes corpus)", &job_config::text),
+      string_key("data.val_text", "with --text: the validation windows' text, a file or a folder (then all of --text "
+                 "trains; default: its last 10 %)", &job_config::val_text),
+      string_key("data.tokenizer",
+                 "decoders: a SentencePiece model (troupe tokenizer makes one): the text is encoded once into a "
+                 "token cache and trained on as tokens, the model's vocabulary its size rounded up to a multiple "
+                 "of 128 (empty: the 256 byte values)",
+                 &job_config::tokenizer),
+      string_key("data.cache_dir", "the token cache's folder (empty: $XDG_CACHE_HOME/troupe, else ~/.cache/troupe)",
+                 &job_config::cache_dir),
+      string_key("data.fmnist_dir", "Fashion-MNIST folder", &job_config::fmnist_dir),
+      string_key("output.metrics", "JSON-lines metrics file (one line per step)", &job_config::metrics),
+      string_key("output.save", "checkpoint to write (PyTorch state_dict; optimizer in FILE.optim)", &job_config::save),
+      string_key("output.load", "checkpoint to resume from (written by --save)", &job_config::load),
+      string_key("output.init", "initial weights: a PyTorch state_dict file", &job_config::init),
+      int_key("output.checkpoint_interval", "also save every N steps (0: only at the end)", &job_config::checkpoint_interval, 0, 10000000),
+      string_key("output.checkpoint_dir", "write checkpoint folders here (every checkpoint_interval steps and at the end)",
+                 &job_config::checkpoint_dir),
+      int_key("output.keep_checkpoints", "newest checkpoint folders kept in checkpoint_dir", &job_config::keep_checkpoints,
+              1, 1000000),
+      string_key("output.resume", "continue from a checkpoint folder (or checkpoint_dir's newest: auto)",
+                 &job_config::resume),
+      bool_key("output.strict_resume",
+               "refuse a newest checkpoint that does not verify instead of taking the newest one that does",
+               &job_config::strict_resume),
+      string_key("output.trace", "Chrome trace JSON of every executed op (actors runtime)", &job_config::trace),
+      string_key("faults.throw_at", "replica:stage:step[:late|:eval] - that stage actor throws in that step (0-based index; late: "
+                 "when its updated parameters arrive; eval: in the evaluation after that step; testing)", &job_config::throw_at),
+      int_key("faults.nan_at", "step (0-based index) whose losses the last stages make NaN (testing; -1: none)", &job_config::nan_at, -1,
+              10000000),
+      string_key("faults.kill_node", "node:step[+node:step...] - that node's process SIGKILLs itself as that step (0-based index) "
+                 "begins (testing)",
+                 &job_config::kill_node),
+      string_key("faults.message",
+                 "ACTION@replica:stage:step[:loss|:eval] - drop, duplicate, corrupt or delay (delay=SECONDS; "
+                 "default 0.3) that stage's first tensor message of that step, or (:loss) the last stage's first "
+                 "loss report, or (:eval) its first evaluation result after that step (0-based; testing)",
+                 &job_config::message),
+      string_key("faults.stall",
+                 "stage:rank:step - that optimizer shard never starts its reduce-scatter of that step (testing)",
+                 &job_config::stall),
+      string_key("faults.freeze",
+                 "replica:stage:step[:SECONDS] - that stage actor's thread blocks for SECONDS (default 15) at "
+                 "its second op of that step: an actor that stops answering (0-based; testing)",
+                 &job_config::freeze),
+      int_key("faults.attempt", "the launch the faults fire in (0: the first; 1: the first restart; ...)",
+              &job_config::fault_attempt, 0, 1000000),
+  };
+  return defs;
+}
+
+const key_def& find_key(const std::string& key) {
+  for (const auto& d : key_defs()) {
+    const auto& n = d.key.name;
+    if (n == key || n.substr(n.find('.') + 1) == key) return d;
+  }
+  std::string known;
+  for (const auto& d : key_defs()) known += (known.empty() ? "" : ", ") + d.key.name;
+  throw config_error("unknown configuration key '" + key + "' (known keys: " + known + ")");
+}
+
+/// Flattens a TOML document into (dotted key, text value) pairs.
+void flatten(const toml::table& table, const std::string& prefix, const std::string& path,
+             std::vector<std::pair<std::string, std::string>>& out) {
+  for (const auto& [k, node] : table) {
+    const std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (const auto* t = node.as_table()) {
+      flatten(*t, key, path, out);
+    } else if (const auto* s = node.as_string()) {
+      out.emplace_back(key, s->get());
+    } else if (const auto* i = node.as_integer()) {
+      out.emplace_back(key, std::to_string(i->get()));
+    } else if (const auto* f = node.as_floating_point()) {
+      out.emplace_back(key, fmt_double(f->get()));
+    } else if (const auto* a = node.as_array()) {
+      std::string v;
+      for (const auto& e : *a) {
+        const auto* ei = e.as_integer();
+        if (!ei) throw config_error(path + ": " + key + ": expected an array of integers");
+        v += (v.empty() ? "" : ",") + std::to_string(ei->get());
+      }
+      out.emplace_back(key, v);
+    } else if (const auto* b = node.as_boolean()) {
+      out.emplace_back(key, b->get() ? "true" : "false");
+    } else {
+      throw config_error(path + ": " + key + ": unsupported value type");
+    }
+  }
+}
+
+}  // namespace
+
+std::string config_key::flag() const {
+  std::string f = name.substr(name.find('.') + 1);
+  std::replace(f.begin(), f.end(), '_', '-');
+  return "--" + f;
+}
+
+const std::vector<config_key>& config_keys() {
+  static const std::vector<config_key> keys = [] {
+    std::vector<config_key> out;
+    for (const auto& d : key_defs()) out.push_back(d.key);
+    return out;
+  }();
+  return keys;
+}
+
+std::string config_reference() {
+  const job_config d;  // gpt-tiny's defaults
+  std::string out =
+      "# Configuration reference\n\n"
+      "<!-- Generated by `build/troupe config-reference` from the table that also makes the flags, reads\n"
+      "     the TOML file and prints --help (compute/config/job_config.cpp, key_defs); tests/integration/cli_test.sh\n"
+      "     checks that this file equals its output. Do not edit by hand. -->\n\n"
+      "A job's configuration is the workload's defaults, then the TOML file (`--config FILE`), then\n"
+      "flags. Every key is a TOML key in its section and a flag: the key's last part, `_` written\n"
+      "`-` (`parallel.data_parallel` is `--data-parallel`). Defaults are gpt-tiny's; the other workloads\n"
+      "change some of them (`compute/config/job_config.cpp`, `defaults_for`). Fault keys are\n"
+      "for testing; `TROUPE_FAULTS=\"key=value,...\"` sets them too ([faults](faults.md)).\n";
+  std::string section;
+  for (const auto& k : key_defs()) {
+    const auto& n = k.key.name;
+    const auto sec = n.substr(0, n.find('.'));
+    if (sec != section) {
+      out += "\n## [" + sec + "]\n\n| key | flag | default | meaning |\n| --- | --- | --- | --- |\n";
+      section = sec;
+    }
+    auto help = k.key.help;
+    for (std::size_t i = 0; (i = help.find('|', i)) != std::string::npos; i += 2) help.replace(i, 1, "\\|");
+    out += "| `" + n.substr(n.find('.') + 1) + "` | `" + k.key.flag() + "` | `" + k.get(d) + "` | " + help + " |\n";
+  }
+  return out;
+}
+
+job_config job_config::defaults_for(const std::string& workload) {
+  job_config c;
+  if (workload == "gpt-tiny") return c;
+  if (workload == "llama-tiny" || workload == "moe-tiny") {  // gpt-tiny's data and training, Llama's architecture
+    c.workload = workload;
+    return c;
+  }
+  if (workload == "gpt-small" || workload == "llama-small" || workload == "moe-small") {  // for GPUs
+    c.workload = workload;
+    c.steps = 200;
+    c.global_batch = 16;
+    c.microbatches = 4;
+    c.lr = 6e-4;
+    c.min_lr = 6e-5;
+    c.warmup = 20;
+    c.eval_interval = 0;
+    return c;
+  }
+  if (workload == "fmnist-mlp") {
+    c.workload = workload;
+    c.steps = 937;  // one epoch of 60 000 images in batches of 64 (partial batch dropped)
+    c.global_batch = 64;
+    c.microbatches = 4;  // micro-batch 16
+    c.lr = c.min_lr = 1e-3;
+    c.warmup = 0;
+    c.weight_decay = 0;
+    c.beta2 = 0.999;
+    c.clip = 0;
+    c.eval_interval = 0;
+    return c;
+  }
+  throw config_error("unknown workload '" + workload + "' (expected " + workload_names + ")");
+}
+
+void job_config::set(const std::string& key, const std::string& value, const std::string& origin) {
+  const auto& def = find_key(key);
+  try {
+    def.set(*this, value);
+  } catch (const std::invalid_argument& e) {
+    throw config_error(origin + ": " + def.key.name + " = '" + value + "': " + e.what());
+  }
+}
+
+void job_config::validate() const {
+  auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
+  if (workload != "gpt-tiny" && workload != "gpt-small" && workload != "llama-tiny" && workload != "llama-small" &&
+      workload != "moe-tiny" && workload != "moe-small" && workload != "fmnist-mlp")
+    fail("unknown workload '" + workload + "' (expected " + workload_names + ")");
+  auto check = [&](auto f) {  // parse errors of compute/runtime/device.hpp as configuration errors
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      fail(e.what());
+    }
+  };
+  check([&] { parse_precision(precision); });
+  check([&] { parse_recompute(recompute); });
+  if (eval_mode != "pipeline" && eval_mode != "gather")
+    fail("unknown eval_mode '" + eval_mode + "' (expected pipeline or gather)");
+  if (!tokenizer.empty()) {
+    if (!is_decoder()) fail("tokenizer " + tokenizer + " is for the decoder workloads (fmnist-mlp reads images)");
+    try {
+      tokenizer_info_of(tokenizer);
+    } catch (const std::exception& e) {
+      fail(e.what());
+    }
+  }
+  if (workload == "fmnist-mlp" && has_model_keys())
+    fail("the [model] keys shape the decoder workloads (fmnist-mlp's layers are fixed)");
+  if (is_decoder()) {
+    const auto g = model().decoder;
+    if (g.d_model % g.n_head != 0)
+      fail("d_model " + std::to_string(g.d_model) + " is not a multiple of heads (" + std::to_string(g.n_head) + ")");
+    if (g.n_head % g.kv_heads() != 0)
+      fail("heads " + std::to_string(g.n_head) + " is not a multiple of kv_heads (" + std::to_string(g.kv_heads()) +
+           "): each key/value head serves a group of query heads");
+    if (g.arch == decoder_arch::gpt2 && g.kv_heads() != g.n_head)
+      fail("kv_heads " + std::to_string(g.kv_heads()) + " with architecture gpt2: its fused c_attn has one key/value "
+           "head per query head (grouped-query attention is llama's)");
+    if (g.arch == decoder_arch::llama && g.head_dim() % 2 != 0)
+      fail("head dimension " + std::to_string(g.head_dim()) + " (d_model / heads) is odd: the rotary embedding "
+           "rotates pairs");
+    if (tokenizer.empty() && g.vocab < 256) fail("vocab " + std::to_string(g.vocab) + " is below the data's 256 byte values");
+    if (g.n_experts > 0 && g.arch != decoder_arch::llama)
+      fail("experts " + std::to_string(g.n_experts) + " with architecture gpt2: the mixture of experts is llama's "
+           "(Mixtral's; --workload moe-tiny)");
+    if (g.n_experts > 0 && (g.moe_top_k < 1 || g.moe_top_k > g.n_experts))
+      fail("moe_top_k " + std::to_string(g.moe_top_k) + " with " + std::to_string(g.n_experts) +
+           " experts: expected 1 to " + std::to_string(g.n_experts));
+    if (g.n_experts > 0 && tensor_parallel > 1 && !sequence_parallel)
+      fail("experts with tensor_parallel " + std::to_string(tensor_parallel) +
+           " need sequence_parallel = true (--sequence-parallel): each rank's experts compute on its part of "
+           "the sequence (as Megatron asserts); without it every rank would hold the same tokens");
+    if (g.vocab_used > g.vocab)
+      fail("vocab " + std::to_string(g.vocab) + " is below the tokenizer's " + std::to_string(g.vocab_used) + " pieces");
+  }
+  if (moe_capacity_factor > 0 && (model().type != model_spec::kind::decoder || model().decoder.n_experts == 0))
+    fail("moe_capacity_factor " + fmt_double(moe_capacity_factor) +
+         ": the model has no experts (--workload moe-tiny, or --experts N)");
+  if (expert_parallel > 1) {
+    const auto& g = model().decoder;
+    const std::string ep = "expert_parallel " + std::to_string(expert_parallel);
+    if (model().type != model_spec::kind::decoder || g.n_experts == 0)
+      fail(ep + ": the model has no experts (--workload moe-tiny, or --experts N)");
+    if (g.n_experts % expert_parallel != 0)
+      fail(ep + ": the " + std::to_string(g.n_experts) + " experts do not split over " +
+           std::to_string(expert_parallel) + " ranks (expert_parallel must divide the experts)");
+    if ((data_parallel * tensor_parallel) % expert_parallel != 0)
+      fail(ep + " does not divide data_parallel x tensor_parallel " + std::to_string(data_parallel) + " x " +
+           std::to_string(tensor_parallel) + ": an expert-parallel group is expert_parallel consecutive ranks of "
+           "the dense layout (Megatron's folding)");
+    if (runtime != "local" && schedule == "dataflow")
+      fail(ep + " with schedule dataflow: the stage actors of an expert-parallel group meet in every expert "
+           "layer's all-to-all, so they run one fixed order (any schedule but dataflow)");
+  }
+  if (tensor_parallel > 1) {
+    try {
+      check_tensor_parallel(model(), tensor_parallel, sequence_parallel);
+    } catch (const model_error& e) {
+      fail(e.what());
+    }
+    const std::string tp = "tensor_parallel " + std::to_string(tensor_parallel);
+    if (runtime != "local" && schedule == "dataflow")
+      fail(tp + " with schedule dataflow: the stage actors of a tensor-parallel group meet in every layer's "
+           "collectives, so they run one fixed order (any schedule but dataflow)");
+  }
+  if (!text.empty() && workload == "fmnist-mlp")
+    fail("text " + text + " is a corpus for the decoder workloads (fmnist-mlp reads Fashion-MNIST)");
+  if (!val_text.empty() && text.empty())
+    fail("val_text " + val_text + " validates a text of your own: give its training text too (data.text)");
+  if (recompute != "none" && workload == "fmnist-mlp")
+    fail("recompute " + recompute + " applies to the transformer blocks of the decoder workloads (fmnist-mlp has none)");
+  // The plain loop is the fp32 reference on the CPU: asking it for more would be ignored.
+  if (runtime == "local" && precision != "fp32")
+    fail("precision " + precision + " needs the actors runtime (the local loop computes in fp32)");
+  if (runtime == "local" && device.rfind("cuda", 0) == 0)
+    fail("device " + device + " needs the actors runtime (the local loop runs on the CPU)");
+  check([&] {
+    if (device != "auto") resolve_device(device);  // throws: unknown name, or no usable GPU
+  });
+  if (global_batch % (data_parallel * microbatches) != 0)
+    fail("global_batch " + std::to_string(global_batch) + " is not divisible by data_parallel (" +
+         std::to_string(data_parallel) + ") x microbatches (" + std::to_string(microbatches) + ")");
+  if (min_lr > lr) fail("min_lr " + fmt_double(min_lr) + " is above lr " + fmt_double(lr));
+  if (runtime != "actors" && runtime != "local") fail("unknown runtime '" + runtime + "' (expected actors or local)");
+  if (schedule == "dataflow") {
+    if (chunks != 1) fail("dataflow takes no virtual chunks (got chunks " + std::to_string(chunks) + ")");
+    if (runtime != "actors") fail("the dataflow schedule needs the actors runtime");
+  } else {
+    bool splits = false;
+    try {
+      splits = make_schedule(parse_schedule_kind(schedule), pipeline, microbatches, chunks).split_backward();
+    } catch (const schedule_error& e) {
+      fail(e.what());
+    }
+    if (split_backward && !splits)
+      fail("split_backward applies to the dataflow schedule (zero-bubble always splits the backward; " + schedule +
+           " keeps it whole)");
+  }
+  if (runtime == "local" && !trace.empty()) fail("trace needs the actors runtime");
+  const int n_layers = model().n_layers();
+  if (split.empty() && n_layers < pipeline * chunks)
+    fail(workload + " has " + std::to_string(n_layers) + " layers, too few for " +
+         std::to_string(pipeline) + " stages x " + std::to_string(chunks) + " chunks");
+  if (!split.empty()) {
+    int sum = 0;
+    for (int x : split) sum += x;
+    if (int(split.size()) != pipeline * chunks || sum != n_layers)
+      fail("split must list " + std::to_string(pipeline * chunks) + " layer counts summing to " +
+           std::to_string(n_layers));
+  }
+  if (!load.empty() && !init.empty()) fail("give either load (resume) or init (initial weights), not both");
+  if (!resume.empty() && (!load.empty() || !init.empty()))
+    fail("give either resume (a checkpoint folder) or load / init, not both");
+  if (resume == "auto" && checkpoint_dir.empty()) fail("resume = \"auto\" needs checkpoint_dir");
+  if (runtime == "local" && (!checkpoint_dir.empty() || !resume.empty()))
+    fail("checkpoint_dir and resume need the actors runtime (the local loop has save and load)");
+  fault_plan::parse(faults());  // the [faults] keys parse
+}
+
+model_spec job_config::model() const {
+  if (workload == "fmnist-mlp") return model_spec::fmnist_mlp();
+  const auto own = workload == "gpt-small"     ? model_spec::gpt_small()
+                   : workload == "llama-tiny"  ? model_spec::llama_tiny()
+                   : workload == "llama-small" ? model_spec::llama_small()
+                   : workload == "moe-tiny"    ? model_spec::moe_tiny()
+                   : workload == "moe-small"   ? model_spec::moe_small()
+                                               : model_spec::gpt_tiny();
+  auto spec = own;
+  auto& g = spec.decoder;
+  if (!architecture.empty()) g.arch = parse_decoder_arch(architecture);
+  if (layers > 0) g.n_layer = layers;
+  if (heads > 0) g.n_head = heads;
+  if (kv_heads > 0) g.n_kv_head = kv_heads;
+  if (d_model > 0) g.d_model = d_model;
+  if (seq_len > 0) g.seq_len = seq_len;
+  if (!tokenizer.empty()) {  // the tokenizer's pieces, the rows padded to a multiple of 128
+    g.vocab_used = tokenizer_info_of(tokenizer).size;
+    g.vocab = padded_vocab(g.vocab_used);
+  }
+  if (vocab > 0) g.vocab = vocab;
+  if (rope_theta > 0) g.rope_theta = rope_theta;
+  if (norm_eps > 0) g.norm_eps = norm_eps;
+  // The workload's MLP width scaled with the model's (gpt: 4 x d_model).
+  g.d_ff = d_ff > 0 ? d_ff : int(std::int64_t(own.decoder.d_ff) * g.d_model / own.decoder.d_model);
+  g.tie_embeddings = tie_embeddings == "auto" ? g.arch == decoder_arch::gpt2 : tie_embeddings == "true";
+  if (experts > 0) g.n_experts = experts;
+  if (moe_top_k > 0) g.moe_top_k = moe_top_k;
+  if (moe_d_ff > 0) g.moe_d_ff = moe_d_ff;
+  if (moe_every > 0) g.moe_every = moe_every;
+  if (moe_aux_loss_coeff >= 0) g.moe_aux_coeff = moe_aux_loss_coeff;
+  if (moe_capacity_factor > 0) g.moe_capacity_factor = moe_capacity_factor;
+  return spec;
+}
+
+std::string job_config::model_label() const {
+  if (!has_model_keys()) return workload;
+  const auto g = model().decoder;
+  const bool arch_ties = g.arch == decoder_arch::gpt2;
+  std::string text = std::string(" (") + decoder_arch_name(g.arch) + ", " + std::to_string(g.n_layer) + " layers, d_model " +
+                     std::to_string(g.d_model) + ", " + std::to_string(g.n_head) + " heads";
+  if (g.kv_heads() != g.n_head) text += ", " + std::to_string(g.kv_heads()) + " kv heads";
+  text += ", d_ff " + std::to_string(g.d_ff) + ", seq_len " + std::to_string(g.seq_len);
+  if (g.n_experts > 0)
+    text += ", " + std::to_string(g.n_experts) + " experts of d_ff " + std::to_string(g.expert_d_ff()) + ", top-" +
+            std::to_string(g.moe_top_k);
+  if (g.n_experts > 0 && g.moe_capacity_factor > 0) text += ", capacity factor " + fmt_double(g.moe_capacity_factor);
+  if (g.vocab != 256) text += ", vocab " + std::to_string(g.vocab);
+  if (g.tie_embeddings != arch_ties) text += g.tie_embeddings ? ", tied embeddings" : ", untied embeddings";
+  char params[64];
+  std::snprintf(params, sizeof params, ": %.2f M parameters)", double(parameter_count(model())) / 1e6);
+  return workload + text + params;
+}
+
+std::string job_config::data_label() const {
+  const std::string tokens = tokenizer.empty() ? "" : " tokenized by " + tokenizer + " (" +
+                             std::to_string(tokenizer_info_of(tokenizer).size) + " pieces)";
+  if (text.empty()) return tokens;
+  return " on the text in " + text + (val_text.empty() ? "" : ", validated on " + val_text) + tokens;
+}
+
+std::vector<std::pair<std::string, std::string>> job_config::values() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& d : key_defs()) out.emplace_back(d.key.name, d.get(*this));
+  return out;
+}
+
+std::string job_config::to_toml() const {
+  std::string out, section;
+  for (const auto& d : key_defs()) {
+    const auto& n = d.key.name;
+    const auto sec = n.substr(0, n.find('.'));
+    if (sec != section) {
+      out += (section.empty() ? "[" : "\n[") + sec + "]\n";
+      section = sec;
+    }
+    out += n.substr(n.find('.') + 1) + " = " + d.get(*this) + "\n";
+  }
+  return out;
+}
+
+namespace {
+
+job_config from_settings(const std::vector<std::pair<std::string, std::string>>& from_file, const std::string& origin,
+                         const std::vector<std::pair<std::string, std::string>>& overrides) {
+  std::string workload = "gpt-tiny";
+  for (const auto& [k, v] : from_file)
+    if (find_key(k).key.name == "train.workload") workload = v;
+  for (const auto& [k, v] : overrides)
+    if (find_key(k).key.name == "train.workload") workload = v;
+  job_config c = job_config::defaults_for(workload);
+  for (const auto& [k, v] : from_file) c.set(k, v, origin);
+  for (const auto& [k, v] : overrides) c.set(k, v, "command line");
+  c.validate();
+  return c;
+}
+
+[[noreturn]] void throw_parse_error(const toml::parse_error& e, const std::string& origin) {
+  std::ostringstream msg;
+  msg << "cannot read config " << origin << ": " << e.description() << " (line " << e.source().begin.line
+      << ", column " << e.source().begin.column << ")";
+  throw config_error(msg.str());
+}
+
+}  // namespace
+
+job_config load_job_config(const std::string& toml_path,
+                           const std::vector<std::pair<std::string, std::string>>& overrides) {
+  std::vector<std::pair<std::string, std::string>> from_file;
+  if (!toml_path.empty()) {
+    try {
+      auto doc = toml::parse_file(toml_path);
+      flatten(doc, "", toml_path, from_file);
+    } catch (const toml::parse_error& e) {
+      throw_parse_error(e, toml_path);
+    }
+  }
+  return from_settings(from_file, toml_path, overrides);
+}
+
+job_config job_config_from_toml(const std::string& text, const std::string& origin) {
+  std::vector<std::pair<std::string, std::string>> settings;
+  try {
+    auto doc = toml::parse(text, origin);
+    flatten(doc, "", origin, settings);
+  } catch (const toml::parse_error& e) {
+    throw_parse_error(e, origin);
+  }
+  return from_settings(settings, origin, {});
+}
+
+bool nodes_fit(int p, int d, int t, int nodes) {
+  const int total = p * d * t;
+  if (nodes < 1 || total % nodes != 0) return false;
+  const int per = total / nodes;
+  return per % t == 0 || t % per == 0;
+}
+
+elastic_layout shrink_layout(const job_config& cfg, int max_nodes, int min_nodes) {
+  if (min_nodes < 1 || max_nodes < min_nodes)
+    throw config_error("the nodes left (" + std::to_string(max_nodes) + ") are fewer than the minimum (" +
+                       std::to_string(min_nodes) + ")");
+  const int micro = cfg.microbatch_size();
+  for (int nodes = max_nodes; nodes >= min_nodes; --nodes)
+    for (int d = cfg.data_parallel; d >= 1; --d) {
+      if (!nodes_fit(cfg.pipeline, d, cfg.tensor_parallel, nodes) || cfg.global_batch % (micro * d) != 0) continue;
+      job_config c = cfg;
+      c.data_parallel = d;
+      c.microbatches = cfg.global_batch / (micro * d);
+      try {
+        c.validate();  // e.g. an interleaved schedule's micro-batches must stay a multiple of the stages
+      } catch (const config_error&) {
+        continue;
+      }
+      return {nodes, d, c.microbatches};
+    }
+  throw config_error("no layout of pipeline " + std::to_string(cfg.pipeline) + " with at most " +
+                     std::to_string(cfg.data_parallel) + " replicas of micro-batches of " + std::to_string(micro) +
+                     " (global batch " + std::to_string(cfg.global_batch) + ") fits " +
+                     (min_nodes == max_nodes ? std::to_string(min_nodes) + " node(s)"
+                                             : "between " + std::to_string(min_nodes) + " and " +
+                                                   std::to_string(max_nodes) + " nodes") +
+                     (cfg.tensor_parallel > 1
+                          ? " (the node count must divide pipeline x replicas, or spread each tensor-parallel group "
+                            "over the same number of nodes)"
+                          : " (the node count must divide pipeline x replicas)"));
+}
+
+}  // namespace troupe

@@ -1,0 +1,176 @@
+#include "compute/models/decoder_slice.hpp"
+
+#include <limits>
+#include <map>
+#include <vector>
+
+#include <torch/nn/functional.h>
+#include <torch/torch.h>
+
+#include "compute/models/block.hpp"
+#include "compute/models/parts/norm.hpp"
+#include "compute/models/tensor_parallel_layout.hpp"
+#include "compute/parallel/tensor_parallel.hpp"
+#include "compute/runtime/device.hpp"
+
+namespace F = torch::nn::functional;
+
+namespace troupe {
+
+decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, const state_dict& state,
+                             std::int64_t pad_to, torch::Device device, torch::ScalarType param_dtype,
+                             const tensor_parallel& tp, const expert_share& experts)
+    : cfg_(spec.decoder), family_(family_of(spec.decoder.arch)), tp_(tp) {
+  range_ = range;
+  std::vector<std::string> shared;
+  if (!range.first_slice && range.last_slice && !tied_parameter(spec).empty())
+    shared.push_back(tied_parameter(spec));  // tied output layer: this stage's copy
+  const auto names = slice_parameter_names(spec, range);
+  if (!tp_.active()) {
+    allocate(spec, state, names, shared, pad_to, device, param_dtype, experts);
+  } else {
+    check_tensor_parallel(spec, tp_.size, tp_.sequence);
+    // (No group: a slice for the layout of the rank's part only, which computes nothing;
+    // an optimizer shard's.)
+    if (tp_.group && (tp_.group->size() != tp_.size || tp_.group->rank() != tp_.rank))
+      throw model_error("tensor-parallel rank " + std::to_string(tp_.rank) + " of " + std::to_string(tp_.size) +
+                        " with a group of rank " + std::to_string(tp_.group->rank()) + " of " +
+                        std::to_string(tp_.group->size()));
+    // This rank's part of each parameter, under the whole model's names.
+    std::map<std::string, torch::Tensor> given(state.begin(), state.end());
+    state_dict part;
+    for (const auto& name : names) {
+      if (!experts.holds(name, cfg_.n_experts)) continue;
+      auto it = given.find(name);
+      if (it == given.end()) throw model_error("state_dict has no parameter " + name);
+      part.emplace_back(name, shard_parameter(spec, name, it->second, tp_.size, tp_.rank));
+      // (Sharded experts are no copies: each rank's are its expert-data-parallel group's.)
+      if (tp_.rank > 0 && tp_split_of(spec, name) == tp_split::replicated && !(experts.active() && expert_of(name) >= 0))
+        shared.push_back(name);
+    }
+    allocate(spec, part, names, shared, pad_to, device, param_dtype, experts);
+    heads_ = cfg_.n_head / tp_.size;
+    kv_heads_ = cfg_.kv_heads() / tp_.size;
+    vocab_first_ = std::int64_t(cfg_.vocab / tp_.size) * tp_.rank;
+  }
+  core_ = std::make_unique<causal_attention>(cfg_.seq_len, device);
+  embedding_ = family_.token_embedding;
+  output_ = cfg_.tie_embeddings ? embedding_ : family_.output;
+  if (family_.positions == position_kind::rotary) rotary_.emplace(cfg_, device);
+}
+
+torch::Tensor decoder_slice::forward(const torch::Tensor& input) {
+  // Sequence parallelism: between the layers, this rank's positions only; a stage's
+  // activations travel whole.
+  torch::Tensor x = is_first() ? embed(input, 0, tp_.sequence) : sequence() ? tp::scatter_sequence(input, group()) : input;
+  x = to_residual(x);
+  const bool recompute = recompute_ == recompute_mode::full && torch::GradMode::is_enabled();
+  // (Function::apply builds no backward node for an input without a gradient: the
+  // blocks' parameters would get none.)
+  if (recompute && !x.requires_grad()) x = x.detach().requires_grad_(true);
+  for (int i = range_.first; i < range_.last; ++i)
+    x = recompute ? recomputed_block(x, *this, i) : block(x, i, nullptr, block_pass::plain);
+  if (is_last()) x = final_norm(x);
+  // (The last stage's enters its column-parallel output layer: each rank's share of the
+  // gradient summed.)
+  if (sequence()) x = tp::gather_sequence(x, group(), /*reduce_grad=*/is_last());
+  return x;
+}
+
+torch::Tensor decoder_slice::forward_cached(const torch::Tensor& input, kv_cache& cache) {
+  const std::int64_t from = cache.length, T = input.size(1);
+  const std::size_t blocks = std::size_t(range_.last - range_.first);
+  if (cache.keys.size() != blocks) {
+    if (from != 0)
+      throw model_error("the key/value cache holds " + std::to_string(cache.keys.size()) +
+                        " blocks' keys; this slice has " + std::to_string(blocks) + " blocks");
+    cache.keys.assign(blocks, {});
+    cache.values.assign(blocks, {});
+  }
+  if (from > 0 && cache.keys.front().size(0) != input.size(0))
+    throw model_error("the key/value cache holds " + std::to_string(cache.keys.front().size(0)) +
+                      " sequences; the input has " + std::to_string(input.size(0)));
+  if (from + T > cfg_.seq_len)
+    throw model_error("positions " + std::to_string(from) + ".." + std::to_string(from + T - 1) +
+                      " are past the model's context of " + std::to_string(cfg_.seq_len));
+  torch::NoGradGuard no_grad;
+  torch::Tensor x = to_residual(is_first() ? embed(input, from, /*sequence=*/false) : input);
+  for (int i = range_.first; i < range_.last; ++i) x = block(x, i, &cache, block_pass::plain);
+  cache.length = from + T;
+  return is_last() ? final_norm(x) : x;
+}
+
+torch::Tensor decoder_slice::logits(const torch::Tensor& output) {
+  auto l = own_logits(output);
+  return tp_.active() ? tp::gather_dim(l, -1, group()) : l;
+}
+
+torch::Tensor decoder_slice::loss(const torch::Tensor& output, const torch::Tensor& target) {
+  auto l = own_logits(output);
+  if (tp_.active()) return tp::vocab_cross_entropy(l.to(torch::kFloat32), target, vocab_first_, group());
+  return F::cross_entropy(l.view({-1, l.size(-1)}), target.reshape({-1}));
+}
+
+torch::Tensor decoder_slice::run_block(const torch::Tensor& x, int i, block_pass pass) {
+  return block(x, i, nullptr, pass);
+}
+
+part_context decoder_slice::context(bool sequence, block_pass pass) {
+  return part_context{family_, cfg_, *this, defer_, tp_, sequence, pass, heads_, kv_heads_};
+}
+
+torch::Tensor decoder_slice::block(const torch::Tensor& x, int i, kv_cache* cache, block_pass pass) {
+  const auto c = context(sequence() && !cache, pass);
+  // Selective recompute wraps the attention's core (not in generation, nor without a graph).
+  const bool selective = recompute_ == recompute_mode::selective && !cache && torch::GradMode::is_enabled();
+  const attention_core core = [this, selective](const torch::Tensor& q, const torch::Tensor& k,
+                                                const torch::Tensor& v, std::int64_t past) {
+    return selective ? recomputed_attention(q, k, v, *core_) : (*core_)(q, k, v, past);
+  };
+  expert_tally tally{ep_, aux_scale_, aux_sum_, expert_tokens_};
+  return decoder_block(c, x, i, cache, i - range_.first, {core, rotary_ ? &*rotary_ : nullptr, tally});
+}
+
+torch::Tensor decoder_slice::own_logits(const torch::Tensor& output) {
+  // Tensor parallelism: the output layer is column-parallel (f before it; with sequence
+  // parallelism forward's gather is its f).
+  auto l = torch::linear(tp_.active() && !tp_.sequence ? tp::copy_to(output, group()) : output, param(output_));
+  if (cfg_.vocab_used > 0 && cfg_.vocab_used < cfg_.vocab) {  // padded rows: never a token
+    if (!padded_.defined() || padded_.device() != l.device())
+      padded_ = torch::arange(vocab_first_, vocab_first_ + l.size(-1), torch::TensorOptions().device(l.device())) >=
+                cfg_.vocab_used;
+    l = l.masked_fill(padded_, -std::numeric_limits<float>::infinity());
+  }
+  return l;
+}
+
+torch::Tensor decoder_slice::embed(const torch::Tensor& tokens, std::int64_t from, bool sequence) {
+  torch::Tensor x;
+  if (!tp_.active()) {
+    x = torch::embedding(param(embedding_), tokens);
+  } else {
+    x = tp::vocab_embedding(tokens, param(embedding_), vocab_first_);
+    x = sequence ? tp::reduce_scatter_sequence(x, group()) : tp::reduce_from(x, group());
+    if (sequence) from += x.size(1) * tp_.rank;
+  }
+  if (family_.positions != position_kind::learned) return x;  // rotary: positions enter in the attention
+  return add_learned_positions(x, param(family_.position_embedding), from, tokens.device());
+}
+
+torch::Tensor decoder_slice::to_residual(const torch::Tensor& x) const {
+  if (residual_ == torch::kFloat32 || x.scalar_type() == residual_ || !x.is_floating_point() ||
+      current_precision(x.device()) != residual_)
+    return x;
+  return x.to(residual_);
+}
+
+torch::Tensor decoder_slice::final_norm(const torch::Tensor& x) {
+  return norm(context(false, block_pass::plain), x, family_.final_norm);
+}
+
+collective_group& decoder_slice::group() const {
+  if (!tp_.group) throw model_error("tensor-parallel rank " + std::to_string(tp_.rank) + " computes without a group");
+  return *tp_.group;
+}
+
+}  // namespace troupe

@@ -1,0 +1,168 @@
+#pragma once
+// A contiguous slice of a model's layers with flat parameter and gradient buffers: what a
+// pipeline stage holds. The two models of WORKLOADS.md are slices of this kind: decoders
+// (compute/models/decoder_slice.hpp: parts composed as their family says) and the MLP.
+//
+// A slice owns a contiguous range of layers. Its parameters live in one flat buffer (each
+// parameter is a view into it; fp32, or bf16 for bf16 stages) and their gradients in
+// another flat fp32 buffer of the same layout (each `.grad()` is a view), so optimizer
+// shards and collectives can work on contiguous ranges that ignore parameter boundaries
+// (Megatron's distributed optimizer).
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "compute/models/kv_cache.hpp"
+#include "compute/models/model_spec.hpp"
+#include "compute/models/parameters.hpp"
+#include "compute/models/split_backward.hpp"
+#include "compute/parallel/collective_group.hpp"
+
+namespace troupe {
+
+/// A contiguous slice of a model's layers with flat parameter and gradient buffers.
+///
+/// Parameter precision: a slice made with fp32 parameters (the default) computes with them
+/// as they are. A slice made with bf16 parameters (bf16 stages, as in Megatron's bf16
+/// models: 2 bytes per parameter) holds its flat parameter buffer in bf16: the weights and
+/// biases of matrix products are views into it, which autocast uses without a cast (no
+/// per-micro-batch bf16 copy kept for the backward); the layer norms and embeddings, which
+/// compute in fp32, are fp32 tensors holding the buffer's values (`set_params` refreshes
+/// them). Gradients are fp32 either way: each parameter's `.grad()` is an fp32 view of the
+/// gradient buffer, and the autograd adds each micro-batch's bf16 gradient into it in fp32
+/// (Megatron's fp32 main_grad). Under bf16 autocast such a slice computes exactly what an
+/// fp32-parameter slice holding the same bf16 values computes, gradients included.
+
+class model_slice : public named_parameters {
+ public:
+
+  /// First slice: `input` is data (token ids, or images); otherwise the previous
+  /// slice's activation. Last slice: returns the final features (see `loss`).
+  virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  /// Last slice only: mean loss of `output` (from forward) against `target`.
+  virtual torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) = 0;
+  /// Last slice only: logits from `output` (for accuracy).
+  virtual torch::Tensor logits(const torch::Tensor& output) = 0;
+  /// Decoder slices, for inference (no graph): `input` holds the tokens (or the previous
+  /// slice's activations) that follow the `cache.length` tokens `cache` has seen, at
+  /// positions cache.length, cache.length + 1, ...; they attend to the cached keys and
+  /// values and to each other (causally), and theirs are appended. The result equals the
+  /// matching rows of `forward` over all the tokens. Throws model_error past the model's
+  /// context (seq_len positions) and for models without attention.
+  virtual torch::Tensor forward_cached(const torch::Tensor& input, kv_cache& cache);
+
+  const layer_range& range() const { return range_; }
+  bool is_first() const { return range_.first_slice; }
+  bool is_last() const { return range_.last_slice; }
+
+  const std::vector<param_entry>& entries() const { return entries_; }
+  /// Parameter views, in entry order.
+  const std::vector<torch::Tensor>& parameters() const { return params_; }
+  torch::Tensor& param(const std::string& name) override;
+  /// Flat buffers; their length is the entries' total rounded up to `pad_to`. The
+  /// parameters' buffer is in the slice's parameter dtype, the gradients' in fp32.
+  torch::Tensor flat_params() const { return flat_params_; }
+  /// Sets every parameter from `src`, a flat buffer of the same length (any dtype and
+  /// device; rounded to the parameter dtype), fp32 copies included. Writing into
+  /// `flat_params()` directly leaves a bf16 slice's fp32 copies stale.
+  void set_params(const torch::Tensor& src);
+  torch::Tensor flat_grads() const { return flat_grads_; }
+  std::int64_t numel() const { return numel_; }  ///< without padding
+  /// Where the expert region of the flat buffers begins (a slice made with an active
+  /// expert_share): [0, expert_offset()) holds the dense parameters, padded; the rest this
+  /// rank's experts, padded. Without an expert region: the buffers' length.
+  std::int64_t expert_offset() const { return expert_offset_; }
+  void zero_grads() { flat_grads_.zero_(); }
+
+  /// This slice's parameters (shared copies left out) as a state_dict (fp32 CPU copies).
+  state_dict state(bool include_shared_copies = false) const;
+
+  /// Activation recomputation. full (Megatron's full recompute, one layer per
+  /// checkpoint): a forward that builds a graph keeps only the input of each transformer
+  /// block and runs the block again during the backward (under the same precision), so a
+  /// micro-batch waiting for its backward holds one activation per block instead of all
+  /// of them. selective (Megatron's selective recompute): only the attention core
+  /// (softmax(q k^T / sqrt(d)) v) keeps just q, k and v and runs again in the backward:
+  /// no T x T scores or probabilities held, for little compute. Gradients are
+  /// bit-identical to those without it. Decoder slices only (the MLP has no blocks: it
+  /// ignores the setting, which the job config refuses for it).
+  void set_recompute(recompute_mode mode) { recompute_ = mode; }
+  void set_recompute(bool full) { recompute_ = full ? recompute_mode::full : recompute_mode::none; }
+  recompute_mode recompute() const { return recompute_; }
+  /// The residual stream's dtype in decoder slices (the MLP has none): fp32 (the
+  /// default) keeps what autocast gives, an fp32 stream between and through the blocks
+  /// whose layer norms compute in fp32. bf16 (Megatron's default for bf16 models, the
+  /// opposite of its --fp32-residual-connection) rounds the stream to bf16 where a slice
+  /// starts (after the embeddings, or the input it gets) and keeps it there: the
+  /// residual adds, the layer norms' input and output (their statistics still in fp32,
+  /// inside the kernel; their weights used as bf16 values, as in a bf16 model) and the
+  /// output are bf16, so no cast kernel surrounds each layer norm and the element-wise
+  /// kernels move half the bytes. Under bf16 autocast only; an fp32 forward ignores it.
+  void set_residual_dtype(torch::ScalarType dtype) { residual_ = dtype; }
+  /// Blocks (full) and attention cores (selective) run again in backwards so far, by every
+  /// slice of this process (tests check that a runtime recomputes what it should).
+  static std::int64_t blocks_recomputed();
+  static std::int64_t attentions_recomputed();
+
+  /// Split backward (zero-bubble schedules): while a store is set, a forward that builds
+  /// a graph defers its linear layers' weight gradients (the transformer blocks' four, the
+  /// MLP's layers; as ZB-H1 does, the cheap rest stays in the backward). Its backward then
+  /// computes the input's gradient and every other parameter's, and leaves in `store`
+  /// what `store->apply()` needs for the deferred ones; together they give the plain
+  /// backward's gradients. The store must outlive that backward. nullptr: plain backward.
+  void defer_weight_grads(weight_grad_store* store) { defer_ = store; }
+
+  /// Mixture of experts: each forward that builds a graph adds its blocks' load-balancing
+  /// loss (the mean over its sequences) to the loss it back-propagates, times `scale`, the
+  /// weight its micro-batch's loss gets (micro-batch size / global batch), as Megatron's
+  /// MoEAuxLossAutoScaler does: the gradient enters at the block's output.
+  void set_aux_loss_scale(double scale) { aux_scale_ = scale; }
+  /// Expert parallelism: this slice computes only rank `ep.rank`'s experts (E/EP of each
+  /// expert layer), for the tokens of every rank of the group, whose other members run
+  /// the same forwards and backwards in the same order (compute/parallel/expert_parallel.hpp). Made
+  /// with the matching expert_share, the slice holds only those experts; without one it
+  /// holds every expert, and the other ranks' get no gradient here.
+  void set_expert_parallel(expert_parallel ep) { ep_ = std::move(ep); }
+  /// The load-balancing loss those forwards added, times the scale (summed over blocks and
+  /// forwards), and zeroes it: after a step's forwards, the step's auxiliary loss (for
+  /// the log; 0 without experts).
+  double take_aux_loss();
+  /// Experts: the (token, choice) pairs each expert got in those forwards, per expert layer
+  /// (block index -> one count per expert, then the pairs dropped past the experts'
+  /// capacity; a rank's own tokens under expert parallelism), and zeroes them.
+  expert_counts take_expert_tokens();
+
+ protected:
+  /// x w^T + b, its weight gradient left to `defer_` when that is set and a graph is built.
+  torch::Tensor linear_layer(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+  weight_grad_store* defer_ = nullptr;
+  double aux_scale_ = 1.0;
+  expert_parallel ep_;
+  torch::Tensor aux_sum_;  ///< take_aux_loss's, undefined when nothing was added
+  std::map<int, torch::Tensor> expert_tokens_;  ///< take_expert_tokens's, on the slice's device
+
+  /// Lays out `names` (taken from `state`) into the flat buffers; with an active `experts`,
+  /// only that rank's experts, in a region of their own after the dense parameters.
+  void allocate(const model_spec& spec, const state_dict& state, std::vector<std::string> names,
+                const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device,
+                torch::ScalarType param_dtype, const expert_share& experts);
+  layer_range range_;
+  recompute_mode recompute_ = recompute_mode::none;
+  torch::ScalarType residual_ = torch::kFloat32;
+
+ private:
+  std::vector<param_entry> entries_;
+  std::vector<torch::Tensor> params_;
+  std::map<std::string, std::size_t> index_;
+  torch::Tensor flat_params_, flat_grads_;
+  std::vector<std::size_t> fp32_copies_;  ///< entries whose parameter is an fp32 copy (bf16 slices)
+  std::int64_t numel_ = 0;
+  std::int64_t expert_offset_ = 0;
+};
+
+
+}  // namespace troupe

@@ -1,0 +1,128 @@
+#include "compute/models/parts/attention.hpp"
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+namespace troupe {
+
+param_table attention_params(const decoder_family& f, const decoder_config& c, const std::string& block) {
+  const std::string p = block + f.attention.prefix;
+  const std::int64_t d = c.d_model, q = std::int64_t(c.n_head) * c.head_dim(),
+                     kv = std::int64_t(c.kv_heads()) * c.head_dim();
+  const double proj_std = 0.02 / std::sqrt(2.0 * c.n_layer);
+  using I = param_spec::init;
+  using S = tp_split;
+  const bool bias = f.attention.bias;
+  param_table out;
+  if (f.attention.fused_qkv) {
+    out.push_back({p + f.attention.qkv + ".weight", {q + 2 * kv, d}, I::normal, 0.02, true, S::qkv_rows});
+    if (bias) out.push_back({p + f.attention.qkv + ".bias", {q + 2 * kv}, I::zeros, 0, false, S::qkv_rows});
+  } else {
+    for (const auto& [name, rows] : {std::pair{f.attention.q, q}, std::pair{f.attention.k, kv}, std::pair{f.attention.v, kv}}) {
+      out.push_back({p + name + ".weight", {rows, d}, I::normal, 0.02, true, S::rows});
+      if (bias) out.push_back({p + name + ".bias", {rows}, I::zeros, 0, false, S::rows});
+    }
+  }
+  out.push_back({p + f.attention.out + ".weight", {d, q}, I::normal, proj_std, true, S::columns});
+  if (bias) out.push_back({p + f.attention.out + ".bias", {d}, I::zeros});
+  return out;
+}
+
+causal_attention::causal_attention(std::int64_t seq_len, torch::Device device)
+    : causal_(torch::ones({seq_len, seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril()) {}
+
+torch::Tensor causal_attention::operator()(const torch::Tensor& q, torch::Tensor k, torch::Tensor v,
+                                           std::int64_t past) const {
+  const auto T = q.size(2), hd = q.size(3);
+  if (k.size(1) != q.size(1)) {  // grouped-query: query head h uses key/value head h / (H / KV)
+    const auto group = q.size(1) / k.size(1);
+    k = k.repeat_interleave(group, /*dim=*/1);
+    v = v.repeat_interleave(group, /*dim=*/1);
+  }
+  // Query t (position past + t) sees keys 0 .. past + t: rows past.. of the causal mask.
+  // One new token sees them all: no mask.
+  const bool masked = T > 1;
+  const auto mask = causal_.slice(0, past, past + T).slice(1, 0, past + T);
+#if TORCH_VERSION_MAJOR >= 2
+  // LibTorch 2.x: the fused kernel (flash / memory-efficient attention on GPUs).
+  (void)hd;
+  return past == 0 ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
+         : masked  ? at::scaled_dot_product_attention(q, k, v, mask)
+                   : at::scaled_dot_product_attention(q, k, v);
+#else
+  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+  if (masked) att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+  att = torch::softmax(att, /*dim=*/-1);
+  return torch::matmul(att, v);
+#endif
+}
+
+namespace {
+
+/// Appends k and v (B, KV, T, hd) to entry j of the cache and returns all its keys and
+/// values so far. `past`: the tokens the cache holds.
+std::pair<torch::Tensor, torch::Tensor> cached(kv_cache& cache, std::size_t j, std::int64_t past,
+                                               std::int64_t seq_len, const torch::Tensor& k, const torch::Tensor& v) {
+  const auto B = k.size(0), KV = k.size(1), T = k.size(2), hd = k.size(3);
+  auto& keys = cache.keys[j];
+  auto& values = cache.values[j];
+  if (past == 0) {  // (a cache that starts again keeps its buffers when they fit)
+    const std::vector<std::int64_t> shape{B, KV, seq_len, hd};
+    if (!keys.defined() || keys.sizes() != c10::IntArrayRef(shape) || keys.scalar_type() != k.scalar_type() ||
+        keys.device() != k.device()) {
+      keys = torch::empty(shape, k.options());
+      values = torch::empty(shape, v.options());
+    }
+  }
+  keys.narrow(2, past, T).copy_(k);
+  values.narrow(2, past, T).copy_(v);
+  return {keys.narrow(2, 0, past + T), values.narrow(2, 0, past + T)};
+}
+
+/// The core for q (B, H, T, hd), k and v (B, KV, T, hd), with or without a cache; returns
+/// (B, T, H * hd).
+torch::Tensor attend(const decoder_config& cfg, torch::Tensor q, torch::Tensor k, torch::Tensor v, kv_cache* cache,
+                     int cache_index, const attention_core& core) {
+  std::int64_t past = 0;
+  if (cache) {
+    past = cache->length;
+    std::tie(k, v) = cached(*cache, std::size_t(cache_index), past, cfg.seq_len, k, v);
+  }
+  auto y = core(q, k, v, past);
+  const auto B = q.size(0), T = q.size(2);
+  return y.transpose(1, 2).contiguous().view({B, T, q.size(1) * q.size(3)});
+}
+
+}  // namespace
+
+torch::Tensor attention(const part_context& c, const torch::Tensor& x, const std::string& block, kv_cache* cache,
+                        int cache_index, const attention_core& core, const rotary_embedding* rotary) {
+  const auto& o = c.family.attention;
+  const std::string p = block + o.prefix;
+  const std::int64_t H = c.heads, KV = c.kv_heads, hd = c.cfg.head_dim();
+  const std::int64_t from = cache ? cache->length : 0;
+  const auto a = c.enter(x);
+  const auto B = a.size(0), T = a.size(1);
+  auto heads = [&](const torch::Tensor& t, std::int64_t n) { return t.view({B, T, n, hd}).transpose(1, 2); };
+  auto positioned = [&](const torch::Tensor& t) { return rotary ? rotary->rotate(t, from) : t; };
+  torch::Tensor q, k, v;
+  if (o.fused_qkv) {
+    auto qkv = c.linear(a, p + o.qkv, o.bias).split_with_sizes({H * hd, KV * hd, KV * hd}, /*dim=*/2);
+    q = positioned(heads(qkv[0], H));
+    k = positioned(heads(qkv[1], KV));
+    v = heads(qkv[2], KV);
+  } else {
+    q = positioned(heads(c.linear(a, p + o.q, o.bias), H));
+    k = positioned(heads(c.linear(a, p + o.k, o.bias), KV));
+    v = heads(c.linear(a, p + o.v, o.bias), KV);
+  }
+  return c.row_parallel(attend(c.cfg, q, k, v, cache, cache_index, core), p + o.out, o.bias);
+}
+
+}  // namespace troupe

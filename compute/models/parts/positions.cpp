@@ -1,0 +1,37 @@
+#include "compute/models/parts/positions.hpp"
+
+#include <torch/torch.h>
+
+namespace troupe {
+
+param_table learned_position_params(const std::string& name, std::int64_t positions, std::int64_t width) {
+  return {{name, {positions, width}, param_spec::init::normal, 0.02, false}};
+}
+
+torch::Tensor add_learned_positions(const torch::Tensor& x, const torch::Tensor& table, std::int64_t from,
+                                    torch::Device device) {
+  auto pos = torch::arange(from, from + x.size(1), torch::TensorOptions().dtype(torch::kInt64).device(device));
+  return x + torch::embedding(table, pos);
+}
+
+rotary_embedding::rotary_embedding(const decoder_config& cfg, torch::Device device) {
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  const std::int64_t hd = cfg.head_dim();
+  const auto inv_freq =
+      torch::reciprocal(torch::pow(cfg.rope_theta, torch::arange(0, hd, 2, f32.dtype(torch::kInt64)).to(torch::kFloat32) / hd));
+  const auto angles =
+      torch::arange(0, cfg.seq_len, f32.dtype(torch::kInt64)).to(torch::kFloat32).unsqueeze(1) * inv_freq.unsqueeze(0);
+  const auto emb = torch::cat({angles, angles}, /*dim=*/1);
+  cos_ = emb.cos().to(device);
+  sin_ = emb.sin().to(device);
+}
+
+torch::Tensor rotary_embedding::rotate(const torch::Tensor& x, std::int64_t from) const {
+  const auto T = x.size(2), half = x.size(3) / 2;
+  const auto cos = cos_.narrow(0, from, T).to(x.scalar_type());
+  const auto sin = sin_.narrow(0, from, T).to(x.scalar_type());
+  const auto rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, /*dim=*/3);
+  return x * cos + rotated * sin;
+}
+
+}  // namespace troupe
