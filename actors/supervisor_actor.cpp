@@ -115,6 +115,8 @@ struct supervisor_state {
   std::shared_ptr<snapshot_store> buddies = std::make_shared<snapshot_store>();  // copies of the previous node's
   std::map<std::uint64_t, std::shared_ptr<incoming_copy>> incoming;  // by id
   std::uint64_t next_copy = 0;
+  /// The recovery under way (its round, step, promise and progress), or none: the data of
+  /// the recovering behavior; enter_phase() installs the behavior it says (serving: none).
   std::optional<recovery> recovering;
   // Old communicators being closed (a thread each); their destruction waits for them.
   std::list<std::future<void>> retired;

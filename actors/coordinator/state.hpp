@@ -1,10 +1,10 @@
 #pragma once
 // The coordinator's state and the parts of its protocol in files of their own, beside
-// actors/coordinator/coordinator.cpp (the step: begin, reports, commit, retries, the hang watchdog):
-// actors/coordinator/phases.cpp (its named behaviors, one per phase), actors/coordinator/checkpoints.cpp (the model and moments gathered from the actors, --save
-// files and checkpoint folders), actors/coordinator/metrics.cpp (the metrics log) and
-// actors/coordinator/evaluation.cpp (evaluation in this process or through the pipeline).
-// Internal to those files.
+// coordinator.cpp (the step: begin, reports, commit, retries, the hang watchdog):
+// phases.cpp (its named behaviors, one per phase), checkpoints.cpp (the model and moments
+// gathered from the actors, --save files and checkpoint folders), metrics.cpp (the
+// metrics log) and evaluation.cpp (evaluation in this process or through the pipeline).
+// Internal to actors/coordinator/.
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -55,6 +55,10 @@ struct coordinator_state {
   std::shared_ptr<actor_run_result> result;
   std::vector<supervisor_actor> supervisors;  // one per node
   caf::typed_response_promise<int> done;  // the run request: the exit code
+  /// The behavior installed now, by name: set only by enter(), together with it. Which
+  /// messages a phase takes is its behavior's alone; `at` is read where no behavior
+  /// decides: by the helpers several phases call (finish, fail), by what outlives a
+  /// behavior (answers to requests, timers, the hang watchdog's tick) and by the logs.
   phase at = phase::idle;
   lr_schedule lrs;
   std::optional<batch> eval_set;  // read at the first evaluation
