@@ -7,18 +7,25 @@
 # launcher restarts the job from its newest checkpoint. It must end bit-identical to the
 # fault-free run, with the same loss log and no process left. The five launches meet the
 # five in-place fault kinds, each once, starting from one the seed picks. Bounded: about two
-# and a half minutes (timeout 300 s).
+# minutes alone.
 #   tests/faults/soak_test.sh REPO_ROOT BUILD_DIR   (SOAK_SEED=N: another seed; the default is fixed)
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 
 seed=${SOAK_SEED:-1}
 RANDOM=$seed
-faults=5 steps=40  # launches that meet faults (three each)
+# Launch a's faults lie within steps 3 + 5a to 8 + 5a (the in-place one at 3 + 5a or one
+# later, node 1's kill one or two steps after it, node 0's one or two after that): the next
+# launch's first comes at or after this one's kill of node 0, and the job ends 4 steps after
+# the last launch's (40 steps at 7 apart gave the same checks 25 % later).
+faults=5 spacing=5 steps=32  # launches that meet faults (three each)
 first_kind=$((RANDOM % 5))
 # The step timeout (which finds the lost message and the stall): 8 s. With 3 s, CI's run
 # on a slow day (steps 3-4 s long beside the other entries) logged 11 aborts where 10 were
 # due and injected 13 faults of 15: a launch ended before its node faults.
-job=(train --nodes 2 --pipeline 2 --data-parallel 2 --steps $steps --eval-interval 0 --checksum true --step-timeout 8)
+# --global-batch 16: half the default batch in as many micro-batches: the same schedule,
+# messages and faults in about 60 % of the CPU time (the test suite is CPU-bound).
+job=(train --nodes 2 --pipeline 2 --data-parallel 2 --steps $steps --eval-interval 0 --checksum true --step-timeout 8
+  --global-batch 16)
 echo "soak seed $seed (SOAK_SEED=$seed repeats it)"
 
 "$launcher" "${job[@]}" --metrics "$tmp/ref.jsonl" --save "$tmp/ref.pt" >"$tmp/ref.log" 2>&1
@@ -28,7 +35,7 @@ rc=$?
 # Three faults per launch, each later than the one before (launch a resumes from a
 # checkpoint at or before launch a-1's kill of node 0, so it reaches its own faults).
 for ((a = 0; a < faults; a++)); do
-  step=$((3 + a * 7 + RANDOM % 2)) rejoin=$((step + 1 + RANDOM % 2))
+  step=$((3 + a * spacing + RANDOM % 2)) rejoin=$((step + 1 + RANDOM % 2))
   kill=$((rejoin + 1 + RANDOM % 2))
   r=$((RANDOM % 2)) k=$((RANDOM % 2))
   case $(((first_kind + a) % 5)) in

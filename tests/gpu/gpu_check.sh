@@ -62,8 +62,8 @@ set -uo pipefail
 
 # The check in parts that can run side by side, each with its own reference run
 # (tests/gpu/gpu_session.sh on a GPU; CTest's gpu_check_on_cpu_N on the CPU):
-# TROUPE_GPU_CHECK_PART=N runs part N's steps; `gpu_check.sh --parts` prints how many
-# parts there are. TROUPE_GPU_CHECK_STEPS=REGEX runs the steps it matches,
+# TROUPE_GPU_CHECK_PART=N runs part N's steps (N,M,...: those of several parts, one
+# reference run for them all); `gpu_check.sh --parts` prints how many parts there are. TROUPE_GPU_CHECK_STEPS=REGEX runs the steps it matches,
 # TROUPE_GPU_CHECK_SKIP=REGEX all but those it matches.
 parts=(gtests 'gtests-2x|llama-experts|check-host-text|tensor-parallel'
   'ref|ref-again|eval-modes|inplace-.*|checkpoint-rotation|recompute-generate-eval'
@@ -90,7 +90,13 @@ if [ "$device" = cuda ] && ! "$python" -c 'import torch, sys; sys.exit(0 if torc
 fi
 failed=0
 only=${TROUPE_GPU_CHECK_STEPS:-}
-[ -z "${TROUPE_GPU_CHECK_PART:-}" ] || only=${parts[$TROUPE_GPU_CHECK_PART]}
+if [ -n "${TROUPE_GPU_CHECK_PART:-}" ]; then
+  only=""
+  for p in ${TROUPE_GPU_CHECK_PART//,/ }; do
+    [[ $p =~ ^[0-9]+$ ]] && [ "$p" -lt ${#parts[@]} ] || { echo "gpu_check: no part '$p' (0 to $((${#parts[@]} - 1)))" >&2; exit 1; }
+    only+=${only:+|}${parts[$p]}
+  done
+fi
 # TROUPE_GPU_CHECK_SKIP=REGEX leaves out the steps whose whole name matches.
 skip=${TROUPE_GPU_CHECK_SKIP:-}
 selected() { { [ -z "$only" ] || [[ $1 =~ ^($only)$ ]]; } && { [ -z "$skip" ] || ! [[ $1 =~ ^($skip)$ ]]; }; }
@@ -136,7 +142,12 @@ step gtests-2x gtests gtests-2x 8 'Recompute*:Generate*:ZeroBubble*:-Generate.Gr
 # takes 8, which exercises the same code in less time.
 job_steps=${TROUPE_GPU_CHECK_JOB_STEPS:-14}
 [ "$job_steps" -ge 8 ] || { echo "gpu_check: TROUPE_GPU_CHECK_JOB_STEPS must be at least 8" >&2; exit 1; }
-job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps "$job_steps" --eval-interval 0)
+# TROUPE_GPU_CHECK_JOB_FLAGS: flags added to every p2 x d2 job of the check (the shared
+# job, the --device auto one and the bf16 one). CTest's run on the CPU halves their batch
+# (--global-batch 16 --microbatches 4: micro-batches of 2 samples, as the default job's):
+# the same code and comparisons in less time.
+read -r -a job_flags <<<"${TROUPE_GPU_CHECK_JOB_FLAGS:-}"
+job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps "$job_steps" --eval-interval 0 "${job_flags[@]}")
 run_job() { "$build/troupe" "${job[@]}" --metrics "$out/$1.jsonl" --save "$out/$1.pt" "${@:2}"; }
 inplace() {  # inplace NAME FAULT...: the fault is retried in place (no resume), bit-identical to ref
   run_job "$@" >"$out/$1.run" 2>&1 || { cat "$out/$1.run"; return 1; }
@@ -245,7 +256,7 @@ step nodes-4-links nodes nodes-4-links links
 step nodes-4-links-rejoin nodes nodes-4-links-rejoin links --kill-node 3:5
 # --device auto with several nodes: the GPU when node 0 has one (as --device cuda above).
 auto_nodes() {
-  local job=(train --device auto --pipeline 2 --data-parallel 2 --steps "$job_steps" --eval-interval 0)
+  local job=(train --device auto --pipeline 2 --data-parallel 2 --steps "$job_steps" --eval-interval 0 "${job_flags[@]}")
   nodes nodes-4-auto ipc || return 1
   [ "$device" = cpu ] || [ "$(grep -c "computes on cuda:" "$out/nodes-4-auto.run")" = 4 ] ||
     { echo "not every node computes on a GPU"; return 1; }
@@ -278,7 +289,7 @@ step nodes-4-links-schedules links_schedules
 # attention backward need not repeat its bits (sdpa-determinism below tells).
 bf16_nodes() {
   local ref=bf16-ref job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps 6 --eval-interval 0
-    --precision bf16 --deterministic true)
+    --precision bf16 --deterministic true "${job_flags[@]}")
   run_job "$ref" >"$out/$ref.run" 2>&1 || { cat "$out/$ref.run"; return 1; }
   grep -F ", bf16, deterministic" "$out/$ref.run" || { echo "no deterministic mode in the log"; return 1; }
   local rc=0
