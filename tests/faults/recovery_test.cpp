@@ -23,6 +23,7 @@ job_config small_job() {
   c.pipeline = 2;
   c.data_parallel = 2;
   c.microbatches = 4;
+  c.global_batch = 16;  // half the default: micro-batches of 2 samples, the same faults in less CPU time
   c.eval_interval = 0;
   c.max_step_retries = 0;  // failures end the run (exit 75), as in a multi-node job
   return c;
