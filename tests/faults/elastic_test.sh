@@ -99,7 +99,7 @@ out=$(/usr/bin/python3 "$root/tests/support/compare_runs.py" ref1 e1 2 2>&1) \
 
 # --- 2. node 0's host lost: the coordinator moves to the next host --------------------
 printf '127.0.0.1\n127.0.0.2\n' >hosts2
-job=(--pipeline 2 --data-parallel 1 --microbatches 4 --steps 12 --eval-interval 0 --threads 1)
+job=(--pipeline 2 --data-parallel 1 --global-batch 16 --microbatches 4 --steps 12 --eval-interval 0 --threads 1)
 "$launcher" train --nodes 1 "${job[@]}" --metrics ref2.jsonl --save ref2.pt >ref2.log 2>&1
 rc=$?
 [ $rc = 0 ] && ok "fault-free p2 run" || bad "fault-free p2 run: exit $rc" ref2.log
@@ -116,7 +116,7 @@ out=$(same_run ref2 e2 2 2>&1) && ok "bit-identical to the fault-free run ($out)
 # host is lost: the group goes on whole in one node, from the checkpoint of step 5, and
 # the run is bit-identical to the fault-free one (the same group in one process).
 rm -f gone-*
-job=(--pipeline 1 --tensor-parallel 2 --microbatches 4 --steps 10 --eval-interval 0 --threads 1)
+job=(--pipeline 1 --tensor-parallel 2 --global-batch 16 --microbatches 4 --steps 10 --eval-interval 0 --threads 1)
 "$launcher" train --nodes 1 "${job[@]}" --metrics reft.jsonl --save reft.pt >reft.log 2>&1 \
   || bad "fault-free T2 run" reft.log
 FAKE_SSH_DOOMED=127.0.0.2 "$launcher" train --hostfile hosts2 --min-nodes 1 "${job[@]}" --checkpoint-dir ckt \
