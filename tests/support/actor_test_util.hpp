@@ -15,7 +15,7 @@
 
 namespace troupe::actor_test {
 
-inline constexpr int kSteps = 10;
+inline constexpr int kSteps = 6;
 
 struct reference_run {
   state_dict state;
@@ -45,7 +45,7 @@ inline const reference_run& gpt_reference() {
   static const reference_run ref = [] {
     reference_run r;
     r.state = test::shared_reference(
-        "actors-gpt-tiny-reference",
+        "actors-gpt-tiny-reference-6-steps",
         [](std::vector<double>* losses) {
           auto run = reference_of(test::gpt_config(200));
           *losses = run.losses;

@@ -230,7 +230,7 @@ TEST(ExpertParallel, ARankThatReceivesNoTokensWorks) {
 }
 
 // Training: EP 2 and 4 over 4 replicas (with a pipeline, and with zero-bubble's split
-// backward) follows one process within 1e-5 after 10 steps, the load-balancing loss too;
+// backward) follows one process within 1e-5 after kSteps steps, the load-balancing loss too;
 // over UCX communicators the same bits as in process.
 TEST(ExpertParallel, TrainingWithExpertRanksEqualsOneProcess) {
   auto one = moe_job();
@@ -431,7 +431,7 @@ TEST(ExpertParallel, ACapacityFactorDropsTheSamePairsInEveryLayout) {
 // part of the sequences (sequence parallelism), the load-balancing loss's per-sequence
 // sums are reduced over the tensor-parallel group. Groups inside one replica's pair of
 // ranks, across two replicas, with a pipeline, and tensor parallelism alone follow one
-// process within 1e-5 after 10 steps, with the same routing and load-balancing loss.
+// process within 1e-5 after kSteps steps, with the same routing and load-balancing loss.
 TEST(ExpertParallel, ExpertGroupsFoldOntoTensorParallelRanks) {
   auto one = moe_job();
   const auto ref = train(one);
@@ -462,7 +462,7 @@ TEST(ExpertParallel, ExpertGroupsFoldOntoTensorParallelRanks) {
 // The same folding in the actor runtime (in-process groups): the expert-parallel group
 // the tensor-parallel pair of a replica with a pipeline, a group over two replicas' pairs,
 // and combined-1f1b's pairs (run one after the other with tensor parallelism) follow one
-// process within 1e-5 after 10 steps, with the same load-balancing loss (reported once
+// process within 1e-5 after kSteps steps, with the same load-balancing loss (reported once
 // per tensor-parallel group) and routing (each rank's part of the sequences); the pipeline
 // evaluation (every pipeline of the replicas a group spans runs each of their forwards,
 // the first replica's ranks score) equals the plain loop's.
