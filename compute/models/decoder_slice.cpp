@@ -38,14 +38,17 @@ decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, c
                         std::to_string(tp_.group->size()));
     // This rank's part of each parameter, under the whole model's names.
     std::map<std::string, torch::Tensor> given(state.begin(), state.end());
+    const auto rows = rows_by_name(spec);
     state_dict part;
     for (const auto& name : names) {
       if (!experts.holds(name, cfg_.n_experts)) continue;
       auto it = given.find(name);
       if (it == given.end()) throw model_error("state_dict has no parameter " + name);
-      part.emplace_back(name, shard_parameter(spec, name, it->second, tp_.size, tp_.rank));
+      const auto row = rows.find(name);
+      const auto split = row == rows.end() ? param_spec{}.split : row->second.split;
+      part.emplace_back(name, shard_parameter(split, it->second, tp_.size, tp_.rank));
       // (Sharded experts are no copies: each rank's are its expert-data-parallel group's.)
-      if (tp_.rank > 0 && tp_split_of(spec, name) == tp_split::replicated && !(experts.active() && expert_of(name) >= 0))
+      if (tp_.rank > 0 && split == tp_split::replicated && !(experts.active() && expert_of(name) >= 0))
         shared.push_back(name);
     }
     allocate(spec, part, names, shared, pad_to, device, param_dtype, experts);
@@ -168,9 +171,6 @@ torch::Tensor decoder_slice::final_norm(const torch::Tensor& x) {
   return norm(context(false, block_pass::plain), x, family_.final_norm);
 }
 
-collective_group& decoder_slice::group() const {
-  if (!tp_.group) throw model_error("tensor-parallel rank " + std::to_string(tp_.rank) + " computes without a group");
-  return *tp_.group;
-}
+collective_group& decoder_slice::group() const { return group_of(tp_); }
 
 }  // namespace troupe

@@ -66,6 +66,7 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, std:
     names.insert(names.end(), own.begin(), own.end());
   }
   std::map<std::string, torch::Tensor> given(state.begin(), state.end());
+  const auto rows = rows_by_name(spec);
   entries_.clear();
   std::int64_t offset = 0;
   for (const auto& name : names) {
@@ -77,7 +78,8 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, std:
     e.shape = it->second.sizes().vec();
     e.offset = offset;
     e.numel = it->second.numel();
-    const auto row = spec_of(spec, name);
+    const auto found = rows.find(name);
+    const auto row = found == rows.end() ? param_spec{} : found->second;
     e.decay = row.decay;
     e.split = row.split;
     e.shared_copy = std::find(shared_copies.begin(), shared_copies.end(), name) != shared_copies.end();

@@ -71,6 +71,12 @@ param_spec spec_of(const model_spec& spec, const std::string& name) {
   return {};
 }
 
+std::map<std::string, param_spec> rows_by_name(const model_spec& spec) {
+  std::map<std::string, param_spec> out;
+  for (auto& p : all_params(spec)) out.emplace(p.name, p);
+  return out;
+}
+
 tp_split tp_split_of(const model_spec& spec, const std::string& name) { return spec_of(spec, name).split; }
 
 std::vector<std::string> parameter_names(const model_spec& spec) {

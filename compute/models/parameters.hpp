@@ -3,6 +3,7 @@
 // the canonical (state_dict) order, initial values, the slices' names, checks of a given
 // state_dict, and the experts' shares under expert parallelism.
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -14,8 +15,11 @@ namespace troupe {
 
 /// The full model's parameter table, in canonical (state_dict) order.
 param_table all_params(const model_spec& spec);
-/// The table's row of parameter `name` (a default one for an unknown name).
+/// The table's row of parameter `name` (a default one for an unknown name). Builds the
+/// whole table: a loop over many names takes rows_by_name once instead.
 param_spec spec_of(const model_spec& spec, const std::string& name);
+/// The whole table's rows by parameter name.
+std::map<std::string, param_spec> rows_by_name(const model_spec& spec);
 
 /// The parameter that the first and the last pipeline stage each hold a copy of (the
 /// token embedding, tied to the output layer): "wte.weight" (gpt2),

@@ -4,7 +4,11 @@ namespace troupe {
 
 torch::Tensor shard_parameter(const model_spec& spec, const std::string& name, const torch::Tensor& full, int size,
                               int rank) {
-  switch (tp_split_of(spec, name)) {
+  return shard_parameter(tp_split_of(spec, name), full, size, rank);
+}
+
+torch::Tensor shard_parameter(tp_split split, const torch::Tensor& full, int size, int rank) {
+  switch (split) {
     case tp_split::replicated: return full.clone();
     case tp_split::rows: return full.chunk(size, 0).at(std::size_t(rank)).contiguous();
     case tp_split::columns: return full.chunk(size, 1).at(std::size_t(rank)).contiguous();
@@ -19,7 +23,11 @@ torch::Tensor shard_parameter(const model_spec& spec, const std::string& name, c
 
 torch::Tensor unshard_parameter(const model_spec& spec, const std::string& name,
                                 const std::vector<torch::Tensor>& parts) {
-  switch (tp_split_of(spec, name)) {
+  return unshard_parameter(tp_split_of(spec, name), parts);
+}
+
+torch::Tensor unshard_parameter(tp_split split, const std::vector<torch::Tensor>& parts) {
+  switch (split) {
     case tp_split::replicated: return parts.at(0);
     case tp_split::rows: return torch::cat(parts, 0);
     case tp_split::columns: return torch::cat(parts, 1);
@@ -40,9 +48,8 @@ torch::Tensor unshard_parameter(const model_spec& spec, const std::string& name,
 namespace {
 
 /// The shape of rank parts of a `whole`-shaped parameter `name` split over `size` ranks.
-std::vector<std::int64_t> part_shape(const model_spec& spec, const std::string& name, std::vector<std::int64_t> whole,
-                                     int size) {
-  switch (tp_split_of(spec, name)) {
+std::vector<std::int64_t> part_shape(tp_split split, std::vector<std::int64_t> whole, int size) {
+  switch (split) {
     case tp_split::replicated: break;
     case tp_split::rows:
     case tp_split::qkv_rows: whole.at(0) /= size; break;
@@ -51,17 +58,25 @@ std::vector<std::int64_t> part_shape(const model_spec& spec, const std::string& 
   return whole;
 }
 
+/// Parameter `name`'s split in `rows` (replicated for a name not in the table, as
+/// tp_split_of).
+tp_split split_of(const std::map<std::string, param_spec>& rows, const std::string& name) {
+  const auto it = rows.find(name);
+  return it == rows.end() ? param_spec{}.split : it->second.split;
+}
+
 }  // namespace
 
 std::map<std::string, torch::Tensor> shard_by_name(const model_spec& spec,
                                                    const std::map<std::string, torch::Tensor>& params,
                                                    const std::map<std::string, torch::Tensor>& tensors, int size,
                                                    int rank) {
+  const auto rows = rows_by_name(spec);
   std::map<std::string, torch::Tensor> out;
   for (const auto& [key, t] : tensors) {
     auto it = params.find(key);
     if (it == params.end() && key.find('.') != std::string::npos) it = params.find(key.substr(key.find('.') + 1));
-    out[key] = it == params.end() ? t : shard_parameter(spec, it->first, t.view(it->second.sizes()), size, rank);
+    out[key] = it == params.end() ? t : shard_parameter(split_of(rows, it->first), t.view(it->second.sizes()), size, rank);
   }
   return out;
 }
@@ -69,18 +84,20 @@ std::map<std::string, torch::Tensor> shard_by_name(const model_spec& spec,
 std::map<std::string, torch::Tensor> unshard_by_name(const model_spec& spec,
                                                      const std::map<std::string, std::vector<std::int64_t>>& shapes,
                                                      const std::vector<std::map<std::string, torch::Tensor>>& parts) {
+  const auto rows = rows_by_name(spec);
   std::map<std::string, torch::Tensor> out;
   const int size = int(parts.size());
   for (const auto& [name, first] : parts.at(0)) {
-    if (tp_split_of(spec, name) == tp_split::replicated) {
+    const auto split = split_of(rows, name);
+    if (split == tp_split::replicated) {
       out[name] = first;
       continue;
     }
     const auto whole = shapes.find(name);
     std::vector<torch::Tensor> each;
     for (const auto& part : parts)
-      each.push_back(whole == shapes.end() ? part.at(name) : part.at(name).view(part_shape(spec, name, whole->second, size)));
-    auto joined = unshard_parameter(spec, name, each);
+      each.push_back(whole == shapes.end() ? part.at(name) : part.at(name).view(part_shape(split, whole->second, size)));
+    auto joined = unshard_parameter(split, each);
     out[name] = first.dim() == 1 && whole != shapes.end() && whole->second.size() != 1 ? joined.reshape({-1}) : joined;
   }
   return out;

@@ -27,9 +27,12 @@ namespace troupe {
 /// ranks (a copy, contiguous).
 torch::Tensor shard_parameter(const model_spec& spec, const std::string& name, const torch::Tensor& full, int size,
                               int rank);
+/// The same for a parameter split as `split` (its row's tp_split).
+torch::Tensor shard_parameter(tp_split split, const torch::Tensor& full, int size, int rank);
 /// The whole parameter from its `size` parts in rank order (inverse of shard_parameter).
 torch::Tensor unshard_parameter(const model_spec& spec, const std::string& name,
                                 const std::vector<torch::Tensor>& parts);
+torch::Tensor unshard_parameter(tp_split split, const std::vector<torch::Tensor>& parts);
 
 /// Rank `rank` of `size`'s parts of whole tensors by name: parameters ("NAME") and
 /// optimizer state ("exp_avg.NAME", "exp_avg_sq.NAME", "main.NAME"; flat or shaped),

@@ -65,7 +65,7 @@ cd "$tmp"
 
 # --- 1. a host of a data-parallel job lost: fewer replicas ----------------------------
 printf '127.0.0.1\n127.0.0.2\n127.0.0.3\n' >hosts3
-job=(--pipeline 1 --global-batch 36 --steps 14 --eval-interval 0 --checkpoint-interval 5 --threads 1)
+job=("${small[@]}" --pipeline 1 --global-batch 36 --steps 14 --eval-interval 0 --checkpoint-interval 5 --threads 1)
 # Node 2 dies as step index 7 begins (launch 0), node 0 as index 10 begins (launch 1); the
 # host of node 2 refuses the launcher's two probes (when node 2 ends, before restart 1)
 # and answers the one before restart 2.
@@ -99,7 +99,7 @@ out=$(/usr/bin/python3 "$root/tests/support/compare_runs.py" ref1 e1 2 2>&1) \
 
 # --- 2. node 0's host lost: the coordinator moves to the next host --------------------
 printf '127.0.0.1\n127.0.0.2\n' >hosts2
-job=(--pipeline 2 --data-parallel 1 --global-batch 16 --microbatches 4 --steps 12 --eval-interval 0 --threads 1)
+job=("${small[@]}" --pipeline 2 --data-parallel 1 --global-batch 16 --microbatches 4 --steps 12 --eval-interval 0 --threads 1)
 "$launcher" train --nodes 1 "${job[@]}" --metrics ref2.jsonl --save ref2.pt >ref2.log 2>&1
 rc=$?
 [ $rc = 0 ] && ok "fault-free p2 run" || bad "fault-free p2 run: exit $rc" ref2.log
@@ -116,7 +116,7 @@ out=$(same_run ref2 e2 2 2>&1) && ok "bit-identical to the fault-free run ($out)
 # host is lost: the group goes on whole in one node, from the checkpoint of step 5, and
 # the run is bit-identical to the fault-free one (the same group in one process).
 rm -f gone-*
-job=(--pipeline 1 --tensor-parallel 2 --global-batch 16 --microbatches 4 --steps 10 --eval-interval 0 --threads 1)
+job=("${small[@]}" --pipeline 1 --tensor-parallel 2 --global-batch 16 --microbatches 4 --steps 10 --eval-interval 0 --threads 1)
 "$launcher" train --nodes 1 "${job[@]}" --metrics reft.jsonl --save reft.pt >reft.log 2>&1 \
   || bad "fault-free T2 run" reft.log
 FAKE_SSH_DOOMED=127.0.0.2 "$launcher" train --hostfile hosts2 --min-nodes 1 "${job[@]}" --checkpoint-dir ckt \
@@ -137,7 +137,7 @@ out=$(same_run reft et 2 2>&1) && ok "bit-identical to the fault-free T2 run ($o
 # the job after its step with a checkpoint, and the job goes on from it on 2 nodes, a
 # launch that is no failure restart. Bit-identical to the fault-free run.
 rm -f gone-*
-job=(--pipeline 1 --data-parallel 2 --global-batch 8 --microbatches 4 --steps 30 --eval-interval 0 --threads 1)
+job=("${small[@]}" --pipeline 1 --data-parallel 2 --global-batch 8 --microbatches 4 --steps 30 --eval-interval 0 --threads 1)
 "$launcher" train --nodes 1 "${job[@]}" --metrics rg1.jsonl --save rg1.pt >rg1.log 2>&1 || bad "fault-free d2 run" rg1.log
 FAKE_SSH_DOOMED=127.0.0.2 FAKE_SSH_DOWN_FOR=3 TROUPE_FAULTS=kill_node=1:5 \
   "$launcher" train --hostfile hosts2 --min-nodes 1 --regrow-interval 1 "${job[@]}" --checkpoint-dir ck6 \
@@ -188,7 +188,7 @@ out=$(/usr/bin/python3 "$root/tests/support/compare_runs.py" rg1 g3 2 2>&1) && o
   || { echo "$out"; bad "host replaced: results differ from the fault-free run"; }
 # Without a checkpoint_dir nothing can go on from where the job is: it stays shrunk.
 rm -f gone-*
-job=(--pipeline 1 --global-batch 8 --steps 8 --eval-interval 0 --threads 1)
+job=("${small[@]}" --pipeline 1 --global-batch 8 --steps 8 --eval-interval 0 --threads 1)
 FAKE_SSH_DOOMED=127.0.0.2 FAKE_SSH_DOWN_FOR=2 TROUPE_FAULTS=kill_node=1:3 \
   "$launcher" train --hostfile hosts2 --min-nodes 1 --regrow-interval 1 "${job[@]}" --data-parallel 2 \
   --microbatches 4 >g2.log 2>&1
@@ -202,7 +202,7 @@ rm -f gone-*  # every host is back
 if unshare -m true 2>/dev/null; then
   mkdir -p fewer empty
   cp /usr/share/games/fortunes/[a-f]* fewer/ 2>/dev/null
-  job=(--pipeline 1 --global-batch 24 --steps 6 --eval-interval 0 --threads 1)
+  job=("${small[@]}" --pipeline 1 --global-batch 24 --steps 6 --eval-interval 0 --threads 1)
   # a) 127.0.0.3 reads another corpus: with --min-nodes the job starts without it, as d2
   #    of 6 micro-batches on 2 nodes (not on data other than the job's).
   FAKE_SSH_FORTUNES="127.0.0.3=$tmp/fewer" "$launcher" train --hostfile hosts3 --min-nodes 2 "${job[@]}" \
@@ -228,7 +228,7 @@ else
   echo "SKIP hosts that cannot run a node: no mount namespaces here (unshare -m needs root)"
 fi
 # A bad job is the job's fault, not a host's: exit 2 before any node, with --min-nodes too.
-"$launcher" train --hostfile hosts3 --min-nodes 1 --pipeline 1 --global-batch 24 --data-parallel 3 \
+"$launcher" train "${small[@]}" --hostfile hosts3 --min-nodes 1 --pipeline 1 --global-batch 24 --data-parallel 3 \
   --microbatches 5 --steps 2 >e5.log 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "troupe: error: .*global_batch 24 is not divisible by data_parallel (3) x microbatches (5)" e5.log \
@@ -236,15 +236,15 @@ rc=$?
   && ok "a bad job: exit 2 before any node" || bad "a bad job over a hostfile: exit $rc" e5.log
 
 # --- 5. refusals ----------------------------------------------------------------------
-"$launcher" train --hostfile hosts2 --min-nodes 3 --steps 1 >r1.log 2>&1
+"$launcher" train "${small[@]}" --hostfile hosts2 --min-nodes 3 --steps 1 >r1.log 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "min-nodes must be a count from 1 to the hostfile's 2, not '3'" r1.log \
   && ok "--min-nodes above the hosts: exit 2" || bad "--min-nodes 3 of 2 hosts: exit $rc" r1.log
-"$launcher" train --hostfile hosts2 --min-nodes 1 --regrow-interval 1.5 --steps 1 >r3.log 2>&1
+"$launcher" train "${small[@]}" --hostfile hosts2 --min-nodes 1 --regrow-interval 1.5 --steps 1 >r3.log 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "regrow-interval must be whole seconds, not '1.5'" r3.log && ! grep -q "node 0 of" r3.log \
   && ok "--regrow-interval 1.5: exit 2" || bad "--regrow-interval 1.5: exit $rc" r3.log
-"$launcher" train --nodes 2 --min-nodes 1 --steps 1 >r2.log 2>&1
+"$launcher" train "${small[@]}" --nodes 2 --min-nodes 1 --steps 1 >r2.log 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "min-nodes needs --hostfile" r2.log && ok "--min-nodes without --hostfile: exit 2" \
   || bad "--min-nodes without a hostfile: exit $rc" r2.log

@@ -13,7 +13,7 @@
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 # --global-batch 16: half the default batch in as many micro-batches: the same schedule,
 # messages and faults in about 60 % of the CPU time (the test suite is CPU-bound).
-job=(train --pipeline 2 --data-parallel 2 --steps 24 --eval-interval 0 --global-batch 16)
+job=(train "${small[@]}" --pipeline 2 --data-parallel 2 --steps 24 --eval-interval 0 --global-batch 16)
 
 "$launcher" "${job[@]}" --nodes 2 --metrics "$tmp/ref.jsonl" --save "$tmp/ref.pt" >"$tmp/ref.log" 2>&1 \
   && ok "fault-free run" || bad "fault-free run" "$tmp/ref.log"

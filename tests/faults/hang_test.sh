@@ -17,7 +17,7 @@
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 # --global-batch 16: half the default batch in as many micro-batches: the same schedule,
 # messages and faults in about 60 % of the CPU time (the test suite is CPU-bound).
-job=(train --nodes 2 --pipeline 2 --data-parallel 2 --steps 8 --eval-interval 0 --global-batch 16)
+job=(train "${small[@]}" --nodes 2 --pipeline 2 --data-parallel 2 --steps 8 --eval-interval 0 --global-batch 16)
 ref=ref  # the fault-free run hang() compares with
 
 "$launcher" "${job[@]}" --metrics "$tmp/ref.jsonl" --save "$tmp/ref.pt" >"$tmp/ref.log" 2>&1 \
@@ -102,7 +102,7 @@ else
 fi
 
 # SIGUSR2 to the launcher: node 0 logs the graph of the running job, which goes on.
-"$launcher" train --nodes 2 --pipeline 2 --data-parallel 2 --steps 400 --eval-interval 0 --global-batch 16 >"$tmp/status.log" 2>&1 &
+"$launcher" train "${small[@]}" --nodes 2 --pipeline 2 --data-parallel 2 --steps 400 --eval-interval 0 --global-batch 16 >"$tmp/status.log" 2>&1 &
 pid=$!
 for ((i = 0; i < 600; i++)); do grep -q "step  *3/400 |" "$tmp/status.log" && break; sleep 0.1; done
 kill -USR2 $pid
@@ -116,7 +116,7 @@ grep -q "status of step .* what each actor waits for" "$tmp/status.log" && ! gre
 
 # Tensor parallelism: pipeline 1 (replica 0's TP rank 1) freezes at its second op of step
 # index 4; rank 0 computes that op and waits inside the group's first collective of it.
-job=(train --nodes 2 --pipeline 2 --tensor-parallel 2 --steps 8 --eval-interval 0 --global-batch 16)
+job=(train "${small[@]}" --nodes 2 --pipeline 2 --tensor-parallel 2 --steps 8 --eval-interval 0 --global-batch 16)
 ref=tp-ref
 "$launcher" "${job[@]}" --metrics "$tmp/tp-ref.jsonl" --save "$tmp/tp-ref.pt" >"$tmp/tp-ref.log" 2>&1 \
   && ok "fault-free tensor-parallel run" || bad "fault-free tensor-parallel run" "$tmp/tp-ref.log"
@@ -127,7 +127,7 @@ hang frozen-tp-rank "$t1 \(node 0\) does not answer" \
 
 # Expert parallelism (moe-tiny, EP 2 x p2 x d2, one process): replica 1's stage 1 freezes
 # at its second op; replica 0's stage 1 waits in its backward's all-to-all for it.
-job=(train --workload moe-tiny --expert-parallel 2 --data-parallel 2 --pipeline 2 --steps 6 --eval-interval 0 --global-batch 16)
+job=(train "${small[@]}" --workload moe-tiny --expert-parallel 2 --data-parallel 2 --pipeline 2 --steps 6 --eval-interval 0 --global-batch 16)
 ref=ep-ref
 "$launcher" "${job[@]}" --metrics "$tmp/ep-ref.jsonl" --save "$tmp/ep-ref.pt" >"$tmp/ep-ref.log" 2>&1 \
   && ok "fault-free expert-parallel run" || bad "fault-free expert-parallel run" "$tmp/ep-ref.log"

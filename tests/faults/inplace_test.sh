@@ -9,7 +9,7 @@
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 # --global-batch 16: half the default batch in as many micro-batches: the same schedule,
 # messages and faults in about 60 % of the CPU time (the test suite is CPU-bound).
-job=(train --pipeline 2 --data-parallel 2 --steps 10 --eval-interval 0 --checksum true --global-batch 16)
+job=(train "${small[@]}" --pipeline 2 --data-parallel 2 --steps 10 --eval-interval 0 --checksum true --global-batch 16)
 # The faults found by the step timeout (or the hang watchdog, whichever comes first) get a
 # shorter one, still long enough for a healthy step of a heavily loaded machine (3 s and
 # more beside CI's other multi-process entries); those that announce themselves keep the

@@ -21,7 +21,7 @@
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 # --global-batch 16: half the default batch in as many micro-batches: the same schedule,
 # messages and faults in about 60 % of the CPU time (the test suite is CPU-bound).
-job=(train --nodes 2 --pipeline 2 --data-parallel 2 --eval-interval 0 --steps 6 --checkpoint-interval 2 --global-batch 16)
+job=(train "${small[@]}" --nodes 2 --pipeline 2 --data-parallel 2 --eval-interval 0 --steps 6 --checkpoint-interval 2 --global-batch 16)
 py=/usr/bin/python3
 # same_params A B: the two state_dict files hold the same tensors, bit for bit.
 same_params() {
@@ -48,7 +48,7 @@ rc=$?
 
 # 1. A mixed pair: the step-2 model beside the step-6 optimizer state (what a crash
 # between the two renames leaves, or a file copied over one of them) is refused.
-"$launcher" train --nodes 1 --pipeline 2 --data-parallel 2 --eval-interval 0 --steps 2 --save "$tmp/s2.pt" \
+"$launcher" train "${small[@]}" --nodes 1 --pipeline 2 --data-parallel 2 --eval-interval 0 --steps 2 --save "$tmp/s2.pt" \
   >"$tmp/s2.log" 2>&1 || bad "the step-2 pair" "$tmp/s2.log"
 cp "$tmp/s2.pt" "$tmp/mixed.pt" && cp "$tmp/ref.pt.optim" "$tmp/mixed.pt.optim"
 "$launcher" "${job[@]}" --load "$tmp/mixed.pt" >"$tmp/mixed.log" 2>&1
@@ -56,7 +56,7 @@ rc=$?
 [ $rc = 2 ] && grep -q "mixed.pt (of step 2) and .*mixed.pt.optim (of step 6) are not the two files of one --save" \
   "$tmp/mixed.log" && ! grep -q "continuing with step" "$tmp/mixed.log" \
   && ok "mixed --save pair: refused naming both steps, exit 2" || bad "mixed --save pair: exit $rc" "$tmp/mixed.log"
-"$launcher" train --nodes 1 --runtime local --pipeline 2 --data-parallel 2 --eval-interval 0 --steps 6 \
+"$launcher" train "${small[@]}" --nodes 1 --runtime local --pipeline 2 --data-parallel 2 --eval-interval 0 --steps 6 \
   --load "$tmp/mixed.pt" >"$tmp/mixed-local.log" 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "are not the two files of one --save" "$tmp/mixed-local.log" \
@@ -64,10 +64,10 @@ rc=$?
 
 # 2. Two jobs on one checkpoint_dir: the second is refused (in one process, and as a
 # 2-node job before its nodes start); after SIGKILL of the first, its lock is gone.
-"$launcher" train --nodes 1 --steps 2000 --eval-interval 0 --checkpoint-dir "$tmp/shared" >"$tmp/first.log" 2>&1 &
+"$launcher" train "${small[@]}" --nodes 1 --steps 2000 --eval-interval 0 --checkpoint-dir "$tmp/shared" >"$tmp/first.log" 2>&1 &
 first=$!
 started "$tmp/first.log" "step  *2/2000 |" || bad "the first job did not start" "$tmp/first.log"
-"$launcher" train --nodes 1 --steps 20 --seed 99 --eval-interval 0 --checkpoint-dir "$tmp/shared" >"$tmp/second.log" 2>&1
+"$launcher" train "${small[@]}" --nodes 1 --steps 20 --seed 99 --eval-interval 0 --checkpoint-dir "$tmp/shared" >"$tmp/second.log" 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "checkpoint_dir = '$tmp/shared' is in use by another running job (pid [0-9]* on" "$tmp/second.log" \
   && ok "a second job on a checkpoint_dir in use: refused, exit 2" || bad "second job: exit $rc" "$tmp/second.log"
@@ -78,7 +78,7 @@ rc=$?
 kill -KILL "$first"  # (the launcher: its one process ends with it, part 4)
 wait "$first" 2>/dev/null
 for ((i = 0; i < 50; i++)); do [ "$(own_pids troupe | wc -l)" = 0 ] && break; sleep 0.1; done
-"$launcher" train --nodes 1 --steps 2 --eval-interval 0 --checkpoint-dir "$tmp/shared" >"$tmp/third.log" 2>&1
+"$launcher" train "${small[@]}" --nodes 1 --steps 2 --eval-interval 0 --checkpoint-dir "$tmp/shared" >"$tmp/third.log" 2>&1
 rc=$?
 [ $rc = 0 ] && ok "after SIGKILL of the first job its lock does not block the next" || bad "third job: exit $rc" "$tmp/third.log"
 
@@ -103,7 +103,7 @@ same_params "$tmp/ref.pt" "$tmp/frozen.pt" && ok "frozen node 0: bit-identical t
 # Without node restarts node 1 is not started again to find out; node 0 does not end the
 # job (it is frozen), so the launcher ends it after 15 s. Without a checkpoint_dir there is
 # nothing to restart from: a clear error, in bounded time.
-"$launcher" train --nodes 2 --pipeline 2 --data-parallel 2 --eval-interval 0 --steps 2000 --max-node-restarts 0 \
+"$launcher" train "${small[@]}" --nodes 2 --pipeline 2 --data-parallel 2 --eval-interval 0 --steps 2000 --max-node-restarts 0 \
   >"$tmp/frozen-bare.log" 2>&1 &
 launch=$!
 if started "$tmp/frozen-bare.log" "step  *3/2000 |"; then
@@ -121,7 +121,7 @@ took=$(seconds_since "${stopped_at:-0}")
 
 # 4. SIGKILL of the launcher: its node processes end with it (2 nodes, and one process).
 for n in 2 1; do
-  "$launcher" train --nodes $n --pipeline 2 --data-parallel 2 --steps 2000 --eval-interval 0 >"$tmp/orphan$n.log" 2>&1 &
+  "$launcher" train "${small[@]}" --nodes $n --pipeline 2 --data-parallel 2 --steps 2000 --eval-interval 0 >"$tmp/orphan$n.log" 2>&1 &
   launch=$!
   started "$tmp/orphan$n.log" "step  *2/2000 |" || bad "the job to orphan ($n) did not start" "$tmp/orphan$n.log"
   comm=troupe-node
@@ -181,7 +181,7 @@ t0=$(date +%s.%N)
 rc=$? took=$(seconds_since "$t0")
 [ $rc = 2 ] && ! grep -q "node 0 of 2" "$tmp/early-text.log" \
   && ok "bad --text, 2 nodes: exit 2 before any node starts (${took} s)" || bad "bad --text: exit $rc" "$tmp/early-text.log"
-"$launcher" train --nodes 64 --eval-interval 0 >"$tmp/early-64.log" 2>&1
+"$launcher" train "${small[@]}" --nodes 64 --eval-interval 0 >"$tmp/early-64.log" 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "64 nodes" "$tmp/early-64.log" && ! grep -q "node 0 of 64" "$tmp/early-64.log" \
   && ok "--nodes 64: refused before any node starts" || bad "--nodes 64: exit $rc" "$tmp/early-64.log"
@@ -197,7 +197,7 @@ rc=$? took=$(seconds_since "${t0:-0}")
   && awk -v t="$took" 'BEGIN { exit !(t < 5) }' \
   && ok "a corrupt --resume folder found by node 0: exit 2, the launcher ended ${took} s after node 0's error" \
   || bad "corrupt --resume: exit $rc, ${took} s after the error" "$tmp/early-ckpt.log"
-"$launcher" train --nodes 1 --steps 1 --init "$tmp/ref.jsonl" >"$tmp/bad-init.log" 2>&1
+"$launcher" train "${small[@]}" --nodes 1 --steps 1 --init "$tmp/ref.jsonl" >"$tmp/bad-init.log" 2>&1
 rc=$?
 [ $rc = 2 ] && ok "a bad --init file: exit 2" || bad "bad --init: exit $rc" "$tmp/bad-init.log"
 

@@ -13,7 +13,7 @@
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 # --global-batch 16: half the default batch in as many micro-batches: the same schedule,
 # messages and faults in about 60 % of the CPU time (the test suite is CPU-bound).
-job=(train --pipeline 2 --data-parallel 2 --steps 10 --eval-interval 0 --global-batch 16)
+job=(train "${small[@]}" --pipeline 2 --data-parallel 2 --steps 10 --eval-interval 0 --global-batch 16)
 
 reference() {  # name, then the layout's flags
   local name=$1; shift
@@ -63,7 +63,7 @@ rejoined moe-ref moe-kill-node-1 1 "${moe[@]}" --kill-node 1:4
 # collective. (Whole groups on a node: launcher_test.sh.)
 tp=(--tensor-parallel 2 --sequence-parallel true --layers 2)
 saved_job=("${job[@]}")
-job=(train --pipeline 2 --data-parallel 1 --steps 10 --eval-interval 0 --global-batch 16)
+job=(train "${small[@]}" --pipeline 2 --data-parallel 1 --steps 10 --eval-interval 0 --global-batch 16)
 reference tp-spread-one "${tp[@]}" --nodes 1
 reference tp-spread "${tp[@]}" --nodes 4
 same tp-spread-one tp-spread 0

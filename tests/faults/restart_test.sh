@@ -10,7 +10,7 @@
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 # --global-batch 16: half the default batch in as many micro-batches: the same schedule,
 # messages and faults in about 60 % of the CPU time (the test suite is CPU-bound).
-job=(train --nodes 2 --pipeline 2 --data-parallel 2 --eval-interval 0 --global-batch 16)
+job=(train "${small[@]}" --nodes 2 --pipeline 2 --data-parallel 2 --eval-interval 0 --global-batch 16)
 
 same_run() { /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/ref" "$tmp/$1" 1 "$2"; }
 

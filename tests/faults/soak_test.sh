@@ -24,7 +24,7 @@ first_kind=$((RANDOM % 5))
 # due and injected 13 faults of 15: a launch ended before its node faults.
 # --global-batch 16: half the default batch in as many micro-batches: the same schedule,
 # messages and faults in about 60 % of the CPU time (the test suite is CPU-bound).
-job=(train --nodes 2 --pipeline 2 --data-parallel 2 --steps $steps --eval-interval 0 --checksum true --step-timeout 8
+job=(train "${small[@]}" --nodes 2 --pipeline 2 --data-parallel 2 --steps $steps --eval-interval 0 --checksum true --step-timeout 8
   --global-batch 16)
 echo "soak seed $seed (SOAK_SEED=$seed repeats it)"
 

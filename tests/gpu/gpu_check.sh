@@ -144,9 +144,17 @@ job_steps=${TROUPE_GPU_CHECK_JOB_STEPS:-14}
 [ "$job_steps" -ge 8 ] || { echo "gpu_check: TROUPE_GPU_CHECK_JOB_STEPS must be at least 8" >&2; exit 1; }
 # TROUPE_GPU_CHECK_JOB_FLAGS: flags added to every p2 x d2 job of the check (the shared
 # job, the --device auto one and the bf16 one). CTest's run on the CPU halves their batch
-# (--global-batch 16 --microbatches 4: micro-batches of 2 samples, as the default job's):
+# (--global-batch 16 --microbatches 4: micro-batches of 2 samples, as the default job's) of the
+# model at half its width and sequence length (--d-model 64 --seq-len 64):
 # the same code and comparisons in less time.
 read -r -a job_flags <<<"${TROUPE_GPU_CHECK_JOB_FLAGS:-}"
+# Their [model] flags: generate and eval of the jobs' state_dict files take them too.
+model_flags=()
+for ((i = 0; i < ${#job_flags[@]}; i++)); do
+  case ${job_flags[i]} in
+    --layers | --heads | --d-model | --d-ff | --seq-len) model_flags+=("${job_flags[i]}" "${job_flags[i + 1]}") && i=$((i + 1)) ;;
+  esac
+done
 job=(train --device "$device" --pipeline 2 --data-parallel 2 --steps "$job_steps" --eval-interval 0 "${job_flags[@]}")
 run_job() { "$build/troupe" "${job[@]}" --metrics "$out/$1.jsonl" --save "$out/$1.pt" "${@:2}"; }
 inplace() {  # inplace NAME FAULT...: the fault is retried in place (no resume), bit-identical to ref
@@ -416,13 +424,13 @@ PY
 recompute_generate_eval() {
   run_job recompute --recompute full >"$out/recompute.run" 2>&1 || { cat "$out/recompute.run"; return 1; }
   near_ref recompute || return 1
-  local gen=(generate --checkpoint "$out/ref.pt" --prompt "The " --tokens 200 --temperature 0) d
+  local gen=(generate --checkpoint "$out/ref.pt" --prompt "The " --tokens 200 --temperature 0 "${model_flags[@]}") d
   for d in "$device" cpu; do
     "$build/troupe" "${gen[@]}" --device "$d" >"$out/gen-$d.txt" 2>"$out/gen-$d.err" || { cat "$out/gen-$d.err"; return 1; }
     "$build/troupe" "${gen[@]}" --device "$d" --no-kv-cache >"$out/gen-$d-nocache.txt" 2>>"$out/gen-$d.err" ||
       { cat "$out/gen-$d.err"; return 1; }
     cat "$out/gen-$d.err"
-    "$build/troupe" eval --checkpoint "$out/ref.pt" --device "$d" >"$out/eval-$d.json" || return 1
+    "$build/troupe" eval --checkpoint "$out/ref.pt" --device "$d" "${model_flags[@]}" >"$out/eval-$d.json" || return 1
   done
   cmp "$out/gen-$device.txt" "$out/gen-$device-nocache.txt" && cmp "$out/gen-$device.txt" "$out/gen-cpu.txt" || return 1
   "$python" -c 'import json, sys; a, b = (json.load(open(f))["val_loss"] for f in sys.argv[1:]); print(a, b); assert abs(a - b) <= 1e-4 * b' \

@@ -47,7 +47,7 @@ TEST(ActorEvaluation, ThePipelineGivesTheGatheredModelsNumbers) {
     auto c = gpt_layout(l);
     c.steps = 4;
     c.eval_interval = 2;
-    c.eval_tokens = 1024;  // 8 of the 32 windows of 128 tokens a forward: 4 forwards
+    c.eval_tokens = 512;  // 8 of the 32 windows of 64 tokens a forward: 4 forwards
     const auto [gathered, piped] = gathered_and_piped(c);
     ASSERT_EQ(gathered.exit_code, 0) << gathered.error;
     ASSERT_EQ(piped.exit_code, 0) << piped.error;
@@ -141,7 +141,7 @@ TEST(ActorEvaluation, ALostResultTimesOutADuplicateCountsOnce) {
   auto c = gpt_layout({2, 1, 1, "1f1b"});
   c.steps = 2;
   c.eval_interval = 0;
-  c.eval_tokens = 1024;
+  c.eval_tokens = 512;  // 4 forwards of 8 windows of 64 tokens
   const auto clean = run_actors(c);
   ASSERT_EQ(clean.exit_code, 0) << clean.error;
   c.message = "duplicate@0:1:1:eval";

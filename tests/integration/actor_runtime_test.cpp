@@ -400,14 +400,14 @@ TEST(ActorRuntime, BadInitialWeightsAreRefusedUpFront) {
   save_state_dict(dir / "tiny.pt", initial_state(c.model(), 1));
   c.init = dir / "tiny.pt";
   c.layers = 2;
-  c.d_model = 64;
+  c.d_model = 32;
   try {
     run_actors(c);
-    ADD_FAILURE() << "gpt-tiny's weights were taken by a 2-layer, d_model 64 model";
+    ADD_FAILURE() << "the small gpt-tiny's weights were taken by a 2-layer, d_model 32 model";
   } catch (const std::exception& e) {
     const std::string what = e.what();
-    EXPECT_NE(what.find("wte.weight has shape [256, 128], expected [256, 64]"), std::string::npos) << what;
-    EXPECT_NE(what.find("wpe.weight has shape [128, 128], expected [128, 64]"), std::string::npos) << what;
+    EXPECT_NE(what.find("wte.weight has shape [256, 64], expected [256, 32]"), std::string::npos) << what;
+    EXPECT_NE(what.find("wpe.weight has shape [64, 64], expected [64, 32]"), std::string::npos) << what;
   }
 }
 

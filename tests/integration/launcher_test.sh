@@ -8,7 +8,7 @@
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 
 # A short job over 2 nodes: exit 0, node lines, progress, nothing left.
-"$launcher" train --nodes 2 --data-parallel 2 --steps 3 --eval-interval 0 >"$tmp/run.log" 2>&1
+"$launcher" train "${small[@]}" --nodes 2 --data-parallel 2 --steps 3 --eval-interval 0 >"$tmp/run.log" 2>&1
 rc=$?
 [ $rc = 0 ] && ok "2-node job exits 0" || bad "2-node job exit $rc" "$tmp/run.log"
 grep -q "node 1 of 2: localhost, pid" "$tmp/run.log" && ok "prints where each node runs" || bad "no node lines" "$tmp/run.log"
@@ -20,28 +20,28 @@ sleep 0.5
 [ "$(nodes_left)" = 0 ] && ok "no node left after the job" || bad "$(nodes_left) node(s) left after the job"
 
 # --help: the launcher's own options, then every job flag; no node process started.
-"$launcher" train --nodes 2 --help >"$tmp/help.log" 2>&1
+"$launcher" train "${small[@]}" --nodes 2 --help >"$tmp/help.log" 2>&1
 rc=$?
 [ $rc = 0 ] && grep -q -- "--min-nodes M" "$tmp/help.log" && grep -q -- "--hostfile FILE" "$tmp/help.log" \
   && grep -q -- "--data-parallel" "$tmp/help.log" && ! grep -q "node 0 of" "$tmp/help.log" \
   && ok "train --help: launcher options and job flags, no node started" || bad "train --help: exit $rc" "$tmp/help.log"
 
 # An output folder that does not exist: node 0 refuses it before the job starts.
-"$launcher" train --nodes 2 --data-parallel 2 --steps 200 --save "$tmp/nope/model.pt" >"$tmp/save.log" 2>&1
+"$launcher" train "${small[@]}" --nodes 2 --data-parallel 2 --steps 200 --save "$tmp/nope/model.pt" >"$tmp/save.log" 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "output.save = '$tmp/nope/model.pt': folder $tmp/nope does not exist" "$tmp/save.log" \
   && ! grep -q "step  *1/" "$tmp/save.log" && ok "--save into a missing folder refused before training (exit 2)" \
   || bad "--save into a missing folder: exit $rc" "$tmp/save.log"
 
 # Layouts that do not fit the nodes: one-line error, exit 2, before anything runs.
-"$launcher" train --nodes 3 --data-parallel 2 --steps 1 >"$tmp/bad.log" 2>&1
+"$launcher" train "${small[@]}" --nodes 3 --data-parallel 2 --steps 1 >"$tmp/bad.log" 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "divisible by the node count" "$tmp/bad.log" && ok "--nodes 3 with d=2 refused (exit 2)" \
   || bad "--nodes 3 with d=2: exit $rc" "$tmp/bad.log"
 # Tensor parallelism (a layout flag: without --nodes one process): 2 node processes, each
 # hosting whole tensor-parallel groups (replica r's four stage actors), train one
 # process's bits, and each node's line names its (replica, stage, tp).
-tp_job=(train --tensor-parallel 2 --sequence-parallel true --pipeline 2 --data-parallel 2 --layers 2 --steps 3 --eval-interval 0)
+tp_job=(train "${small[@]}" --tensor-parallel 2 --sequence-parallel true --pipeline 2 --data-parallel 2 --layers 2 --steps 3 --eval-interval 0)
 "$launcher" "${tp_job[@]}" --save "$tmp/tp1.pt" --metrics "$tmp/tp1.jsonl" >"$tmp/tp1.log" 2>&1
 "$launcher" "${tp_job[@]}" --nodes 2 --save "$tmp/tp2.pt" --metrics "$tmp/tp2.jsonl" >"$tmp/tp2.log" 2>&1
 rc=$?
@@ -49,18 +49,18 @@ rc=$?
   && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/tp1" "$tmp/tp2" 0 \
   && ok "tensor-parallel 2 on 2 nodes: one process's bits, layout lines" || bad "tensor-parallel 2 on 2 nodes: exit $rc" "$tmp/tp2.log"
 # Without layout flags any node count runs the default job's layout (p2 d2).
-"$launcher" train --nodes 1 --steps 1 --eval-interval 0 >"$tmp/one.log" 2>&1
+"$launcher" train "${small[@]}" --nodes 1 --steps 1 --eval-interval 0 >"$tmp/one.log" 2>&1
 rc=$?
 [ $rc = 0 ] && grep -q "pipeline 2 x data-parallel 2" "$tmp/one.log" \
   && ok "--nodes 1 without layout flags runs the default job's pipeline 2 x data-parallel 2" \
   || bad "--nodes 1 without layout flags: exit $rc" "$tmp/one.log"
-"$launcher" train --nodes zero >"$tmp/bad2.log" 2>&1
+"$launcher" train "${small[@]}" --nodes zero >"$tmp/bad2.log" 2>&1
 rc=$?
 [ $rc = 2 ] && ok "--nodes zero refused (exit 2)" || bad "--nodes zero: exit $rc" "$tmp/bad2.log"
 # A GPU asked for where the build has none (CI's): the nodes start, node 0 refuses the
 # job with the reason, every node ends.
 if "$TROUPE_BUILD_DIR/troupe" train --device cuda --steps 1 --eval-interval 0 2>&1 | grep -q "has no CUDA"; then
-  "$launcher" train --nodes 2 --device cuda --steps 2 >"$tmp/cuda.log" 2>&1
+  "$launcher" train "${small[@]}" --nodes 2 --device cuda --steps 2 >"$tmp/cuda.log" 2>&1
   rc=$?
   [ $rc = 2 ] && grep -q "device 'cuda': this build's LibTorch has no CUDA" "$tmp/cuda.log" \
     && ok "--device cuda with 2 nodes on a build without CUDA refused (exit 2)" || bad "--device cuda: exit $rc" "$tmp/cuda.log"
@@ -70,13 +70,13 @@ for setting in "TROUPE_NCCL=1|TROUPE_NCCL=1: the job does not run on a GPU" \
                "TROUPE_NCCL=yes|TROUPE_NCCL=yes: expected 1 or 0" \
                "TROUPE_IPC=shm|TROUPE_IPC=shm: expected host, cuda, 0 or off" \
                "TROUPE_LINKS=nccl|TROUPE_LINKS=nccl: expected ucx or 0"; do
-  env "${setting%%|*}" "$launcher" train --nodes 2 --data-parallel 2 --steps 2 >"$tmp/setting.log" 2>&1
+  env "${setting%%|*}" "$launcher" train "${small[@]}" --nodes 2 --data-parallel 2 --steps 2 >"$tmp/setting.log" 2>&1
   rc=$?
   [ $rc = 2 ] && grep -qF "${setting#*|}" "$tmp/setting.log" && ok "${setting%%|*} on a CPU job refused (exit 2)" \
     || bad "${setting%%|*}: exit $rc" "$tmp/setting.log"
 done
 # TROUPE_SKIP_SETUP=1 (launch/setup-gpu's builds) without a build: a one-line error.
-TROUPE_SKIP_SETUP=1 TROUPE_BUILD_DIR="$tmp/no-build" "$launcher" train --nodes 2 >"$tmp/skip.log" 2>&1
+TROUPE_SKIP_SETUP=1 TROUPE_BUILD_DIR="$tmp/no-build" "$launcher" train "${small[@]}" --nodes 2 >"$tmp/skip.log" 2>&1
 rc=$?
 [ $rc = 2 ] && grep -q "TROUPE_SKIP_SETUP=1 but no $tmp/no-build/troupe-node" "$tmp/skip.log" \
   && ok "TROUPE_SKIP_SETUP=1 without a build refused (exit 2)" || bad "TROUPE_SKIP_SETUP=1: exit $rc" "$tmp/skip.log"
@@ -86,7 +86,7 @@ sleep 0.5
 # Ctrl-C: SIGINT to the launcher stops the whole job. (Job control on: a non-interactive
 # shell starts background commands with SIGINT ignored.)
 set -m
-"$launcher" train --nodes 2 --data-parallel 2 --steps 5000 --eval-interval 0 >"$tmp/int.log" 2>&1 &
+"$launcher" train "${small[@]}" --nodes 2 --data-parallel 2 --steps 5000 --eval-interval 0 >"$tmp/int.log" 2>&1 &
 pid=$!
 for ((i = 0; i < 600; i++)); do grep -q "2/5000 |" "$tmp/int.log" 2>/dev/null && break; sleep 0.2; done
 grep -q "2/5000 |" "$tmp/int.log" || bad "the long job did not start" "$tmp/int.log"

@@ -23,7 +23,7 @@ const reference_run& llama_reference() {
   static const reference_run ref = [] {
     reference_run r;
     r.state = test::shared_reference(
-        "actors-llama-tiny-reference-6-steps",
+        "actors-small-llama-tiny-reference-6-steps",
         [](std::vector<double>* losses) {
           auto run = reference_of(llama_config(200));
           *losses = run.losses;

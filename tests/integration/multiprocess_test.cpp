@@ -51,7 +51,8 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
   const std::vector<std::string> flags{"--pipeline", std::to_string(p), "--data-parallel", std::to_string(d),
                                        "--microbatches", "4", "--steps", "10", "--eval-interval", "0",
                                        "--threads", "1", "--precision", precision,
-                                       "--bucket-size", std::to_string(bucket_size)};
+                                       "--bucket-size", std::to_string(bucket_size),
+                                       "--d-model", "64", "--seq-len", "64"};  // test::small_config
   auto args = flags;
   args.insert(args.end(), {"--save", dir / "multi.pt", "--metrics", dir / "multi.jsonl", "--eval-tokens", "1024",
                            "--checkpoint-dir", dir / "ck"});
@@ -60,7 +61,7 @@ TEST_P(MultiProcess, NodesGiveExactlyTheInProcessParameters) {
   for (int i = 0; i < nodes; ++i) ASSERT_EQ(results[i].status, 0) << "node " << i << ":\n" << results[i].output;
   EXPECT_NE(results[0].output.find("step 10/10"), std::string::npos) << results[0].output;
 
-  auto cfg = test::gpt_config(10);
+  auto cfg = test::small_config(10);
   cfg.pipeline = p;
   cfg.data_parallel = d;
   cfg.microbatches = 4;

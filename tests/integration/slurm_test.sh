@@ -10,7 +10,7 @@
 #   tests/integration/slurm_test.sh REPO_ROOT BUILD_DIR
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 cd "$tmp"
-job=(train --data-parallel 2 --steps 4 --eval-interval 0)
+job=(train "${small[@]}" --data-parallel 2 --steps 4 --eval-interval 0)
 slurm=(SLURM_NTASKS=2 SLURM_NNODES=1 SLURM_NODELIST=localhost SLURM_JOB_ID=4242)
 
 "$launcher" "${job[@]}" --nodes 2 --metrics ref.jsonl --save ref.pt >ref.log 2>&1 \
@@ -143,7 +143,7 @@ elif real_slurm; then
   out=$(/usr/bin/python3 "$root/tests/support/compare_runs.py" ref srun 0 2>&1) \
     && ok "under srun bit-identical to the launcher's own run ($out)" || { echo "$out"; bad "srun results differ" srun.log; }
   # scancel stops the whole job: srun ends, no node process is left.
-  srun -n 2 "$launcher" train --data-parallel 2 --steps 500 --eval-interval 0 >scancel.log 2>&1 &
+  srun -n 2 "$launcher" train "${small[@]}" --data-parallel 2 --steps 500 --eval-interval 0 >scancel.log 2>&1 &
   srun_pid=$!
   for ((i = 0; i < 300; i++)); do grep -q "^step  *1/" scancel.log 2>/dev/null && break; sleep 0.1; done
   scancel "$(squeue -h -o %i | head -1)"

@@ -84,7 +84,7 @@ printf '# the job'"'"'s hosts\n127.0.0.1\nlocalhost   # node 1\n' >"$work/hosts"
 cd "$work"
 
 # --- a short job in the launcher's folder ----------------------------------------------
-"$launcher" train --hostfile hosts --data-parallel 2 --steps 3 --eval-interval 0 --checkpoint-dir ckpt \
+"$launcher" train "${small[@]}" --hostfile hosts --data-parallel 2 --steps 3 --eval-interval 0 --checkpoint-dir ckpt \
   --trace "t r.json" >short.log 2>&1
 rc=$?
 [ $rc = 0 ] && ok "2 nodes over ssh: exit 0" || bad "2 nodes over ssh: exit $rc" short.log
@@ -100,7 +100,7 @@ sleep 0.5
 node_pid() { own_pids | while read -r p; do
   tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "TROUPE_NODE=$1" && echo "$p"; done | head -1; }
 long() {  # log: a long job started in the background (job control: SIGINT reaches it)
-  UCX_TLS=tcp,sm,self TROUPE_TEST_MARK=a\ b "$launcher" train --hostfile hosts --data-parallel 2 --steps 5000 \
+  UCX_TLS=tcp,sm,self TROUPE_TEST_MARK=a\ b "$launcher" train "${small[@]}" --hostfile hosts --data-parallel 2 --steps 5000 \
     --eval-interval 0 --global-batch 16 >"$1" 2>&1 &
   pid=$!
   for ((i = 0; i < 600; i++)); do grep -q "2/5000 |" "$1" 2>/dev/null && break; sleep 0.2; done
@@ -143,7 +143,7 @@ set +m
 # --- node 1 lost: started again over ssh, rejoins; the same result as on this machine --
 # --global-batch 16 (here, in job30 and in long above): half the default batch in as many
 # micro-batches, the same messages in about 60 % of the CPU time (the suite is CPU-bound).
-job=(train --pipeline 2 --data-parallel 2 --steps 10 --eval-interval 0 --global-batch 16)
+job=(train "${small[@]}" --pipeline 2 --data-parallel 2 --steps 10 --eval-interval 0 --global-batch 16)
 "$launcher" "${job[@]}" --nodes 2 --metrics ref.jsonl --save ref.pt >ref.log 2>&1 \
   && ok "fault-free reference (local node processes)" || bad "fault-free reference" ref.log
 "$launcher" "${job[@]}" --hostfile hosts --kill-node 1:4 --metrics got.jsonl --save got.pt >got.log 2>&1
@@ -195,7 +195,7 @@ else
   # the launcher's probe of the host times out, and with --min-nodes 1 the job goes on
   # from its checkpoint on node 0's host alone (the same layout in one node process):
   # bit-identical to the local run.
-  job30=(train --pipeline 2 --data-parallel 2 --steps 30 --eval-interval 0 --global-batch 16)
+  job30=(train "${small[@]}" --pipeline 2 --data-parallel 2 --steps 30 --eval-interval 0 --global-batch 16)
   "$launcher" "${job30[@]}" --nodes 1 --metrics ref30.jsonl --save ref30.pt >ref30.log 2>&1 \
     || bad "fault-free 30-step reference" ref30.log
   UCX_TLS=tcp,self UCX_NET_DEVICES="$va,$vb" "$launcher" "${job30[@]}" --hostfile hosts2 --min-nodes 1 \

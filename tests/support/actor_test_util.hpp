@@ -22,9 +22,9 @@ struct reference_run {
   std::vector<double> losses;
 };
 
-/// gpt-tiny's data and training with llama-tiny's model.
+/// gpt-tiny's data and training with llama-tiny's model (test::small_config's width).
 inline job_config llama_config(int steps) {
-  auto c = test::gpt_config(steps);
+  auto c = test::small_config(steps);
   c.workload = "llama-tiny";
   return c;
 }
@@ -40,14 +40,15 @@ inline reference_run reference_of(job_config c) {
   return out;
 }
 
-/// gpt-tiny's reference run, computed once per build (test::shared_reference).
+/// The small gpt-tiny's reference run (test::small_config), computed once per build
+/// (test::shared_reference).
 inline const reference_run& gpt_reference() {
   static const reference_run ref = [] {
     reference_run r;
     r.state = test::shared_reference(
-        "actors-gpt-tiny-reference-6-steps",
+        "actors-small-gpt-tiny-reference-6-steps",
         [](std::vector<double>* losses) {
-          auto run = reference_of(test::gpt_config(200));
+          auto run = reference_of(test::small_config(200));
           *losses = run.losses;
           return run.state;
         },
@@ -83,7 +84,7 @@ inline std::string name_of(const layout& l) {
 inline void PrintTo(const layout& l, std::ostream* os) { *os << name_of(l); }
 
 inline job_config gpt_layout(const layout& l) {
-  auto c = test::gpt_config(200);  // the lr schedule of a 200-step run; 10 steps run
+  auto c = test::small_config(200);  // the lr schedule of a 200-step run; kSteps run
   c.pipeline = l.p;
   c.data_parallel = l.d;
   c.chunks = l.v;

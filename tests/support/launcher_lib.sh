@@ -1,8 +1,8 @@
 # Shared by the launcher's shell tests (launcher, restart, soak): sourced as
 #   source "$(dirname "$0")/launcher_lib.sh" REPO_ROOT BUILD_DIR
 # Sets root, launcher, tmp (removed at exit with every node process this test started),
-# fail; ok NAME, bad NAME [LOG] (prints the log's tail), own_pids, nodes_left, free_port,
-# unpack_debs.
+# fail, small; ok NAME, bad NAME [LOG] (prints the log's tail), own_pids, nodes_left,
+# free_port, unpack_debs.
 #
 # The test's own processes carry TROUPE_TEST_TAG (unique to the test; the launcher passes
 # TROUPE_* variables to every node, locally, over ssh and under srun), so that a test
@@ -13,6 +13,10 @@ root=$1
 # side by side, and none may rebuild what the others run).
 export TROUPE_BUILD_DIR=$2 TROUPE_SETUP_LOG=$(mktemp) TROUPE_SKIP_SETUP=1
 launcher=$root/launch/troupe
+# The model the tests' jobs train: gpt-tiny's (or the workload's) layers and heads, at half
+# its width and sequence length. Faults, recovery, layouts and comparisons are the same;
+# a step costs about a third of the CPU time (the suite is CPU-bound).
+small=(--d-model 64 --seq-len 64)
 tmp=$(mktemp -d)
 export TROUPE_TEST_TAG=$tmp
 fail=0

@@ -52,6 +52,18 @@ inline job_config gpt_config(int steps) {
   return c;
 }
 
+/// The model the tests of layouts, schedules, runtimes and recovery train: gpt-tiny's
+/// workload (or another one's, set after) at half its width and sequence length. What they
+/// compare (against one process, the plain loop, the fault-free run) is the same at any
+/// width; a step costs about a third of the CPU time (the test suite is CPU-bound).
+/// tests/support/launcher_lib.sh gives the shell tests' jobs the same ($small).
+inline job_config small_config(int steps) {
+  auto c = gpt_config(steps);
+  c.d_model = 64;
+  c.seq_len = 64;
+  return c;
+}
+
 /// A reference run shared by the test processes that compare with it (CTest runs every
 /// test in a process of its own, and many compare with the same plain run): `make()`
 /// computes it (its parameters, and its losses into `losses`) once per build of this test

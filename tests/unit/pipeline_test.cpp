@@ -29,8 +29,8 @@ constexpr int kGlobalBatch = 16;
 /// The unsliced model on the full batch: one stage, one micro-batch, one replica
 /// (computed once per build: test::shared_reference).
 const state_dict& reference() {
-  static const state_dict ref = test::shared_reference("full-batch-16-gpt-tiny", [](std::vector<double>* losses) {
-    auto c = test::gpt_config(200);
+  static const state_dict ref = test::shared_reference("full-batch-16-small-gpt-tiny", [](std::vector<double>* losses) {
+    auto c = test::small_config(200);
     c.global_batch = kGlobalBatch;
     c.microbatches = 1;
     return train(c, kSteps, losses);
@@ -58,7 +58,7 @@ class Equivalence : public ::testing::TestWithParam<layout> {};
 
 TEST_P(Equivalence, ParametersEqualTheFullBatchRunAfterTenSteps) {
   const auto l = GetParam();
-  auto c = test::gpt_config(200);
+  auto c = test::small_config(200);
   c.global_batch = kGlobalBatch;
   c.pipeline = l.p;
   c.data_parallel = l.d;
@@ -83,7 +83,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return name_of(info.param); });
 
 TEST(Equivalence, TiedEmbeddingStaysTiedAcrossStages) {
-  auto c = test::gpt_config(200);
+  auto c = test::small_config(200);
   c.pipeline = 4;
   local_trainer t(c);
   for (int i = 0; i < 3; ++i) t.step();
@@ -93,7 +93,7 @@ TEST(Equivalence, TiedEmbeddingStaysTiedAcrossStages) {
 }
 
 TEST(Equivalence, ReplicasHoldIdenticalParameters) {
-  auto c = test::gpt_config(200);
+  auto c = test::small_config(200);
   c.data_parallel = 2;
   c.microbatches = 2;
   local_trainer t(c);
@@ -104,7 +104,7 @@ TEST(Equivalence, ReplicasHoldIdenticalParameters) {
 
 TEST(Equivalence, ResumeFromCheckpointIsBitIdentical) {
   test::temp_dir dir;
-  auto c = test::gpt_config(6);
+  auto c = test::small_config(6);
   c.pipeline = 2;
   c.microbatches = 4;
   const auto straight = train(c, 6);
@@ -132,7 +132,7 @@ TEST(Equivalence, ResumeFromCheckpointIsBitIdentical) {
 TEST(Equivalence, CheckpointOfAnotherModelIsRefused) {
   test::temp_dir dir;
   save_state_dict(dir / "mlp.pt", initial_state(model_spec::fmnist_mlp(), 1));
-  auto c = test::gpt_config(5);
+  auto c = test::small_config(5);
   c.init = dir / "mlp.pt";
   EXPECT_THROW(local_trainer t(c), model_error);
 }

@@ -21,9 +21,11 @@ torch::Tensor part_context::row_parallel(const torch::Tensor& x, const std::stri
   return b.defined() ? y + b : y;
 }
 
-collective_group& part_context::group() const {
+collective_group& group_of(const tensor_parallel& tp) {
   if (!tp.group) throw model_error("tensor-parallel rank " + std::to_string(tp.rank) + " computes without a group");
   return *tp.group;
 }
+
+collective_group& part_context::group() const { return group_of(tp); }
 
 }  // namespace troupe

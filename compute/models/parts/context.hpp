@@ -23,6 +23,10 @@ enum class block_pass {
   recomputing,    ///< a full recompute's rerun in the backward, with a graph
 };
 
+/// The group of a tensor-parallel rank; throws model_error for a rank that computes
+/// without one (an optimizer shard's layout).
+collective_group& group_of(const tensor_parallel& tp);
+
 struct part_context {
   const decoder_family& family;
   const decoder_config& cfg;
@@ -46,8 +50,7 @@ struct part_context {
   torch::Tensor row_parallel(const torch::Tensor& x, const std::string& name, bool bias) const;
   /// Sequence parallelism of the slice (in any pass).
   bool slice_sequence() const { return tp.active() && tp.sequence; }
-  /// Throws model_error for a rank that computes without a group (an optimizer shard's layout).
-  collective_group& group() const;
+  collective_group& group() const;  ///< group_of(tp)
 };
 
 }  // namespace troupe
