@@ -85,7 +85,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
     resume_optim = std::move(ckpt.optim);
     start_step = ckpt.step;
   } else {
-    init = c.init.empty() ? initial_state(spec, c.seed) : read_initial_weights(c.init, spec);
+    init = c.initial_weights().empty() ? initial_state(spec, c.seed) : read_initial_weights(c.initial_weights(), spec);
   }
   if (cfg.resume.empty()) check_state(spec, init);
   if (slots) keep_only(*slots);

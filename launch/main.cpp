@@ -182,8 +182,14 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
   m.cfg = cfg;
   m.source = from;
   if (!std::filesystem::is_directory(from) || troupe::is_hf_folder(from)) {
-    m.state = troupe::read_initial_weights(from, cfg.model());  // a state_dict file or a Hugging Face folder
-    troupe::check_state(cfg.model(), m.state);  // before anything is logged or computed
+    if (troupe::is_hf_folder(from) && m.cfg.hf_model.empty()) {  // its config.json gives the model
+      m.cfg.hf_model = from;
+      m.cfg.take_model_from_folder();
+      m.cfg.validate();
+    }
+    const auto spec = m.cfg.model();
+    m.state = troupe::read_initial_weights(from, spec);  // a state_dict file or a Hugging Face folder
+    troupe::check_state(spec, m.state);  // before anything is logged or computed
     return m;
   }
   for (const auto& f : flags.given())
@@ -208,7 +214,8 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
 
 /// The flags of `troupe generate`: a file's model and where to run.
 bool model_source_key(const std::string& k) {
-  return k == "train.workload" || k == "train.device" || k.rfind("model.", 0) == 0 || k == "data.tokenizer";
+  return k == "train.workload" || k == "train.model" || k == "train.device" || k.rfind("model.", 0) == 0 ||
+         k == "data.tokenizer";
 }
 
 /// The flags of `troupe eval`: those and the data.

@@ -239,6 +239,10 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
     out.emplace_back("model.norm_eps", fmt_double(g.norm_eps));
     out.emplace_back("model.tie_embeddings", g.tie_embeddings ? "true" : "false");
     if (g.arch == decoder_arch::llama) out.emplace_back("model.rope_theta", fmt_double(g.rope_theta));
+    if (g.n_experts > 0)  // (a model from a Hugging Face folder need not be a workload with experts)
+      for (const auto& [k, v] : {std::pair<const char*, int>{"model.experts", g.n_experts}, {"model.moe_top_k", g.moe_top_k},
+                                 {"model.moe_d_ff", g.expert_d_ff()}, {"model.moe_every", g.moe_every}})
+        out.emplace_back(k, std::to_string(v));
   }
   return out;
 }
@@ -394,6 +398,13 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
       for (const auto& [k, v] : own)
         if (k.rfind("model.", 0) == 0) implied[k] = v;
     }
+    // Manifests written before the experts' keys lack them: their experts were their
+    // workload's own.
+    const std::string saved_workload = saved.value("train.workload", std::string());
+    if (!saved.contains("model.experts") && (saved_workload == "moe-tiny" || saved_workload == "moe-small"))
+      for (const auto& [k, v] : training_identity(job_config::defaults_for(saved_workload)))
+        if (k == "model.experts" || k == "model.moe_top_k" || k == "model.moe_d_ff" || k == "model.moe_every")
+          implied[k] = v;
     const auto mine = training_identity(cfg);
     for (const auto& [k, v] : mine) {
       const std::string theirs = saved.contains(k)  ? saved.at(k).get<std::string>()

@@ -1,5 +1,6 @@
 #include "compute/checkpoint/hf_folder.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -54,6 +55,80 @@ nlohmann::json read_json(const fs::path& path) {
   } catch (const nlohmann::json::exception& e) {
     throw checkpoint_error(path.string() + " is not valid JSON (" + e.what() + ")");
   }
+}
+
+/// The rotary embedding's base in config.json, in both spellings: transformers 4.x writes
+/// `rope_theta` and `rope_scaling` at the top level, 5.x one `rope_parameters` object
+/// ({"rope_theta": ..., "rope_type": ...}). Troupe's rotary embedding is the default one
+/// (no scaling, every dimension of a head rotated): any other rope_type or a partial
+/// rotation goes into `problems`, never read as the default.
+double rotary_base(const nlohmann::json& c, std::vector<std::string>& problems) {
+  double theta = 10000;
+  auto read_theta = [&](const nlohmann::json& j, const std::string& key) {
+    const auto it = j.find("rope_theta");
+    if (it == j.end() || it->is_null()) return;
+    if (!it->is_number()) {
+      problems.push_back(key + " " + it->dump() + " (expected a number)");
+      return;
+    }
+    theta = it->get<double>();
+  };
+  read_theta(c, "rope_theta");
+  auto check_kind = [&](const nlohmann::json& j, const std::string& key) {
+    if (j.is_null()) return;
+    if (!j.is_object()) {
+      problems.push_back(key + " " + j.dump() + " (expected an object)");
+      return;
+    }
+    // 4.x's rope_scaling names it "rope_type" (older files "type").
+    std::string kind = "default";
+    for (const char* name : {"rope_type", "type"})
+      if (j.contains(name) && j.at(name).is_string()) {
+        kind = j.at(name).get<std::string>();
+        break;
+      }
+    if (kind != "default")
+      problems.push_back(key + " rope_type " + kind + " (Troupe's rotary embedding is the default one, unscaled)");
+    const auto partial = j.find("partial_rotary_factor");
+    if (partial != j.end() && partial->is_number() && partial->get<double>() != 1)
+      problems.push_back(key + " partial_rotary_factor " + partial->dump() + " (Troupe rotates every dimension)");
+  };
+  if (const auto it = c.find("rope_scaling"); it != c.end()) check_kind(*it, "rope_scaling");
+  if (const auto it = c.find("rope_parameters"); it != c.end()) {
+    check_kind(*it, "rope_parameters");
+    if (it->is_object()) read_theta(*it, "rope_parameters.rope_theta");
+  }
+  if (const auto it = c.find("partial_rotary_factor"); it != c.end() && it->is_number() && it->get<double>() != 1)
+    problems.push_back("partial_rotary_factor " + it->dump() + " (Troupe rotates every dimension)");
+  return theta;
+}
+
+/// Fields that change the computation and that Troupe's blocks of the family (llama's or
+/// gpt2's) do not have, for a job of `seq_len` tokens (0: no window is checked): refused
+/// by name, never ignored.
+void unsupported_fields(const nlohmann::json& c, bool llama, int seq_len, std::vector<std::string>& problems) {
+  if (!llama) {
+    const std::string act = c.value("activation_function", std::string("gelu_new"));
+    if (act != "gelu")
+      problems.push_back("activation_function " + act + " (Troupe's gpt2 uses the exact GELU, \"gelu\"" +
+                         (act == "gelu_new" ? "; gelu_new is the tanh approximation" : "") + ")");
+    return;
+  }
+  if (const auto act = c.value("hidden_act", std::string("silu")); act != "silu")
+    problems.push_back("hidden_act " + act + " (llama's MLP is SwiGLU: silu)");
+  for (const char* bias : {"attention_bias", "mlp_bias"})
+    if (c.value(bias, false)) problems.push_back(std::string(bias) + " true (llama has no biases)");
+  for (const char* key : {"attn_logit_softcapping", "final_logit_softcapping", "attention_dropout",
+                          "router_jitter_noise", "shared_expert_intermediate_size"}) {
+    const auto it = c.find(key);
+    if (it != c.end() && !it->is_null() && !(it->is_number() && it->get<double>() == 0))
+      problems.push_back(std::string(key) + " " + it->dump() + " (Troupe's blocks have none)");
+  }
+  const auto window = c.find("sliding_window");
+  if (seq_len > 0 && window != c.end() && window->is_number() && window->get<double>() < seq_len &&
+      c.value("use_sliding_window", true))
+    problems.push_back("sliding_window " + window->dump() + " (shorter than the job's seq_len " + std::to_string(seq_len) +
+                       "; Troupe's attention sees the whole sequence)");
 }
 
 /// config.json against the job's model: every field that shapes the weights or the
@@ -112,13 +187,13 @@ void check_config(const std::string& dir, const nlohmann::json& c, const model_s
     same_int("num_key_value_heads", number("num_attention_heads", -1), g.kv_heads(), "kv_heads");
     same_int("head_dim", g.head_dim(), g.head_dim(), "d_model / heads");
     same_real("rms_norm_eps", 1e-6, g.norm_eps, "norm_eps");
-    same_real("rope_theta", 10000, g.rope_theta, "rope_theta");
-    if (c.value("hidden_act", std::string("silu")) != "silu")
-      differ.push_back("hidden_act " + c.at("hidden_act").get<std::string>() + " (llama's MLP is SwiGLU: silu)");
-    if (c.contains("rope_scaling") && !c.at("rope_scaling").is_null())
-      differ.push_back("rope_scaling " + c.at("rope_scaling").dump() + " (Troupe's rotary embedding has none)");
-    for (const char* bias : {"attention_bias", "mlp_bias"})
-      if (c.value(bias, false)) differ.push_back(std::string(bias) + " true (llama has no biases)");
+    const double theta = rotary_base(c, differ);
+    if (std::abs(theta - g.rope_theta) > 1e-9 * std::max(1.0, std::abs(g.rope_theta))) {
+      std::ostringstream o;
+      o << "rope_theta " << theta << " (the job's rope_theta " << g.rope_theta << ")";
+      differ.push_back(o.str());
+    }
+    unsupported_fields(c, true, g.seq_len, differ);
   } else {
     same_int("n_embd", -1, g.d_model, "d_model");
     same_int("n_inner", 4 * number("n_embd", -1), g.d_ff, "d_ff");
@@ -126,10 +201,7 @@ void check_config(const std::string& dir, const nlohmann::json& c, const model_s
     same_int("n_head", -1, g.n_head, "heads");
     same_int("n_positions", -1, g.seq_len, "seq_len");
     same_real("layer_norm_epsilon", 1e-5, g.norm_eps, "norm_eps");
-    const std::string act = c.value("activation_function", std::string("gelu_new"));
-    if (act != "gelu")
-      differ.push_back("activation_function " + act + " (Troupe's gpt2 uses the exact GELU, \"gelu\"" +
-                       (act == "gelu_new" ? "; gelu_new is the tanh approximation" : "") + ")");
+    unsupported_fields(c, false, 0, differ);
   }
   if (!differ.empty()) {
     std::string msg = "Hugging Face folder " + dir + ": config.json disagrees with the job's model: ";
@@ -267,6 +339,114 @@ std::size_t export_hf_folder(const std::string& dir, const model_spec& spec, con
   fs::remove(fs::path(dir) / "model.safetensors.index.json", ec);  // a stale index would name other shards
   write_file_atomically((fs::path(dir) / "config.json").string(), config.dump(2) + "\n");
   return out.size();
+}
+
+hf_model_shape read_hf_model_shape(const std::string& dir) {
+  const fs::path p(dir);
+  if (!fs::is_directory(p)) throw checkpoint_error("Hugging Face folder " + dir + " is not a folder");
+  if (!fs::exists(p / "config.json")) throw checkpoint_error("Hugging Face folder " + dir + " has no config.json");
+  const auto c = read_json(p / "config.json");
+  const std::string where = "Hugging Face folder " + dir + ": config.json";
+  if (!c.is_object()) throw checkpoint_error(where + " is not a JSON object");
+  const auto type_it = c.find("model_type");
+  const std::string type = type_it != c.end() && type_it->is_string() ? type_it->get<std::string>() : "";
+  hf_model_shape out;
+  out.model_type = type;
+  auto& g = out.decoder;
+  std::vector<std::string> problems;
+  // A positive integer field; `fallback` (0: none) when it is missing or null.
+  auto integer = [&](const char* key, int fallback) -> int {
+    const auto it = c.find(key);
+    if (it == c.end() || it->is_null()) {
+      if (fallback <= 0) problems.push_back(std::string("no ") + key);
+      return fallback;
+    }
+    if (!it->is_number_integer() || it->get<long long>() < 1 || it->get<long long>() > (1LL << 30)) {
+      problems.push_back(std::string(key) + " " + it->dump() + " (expected a positive integer)");
+      return fallback;
+    }
+    return int(it->get<long long>());
+  };
+  auto real = [&](const char* key, double fallback) -> double {
+    const auto it = c.find(key);
+    if (it == c.end() || it->is_null()) return fallback;
+    if (!it->is_number() || it->get<double>() <= 0) {
+      problems.push_back(std::string(key) + " " + it->dump() + " (expected a positive number)");
+      return fallback;
+    }
+    return it->get<double>();
+  };
+  auto boolean = [&](const char* key, bool fallback) -> bool {
+    const auto it = c.find(key);
+    if (it == c.end() || it->is_null()) return fallback;
+    if (!it->is_boolean()) {
+      problems.push_back(std::string(key) + " " + it->dump() + " (expected true or false)");
+      return fallback;
+    }
+    return it->get<bool>();
+  };
+  if (type == "llama" || type == "mixtral") {
+    g.arch = decoder_arch::llama;
+    g.d_model = integer("hidden_size", 0);
+    g.n_layer = integer("num_hidden_layers", 0);
+    g.n_head = integer("num_attention_heads", 0);
+    g.n_kv_head = integer("num_key_value_heads", g.n_head);
+    g.d_ff = integer("intermediate_size", 0);
+    g.vocab = integer("vocab_size", 0);
+    g.norm_eps = real("rms_norm_eps", 1e-6);  // LlamaConfig's and MixtralConfig's default
+    g.tie_embeddings = boolean("tie_word_embeddings", false);
+    g.rope_theta = rotary_base(c, problems);
+    out.max_positions = c.contains("max_position_embeddings") ? integer("max_position_embeddings", 0) : 0;
+    if (g.n_head > 0 && g.d_model % g.n_head != 0)
+      problems.push_back("hidden_size " + std::to_string(g.d_model) + " is not a multiple of num_attention_heads " +
+                         std::to_string(g.n_head));
+    if (g.n_head > 0 && g.n_kv_head > 0 && g.n_head % g.n_kv_head != 0)
+      problems.push_back("num_attention_heads " + std::to_string(g.n_head) + " is not a multiple of num_key_value_heads " +
+                         std::to_string(g.n_kv_head));
+    if (const auto it = c.find("head_dim"); it != c.end() && !it->is_null() && g.n_head > 0 &&
+                                            !(it->is_number_integer() && it->get<long long>() == g.d_model / g.n_head))
+      problems.push_back("head_dim " + it->dump() + " (Troupe's heads are hidden_size / num_attention_heads = " +
+                         std::to_string(g.d_model / g.n_head) + ")");
+    unsupported_fields(c, true, 0, problems);  // (a sliding window: against the job's seq_len on reading)
+    if (type == "mixtral") {
+      g.n_experts = integer("num_local_experts", 8);
+      g.moe_top_k = integer("num_experts_per_tok", 2);
+      g.moe_d_ff = g.d_ff;
+      g.moe_every = 1;
+      g.moe_aux_coeff = 0.001;  // MixtralConfig's router_aux_loss_coef
+      if (const auto it = c.find("router_aux_loss_coef"); it != c.end() && !it->is_null()) {
+        if (it->is_number() && it->get<double>() >= 0)
+          g.moe_aux_coeff = it->get<double>();
+        else
+          problems.push_back("router_aux_loss_coef " + it->dump() + " (expected a number, 0 or more)");
+      }
+      if (g.moe_top_k > g.n_experts)
+        problems.push_back("num_experts_per_tok " + std::to_string(g.moe_top_k) + " is above num_local_experts " +
+                           std::to_string(g.n_experts));
+    }
+  } else if (type == "gpt2") {
+    g.arch = decoder_arch::gpt2;
+    g.d_model = integer("n_embd", 0);
+    g.n_layer = integer("n_layer", 0);
+    g.n_head = integer("n_head", 0);
+    g.d_ff = integer("n_inner", 4 * std::max(g.d_model, 1));
+    g.vocab = integer("vocab_size", 0);
+    g.seq_len = out.max_positions = integer("n_positions", 0);
+    g.norm_eps = real("layer_norm_epsilon", 1e-5);
+    g.tie_embeddings = boolean("tie_word_embeddings", true);
+    if (g.n_head > 0 && g.d_model % g.n_head != 0)
+      problems.push_back("n_embd " + std::to_string(g.d_model) + " is not a multiple of n_head " + std::to_string(g.n_head));
+    unsupported_fields(c, false, 0, problems);
+  } else {
+    throw checkpoint_error(where + ": model_type " + (type.empty() ? "(none)" : "'" + type + "'") +
+                           " is not a family Troupe reads (llama, mixtral, gpt2)");
+  }
+  if (!problems.empty()) {
+    std::string msg = where + ": ";
+    for (std::size_t i = 0; i < problems.size(); ++i) msg += (i ? "; " : "") + problems[i];
+    throw checkpoint_error(msg);
+  }
+  return out;
 }
 
 bool is_hf_folder(const std::string& dir) {

@@ -2,6 +2,7 @@
 #include "compute/parallel/tensor_parallel.hpp"
 #include "compute/models/tensor_parallel_layout.hpp"
 #include "compute/data/tokenizer.hpp"
+#include "compute/checkpoint/hf_folder.hpp"
 
 #include "compute/runtime/device.hpp"
 #include "compute/config/fault_plan.hpp"
@@ -131,6 +132,12 @@ const std::vector<key_def>& key_defs() {
   static const std::vector<key_def> defs = {
       string_key("train.workload", "gpt-tiny, gpt-small, llama-tiny, llama-small, moe-tiny, moe-small or fmnist-mlp",
                  &job_config::workload),
+      {{"train.model",
+        "a Hugging Face folder (config.json and its weights): the family and shape of the model (the [model] keys "
+        "left unset; those set must agree) and its initial weights (unless init, load or resume give others); "
+        "seq_len stays the job's (gpt2: its n_positions)"},
+       [](job_config& c, const std::string& v) { c.hf_model = v; },
+       [](const job_config& c) { return toml_string(c.hf_model); }},
       int_key("train.steps", "optimizer steps (also the lr schedule's length)", &job_config::steps, 1, 10000000),
       int_key("train.seed", "seed of initial weights and data sampling", &job_config::seed, 0, 0xffffffffLL),
       int_key("train.threads", "LibTorch intra-op threads (0: every hardware thread)", &job_config::threads, 0, 1024),
@@ -648,6 +655,69 @@ model_spec job_config::model() const {
   return spec;
 }
 
+void job_config::take_model_from_folder() {
+  const std::string where = "train.model = '" + hf_model + "'";
+  if (!is_decoder()) throw config_error(where + ": a Hugging Face model is a decoder; " + workload + " is not");
+  hf_model_shape shape;
+  try {
+    shape = read_hf_model_shape(hf_model);
+  } catch (const std::exception& e) {
+    throw config_error(where + ": " + e.what());
+  }
+  const auto& g = shape.decoder;
+  std::vector<std::string> differ;
+  auto take = [&](auto& mine, auto theirs, auto unset, const char* key, const char* hf_key) {
+    if (mine != unset && mine != theirs) {
+      std::ostringstream o;
+      o << "model." << key << " " << mine << " (config.json's " << hf_key << " " << theirs << ")";
+      differ.push_back(o.str());
+    }
+    mine = theirs;
+  };
+  const bool llama = g.arch == decoder_arch::llama;
+  const std::string arch = decoder_arch_name(g.arch);
+  if (!architecture.empty() && architecture != arch)
+    differ.push_back("model.architecture " + architecture + " (config.json's model_type " + shape.model_type + ")");
+  architecture = arch;
+  take(layers, g.n_layer, 0, "layers", llama ? "num_hidden_layers" : "n_layer");
+  take(heads, g.n_head, 0, "heads", llama ? "num_attention_heads" : "n_head");
+  take(d_model, g.d_model, 0, "d_model", llama ? "hidden_size" : "n_embd");
+  take(d_ff, g.d_ff, 0, "d_ff", llama ? "intermediate_size" : "n_inner");
+  take(vocab, g.vocab, 0, "vocab", "vocab_size");
+  take(norm_eps, g.norm_eps, 0.0, "norm_eps", llama ? "rms_norm_eps" : "layer_norm_epsilon");
+  const std::string tied = g.tie_embeddings ? "true" : "false";
+  take(tie_embeddings, tied, std::string("auto"), "tie_embeddings", "tie_word_embeddings");
+  if (llama) {
+    take(kv_heads, g.kv_heads(), 0, "kv_heads", "num_key_value_heads");
+    take(rope_theta, g.rope_theta, 0.0, "rope_theta", "rope_theta");
+  }
+  if (g.n_experts > 0) {
+    take(experts, g.n_experts, 0, "experts", "num_local_experts");
+    take(moe_top_k, g.moe_top_k, 0, "moe_top_k", "num_experts_per_tok");
+    take(moe_d_ff, g.expert_d_ff(), 0, "moe_d_ff", "intermediate_size");
+    if (moe_every > 1)
+      differ.push_back("model.moe_every " + std::to_string(moe_every) + " (a " + shape.model_type +
+                       " has experts in every block)");
+    moe_every = g.moe_every;
+    // The load-balancing term's weight is training's, not the model's: the job's own when set.
+    if (moe_aux_loss_coeff < 0) moe_aux_loss_coeff = g.moe_aux_coeff;
+  } else if (experts > 0) {
+    differ.push_back("model.experts " + std::to_string(experts) + " (config.json's " + shape.model_type +
+                     " model is dense)");
+  }
+  // gpt2's position table has seq_len rows: the folder's n_positions.
+  if (!llama) take(seq_len, shape.max_positions, 0, "seq_len", "n_positions");
+  if (!differ.empty()) {
+    std::string msg = where + ": the job's [model] keys disagree with the folder: ";
+    for (std::size_t i = 0; i < differ.size(); ++i) msg += (i ? "; " : "") + differ[i];
+    throw config_error(msg);
+  }
+  const int tokens = model().decoder.seq_len;
+  if (shape.max_positions > 0 && tokens > shape.max_positions)
+    throw config_error(where + ": model.seq_len " + std::to_string(tokens) + " is above the folder's " +
+                       "max_position_embeddings " + std::to_string(shape.max_positions));
+}
+
 std::string job_config::model_label() const {
   if (!has_model_keys()) return workload;
   const auto g = model().decoder;
@@ -664,7 +734,7 @@ std::string job_config::model_label() const {
   if (g.tie_embeddings != arch_ties) text += g.tie_embeddings ? ", tied embeddings" : ", untied embeddings";
   char params[64];
   std::snprintf(params, sizeof params, ": %.2f M parameters)", double(parameter_count(model())) / 1e6);
-  return workload + text + params;
+  return (hf_model.empty() ? workload : hf_model) + text + params;
 }
 
 std::string job_config::data_label() const {
@@ -706,6 +776,7 @@ job_config from_settings(const std::vector<std::pair<std::string, std::string>>&
   job_config c = job_config::defaults_for(workload);
   for (const auto& [k, v] : from_file) c.set(k, v, origin);
   for (const auto& [k, v] : overrides) c.set(k, v, "command line");
+  if (!c.hf_model.empty()) c.take_model_from_folder();
   c.validate();
   return c;
 }

@@ -44,6 +44,10 @@ struct job_config {
   int max_skipped_steps = 10;         ///< NaN/inf gradients: updates skipped before the run stops
   int max_step_retries = 2;           ///< in-place retries of a failed step (no node process lost)
   int rejoin_timeout = 60;            ///< seconds to wait for a restarted node process to rejoin
+  /// A Hugging Face folder whose config.json gives the model (family and shape: the
+  /// [model] keys that are not set) and whose weights are the initial ones (unless init,
+  /// load or resume give others). Set [model] keys must agree with it.
+  std::string hf_model;
   // [model]: the decoder workloads' architecture and shape (0 / "": the workload's own;
   // d_ff 0: the workload's d_ff scaled with d_model)
   std::string architecture;            ///< gpt2 | llama ("": the workload's)
@@ -120,6 +124,12 @@ struct job_config {
            norm_eps || tie_embeddings != "auto" || experts || moe_top_k || moe_d_ff || moe_every ||
            moe_aux_loss_coeff >= 0 || moe_capacity_factor > 0;
   }
+  /// Where the initial weights come from: init, else the hf_model folder ("" : initial_state).
+  const std::string& initial_weights() const { return init.empty() ? hf_model : init; }
+  /// Sets the [model] keys from the hf_model folder's config.json; throws config_error for
+  /// a set key that disagrees (naming both values), a folder that cannot be read, a
+  /// family Troupe lacks, or a seq_len above its positions.
+  void take_model_from_folder();
   /// A decoder workload (not fmnist-mlp).
   bool is_decoder() const { return workload != "fmnist-mlp"; }
   /// The model to train: the workload's, with the [model] keys that are set applied.

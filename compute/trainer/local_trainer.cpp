@@ -32,7 +32,8 @@ local_trainer::local_trainer(const job_config& cfg, std::optional<state_dict> in
       data_(cfg) {
   cfg_.runtime = "local";  // this is the plain loop, whatever the job asked for
   cfg_.validate();
-  if (!init) init = cfg.init.empty() ? initial_state(spec_, cfg.seed) : read_initial_weights(cfg.init, spec_);
+  if (!init)
+    init = cfg.initial_weights().empty() ? initial_state(spec_, cfg.seed) : read_initial_weights(cfg.initial_weights(), spec_);
   check_state(spec_, *init);
   const int d = cfg.data_parallel;
   tp_ = cfg.tensor_parallel;

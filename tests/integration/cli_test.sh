@@ -214,6 +214,17 @@ expect_in eval-folder-step "$out" '"step":2'
 expect_in eval-folder-log "$err" "(perplexity "
 check eval-file 0 "$troupe" eval --checkpoint "$tmp/gen.pt" --config "$tmp/shape.toml"
 same_loss eval-file-loss "$tmp/gen-metrics.jsonl" "$out" val_loss
+# A Hugging Face folder gives its model (config.json: no shape flag) to eval, generate and
+# train; a flag that disagrees with it is named.
+check hf-export 0 "$troupe" export "$tmp/gen-ckpt" --to "$tmp/gen-hf"
+check eval-hf 0 "$troupe" eval --checkpoint "$tmp/gen-hf"
+same_loss eval-hf-loss "$tmp/gen-metrics.jsonl" "$out" val_loss
+check gen-hf 0 "$troupe" generate --checkpoint "$tmp/gen-hf" --prompt "Q: " --tokens 30 --seed 3
+cmp -s "$out" "$tmp/gen-1.txt" && echo "ok   gen-hf-same-text" || { echo "FAIL gen-hf-same-text"; cat "$out"; fail=1; }
+check train-hf-disagrees 2 "$troupe" train --model "$tmp/gen-hf" --layers 3 --steps 1
+expect_in train-hf-disagrees-msg "$err" "model.layers 3 (config.json's n_layer 2)"
+check train-hf 0 "$troupe" train --model "$tmp/gen-hf" --steps 1 --threads 1 --eval-interval 0
+expect_in train-hf-log "$err" "training $tmp/gen-hf (gpt2, 2 layers, d_model 32, 2 heads"
 check eval-folder-with-shape 2 "$troupe" eval --checkpoint "$tmp/gen-ckpt" --heads 4
 expect_in eval-folder-with-shape-msg "$err" "a checkpoint folder records its model: --heads does not apply"
 check eval-file-wrong-shape 2 "$troupe" eval --checkpoint "$tmp/gen.pt"

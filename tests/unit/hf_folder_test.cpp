@@ -264,4 +264,151 @@ TEST(HuggingFaceFolder, BadFoldersAreNamed) {
   EXPECT_NE(error_of(no_weights, spec).find("has no weights"), std::string::npos);
 }
 
+// Both spellings of the rotary embedding (transformers 4.x: rope_theta, rope_scaling;
+// 5.x: rope_parameters), and every field that changes the computation without Troupe
+// having it: a folder whose positions or attention differ is refused by name, never read
+// with the defaults (a Mixtral's rope_parameters.rope_theta 1e6 once loaded as 10000).
+TEST(HuggingFaceFolder, RotaryEmbeddingAndOtherMathAreReadInBothSpellings) {
+  test::temp_dir dir;
+  for (const std::string workload : {"llama-tiny", "moe-tiny"}) {
+    const auto spec = small(workload);
+    const auto folder = std::string(dir / workload);
+    export_hf_folder(folder, spec, initial_state(spec, 7));
+    const auto exported = config_of(folder);
+    const auto with = [&](const std::function<void(nlohmann::json&)>& change) {
+      auto c = exported;
+      change(c);
+      write_config(folder, c);
+      return error_of(folder, spec);
+    };
+    const auto at = [&](const std::string& e) { return workload + ": " + e; };
+    // 5.x: the base inside rope_parameters, the top-level key gone.
+    auto e = with([](nlohmann::json& c) {
+      c.erase("rope_theta");
+      c.erase("rope_scaling");
+      c["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "default"}};
+    });
+    EXPECT_EQ(e, "(no error)") << at(e);
+    e = with([](nlohmann::json& c) {
+      c.erase("rope_theta");
+      c["rope_parameters"] = {{"rope_theta", 1e6}, {"rope_type", "default"}};
+    });
+    EXPECT_NE(e.find("rope_theta 1e+06 (the job's rope_theta 10000)"), std::string::npos) << at(e);
+    e = with([](nlohmann::json& c) { c["rope_theta"] = 5e5; });
+    EXPECT_NE(e.find("rope_theta 500000 (the job's rope_theta 10000)"), std::string::npos) << at(e);
+    // Llama 3.1's scaling, in 5.x's spelling and in 4.x's.
+    e = with([](nlohmann::json& c) {
+      c["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "llama3"}, {"factor", 8.0}};
+    });
+    EXPECT_NE(e.find("rope_parameters rope_type llama3 (Troupe's rotary embedding is the default one"),
+              std::string::npos)
+        << at(e);
+    e = with([](nlohmann::json& c) { c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; });
+    EXPECT_NE(e.find("rope_scaling rope_type linear"), std::string::npos) << at(e);
+    e = with([](nlohmann::json& c) { c["rope_scaling"] = {{"rope_type", "default"}}; });
+    EXPECT_EQ(e, "(no error)") << at(e);
+    e = with([](nlohmann::json& c) { c["partial_rotary_factor"] = 0.5; });
+    EXPECT_NE(e.find("partial_rotary_factor 0.5 (Troupe rotates every dimension)"), std::string::npos) << at(e);
+    // A sliding window shorter than the sequence; one at least as long is plain attention.
+    e = with([&](nlohmann::json& c) { c["sliding_window"] = spec.decoder.seq_len / 2; });
+    EXPECT_NE(e.find("sliding_window 8 (shorter than the job's seq_len 16"), std::string::npos) << at(e);
+    e = with([&](nlohmann::json& c) { c["sliding_window"] = spec.decoder.seq_len; });
+    EXPECT_EQ(e, "(no error)") << at(e);
+    e = with([&](nlohmann::json& c) {
+      c["sliding_window"] = 4;
+      c["use_sliding_window"] = false;
+    });
+    EXPECT_EQ(e, "(no error)") << at(e);
+    e = with([](nlohmann::json& c) {
+      c["attn_logit_softcapping"] = 50.0;
+      c["attention_dropout"] = 0.1;
+      c["router_jitter_noise"] = 0.0;  // zero: no noise, as Troupe
+    });
+    EXPECT_NE(e.find("attn_logit_softcapping 50.0 (Troupe's"), std::string::npos) << at(e);
+    EXPECT_NE(e.find("attention_dropout 0.1"), std::string::npos) << at(e);
+    EXPECT_EQ(e.find("router_jitter_noise"), std::string::npos) << at(e);
+  }
+}
+
+std::string config_error_of(const std::vector<std::pair<std::string, std::string>>& settings) {
+  try {
+    load_job_config("", settings);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// train.model (--model DIR): the folder's config.json gives the family and the shape, no
+// [model] key needed; its weights are the initial ones; set keys must agree; a seq_len
+// above the folder's positions, a family Troupe lacks and 5.x's spelling are read right.
+TEST(HuggingFaceFolder, TheModelComesFromTheFolder) {
+  test::temp_dir dir;
+  const auto llama = small("llama-tiny");  // 2 layers, d_model 32, 4 heads over 2, seq_len 16
+  const auto weights = initial_state(llama, 5);
+  export_hf_folder(dir / "llama", llama, weights);
+  const std::string folder = dir / "llama";
+  auto cfg = load_job_config("", {{"train.model", folder}, {"model.seq_len", "16"}, {"train.runtime", "local"},
+                                  {"parallel.microbatches", "2"}, {"train.steps", "2"}});
+  const auto got = cfg.model().decoder;
+  EXPECT_TRUE(cfg.model().is_llama());
+  EXPECT_EQ(got.n_layer, 2);
+  EXPECT_EQ(got.d_model, 32);
+  EXPECT_EQ(got.n_head, llama.decoder.n_head);
+  EXPECT_EQ(got.kv_heads(), llama.decoder.kv_heads());
+  EXPECT_EQ(got.d_ff, llama.decoder.d_ff);
+  EXPECT_EQ(got.vocab, llama.decoder.vocab);
+  EXPECT_EQ(got.tie_embeddings, false);
+  EXPECT_EQ(got.norm_eps, llama.decoder.norm_eps);
+  EXPECT_EQ(cfg.initial_weights(), folder);
+  {
+    local_trainer t(cfg);
+    expect_equal(t.state(), weights);
+  }
+  // Keys that agree are fine; one that does not is named with the folder's value.
+  EXPECT_EQ(config_error_of({{"train.model", folder}, {"model.seq_len", "16"}, {"model.layers", "2"}}), "(no error)");
+  auto e = config_error_of({{"train.model", folder}, {"model.seq_len", "16"}, {"model.layers", "3"},
+                            {"model.architecture", "gpt2"}});
+  EXPECT_NE(e.find("model.layers 3 (config.json's num_hidden_layers 2)"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.architecture gpt2 (config.json's model_type llama)"), std::string::npos) << e;
+  // The job's default seq_len (128) is above the exported model's positions (16).
+  e = config_error_of({{"train.model", folder}});
+  EXPECT_NE(e.find("model.seq_len 128 is above the folder's max_position_embeddings 16"), std::string::npos) << e;
+  // transformers 5.x's spelling: the base inside rope_parameters is the model's.
+  auto c = config_of(folder);
+  c.erase("rope_theta");
+  c.erase("rope_scaling");
+  c["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "default"}};
+  write_config(folder, c);
+  EXPECT_EQ(load_job_config("", {{"train.model", folder}, {"model.seq_len", "16"}}).model().decoder.rope_theta, 500000.0);
+  c["rope_parameters"]["rope_type"] = "llama3";
+  write_config(folder, c);
+  e = config_error_of({{"train.model", folder}, {"model.seq_len", "16"}});
+  EXPECT_NE(e.find("rope_parameters rope_type llama3"), std::string::npos) << e;
+  c["model_type"] = "qwen3";
+  write_config(folder, c);
+  e = config_error_of({{"train.model", folder}, {"model.seq_len", "16"}});
+  EXPECT_NE(e.find("model_type 'qwen3' is not a family Troupe reads (llama, mixtral, gpt2)"), std::string::npos) << e;
+  e = config_error_of({{"train.model", dir / "nothing-here"}});
+  EXPECT_NE(e.find("train.model = '" + std::string(dir / "nothing-here") + "': Hugging Face folder"), std::string::npos)
+      << e;
+  // Mixtral: the experts come along; gpt2: its positions are the sequence.
+  const auto moe = small("moe-tiny");
+  export_hf_folder(dir / "moe", moe, initial_state(moe, 5));
+  const auto m = load_job_config("", {{"train.model", dir / "moe"}, {"model.seq_len", "16"}}).model().decoder;
+  EXPECT_EQ(m.n_experts, moe.decoder.n_experts);
+  EXPECT_EQ(m.moe_top_k, moe.decoder.moe_top_k);
+  EXPECT_EQ(m.expert_d_ff(), moe.decoder.expert_d_ff());
+  EXPECT_EQ(m.moe_every, 1);
+  const auto gpt = small("gpt-tiny");
+  export_hf_folder(dir / "gpt", gpt, initial_state(gpt, 5));
+  const auto g = load_job_config("", {{"train.model", dir / "gpt"}}).model();
+  EXPECT_FALSE(g.is_llama());
+  EXPECT_EQ(g.decoder.seq_len, 16);
+  EXPECT_EQ(g.decoder.d_model, 32);
+  EXPECT_TRUE(g.decoder.tie_embeddings);
+  e = config_error_of({{"train.model", dir / "gpt"}, {"train.workload", "fmnist-mlp"}});
+  EXPECT_NE(e.find("a Hugging Face model is a decoder"), std::string::npos) << e;
+}
+
 }  // namespace troupe
