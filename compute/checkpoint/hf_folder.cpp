@@ -137,12 +137,13 @@ void check_config(const std::string& dir, const nlohmann::json& c, const model_s
   const auto& g = spec.decoder;
   const std::string type = c.value("model_type", std::string("(none)"));
   const std::string want = hf_model_type(spec);
-  if (type != want)
+  // Mistral's blocks are Llama's (a sliding window shorter than the sequence is refused below).
+  if (type != want && !(type == "mistral" && want == "llama"))
     throw checkpoint_error("Hugging Face folder " + dir + " holds a " + type + " model (config.json model_type); the job's model is " +
-                           want + (type == "llama" ? ": give --workload llama-tiny (or --architecture llama and its shape)"
-                                   : type == "gpt2" ? ": give --workload gpt-tiny (or --architecture gpt2 and its shape)"
-                                   : type == "mixtral" ? ": give --workload moe-tiny (or llama with its experts)"
-                                                       : ""));
+                           want +
+                           (type == "llama" || type == "mistral" || type == "mixtral" || type == "gpt2"
+                                ? ": --model " + dir + " trains the folder's own model"
+                                : ""));
   std::vector<std::string> differ;
   auto number = [&](const char* key, double fallback) {
     const auto it = c.find(key);
@@ -385,7 +386,7 @@ hf_model_shape read_hf_model_shape(const std::string& dir) {
     }
     return it->get<bool>();
   };
-  if (type == "llama" || type == "mixtral") {
+  if (type == "llama" || type == "mistral" || type == "mixtral") {
     g.arch = decoder_arch::llama;
     g.d_model = integer("hidden_size", 0);
     g.n_layer = integer("num_hidden_layers", 0);
@@ -439,7 +440,7 @@ hf_model_shape read_hf_model_shape(const std::string& dir) {
     unsupported_fields(c, false, 0, problems);
   } else {
     throw checkpoint_error(where + ": model_type " + (type.empty() ? "(none)" : "'" + type + "'") +
-                           " is not a family Troupe reads (llama, mixtral, gpt2)");
+                           " is not a family Troupe reads (llama, mistral, mixtral, gpt2)");
   }
   if (!problems.empty()) {
     std::string msg = where + ": ";

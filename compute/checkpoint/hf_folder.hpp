@@ -42,13 +42,13 @@ state_dict read_hf_folder(const std::string& dir, const model_spec& spec);
 
 /// The model a Hugging Face folder's config.json describes, as Troupe's decoder.
 struct hf_model_shape {
-  std::string model_type;  ///< config.json's: llama, mixtral or gpt2
+  std::string model_type;  ///< config.json's: llama, mistral (Llama's blocks), mixtral or gpt2
   decoder_config decoder;  ///< its seq_len: gpt2's n_positions, llama's the default
   int max_positions = 0;   ///< max_position_embeddings (gpt2: n_positions); 0: not given
 };
 /// Reads config.json of folder `dir` (transformers 4.x's and 5.x's spellings). Throws
 /// checkpoint_error naming the folder and every field it cannot take: a model_type other
-/// than llama, mixtral and gpt2, a missing shape field, anything that changes the
+/// than llama, mistral, mixtral and gpt2, a missing shape field, anything that changes the
 /// computation and that Troupe's blocks lack (rope scaling, biases, another head_dim, an
 /// activation other than the family's).
 hf_model_shape read_hf_model_shape(const std::string& dir);

@@ -388,10 +388,24 @@ TEST(HuggingFaceFolder, TheModelComesFromTheFolder) {
   c["model_type"] = "qwen3";
   write_config(folder, c);
   e = config_error_of({{"train.model", folder}, {"model.seq_len", "16"}});
-  EXPECT_NE(e.find("model_type 'qwen3' is not a family Troupe reads (llama, mixtral, gpt2)"), std::string::npos) << e;
+  EXPECT_NE(e.find("model_type 'qwen3' is not a family Troupe reads (llama, mistral, mixtral, gpt2)"), std::string::npos) << e;
   e = config_error_of({{"train.model", dir / "nothing-here"}});
   EXPECT_NE(e.find("train.model = '" + std::string(dir / "nothing-here") + "': Hugging Face folder"), std::string::npos)
       << e;
+  // Mistral: Llama's blocks; a sliding window as long as the sequence is plain attention, a
+  // shorter one is refused (to --model and to reading alike).
+  c = config_of(folder);
+  c["model_type"] = "mistral";
+  c["rope_parameters"]["rope_type"] = "default";
+  c["sliding_window"] = 16;
+  write_config(folder, c);
+  const auto mistral = load_job_config("", {{"train.model", folder}, {"model.seq_len", "16"}});
+  EXPECT_TRUE(mistral.model().is_llama());
+  expect_equal(read_hf_folder(folder, mistral.model()), weights);
+  c["sliding_window"] = 8;
+  write_config(folder, c);
+  e = error_of(folder, mistral.model());
+  EXPECT_NE(e.find("sliding_window 8 (shorter than the job's seq_len 16"), std::string::npos) << e;
   // Mixtral: the experts come along; gpt2: its positions are the sequence.
   const auto moe = small("moe-tiny");
   export_hf_folder(dir / "moe", moe, initial_state(moe, 5));
