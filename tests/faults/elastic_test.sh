@@ -137,7 +137,9 @@ out=$(same_run reft et 2 2>&1) && ok "bit-identical to the fault-free T2 run ($o
 # the job after its step with a checkpoint, and the job goes on from it on 2 nodes, a
 # launch that is no failure restart. Bit-identical to the fault-free run.
 rm -f gone-*
-job=("${small[@]}" --pipeline 1 --data-parallel 2 --global-batch 8 --microbatches 4 --steps 30 --eval-interval 0 --threads 1)
+# gpt-tiny's own shape here, not $small: the job must still be running when the host is
+# back (3 refused connections, then a check a second), and small steps end 30 of them first.
+job=(--pipeline 1 --data-parallel 2 --global-batch 8 --microbatches 4 --steps 30 --eval-interval 0 --threads 1)
 "$launcher" train --nodes 1 "${job[@]}" --metrics rg1.jsonl --save rg1.pt >rg1.log 2>&1 || bad "fault-free d2 run" rg1.log
 FAKE_SSH_DOOMED=127.0.0.2 FAKE_SSH_DOWN_FOR=3 TROUPE_FAULTS=kill_node=1:5 \
   "$launcher" train --hostfile hosts2 --min-nodes 1 --regrow-interval 1 "${job[@]}" --checkpoint-dir ck6 \
