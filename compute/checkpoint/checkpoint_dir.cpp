@@ -387,10 +387,10 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
     // The run must be the one that wrote the checkpoint: same model, data and optimizer.
     std::string differ;
     const auto& saved = manifest.at("config");
-    // Manifests written before the [model] keys lack the model.* entries: their model
-    // was their workload's own shape.
+    // Manifests written before the [model] keys (or, of the moe workloads, before the
+    // experts' keys) lack those model.* entries: their model was their workload's own.
     std::map<std::string, std::string> implied;
-    for (const char* workload : {"gpt-tiny", "gpt-small"}) {
+    for (const char* workload : {"gpt-tiny", "gpt-small", "moe-tiny", "moe-small"}) {
       const auto own = training_identity(job_config::defaults_for(workload));
       if (std::find(own.begin(), own.end(), std::pair<std::string, std::string>{
                         "train.workload", saved.value("train.workload", std::string())}) == own.end())
@@ -398,13 +398,6 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
       for (const auto& [k, v] : own)
         if (k.rfind("model.", 0) == 0) implied[k] = v;
     }
-    // Manifests written before the experts' keys lack them: their experts were their
-    // workload's own.
-    const std::string saved_workload = saved.value("train.workload", std::string());
-    if (!saved.contains("model.experts") && (saved_workload == "moe-tiny" || saved_workload == "moe-small"))
-      for (const auto& [k, v] : training_identity(job_config::defaults_for(saved_workload)))
-        if (k == "model.experts" || k == "model.moe_top_k" || k == "model.moe_d_ff" || k == "model.moe_every")
-          implied[k] = v;
     const auto mine = training_identity(cfg);
     for (const auto& [k, v] : mine) {
       const std::string theirs = saved.contains(k)  ? saved.at(k).get<std::string>()
