@@ -217,7 +217,9 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
   // manifests from before the keys).
   for (const auto& kv : cfg.values())
     if (keys.count(kv.first) || (kv.first == "data.text" && !cfg.text.empty()) ||
-        (kv.first == "data.val_text" && !cfg.val_text.empty()))
+        (kv.first == "data.val_text" && !cfg.val_text.empty()) ||
+        // (a Hugging Face folder's model: its rope scaling, GELU and routing have no key)
+        (kv.first == "train.model" && !cfg.hf_model.empty()))
       out.push_back(kv);
   // The model's shape as it resolves ([model] keys, or the workload's own): the weights
   // alone do not tell the number of heads.
@@ -238,7 +240,9 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
     out.emplace_back("model.vocab", std::to_string(g.vocab));
     out.emplace_back("model.norm_eps", fmt_double(g.norm_eps));
     out.emplace_back("model.tie_embeddings", g.tie_embeddings ? "true" : "false");
-    if (g.arch == decoder_arch::llama) out.emplace_back("model.rope_theta", fmt_double(g.rope_theta));
+    if (g.arch != decoder_arch::gpt2) out.emplace_back("model.rope_theta", fmt_double(g.rope_theta));
+    if (g.head_size > 0) out.emplace_back("model.head_dim", std::to_string(g.head_size));
+    if (g.sliding_window > 0) out.emplace_back("model.sliding_window", std::to_string(g.sliding_window));
     if (g.n_experts > 0)  // (a model from a Hugging Face folder need not be a workload with experts)
       for (const auto& [k, v] : {std::pair<const char*, int>{"model.experts", g.n_experts}, {"model.moe_top_k", g.moe_top_k},
                                  {"model.moe_d_ff", g.expert_d_ff()}, {"model.moe_every", g.moe_every}})

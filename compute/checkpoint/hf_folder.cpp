@@ -10,6 +10,7 @@
 
 #include "compute/checkpoint/checkpoint.hpp"
 #include "compute/checkpoint/safetensors.hpp"
+#include "compute/models/family.hpp"
 
 namespace troupe {
 
@@ -42,11 +43,6 @@ const char* dtype_name(torch::ScalarType t) {
   }
 }
 
-/// config.json's model_type for the model: gpt2, llama, or mixtral (llama with experts).
-std::string hf_model_type(const model_spec& spec) {
-  return !spec.is_llama() ? "gpt2" : spec.decoder.n_experts > 0 ? "mixtral" : "llama";
-}
-
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
   if (!in) throw checkpoint_error("cannot read " + path.string());
@@ -57,158 +53,421 @@ nlohmann::json read_json(const fs::path& path) {
   }
 }
 
-/// The rotary embedding's base in config.json, in both spellings: transformers 4.x writes
-/// `rope_theta` and `rope_scaling` at the top level, 5.x one `rope_parameters` object
-/// ({"rope_theta": ..., "rope_type": ...}). Troupe's rotary embedding is the default one
-/// (no scaling, every dimension of a head rotated): any other rope_type or a partial
-/// rotation goes into `problems`, never read as the default.
-double rotary_base(const nlohmann::json& c, std::vector<std::string>& problems) {
-  double theta = 10000;
-  auto read_theta = [&](const nlohmann::json& j, const std::string& key) {
-    const auto it = j.find("rope_theta");
-    if (it == j.end() || it->is_null()) return;
-    if (!it->is_number()) {
-      problems.push_back(key + " " + it->dump() + " (expected a number)");
-      return;
-    }
-    theta = it->get<double>();
-  };
-  read_theta(c, "rope_theta");
-  auto check_kind = [&](const nlohmann::json& j, const std::string& key) {
-    if (j.is_null()) return;
-    if (!j.is_object()) {
-      problems.push_back(key + " " + j.dump() + " (expected an object)");
-      return;
-    }
-    // 4.x's rope_scaling names it "rope_type" (older files "type").
-    std::string kind = "default";
-    for (const char* name : {"rope_type", "type"})
-      if (j.contains(name) && j.at(name).is_string()) {
-        kind = j.at(name).get<std::string>();
-        break;
-      }
-    if (kind != "default")
-      problems.push_back(key + " rope_type " + kind + " (Troupe's rotary embedding is the default one, unscaled)");
-    const auto partial = j.find("partial_rotary_factor");
-    if (partial != j.end() && partial->is_number() && partial->get<double>() != 1)
-      problems.push_back(key + " partial_rotary_factor " + partial->dump() + " (Troupe rotates every dimension)");
-  };
-  if (const auto it = c.find("rope_scaling"); it != c.end()) check_kind(*it, "rope_scaling");
-  if (const auto it = c.find("rope_parameters"); it != c.end()) {
-    check_kind(*it, "rope_parameters");
-    if (it->is_object()) read_theta(*it, "rope_parameters.rope_theta");
-  }
-  if (const auto it = c.find("partial_rotary_factor"); it != c.end() && it->is_number() && it->get<double>() != 1)
-    problems.push_back("partial_rotary_factor " + it->dump() + " (Troupe rotates every dimension)");
-  return theta;
+/// A real number as config.json's readers expect it in messages (1e-06, 500000).
+std::string fmt_number(double x) {
+  std::ostringstream o;
+  o << x;
+  return o.str();
 }
 
-/// Fields that change the computation and that Troupe's blocks of the family (llama's or
-/// gpt2's) do not have, for a job of `seq_len` tokens (0: no window is checked): refused
-/// by name, never ignored.
-void unsupported_fields(const nlohmann::json& c, bool llama, int seq_len, std::vector<std::string>& problems) {
-  if (!llama) {
-    const std::string act = c.value("activation_function", std::string("gelu_new"));
-    if (act != "gelu")
-      problems.push_back("activation_function " + act + " (Troupe's gpt2 uses the exact GELU, \"gelu\"" +
-                         (act == "gelu_new" ? "; gelu_new is the tanh approximation" : "") + ")");
-    return;
+/// The rotary scaling, for messages.
+std::string rope_text(const rope_scaling& r) {
+  switch (r.type) {
+    case rope_scaling::kind::none: return "none";
+    case rope_scaling::kind::linear: return "linear, factor " + fmt_number(r.factor);
+    case rope_scaling::kind::llama3:
+      return "llama3, factor " + fmt_number(r.factor) + ", low_freq_factor " + fmt_number(r.low_freq_factor) +
+             ", high_freq_factor " + fmt_number(r.high_freq_factor) + ", original_max_position_embeddings " +
+             std::to_string(r.original_positions);
   }
-  if (const auto act = c.value("hidden_act", std::string("silu")); act != "silu")
-    problems.push_back("hidden_act " + act + " (llama's MLP is SwiGLU: silu)");
-  for (const char* bias : {"attention_bias", "mlp_bias"})
-    if (c.value(bias, false)) problems.push_back(std::string(bias) + " true (llama has no biases)");
+  return "none";
+}
+
+/// The families config.json's model_type names, Troupe's architecture for each, and
+/// whether its MLPs are experts.
+struct hf_family {
+  const char* type;
+  decoder_arch arch;
+  bool experts;
+};
+constexpr hf_family kFamilies[] = {{"llama", decoder_arch::llama, false},      {"mistral", decoder_arch::mistral, false},
+                                   {"mixtral", decoder_arch::mistral, true},   {"qwen2", decoder_arch::qwen2, false},
+                                   {"qwen3", decoder_arch::qwen3, false},      {"qwen3_moe", decoder_arch::qwen3, true},
+                                   {"gpt2", decoder_arch::gpt2, false}};
+
+const hf_family* family_named(const std::string& type) {
+  for (const auto& f : kFamilies)
+    if (type == f.type) return &f;
+  return nullptr;
+}
+
+/// Families whose folders hold the same computation (Llama's blocks and Mistral's, whose
+/// window is compared on its own).
+bool same_blocks(decoder_arch a, decoder_arch b) {
+  auto llama_like = [](decoder_arch x) { return x == decoder_arch::llama || x == decoder_arch::mistral; };
+  return a == b || (llama_like(a) && llama_like(b));
+}
+
+/// config.json's fields, read one by one; what cannot be read goes into `problems`.
+struct config_reader {
+  const nlohmann::json& c;
+  std::vector<std::string>& problems;
+
+  const nlohmann::json* find(const std::string& key) const {
+    const auto it = c.find(key);
+    return it == c.end() || it->is_null() ? nullptr : &*it;
+  }
+  /// A positive integer; `fallback` when missing or null (0: required).
+  int integer(const std::string& key, int fallback) const {
+    const auto* v = find(key);
+    if (!v) {
+      if (fallback <= 0) problems.push_back("no " + key);
+      return fallback;
+    }
+    if (!v->is_number_integer() || v->get<long long>() < 1 || v->get<long long>() > (1LL << 30)) {
+      problems.push_back(key + " " + v->dump() + " (expected a positive integer)");
+      return fallback;
+    }
+    return int(v->get<long long>());
+  }
+  /// A number above `above` (or at least 0 with `zero_ok`).
+  double real(const std::string& key, double fallback, bool zero_ok = false) const {
+    const auto* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_number() || v->get<double>() < 0 || (!zero_ok && v->get<double>() == 0)) {
+      problems.push_back(key + " " + v->dump() + (zero_ok ? " (expected a number, 0 or more)" : " (expected a positive number)"));
+      return fallback;
+    }
+    return v->get<double>();
+  }
+  bool boolean(const std::string& key, bool fallback) const {
+    const auto* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) {
+      problems.push_back(key + " " + v->dump() + " (expected true or false)");
+      return fallback;
+    }
+    return v->get<bool>();
+  }
+  std::string text(const std::string& key, const std::string& fallback) const {
+    const auto* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_string()) {
+      problems.push_back(key + " " + v->dump() + " (expected a string)");
+      return fallback;
+    }
+    return v->get<std::string>();
+  }
+};
+
+/// The rotary embedding in both spellings: transformers 4.x writes `rope_theta` and
+/// `rope_scaling` at the top level, 5.x one `rope_parameters` object ({"rope_theta": ...,
+/// "rope_type": ...}). rope_type default, linear and llama3 are Troupe's; any other, or a
+/// partial rotation, goes into `problems`, never read as the default.
+void read_rope(const config_reader& r, double default_theta, decoder_config& g) {
+  g.rope_theta = r.real("rope_theta", default_theta);
+  const auto* params = r.find("rope_parameters");
+  const std::string key = params ? "rope_parameters" : "rope_scaling";
+  const auto* scaling = params ? params : r.find("rope_scaling");
+  if (scaling && !scaling->is_object()) {
+    r.problems.push_back(key + " " + scaling->dump() + " (expected an object)");
+    scaling = nullptr;
+  }
+  if (scaling) {
+    const config_reader s{*scaling, r.problems};
+    if (params) g.rope_theta = s.real("rope_theta", g.rope_theta);
+    // 4.x's rope_scaling names it "rope_type" (older files "type").
+    const std::string type = s.text("rope_type", s.text("type", "default"));
+    auto number = [&](const char* name, double fallback) {
+      const auto* v = s.find(name);
+      if (!v && fallback <= 0) r.problems.push_back(key + " rope_type " + type + " without " + name);
+      if (v && (!v->is_number() || v->get<double>() <= 0)) {
+        r.problems.push_back(key + "." + name + " " + v->dump() + " (expected a positive number)");
+        return fallback;
+      }
+      return v ? v->get<double>() : fallback;
+    };
+    auto& rope = g.rope;
+    if (type == "linear") {
+      rope.type = rope_scaling::kind::linear;
+      rope.factor = number("factor", 0);
+    } else if (type == "llama3") {
+      rope.type = rope_scaling::kind::llama3;
+      rope.factor = number("factor", 0);
+      rope.low_freq_factor = number("low_freq_factor", 0);
+      rope.high_freq_factor = number("high_freq_factor", 0);
+      rope.original_positions = int(number("original_max_position_embeddings", 0));
+      if (rope.high_freq_factor <= rope.low_freq_factor)
+        r.problems.push_back(key + " high_freq_factor " + fmt_number(rope.high_freq_factor) +
+                             " is not above low_freq_factor " + fmt_number(rope.low_freq_factor));
+    } else if (type != "default") {
+      r.problems.push_back(key + " rope_type " + type +
+                           " (Troupe's rotary embedding is the default one, linear or llama3)");
+    }
+    if (const auto* partial = s.find("partial_rotary_factor"); partial && !(partial->is_number() && partial->get<double>() == 1))
+      r.problems.push_back(key + " partial_rotary_factor " + partial->dump() + " (Troupe rotates every dimension)");
+  }
+  if (const auto* partial = r.find("partial_rotary_factor"); partial && !(partial->is_number() && partial->get<double>() == 1))
+    r.problems.push_back("partial_rotary_factor " + partial->dump() + " (Troupe rotates every dimension)");
+}
+
+/// A window shorter than the sequence (what masks anything), else 0.
+int effective_window(int window, int seq_len) { return window > 0 && window < seq_len ? window : 0; }
+
+/// What config.json describes, with every field it cannot take in `problems`. `seq_len`:
+/// the job's (0: unknown), against which a family without a sliding window refuses one.
+hf_model_shape parse_config(const nlohmann::json& c, int seq_len, std::vector<std::string>& problems) {
+  const config_reader r{c, problems};
+  hf_model_shape out;
+  out.model_type = r.text("model_type", "");
+  const auto* family = family_named(out.model_type);
+  if (!family) {
+    problems.push_back(std::string("model_type ") + (out.model_type.empty() ? "(none)" : "'" + out.model_type + "'") +
+                       " is not a family Troupe reads (" + hf_families() + ")");
+    return out;
+  }
+  auto& g = out.decoder;
+  g.arch = family->arch;
+  const std::string& type = out.model_type;
+  if (g.arch == decoder_arch::gpt2) {
+    g.d_model = r.integer("n_embd", 0);
+    g.n_layer = r.integer("n_layer", 0);
+    g.n_head = r.integer("n_head", 0);
+    g.d_ff = r.integer("n_inner", 4 * std::max(g.d_model, 1));
+    g.vocab = r.integer("vocab_size", 0);
+    g.seq_len = out.max_positions = r.integer("n_positions", 0);
+    g.norm_eps = r.real("layer_norm_epsilon", 1e-5);
+    g.tie_embeddings = r.boolean("tie_word_embeddings", true);
+    if (g.n_head > 0 && g.d_model % g.n_head != 0)
+      problems.push_back("n_embd " + std::to_string(g.d_model) + " is not a multiple of n_head " + std::to_string(g.n_head));
+    const std::string act = r.text("activation_function", "gelu_new");  // GPT2Config's default
+    if (act == "gelu_new" || act == "gelu_pytorch_tanh")
+      g.gelu_tanh = true;
+    else if (act != "gelu")
+      problems.push_back("activation_function " + act + " (Troupe's gpt2 takes gelu, gelu_new and gelu_pytorch_tanh)");
+    if (!r.boolean("scale_attn_weights", true))
+      problems.push_back("scale_attn_weights false (Troupe's attention scales by 1 / sqrt(head dim))");
+    if (r.boolean("scale_attn_by_inverse_layer_idx", false))
+      problems.push_back("scale_attn_by_inverse_layer_idx true (Troupe's attention scales by 1 / sqrt(head dim) only)");
+    return out;
+  }
+  const bool qwen3 = g.arch == decoder_arch::qwen3;
+  g.d_model = r.integer("hidden_size", 0);
+  g.n_layer = r.integer("num_hidden_layers", 0);
+  g.n_head = r.integer("num_attention_heads", 0);
+  g.n_kv_head = r.integer("num_key_value_heads", type == "llama" ? g.n_head : 0);
+  g.d_ff = r.integer("intermediate_size", 0);
+  g.vocab = r.integer("vocab_size", 0);
+  g.norm_eps = r.real("rms_norm_eps", type == "mixtral" ? 1e-5 : 1e-6);  // the families' defaults
+  g.tie_embeddings = r.boolean("tie_word_embeddings", false);
+  read_rope(r, type == "mixtral" ? 1e6 : 10000, g);
+  out.max_positions = r.find("max_position_embeddings") ? r.integer("max_position_embeddings", 0) : 0;
+  // A head's width: Qwen3's own (128 by default), the others' hidden / heads unless given.
+  const int heads_width = g.n_head > 0 ? g.d_model / g.n_head : 0;
+  const int head_dim = r.integer("head_dim", qwen3 ? 128 : std::max(heads_width, 1));
+  if (head_dim != heads_width || (g.n_head > 0 && g.d_model % g.n_head != 0)) g.head_size = head_dim;
+  if (g.n_head > 0 && g.n_kv_head > 0 && g.n_head % g.n_kv_head != 0)
+    problems.push_back("num_attention_heads " + std::to_string(g.n_head) + " is not a multiple of num_key_value_heads " +
+                       std::to_string(g.n_kv_head));
+  if (const auto act = r.text("hidden_act", "silu"); act != "silu")
+    problems.push_back("hidden_act " + act + " (the MLP is SwiGLU: silu)");
+  // Biases: Qwen2's on q, k and v are its family's; Llama's and Qwen3's switches are not Troupe's.
+  if (g.arch != decoder_arch::qwen2)
+    for (const char* bias : {"attention_bias", "mlp_bias"})
+      if (r.boolean(bias, false)) problems.push_back(std::string(bias) + " true (" + type + " has no biases in Troupe)");
   for (const char* key : {"attn_logit_softcapping", "final_logit_softcapping", "attention_dropout",
                           "router_jitter_noise", "shared_expert_intermediate_size"}) {
-    const auto it = c.find(key);
-    if (it != c.end() && !it->is_null() && !(it->is_number() && it->get<double>() == 0))
-      problems.push_back(std::string(key) + " " + it->dump() + " (Troupe's blocks have none)");
+    const auto* v = r.find(key);
+    if (v && !(v->is_number() && v->get<double>() == 0))
+      problems.push_back(std::string(key) + " " + v->dump() + " (Troupe's blocks have none)");
   }
-  const auto window = c.find("sliding_window");
-  if (seq_len > 0 && window != c.end() && window->is_number() && window->get<double>() < seq_len &&
-      c.value("use_sliding_window", true))
+  // The sliding window: Mistral's and Mixtral's is the model's; the others' (Qwen's
+  // use_sliding_window, 5.x's layer_types) only when it masks nothing.
+  const auto* window = r.find("sliding_window");
+  if (g.arch == decoder_arch::mistral) {
+    if (window && r.boolean("use_sliding_window", true)) g.sliding_window = r.integer("sliding_window", 0);
+  } else if (window && window->is_number() && r.boolean("use_sliding_window", true) && seq_len > 0 &&
+             window->get<double>() < seq_len) {
     problems.push_back("sliding_window " + window->dump() + " (shorter than the job's seq_len " + std::to_string(seq_len) +
-                       "; Troupe's attention sees the whole sequence)");
+                       "; Troupe's " + type + " attention sees the whole sequence)");
+  }
+  if (const auto* layers = r.find("layer_types"); layers && layers->is_array() && g.arch != decoder_arch::mistral)
+    for (const auto& l : *layers)
+      if (l.is_string() && l.get<std::string>() != "full_attention" && !(l == "sliding_attention" && (!window ||
+                                                                           (seq_len > 0 && window->get<double>() >= seq_len)))) {
+        problems.push_back("layer_types " + l.dump() + " (Troupe's " + type + " layers are full_attention)");
+        break;
+      }
+  if (family->experts) {
+    const bool mixtral = type == "mixtral";
+    // (transformers 5.x writes a Qwen3-MoE's num_experts as num_local_experts, Mixtral's name)
+    const char* count = mixtral || (!r.find("num_experts") && r.find("num_local_experts")) ? "num_local_experts" : "num_experts";
+    g.n_experts = r.integer(count, mixtral ? 8 : 128);
+    g.moe_top_k = r.integer("num_experts_per_tok", mixtral ? 2 : 8);
+    // (WORKLOADS.md section 6: the load-balancing term's coefficient is config.json's, 0 if absent)
+    g.moe_aux_coeff = r.real("router_aux_loss_coef", 0, /*zero_ok=*/true);
+    if (mixtral) {
+      g.moe_d_ff = g.d_ff;  // every block's MLP is the experts, of intermediate_size
+    } else {  // Qwen3-MoE: experts in blocks step - 1, 2 step - 1, ... but those of mlp_only_layers
+      g.moe_d_ff = r.integer("moe_intermediate_size", 768);
+      g.moe_norm_topk = r.boolean("norm_topk_prob", false);
+      g.moe_every = r.integer("decoder_sparse_step", 1);
+      g.moe_first = g.moe_every - 1;
+      if (const auto* dense = r.find("mlp_only_layers")) {
+        if (!dense->is_array()) problems.push_back("mlp_only_layers " + dense->dump() + " (expected a list of layers)");
+        for (const auto& l : dense->is_array() ? *dense : nlohmann::json::array()) {
+          if (!l.is_number_integer() || l.get<long long>() < 0 || l.get<long long>() >= g.n_layer) {
+            problems.push_back("mlp_only_layers " + dense->dump() + " (expected layers 0 to " +
+                               std::to_string(g.n_layer - 1) + ")");
+            break;
+          }
+          g.moe_dense.push_back(int(l.get<long long>()));
+        }
+      }
+    }
+    if (g.moe_top_k > g.n_experts)
+      problems.push_back("num_experts_per_tok " + std::to_string(g.moe_top_k) + " is above the " +
+                         std::to_string(g.n_experts) + " experts");
+  }
+  return out;
+}
+
+/// config.json's model_type for the model (hf_families()).
+std::string hf_model_type(const model_spec& spec) {
+  const auto& g = spec.decoder;
+  switch (g.arch) {
+    case decoder_arch::gpt2: return "gpt2";
+    case decoder_arch::llama: return g.n_experts > 0 ? "mixtral" : "llama";
+    case decoder_arch::mistral: return g.n_experts > 0 ? "mixtral" : "mistral";
+    case decoder_arch::qwen2: return "qwen2";
+    case decoder_arch::qwen3: return g.n_experts > 0 ? "qwen3_moe" : "qwen3";
+  }
+  return "gpt2";
 }
 
 /// config.json against the job's model: every field that shapes the weights or the
 /// computation must agree.
 void check_config(const std::string& dir, const nlohmann::json& c, const model_spec& spec) {
-  const auto& g = spec.decoder;
-  const std::string type = c.value("model_type", std::string("(none)"));
+  const auto& mine = spec.decoder;
+  const std::string type = c.contains("model_type") && c.at("model_type").is_string() ? c.at("model_type").get<std::string>()
+                                                                                        : "(none)";
   const std::string want = hf_model_type(spec);
-  // Mistral's blocks are Llama's (a sliding window shorter than the sequence is refused below).
-  if (type != want && !(type == "mistral" && want == "llama"))
+  const auto* family = family_named(type);
+  if (!family || !same_blocks(family->arch, mine.arch) || family->experts != (mine.n_experts > 0))
     throw checkpoint_error("Hugging Face folder " + dir + " holds a " + type + " model (config.json model_type); the job's model is " +
-                           want +
-                           (type == "llama" || type == "mistral" || type == "mixtral" || type == "gpt2"
-                                ? ": --model " + dir + " trains the folder's own model"
-                                : ""));
+                           want + (family ? ": --model " + dir + " trains the folder's own model"
+                                          : std::string(" (Troupe reads ") + hf_families() + ")"));
   std::vector<std::string> differ;
-  auto number = [&](const char* key, double fallback) {
-    const auto it = c.find(key);
-    return it == c.end() || it->is_null() ? fallback : it->get<double>();
+  const auto theirs_shape = parse_config(c, mine.seq_len, differ);
+  const auto& theirs = theirs_shape.decoder;
+  const bool gpt2 = mine.arch == decoder_arch::gpt2;
+  auto same = [&](const std::string& key, int t, int m, const std::string& ours) {
+    if (t != m) differ.push_back(key + " " + std::to_string(t) + " (the job's " + ours + " " + std::to_string(m) + ")");
   };
-  auto same_int = [&](const char* key, double fallback, std::int64_t mine, const char* ours) {
-    const double theirs = number(key, fallback);
-    if (theirs != double(mine))
-      differ.push_back(std::string(key) + " " + std::to_string(std::int64_t(theirs)) + " (the job's " + ours + " " +
-                       std::to_string(mine) + ")");
+  auto close = [&](const std::string& key, double t, double m, const std::string& ours) {
+    if (std::abs(t - m) > 1e-9 * std::max(1.0, std::abs(m)))
+      differ.push_back(key + " " + fmt_number(t) + " (the job's " + ours + " " + fmt_number(m) + ")");
   };
-  auto same_real = [&](const char* key, double fallback, double mine, const char* ours) {
-    const double theirs = number(key, fallback);
-    if (std::abs(theirs - mine) > 1e-9 * std::max(1.0, std::abs(mine))) {
-      std::ostringstream o;
-      o << key << " " << theirs << " (the job's " << ours << " " << mine << ")";
-      differ.push_back(o.str());
-    }
-  };
-  const auto vocab = std::int64_t(number("vocab_size", -1));
-  if (vocab < 1 || vocab > g.vocab)
-    differ.push_back("vocab_size " + std::to_string(vocab) + " (the job's vocab " + std::to_string(g.vocab) +
+  if (theirs.vocab < 1 || theirs.vocab > mine.vocab)
+    differ.push_back("vocab_size " + std::to_string(theirs.vocab) + " (the job's vocab " + std::to_string(mine.vocab) +
                      ": at most that many rows)");
-  const bool default_tie = !spec.is_llama();  // LlamaConfig's default is untied, GPT2Config's tied
-  const bool tied = c.contains("tie_word_embeddings") && !c.at("tie_word_embeddings").is_null()
-                        ? c.at("tie_word_embeddings").get<bool>()
-                        : default_tie;
-  if (tied != g.tie_embeddings)
-    differ.push_back(std::string("tie_word_embeddings ") + (tied ? "true" : "false") + " (the job's tie_embeddings " +
-                     (g.tie_embeddings ? "true" : "false") + ")");
-  if (spec.is_llama()) {
-    same_int("hidden_size", -1, g.d_model, "d_model");
-    if (g.n_experts > 0) {  // Mixtral: every block's MLP is the experts
-      same_int("intermediate_size", -1, g.expert_d_ff(), "moe_d_ff");
-      same_int("num_local_experts", 8, g.n_experts, "experts");
-      same_int("num_experts_per_tok", 2, g.moe_top_k, "moe_top_k");
-    } else {
-      same_int("intermediate_size", -1, g.d_ff, "d_ff");
-    }
-    same_int("num_hidden_layers", -1, g.n_layer, "layers");
-    same_int("num_attention_heads", -1, g.n_head, "heads");
-    same_int("num_key_value_heads", number("num_attention_heads", -1), g.kv_heads(), "kv_heads");
-    same_int("head_dim", g.head_dim(), g.head_dim(), "d_model / heads");
-    same_real("rms_norm_eps", 1e-6, g.norm_eps, "norm_eps");
-    const double theta = rotary_base(c, differ);
-    if (std::abs(theta - g.rope_theta) > 1e-9 * std::max(1.0, std::abs(g.rope_theta))) {
-      std::ostringstream o;
-      o << "rope_theta " << theta << " (the job's rope_theta " << g.rope_theta << ")";
-      differ.push_back(o.str());
-    }
-    unsupported_fields(c, true, g.seq_len, differ);
+  if (theirs.tie_embeddings != mine.tie_embeddings)
+    differ.push_back(std::string("tie_word_embeddings ") + (theirs.tie_embeddings ? "true" : "false") +
+                     " (the job's tie_embeddings " + (mine.tie_embeddings ? "true" : "false") + ")");
+  same(gpt2 ? "n_embd" : "hidden_size", theirs.d_model, mine.d_model, "d_model");
+  same(gpt2 ? "n_layer" : "num_hidden_layers", theirs.n_layer, mine.n_layer, "layers");
+  same(gpt2 ? "n_head" : "num_attention_heads", theirs.n_head, mine.n_head, "heads");
+  if (gpt2) {
+    same("n_inner", theirs.d_ff, mine.d_ff, "d_ff");
+    same("n_positions", theirs.seq_len, mine.seq_len, "seq_len");
+    close("layer_norm_epsilon", theirs.norm_eps, mine.norm_eps, "norm_eps");
+    if (theirs.gelu_tanh != mine.gelu_tanh)
+      differ.push_back(std::string("activation_function ") +
+                       (c.contains("activation_function") && c.at("activation_function").is_string()
+                            ? c.at("activation_function").get<std::string>()
+                            : std::string("gelu_new")) +
+                       " (the job's GELU is " +
+                       (mine.gelu_tanh ? "the tanh approximation, gelu_new" : "the exact one, gelu") + ")");
   } else {
-    same_int("n_embd", -1, g.d_model, "d_model");
-    same_int("n_inner", 4 * number("n_embd", -1), g.d_ff, "d_ff");
-    same_int("n_layer", -1, g.n_layer, "layers");
-    same_int("n_head", -1, g.n_head, "heads");
-    same_int("n_positions", -1, g.seq_len, "seq_len");
-    same_real("layer_norm_epsilon", 1e-5, g.norm_eps, "norm_eps");
-    unsupported_fields(c, false, 0, differ);
+    const bool mixtral = type == "mixtral";
+    if (!mixtral) same("intermediate_size", theirs.d_ff, mine.d_ff, "d_ff");
+    same("num_key_value_heads", theirs.kv_heads(), mine.kv_heads(), "kv_heads");
+    same("head_dim", theirs.head_dim(), mine.head_dim(), mine.head_size ? "head_dim" : "d_model / heads");
+    close("rms_norm_eps", theirs.norm_eps, mine.norm_eps, "norm_eps");
+    close("rope_theta", theirs.rope_theta, mine.rope_theta, "rope_theta");
+    if (!(theirs.rope == mine.rope))
+      differ.push_back("the rotary scaling (rope_scaling / rope_parameters) differs from the job's (" +
+                       rope_text(theirs.rope) + " against " + rope_text(mine.rope) + ")");
+    const int t_window = effective_window(theirs.sliding_window, mine.seq_len),
+              m_window = effective_window(mine.arch == decoder_arch::mistral ? mine.sliding_window : 0, mine.seq_len);
+    if (t_window != m_window)
+      differ.push_back(t_window ? "sliding_window " + std::to_string(t_window) + " (shorter than the job's seq_len " +
+                                      std::to_string(mine.seq_len) + "; the job's attention " +
+                                      (m_window ? "window is " + std::to_string(m_window) : std::string("sees the whole sequence")) + ")"
+                                : "sliding_window " + (theirs.sliding_window ? std::to_string(theirs.sliding_window) : "null") +
+                                      " (the job's sliding_window " + std::to_string(m_window) + ")");
+    if (mine.n_experts > 0) {
+      same(mixtral ? "intermediate_size" : "moe_intermediate_size", theirs.expert_d_ff(), mine.expert_d_ff(), "moe_d_ff");
+      same(mixtral || !c.contains("num_experts") ? "num_local_experts" : "num_experts", theirs.n_experts, mine.n_experts,
+           "experts");
+      same("num_experts_per_tok", theirs.moe_top_k, mine.moe_top_k, "moe_top_k");
+      if (theirs.moe_norm_topk != mine.moe_norm_topk)
+        differ.push_back(std::string("norm_topk_prob ") + (theirs.moe_norm_topk ? "true" : "false") +
+                         " (the job's top-k weights are " + (mine.moe_norm_topk ? "" : "not ") + "renormalised)");
+      for (int i = 0; i < mine.n_layer && i < theirs.n_layer; ++i)
+        if (theirs.is_moe_block(i) != mine.is_moe_block(i)) {
+          differ.push_back("block " + std::to_string(i) + (theirs.is_moe_block(i) ? " has experts" : " is dense") +
+                           " (decoder_sparse_step / mlp_only_layers; the job's block " + std::to_string(i) +
+                           (mine.is_moe_block(i) ? " has experts)" : " is dense)"));
+          break;
+        }
+    }
   }
   if (!differ.empty()) {
     std::string msg = "Hugging Face folder " + dir + ": config.json disagrees with the job's model: ";
     for (std::size_t i = 0; i < differ.size(); ++i) msg += (i ? "; " : "") + differ[i];
     throw checkpoint_error(msg);
   }
+}
+
+/// Copies file `from` to `to` (written atomically).
+void copy_file_atomically(const std::string& from, const std::string& to) {
+  const auto bytes = read_file_bytes(from);
+  write_file_atomically(to, [&](const byte_sink& sink) { sink(bytes.data(), bytes.size()); });
+}
+
+/// transformers 5.x's fused experts (save_pretrained(save_original_format=False)) as the
+/// family's per-expert tensors: "model.layers.L.mlp.experts.gate_up_proj" (E, 2 I, H), gate
+/// rows first, and "...experts.down_proj" (E, H, I); the router "mlp.gate.weight" under
+/// the family's name (Mixtral's block_sparse_moe.gate). Other tensors are kept as they are.
+void unfuse_experts(const std::string& dir, const model_spec& spec, std::map<std::string, torch::Tensor>& tensors) {
+  const auto& o = family_of(spec.decoder.arch).experts;
+  const std::string fused = ".mlp.experts.";
+  std::map<std::string, torch::Tensor> out;
+  std::set<std::string> fused_layers;  // "model.layers.L."
+  for (const auto& [name, t] : tensors) {
+    const auto at = name.find(fused);
+    const bool gate_up = at != std::string::npos && ends_with(name, fused + "gate_up_proj");
+    const bool down = at != std::string::npos && ends_with(name, fused + "down_proj");
+    if (!gate_up && !down) {
+      out.emplace(name, t);
+      continue;
+    }
+    const std::string layer = name.substr(0, at + 1);
+    fused_layers.insert(layer);
+    if (t.dim() != 3 || (gate_up && t.size(1) % 2 != 0))
+      throw checkpoint_error("Hugging Face folder " + dir + ": tensor " + name + " has shape " + c10::str(t.sizes()) +
+                             (gate_up ? ", expected (experts, 2 x intermediate, hidden)" : ", expected (experts, hidden, intermediate)"));
+    for (std::int64_t e = 0; e < t.size(0); ++e) {
+      const std::string expert = layer + o.prefix + o.experts + std::to_string(e) + ".";
+      if (down) {
+        out.emplace(expert + o.down + ".weight", t[e]);
+      } else {
+        const auto halves = t[e].chunk(2, 0);
+        out.emplace(expert + o.gate + ".weight", halves[0]);
+        out.emplace(expert + o.up + ".weight", halves[1]);
+      }
+    }
+  }
+  for (const auto& layer : fused_layers) {  // the router, "mlp.gate.weight": under the family's name
+    const auto it = out.find(layer + "mlp.gate.weight");
+    const std::string name = layer + o.prefix + o.router + ".weight";
+    if (it == out.end() || it->first == name) continue;
+    auto router = it->second;
+    out.erase(it);
+    out.emplace(name, router);
+  }
+  tensors = std::move(out);
 }
 
 /// Every tensor of the folder's weight files, by their own names.
@@ -253,16 +512,68 @@ std::map<std::string, torch::Tensor> read_weight_files(const fs::path& dir) {
 
 }  // namespace
 
+namespace {
+
+/// The source folder's config.json (train.model), or an empty object.
+nlohmann::json source_config(const std::string& source) {
+  if (source.empty() || !fs::exists(fs::path(source) / "config.json")) return nlohmann::json::object();
+  auto c = read_json(fs::path(source) / "config.json");
+  return c.is_object() ? c : nlohmann::json::object();
+}
+
+/// Whether a config.json is in transformers 5.x's spelling (rope_parameters, dtype).
+bool spelled_5x(const nlohmann::json& c) {
+  if (c.contains("rope_parameters")) return true;
+  if (c.contains("dtype") && !c.contains("torch_dtype")) return true;
+  const auto v = c.find("transformers_version");
+  return v != c.end() && v->is_string() && v->get<std::string>().rfind("5.", 0) == 0;
+}
+
+/// The rotary scaling as config.json writes it: null, or {"rope_type": ..., its numbers}.
+nlohmann::ordered_json rope_json(const rope_scaling& r) {
+  nlohmann::ordered_json j;
+  switch (r.type) {
+    case rope_scaling::kind::none: return nullptr;
+    case rope_scaling::kind::linear:
+      j["rope_type"] = "linear";
+      j["factor"] = r.factor;
+      return j;
+    case rope_scaling::kind::llama3:
+      j["rope_type"] = "llama3";
+      j["factor"] = r.factor;
+      j["low_freq_factor"] = r.low_freq_factor;
+      j["high_freq_factor"] = r.high_freq_factor;
+      j["original_max_position_embeddings"] = r.original_positions;
+      return j;
+  }
+  return nullptr;
+}
+
+const char* architecture_class(const std::string& type) {
+  if (type == "llama") return "LlamaForCausalLM";
+  if (type == "mistral") return "MistralForCausalLM";
+  if (type == "mixtral") return "MixtralForCausalLM";
+  if (type == "qwen2") return "Qwen2ForCausalLM";
+  if (type == "qwen3") return "Qwen3ForCausalLM";
+  if (type == "qwen3_moe") return "Qwen3MoeForCausalLM";
+  return "GPT2LMHeadModel";
+}
+
+}  // namespace
+
 nlohmann::ordered_json hf_config(const model_spec& spec, const hf_export_options& opts) {
   if (spec.type != model_spec::kind::decoder) throw std::invalid_argument("only the decoders export to Hugging Face folders");
   const auto& g = spec.decoder;
   const std::int64_t vocab = opts.vocab > 0 ? opts.vocab : g.vocab_used > 0 ? g.vocab_used : g.vocab;
+  const auto source = source_config(opts.source);
+  const bool v5 = spelled_5x(source);
+  const std::string type = hf_model_type(spec);
   nlohmann::ordered_json c;
+  c["architectures"] = {architecture_class(type)};
+  c["model_type"] = type;
+  c["vocab_size"] = vocab;
   if (spec.is_llama()) {
-    const bool mixtral = g.n_experts > 0;
-    c["architectures"] = {mixtral ? "MixtralForCausalLM" : "LlamaForCausalLM"};
-    c["model_type"] = hf_model_type(spec);
-    c["vocab_size"] = vocab;
+    const bool mixtral = type == "mixtral", qwen_moe = type == "qwen3_moe";
     c["hidden_size"] = g.d_model;
     c["intermediate_size"] = mixtral ? g.expert_d_ff() : g.d_ff;
     if (mixtral) {
@@ -271,32 +582,63 @@ nlohmann::ordered_json hf_config(const model_spec& spec, const hf_export_options
       c["router_aux_loss_coef"] = g.moe_aux_coeff;
       c["output_router_logits"] = false;
       c["router_jitter_noise"] = 0.0;
-      c["sliding_window"] = nullptr;
+    }
+    if (qwen_moe) {
+      c[v5 ? "num_local_experts" : "num_experts"] = g.n_experts;
+      c["num_experts_per_tok"] = g.moe_top_k;
+      c["moe_intermediate_size"] = g.expert_d_ff();
+      c["norm_topk_prob"] = g.moe_norm_topk;
+      // Any blocks with experts: step 1 and the others listed as dense.
+      c["decoder_sparse_step"] = 1;
+      std::vector<int> dense;
+      for (int i = 0; i < g.n_layer; ++i)
+        if (!g.is_moe_block(i)) dense.push_back(i);
+      c["mlp_only_layers"] = dense;
+      c["router_aux_loss_coef"] = g.moe_aux_coeff;
+      c["output_router_logits"] = false;
     }
     c["num_hidden_layers"] = g.n_layer;
     c["num_attention_heads"] = g.n_head;
     c["num_key_value_heads"] = g.kv_heads();
     c["head_dim"] = g.head_dim();
     c["hidden_act"] = "silu";
-    c["max_position_embeddings"] = g.seq_len;
-    c["rms_norm_eps"] = g.norm_eps;  // (LlamaConfig's default is 1e-6)
-    c["rope_theta"] = g.rope_theta;
-    c["rope_scaling"] = nullptr;
-    c["attention_bias"] = false;
+    // The source's positions (a model fine-tuned on shorter sequences keeps its own).
+    const auto positions = source.find("max_position_embeddings");
+    c["max_position_embeddings"] =
+        positions != source.end() && positions->is_number_integer() && positions->get<int>() >= g.seq_len
+            ? positions->get<int>()
+            : g.seq_len;
+    c["rms_norm_eps"] = g.norm_eps;  // (the families' defaults differ)
+    if (v5) {
+      auto rope = rope_json(g.rope);
+      if (rope.is_null()) rope = {{"rope_type", "default"}};
+      nlohmann::ordered_json params{{"rope_theta", g.rope_theta}};
+      for (const auto& [k, v] : rope.items()) params[k] = v;
+      c["rope_parameters"] = params;
+    } else {
+      c["rope_theta"] = g.rope_theta;
+      c["rope_scaling"] = rope_json(g.rope);
+    }
+    if (type == "mistral" || type == "mixtral") {
+      c["sliding_window"] = g.sliding_window > 0 ? nlohmann::ordered_json(g.sliding_window) : nlohmann::ordered_json(nullptr);
+    } else if (type != "llama") {  // Qwen's: off
+      c["use_sliding_window"] = false;
+      c["sliding_window"] = nullptr;
+      c["max_window_layers"] = g.n_layer;
+    }
+    if (type == "llama" || type == "qwen3" || type == "qwen3_moe") c["attention_bias"] = false;
+    if (type == "llama") c["mlp_bias"] = false;
     c["attention_dropout"] = 0.0;
-    c["mlp_bias"] = false;
     c["initializer_range"] = 0.02;
   } else {
-    c["architectures"] = {"GPT2LMHeadModel"};
-    c["model_type"] = "gpt2";
-    c["vocab_size"] = vocab;
     c["n_embd"] = g.d_model;
     c["n_inner"] = g.d_ff;
     c["n_layer"] = g.n_layer;
     c["n_head"] = g.n_head;
     c["n_positions"] = g.seq_len;
     c["n_ctx"] = g.seq_len;
-    c["activation_function"] = "gelu";  // the exact GELU (GPT2Config's default gelu_new is the tanh form)
+    // The exact GELU, or the tanh form (GPT2Config's default gelu_new, real GPT-2's)
+    c["activation_function"] = g.gelu_tanh ? "gelu_new" : "gelu";
     c["layer_norm_epsilon"] = g.norm_eps;
     c["resid_pdrop"] = 0.0;
     c["embd_pdrop"] = 0.0;
@@ -307,19 +649,25 @@ nlohmann::ordered_json hf_config(const model_spec& spec, const hf_export_options
     c["initializer_range"] = 0.02;
   }
   c["tie_word_embeddings"] = g.tie_embeddings;
-  c["bos_token_id"] = nullptr;  // bytes (or a tokenizer's pieces) with no special tokens
-  c["eos_token_id"] = nullptr;
-  c["torch_dtype"] = dtype_name(opts.dtype);
+  // The source's special tokens (none: bytes, or a tokenizer's pieces, with none).
+  for (const char* id : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+    const auto it = source.find(id);
+    if (it != source.end()) c[id] = *it;
+    else if (std::string(id) != "pad_token_id") c[id] = nullptr;
+  }
+  c[v5 ? "dtype" : "torch_dtype"] = dtype_name(opts.dtype);
   return c;
 }
 
 std::size_t export_hf_folder(const std::string& dir, const model_spec& spec, const state_dict& state,
                              const hf_export_options& opts) {
   check_state(spec, state);
-  if (spec.decoder.n_experts > 0 && spec.decoder.moe_every != 1)
-    throw checkpoint_error("Hugging Face folder " + dir + ": a Mixtral folder makes every block's MLP experts; this "
-                           "model has experts in every " + std::to_string(spec.decoder.moe_every) +
-                           "th block only (moe_every), which Hugging Face's Mixtral cannot load");
+  const auto& g = spec.decoder;
+  for (int i = 0; g.n_experts > 0 && hf_model_type(spec) == "mixtral" && i < g.n_layer; ++i)
+    if (!g.is_moe_block(i))
+      throw checkpoint_error("Hugging Face folder " + dir + ": a Mixtral folder makes every block's MLP experts; this "
+                             "model's block " + std::to_string(i) + " is dense (moe_every " +
+                             std::to_string(g.moe_every) + "), which Hugging Face's Mixtral cannot load");
   const auto config = hf_config(spec, opts);
   const std::int64_t vocab = config.at("vocab_size").get<std::int64_t>();
   if (vocab > spec.decoder.vocab)
@@ -339,6 +687,21 @@ std::size_t export_hf_folder(const std::string& dir, const model_spec& spec, con
   write_safetensors((fs::path(dir) / "model.safetensors").string(), out);
   fs::remove(fs::path(dir) / "model.safetensors.index.json", ec);  // a stale index would name other shards
   write_file_atomically((fs::path(dir) / "config.json").string(), config.dump(2) + "\n");
+  // generation_config.json: the source's, else the special tokens of config.json.
+  const fs::path source(opts.source);
+  if (!opts.source.empty() && fs::exists(source / "generation_config.json")) {
+    copy_file_atomically((source / "generation_config.json").string(), (fs::path(dir) / "generation_config.json").string());
+  } else {
+    nlohmann::ordered_json gen{{"_from_model_config", true}};
+    for (const char* id : {"bos_token_id", "eos_token_id", "pad_token_id"})
+      if (config.contains(id)) gen[id] = config.at(id);
+    write_file_atomically((fs::path(dir) / "generation_config.json").string(), gen.dump(2) + "\n");
+  }
+  // The source's tokenizer, whichever files it has (AutoTokenizer reads them unchanged).
+  if (!opts.source.empty())
+    for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                             "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json"})
+      if (fs::exists(source / file)) copy_file_atomically((source / file).string(), (fs::path(dir) / file).string());
   return out.size();
 }
 
@@ -349,99 +712,9 @@ hf_model_shape read_hf_model_shape(const std::string& dir) {
   const auto c = read_json(p / "config.json");
   const std::string where = "Hugging Face folder " + dir + ": config.json";
   if (!c.is_object()) throw checkpoint_error(where + " is not a JSON object");
-  const auto type_it = c.find("model_type");
-  const std::string type = type_it != c.end() && type_it->is_string() ? type_it->get<std::string>() : "";
-  hf_model_shape out;
-  out.model_type = type;
-  auto& g = out.decoder;
   std::vector<std::string> problems;
-  // A positive integer field; `fallback` (0: none) when it is missing or null.
-  auto integer = [&](const char* key, int fallback) -> int {
-    const auto it = c.find(key);
-    if (it == c.end() || it->is_null()) {
-      if (fallback <= 0) problems.push_back(std::string("no ") + key);
-      return fallback;
-    }
-    if (!it->is_number_integer() || it->get<long long>() < 1 || it->get<long long>() > (1LL << 30)) {
-      problems.push_back(std::string(key) + " " + it->dump() + " (expected a positive integer)");
-      return fallback;
-    }
-    return int(it->get<long long>());
-  };
-  auto real = [&](const char* key, double fallback) -> double {
-    const auto it = c.find(key);
-    if (it == c.end() || it->is_null()) return fallback;
-    if (!it->is_number() || it->get<double>() <= 0) {
-      problems.push_back(std::string(key) + " " + it->dump() + " (expected a positive number)");
-      return fallback;
-    }
-    return it->get<double>();
-  };
-  auto boolean = [&](const char* key, bool fallback) -> bool {
-    const auto it = c.find(key);
-    if (it == c.end() || it->is_null()) return fallback;
-    if (!it->is_boolean()) {
-      problems.push_back(std::string(key) + " " + it->dump() + " (expected true or false)");
-      return fallback;
-    }
-    return it->get<bool>();
-  };
-  if (type == "llama" || type == "mistral" || type == "mixtral") {
-    g.arch = decoder_arch::llama;
-    g.d_model = integer("hidden_size", 0);
-    g.n_layer = integer("num_hidden_layers", 0);
-    g.n_head = integer("num_attention_heads", 0);
-    g.n_kv_head = integer("num_key_value_heads", g.n_head);
-    g.d_ff = integer("intermediate_size", 0);
-    g.vocab = integer("vocab_size", 0);
-    g.norm_eps = real("rms_norm_eps", 1e-6);  // LlamaConfig's and MixtralConfig's default
-    g.tie_embeddings = boolean("tie_word_embeddings", false);
-    g.rope_theta = rotary_base(c, problems);
-    out.max_positions = c.contains("max_position_embeddings") ? integer("max_position_embeddings", 0) : 0;
-    if (g.n_head > 0 && g.d_model % g.n_head != 0)
-      problems.push_back("hidden_size " + std::to_string(g.d_model) + " is not a multiple of num_attention_heads " +
-                         std::to_string(g.n_head));
-    if (g.n_head > 0 && g.n_kv_head > 0 && g.n_head % g.n_kv_head != 0)
-      problems.push_back("num_attention_heads " + std::to_string(g.n_head) + " is not a multiple of num_key_value_heads " +
-                         std::to_string(g.n_kv_head));
-    if (const auto it = c.find("head_dim"); it != c.end() && !it->is_null() && g.n_head > 0 &&
-                                            !(it->is_number_integer() && it->get<long long>() == g.d_model / g.n_head))
-      problems.push_back("head_dim " + it->dump() + " (Troupe's heads are hidden_size / num_attention_heads = " +
-                         std::to_string(g.d_model / g.n_head) + ")");
-    unsupported_fields(c, true, 0, problems);  // (a sliding window: against the job's seq_len on reading)
-    if (type == "mixtral") {
-      g.n_experts = integer("num_local_experts", 8);
-      g.moe_top_k = integer("num_experts_per_tok", 2);
-      g.moe_d_ff = g.d_ff;
-      g.moe_every = 1;
-      g.moe_aux_coeff = 0.001;  // MixtralConfig's router_aux_loss_coef
-      if (const auto it = c.find("router_aux_loss_coef"); it != c.end() && !it->is_null()) {
-        if (it->is_number() && it->get<double>() >= 0)
-          g.moe_aux_coeff = it->get<double>();
-        else
-          problems.push_back("router_aux_loss_coef " + it->dump() + " (expected a number, 0 or more)");
-      }
-      if (g.moe_top_k > g.n_experts)
-        problems.push_back("num_experts_per_tok " + std::to_string(g.moe_top_k) + " is above num_local_experts " +
-                           std::to_string(g.n_experts));
-    }
-  } else if (type == "gpt2") {
-    g.arch = decoder_arch::gpt2;
-    g.d_model = integer("n_embd", 0);
-    g.n_layer = integer("n_layer", 0);
-    g.n_head = integer("n_head", 0);
-    g.d_ff = integer("n_inner", 4 * std::max(g.d_model, 1));
-    g.vocab = integer("vocab_size", 0);
-    g.seq_len = out.max_positions = integer("n_positions", 0);
-    g.norm_eps = real("layer_norm_epsilon", 1e-5);
-    g.tie_embeddings = boolean("tie_word_embeddings", true);
-    if (g.n_head > 0 && g.d_model % g.n_head != 0)
-      problems.push_back("n_embd " + std::to_string(g.d_model) + " is not a multiple of n_head " + std::to_string(g.n_head));
-    unsupported_fields(c, false, 0, problems);
-  } else {
-    throw checkpoint_error(where + ": model_type " + (type.empty() ? "(none)" : "'" + type + "'") +
-                           " is not a family Troupe reads (llama, mistral, mixtral, gpt2)");
-  }
+  // (A sliding window is checked against the job's seq_len when the weights are read.)
+  auto out = parse_config(c, 0, problems);
   if (!problems.empty()) {
     std::string msg = where + ": ";
     for (std::size_t i = 0; i < problems.size(); ++i) msg += (i ? "; " : "") + problems[i];
@@ -449,6 +722,8 @@ hf_model_shape read_hf_model_shape(const std::string& dir) {
   }
   return out;
 }
+
+const char* hf_families() { return "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gpt2"; }
 
 bool is_hf_folder(const std::string& dir) {
   const fs::path p(dir);
@@ -459,15 +734,13 @@ bool is_hf_folder(const std::string& dir) {
 state_dict read_hf_folder(const std::string& dir, const model_spec& spec) {
   if (spec.type != model_spec::kind::decoder)
     throw checkpoint_error("Hugging Face folder " + dir + ": only the decoder workloads read them");
-  if (spec.decoder.n_experts > 0 && spec.decoder.moe_every != 1)
-    throw checkpoint_error("Hugging Face folder " + dir + ": a Mixtral folder has experts in every block; the job's "
-                           "model has them in every " + std::to_string(spec.decoder.moe_every) + "th (moe_every)");
   const fs::path p(dir);
   if (!fs::exists(p / "config.json")) throw checkpoint_error("Hugging Face folder " + dir + " has no config.json");
   const auto config = read_json(p / "config.json");
   check_config(dir, config, spec);
   const std::int64_t vocab = config.at("vocab_size").get<std::int64_t>();
-  const auto tensors = read_weight_files(p);
+  auto tensors = read_weight_files(p);
+  if (spec.decoder.n_experts > 0) unfuse_experts(dir, spec, tensors);
   const std::string embedding = spec.is_llama() ? "model.embed_tokens.weight" : "wte.weight";
   state_dict out;
   torch::Tensor lm_head;

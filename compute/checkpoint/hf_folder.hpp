@@ -21,6 +21,11 @@ namespace troupe {
 struct hf_export_options {
   torch::ScalarType dtype = torch::kFloat32;  ///< of the written tensors (and config.json's torch_dtype)
   std::int64_t vocab = 0;  ///< embedding rows written (0: the tokenizer's pieces, vocab_used, or the model's vocab)
+  /// The Hugging Face folder the model came from (train.model; "": none): config.json is
+  /// written in its spelling (transformers 4.x's rope_theta and torch_dtype, or 5.x's
+  /// rope_parameters and dtype) with its special tokens' ids, and its
+  /// generation_config.json and tokenizer files are copied.
+  std::string source;
 };
 
 /// config.json's fields for `spec` (every one whose Hugging Face default differs from
@@ -28,7 +33,8 @@ struct hf_export_options {
 nlohmann::ordered_json hf_config(const model_spec& spec, const hf_export_options& opts = {});
 
 /// Writes `state` (Troupe's names, the full model) into folder `dir` (made if missing):
-/// config.json and model.safetensors, each atomically. Returns the tensors written.
+/// config.json, generation_config.json and model.safetensors, each atomically, and the
+/// source folder's tokenizer files. Returns the tensors written.
 std::size_t export_hf_folder(const std::string& dir, const model_spec& spec, const state_dict& state,
                              const hf_export_options& opts = {});
 
@@ -42,16 +48,19 @@ state_dict read_hf_folder(const std::string& dir, const model_spec& spec);
 
 /// The model a Hugging Face folder's config.json describes, as Troupe's decoder.
 struct hf_model_shape {
-  std::string model_type;  ///< config.json's: llama, mistral (Llama's blocks), mixtral or gpt2
+  std::string model_type;  ///< config.json's: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe or gpt2
   decoder_config decoder;  ///< its seq_len: gpt2's n_positions, llama's the default
   int max_positions = 0;   ///< max_position_embeddings (gpt2: n_positions); 0: not given
 };
 /// Reads config.json of folder `dir` (transformers 4.x's and 5.x's spellings). Throws
-/// checkpoint_error naming the folder and every field it cannot take: a model_type other
-/// than llama, mistral, mixtral and gpt2, a missing shape field, anything that changes the
-/// computation and that Troupe's blocks lack (rope scaling, biases, another head_dim, an
-/// activation other than the family's).
+/// checkpoint_error naming the folder and every field it cannot take: a model_type of
+/// another family (hf_families()), a missing shape field, anything that changes the
+/// computation and that Troupe's blocks lack (an unknown rope_type, softcapping, a shared
+/// expert, biases Llama lacks, a sliding window on a family without one).
 hf_model_shape read_hf_model_shape(const std::string& dir);
+
+/// The model_types Troupe reads, for messages: "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gpt2".
+const char* hf_families();
 
 /// Initial weights from `path`: a Hugging Face folder, or a state_dict file.
 state_dict read_initial_weights(const std::string& path, const model_spec& spec);

@@ -192,7 +192,9 @@ const std::vector<key_def>& key_defs() {
                  &job_config::recompute),
       {{"model.architecture",
         "gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama (rotary positions, RMSNorm, "
-        "grouped-query attention, SwiGLU MLP, no biases; Hugging Face names); empty: the workload's"},
+        "grouped-query attention, SwiGLU MLP, no biases; Hugging Face names), or one of llama's relatives: "
+        "mistral (sliding_window), qwen2 (biases on q, k and v), qwen3 (an RMSNorm of each head's q and k); "
+        "with experts, llama and mistral are Mixtral, qwen3 is Qwen3-MoE; empty: the workload's"},
        [](job_config& c, const std::string& v) {
          if (!v.empty()) parse_decoder_arch(v);
          c.architecture = v;
@@ -211,6 +213,12 @@ const std::vector<key_def>& key_defs() {
               &job_config::seq_len, 0, 1 << 16),
       int_key("model.vocab", "decoders: rows of the token embedding, at least the data's 256 byte values (0: 256)",
               &job_config::vocab, 0, 1 << 24),
+      int_key("model.head_dim", "rotary decoders: each head's width (0: d_model / heads; Qwen3's differs)",
+              &job_config::head_dim, 0, 1 << 14),
+      int_key("model.sliding_window",
+              "mistral: each query attends to itself and the sliding_window - 1 keys before it (0: to every "
+              "earlier key)",
+              &job_config::sliding_window, 0, 1 << 24),
       double_key("model.rope_theta", "llama: the rotary embedding's base (0: 10000)", &job_config::rope_theta, 0, 1e12),
       double_key("model.norm_eps", "decoders: LayerNorm's / RMSNorm's epsilon (0: 1e-5)", &job_config::norm_eps, 0, 1),
       int_key("model.experts",
@@ -511,21 +519,26 @@ void job_config::validate() const {
     fail("the [model] keys shape the decoder workloads (fmnist-mlp's layers are fixed)");
   if (is_decoder()) {
     const auto g = model().decoder;
-    if (g.d_model % g.n_head != 0)
+    if (g.head_size == 0 && g.d_model % g.n_head != 0)
       fail("d_model " + std::to_string(g.d_model) + " is not a multiple of heads (" + std::to_string(g.n_head) + ")");
+    if (g.head_size > 0 && g.arch == decoder_arch::gpt2)
+      fail("head_dim " + std::to_string(g.head_size) + " with architecture gpt2: its heads are d_model / heads");
+    if (g.sliding_window > 0 && g.arch != decoder_arch::mistral)
+      fail("sliding_window " + std::to_string(g.sliding_window) + " with architecture " + decoder_arch_name(g.arch) +
+           ": the sliding window is mistral's");
     if (g.n_head % g.kv_heads() != 0)
       fail("heads " + std::to_string(g.n_head) + " is not a multiple of kv_heads (" + std::to_string(g.kv_heads()) +
            "): each key/value head serves a group of query heads");
     if (g.arch == decoder_arch::gpt2 && g.kv_heads() != g.n_head)
       fail("kv_heads " + std::to_string(g.kv_heads()) + " with architecture gpt2: its fused c_attn has one key/value "
            "head per query head (grouped-query attention is llama's)");
-    if (g.arch == decoder_arch::llama && g.head_dim() % 2 != 0)
-      fail("head dimension " + std::to_string(g.head_dim()) + " (d_model / heads) is odd: the rotary embedding "
-           "rotates pairs");
+    if (g.arch != decoder_arch::gpt2 && g.head_dim() % 2 != 0)
+      fail("head dimension " + std::to_string(g.head_dim()) + " (" + (g.head_size ? "head_dim" : "d_model / heads") +
+           ") is odd: the rotary embedding rotates pairs");
     if (tokenizer.empty() && g.vocab < 256) fail("vocab " + std::to_string(g.vocab) + " is below the data's 256 byte values");
-    if (g.n_experts > 0 && g.arch != decoder_arch::llama)
-      fail("experts " + std::to_string(g.n_experts) + " with architecture gpt2: the mixture of experts is llama's "
-           "(Mixtral's; --workload moe-tiny)");
+    if (g.n_experts > 0 && (g.arch == decoder_arch::gpt2 || g.arch == decoder_arch::qwen2))
+      fail("experts " + std::to_string(g.n_experts) + " with architecture " + decoder_arch_name(g.arch) +
+           ": the mixture of experts is Mixtral's (llama, mistral; --workload moe-tiny) or Qwen3-MoE's (qwen3)");
     if (g.n_experts > 0 && (g.moe_top_k < 1 || g.moe_top_k > g.n_experts))
       fail("moe_top_k " + std::to_string(g.moe_top_k) + " with " + std::to_string(g.n_experts) +
            " experts: expected 1 to " + std::to_string(g.n_experts));
@@ -629,8 +642,11 @@ model_spec job_config::model() const {
                    : workload == "moe-small"   ? model_spec::moe_small()
                                                : model_spec::gpt_tiny();
   auto spec = own;
+  if (folder_decoder) spec.decoder = *folder_decoder;
   auto& g = spec.decoder;
   if (!architecture.empty()) g.arch = parse_decoder_arch(architecture);
+  if (head_dim > 0) g.head_size = head_dim;
+  if (sliding_window > 0) g.sliding_window = sliding_window;
   if (layers > 0) g.n_layer = layers;
   if (heads > 0) g.n_head = heads;
   if (kv_heads > 0) g.n_kv_head = kv_heads;
@@ -644,7 +660,7 @@ model_spec job_config::model() const {
   if (rope_theta > 0) g.rope_theta = rope_theta;
   if (norm_eps > 0) g.norm_eps = norm_eps;
   // The workload's MLP width scaled with the model's (gpt: 4 x d_model).
-  g.d_ff = d_ff > 0 ? d_ff : int(std::int64_t(own.decoder.d_ff) * g.d_model / own.decoder.d_model);
+  if (!folder_decoder) g.d_ff = d_ff > 0 ? d_ff : int(std::int64_t(own.decoder.d_ff) * g.d_model / own.decoder.d_model);
   g.tie_embeddings = tie_embeddings == "auto" ? g.arch == decoder_arch::gpt2 : tie_embeddings == "true";
   if (experts > 0) g.n_experts = experts;
   if (moe_top_k > 0) g.moe_top_k = moe_top_k;
@@ -674,7 +690,7 @@ void job_config::take_model_from_folder() {
     }
     mine = theirs;
   };
-  const bool llama = g.arch == decoder_arch::llama;
+  const bool llama = g.arch != decoder_arch::gpt2;
   const std::string arch = decoder_arch_name(g.arch);
   if (!architecture.empty() && architecture != arch)
     differ.push_back("model.architecture " + architecture + " (config.json's model_type " + shape.model_type + ")");
@@ -690,14 +706,17 @@ void job_config::take_model_from_folder() {
   if (llama) {
     take(kv_heads, g.kv_heads(), 0, "kv_heads", "num_key_value_heads");
     take(rope_theta, g.rope_theta, 0.0, "rope_theta", "rope_theta");
+    if (g.head_size > 0) take(head_dim, g.head_size, 0, "head_dim", "head_dim");
+    if (g.sliding_window > 0) take(sliding_window, g.sliding_window, 0, "sliding_window", "sliding_window");
   }
   if (g.n_experts > 0) {
     take(experts, g.n_experts, 0, "experts", "num_local_experts");
     take(moe_top_k, g.moe_top_k, 0, "moe_top_k", "num_experts_per_tok");
     take(moe_d_ff, g.expert_d_ff(), 0, "moe_d_ff", "intermediate_size");
-    if (moe_every > 1)
-      differ.push_back("model.moe_every " + std::to_string(moe_every) + " (a " + shape.model_type +
-                       " has experts in every block)");
+    if (moe_every > 0 && moe_every != g.moe_every)
+      differ.push_back("model.moe_every " + std::to_string(moe_every) + " (the " + shape.model_type +
+                       " folder's experts are in every " + std::to_string(g.moe_every) + " block" +
+                       (g.moe_every > 1 ? "s" : "") + ")");
     moe_every = g.moe_every;
     // The load-balancing term's weight is training's, not the model's: the job's own when set.
     if (moe_aux_loss_coeff < 0) moe_aux_loss_coeff = g.moe_aux_coeff;
@@ -707,6 +726,7 @@ void job_config::take_model_from_folder() {
   }
   // gpt2's position table has seq_len rows: the folder's n_positions.
   if (!llama) take(seq_len, shape.max_positions, 0, "seq_len", "n_positions");
+  folder_decoder = g;
   if (!differ.empty()) {
     std::string msg = where + ": the job's [model] keys disagree with the folder: ";
     for (std::size_t i = 0; i < differ.size(); ++i) msg += (i ? "; " : "") + differ[i];

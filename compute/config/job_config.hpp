@@ -4,6 +4,7 @@
 // docs/configuration.md is generated from it (`troupe config-reference`).
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -50,8 +51,10 @@ struct job_config {
   std::string hf_model;
   // [model]: the decoder workloads' architecture and shape (0 / "": the workload's own;
   // d_ff 0: the workload's d_ff scaled with d_model)
-  std::string architecture;            ///< gpt2 | llama ("": the workload's)
+  std::string architecture;            ///< gpt2 | llama | mistral | qwen2 | qwen3 ("": the workload's)
   int layers = 0, heads = 0, kv_heads = 0, d_model = 0, d_ff = 0, seq_len = 0, vocab = 0;
+  int head_dim = 0;                    ///< a head's width (0: d_model / heads)
+  int sliding_window = 0;              ///< mistral: keys a query sees, itself included (0: all)
   double rope_theta = 0, norm_eps = 0;
   std::string tie_embeddings = "auto"; ///< auto (the architecture's: gpt2 tied, llama not) | true | false
   int experts = 0, moe_top_k = 0, moe_d_ff = 0, moe_every = 0;  ///< mixture of experts (0: the workload's)
@@ -120,7 +123,8 @@ struct job_config {
 
   /// True when a [model] key is set (not 0): the shape differs from the workload's own.
   bool has_model_keys() const {
-    return !architecture.empty() || layers || heads || kv_heads || d_model || d_ff || seq_len || vocab || rope_theta ||
+    return !architecture.empty() || layers || heads || kv_heads || d_model || d_ff || seq_len || vocab || head_dim ||
+           sliding_window || rope_theta ||
            norm_eps || tie_embeddings != "auto" || experts || moe_top_k || moe_d_ff || moe_every ||
            moe_aux_loss_coeff >= 0 || moe_capacity_factor > 0;
   }
@@ -132,8 +136,12 @@ struct job_config {
   void take_model_from_folder();
   /// A decoder workload (not fmnist-mlp).
   bool is_decoder() const { return workload != "fmnist-mlp"; }
-  /// The model to train: the workload's, with the [model] keys that are set applied.
+  /// The model to train: the workload's (or the hf_model folder's), with the [model] keys
+  /// that are set applied.
   model_spec model() const;
+  /// The hf_model folder's decoder, with what no [model] key holds (rope scaling, GELU's
+  /// form, the experts' routing and places); set by take_model_from_folder.
+  std::optional<decoder_config> folder_decoder;
   /// For the start-of-training log line: the workload, and its shape and parameter count
   /// when [model] keys change it ("gpt-tiny (4 layers, d_model 64, 2 heads, ...)").
   std::string model_label() const;

@@ -56,7 +56,8 @@ decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, c
     kv_heads_ = cfg_.kv_heads() / tp_.size;
     vocab_first_ = std::int64_t(cfg_.vocab / tp_.size) * tp_.rank;
   }
-  core_ = std::make_unique<causal_attention>(cfg_.seq_len, device);
+  core_ = std::make_unique<causal_attention>(cfg_.seq_len, device,
+                                             family_.attention.sliding_window ? cfg_.sliding_window : 0);
   embedding_ = family_.token_embedding;
   output_ = cfg_.tie_embeddings ? embedding_ : family_.output;
   if (family_.positions == position_kind::rotary) rotary_.emplace(cfg_, device);

@@ -10,7 +10,7 @@ decoder_family gpt2() {
   decoder_family f{decoder_arch::gpt2, norm_kind::layer_norm, position_kind::learned, {}, {}, {}, "h.", "wte.weight",
                    "wpe.weight", "ln_1", "ln_2", "ln_f", "lm_head.weight"};
   f.attention.fused_qkv = true;
-  f.attention.bias = true;
+  f.attention.qkv_bias = f.attention.out_bias = true;
   f.attention.prefix = "attn.";
   f.attention.qkv = "c_attn";
   f.attention.out = "c_proj";
@@ -34,11 +34,46 @@ decoder_family llama() {
   return f;
 }
 
+/// Mistral (and Mixtral): Llama's blocks, with a sliding window of attention.
+decoder_family mistral() {
+  auto f = llama();
+  f.arch = decoder_arch::mistral;
+  f.attention.sliding_window = true;
+  return f;
+}
+
+/// Qwen2: Llama's blocks with biases on the q, k and v projections (not on o_proj).
+decoder_family qwen2() {
+  auto f = llama();
+  f.arch = decoder_arch::qwen2;
+  f.attention.qkv_bias = true;
+  return f;
+}
+
+/// Qwen3 (and Qwen3-MoE): Llama's blocks with an RMSNorm of each head's query and key;
+/// the experts are the MLP's ("mlp.gate", "mlp.experts.0.gate_proj", ...).
+decoder_family qwen3() {
+  auto f = llama();
+  f.arch = decoder_arch::qwen3;
+  f.attention.q_norm = "q_norm";
+  f.attention.k_norm = "k_norm";
+  f.experts = {"mlp.", "gate", "experts.", "gate_proj", "down_proj", "up_proj"};
+  return f;
+}
+
 }  // namespace
 
 const decoder_family& family_of(decoder_arch arch) {
-  static const decoder_family gpt2_family = gpt2(), llama_family = llama();
-  return arch == decoder_arch::llama ? llama_family : gpt2_family;
+  static const decoder_family gpt2_family = gpt2(), llama_family = llama(), mistral_family = mistral(),
+                              qwen2_family = qwen2(), qwen3_family = qwen3();
+  switch (arch) {
+    case decoder_arch::gpt2: return gpt2_family;
+    case decoder_arch::llama: return llama_family;
+    case decoder_arch::mistral: return mistral_family;
+    case decoder_arch::qwen2: return qwen2_family;
+    case decoder_arch::qwen3: return qwen3_family;
+  }
+  return gpt2_family;
 }
 
 }  // namespace troupe

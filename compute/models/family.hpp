@@ -24,18 +24,23 @@ enum class position_kind {
 
 /// The dense MLP of a block.
 enum class mlp_kind {
-  gelu,    ///< up, exact GELU, down (GPT-2's c_fc, c_proj)
+  gelu,    ///< up, GELU (exact, or its tanh form: decoder_config::gelu_tanh), down (GPT-2's c_fc, c_proj)
   swiglu,  ///< down(silu(gate(x)) * up(x)) (Llama's gate_proj, up_proj, down_proj)
 };
 
 /// The attention's options and names (relative to a block's prefix).
 struct attention_options {
   bool fused_qkv = false;  ///< one projection [q; k; v] (GPT-2's c_attn) instead of three
-  bool bias = false;       ///< biases on the projections
+  bool qkv_bias = false;   ///< biases on the q, k and v projections (GPT-2's, Qwen2's)
+  bool out_bias = false;   ///< a bias on the output projection (GPT-2's)
+  bool sliding_window = false;  ///< decoder_config::sliding_window applies (Mistral's)
   std::string prefix;      ///< "attn." / "self_attn."
   std::string qkv;         ///< fused: "c_attn"
   std::string q, k, v;     ///< separate: "q_proj", "k_proj", "v_proj"
   std::string out;         ///< "c_proj" / "o_proj"
+  /// Qwen3's RMSNorm of each head's query and key (one weight of head_dim, shared by the
+  /// heads), before the rotary embedding: "q_norm", "k_norm"; empty: none.
+  std::string q_norm, k_norm;
 };
 
 /// The dense MLP's options and names (relative to a block's prefix).
@@ -48,12 +53,13 @@ struct mlp_options {
   std::string down;    ///< "c_proj" / "down_proj"
 };
 
-/// The sparse MLP (mixture of experts; Mixtral's names, relative to a block's prefix).
+/// The sparse MLP (mixture of experts; names relative to a block's prefix).
 struct expert_options {
-  std::string prefix;  ///< "block_sparse_moe."
+  std::string prefix;  ///< Mixtral's "block_sparse_moe.", Qwen3-MoE's "mlp."
   std::string router;  ///< "gate"
   std::string experts; ///< "experts." (then the expert's index and ".")
-  std::string gate, down, up;  ///< each expert's SwiGLU: "w1", "w2", "w3"
+  std::string gate, down, up;  ///< each expert's SwiGLU: Mixtral's "w1", "w2", "w3"; Qwen3-MoE's
+                               ///< "gate_proj", "down_proj", "up_proj"
 };
 
 struct decoder_family {

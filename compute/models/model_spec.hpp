@@ -13,10 +13,27 @@ struct model_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// A decoder's architecture: GPT-2's (WORKLOADS.md "gpt-tiny": learned positions,
-/// LayerNorm with biases, fused qkv, GELU MLP) or Llama's ("llama-tiny": rotary
-/// positions, RMSNorm, grouped-query attention, SwiGLU MLP, no biases; Hugging Face names).
-enum class decoder_arch { gpt2, llama };
+/// A decoder's architecture (a row of compute/models/family.cpp): GPT-2's (WORKLOADS.md
+/// "gpt-tiny": learned positions, LayerNorm with biases, fused qkv, GELU MLP) or Llama's
+/// ("llama-tiny": rotary positions, RMSNorm, grouped-query attention, SwiGLU MLP, no
+/// biases; Hugging Face names), and Llama's relatives: Mistral (a sliding window), Qwen2
+/// (biases on q, k and v), Qwen3 (RMSNorm of each head's q and k). With experts, llama and
+/// mistral are Mixtral, qwen3 is Qwen3-MoE.
+enum class decoder_arch { gpt2, llama, mistral, qwen2, qwen3 };
+
+/// The rotary embedding's frequencies (Hugging Face's rope_type): unscaled, every one
+/// divided by `factor` (linear), or Llama 3.1's: the low ones divided, the high ones kept,
+/// those between interpolated.
+struct rope_scaling {
+  enum class kind { none, linear, llama3 } type = kind::none;
+  double factor = 1;
+  double low_freq_factor = 1, high_freq_factor = 4;  ///< llama3
+  int original_positions = 8192;                     ///< llama3: original_max_position_embeddings
+  bool operator==(const rope_scaling& o) const {
+    return type == o.type && factor == o.factor && low_freq_factor == o.low_freq_factor &&
+           high_freq_factor == o.high_freq_factor && original_positions == o.original_positions;
+  }
+};
 
 /// A decoder's shape (Megatron's TransformerConfig, for the two architectures).
 struct decoder_config {
@@ -43,10 +60,24 @@ struct decoder_config {
   /// Training drops the (token, choice) pairs past each expert's capacity in a sequence,
   /// expert_capacity(seq_len) (Megatron's moe_expert_capacity_factor, per sequence); 0: none.
   double moe_capacity_factor = 0;
+  int head_size = 0;            ///< a head's width (0: d_model / n_head; Qwen3's head_dim)
+  bool gelu_tanh = false;       ///< gpt2: GELU's tanh approximation (Hugging Face's gelu_new)
+  rope_scaling rope{};          ///< rotary positions' scaling
+  int sliding_window = 0;       ///< mistral: a query sees itself and the sliding_window - 1 keys
+                                ///< before it (0: every earlier key)
+  bool moe_norm_topk = true;    ///< the top-k router probabilities renormalised to sum 1 (Mixtral;
+                                ///< Qwen3-MoE's norm_topk_prob)
+  int moe_first = 0;            ///< experts in blocks moe_first, moe_first + moe_every, ...
+  std::vector<int> moe_dense{}; ///< blocks kept dense anyway (Qwen3-MoE's mlp_only_layers)
 
-  int head_dim() const { return d_model / n_head; }
+  int head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
   int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
-  bool is_moe_block(int i) const { return n_experts > 0 && i % moe_every == 0; }
+  bool is_moe_block(int i) const {
+    if (n_experts == 0 || i < moe_first || (i - moe_first) % moe_every != 0) return false;
+    for (int d : moe_dense)
+      if (d == i) return false;
+    return true;
+  }
   int expert_d_ff() const { return moe_d_ff > 0 ? moe_d_ff : d_ff; }
   /// The (token, choice) pairs an expert takes of a sequence of `tokens` in training:
   /// ceil(factor x tokens x top_k / experts) (Megatron's get_capacity); 0: no limit.
@@ -100,13 +131,14 @@ struct model_spec {
     s.type = kind::mlp;
     return s;
   }
-  bool is_llama() const { return type == kind::decoder && decoder.arch == decoder_arch::llama; }
+  /// A decoder of Llama's kind (rotary positions, RMSNorm, Hugging Face's model.layers names).
+  bool is_llama() const { return type == kind::decoder && decoder.arch != decoder_arch::gpt2; }
   /// Number of sliceable layers (transformer blocks or Linear layers).
   int n_layers() const { return type == kind::decoder ? decoder.n_layer : int(mlp_widths.size()) - 1; }
-  std::string name() const { return type == kind::mlp ? "fmnist-mlp" : is_llama() ? "llama" : "gpt"; }
+  std::string name() const;
 };
 
-/// "gpt2" or "llama"; throws std::invalid_argument otherwise.
+/// "gpt2", "llama", "mistral", "qwen2" or "qwen3"; throws std::invalid_argument otherwise.
 decoder_arch parse_decoder_arch(const std::string& name);
 const char* decoder_arch_name(decoder_arch arch);
 

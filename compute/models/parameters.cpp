@@ -1,5 +1,6 @@
 #include "compute/models/parameters.hpp"
 
+#include <cctype>
 #include <cmath>
 #include <map>
 #include <sstream>
@@ -104,10 +105,14 @@ std::vector<std::string> slice_parameter_names(const model_spec& spec, const lay
 }
 
 int expert_of(const std::string& name) {
-  static const std::string key = ".block_sparse_moe.experts.";
+  // Mixtral's "model.layers.0.block_sparse_moe.experts.3.w1.weight", Qwen3-MoE's
+  // "model.layers.0.mlp.experts.3.gate_proj.weight".
+  static const std::string key = ".experts.";
   const auto at = name.find(key);
   if (at == std::string::npos) return -1;
-  return std::stoi(name.substr(at + key.size()));
+  const auto digits = at + key.size();
+  if (digits >= name.size() || !std::isdigit(static_cast<unsigned char>(name[digits]))) return -1;
+  return std::stoi(name.substr(digits));
 }
 
 bool expert_share::holds(const std::string& name, int n_experts) const {
@@ -175,7 +180,7 @@ void check_state(const model_spec& spec, const state_dict& state) {
   for (const auto& [name, t] : given) problems.push_back("unexpected " + name);
   if (!problems.empty()) {
     std::string msg = "state_dict does not fit model " + spec.name() + ": ";
-    // Weights of the other architecture: say which, before the list of names.
+    // Weights of another kind of architecture: say which, before the list of names.
     const bool llama_names = given.count("model.embed_tokens.weight") > 0, gpt_names = given.count("wte.weight") > 0;
     if (spec.type == model_spec::kind::decoder && !spec.is_llama() && llama_names)
       msg += "it holds a llama model's names (model.embed_tokens.weight): give --workload llama-tiny (or "

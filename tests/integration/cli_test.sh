@@ -414,7 +414,7 @@ expect_in llama-kv-heads-msg "$err" "heads 3 is not a multiple of kv_heads (2)"
 check gpt2-kv-heads 2 "$troupe" train --kv-heads 2
 expect_in gpt2-kv-heads-msg "$err" "kv_heads 2 with architecture gpt2"
 check bad-architecture 2 "$troupe" train --architecture mamba
-expect_in bad-architecture-msg "$err" "unknown architecture 'mamba' (expected gpt2 or llama)"
+expect_in bad-architecture-msg "$err" "unknown architecture 'mamba' (expected gpt2, llama, mistral, qwen2 or qwen3)"
 check bad-tie 2 "$troupe" train --tie-embeddings maybe
 expect_in bad-tie-msg "$err" "expected auto, true or false"
 check llama-odd-head-dim 2 "$troupe" train --workload llama-tiny --d-model 132 --heads 4 --kv-heads 4

@@ -84,6 +84,12 @@ torch::Tensor plain_attention(const torch::Tensor& q, torch::Tensor k, torch::Te
   return torch::matmul(torch::softmax(s, -1), v);
 }
 
+std::vector<std::string> names(const param_table& t) {
+  std::vector<std::string> out;
+  for (const auto& p : t) out.push_back(p.name);
+  return out;
+}
+
 }  // namespace
 
 TEST(ModelParts, NormsAreLayerNormAndRmsNorm) {
@@ -125,6 +131,91 @@ TEST(ModelParts, PositionsAreALearnedTableOrRotations) {
   const double a = q[0][0][t][j].item<double>(), b = q[0][0][t][j + half].item<double>();
   EXPECT_NEAR(all[0][0][t][j].item<double>(), a * std::cos(angle) - b * std::sin(angle), 1e-5);
   EXPECT_NEAR(all[0][0][t][j + half].item<double>(), b * std::cos(angle) + a * std::sin(angle), 1e-5);
+}
+
+// Llama 3.1's scaling of the rotary frequencies (the values transformers 5's
+// _compute_llama3_parameters gives for head_dim 16, theta 5e5, factor 8, low 1, high 4,
+// 8192 original positions), and linear scaling: every frequency divided.
+TEST(ModelParts, RotaryFrequenciesAreScaledAsLlama3AndLinear) {
+  auto cfg = small_llama();
+  cfg.head_size = 16;
+  cfg.rope_theta = 5e5;
+  cfg.seq_len = 4;
+  const std::vector<double> llama3{1.0,           0.193922758,    0.0376060307,   0.00729266508,
+                                   0.000524846022, 3.42810235e-05, 6.64786967e-06, 1.28917316e-06};
+  auto expect_frequencies = [&](const std::vector<double>& inv_freq, const char* what) {
+    const rotary_embedding rope(cfg, torch::kCPU);
+    const auto q = torch::randn({1, 1, cfg.seq_len, 16});
+    const auto got = rope.rotate(q, 0);
+    for (int t = 0; t < cfg.seq_len; ++t)
+      for (int j = 0; j < 8; ++j) {
+        const double angle = t * inv_freq[std::size_t(j)];
+        const double a = q[0][0][t][j].item<double>(), b = q[0][0][t][j + 8].item<double>();
+        EXPECT_NEAR(got[0][0][t][j].item<double>(), a * std::cos(angle) - b * std::sin(angle), 1e-5) << what << t << j;
+        EXPECT_NEAR(got[0][0][t][j + 8].item<double>(), b * std::cos(angle) + a * std::sin(angle), 1e-5) << what << t << j;
+      }
+  };
+  cfg.rope = {rope_scaling::kind::llama3, 8, 1, 4, 8192};
+  expect_frequencies(llama3, "llama3 ");
+  cfg.rope = {rope_scaling::kind::linear, 2};
+  std::vector<double> linear;
+  for (int j = 0; j < 8; ++j) linear.push_back(1 / std::pow(5e5, 2.0 * j / 16) / 2);
+  expect_frequencies(linear, "linear ");
+}
+
+// Mistral's sliding window: query i sees keys i - window + 1 .. i, with a cache too.
+TEST(ModelParts, ASlidingWindowHidesTheKeysBeforeIt) {
+  const std::int64_t T = 8, window = 3;
+  const causal_attention core(T, torch::kCPU, window);
+  const auto q = torch::randn({1, 2, T, 4}), k = torch::randn({1, 2, T, 4}), v = torch::randn({1, 2, T, 4});
+  auto att = torch::matmul(q, k.transpose(-2, -1)) / 2.0;
+  const auto i = torch::arange(T).unsqueeze(1), j = torch::arange(T).unsqueeze(0);
+  att = att.masked_fill((j > i).logical_or(j <= i - window), -INFINITY);
+  const auto expected = torch::matmul(torch::softmax(att, -1), v);
+  EXPECT_TRUE(torch::allclose(core(q, k, v, 0), expected, 1e-5, 1e-5));
+  // One new token after 6 cached keys sees only the last 3 keys.
+  EXPECT_TRUE(torch::allclose(core(q.narrow(2, 6, 1), k.narrow(2, 0, 7), v.narrow(2, 0, 7), 6), expected.narrow(2, 6, 1),
+                              1e-5, 1e-5));
+  // A window as long as the sequence is plain causal attention.
+  const causal_attention whole(T, torch::kCPU, T);
+  EXPECT_TRUE(torch::allclose(whole(q, k, v, 0), plain_attention(q, k, v, 0), 1e-5, 1e-5));
+}
+
+// Qwen2's biases on q, k and v (not on o); Qwen3's RMSNorm of each head's q and k before
+// the rotary embedding, and a head_dim of its own.
+TEST(ModelParts, QwenAttentionHasBiasesOrHeadNorms) {
+  auto cfg = small_llama();
+  const auto& q2 = family_of(decoder_arch::qwen2);
+  EXPECT_EQ(names(attention_params(q2, cfg, "b.")),
+            (std::vector<std::string>{"b.self_attn.q_proj.weight", "b.self_attn.q_proj.bias", "b.self_attn.k_proj.weight",
+                                      "b.self_attn.k_proj.bias", "b.self_attn.v_proj.weight", "b.self_attn.v_proj.bias",
+                                      "b.self_attn.o_proj.weight"}));
+  cfg.head_size = 6;  // 4 heads of 6 over d_model 16
+  cfg.arch = decoder_arch::qwen3;
+  const auto& q3 = family_of(decoder_arch::qwen3);
+  const auto table = attention_params(q3, cfg, "b.");
+  EXPECT_EQ(names(table), (std::vector<std::string>{"b.self_attn.q_proj.weight", "b.self_attn.k_proj.weight",
+                                                    "b.self_attn.v_proj.weight", "b.self_attn.q_norm.weight",
+                                                    "b.self_attn.k_norm.weight", "b.self_attn.o_proj.weight"}));
+  EXPECT_EQ(table[0].shape, (std::vector<std::int64_t>{24, 16}));
+  EXPECT_EQ(table[3].shape, (std::vector<std::int64_t>{6}));
+  EXPECT_EQ(table[5].shape, (std::vector<std::int64_t>{16, 24}));
+  parts_fixture f(cfg, table);
+  const causal_attention core(cfg.seq_len, torch::kCPU);
+  const attention_core plain = [&](const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c,
+                                   std::int64_t past) { return core(a, b, c, past); };
+  const rotary_embedding rope(cfg, torch::kCPU);
+  const auto x = torch::randn({2, 5, cfg.d_model});
+  auto heads = [](const torch::Tensor& t, std::int64_t n) { return t.view({2, 5, n, 6}).transpose(1, 2); };
+  auto rms = [&](const torch::Tensor& t, const std::string& w) {
+    return t * torch::rsqrt(t.pow(2).mean(-1, true) + cfg.norm_eps) * f.params.m.at(w);
+  };
+  const auto qe = rope.rotate(rms(heads(plain_linear(f.params, "b.self_attn.q_proj", x, false), 4), "b.self_attn.q_norm.weight"), 0);
+  const auto ke = rope.rotate(rms(heads(plain_linear(f.params, "b.self_attn.k_proj", x, false), 2), "b.self_attn.k_norm.weight"), 0);
+  const auto ve = heads(plain_linear(f.params, "b.self_attn.v_proj", x, false), 2);
+  const auto ye = plain_attention(qe, ke, ve, 0).transpose(1, 2).reshape({2, 5, 24});
+  EXPECT_TRUE(torch::allclose(attention(f.context(), x, "b.", nullptr, 0, plain, &rope),
+                              plain_linear(f.params, "b.self_attn.o_proj", ye, false), 1e-5, 1e-5));
 }
 
 TEST(ModelParts, AttentionIsCausalWithGroupedHeadsAndACache) {
@@ -222,11 +313,6 @@ TEST(ModelParts, ExpertsSumTheirTopChoicesWeightedByTheRouter) {
 
 TEST(ModelParts, AFamilyIsATableAndANewTableComposesTheSameParts) {
   // The two families' blocks carry Hugging Face's names, in its order.
-  const auto names = [](const param_table& t) {
-    std::vector<std::string> out;
-    for (const auto& p : t) out.push_back(p.name);
-    return out;
-  };
   EXPECT_EQ(names(block_params(family_of(decoder_arch::gpt2), small_gpt(), 1)),
             (std::vector<std::string>{"h.1.ln_1.weight", "h.1.ln_1.bias", "h.1.attn.c_attn.weight",
                                       "h.1.attn.c_attn.bias", "h.1.attn.c_proj.weight", "h.1.attn.c_proj.bias",
@@ -244,7 +330,7 @@ TEST(ModelParts, AFamilyIsATableAndANewTableComposesTheSameParts) {
   // projection and GELU MLPs, under names of its own. Only the table is new.
   decoder_family mixed = family_of(decoder_arch::llama);
   mixed.norm = norm_kind::layer_norm;
-  mixed.attention.bias = true;
+  mixed.attention.qkv_bias = mixed.attention.out_bias = true;
   mixed.mlp = {mlp_kind::gelu, true, "ffn.", "fc_in", "", "fc_out"};
   mixed.block_prefix = "layers.";
   mixed.attention_norm = "norm_1";

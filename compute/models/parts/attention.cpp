@@ -9,6 +9,9 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include "compute/models/parts/norm.hpp"
+#include "compute/parallel/tensor_parallel.hpp"
+
 namespace troupe {
 
 param_table attention_params(const decoder_family& f, const decoder_config& c, const std::string& block) {
@@ -18,7 +21,7 @@ param_table attention_params(const decoder_family& f, const decoder_config& c, c
   const double proj_std = 0.02 / std::sqrt(2.0 * c.n_layer);
   using I = param_spec::init;
   using S = tp_split;
-  const bool bias = f.attention.bias;
+  const bool bias = f.attention.qkv_bias;
   param_table out;
   if (f.attention.fused_qkv) {
     out.push_back({p + f.attention.qkv + ".weight", {q + 2 * kv, d}, I::normal, 0.02, true, S::qkv_rows});
@@ -29,13 +32,20 @@ param_table attention_params(const decoder_family& f, const decoder_config& c, c
       if (bias) out.push_back({p + name + ".bias", {rows}, I::zeros, 0, false, S::rows});
     }
   }
+  // (Qwen3's q_norm and k_norm come between the projections and the output in its
+  // modules' order.)
+  for (const auto& norm : {f.attention.q_norm, f.attention.k_norm})
+    if (!norm.empty()) out.push_back({p + norm + ".weight", {c.head_dim()}, I::ones});
   out.push_back({p + f.attention.out + ".weight", {d, q}, I::normal, proj_std, true, S::columns});
-  if (bias) out.push_back({p + f.attention.out + ".bias", {d}, I::zeros});
+  if (f.attention.out_bias) out.push_back({p + f.attention.out + ".bias", {d}, I::zeros});
   return out;
 }
 
-causal_attention::causal_attention(std::int64_t seq_len, torch::Device device)
-    : causal_(torch::ones({seq_len, seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril()) {}
+causal_attention::causal_attention(std::int64_t seq_len, torch::Device device, std::int64_t window)
+    : causal_(torch::ones({seq_len, seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril()),
+      windowed_(window > 0 && window < seq_len) {
+  if (windowed_) causal_ = causal_.triu(-(window - 1));  // key j of query i: i - window < j <= i
+}
 
 torch::Tensor causal_attention::operator()(const torch::Tensor& q, torch::Tensor k, torch::Tensor v,
                                            std::int64_t past) const {
@@ -47,12 +57,13 @@ torch::Tensor causal_attention::operator()(const torch::Tensor& q, torch::Tensor
   }
   // Query t (position past + t) sees keys 0 .. past + t: rows past.. of the causal mask.
   // One new token sees them all: no mask.
-  const bool masked = T > 1;
+  // (A sliding window masks the earlier keys of a single new token too.)
+  const bool masked = T > 1 || windowed_;
   const auto mask = causal_.slice(0, past, past + T).slice(1, 0, past + T);
 #if TORCH_VERSION_MAJOR >= 2
   // LibTorch 2.x: the fused kernel (flash / memory-efficient attention on GPUs).
   (void)hd;
-  return past == 0 ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
+  return past == 0 && !windowed_ ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
          : masked  ? at::scaled_dot_product_attention(q, k, v, mask)
                    : at::scaled_dot_product_attention(q, k, v);
 #else
@@ -110,19 +121,31 @@ torch::Tensor attention(const part_context& c, const torch::Tensor& x, const std
   const auto a = c.enter(x);
   const auto B = a.size(0), T = a.size(1);
   auto heads = [&](const torch::Tensor& t, std::int64_t n) { return t.view({B, T, n, hd}).transpose(1, 2); };
-  auto positioned = [&](const torch::Tensor& t) { return rotary ? rotary->rotate(t, from) : t; };
+  // Qwen3's per-head norm (its weight, shared by the heads, is every tensor-parallel
+  // rank's whole: each rank's gradient, of its own heads, is summed over the group: f on
+  // the weight; under sequence parallelism the slice's sum of the replicated ones does it).
+  auto head_norm = [&](const torch::Tensor& t, const std::string& name) {
+    if (name.empty()) return t;
+    auto w = c.param(p + name + ".weight");
+    if (c.tp.active() && !c.slice_sequence()) w = tp::copy_to(w, c.group());
+    return rms_norm(t, w, c.cfg.norm_eps);
+  };
+  auto positioned = [&](const torch::Tensor& t, const std::string& norm) {
+    const auto normed = head_norm(t, norm);
+    return rotary ? rotary->rotate(normed, from) : normed;
+  };
   torch::Tensor q, k, v;
   if (o.fused_qkv) {
-    auto qkv = c.linear(a, p + o.qkv, o.bias).split_with_sizes({H * hd, KV * hd, KV * hd}, /*dim=*/2);
-    q = positioned(heads(qkv[0], H));
-    k = positioned(heads(qkv[1], KV));
+    auto qkv = c.linear(a, p + o.qkv, o.qkv_bias).split_with_sizes({H * hd, KV * hd, KV * hd}, /*dim=*/2);
+    q = positioned(heads(qkv[0], H), o.q_norm);
+    k = positioned(heads(qkv[1], KV), o.k_norm);
     v = heads(qkv[2], KV);
   } else {
-    q = positioned(heads(c.linear(a, p + o.q, o.bias), H));
-    k = positioned(heads(c.linear(a, p + o.k, o.bias), KV));
-    v = heads(c.linear(a, p + o.v, o.bias), KV);
+    q = positioned(heads(c.linear(a, p + o.q, o.qkv_bias), H), o.q_norm);
+    k = positioned(heads(c.linear(a, p + o.k, o.qkv_bias), KV), o.k_norm);
+    v = heads(c.linear(a, p + o.v, o.qkv_bias), KV);
   }
-  return c.row_parallel(attend(c.cfg, q, k, v, cache, cache_index, core), p + o.out, o.bias);
+  return c.row_parallel(attend(c.cfg, q, k, v, cache, cache_index, core), p + o.out, o.out_bias);
 }
 
 }  // namespace troupe

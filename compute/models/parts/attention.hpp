@@ -22,14 +22,16 @@ param_table attention_params(const decoder_family& f, const decoder_config& c, c
 
 /// The causal core, softmax(q k^T / sqrt(hd)) v, for queries at positions past, past + 1,
 /// ... and keys from position 0 (q: (B, H, T, hd); k, v: (B, KV, past + T, hd); query head
-/// h uses key/value head h / (H / KV)).
+/// h uses key/value head h / (H / KV)). With a `window` (Mistral's sliding window), the
+/// query at position i sees the keys at positions i - window + 1 .. i only.
 class causal_attention {
  public:
-  causal_attention(std::int64_t seq_len, torch::Device device);
+  causal_attention(std::int64_t seq_len, torch::Device device, std::int64_t window = 0);
   torch::Tensor operator()(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, std::int64_t past) const;
 
  private:
-  torch::Tensor causal_;  ///< (seq_len, seq_len) bool, lower triangle
+  torch::Tensor causal_;  ///< (seq_len, seq_len) bool, lower triangle (within the window)
+  bool windowed_ = false;  ///< a window shorter than seq_len
 };
 
 /// The core an attention runs (causal_attention, or a wrapper of it: selective recompute).

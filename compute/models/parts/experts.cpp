@@ -146,7 +146,8 @@ torch::Tensor experts(const part_context& c, const torch::Tensor& g, const std::
   const auto chosen = std::get<1>(torch::sort(probs.detach(), /*stable=*/true, /*dim=*/-1, /*descending=*/true))
                           .narrow(1, 0, k);  // (N, k)
   const auto picked = probs.gather(1, chosen);
-  const auto weights = picked / picked.sum(1, /*keepdim=*/true);  // (N, k), fp32
+  // (N, k), fp32: renormalised to sum 1 (Mixtral's; Qwen3-MoE's with norm_topk_prob)
+  const auto weights = c.cfg.moe_norm_topk ? picked / picked.sum(1, /*keepdim=*/true) : picked;
   // A training forward (with a graph, or a full recompute's forward without one and its
   // rerun in the backward) drops what exceeds the experts' capacity; a dropped pair's
   // expert is E, no expert's.

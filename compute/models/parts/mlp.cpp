@@ -29,7 +29,7 @@ torch::Tensor mlp(const part_context& c, const torch::Tensor& x, const std::stri
   const auto& o = c.family.mlp;
   const std::string p = block + o.prefix;
   if (o.kind == mlp_kind::gelu) {
-    auto h = torch::gelu(c.linear(c.enter(x), p + o.up, o.bias));
+    auto h = torch::gelu(c.linear(c.enter(x), p + o.up, o.bias), c.cfg.gelu_tanh ? "tanh" : "none");
     return c.row_parallel(h, p + o.down, o.bias);
   }
   const auto g = c.enter(x);

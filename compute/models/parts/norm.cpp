@@ -21,16 +21,17 @@ torch::Tensor layer_norm(const part_context& c, const torch::Tensor& x, const st
   return torch::layer_norm(x, {c.cfg.d_model}, w.to(x.scalar_type()), b.to(x.scalar_type()), c.cfg.norm_eps);
 }
 
-torch::Tensor rms_norm(const part_context& c, const torch::Tensor& x, const std::string& p) {
-  const auto xf = x.to(torch::kFloat32);
-  const auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + c.cfg.norm_eps);
-  return c.param(p + ".weight").to(x.scalar_type()) * normed.to(x.scalar_type());
-}
-
 }  // namespace
 
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const auto xf = x.to(torch::kFloat32);
+  const auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight.to(x.scalar_type()) * normed.to(x.scalar_type());
+}
+
 torch::Tensor norm(const part_context& c, const torch::Tensor& x, const std::string& name) {
-  return c.family.norm == norm_kind::rms_norm ? rms_norm(c, x, name) : layer_norm(c, x, name);
+  return c.family.norm == norm_kind::rms_norm ? rms_norm(x, c.param(name + ".weight"), c.cfg.norm_eps)
+                                              : layer_norm(c, x, name);
 }
 
 }  // namespace troupe

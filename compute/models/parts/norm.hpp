@@ -22,4 +22,7 @@ param_table norm_params(norm_kind kind, const std::string& name, std::int64_t wi
 ///     normalised input in the input's dtype.
 torch::Tensor norm(const part_context& c, const torch::Tensor& x, const std::string& name);
 
+/// RMSNorm of x over its last dimension with `weight`, as Hugging Face computes it.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
 }  // namespace troupe

@@ -1,5 +1,7 @@
 #include "compute/models/parts/positions.hpp"
 
+#include <cmath>
+
 #include <torch/torch.h>
 
 namespace troupe {
@@ -17,8 +19,24 @@ torch::Tensor add_learned_positions(const torch::Tensor& x, const torch::Tensor&
 rotary_embedding::rotary_embedding(const decoder_config& cfg, torch::Device device) {
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
   const std::int64_t hd = cfg.head_dim();
-  const auto inv_freq =
+  auto inv_freq =
       torch::reciprocal(torch::pow(cfg.rope_theta, torch::arange(0, hd, 2, f32.dtype(torch::kInt64)).to(torch::kFloat32) / hd));
+  const auto& r = cfg.rope;
+  if (r.type == rope_scaling::kind::linear) {
+    inv_freq = inv_freq / r.factor;
+  } else if (r.type == rope_scaling::kind::llama3) {
+    // Llama 3.1's (Hugging Face's _compute_llama3_parameters): wavelengths above
+    // original / low_freq_factor divided by factor, below original / high_freq_factor
+    // kept, and those between interpolated.
+    const double low_wavelen = r.original_positions / r.low_freq_factor;
+    const double high_wavelen = r.original_positions / r.high_freq_factor;
+    const auto wavelen = 2 * M_PI / inv_freq;
+    auto scaled = torch::where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq);
+    const auto smooth = (r.original_positions / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+    const auto smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+    const auto medium = wavelen.ge(high_wavelen).logical_and(wavelen.le(low_wavelen));
+    inv_freq = torch::where(medium, smoothed, scaled);
+  }
   const auto angles =
       torch::arange(0, cfg.seq_len, f32.dtype(torch::kInt64)).to(torch::kFloat32).unsqueeze(1) * inv_freq.unsqueeze(0);
   const auto emb = torch::cat({angles, angles}, /*dim=*/1);

@@ -4,14 +4,17 @@
 # (--system-site-packages: python3-torch 1.13 serves) and adds, from Python's package
 # registry, versions that work with torch 1.13:
 #   transformers 4.44.2, safetensors 0.4.5 (and what they pull in)
-# pip keeps the wheels in its cache (~/.cache/pip): later environments do not download
-# them again.
+# (About 20 MB of wheels, downloaded again for each build folder: pip's HTTP cache keeps
+# nothing where the registry is reached through a proxy that strips caching headers.)
+# transformers 5 over torch 2: hf5_venv.sh.
 #
 #   tests/support/python/hf_venv.sh DIR    make DIR (once) and print its python
 # Exit 77 (CTest's skip) with a message when the registry cannot be reached.
 set -uo pipefail
 dir=${1:?usage: hf_venv.sh DIR}
 py="$dir/bin/python"
+# Tests run in parallel may ask for the same DIR: one makes it, the others wait.
+mkdir -p "$(dirname "$dir")" && exec 9>"$dir.lock" && command -v flock >/dev/null && flock 9
 if [ -x "$py" ] && "$py" -c "import transformers, safetensors" 2>/dev/null; then
   echo "$py"
   exit 0

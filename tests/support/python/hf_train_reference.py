@@ -1,0 +1,81 @@
+"""A plain PyTorch training loop over the transformers module of a Hugging Face folder
+(WORKLOADS.md section 6): what Troupe's `--model DIR` run is compared with.
+
+usage: python hf_train_reference.py FOLDER OUT STEPS TOTAL_STEPS SEQ_LEN
+Loads FOLDER with AutoModelForCausalLM (fp32, eager attention), trains STEPS steps of
+section 1's rules (AdamW (0.9, 0.95), eps 1e-8, the lr schedule over TOTAL_STEPS, weight
+decay 0.1 on every parameter of 2 or more dimensions but gpt2's wpe, clipping at 1.0) on
+the fortunes corpus's byte windows of SEQ_LEN (batch 32, seed 1234), with section 4's
+per-sequence load-balancing term, coefficient router_aux_loss_coef (0 if absent), over
+each block with experts. Writes OUT/losses.txt (each step's cross-entropy) and
+OUT/final (save_pretrained of the trained model).
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_tiny  # noqa: E402
+
+
+def routers(model):
+    """The experts' routers: the modules named "...gate" whose weight has one row per
+    expert (transformers 4.x's Linear layers, 5.x's TopKRouter modules)."""
+    n = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
+    if not n:
+        return []
+    return [m for name, m in model.named_modules()
+            if name.endswith(".gate") and getattr(m, "weight", None) is not None and m.weight.dim() == 2
+            and m.weight.size(0) == n]
+
+
+def main():
+    folder, out, steps, total, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager")
+    model.train()
+    config = model.config
+    top_k = getattr(config, "num_experts_per_tok", 0)
+    coeff = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    logits_of_routers = []
+    for r in routers(model):
+        # (5.x's routers return (router_logits, weights, indices))
+        r.register_forward_hook(lambda mod, inp, outp: logits_of_routers.append(outp[0] if isinstance(outp, tuple) else outp))
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith("wpe.weight")]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and not n.endswith("wpe.weight"))]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    data, n_train = gpt_tiny.load_fortunes()
+    seed, batch = 1234, 32
+    losses = []
+    for t in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = gpt_tiny.lr_at(t, total)
+        x, y = gpt_tiny.train_batch(data, n_train, seed, t * batch, batch, seq_len)
+        logits_of_routers.clear()
+        logits = model(x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        aux = 0.0
+        for router_logits in logits_of_routers:  # (B T, E) of one block with experts
+            B, T = x.shape
+            E = router_logits.size(-1)
+            p = torch.softmax(router_logits.float(), dim=-1)
+            chosen = torch.sort(p.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+            f = F.one_hot(chosen, E).float().view(B, T * top_k, E).sum(1) / (top_k * T)
+            P = p.view(B, T, E).mean(1)
+            aux = aux + coeff * E * (f * P).sum(1).mean()
+        opt.zero_grad()
+        (loss + aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.save_pretrained(os.path.join(out, "final"))
+    with open(os.path.join(out, "losses.txt"), "w") as f:
+        f.write("\n".join(repr(v) for v in losses) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
