@@ -161,7 +161,8 @@ std::string check_host(const troupe::job_config& cfg, bool quick) {
 }
 
 /// A trained model named by --checkpoint: a checkpoint folder (it records its model) or a
-/// state_dict file (its model comes from the flags: workload and [model] keys).
+/// state_dict file (a --save file records its model; otherwise, or when they are given, the
+/// flags say: workload and [model] keys).
 struct trained_model {
   troupe::job_config cfg;
   troupe::state_dict state;
@@ -175,6 +176,31 @@ bool applies_to_folders(const std::string& flag) {
          flag == "--val-text" || flag == "--eval-tokens";
 }
 
+/// The model flags of `troupe generate` and `eval` (model_source_key, or a --config).
+bool model_source_key(const std::string& k);
+
+/// `recorded` (a checkpoint's or a --save file's model) with where to run and the data
+/// from the flags' configuration `cfg`.
+troupe::job_config with_run_settings(troupe::job_config recorded, const config_flags& flags, const troupe::job_config& cfg) {
+  recorded.device = cfg.device;
+  recorded.fortunes_dir = cfg.fortunes_dir;
+  recorded.fmnist_dir = cfg.fmnist_dir;
+  recorded.eval_tokens = cfg.eval_tokens;
+  const auto given = flags.given();  // the text the run trained on, unless the flag names another
+  if (std::find(given.begin(), given.end(), "--text") != given.end()) recorded.text = cfg.text;
+  if (std::find(given.begin(), given.end(), "--val-text") != given.end()) recorded.val_text = cfg.val_text;
+  return recorded;
+}
+
+/// Whether the flags name a model (a workload, [model] keys, a folder, a tokenizer, a
+/// --config): then a --save file's record of its model is not taken.
+bool model_flags_given(const config_flags& flags) {
+  if (!flags.config_path.empty()) return true;
+  for (const auto& k : flags.keys)
+    if (k.option->count() > 0 && k.key != "train.device" && model_source_key(k.key)) return true;
+  return false;
+}
+
 /// Reads the model of `from` (a folder or a file); `cfg`: the flags' configuration.
 /// Throws config_error for flags that do not apply to a folder.
 trained_model load_trained_model(const config_flags& flags, const std::string& from, const troupe::job_config& cfg) {
@@ -186,6 +212,11 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
       m.cfg.hf_model = from;
       m.cfg.take_model_from_folder();
       m.cfg.validate();
+    } else if (!troupe::is_hf_folder(from) && !model_flags_given(flags)) {
+      if (auto recorded = troupe::saved_model_config(from)) {  // a --save file records its model
+        m.cfg = with_run_settings(*recorded, flags, cfg);
+        m.cfg.validate();
+      }
     }
     const auto spec = m.cfg.model();
     m.state = troupe::read_initial_weights(from, spec);  // a state_dict file or a Hugging Face folder
@@ -197,14 +228,7 @@ trained_model load_trained_model(const config_flags& flags, const std::string& f
       throw troupe::config_error("a checkpoint folder records its model: " + f +
                                  " does not apply (it is for a state_dict file)");
   const auto folder = troupe::find_checkpoint(from);
-  m.cfg = troupe::checkpoint_job_config(folder);
-  m.cfg.device = cfg.device;
-  m.cfg.fortunes_dir = cfg.fortunes_dir;
-  m.cfg.fmnist_dir = cfg.fmnist_dir;
-  m.cfg.eval_tokens = cfg.eval_tokens;
-  const auto given = flags.given();  // the text the run trained on, unless the flag names another
-  if (std::find(given.begin(), given.end(), "--text") != given.end()) m.cfg.text = cfg.text;
-  if (std::find(given.begin(), given.end(), "--val-text") != given.end()) m.cfg.val_text = cfg.val_text;
+  m.cfg = with_run_settings(troupe::checkpoint_job_config(folder), flags, cfg);
   const auto ckpt = troupe::read_checkpoint_dir(folder, m.cfg);
   m.state = ckpt.model;
   m.step = ckpt.step;

@@ -77,7 +77,7 @@ bool save_file(self_ptr self, const state_dict& model, const named_moments& mome
   const auto& cfg = s.ctx->cfg;
   const auto next = s.step + 1;
   try {
-    save_state_dict_pair(cfg.save, model, optimizer_state_dict(moments, model, next), next);
+    save_state_dict_pair(cfg.save, model, optimizer_state_dict(moments, model, next), next, saved_model_toml(cfg));
     s.saved_step = next;
     spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
     return true;

@@ -26,7 +26,7 @@ constexpr const char* pair_record = "troupe_save_pair";
 }  // namespace
 
 void save_state_dict_pair(const std::string& path, const state_dict& model, const state_dict& optim,
-                          std::int64_t step) {
+                          std::int64_t step, const std::string& model_record) {
   std::random_device rd;
   char id[40];
   std::snprintf(id, sizeof id, "%08x%08x%08x", rd(), rd(), rd());
@@ -34,9 +34,11 @@ void save_state_dict_pair(const std::string& path, const state_dict& model, cons
       {pair_record, "step " + std::to_string(step) + "\nid " + id + "\n"}};
   const auto optim_tmp =
       write_temporary(path + ".optim", [&](const byte_sink& sink) { write_state_dict(optim, sink, mark); });
+  auto model_records = mark;
+  if (!model_record.empty()) model_records.emplace_back(model_record_name, model_record);
   std::string model_tmp;
   try {
-    model_tmp = write_temporary(path, [&](const byte_sink& sink) { write_state_dict(model, sink, mark); });
+    model_tmp = write_temporary(path, [&](const byte_sink& sink) { write_state_dict(model, sink, model_records); });
   } catch (...) {
     ::unlink(optim_tmp.c_str());
     throw;

@@ -48,12 +48,16 @@ struct mixed_pair_error : checkpoint_error {
 };
 
 /// Writes the --save pair: `model` to `path` and `optim` to `path`.optim, both marked with
-/// `step` and one new id. Both are written in full (and synced) under temporary names
+/// `step` and one new id; `model_record` (TOML text of the model: saved_model_toml), if
+/// any, goes into `path`'s archive record "troupe_model.toml" (torch.load passes it over). Both are written in full (and synced) under temporary names
 /// before either is renamed into place: a crash leaves the old pair, or the new one, or
 /// (between the two renames) a pair whose marks differ, which read_checkpoint refuses.
 /// Throws checkpoint_error (a failed write: both files as they were), or mixed_pair_error.
 void save_state_dict_pair(const std::string& path, const state_dict& model, const state_dict& optim,
-                          std::int64_t step);
+                          std::int64_t step, const std::string& model_record = "");
+
+/// The archive record of a --save file's model ("troupe_model.toml").
+inline constexpr const char* model_record_name = "troupe_model.toml";
 
 /// The mark of a file's bytes (step -1 when it has none).
 pair_mark read_pair_mark(const std::vector<char>& bytes);

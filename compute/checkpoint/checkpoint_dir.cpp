@@ -26,6 +26,7 @@
 #include <spdlog/spdlog.h>
 
 #include "compute/checkpoint/checkpoint.hpp"
+#include "compute/checkpoint/torch_file.hpp"
 #include "compute/models/model.hpp"
 #include "compute/runtime/remove_tree.hpp"
 #include "compute/data/tokenizer.hpp"
@@ -485,21 +486,59 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
   }
 }
 
+namespace {
+
+/// TOML text of (key, TOML value) pairs ("model.layers", "4"), by section; one process's
+/// micro-batches (whatever the run's batch was, 1 divides it).
+std::string as_toml(const std::vector<std::pair<std::string, std::string>>& keys) {
+  std::map<std::string, std::string> sections;  // "train" -> "workload = ...\n..."
+  for (const auto& [key, value] : keys) {
+    const auto dot = key.find('.');
+    sections[key.substr(0, dot)] += key.substr(dot + 1) + " = " + value + "\n";
+  }
+  sections["parallel"] += "microbatches = 1\n";
+  std::string text;
+  for (const auto& [section, body] : sections) text += "[" + section + "]\n" + body;
+  return text;
+}
+
+}  // namespace
+
+std::string saved_model_toml(const job_config& cfg) {
+  std::vector<std::pair<std::string, std::string>> keys;
+  for (const auto& kv : training_identity(cfg))
+    if (kv.first == "train.workload" || kv.first == "train.model" || kv.first.rfind("model.", 0) == 0) keys.push_back(kv);
+  for (const auto& kv : cfg.values())
+    if (kv.first == "data.tokenizer" && !cfg.tokenizer.empty()) keys.push_back(kv);
+  return as_toml(keys);
+}
+
+std::optional<job_config> saved_model_config(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return std::nullopt;  // (its reader names what is wrong with it)
+  std::string text;
+  try {
+    text = read_torch_record(read_file_bytes(path), model_record_name);
+  } catch (const std::exception& e) {
+    throw checkpoint_error("cannot read " + path + ": " + e.what());
+  }
+  if (text.empty()) return std::nullopt;
+  try {
+    return job_config_from_toml(text, path + "'s record of its model");
+  } catch (const config_error& e) {
+    throw checkpoint_error(e.what());
+  }
+}
+
 job_config checkpoint_job_config(const std::string& folder) {
   nlohmann::json manifest;
   try {
     manifest = nlohmann::json::parse(read_bytes(fs::path(folder) / "manifest.json"));
-    std::map<std::string, std::string> sections;  // "train" -> "workload = ...\n..."
-    for (const auto& [key, value] : manifest.at("config").items()) {
-      const auto dot = key.find('.');
-      sections[key.substr(0, dot)] += key.substr(dot + 1) + " = " + value.get<std::string>() + "\n";
-    }
-    sections["parallel"] += "microbatches = 1\n";  // one process: whatever batch it was, it divides
+    std::vector<std::pair<std::string, std::string>> keys;
+    for (const auto& [key, value] : manifest.at("config").items()) keys.emplace_back(key, value.get<std::string>());
     if (manifest.contains("tokenizer"))  // where the run's tokenizer was (read_checkpoint_dir checks its bytes)
-      sections["data"] += "tokenizer = " + nlohmann::json(manifest.at("tokenizer").at("path").get<std::string>()).dump() + "\n";
-    std::string text;
-    for (const auto& [section, body] : sections) text += "[" + section + "]\n" + body;
-    return job_config_from_toml(text, "checkpoint " + folder + "/manifest.json");
+      keys.emplace_back("data.tokenizer", nlohmann::json(manifest.at("tokenizer").at("path").get<std::string>()).dump());
+    return job_config_from_toml(as_toml(keys), "checkpoint " + folder + "/manifest.json");
   } catch (const nlohmann::json::exception& e) {
     throw checkpoint_error("checkpoint " + folder + ": manifest.json is not valid (" + e.what() + ")");
   } catch (const config_error& e) {
@@ -554,7 +593,7 @@ bool report_complete_run(const job_config& cfg) {
   for (const auto& [name, p] : ckpt.model)
     for (const char* moment : {"exp_avg.", "exp_avg_sq."})
       if (auto it = ckpt.optim.find(moment + name); it != ckpt.optim.end()) optim.emplace_back(it->first, it->second);
-  save_state_dict_pair(cfg.save, ckpt.model, optim, ckpt.step);
+  save_state_dict_pair(cfg.save, ckpt.model, optim, ckpt.step, saved_model_toml(cfg));
   spdlog::info("step {}: checkpoint written to {} (and {}.optim) from {}", ckpt.step, cfg.save, cfg.save, cfg.resume);
   return true;
 }

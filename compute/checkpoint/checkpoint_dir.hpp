@@ -13,6 +13,7 @@
 // `latest` is replaced atomically after it. The newest `keep` folders stay.
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,14 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
 /// training_identity; the others at their defaults): the model it holds, for tools that
 /// read a checkpoint without a job (`troupe generate`). Throws checkpoint_error.
 job_config checkpoint_job_config(const std::string& folder);
+
+/// What a --save file of a run of `cfg` records of its model, as TOML: the workload,
+/// train.model, the [model] keys as they resolve and the tokenizer (training_identity's).
+std::string saved_model_toml(const job_config& cfg);
+/// The configuration of the model --save file `path` records (saved_model_toml; the other
+/// keys at their defaults); nullopt for a file without a record (torch.save's own, or
+/// Troupe's before the record). Throws checkpoint_error for a record that does not parse.
+std::optional<job_config> saved_model_config(const std::string& path);
 
 /// The keys whose values decide the numbers a run computes (model, data, optimizer, lr
 /// schedule), as (key, value) text; the layout (pipeline, data-parallel, ...) is not one.

@@ -38,7 +38,7 @@ decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, c
                         std::to_string(tp_.group->size()));
     // This rank's part of each parameter, under the whole model's names.
     std::map<std::string, torch::Tensor> given(state.begin(), state.end());
-    const auto rows = rows_by_name(spec);
+    const auto rows = rows_by_name(spec, tp_.size);
     state_dict part;
     for (const auto& name : names) {
       if (!experts.holds(name, cfg_.n_experts)) continue;
@@ -51,9 +51,9 @@ decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, c
       if (tp_.rank > 0 && split == tp_split::replicated && !(experts.active() && expert_of(name) >= 0))
         shared.push_back(name);
     }
-    allocate(spec, part, names, shared, pad_to, device, param_dtype, experts);
+    allocate(spec, part, names, shared, pad_to, device, param_dtype, experts, &rows);
     heads_ = cfg_.n_head / tp_.size;
-    kv_heads_ = cfg_.kv_heads() / tp_.size;
+    kv_heads_ = std::max(1, cfg_.kv_heads() / tp_.size);  // (fewer than the ranks: one, replicated)
     vocab_first_ = std::int64_t(cfg_.vocab / tp_.size) * tp_.rank;
   }
   core_ = std::make_unique<causal_attention>(cfg_.seq_len, device,

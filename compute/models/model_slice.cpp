@@ -41,7 +41,8 @@ bool computes_in_fp32(const std::string& name) {
 
 void model_slice::allocate(const model_spec& spec, const state_dict& state, std::vector<std::string> names,
                            const std::vector<std::string>& shared_copies, std::int64_t pad_to,
-                           torch::Device device, torch::ScalarType param_dtype, const expert_share& experts) {
+                           torch::Device device, torch::ScalarType param_dtype, const expert_share& experts,
+                           const std::map<std::string, param_spec>* rows_given) {
   if (param_dtype != torch::kFloat32 && param_dtype != torch::kBFloat16)
     throw model_error(std::string("parameters in ") + c10::toString(param_dtype) + ": expected fp32 or bf16");
   auto round_up = [](std::int64_t n, std::int64_t to) {
@@ -66,7 +67,7 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, std:
     names.insert(names.end(), own.begin(), own.end());
   }
   std::map<std::string, torch::Tensor> given(state.begin(), state.end());
-  const auto rows = rows_by_name(spec);
+  const auto rows = rows_given ? *rows_given : rows_by_name(spec);
   entries_.clear();
   std::int64_t offset = 0;
   for (const auto& name : names) {

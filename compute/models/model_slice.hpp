@@ -146,10 +146,13 @@ class model_slice : public named_parameters {
   std::map<int, torch::Tensor> expert_tokens_;  ///< take_expert_tokens's, on the slice's device
 
   /// Lays out `names` (taken from `state`) into the flat buffers; with an active `experts`,
-  /// only that rank's experts, in a region of their own after the dense parameters.
+  /// only that rank's experts, in a region of their own after the dense parameters;
+  /// `rows`: the parameter table whose splits the entries record (its tensor-parallel
+  /// group's: rows_by_name(spec, size); nullptr: rows_by_name(spec)).
   void allocate(const model_spec& spec, const state_dict& state, std::vector<std::string> names,
                 const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device,
-                torch::ScalarType param_dtype, const expert_share& experts);
+                torch::ScalarType param_dtype, const expert_share& experts,
+                const std::map<std::string, param_spec>* rows = nullptr);
   layer_range range_;
   recompute_mode recompute_ = recompute_mode::none;
   torch::ScalarType residual_ = torch::kFloat32;

@@ -1,10 +1,37 @@
 #include "compute/models/tensor_parallel_layout.hpp"
 
+#include "compute/models/family.hpp"
+
 namespace troupe {
+
+bool replicates_kv_heads(const decoder_config& c, int size) { return size > 1 && c.kv_heads() < size; }
+
+std::map<std::string, param_spec> rows_by_name(const model_spec& spec, int size) {
+  auto rows = rows_by_name(spec);
+  if (spec.type != model_spec::kind::decoder || !replicates_kv_heads(spec.decoder, size)) return rows;
+  const auto& f = family_of(spec.decoder.arch);
+  for (int i = 0; i < spec.decoder.n_layer; ++i)
+    for (const auto& proj : {f.attention.k, f.attention.v})
+      for (const char* kind : {".weight", ".bias"})
+        if (const auto it = rows.find(f.block(i) + f.attention.prefix + proj + kind); it != rows.end())
+          it->second.split = tp_split::replicated;
+  return rows;
+}
+
+namespace {
+
+/// Parameter `name`'s split in `rows` (replicated for a name not in the table, as
+/// tp_split_of).
+tp_split split_of(const std::map<std::string, param_spec>& rows, const std::string& name) {
+  const auto it = rows.find(name);
+  return it == rows.end() ? param_spec{}.split : it->second.split;
+}
+
+}  // namespace
 
 torch::Tensor shard_parameter(const model_spec& spec, const std::string& name, const torch::Tensor& full, int size,
                               int rank) {
-  return shard_parameter(tp_split_of(spec, name), full, size, rank);
+  return shard_parameter(split_of(rows_by_name(spec, size), name), full, size, rank);
 }
 
 torch::Tensor shard_parameter(tp_split split, const torch::Tensor& full, int size, int rank) {
@@ -23,7 +50,7 @@ torch::Tensor shard_parameter(tp_split split, const torch::Tensor& full, int siz
 
 torch::Tensor unshard_parameter(const model_spec& spec, const std::string& name,
                                 const std::vector<torch::Tensor>& parts) {
-  return unshard_parameter(tp_split_of(spec, name), parts);
+  return unshard_parameter(split_of(rows_by_name(spec, int(parts.size())), name), parts);
 }
 
 torch::Tensor unshard_parameter(tp_split split, const std::vector<torch::Tensor>& parts) {
@@ -58,20 +85,13 @@ std::vector<std::int64_t> part_shape(tp_split split, std::vector<std::int64_t> w
   return whole;
 }
 
-/// Parameter `name`'s split in `rows` (replicated for a name not in the table, as
-/// tp_split_of).
-tp_split split_of(const std::map<std::string, param_spec>& rows, const std::string& name) {
-  const auto it = rows.find(name);
-  return it == rows.end() ? param_spec{}.split : it->second.split;
-}
-
 }  // namespace
 
 std::map<std::string, torch::Tensor> shard_by_name(const model_spec& spec,
                                                    const std::map<std::string, torch::Tensor>& params,
                                                    const std::map<std::string, torch::Tensor>& tensors, int size,
                                                    int rank) {
-  const auto rows = rows_by_name(spec);
+  const auto rows = rows_by_name(spec, size);
   std::map<std::string, torch::Tensor> out;
   for (const auto& [key, t] : tensors) {
     auto it = params.find(key);
@@ -84,9 +104,9 @@ std::map<std::string, torch::Tensor> shard_by_name(const model_spec& spec,
 std::map<std::string, torch::Tensor> unshard_by_name(const model_spec& spec,
                                                      const std::map<std::string, std::vector<std::int64_t>>& shapes,
                                                      const std::vector<std::map<std::string, torch::Tensor>>& parts) {
-  const auto rows = rows_by_name(spec);
-  std::map<std::string, torch::Tensor> out;
   const int size = int(parts.size());
+  const auto rows = rows_by_name(spec, size);
+  std::map<std::string, torch::Tensor> out;
   for (const auto& [name, first] : parts.at(0)) {
     const auto split = split_of(rows, name);
     if (split == tp_split::replicated) {
@@ -131,12 +151,14 @@ void check_tensor_parallel(const model_spec& spec, int size, bool sequence) {
     const char* key;
     int value;
   };
-  std::vector<dim> dims{{"model.heads", c.n_head}, {"model.kv_heads", c.kv_heads()}, {"model.d_ff", c.d_ff},
-                        {"model.vocab", c.vocab}};
+  // (key/value heads: T a multiple of them replicates them, see above)
+  std::vector<dim> dims{{"model.heads", c.n_head}, {"model.d_ff", c.d_ff}, {"model.vocab", c.vocab}};
   if (sequence) dims.push_back({"model.seq_len (with parallel.sequence_parallel)", c.seq_len});
+  const int kv = c.kv_heads();
+  auto kv_fits = [&](int t) { return kv % t == 0 || t % kv == 0; };
   std::string valid;
   for (int t = 1; t <= c.n_head; ++t) {
-    bool ok = true;
+    bool ok = kv_fits(t);
     for (const auto& d : dims) ok = ok && d.value % t == 0;
     if (ok) valid += (valid.empty() ? "" : ", ") + std::to_string(t);
   }
@@ -144,6 +166,10 @@ void check_tensor_parallel(const model_spec& spec, int size, bool sequence) {
     if (d.value % size != 0)
       throw model_error(T + " does not divide " + d.key + " = " + std::to_string(d.value) +
                         " (each rank holds an equal part); tensor_parallel values that fit this model: " + valid);
+  if (!kv_fits(size))
+    throw model_error(T + " and model.kv_heads = " + std::to_string(kv) + ": neither divides the other (each rank " +
+                      "holds its share of the key/value heads, or with fewer heads than ranks a copy of one); " +
+                      "tensor_parallel values that fit this model: " + valid);
 }
 
 }  // namespace troupe

@@ -10,6 +10,10 @@
 //     bias is added after that sum;
 //   vocab-parallel (the token embedding, an untied lm_head): 1/T of the vocabulary rows;
 //   replicated (norms, row-parallel biases, gpt2's positions): every rank holds all of it.
+//   With fewer key/value heads than ranks (T a multiple of them), the k and v projections
+//   are replicated too, as Megatron replicates the query groups: rank r's query heads all
+//   use key/value head r / (T / kv_heads), which it computes from its copy; the copies'
+//   gradients, each of the rank's own query heads, are summed over the group.
 #include <cstdint>
 #include <map>
 #include <string>
@@ -22,6 +26,13 @@
 #include "compute/optim/grad_buffer.hpp"
 
 namespace troupe {
+
+/// Whether `size` ranks replicate the key/value heads of `c` (fewer heads than ranks).
+bool replicates_kv_heads(const decoder_config& c, int size);
+
+/// The parameter table by name (rows_by_name) as `size` ranks split it: with replicated
+/// key/value heads, the k and v projections (and their biases) are replicated.
+std::map<std::string, param_spec> rows_by_name(const model_spec& spec, int size);
 
 /// Rank `rank`'s part of parameter `name` (the whole tensor `full`) when split over `size`
 /// ranks (a copy, contiguous).

@@ -231,6 +231,7 @@ state_dict local_trainer::state() const {
     parts[q] = {s.begin(), s.end()};
   }
   state_dict out;
+  const auto rows = rows_by_name(spec_, tp_);
   for (const auto& name : parameter_names(spec_)) {
     if (ep_ > 1 && expert_of(name) >= 0) {
       for (const auto& part : parts)
@@ -242,7 +243,8 @@ state_dict local_trainer::state() const {
     }
     std::vector<torch::Tensor> each;
     for (int t = 0; t < tp_; ++t) each.push_back(parts[std::size_t(t)].at(name));
-    out.emplace_back(name, unshard_parameter(spec_, name, each));
+    const auto row = rows.find(name);
+    out.emplace_back(name, unshard_parameter(row == rows.end() ? param_spec{}.split : row->second.split, each));
   }
   return out;
 }
@@ -262,7 +264,7 @@ state_dict local_trainer::optimizer_state() const {
 }
 
 void local_trainer::save_checkpoint(const std::string& path) const {
-  save_state_dict_pair(path, state(), optimizer_state(), next_step_);
+  save_state_dict_pair(path, state(), optimizer_state(), next_step_, saved_model_toml(cfg_));
 }
 
 void local_trainer::load_checkpoint(const std::string& path) {

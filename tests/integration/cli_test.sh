@@ -188,7 +188,10 @@ expect_in gen-file-cache-on "$err" "key/value cache on)"
 check gen-no-kv-cache 0 "$troupe" generate --checkpoint "$tmp/gen-ckpt" --prompt "Q: " --tokens 30 --seed 3 --no-kv-cache
 cmp -s "$out" "$tmp/gen-1.txt" && echo "ok   gen-no-kv-cache-same-text" || { echo "FAIL gen-no-kv-cache-same-text"; cat "$out"; fail=1; }
 expect_in gen-no-kv-cache-log "$err" "key/value cache off)"
-check gen-file-wrong-shape 2 "$troupe" generate --checkpoint "$tmp/gen.pt"
+# (a --save file records its model: no flag needed; flags that name a model replace the record)
+check gen-file-records 0 "$troupe" generate --checkpoint "$tmp/gen.pt" --prompt "Q: " --tokens 30 --seed 3
+cmp -s "$out" "$tmp/gen-1.txt" && echo "ok   gen-file-records-same-text" || { echo "FAIL gen-file-records-same-text"; cat "$out"; fail=1; }
+check gen-file-wrong-shape 2 "$troupe" generate --checkpoint "$tmp/gen.pt" --workload gpt-tiny
 expect_in gen-file-wrong-shape-msg "$err" "wte.weight has shape [256, 32], expected [256, 128]"
 check gen-folder-with-shape 2 "$troupe" generate --checkpoint "$tmp/gen-ckpt" --layers 3
 expect_in gen-folder-with-shape-msg "$err" "a checkpoint folder records its model: --layers does not apply"
@@ -227,7 +230,15 @@ check train-hf 0 "$troupe" train --model "$tmp/gen-hf" --steps 1 --threads 1 --e
 expect_in train-hf-log "$err" "training $tmp/gen-hf (gpt2, 2 layers, d_model 32, 2 heads"
 check eval-folder-with-shape 2 "$troupe" eval --checkpoint "$tmp/gen-ckpt" --heads 4
 expect_in eval-folder-with-shape-msg "$err" "a checkpoint folder records its model: --heads does not apply"
-check eval-file-wrong-shape 2 "$troupe" eval --checkpoint "$tmp/gen.pt"
+# A --save file records its model (torch.load passes the record over): eval and export
+# need no flag; flags that name a model replace the record, and one that does not fit is named.
+check eval-file-records 0 "$troupe" eval --checkpoint "$tmp/gen.pt"
+same_loss eval-file-records-loss "$tmp/gen-metrics.jsonl" "$out" val_loss
+check export-file-records 0 "$troupe" export "$tmp/gen.pt" --to "$tmp/gen-pt-hf"
+expect_in export-file-records-config "$tmp/gen-pt-hf/config.json" '"n_layer": 2'
+/usr/bin/python3 -c "import torch, sys; sd = torch.load(sys.argv[1]); assert 'wte.weight' in sd, list(sd)" "$tmp/gen.pt" &&
+  echo "ok   torch-load-recorded-file" || { echo "FAIL torch-load-recorded-file"; fail=1; }
+check eval-file-wrong-shape 2 "$troupe" eval --checkpoint "$tmp/gen.pt" --workload gpt-tiny
 expect_in eval-file-wrong-shape-msg "$err" "wte.weight has shape [256, 32], expected [256, 128]"
 check eval-mlp-train 0 "$troupe" train --workload fmnist-mlp --steps 2 --threads 1 --save "$tmp/mlp.pt" \
   --metrics "$tmp/mlp-metrics.jsonl"

@@ -21,6 +21,7 @@
 #include "compute/config/job_config.hpp"
 #include "compute/models/partition.hpp"
 #include "actors/tp_groups.hpp"
+#include "cached_forward.hpp"
 #include "compute/trainer/local_trainer.hpp"
 #include "test_util.hpp"
 #include "build_paths.hpp"
@@ -128,6 +129,9 @@ void expect_folders_of_client_read_right(int major, const std::vector<std::strin
     ASSERT_EQ(logits.sizes(), expected.sizes());
     EXPECT_LE((logits - expected).abs().max().item<double>(), 1e-4)
         << cfg.model_label() << ": logits up to " << expected.abs().max().item<double>();
+    // Generation's key/value cache gives the same (the window, the scaled rotations and
+    // the head norms over cached keys; 24 tokens in pieces).
+    if (family != "gpt2") test::expect_cached_forward_equals_full(spec, state);
     // Out again: the same family in the same spelling, loaded by transformers with Troupe's logits.
     hf_export_options opts;
     opts.source = folder;

@@ -97,7 +97,7 @@ TEST(Moe, NamesAreMixtralsAndBadSettingsSaySo) {
   const auto error_of = test::config_error_of;
   auto gpt = job_config::defaults_for("gpt-tiny");
   gpt.experts = 4;
-  EXPECT_NE(error_of(gpt).find("the mixture of experts is llama's"), std::string::npos) << error_of(gpt);
+  EXPECT_NE(error_of(gpt).find("experts 4 with architecture gpt2: the mixture of experts is Mixtral's"), std::string::npos) << error_of(gpt);
   auto moe = job_config::defaults_for("moe-tiny");
   moe.moe_top_k = 5;
   EXPECT_NE(error_of(moe).find("moe_top_k 5 with 4 experts: expected 1 to 4"), std::string::npos) << error_of(moe);

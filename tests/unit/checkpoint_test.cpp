@@ -69,6 +69,37 @@ TEST(Checkpoint, PythonTorchLoadReadsItWithGpt2Names) {
   EXPECT_EQ(n, 2 + 8 * 12 + 2);
 }
 
+// A --save file records its model (saved_model_toml) in an archive record torch.load
+// passes over: the configuration it gives back builds the same model, a head_dim and a
+// family of its own included; a file without the record gives none.
+TEST(Checkpoint, ASaveFileRecordsItsModel) {
+  test::temp_dir dir;
+  auto c = test::small_config(2);
+  c.runtime = "local";
+  c.architecture = "qwen3";
+  c.workload = "llama-tiny";
+  c.head_dim = 24;
+  c.layers = 2;
+  c.validate();
+  local_trainer t(c);
+  t.step();
+  t.save_checkpoint(dir / "model.pt");
+  const auto recorded = saved_model_config(dir / "model.pt");
+  ASSERT_TRUE(recorded.has_value());
+  const auto g = recorded->model().decoder, mine = c.model().decoder;
+  EXPECT_EQ(recorded->model().name(), "qwen3");
+  EXPECT_EQ(g.head_dim(), 24);
+  EXPECT_EQ(std::vector<int>({g.n_layer, g.n_head, g.kv_heads(), g.d_model, g.d_ff, g.seq_len, g.vocab}),
+            std::vector<int>({mine.n_layer, mine.n_head, mine.kv_heads(), mine.d_model, mine.d_ff, mine.seq_len, mine.vocab}));
+  check_state(recorded->model(), load_state_dict(dir / "model.pt"));
+  const std::string cmd = "/usr/bin/python3 -c \"import torch; sd = torch.load('" + (dir / "model.pt") +
+                          "', weights_only=True); assert 'model.layers.1.self_attn.q_norm.weight' in sd, list(sd)\"";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << "torch.load of a file with the record";
+  save_state_dict(dir / "plain.pt", t.state());
+  EXPECT_FALSE(saved_model_config(dir / "plain.pt").has_value());
+  EXPECT_FALSE(saved_model_config(dir / "missing.pt").has_value());
+}
+
 // Files as users write them (tests/support/python/save_state_dicts.py): torch.save of a
 // module's state_dict (an OrderedDict with _metadata), non-contiguous and shared tensors,
 // bf16/fp16/fp64, PyTorch 2.x's archive layout. Each tensor must hold exactly the values

@@ -62,9 +62,10 @@ INSTANTIATE_TEST_SUITE_P(
         tp_layout{2, 2, 1, true, "gpt-tiny", "zero-bubble", "none"},
         tp_layout{2, 2, 1, true, "gpt-tiny", "interleaved-1f1b", "none"},
         tp_layout{2, 2, 1, true, "gpt-tiny", "1f1b", "full"}, tp_layout{2, 1, 1, true, "gpt-tiny", "1f1b", "selective"},
-        // llama (2 key/value heads: T = 2)
+        // llama (2 key/value heads: T = 2; T = 4 replicates them, each copy's gradient summed)
         tp_layout{2, 1, 1, false, "llama-tiny", "1f1b", "none"}, tp_layout{2, 1, 1, true, "llama-tiny", "1f1b", "none"},
-        tp_layout{2, 2, 2, true, "llama-tiny", "1f1b", "none"}, tp_layout{2, 2, 1, false, "llama-tiny", "zero-bubble", "full"}),
+        tp_layout{2, 2, 2, true, "llama-tiny", "1f1b", "none"}, tp_layout{2, 2, 1, false, "llama-tiny", "zero-bubble", "full"},
+        tp_layout{4, 1, 1, false, "llama-tiny", "1f1b", "none"}, tp_layout{4, 2, 1, true, "llama-tiny", "zero-bubble", "none"}),
     [](const ::testing::TestParamInfo<tp_layout>& info) { return name_of(info.param); });
 
 }  // namespace troupe

@@ -134,6 +134,21 @@ torch::Tensor attention(const part_context& c, const torch::Tensor& x, const std
     const auto normed = head_norm(t, norm);
     return rotary ? rotary->rotate(normed, from) : normed;
   };
+  // Fewer key/value heads than tensor-parallel ranks: each rank's copy of the whole k and
+  // v projections (replicated), of which it computes the head its query heads use; f on
+  // the weights sums the copies' gradients over the group (under sequence parallelism the
+  // slice's sum of the replicated ones does).
+  const bool replicated_kv = c.tp.active() && c.cfg.kv_heads() < c.tp.size;
+  auto kv_projection = [&](const std::string& name) {
+    if (!replicated_kv) return c.linear(a, p + name, o.qkv_bias);
+    const std::int64_t head = c.tp.rank / (c.tp.size / c.cfg.kv_heads());
+    auto rank_part = [&](torch::Tensor t) {
+      if (!c.slice_sequence()) t = tp::copy_to(t, c.group());
+      return t.narrow(0, head * hd, hd);
+    };
+    return torch::linear(a, rank_part(c.param(p + name + ".weight")),
+                         o.qkv_bias ? rank_part(c.param(p + name + ".bias")) : torch::Tensor());
+  };
   torch::Tensor q, k, v;
   if (o.fused_qkv) {
     auto qkv = c.linear(a, p + o.qkv, o.qkv_bias).split_with_sizes({H * hd, KV * hd, KV * hd}, /*dim=*/2);
@@ -142,8 +157,8 @@ torch::Tensor attention(const part_context& c, const torch::Tensor& x, const std
     v = heads(qkv[2], KV);
   } else {
     q = positioned(heads(c.linear(a, p + o.q, o.qkv_bias), H), o.q_norm);
-    k = positioned(heads(c.linear(a, p + o.k, o.qkv_bias), KV), o.k_norm);
-    v = heads(c.linear(a, p + o.v, o.qkv_bias), KV);
+    k = positioned(heads(kv_projection(o.k), KV), o.k_norm);
+    v = heads(kv_projection(o.v), KV);
   }
   return c.row_parallel(attend(c.cfg, q, k, v, cache, cache_index, core), p + o.out, o.out_bias);
 }

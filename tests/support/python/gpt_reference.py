@@ -29,23 +29,13 @@ def main():
     torch.set_num_threads(2)
     model = gpt_tiny.model_from_args(a)
     torch.save(model.state_dict(), os.path.join(out, "init.pt"))  # as a user saves it
-    data, n_train = gpt_tiny.load_fortunes()
     opt = gpt_tiny.optimizer_for(a, model)
-    seed, batch = 1234, 32
-    losses = []
-    for t in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = gpt_tiny.lr_at(t, total)
-        x, y = gpt_tiny.train_batch(data, n_train, seed, t * batch, batch, seq_len)
-        loss = model(x, y)
-        aux = 0.0
-        if isinstance(loss, tuple):  # experts: the load-balancing loss joins the backward only
-            loss, aux = loss
-        opt.zero_grad()
-        (loss + aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+
+    def losses_of(x, y):
+        loss = model(x, y)  # experts: (loss, the load-balancing loss, which joins the backward only)
+        return loss if isinstance(loss, tuple) else (loss, 0.0)
+
+    losses = gpt_tiny.train(model, opt, losses_of, steps, total, seq_len)
     torch.save(model.state_dict(), os.path.join(out, "final.pt"))
     with open(os.path.join(out, "losses.txt"), "w") as f:
         f.write("\n".join(repr(x) for x in losses) + "\n")

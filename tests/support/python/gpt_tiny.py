@@ -112,6 +112,25 @@ def lr_at(t, total, warmup=20, max_lr=1e-3, min_lr=1e-4):
         1 + math.cos(math.pi * (t - warmup) / max(1, total - 1 - warmup)))
 
 
+def train(model, opt, losses_of, steps, total, seq_len, seed=1234, batch=32):
+    """Section 1's loop: `steps` steps of `batch` windows of the fortunes corpus, the lr
+    schedule over `total` steps, the backward of loss + aux (`losses_of(x, y)`), clipping
+    at global norm 1.0; returns each step's loss."""
+    data, n_train = load_fortunes()
+    losses = []
+    for t in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(t, total)
+        x, y = train_batch(data, n_train, seed, t * batch, batch, seq_len)
+        loss, aux = losses_of(x, y)
+        opt.zero_grad()
+        (loss + aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def add_shape_args(parser):
     """The workload and shape flags of `troupe train` (0: the workload's own)."""
     parser.add_argument("--workload", default="gpt-tiny", choices=["gpt-tiny", "llama-tiny", "moe-tiny"])

@@ -48,13 +48,8 @@ def main():
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and not n.endswith("wpe.weight"))]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    data, n_train = gpt_tiny.load_fortunes()
-    seed, batch = 1234, 32
-    losses = []
-    for t in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = gpt_tiny.lr_at(t, total)
-        x, y = gpt_tiny.train_batch(data, n_train, seed, t * batch, batch, seq_len)
+
+    def losses_of(x, y):
         logits_of_routers.clear()
         logits = model(x).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
@@ -67,11 +62,9 @@ def main():
             f = F.one_hot(chosen, E).float().view(B, T * top_k, E).sum(1) / (top_k * T)
             P = p.view(B, T, E).mean(1)
             aux = aux + coeff * E * (f * P).sum(1).mean()
-        opt.zero_grad()
-        (loss + aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        return loss, aux
+
+    losses = gpt_tiny.train(model, opt, losses_of, steps, total, seq_len)
     model.save_pretrained(os.path.join(out, "final"))
     with open(os.path.join(out, "losses.txt"), "w") as f:
         f.write("\n".join(repr(v) for v in losses) + "\n")
