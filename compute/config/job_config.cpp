@@ -712,7 +712,8 @@ void job_config::take_model_from_folder() {
   if (g.n_experts > 0) {
     take(experts, g.n_experts, 0, "experts", "num_local_experts");
     take(moe_top_k, g.moe_top_k, 0, "moe_top_k", "num_experts_per_tok");
-    take(moe_d_ff, g.expert_d_ff(), 0, "moe_d_ff", "intermediate_size");
+    take(moe_d_ff, g.expert_d_ff(), 0, "moe_d_ff",
+         shape.model_type == "qwen3_moe" ? "moe_intermediate_size" : "intermediate_size");
     if (moe_every > 0 && moe_every != g.moe_every)
       differ.push_back("model.moe_every " + std::to_string(moe_every) + " (the " + shape.model_type +
                        " folder's experts are in every " + std::to_string(g.moe_every) + " block" +
