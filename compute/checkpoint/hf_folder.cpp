@@ -274,7 +274,13 @@ hf_model_shape parse_config(const nlohmann::json& c, int seq_len, std::vector<st
   // The sliding window: Mistral's and Mixtral's is the model's; the others' (Qwen's
   // use_sliding_window, 5.x's layer_types) only when it masks nothing.
   const auto* window = r.find("sliding_window");
+  if (window && !window->is_number_integer()) {
+    problems.push_back("sliding_window " + window->dump() + " (expected a number of tokens or null)");
+    window = nullptr;
+  }
   if (g.arch == decoder_arch::mistral) {
+    // (MistralConfig's default window is 4096 tokens; Mixtral's none)
+    if (type == "mistral" && !c.contains("sliding_window")) g.sliding_window = 4096;
     if (window && r.boolean("use_sliding_window", true)) g.sliding_window = r.integer("sliding_window", 0);
   } else if (window && window->is_number() && r.boolean("use_sliding_window", true) && seq_len > 0 &&
              window->get<double>() < seq_len) {

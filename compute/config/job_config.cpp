@@ -642,7 +642,11 @@ model_spec job_config::model() const {
                    : workload == "moe-small"   ? model_spec::moe_small()
                                                : model_spec::gpt_tiny();
   auto spec = own;
-  if (folder_decoder) spec.decoder = *folder_decoder;
+  if (folder_decoder) {
+    spec.decoder = *folder_decoder;
+    // (a rotary folder gives no sequence length: the workload's, unless model.seq_len sets it)
+    if (spec.decoder.arch != decoder_arch::gpt2) spec.decoder.seq_len = own.decoder.seq_len;
+  }
   auto& g = spec.decoder;
   if (!architecture.empty()) g.arch = parse_decoder_arch(architecture);
   if (head_dim > 0) g.head_size = head_dim;

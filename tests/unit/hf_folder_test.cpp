@@ -432,6 +432,10 @@ TEST(HuggingFaceFolder, TheModelComesFromTheFolder) {
   // The job's default seq_len (128) is above the exported model's positions (16).
   e = config_error_of({{"train.model", folder}});
   EXPECT_NE(e.find("model.seq_len 128 is above the folder's max_position_embeddings 16"), std::string::npos) << e;
+  // The workload's own sequence (llama-small's 1024), not the folder's: a rotary
+  // config.json gives none.
+  e = config_error_of({{"train.model", folder}, {"train.workload", "llama-small"}});
+  EXPECT_NE(e.find("model.seq_len 1024 is above the folder's max_position_embeddings 16"), std::string::npos) << e;
   // transformers 5.x's spelling: the base inside rope_parameters is the model's.
   auto c = config_of(folder);
   c.erase("rope_theta");
