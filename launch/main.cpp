@@ -364,13 +364,8 @@ int run_export_command(const config_flags& flags, const std::string& from, const
         troupe::hf_export_options opts;
         opts.dtype = dtype == "bfloat16" ? torch::kBFloat16 : dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
         opts.source = m.cfg.hf_model;  // its spelling, generation config and tokenizer files
+        opts.tokenizer = m.cfg.tokenizer;
         const auto n = troupe::export_hf_folder(to, m.cfg.model(), m.state, opts);
-        if (!m.cfg.tokenizer.empty())  // the pieces the model was trained on, as tokenizer.model
-          troupe::write_file_atomically((std::filesystem::path(to) / "tokenizer.model").string(),
-                                        [&](const troupe::byte_sink& sink) {
-                                          const auto bytes = troupe::read_file_bytes(m.cfg.tokenizer);
-                                          sink(bytes.data(), bytes.size());
-                                        });
         spdlog::info("exported {} from {} to {}: config.json, generation_config.json{} and model.safetensors ({} "
                      "tensors, {})",
                      m.cfg.model_label(), m.source, to, opts.source.empty() ? "" : ", the tokenizer files of " + opts.source,

@@ -514,14 +514,8 @@ std::string saved_model_toml(const job_config& cfg) {
 }
 
 std::optional<job_config> saved_model_config(const std::string& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return std::nullopt;  // (its reader names what is wrong with it)
-  std::string text;
-  try {
-    text = read_torch_record(read_file_bytes(path), model_record_name);
-  } catch (const std::exception& e) {
-    throw checkpoint_error("cannot read " + path + ": " + e.what());
-  }
+  // (A file that cannot be read has no record: its reader names what is wrong with it.)
+  const auto text = read_torch_file_record(path, model_record_name);
   if (text.empty()) return std::nullopt;
   try {
     return job_config_from_toml(text, path + "'s record of its model");

@@ -708,6 +708,8 @@ std::size_t export_hf_folder(const std::string& dir, const model_spec& spec, con
     for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                              "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json"})
       if (fs::exists(source / file)) copy_file_atomically((source / file).string(), (fs::path(dir) / file).string());
+  if (!opts.tokenizer.empty())  // the pieces the model was trained on
+    copy_file_atomically(opts.tokenizer, (fs::path(dir) / "tokenizer.model").string());
   return out.size();
 }
 

@@ -26,6 +26,9 @@ struct hf_export_options {
   /// rope_parameters and dtype) with its special tokens' ids, and its
   /// generation_config.json and tokenizer files are copied.
   std::string source;
+  /// A SentencePiece model the job trained on (data.tokenizer; "": none), written as
+  /// tokenizer.model.
+  std::string tokenizer;
 };
 
 /// config.json's fields for `spec` (every one whose Hugging Face default differs from

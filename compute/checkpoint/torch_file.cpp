@@ -427,6 +427,17 @@ named_tensors read_torch_state_dict(const std::vector<char>& bytes) {
   return out;
 }
 
+std::string read_torch_file_record(const std::string& path, const std::string& name) {
+  try {
+    caffe2::serialize::PyTorchStreamReader archive(path);
+    if (!archive.hasRecord(name)) return "";
+    auto [data, size] = archive.getRecord(name);
+    return std::string(static_cast<const char*>(data.get()), size);
+  } catch (const std::exception&) {  // (no zip archive: torch.save's legacy format, or no file)
+    return "";
+  }
+}
+
 std::string read_torch_record(const std::vector<char>& bytes, const std::string& name) {
   if (bytes.size() < 4 || std::memcmp(bytes.data(), "PK\x03\x04", 4) != 0) return "";
   try {

@@ -31,5 +31,8 @@ named_tensors read_torch_state_dict(const std::vector<char>& bytes);
 /// The text of the archive's record `name` (beside data.pkl, which torch.load does not
 /// read), or "" when the bytes are no zip archive or it has no such record.
 std::string read_torch_record(const std::vector<char>& bytes, const std::string& name);
+/// The same from file `path`, reading only the archive's directory and that record ("" as
+/// above, or when the file cannot be read).
+std::string read_torch_file_record(const std::string& path, const std::string& name);
 
 }  // namespace troupe

@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "compute/checkpoint/hf_folder.hpp"
 #include "compute/checkpoint/checkpoint.hpp"
@@ -146,7 +147,14 @@ TEST(HuggingFaceFolder, NamesLayoutAndConfigAreHuggingFaces) {
   EXPECT_EQ(g.at("n_inner"), 128);
   EXPECT_EQ(g.at("n_positions"), 16);
   const auto llama = small("llama-tiny");
-  export_hf_folder(dir / "llama", llama, initial_state(llama, 7));
+  // A job's own SentencePiece model goes along as tokenizer.model, byte for byte.
+  std::ofstream(dir / "spm.model") << "sentencepiece model bytes";
+  hf_export_options with_tokenizer;
+  with_tokenizer.tokenizer = dir / "spm.model";
+  export_hf_folder(dir / "llama", llama, initial_state(llama, 7), with_tokenizer);
+  std::ifstream copied(dir / "llama/tokenizer.model");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(copied), {}), "sentencepiece model bytes");
+  EXPECT_TRUE(fs::exists(dir / "llama/generation_config.json"));
   const auto l = config_of(dir / "llama");
   EXPECT_EQ(l.at("architectures"), nlohmann::json({"LlamaForCausalLM"}));
   EXPECT_EQ(l.at("rms_norm_eps").get<double>(), 1e-5);
