@@ -35,6 +35,7 @@ struct config_flags {
   struct flag {
     CLI::Option* option = nullptr;
     std::string value, key;
+    std::vector<std::string> values;  ///< a list key's (config_key::list)
   };
   std::string config_path;
   std::deque<flag> keys;  // stable addresses
@@ -46,8 +47,10 @@ struct config_flags {
     if (config_must_exist) config->check(CLI::ExistingFile);
     for (const auto& key : troupe::config_keys()) {
       if (wanted && !wanted(key.name)) continue;
-      keys.push_back({nullptr, "", key.name});
-      keys.back().option = cmd->add_option(key.flag(), keys.back().value, key.help + " [" + key.name + "]");
+      keys.push_back({nullptr, "", key.name, {}});
+      auto& k = keys.back();
+      k.option = key.list ? cmd->add_option(key.flag(), k.values, key.help + " [" + key.name + "]")
+                          : cmd->add_option(key.flag(), k.value, key.help + " [" + key.name + "]");
     }
   }
   /// The flags given on the command line, as "--flag" text.
@@ -80,8 +83,12 @@ struct config_flags {
         overrides.emplace_back("faults." + item.substr(0, eq), item.substr(eq + 1));
       }
     }
-    for (const auto& k : keys)
-      if (k.option->count() > 0) overrides.emplace_back(k.key, k.value);
+    for (const auto& k : keys) {
+      if (k.option->count() == 0) continue;
+      std::string value = k.value;
+      for (const auto& v : k.values) value += (value.empty() ? "" : "\n") + v;
+      overrides.emplace_back(k.key, value);
+    }
     overrides.insert(overrides.end(), last.begin(), last.end());
     return troupe::load_job_config(config_path, overrides);
   }

@@ -34,6 +34,7 @@
 #include "compute/trainer/generate.hpp"
 #include "compute/checkpoint/hf_folder.hpp"
 #include "compute/data/tokenizer.hpp"
+#include "compute/data/documents.hpp"
 #include "compute/runtime/host_memory.hpp"
 #include "compute/config/job_config.hpp"
 #include "compute/schedule/schedule.hpp"
@@ -287,7 +288,9 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
   };
   const auto run = [&](trained_model& m) {
     const auto device = troupe::resolve_device(m.cfg.device);
-    const char* unit = m.cfg.tokenizer.empty() ? "bytes" : "pieces";
+    const char* unit = m.cfg.tokenizer.empty() && !(!m.cfg.hf_model.empty() && troupe::tokenizer::in_folder(m.cfg.hf_model))
+                           ? "bytes"
+                           : "pieces";
     spdlog::info("generating {} {} with {} from {} on {}: temperature {}, top-k {}, seed {}", a.sampling.tokens, unit,
                  m.cfg.model_label(), m.source, device.str(), a.sampling.temperature, a.sampling.top_k,
                  a.sampling.seed);
@@ -295,7 +298,10 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
     std::fflush(stdout);
     const auto start = std::chrono::steady_clock::now();
     std::unique_ptr<troupe::tokenizer> tok;
-    if (!m.cfg.tokenizer.empty()) tok = std::make_unique<troupe::tokenizer>(m.cfg.tokenizer);
+    const auto tok_name = !m.cfg.tokenizer.empty() || m.cfg.hf_model.empty() ? m.cfg.tokenizer
+                          : troupe::tokenizer::in_folder(m.cfg.hf_model) ? m.cfg.hf_model
+                                                                          : "";
+    if (!tok_name.empty()) tok = std::make_unique<troupe::tokenizer>(tok_name);
     troupe::generate(
         m.cfg.model(), m.state, a.prompt, a.sampling, device,
         [](char c) {
@@ -345,6 +351,50 @@ int run_tokenizer_command(const tokenizer_args& a) {
                  tok.size(), lines.size(), bytes.size(), a.text.empty() ? "the fortunes corpus" : a.text,
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), a.out,
                  tok.fingerprint());
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(troupe::exit_code_of(e), e.what());
+  }
+}
+
+struct preprocess_args {
+  std::vector<std::string> data;
+  std::string model, tokenizer, field = "text", out;
+  int threads = 0;
+};
+
+/// `troupe preprocess`: documents encoded into a Megatron indexed dataset, as Megatron's
+/// preprocess_data.py --append-eod writes it (one sequence per document, EOS last).
+int run_preprocess_command(const preprocess_args& a) {
+  try {
+    const std::string name = a.tokenizer.empty() ? a.model : a.tokenizer;
+    if (name.empty()) throw troupe::config_error("preprocess needs a tokenizer: --model DIR or --tokenizer");
+    const troupe::tokenizer tok(name);
+    const int eos = troupe::document_eos(a.model, tok.eos_id());
+    if (eos < 0)
+      throw troupe::data_error("tokenizer " + name + " has no EOS token (config.json's eos_token_id, "
+                               "tokenizer_config.json's eos_token): documents end with one");
+    const int threads = a.threads > 0 ? a.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+    const auto start = std::chrono::steady_clock::now();
+    std::uint64_t bytes = 0, documents = 0;
+    for (const auto& path : a.data) {  // the files' bytes, for the rate
+      if (troupe::data_format_of(path) == troupe::data_format::megatron)
+        throw troupe::data_error("data " + path + " is already a Megatron dataset");
+      for (const auto& file : troupe::text_corpus::text_files(path)) bytes += std::filesystem::file_size(file);
+    }
+    troupe::megatron_writer out(a.out, tok.size());
+    for (const auto& path : a.data) {
+      troupe::encode_documents(path, a.field, tok, eos, threads, [&](const std::vector<int>& ids) {
+        out.add_document(ids);
+        ++documents;
+      });
+    }
+    out.finish();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    spdlog::info("wrote {}.bin and {}.idx: {} documents, {} tokens ({}) from {} bytes of text with {} ({}) in {:.1f} s "
+                 "({:.1f} MB/s on {} threads)",
+                 a.out, a.out, documents, out.tokens(), out.dtype_code() == 8 ? "uint16" : "int32", bytes, name,
+                 tok.describe(), s, s > 0 ? double(bytes) / s / 1e6 : 0.0, threads);
     return 0;
   } catch (const std::exception& e) {
     return fail(troupe::exit_code_of(e), e.what());
@@ -470,6 +520,18 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::Range(260, 1 << 20));
   tokc->add_option("--out", tok_args.out, "the model file to write")->required();
+
+  // troupe preprocess
+  auto* pre = app.add_subcommand("preprocess", "encode documents into a Megatron indexed dataset (PREFIX.bin, "
+                                               "PREFIX.idx) as Megatron's preprocess_data.py --append-eod does, for "
+                                               "--data PREFIX (and for Megatron)");
+  preprocess_args pre_args;
+  pre->add_option("--data", pre_args.data, "documents: .jsonl files, folders, files (one or more, in order)")->required();
+  pre->add_option("--model", pre_args.model, "the model folder whose tokenizer (and config.json's EOS) to use");
+  pre->add_option("--tokenizer", pre_args.tokenizer, "a tokenizer.json, a SentencePiece model or a folder instead");
+  pre->add_option("--data-field", pre_args.field, "JSON lines: the field that holds a document (default text)");
+  pre->add_option("--threads", pre_args.threads, "encoding threads (default: every core)");
+  pre->add_option("--out", pre_args.out, "the dataset's prefix to write")->required();
 
   // troupe export
   auto* exp = app.add_subcommand("export", "write a trained model as a Hugging Face folder (config.json, "
@@ -688,6 +750,7 @@ int main(int argc, char** argv) {
   if (*eval) return run_eval_command(eval_flags, eval_from);
   if (*exp) return run_export_command(exp_flags, exp_from, exp_to, exp_dtype);
   if (*tokc) return run_tokenizer_command(tok_args);
+  if (*pre) return run_preprocess_command(pre_args);
 
   troupe::job_config cfg;
   try {

@@ -219,6 +219,9 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
   for (const auto& kv : cfg.values())
     if (keys.count(kv.first) || (kv.first == "data.text" && !cfg.text.empty()) ||
         (kv.first == "data.val_text" && !cfg.val_text.empty()) ||
+        // (documents: their paths and field; none in manifests from before the keys)
+        (kv.first == "data.data" && cfg.uses_documents()) || (kv.first == "data.val_data" && !cfg.val_data.empty()) ||
+        (kv.first == "data.data_field" && cfg.uses_documents()) ||
         // (a Hugging Face folder's model: its rope scaling, GELU and routing have no key)
         (kv.first == "train.model" && !cfg.hf_model.empty()))
       out.push_back(kv);

@@ -2,6 +2,7 @@
 #include "compute/parallel/tensor_parallel.hpp"
 #include "compute/models/tensor_parallel_layout.hpp"
 #include "compute/data/tokenizer.hpp"
+#include "compute/data/documents.hpp"
 #include "compute/checkpoint/hf_folder.hpp"
 
 #include "compute/runtime/device.hpp"
@@ -118,6 +119,24 @@ std::string toml_string(const std::string& s) {
     }
   }
   return out + "\"";
+}
+
+/// A list of strings: set from the lines of a value (a TOML array or repeated flags are
+/// joined with newlines), shown as a TOML array.
+key_def list_key(std::string name, std::string help, std::vector<std::string> job_config::*field) {
+  return {{name, help, true},
+          [=](job_config& c, const std::string& v) {
+            (c.*field).clear();
+            std::stringstream in(v);
+            std::string item;
+            while (std::getline(in, item, '\n'))
+              if (!item.empty()) (c.*field).push_back(item);
+          },
+          [=](const job_config& c) {
+            std::string s = "[";
+            for (std::size_t i = 0; i < (c.*field).size(); ++i) s += (i ? ", " : "") + toml_string((c.*field)[i]);
+            return s + "]";
+          }};
 }
 
 key_def string_key(std::string name, std::string help, std::string job_config::*field) {
@@ -318,10 +337,19 @@ const std::vector<key_def>& key_defs() {
       string_key("data.val_text", "with --text: the validation windows' text, a file or a folder (then all of --text "
                  "trains; default: its last 10 %)", &job_config::val_text),
       string_key("data.tokenizer",
-                 "decoders: a SentencePiece model (troupe tokenizer makes one): the text is encoded once into a "
-                 "token cache and trained on as tokens, the model's vocabulary its size rounded up to a multiple "
-                 "of 128 (empty: the 256 byte values)",
+                 "decoders: a SentencePiece model (troupe tokenizer makes one), a Hugging Face tokenizer.json, or a "
+                 "model folder's tokenizer: the text is encoded once into a token cache and trained on as tokens, "
+                 "the model's vocabulary its size rounded up to a multiple of 128 (empty: the 256 byte values; "
+                 "with --data and --model DIR: the folder's tokenizer)",
                  &job_config::tokenizer),
+      list_key("data.data",
+               "documents to train on, in order (one or more): a .jsonl file (a document per line), a Megatron "
+               "indexed dataset's prefix (PREFIX.bin and PREFIX.idx, ids as stored), a folder (a document per "
+               "file) or any other file (one document); the first 90 % of their tokens train, the rest validate",
+               &job_config::data),
+      list_key("data.val_data", "with --data: the validation documents (then all of --data trains)",
+               &job_config::val_data),
+      string_key("data.data_field", "JSON lines: the field that holds a document's text", &job_config::data_field),
       string_key("data.cache_dir", "the token cache's folder (empty: $XDG_CACHE_HOME/troupe, else ~/.cache/troupe)",
                  &job_config::cache_dir),
       string_key("data.fmnist_dir", "Fashion-MNIST folder", &job_config::fmnist_dir),
@@ -388,6 +416,15 @@ void flatten(const toml::table& table, const std::string& prefix, const std::str
       out.emplace_back(key, std::to_string(i->get()));
     } else if (const auto* f = node.as_floating_point()) {
       out.emplace_back(key, fmt_double(f->get()));
+    } else if (const auto* a = node.as_array(); a && !a->empty() && a->front().is_string()) {
+      std::string v;  // a list of strings: one per line
+      for (const auto& e : *a) {
+        const auto* es = e.as_string();
+        if (!es) throw config_error(path + ": " + key + ": expected an array of strings");
+        if (es->get().find('\n') != std::string::npos) throw config_error(path + ": " + key + ": a newline in a path");
+        v += (v.empty() ? "" : "\n") + es->get();
+      }
+      out.emplace_back(key, v);
     } else if (const auto* a = node.as_array()) {
       std::string v;
       for (const auto& e : *a) {
@@ -583,6 +620,39 @@ void job_config::validate() const {
     fail("text " + text + " is a corpus for the decoder workloads (fmnist-mlp reads Fashion-MNIST)");
   if (!val_text.empty() && text.empty())
     fail("val_text " + val_text + " validates a text of your own: give its training text too (data.text)");
+  if (!val_data.empty() && data.empty())
+    fail("val_data " + val_data.front() + " validates documents: give the training documents too (--data)");
+  if (uses_documents()) {
+    if (!is_decoder()) fail("data " + data.front() + " is documents for the decoder workloads (fmnist-mlp reads images)");
+    if (!text.empty())
+      fail("data " + data.front() + " and text " + text + ": documents (--data) or one text stream (--text), not both");
+    bool text_documents = false;  // that need the tokenizer (a Megatron dataset's ids are stored)
+    for (const auto* list : {&data, &val_data})
+      for (const auto& path : *list) {
+        try {
+          text_documents = text_documents || data_format_of(path) != data_format::megatron;
+        } catch (const std::exception& e) {
+          fail(e.what());
+        }
+      }
+    const auto tok = text_tokenizer();
+    if (text_documents && tok.empty())
+      fail("documents need a tokenizer: --model DIR (its tokenizer.json or tokenizer.model), or --tokenizer" +
+           std::string(hf_model.empty() ? "" : " (" + hf_model + " has neither tokenizer.json nor tokenizer.model)"));
+    if (!tok.empty()) {
+      try {
+        const auto info = tokenizer_info_of(tok);
+        if (text_documents && document_eos(hf_model, info.eos) < 0)
+          fail("tokenizer " + tok + " has no EOS token (config.json's eos_token_id, tokenizer_config.json's "
+               "eos_token): documents end with one");
+        if (is_decoder() && info.size > model().decoder.vocab)
+          fail("tokenizer " + tok + " has " + std::to_string(info.size) + " ids, more than the model's vocab_size " +
+               std::to_string(model().decoder.vocab));
+      } catch (const data_error& e) {
+        fail(e.what());
+      }
+    }
+  }
   if (recompute != "none" && workload == "fmnist-mlp")
     fail("recompute " + recompute + " applies to the transformer blocks of the decoder workloads (fmnist-mlp has none)");
   // The plain loop is the fp32 reference on the CPU: asking it for more would be ignored.
@@ -762,9 +832,23 @@ std::string job_config::model_label() const {
   return (hf_model.empty() ? workload : hf_model) + text + params;
 }
 
+std::string job_config::text_tokenizer() const {
+  if (!tokenizer.empty() || !uses_documents() || hf_model.empty()) return tokenizer;
+  return troupe::tokenizer::in_folder(hf_model) ? hf_model : "";
+}
+
 std::string job_config::data_label() const {
   const std::string tokens = tokenizer.empty() ? "" : " tokenized by " + tokenizer + " (" +
                              std::to_string(tokenizer_info_of(tokenizer).size) + " pieces)";
+  if (uses_documents()) {
+    std::string paths;
+    for (const auto& p : data) paths += (paths.empty() ? "" : ", ") + p;
+    std::string valid;
+    for (const auto& p : val_data) valid += (valid.empty() ? "" : ", ") + p;
+    const auto tok = text_tokenizer();
+    return " on the documents of " + paths + (valid.empty() ? "" : ", validated on " + valid) +
+           (tok.empty() ? "" : " tokenized by " + tok);
+  }
   if (text.empty()) return tokens;
   return " on the text in " + text + (val_text.empty() ? "" : ", validated on " + val_text) + tokens;
 }

@@ -91,7 +91,10 @@ struct job_config {
   std::string fortunes_dir = "/usr/share/games/fortunes";
   std::string text;                   ///< gpt: a corpus of one's own (file or folder) instead of fortunes
   std::string val_text;               ///< with text: the validation text (then all of `text` trains)
-  std::string tokenizer;              ///< decoders: a SentencePiece model: train on its tokens ("": bytes)
+  std::string tokenizer;              ///< decoders: a SentencePiece model, a tokenizer.json or a model folder ("": bytes)
+  std::vector<std::string> data;      ///< documents: JSON lines, files, folders, Megatron prefixes, in order
+  std::vector<std::string> val_data;  ///< with data: the validation documents (then all of data trains)
+  std::string data_field = "text";    ///< JSON lines: the field that holds a document
   std::string cache_dir;              ///< the token cache's folder ("": $XDG_CACHE_HOME/troupe or ~/.cache/troupe)
   std::string fmnist_dir = "/usr/share/datasets/fashion-mnist";
   // [output]
@@ -134,6 +137,11 @@ struct job_config {
   /// a set key that disagrees (naming both values), a folder that cannot be read, a
   /// family Troupe lacks, or a seq_len above its positions.
   void take_model_from_folder();
+  /// Whether the job trains on documents (data.data) rather than a text stream.
+  bool uses_documents() const { return !data.empty(); }
+  /// The tokenizer of the text or documents: data.tokenizer, else (documents) the
+  /// train.model folder's ("": none, the text's bytes).
+  std::string text_tokenizer() const;
   /// A decoder workload (not fmnist-mlp).
   bool is_decoder() const { return workload != "fmnist-mlp"; }
   /// The model to train: the workload's (or the hf_model folder's), with the [model] keys
@@ -183,6 +191,7 @@ struct job_config {
 struct config_key {
   std::string name;
   std::string help;
+  bool list = false;  ///< a list of strings (TOML array; the flag repeats or takes several values)
   std::string flag() const;  ///< "--data-parallel" for "parallel.data_parallel"
 };
 const std::vector<config_key>& config_keys();

@@ -13,10 +13,14 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <algorithm>
 
 #include <dlfcn.h>
 
+#include <nlohmann/json.hpp>
+
 #include "compute/runtime/file_bytes.hpp"
+#include "compute/data/hf_tokenizer.hpp"
 #include "compute/data/spm_plugin.hpp"
 #include "compute/runtime/splitmix.hpp"
 
@@ -58,51 +62,158 @@ struct cache_header {
 
 }  // namespace
 
-tokenizer::tokenizer(const std::string& path) : path_(path) {
-  if (!fs::is_regular_file(path)) throw data_error("tokenizer " + path + " does not exist (or is not a file)");
+/// What a tokenizer is made of: a SentencePiece processor (a model file of its own, or a
+/// folder's tokenizer.model with AutoTokenizer's conventions), or a tokenizer.json.
+struct tokenizer::impl {
+  void* sp = nullptr;  ///< the plugin's processor (compute/data/spm_plugin.hpp)
+  std::unique_ptr<hf_tokenizer> hf;
+  // A folder's tokenizer.model: its special tokens split out, BOS/EOS added as
+  // tokenizer_config.json says (LlamaTokenizer's defaults: BOS, no EOS).
+  bool folder = false, add_bos = false, add_eos = false;
+  added_vocabulary added;
+  int bos = -1, eos = -1;
+  ~impl() {
+    if (sp) spm().release(sp);
+  }
+  int sp_id(const std::string& piece) const {
+    for (int id = 0; id < spm().size(sp); ++id)
+      if (*spm().piece(sp, id) == piece) return id;
+    return -1;
+  }
+};
+
+namespace {
+std::string config_token(const nlohmann::json& c, const char* key, const std::string& fallback) {
+  if (!c.contains(key)) return fallback;
+  const auto& t = c.at(key);
+  if (t.is_string()) return t.get<std::string>();
+  if (t.is_object() && t.contains("content")) return t.at("content").get<std::string>();
+  return "";
+}
+}  // namespace
+
+bool tokenizer::in_folder(const std::string& dir) {
+  return fs::is_regular_file(fs::path(dir) / "tokenizer.json") || fs::is_regular_file(fs::path(dir) / "tokenizer.model");
+}
+
+tokenizer::tokenizer(const std::string& path) : path_(path), impl_(std::make_unique<impl>()) {
+  const bool folder = fs::is_directory(path);
+  if (folder && !in_folder(path))
+    throw data_error("tokenizer folder " + path + " has neither tokenizer.json nor tokenizer.model");
+  if (!folder && !fs::is_regular_file(path)) throw data_error("tokenizer " + path + " does not exist (or is not a file)");
+  const fs::path dir = folder ? fs::path(path) : fs::path(path).parent_path();
+  const fs::path json_file = folder ? dir / "tokenizer.json" : fs::path(path);
+  const bool is_json = fs::is_regular_file(json_file) && (folder || json_file.extension() == ".json");
+  const fs::path file = is_json ? json_file : folder ? dir / "tokenizer.model" : fs::path(path);
+  const fs::path config = dir / "tokenizer_config.json";
+  const bool has_config = (folder || is_json) && fs::is_regular_file(config);
   std::vector<char> bytes;
   try {
-    bytes = read_file_bytes(path);
+    bytes = read_file_bytes(file.string());
+    if (has_config) {  // the fingerprint covers the settings too
+      const auto more = read_file_bytes(config.string());
+      bytes.insert(bytes.end(), more.begin(), more.end());
+    }
   } catch (const std::exception& e) {
-    throw data_error("tokenizer " + path + ": " + e.what());
+    throw data_error("tokenizer " + file.string() + ": " + e.what());
   }
-  std::string error;
-  sp_ = spm().load(std::string(bytes.begin(), bytes.end()), error);
-  if (!sp_)
-    throw data_error("tokenizer " + path + " is not a SentencePiece model (" + error + "): make one with troupe tokenizer");
+  if (is_json) {
+    impl_->hf = std::make_unique<hf_tokenizer>(file.string(), has_config ? config.string() : "");
+  } else {
+    std::string error;
+    const auto model = read_file_bytes(file.string());
+    impl_->sp = spm().load(std::string(model.begin(), model.end()), error);
+    if (!impl_->sp)
+      throw data_error("tokenizer " + file.string() + " is not a SentencePiece model (" + error +
+                       "): make one with troupe tokenizer, or give a tokenizer.json or a model folder");
+    if (folder) {
+      auto& m = *impl_;
+      m.folder = true;
+      nlohmann::json c = nlohmann::json::object();
+      if (has_config) {
+        try {
+          c = nlohmann::json::parse(read_file_bytes(config.string()));
+        } catch (const std::exception& e) {
+          throw data_error("tokenizer config " + config.string() + " cannot be read as JSON: " + e.what());
+        }
+      }
+      const std::string cls = c.value("tokenizer_class", "LlamaTokenizer");
+      const bool llama = cls.rfind("LlamaTokenizer", 0) == 0 || cls.rfind("CodeLlamaTokenizer", 0) == 0;
+      m.add_bos = c.value("add_bos_token", llama);
+      m.add_eos = c.value("add_eos_token", false);
+      m.bos = m.sp_id(config_token(c, "bos_token", "<s>"));
+      m.eos = m.sp_id(config_token(c, "eos_token", "</s>"));
+      std::vector<added_token> added;
+      for (const auto& name : {config_token(c, "bos_token", "<s>"), config_token(c, "eos_token", "</s>"),
+                               config_token(c, "unk_token", "<unk>")}) {
+        const int id = m.sp_id(name);
+        if (id >= 0 && !name.empty()) added.push_back({id, name, false, false, false, false, true});
+      }
+      if (c.contains("added_tokens_decoder"))
+        for (const auto& [id, t] : c.at("added_tokens_decoder").items())
+          added.push_back({std::stoi(id), t.at("content").get<std::string>(), t.value("single_word", false),
+                           t.value("lstrip", false), t.value("rstrip", false), t.value("normalized", false),
+                           t.value("special", false)});
+      m.added = added_vocabulary(std::move(added));
+    } else {
+      impl_->eos = impl_->sp_id("</s>");
+    }
+  }
   fingerprint_ = std::to_string(size()) + " pieces, fnv1a " + hex64(fnv1a(bytes.data(), bytes.size()));
 }
 
-tokenizer::~tokenizer() {
-  if (sp_) spm().release(sp_);
-}
+tokenizer::~tokenizer() = default;
 
-int tokenizer::size() const { return spm().size(sp_); }
+int tokenizer::size() const { return impl_->hf ? impl_->hf->size() : spm().size(impl_->sp); }
+
+int tokenizer::eos_id() const { return impl_->hf ? impl_->hf->eos_id() : impl_->eos; }
+
+std::string tokenizer::describe() const { return impl_->hf ? impl_->hf->describe() : "SentencePiece"; }
 
 std::vector<int> tokenizer::encode(const std::string& text) const {
+  if (impl_->hf) return impl_->hf->encode(text);
   std::vector<int> ids;
   std::string error;
-  if (!spm().encode(sp_, text, ids, error)) throw data_error("tokenizer " + path_ + " cannot encode: " + error);
+  auto sp_encode = [&](const std::string& s) {
+    std::vector<int> part;
+    if (!spm().encode(impl_->sp, s, part, error)) throw data_error("tokenizer " + path_ + " cannot encode: " + error);
+    ids.insert(ids.end(), part.begin(), part.end());
+  };
+  if (!impl_->folder) {
+    sp_encode(text);
+    return ids;
+  }
+  if (impl_->add_bos && impl_->bos >= 0) ids.push_back(impl_->bos);
+  for (const auto& part : impl_->added.split(text, false)) {
+    if (part.id >= 0)
+      ids.push_back(part.id);
+    else
+      sp_encode(std::string(part.text));
+  }
+  if (impl_->add_eos && impl_->eos >= 0) ids.push_back(impl_->eos);
   return ids;
 }
 
 std::string tokenizer::decode(const std::vector<int>& ids) const {
+  if (impl_->hf) return impl_->hf->decode(ids);
   std::string text, error;
-  if (!spm().decode(sp_, ids, text, error)) throw data_error("tokenizer " + path_ + " cannot decode: " + error);
+  if (!spm().decode(impl_->sp, ids, text, error)) throw data_error("tokenizer " + path_ + " cannot decode: " + error);
   return text;
 }
 
 std::vector<std::int32_t> tokenizer::piece_bytes() const {
+  if (impl_->hf) return impl_->hf->piece_bytes();
+  void* sp = impl_->sp;
   std::vector<std::int32_t> out(std::size_t(size()), 0);
   static const std::string space = "\xe2\x96\x81";  // U+2581, the space a piece stands for
   for (int id = 0; id < size(); ++id) {
-    const int kind = spm().kind(sp_, id);
+    const int kind = spm().kind(sp, id);
     if (kind == 1) continue;  // control: no bytes
     if (kind == 2) {          // <0xNN>
       out[std::size_t(id)] = 1;
       continue;
     }
-    const auto& piece = *spm().piece(sp_, id);
+    const auto& piece = *spm().piece(sp, id);
     std::int32_t n = 0;
     for (std::size_t i = 0; i < piece.size(); ++n) i += piece.compare(i, space.size(), space) == 0 ? space.size() : 1;
     out[std::size_t(id)] = n;
@@ -138,7 +249,7 @@ tokenizer_info tokenizer_info_of(const std::string& path) {
   auto it = known.find(path);
   if (it == known.end()) {
     const tokenizer tok(path);
-    it = known.emplace(path, tokenizer_info{tok.size(), tok.fingerprint()}).first;
+    it = known.emplace(path, tokenizer_info{tok.size(), tok.fingerprint(), tok.eos_id()}).first;
   }
   return it->second;
 }
@@ -153,13 +264,66 @@ std::string default_cache_dir() {
   return process_cache_dir.empty() ? (fs::temp_directory_path() / "troupe-cache").string() : process_cache_dir;
 }
 
+token_file::token_file(const std::string& path, std::size_t offset, std::size_t count, int width, bool is_signed,
+                       const std::string& what)
+    : path_(path), count_(count), width_(width), signed_(is_signed) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw data_error("cannot open " + what + " " + path + ": " + std::strerror(errno));
+  struct stat st {};
+  ::fstat(fd, &st);
+  mapped_ = std::size_t(st.st_size);
+  if (mapped_ < offset + count * std::size_t(width)) {
+    ::close(fd);
+    throw data_error(what + " " + path + " holds " + std::to_string(mapped_) + " bytes; its index says " +
+                     std::to_string(offset + count * std::size_t(width)));
+  }
+  if (mapped_ > 0) {
+    map_ = ::mmap(nullptr, mapped_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map_ == MAP_FAILED) {
+      map_ = nullptr;
+      ::close(fd);
+      throw data_error("cannot map " + what + " " + path + ": " + std::strerror(errno));
+    }
+    ids_ = static_cast<const unsigned char*>(map_) + offset;
+  }
+  ::close(fd);
+}
+
+token_file::~token_file() {
+  if (map_) ::munmap(map_, mapped_);
+}
+
+std::int64_t token_file::operator[](std::size_t i) const {
+  const unsigned char* p = ids_ + i * std::size_t(width_);
+  switch (width_) {
+    case 1: {
+      return signed_ ? std::int64_t(std::int8_t(*p)) : std::int64_t(*p);
+    }
+    case 2: {
+      std::uint16_t x;
+      std::memcpy(&x, p, 2);
+      return signed_ ? std::int64_t(std::int16_t(x)) : std::int64_t(x);
+    }
+    case 4: {
+      std::int32_t x;
+      std::memcpy(&x, p, 4);
+      return x;
+    }
+    default: {
+      std::int64_t x;
+      std::memcpy(&x, p, 8);
+      return x;
+    }
+  }
+}
+
 token_corpus::token_corpus(const text_corpus& text, const std::string& text_fingerprint, const tokenizer& tok,
                            const std::string& cache_dir) {
   const std::string identity = "text " + text_fingerprint + "; tokenizer " + tok.fingerprint();
   const std::uint64_t fingerprint = fnv1a(identity.data(), identity.size());
   const fs::path dir = cache_dir.empty() ? fs::path(default_cache_dir()) : fs::path(cache_dir);
-  file_ = (dir / ("tokens-" + hex64(fingerprint) + ".bin")).string();
-  if (!fs::exists(file_)) {  // encode once: the splits, each as one string
+  const std::string file = (dir / ("tokens-" + hex64(fingerprint) + ".bin")).string();
+  if (!fs::exists(file)) {  // encode once: the splits, each as one string
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (ec) throw data_error("cannot make the token cache folder " + dir.string() + ": " + ec.message());
@@ -178,7 +342,7 @@ token_corpus::token_corpus(const text_corpus& text, const std::string& text_fing
     h.fingerprint = fingerprint;
     h.n_train = train.size();
     h.n_valid = valid.size();
-    write_file_atomically(file_, [&](const byte_sink& sink) {
+    write_file_atomically(file, [&](const byte_sink& sink) {
       sink(reinterpret_cast<const char*>(&h), sizeof h);
       static_assert(sizeof(int) == sizeof(std::int32_t), "token ids are 32-bit");
       sink(reinterpret_cast<const char*>(train.data()), train.size() * 4);
@@ -186,39 +350,56 @@ token_corpus::token_corpus(const text_corpus& text, const std::string& text_fing
     });
     written_ = true;
   }
-  const int fd = ::open(file_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw data_error("cannot open the token cache " + file_ + ": " + std::strerror(errno));
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw data_error("cannot open the token cache " + file + ": " + std::strerror(errno));
   struct stat st {};
   ::fstat(fd, &st);
-  mapped_ = std::size_t(st.st_size);
   cache_header h{};
-  if (mapped_ < sizeof h || ::pread(fd, &h, sizeof h, 0) != ssize_t(sizeof h) || std::memcmp(h.magic, cache_magic, 8) != 0 ||
-      h.fingerprint != fingerprint || mapped_ != sizeof h + 4 * (h.n_train + h.n_valid)) {
-    ::close(fd);
-    throw data_error("token cache " + file_ + " is not the cache of this text and tokenizer (a fingerprint or " +
-                     "size that disagrees): remove it and run again");
-  }
-  map_ = ::mmap(nullptr, mapped_, PROT_READ, MAP_PRIVATE, fd, 0);
+  const auto size = std::size_t(st.st_size);
+  const bool ok = size >= sizeof h && ::pread(fd, &h, sizeof h, 0) == ssize_t(sizeof h) &&
+                  std::memcmp(h.magic, cache_magic, 8) == 0 && h.fingerprint == fingerprint &&
+                  size == sizeof h + 4 * (h.n_train + h.n_valid);
   ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    throw data_error("cannot map the token cache " + file_ + ": " + std::strerror(errno));
-  }
-  ids_ = reinterpret_cast<const std::int32_t*>(static_cast<const char*>(map_) + sizeof h);
+  if (!ok)
+    throw data_error("token cache " + file + " is not the cache of this text and tokenizer (a fingerprint or " +
+                     "size that disagrees): remove it and run again");
+  stream_.push_back(std::make_shared<const token_file>(file, sizeof h, h.n_train + h.n_valid, 4, true, "the token cache"));
+  begins_.push_back(0);
   n_train_ = h.n_train;
   n_valid_ = h.n_valid;
 }
 
-token_corpus::~token_corpus() {
-  if (map_) ::munmap(map_, mapped_);
+token_corpus::token_corpus(std::vector<std::shared_ptr<const token_file>> stream, std::size_t n_train)
+    : stream_(std::move(stream)), n_train_(n_train) {
+  std::size_t total = 0;
+  for (const auto& f : stream_) {
+    begins_.push_back(total);
+    total += f->size();
+  }
+  if (n_train_ > total) throw data_error("a training split past the stream's end");
+  n_valid_ = total - n_train_;
+}
+
+token_corpus::~token_corpus() = default;
+
+std::int64_t token_corpus::token(std::size_t i) const {
+  const auto k = std::size_t(std::upper_bound(begins_.begin(), begins_.end(), i) - begins_.begin()) - 1;
+  return (*stream_[k])[i - begins_[k]];
 }
 
 batch token_corpus::windows(const std::vector<std::size_t>& offsets, int seq_len) const {
   const auto n = std::int64_t(offsets.size());
   auto t = torch::empty({n, seq_len + 1}, torch::kInt64);
   auto* out = t.data_ptr<std::int64_t>();
-  for (std::int64_t i = 0; i < n; ++i)
-    for (int j = 0; j <= seq_len; ++j) out[i * (seq_len + 1) + j] = ids_[offsets[std::size_t(i)] + std::size_t(j)];
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::size_t begin = offsets[std::size_t(i)];
+    auto k = std::size_t(std::upper_bound(begins_.begin(), begins_.end(), begin) - begins_.begin()) - 1;
+    for (int j = 0; j <= seq_len; ++j) {
+      const std::size_t at = begin + std::size_t(j);
+      while (at >= begins_[k] + stream_[k]->size()) ++k;  // the window goes on in the next file
+      out[i * (seq_len + 1) + j] = (*stream_[k])[at - begins_[k]];
+    }
+  }
   batch b;
   b.input = t.narrow(1, 0, seq_len).contiguous();
   b.target = t.narrow(1, 1, seq_len).contiguous();
@@ -235,7 +416,7 @@ batch token_corpus::train_batch(std::uint64_t seed, std::uint64_t first, int cou
   return windows(offsets, seq_len);
 }
 
-batch token_corpus::validation_batch(int seq_len, const tokenizer& tok, int n_windows) const {
+batch token_corpus::validation_batch(int seq_len, const tokenizer* tok, int n_windows) const {
   if (n_valid_ < std::size_t(seq_len) + 1 + std::size_t(n_windows))
     throw data_error("the validation split holds " + std::to_string(n_valid_) + " tokens: too few for 32 windows of " +
                      std::to_string(seq_len));
@@ -243,10 +424,17 @@ batch token_corpus::validation_batch(int seq_len, const tokenizer& tok, int n_wi
   std::vector<std::size_t> offsets(static_cast<std::size_t>(n_windows));
   for (int i = 0; i < n_windows; ++i) offsets[std::size_t(i)] = n_train_ + std::size_t(i) * stride;
   auto b = windows(offsets, seq_len);
-  const auto bytes = tok.piece_bytes();
+  if (!tok) return b;
+  const auto bytes = tok->piece_bytes();
   std::int64_t total = 0;
   const auto* target = b.target.data_ptr<std::int64_t>();
-  for (std::int64_t i = 0; i < b.target.numel(); ++i) total += bytes.at(std::size_t(target[i]));
+  for (std::int64_t i = 0; i < b.target.numel(); ++i) {
+    const auto id = std::size_t(target[i]);
+    if (id >= bytes.size())
+      throw data_error("token id " + std::to_string(id) + " of the validation data is past the tokenizer's " +
+                       std::to_string(bytes.size()) + " ids");
+    total += bytes[id];
+  }
   b.bytes_per_target = double(total) / double(b.target.numel());
   return b;
 }

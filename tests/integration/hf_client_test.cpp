@@ -25,39 +25,11 @@
 #include "compute/trainer/local_trainer.hpp"
 #include "test_util.hpp"
 #include "build_paths.hpp"
+#include "hf_python.hpp"
 
 namespace troupe {
 
 namespace {
-
-/// The python of a client environment, made on first use ("" where it cannot be made):
-/// transformers 4.44.2 over Debian's torch 1.13 (hf_venv.sh, in the build folder), or
-/// transformers 5 over torch 2 from Python's package registry (hf5_venv.sh: 5.6 GB, so in
-/// the user's cache, made once per machine).
-std::string make_python(const std::string& script, const std::string& venv) {
-  const std::string cmd = std::string(troupe::test::source_dir) + "/tests/support/python/" + script + " " + venv;
-  std::string out;
-  if (FILE* p = ::popen(cmd.c_str(), "r")) {
-    char buf[512];
-    while (std::fgets(buf, sizeof buf, p)) out += buf;
-    if (::pclose(p) != 0) return std::string();
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
-  return out;
-}
-
-const std::string& hf_python(int major = 4) {
-  static const std::string v4 =
-      make_python("hf_venv.sh", std::filesystem::path(troupe::test::troupe_binary).parent_path() / "hf-venv");
-  if (major == 4) return v4;
-  static const std::string v5 = [] {
-    const char* xdg = std::getenv("XDG_CACHE_HOME");
-    const char* home = std::getenv("HOME");
-    const std::filesystem::path cache = xdg && *xdg ? xdg : std::string(home ? home : "/tmp") + "/.cache";
-    return make_python("hf5_venv.sh", cache / "troupe" / "hf5-venv");
-  }();
-  return v5;
-}
 
 /// A model whose logits are far from uniform: the initial weights, matrices scaled up.
 state_dict sharp_weights(const model_spec& spec) {

@@ -90,7 +90,7 @@ TEST(Tokenizer, RoundTripsTheCorpusAndEncodesAsPythonDoes) {
   for (std::size_t i = 0; i < tokens.n_valid(); ++i) valid_total += piece_bytes.at(std::size_t(tokens.valid_token(i)));
   EXPECT_EQ(valid_total, std::int64_t(fortunes.n_valid()));
   // Validation windows over tokens, with the bytes their targets stand for.
-  const auto v = tokens.validation_batch(128, tok);
+  const auto v = tokens.validation_batch(128, &tok);
   EXPECT_EQ(v.input.size(0), 32);
   EXPECT_EQ(v.input[0][0].item<std::int64_t>(), tokens.valid_token(0));
   EXPECT_GT(v.bytes_per_target, 1.5);

@@ -112,11 +112,11 @@ def lr_at(t, total, warmup=20, max_lr=1e-3, min_lr=1e-4):
         1 + math.cos(math.pi * (t - warmup) / max(1, total - 1 - warmup)))
 
 
-def train(model, opt, losses_of, steps, total, seq_len, seed=1234, batch=32):
-    """Section 1's loop: `steps` steps of `batch` windows of the fortunes corpus, the lr
-    schedule over `total` steps, the backward of loss + aux (`losses_of(x, y)`), clipping
-    at global norm 1.0; returns each step's loss."""
-    data, n_train = load_fortunes()
+def train(model, opt, losses_of, steps, total, seq_len, seed=1234, batch=32, stream=None):
+    """Section 1's loop: `steps` steps of `batch` windows of the fortunes corpus (or of
+    `stream`: (token ids, n_train)), the lr schedule over `total` steps, the backward of
+    loss + aux (`losses_of(x, y)`), clipping at global norm 1.0; returns each step's loss."""
+    data, n_train = load_fortunes() if stream is None else stream
     losses = []
     for t in range(steps):
         for g in opt.param_groups:

@@ -1,13 +1,17 @@
 """A plain PyTorch training loop over the transformers module of a Hugging Face folder
 (WORKLOADS.md section 6): what Troupe's `--model DIR` run is compared with.
 
-usage: python hf_train_reference.py FOLDER OUT STEPS TOTAL_STEPS SEQ_LEN
+usage: python hf_train_reference.py FOLDER OUT STEPS TOTAL_STEPS SEQ_LEN [DATA...]
 Loads FOLDER with AutoModelForCausalLM (fp32, eager attention), trains STEPS steps of
 section 1's rules (AdamW (0.9, 0.95), eps 1e-8, the lr schedule over TOTAL_STEPS, weight
 decay 0.1 on every parameter of 2 or more dimensions but gpt2's wpe, clipping at 1.0) on
 the fortunes corpus's byte windows of SEQ_LEN (batch 32, seed 1234), with section 4's
 per-sequence load-balancing term, coefficient router_aux_loss_coef (0 if absent), over
-each block with experts. Writes OUT/losses.txt (each step's cross-entropy) and
+each block with experts. With DATA (.jsonl files, Megatron prefixes), the windows are
+section 6's document stream instead: each JSON line's "text" as AutoTokenizer encodes
+it, EOS (config.json's eos_token_id) appended unless last; a Megatron dataset's ids
+as stored (Megatron-Core's IndexedDataset); the first floor(9 n / 10) tokens train.
+Writes OUT/losses.txt (each step's cross-entropy) and
 OUT/final (save_pretrained of the trained model).
 """
 import os
@@ -32,8 +36,31 @@ def routers(model):
             and m.weight.size(0) == n]
 
 
+def document_stream(folder, paths, eos):
+    """WORKLOADS.md section 6's stream of the documents of `paths`, and its n_train."""
+    import json
+    ids = []
+    for path in paths:
+        if path.endswith(".jsonl"):
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(folder)
+            for line in open(path, encoding="utf-8"):
+                if line.strip():
+                    doc = tok(json.loads(line)["text"])["input_ids"]
+                    if not doc or doc[-1] != eos:
+                        doc.append(eos)
+                    ids.extend(doc)
+        else:
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+            data = IndexedDataset(path)
+            for i in range(len(data)):
+                ids.extend(int(x) for x in data[i])
+    return ids, len(ids) * 9 // 10
+
+
 def main():
     folder, out, steps, total, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    paths = sys.argv[6:]
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager")
     model.train()
@@ -64,7 +91,9 @@ def main():
             aux = aux + coeff * E * (f * P).sum(1).mean()
         return loss, aux
 
-    losses = gpt_tiny.train(model, opt, losses_of, steps, total, seq_len)
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    stream = document_stream(folder, paths, eos) if paths else None
+    losses = gpt_tiny.train(model, opt, losses_of, steps, total, seq_len, stream=stream)
     model.save_pretrained(os.path.join(out, "final"))
     with open(os.path.join(out, "losses.txt"), "w") as f:
         f.write("\n".join(repr(v) for v in losses) + "\n")

@@ -1,0 +1,258 @@
+// tokenizer.json's BPE on small hand-written tokenizers (merge order, byte fallback,
+// added tokens, the template), Megatron's indexed format written and read back, the
+// documents of JSON lines and folders with their EOS, and the refusals of bad input.
+// (The ids of real tokenizers against AutoTokenizer: tests/integration/tokenizer_client_test.cpp.)
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "compute/data/documents.hpp"
+#include "compute/data/hf_tokenizer.hpp"
+#include "compute/data/training_data.hpp"
+#include "test_util.hpp"
+
+namespace troupe {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+void write(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+/// A tokenizer.json of a BPE over characters: a, b, c, ab, bc, abc, the byte pieces
+/// of 'x' and '!', <s> and </s>; the merges' order decides "abc".
+json small_bpe() {
+  json vocab = {{"<unk>", 0}, {"a", 1}, {"b", 2}, {"c", 3}, {"ab", 4}, {"bc", 5}, {"abc", 6}, {"<0x78>", 7},
+                {"<0x21>", 8}, {"\xe2\x96\x81", 9}, {"\xe2\x96\x81" "a", 10}};
+  return {{"version", "1.0"},
+          {"added_tokens",
+           {{{"id", 11}, {"content", "<s>"}, {"special", true}, {"normalized", false}},
+            {{"id", 12}, {"content", "</s>"}, {"special", true}, {"normalized", false}, {"lstrip", true}}}},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", nullptr},
+          {"post_processor", nullptr},
+          {"decoder", nullptr},
+          {"model",
+           {{"type", "BPE"},
+            {"vocab", vocab},
+            {"merges", {"b c", "a b", "a bc", "\xe2\x96\x81 a"}},
+            {"unk_token", "<unk>"},
+            {"fuse_unk", true},
+            {"byte_fallback", true}}}};
+}
+
+}  // namespace
+
+TEST(HfTokenizer, MergesApplyByRankAndRareCharactersFallBackToBytes) {
+  test::temp_dir dir;
+  write(dir / "tokenizer.json", small_bpe().dump());
+  const hf_tokenizer tok(dir / "tokenizer.json", "");
+  EXPECT_EQ(tok.size(), 13);
+  // "b c" ranks first: a + bc, then "a bc" -> abc (not ab + c).
+  EXPECT_EQ(tok.encode("abc"), (std::vector<int>{6}));
+  EXPECT_EQ(tok.encode("ab"), (std::vector<int>{4}));
+  // 'x' and '!' are byte pieces; 'y' has none: one unknown for the run (fuse_unk).
+  EXPECT_EQ(tok.encode("ax!"), (std::vector<int>{1, 7, 8}));
+  EXPECT_EQ(tok.encode("ayyb"), (std::vector<int>{1, 0, 2}));
+  // Special tokens split the text; </s> takes the whitespace before it (lstrip).
+  EXPECT_EQ(tok.encode("<s>abc  </s>c"), (std::vector<int>{11, 6, 12, 3}));
+  const auto bytes = tok.piece_bytes();
+  EXPECT_EQ(bytes[7], 1);   // <0x78>
+  EXPECT_EQ(bytes[6], 3);   // abc
+  EXPECT_EQ(bytes[10], 2);  // ▁a: the space and a
+  EXPECT_EQ(bytes[11], 0);  // <s>
+}
+
+TEST(HfTokenizer, NormalizerTemplateAndConfigGiveLlamaTwosIds) {
+  test::temp_dir dir;
+  auto j = small_bpe();
+  j["normalizer"] = {{"type", "Sequence"},
+                     {"normalizers",
+                      {{{"type", "Prepend"}, {"prepend", "\xe2\x96\x81"}},
+                       {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\xe2\x96\x81"}}}}};
+  j["post_processor"] = {{"type", "TemplateProcessing"},
+                         {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+                         {"pair", json::array()},
+                         {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {11}}, {"tokens", {"<s>"}}}}}}};
+  j["decoder"] = {{"type", "Sequence"},
+                  {"decoders",
+                   {{{"type", "Replace"}, {"pattern", {{"String", "\xe2\x96\x81"}}}, {"content", " "}},
+                    {{"type", "ByteFallback"}},
+                    {{"type", "Fuse"}},
+                    {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}};
+  write(dir / "tokenizer.json", j.dump());
+  const hf_tokenizer tok(dir / "tokenizer.json", "");
+  EXPECT_EQ(tok.encode("a b"), (std::vector<int>{11, 10, 9, 2}));  // <s> ▁a ▁ b
+  EXPECT_EQ(tok.decode({10, 9, 2, 7}), "a bx");
+  EXPECT_EQ(tok.eos_id(), -1);
+  // tokenizer_config.json: add_eos_token set explicitly rebuilds the template.
+  write(dir / "tokenizer_config.json", R"({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": false,
+                                           "add_eos_token": true})");
+  const hf_tokenizer with_config(dir / "tokenizer.json", dir / "tokenizer_config.json");
+  EXPECT_EQ(with_config.encode("a"), (std::vector<int>{10, 12}));
+  EXPECT_EQ(with_config.eos_id(), 12);
+  EXPECT_EQ(with_config.bos_id(), 11);
+}
+
+TEST(HfTokenizer, UnsupportedTokenizersAreNamed) {
+  test::temp_dir dir;
+  const auto refusal = [&](json j) {
+    write(dir / "t.json", j.dump());
+    try {
+      hf_tokenizer tok(dir / "t.json", "");
+    } catch (const data_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  auto j = small_bpe();
+  j["model"] = {{"type", "WordPiece"}, {"vocab", {{"a", 0}}}};
+  EXPECT_NE(refusal(j).find("WordPiece"), std::string::npos) << refusal(j);
+  j["model"] = {{"type", "Unigram"}, {"vocab", json::array()}};
+  EXPECT_NE(refusal(j).find("Unigram"), std::string::npos) << refusal(j);
+  j = small_bpe();
+  j["normalizer"] = {{"type", "Precompiled"}, {"precompiled_charsmap", ""}};
+  EXPECT_NE(refusal(j).find("Precompiled"), std::string::npos) << refusal(j);
+  j = small_bpe();
+  j["pre_tokenizer"] = {{"type", "BertPreTokenizer"}};
+  EXPECT_NE(refusal(j).find("BertPreTokenizer"), std::string::npos) << refusal(j);
+  EXPECT_NE(refusal(json::parse("{\"model\": 3}")).find("t.json"), std::string::npos);
+  write(dir / "t.json", small_bpe().dump());
+  EXPECT_THROW(hf_tokenizer(dir / "t.json", "").encode("a\xff"), data_error);  // not UTF-8
+}
+
+TEST(MegatronDataset, WrittenIndexReadsBackAndMismatchesAreRefused) {
+  test::temp_dir dir;
+  for (const int vocab : {1000, 100000}) {
+    const std::string prefix = dir / ("d" + std::to_string(vocab));
+    megatron_writer w(prefix, vocab);
+    w.add_document({1, 2, 3});
+    w.add_document({});
+    w.add_document({vocab - 1, 0});
+    w.finish();
+    EXPECT_EQ(data_format_of(prefix), data_format::megatron);
+    const auto index = read_megatron_index(prefix);
+    EXPECT_EQ(index.dtype_code, vocab < 65500 ? 8 : 4);
+    EXPECT_EQ(index.sequence_lengths, (std::vector<std::int32_t>{3, 0, 2}));
+    EXPECT_EQ(index.document_indices, (std::vector<std::int64_t>{0, 1, 2, 3}));
+    const auto tokens = data_tokens(prefix, "text", nullptr, -1, dir / "cache");
+    ASSERT_EQ(tokens->size(), 5u);
+    EXPECT_EQ((*tokens)[3], vocab - 1);
+  }
+  const std::string prefix = dir / "d1000";
+  // A .bin that is not the index's: named with both sizes.
+  fs::resize_file(prefix + ".bin", 8);
+  try {
+    read_megatron_index(prefix);
+    ADD_FAILURE() << "a short .bin was read";
+  } catch (const data_error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 8 bytes"), std::string::npos) << e.what();
+  }
+  // An unknown dtype code (byte 17 of the header).
+  {
+    std::fstream f(prefix + ".idx", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(17);
+    f.put(char(9));
+  }
+  try {
+    read_megatron_index(prefix);
+    ADD_FAILURE() << "dtype code 9 was read";
+  } catch (const data_error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown dtype code 9"), std::string::npos) << e.what();
+  }
+  fs::remove(prefix + ".idx");
+  EXPECT_THROW(data_format_of(prefix), data_error);  // a .bin without its .idx
+}
+
+TEST(Documents, JsonLinesFilesAndFoldersInOrderWithTheirEos) {
+  test::temp_dir dir;
+  write(dir / "spm.txt", "abcabc ab\nca\n");
+  fs::create_directories(dir / "tok");
+  write(dir / "tok/tokenizer.json", small_bpe().dump());
+  write(dir / "tok/tokenizer_config.json", R"({"eos_token": "</s>"})");
+  const tokenizer tok(dir / "tok");  // a folder's tokenizer
+  const int eos = tok.eos_id();
+  ASSERT_EQ(eos, 12);
+  write(dir / "a.jsonl", "{\"text\": \"abc\"}\n\n   \n{\"text\": \"ca\", \"id\": 3}\n");
+  fs::create_directories(dir / "folder");
+  write(dir / "folder/b", "bc");
+  write(dir / "folder/a", "ab");
+  write(dir / "folder/.hidden", "zz");
+  std::vector<std::string> texts;
+  for (const auto& p : {dir / "a.jsonl", dir / "folder", dir / "spm.txt"})
+    for_each_document(p, "text", [&](std::string&& t, const std::string&) { texts.push_back(t); });
+  EXPECT_EQ(texts, (std::vector<std::string>{"abc", "ca", "ab", "bc", "abcabc ab\nca\n"}));
+  std::vector<std::vector<int>> docs;
+  encode_documents(dir / "a.jsonl", "text", tok, eos, 2, [&](const std::vector<int>& ids) { docs.push_back(ids); });
+  ASSERT_EQ(docs.size(), 2u);
+  auto expect = tok.encode("abc");
+  expect.push_back(eos);
+  EXPECT_EQ(docs[0], expect);
+  // The cache holds the same stream, and is read (not written) again.
+  bool written = false;
+  const auto first = data_tokens(dir / "a.jsonl", "text", &tok, eos, dir / "cache", &written);
+  EXPECT_TRUE(written);
+  const auto again = data_tokens(dir / "a.jsonl", "text", &tok, eos, dir / "cache", &written);
+  EXPECT_FALSE(written);
+  ASSERT_EQ(again->size(), docs[0].size() + docs[1].size());
+  EXPECT_EQ((*again)[docs[0].size() - 1], eos);
+  // EOS is not doubled where a document already ends with it (the tokenizer's own).
+  const int last_of_ca = docs[1][docs[1].size() - 2];
+  std::vector<std::vector<int>> as_eos;
+  encode_documents(dir / "a.jsonl", "text", tok, last_of_ca, 1, [&](const std::vector<int>& ids) { as_eos.push_back(ids); });
+  EXPECT_EQ(as_eos[1].size(), docs[1].size() - 1);
+}
+
+TEST(Documents, BadLinesAreNamedWithFileAndLine) {
+  test::temp_dir dir;
+  const auto error_of = [&](const std::string& body, const std::string& field = "text") {
+    write(dir / "bad.jsonl", body);
+    try {
+      for_each_document(dir / "bad.jsonl", field, [](std::string&&, const std::string&) {});
+    } catch (const data_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(error_of("{\"text\": \"a\"}\n{\"text\": \"b\"\n").find("bad.jsonl:2: not a JSON line"), std::string::npos);
+  EXPECT_NE(error_of("{\"text\": \"a\"}\n\n{\"body\": \"b\"}\n").find("bad.jsonl:3: no field 'text'"), std::string::npos);
+  EXPECT_NE(error_of("{\"text\": 5}\n").find("field 'text' is not a string"), std::string::npos);
+  EXPECT_EQ(error_of("{\"body\": \"b\"}\n", "body"), "accepted");
+}
+
+TEST(Documents, JobsWithoutTokenizerOrEosOrWithTooLargeATokenizerAreRefused) {
+  test::temp_dir dir;
+  write(dir / "a.jsonl", "{\"text\": \"abc\"}\n");
+  auto c = test::gpt_config(1);
+  c.workload = "llama-tiny";
+  c.data = {dir / "a.jsonl"};
+  EXPECT_NE(test::config_error_of(c).find("documents need a tokenizer"), std::string::npos) << test::config_error_of(c);
+  c.text = dir / "a.jsonl";
+  c.tokenizer = "";
+  EXPECT_NE(test::config_error_of(c).find("not both"), std::string::npos) << test::config_error_of(c);
+  c.text = "";
+  c.data = {dir / "missing.jsonl"};
+  EXPECT_NE(test::config_error_of(c).find("does not exist"), std::string::npos) << test::config_error_of(c);
+  // A tokenizer.json without an EOS token.
+  write(dir / "tokenizer.json", small_bpe().dump());
+  c.data = {dir / "a.jsonl"};
+  c.tokenizer = dir / "tokenizer.json";
+  EXPECT_NE(test::config_error_of(c).find("has no EOS token"), std::string::npos) << test::config_error_of(c);
+  write(dir / "tokenizer_config.json", R"({"eos_token": "</s>"})");
+  c.tokenizer = dir;  // the folder: its tokenizer.json and tokenizer_config.json
+  EXPECT_EQ(test::config_error_of(c), "");
+  c.vocab = 12;  // the tokenizer has 13 ids
+  EXPECT_NE(test::config_error_of(c).find("13 ids, more than the model's vocab_size 12"), std::string::npos)
+      << test::config_error_of(c);
+  auto v = test::gpt_config(1);
+  v.val_data = {dir / "a.jsonl"};
+  EXPECT_NE(test::config_error_of(v).find("give the training documents too"), std::string::npos);
+}
+
+}  // namespace troupe
