@@ -37,7 +37,8 @@ bool megatron_prefix(const std::string& path) {
   return fs::is_regular_file(path + ".bin") && fs::is_regular_file(path + ".idx");
 }
 
-/// fnv1a over the files' bytes, streamed; "N bytes, fnv1a H".
+}  // namespace
+
 std::string files_fingerprint(const std::vector<std::string>& files) {
   std::uint64_t hash = fnv1a_basis, bytes = 0;
   std::vector<char> chunk(1 << 20);
@@ -54,8 +55,6 @@ std::string files_fingerprint(const std::vector<std::string>& files) {
   }
   return std::to_string(bytes) + " bytes, fnv1a " + hex64(hash);
 }
-
-}  // namespace
 
 data_format data_format_of(const std::string& path) {
   if (fs::is_directory(path)) return data_format::folder;

@@ -73,6 +73,10 @@ void encode_documents(const std::string& path, const std::string& field, const t
 /// eos_token_id (its first when a list), else the tokenizer's (`tokenizer_eos`); -1: none.
 int document_eos(const std::string& model_dir, int tokenizer_eos);
 
+/// fnv1a over the bytes of `files`, streamed in order: "N bytes, fnv1a H" (16 hex
+/// digits). Throws data_error for a file that cannot be read.
+std::string files_fingerprint(const std::vector<std::string>& files);
+
 /// What a data path holds, to compare hosts and name caches: its bytes' size and fnv1a (a
 /// Megatron dataset: its .idx's bytes and the .bin's size). Throws data_error.
 std::string data_fingerprint(const std::string& path);

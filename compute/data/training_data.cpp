@@ -163,23 +163,7 @@ std::string training_data::fingerprint(const job_config& cfg) {
     const auto valid = text_corpus::text_files(cfg.val_text);
     files.insert(files.end(), valid.begin(), valid.end());
   }
-  std::uint64_t hash = fnv1a_basis, bytes = 0;  // over the files streamed in order
-  std::vector<char> chunk(1 << 20);
-  for (const auto& file : files) {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) throw data_error("cannot read " + file);
-    while (in) {
-      in.read(chunk.data(), std::streamsize(chunk.size()));
-      const auto n = std::size_t(in.gcount());
-      hash = fnv1a(chunk.data(), n, hash);
-      bytes += n;
-    }
-    if (in.bad()) throw data_error("cannot read " + file);
-  }
-  char text[64];
-  std::snprintf(text, sizeof text, "%llu bytes, fnv1a %016llx", static_cast<unsigned long long>(bytes),
-                static_cast<unsigned long long>(hash));
-  return text;
+  return files_fingerprint(files);
 }
 
 std::string training_data::identity(const job_config& cfg) {

@@ -89,7 +89,8 @@ def troupe_preprocess(troupe, folder, corpus, prefix, threads):
 
 def first_step(troupe, folder, prefix, out):
     t0 = time.time()
-    subprocess.run([troupe, "train", "--model", folder, "--data", prefix, "--steps", "1", "--eval-interval", "0",
+    subprocess.run([troupe, "train", "--nodes", "1", "--pipeline", "1", "--data-parallel", "1", "--microbatches", "1",
+                    "--model", folder, "--data", prefix, "--steps", "1", "--eval-interval", "0",
                     "--global-batch", "4", "--seq-len", "24", "--cache-dir", out + "/cache"],
                    check=True, capture_output=True)
     return time.time() - t0
