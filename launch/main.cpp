@@ -288,9 +288,11 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
   };
   const auto run = [&](trained_model& m) {
     const auto device = troupe::resolve_device(m.cfg.device);
-    const char* unit = m.cfg.tokenizer.empty() && !(!m.cfg.hf_model.empty() && troupe::tokenizer::in_folder(m.cfg.hf_model))
-                           ? "bytes"
-                           : "pieces";
+    // The run's tokenizer, else the model folder's.
+    const auto tok_name = !m.cfg.tokenizer.empty() || m.cfg.hf_model.empty() ? m.cfg.tokenizer
+                          : troupe::tokenizer::in_folder(m.cfg.hf_model) ? m.cfg.hf_model
+                                                                          : "";
+    const char* unit = tok_name.empty() ? "bytes" : "pieces";
     spdlog::info("generating {} {} with {} from {} on {}: temperature {}, top-k {}, seed {}", a.sampling.tokens, unit,
                  m.cfg.model_label(), m.source, device.str(), a.sampling.temperature, a.sampling.top_k,
                  a.sampling.seed);
@@ -298,9 +300,6 @@ int run_generate_command(const config_flags& flags, const generate_args& a) {
     std::fflush(stdout);
     const auto start = std::chrono::steady_clock::now();
     std::unique_ptr<troupe::tokenizer> tok;
-    const auto tok_name = !m.cfg.tokenizer.empty() || m.cfg.hf_model.empty() ? m.cfg.tokenizer
-                          : troupe::tokenizer::in_folder(m.cfg.hf_model) ? m.cfg.hf_model
-                                                                          : "";
     if (!tok_name.empty()) tok = std::make_unique<troupe::tokenizer>(tok_name);
     troupe::generate(
         m.cfg.model(), m.state, a.prompt, a.sampling, device,

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -40,6 +42,23 @@ bool megatron_prefix(const std::string& path) {
 }  // namespace
 
 std::string files_fingerprint(const std::vector<std::string>& files) {
+  // Once per process per set of files as they are (path, size, modification time): a
+  // job asks for it at start, at join and for its cache's name, and a corpus may hold
+  // gigabytes.
+  std::string key;
+  for (const auto& file : files) {
+    struct stat st {};
+    if (::stat(file.c_str(), &st) != 0) throw data_error("cannot read " + file);
+    key += file + "\n" + std::to_string(st.st_size) + "\n" + std::to_string(st.st_mtim.tv_sec) + "." +
+           std::to_string(st.st_mtim.tv_nsec) + "\n";
+  }
+  static std::mutex m;
+  static std::map<std::string, std::string> known;
+  {
+    std::lock_guard<std::mutex> lock(m);
+    const auto it = known.find(key);
+    if (it != known.end()) return it->second;
+  }
   std::uint64_t hash = fnv1a_basis, bytes = 0;
   std::vector<char> chunk(1 << 20);
   for (const auto& file : files) {
@@ -53,7 +72,9 @@ std::string files_fingerprint(const std::vector<std::string>& files) {
     }
     if (in.bad()) throw data_error("cannot read " + file);
   }
-  return std::to_string(bytes) + " bytes, fnv1a " + hex64(hash);
+  auto text = std::to_string(bytes) + " bytes, fnv1a " + hex64(hash);
+  std::lock_guard<std::mutex> lock(m);
+  return known.emplace(key, std::move(text)).first->second;
 }
 
 data_format data_format_of(const std::string& path) {

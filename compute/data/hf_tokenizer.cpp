@@ -233,6 +233,18 @@ std::pair<std::string, bool> pattern_of(const json& p, const std::string& where)
   throw data_error(where + ": a pattern that is neither String nor Regex");
 }
 
+/// Metaspace's prepend_scheme (older files: add_prefix_space), checked.
+std::string prepend_scheme(const json& m, const std::string& where) {
+  std::string scheme = m.value("prepend_scheme", "");
+  if (scheme.empty()) scheme = m.value("add_prefix_space", true) ? "always" : "never";
+  if (scheme != "always" && scheme != "first" && scheme != "never")
+    throw data_error(where + ": Metaspace prepend_scheme " + scheme + " (expected always, first or never)");
+  return scheme;
+}
+
+/// A byte piece "<0xNN>" of byte fallback.
+bool is_byte_piece(const std::string& t) { return t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>'; }
+
 bool is_space(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
 }  // namespace
@@ -443,10 +455,7 @@ void hf_tokenizer::impl::parse_pre_tokenizer(const json& p) {
     });
   } else if (type == "Metaspace") {
     const auto replacement = p.value("replacement", metaspace);
-    std::string scheme = p.value("prepend_scheme", "");
-    if (scheme.empty()) scheme = p.value("add_prefix_space", true) ? "always" : "never";
-    if (scheme != "always" && scheme != "first" && scheme != "never")
-      throw data_error(where + ": Metaspace prepend_scheme " + scheme + " (expected always, first or never)");
+    const auto scheme = prepend_scheme(p, where);
     const bool split = p.value("split", true);
     regexes.push_back(std::make_unique<regex>(replacement, true, where));
     const regex* re = regexes.back().get();
@@ -540,7 +549,7 @@ void hf_tokenizer::impl::parse_decoder(const json& d) {
   } else if (type == "ByteFallback") {
     decoders.push_back([](std::vector<std::string>& tokens) {
       for (auto& t : tokens)
-        if (t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>')
+        if (is_byte_piece(t))
           t = std::string(1, char(std::stoi(t.substr(3, 2), nullptr, 16)));
     });
   } else if (type == "Fuse") {
@@ -563,8 +572,7 @@ void hf_tokenizer::impl::parse_decoder(const json& d) {
     });
   } else if (type == "Metaspace") {
     const auto replacement = d.value("replacement", metaspace);
-    std::string scheme = d.value("prepend_scheme", "");
-    if (scheme.empty()) scheme = d.value("add_prefix_space", true) ? "always" : "never";
+    const auto scheme = prepend_scheme(d, where);
     decoders.push_back([replacement, scheme](std::vector<std::string>& tokens) {
       for (std::size_t i = 0; i < tokens.size(); ++i) {
         replace_all(tokens[i], replacement, " ");
@@ -583,9 +591,49 @@ std::string token_text(const json& t) {
   if (t.is_object() && t.contains("content")) return t.at("content").get<std::string>();
   return "";
 }
+
+/// An added token as tokenizer.json's added_tokens and tokenizer_config.json's
+/// added_tokens_decoder write it.
+added_token added_token_of(int id, const json& t) {
+  added_token a;
+  a.id = id;
+  a.content = t.at("content").get<std::string>();
+  a.single_word = t.value("single_word", false);
+  a.lstrip = t.value("lstrip", false);
+  a.rstrip = t.value("rstrip", false);
+  a.normalized = t.value("normalized", false);
+  a.special = t.value("special", false);
+  return a;
+}
 }  // namespace
 
-hf_tokenizer::hf_tokenizer(const std::string& path, const std::string& config) : impl_(std::make_unique<impl>()) {
+bool tokenizer_config::llama_class() const {
+  for (const char* cls : {"LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast"})
+    if (tokenizer_class == cls) return true;
+  return false;
+}
+
+tokenizer_config tokenizer_config::read(const std::string& path) {
+  tokenizer_config out;
+  if (path.empty()) return out;
+  try {
+    const auto bytes = read_file_bytes(path);
+    const auto c = json::parse(bytes.begin(), bytes.end());
+    out.tokenizer_class = c.value("tokenizer_class", "");
+    out.bos_token = token_text(c.value("bos_token", json()));
+    out.eos_token = token_text(c.value("eos_token", json()));
+    out.unk_token = token_text(c.value("unk_token", json()));
+    if (c.contains("add_bos_token")) out.add_bos_token = c.at("add_bos_token").get<bool>();
+    if (c.contains("add_eos_token")) out.add_eos_token = c.at("add_eos_token").get<bool>();
+    if (c.contains("added_tokens_decoder"))
+      for (const auto& [id, t] : c.at("added_tokens_decoder").items()) out.added_tokens.push_back(added_token_of(std::stoi(id), t));
+  } catch (const std::exception& e) {
+    throw data_error("tokenizer config " + path + " cannot be read: " + e.what());
+  }
+  return out;
+}
+
+hf_tokenizer::hf_tokenizer(const std::string& path, const tokenizer_config& config) : impl_(std::make_unique<impl>()) {
   auto& m = *impl_;
   m.where = "tokenizer " + path;
   json j;
@@ -633,17 +681,7 @@ hf_tokenizer::hf_tokenizer(const std::string& path, const std::string& config) :
     }
     std::vector<added_token> added;
     if (j.contains("added_tokens"))
-      for (const auto& t : j.at("added_tokens")) {
-        added_token a;
-        a.id = t.at("id").get<int>();
-        a.content = t.at("content").get<std::string>();
-        a.single_word = t.value("single_word", false);
-        a.lstrip = t.value("lstrip", false);
-        a.rstrip = t.value("rstrip", false);
-        a.normalized = t.value("normalized", false);
-        a.special = t.value("special", false);
-        added.push_back(a);
-      }
+      for (const auto& t : j.at("added_tokens")) added.push_back(added_token_of(t.at("id").get<int>(), t));
     int size = 0;
     for (const auto& [t, id] : m.vocab) size = std::max(size, id + 1);
     for (const auto& a : added) size = std::max(size, a.id + 1);
@@ -671,36 +709,25 @@ hf_tokenizer::hf_tokenizer(const std::string& path, const std::string& config) :
   }
 
   // tokenizer_config.json: the special tokens' names and AutoTokenizer's add_bos/eos_token.
-  if (!config.empty()) {
-    json c;
-    try {
-      const auto bytes = read_file_bytes(config);
-      c = json::parse(bytes.begin(), bytes.end());
-    } catch (const std::exception& e) {
-      throw data_error("tokenizer config " + config + " cannot be read as JSON: " + e.what());
-    }
-    auto id_of_any = [&](const std::string& t) {
-      if (t.empty()) return -1;
-      const int id = m.id_of(t);
-      if (id >= 0) return id;
-      for (const auto& a : m.added.tokens())
-        if (a.content == t) return a.id;
-      return -1;
-    };
-    m.eos = id_of_any(token_text(c.value("eos_token", json())));
-    m.bos = id_of_any(token_text(c.value("bos_token", json())));
-    // Set explicitly, they replace the post-processor's template (transformers'
-    // update_post_processor; the Llama classes of transformers 4 also by default).
-    const std::string cls = c.value("tokenizer_class", "");
-    const bool llama4 = cls == "LlamaTokenizerFast" || cls == "LlamaTokenizer" || cls == "CodeLlamaTokenizerFast" ||
-                        cls == "CodeLlamaTokenizer";
-    if (c.contains("add_bos_token") || c.contains("add_eos_token") || (llama4 && m.prefix_ids.empty())) {
-      const bool add_bos = c.value("add_bos_token", llama4), add_eos = c.value("add_eos_token", false);
-      m.prefix_ids.clear();
-      m.suffix_ids.clear();
-      if (add_bos && m.bos >= 0) m.prefix_ids.push_back(m.bos);
-      if (add_eos && m.eos >= 0) m.suffix_ids.push_back(m.eos);
-    }
+  auto id_of_any = [&](const std::string& t) {
+    if (t.empty()) return -1;
+    const int id = m.id_of(t);
+    if (id >= 0) return id;
+    for (const auto& a : m.added.tokens())
+      if (a.content == t) return a.id;
+    return -1;
+  };
+  m.eos = id_of_any(config.eos_token);
+  m.bos = id_of_any(config.bos_token);
+  // Set explicitly, they replace the post-processor's template (transformers'
+  // update_post_processor; the Llama classes of transformers 4 also by default).
+  const bool llama = config.llama_class();
+  if (config.add_bos_token >= 0 || config.add_eos_token >= 0 || (llama && m.prefix_ids.empty())) {
+    const bool add_bos = config.add_bos_token >= 0 ? config.add_bos_token == 1 : llama;
+    m.prefix_ids.clear();
+    m.suffix_ids.clear();
+    if (add_bos && m.bos >= 0) m.prefix_ids.push_back(m.bos);
+    if (config.add_eos_token == 1 && m.eos >= 0) m.suffix_ids.push_back(m.eos);
   }
 }
 
@@ -842,7 +869,7 @@ std::vector<std::int32_t> hf_tokenizer::piece_bytes() const {
   for (std::size_t id = 0; id < out.size(); ++id) {
     const auto& t = m.id_to_token[id];
     if (m.special[id] || t.empty()) continue;
-    if (t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>' && m.byte_fallback) {
+    if (m.byte_fallback && is_byte_piece(t)) {
       out[id] = 1;
       continue;
     }

@@ -46,12 +46,25 @@ class added_vocabulary {
   std::vector<std::size_t> by_first_[256];  ///< tokens_ by their first byte
 };
 
+/// What tokenizer_config.json sets that changes a folder's ids (transformers' tokenizer
+/// classes read it beside tokenizer.json or tokenizer.model).
+struct tokenizer_config {
+  std::string tokenizer_class;            ///< "" : not set
+  std::string bos_token, eos_token, unk_token;  ///< a token's text ("" : not set)
+  int add_bos_token = -1, add_eos_token = -1;   ///< as set: 0 or 1 (-1: not set)
+  std::vector<added_token> added_tokens;  ///< added_tokens_decoder
+  /// LlamaTokenizer and CodeLlamaTokenizer (fast or not): BOS by default.
+  bool llama_class() const;
+  /// Reads `path` ("": nothing set). Throws data_error naming the file.
+  static tokenizer_config read(const std::string& path);
+};
+
 class hf_tokenizer {
  public:
-  /// `json`: a tokenizer.json; `config`: its tokenizer_config.json ("": none). Throws
+  /// `json`: a tokenizer.json; `config`: its tokenizer_config.json's settings. Throws
   /// data_error naming the file and what is not supported (a WordPiece or Unigram model,
   /// an unknown normalizer, ...).
-  hf_tokenizer(const std::string& json, const std::string& config);
+  hf_tokenizer(const std::string& json, const tokenizer_config& config = {});
   ~hf_tokenizer();
   hf_tokenizer(const hf_tokenizer&) = delete;
   hf_tokenizer& operator=(const hf_tokenizer&) = delete;

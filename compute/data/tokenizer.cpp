@@ -17,7 +17,6 @@
 
 #include <dlfcn.h>
 
-#include <nlohmann/json.hpp>
 
 #include "compute/runtime/file_bytes.hpp"
 #include "compute/data/hf_tokenizer.hpp"
@@ -82,16 +81,6 @@ struct tokenizer::impl {
   }
 };
 
-namespace {
-std::string config_token(const nlohmann::json& c, const char* key, const std::string& fallback) {
-  if (!c.contains(key)) return fallback;
-  const auto& t = c.at(key);
-  if (t.is_string()) return t.get<std::string>();
-  if (t.is_object() && t.contains("content")) return t.at("content").get<std::string>();
-  return "";
-}
-}  // namespace
-
 bool tokenizer::in_folder(const std::string& dir) {
   return fs::is_regular_file(fs::path(dir) / "tokenizer.json") || fs::is_regular_file(fs::path(dir) / "tokenizer.model");
 }
@@ -108,8 +97,10 @@ tokenizer::tokenizer(const std::string& path) : path_(path), impl_(std::make_uni
   const fs::path config = dir / "tokenizer_config.json";
   const bool has_config = (folder || is_json) && fs::is_regular_file(config);
   std::vector<char> bytes;
+  std::size_t model_bytes = 0;
   try {
     bytes = read_file_bytes(file.string());
+    model_bytes = bytes.size();
     if (has_config) {  // the fingerprint covers the settings too
       const auto more = read_file_bytes(config.string());
       bytes.insert(bytes.end(), more.begin(), more.end());
@@ -117,43 +108,31 @@ tokenizer::tokenizer(const std::string& path) : path_(path), impl_(std::make_uni
   } catch (const std::exception& e) {
     throw data_error("tokenizer " + file.string() + ": " + e.what());
   }
+  const auto settings = tokenizer_config::read(has_config ? config.string() : "");
   if (is_json) {
-    impl_->hf = std::make_unique<hf_tokenizer>(file.string(), has_config ? config.string() : "");
+    impl_->hf = std::make_unique<hf_tokenizer>(file.string(), settings);
   } else {
     std::string error;
-    const auto model = read_file_bytes(file.string());
-    impl_->sp = spm().load(std::string(model.begin(), model.end()), error);
+    impl_->sp = spm().load(std::string(bytes.begin(), bytes.begin() + std::ptrdiff_t(model_bytes)), error);
     if (!impl_->sp)
       throw data_error("tokenizer " + file.string() + " is not a SentencePiece model (" + error +
                        "): make one with troupe tokenizer, or give a tokenizer.json or a model folder");
     if (folder) {
       auto& m = *impl_;
       m.folder = true;
-      nlohmann::json c = nlohmann::json::object();
-      if (has_config) {
-        try {
-          c = nlohmann::json::parse(read_file_bytes(config.string()));
-        } catch (const std::exception& e) {
-          throw data_error("tokenizer config " + config.string() + " cannot be read as JSON: " + e.what());
-        }
-      }
-      const std::string cls = c.value("tokenizer_class", "LlamaTokenizer");
-      const bool llama = cls.rfind("LlamaTokenizer", 0) == 0 || cls.rfind("CodeLlamaTokenizer", 0) == 0;
-      m.add_bos = c.value("add_bos_token", llama);
-      m.add_eos = c.value("add_eos_token", false);
-      m.bos = m.sp_id(config_token(c, "bos_token", "<s>"));
-      m.eos = m.sp_id(config_token(c, "eos_token", "</s>"));
-      std::vector<added_token> added;
-      for (const auto& name : {config_token(c, "bos_token", "<s>"), config_token(c, "eos_token", "</s>"),
-                               config_token(c, "unk_token", "<unk>")}) {
+      // (Without a tokenizer_config.json: LlamaTokenizer's names and defaults.)
+      const bool llama = settings.tokenizer_class.empty() || settings.llama_class();
+      m.add_bos = settings.add_bos_token >= 0 ? settings.add_bos_token == 1 : llama;
+      m.add_eos = settings.add_eos_token == 1;
+      const auto or_default = [](const std::string& t, const char* fallback) { return t.empty() ? fallback : t; };
+      const auto bos = or_default(settings.bos_token, "<s>"), eos = or_default(settings.eos_token, "</s>");
+      m.bos = m.sp_id(bos);
+      m.eos = m.sp_id(eos);
+      std::vector<added_token> added = settings.added_tokens;
+      for (const auto& name : {bos, eos, or_default(settings.unk_token, "<unk>")}) {
         const int id = m.sp_id(name);
-        if (id >= 0 && !name.empty()) added.push_back({id, name, false, false, false, false, true});
+        if (id >= 0) added.push_back({id, name, false, false, false, false, true});
       }
-      if (c.contains("added_tokens_decoder"))
-        for (const auto& [id, t] : c.at("added_tokens_decoder").items())
-          added.push_back({std::stoi(id), t.at("content").get<std::string>(), t.value("single_word", false),
-                           t.value("lstrip", false), t.value("rstrip", false), t.value("normalized", false),
-                           t.value("special", false)});
       m.added = added_vocabulary(std::move(added));
     } else {
       impl_->eos = impl_->sp_id("</s>");

@@ -22,18 +22,24 @@ std::string corpus_key(const job_config& cfg) {
   return cfg.text.empty() ? "fortunes:" + cfg.fortunes_dir : "text:" + cfg.text + "\nval:" + cfg.val_text;
 }
 
+/// What `make()` returns, made once per process per `key` while any user holds it (the
+/// first user makes it; the others wait for it).
+template <class T, class Make>
+std::shared_ptr<const T> shared_by_key(const std::string& key, const Make& make) {
+  static std::mutex m;
+  static std::map<std::string, std::weak_ptr<const T>> held;
+  std::lock_guard<std::mutex> lock(m);
+  if (auto t = held[key].lock()) return t;
+  std::shared_ptr<const T> t = make();
+  held[key] = t;
+  return t;
+}
+
 /// read_corpus, once per process while it is in use: the data loaders of a node's
 /// replicas and its evaluation share one copy of the bytes (a text of gigabytes is held
 /// once, not once per replica).
 std::shared_ptr<const text_corpus> shared_corpus(const job_config& cfg) {
-  static std::mutex m;
-  static std::map<std::string, std::weak_ptr<const text_corpus>> held;
-  const std::string key = corpus_key(cfg);
-  std::lock_guard<std::mutex> lock(m);
-  if (auto corpus = held[key].lock()) return corpus;
-  auto corpus = std::make_shared<const text_corpus>(read_corpus(cfg));
-  held[key] = corpus;
-  return corpus;
+  return shared_by_key<text_corpus>(corpus_key(cfg), [&] { return std::make_shared<const text_corpus>(read_corpus(cfg)); });
 }
 }  // namespace
 
@@ -75,19 +81,17 @@ namespace {
 /// hashed and the tokenizer loaded only for the first user); the cache file is written by
 /// the first process that needs it.
 std::shared_ptr<const tokenized_text> shared_tokens(const job_config& cfg, const text_corpus& text) {
-  static std::mutex m;
-  static std::map<std::string, std::weak_ptr<const tokenized_text>> held;
   const std::string key = corpus_key(cfg) + "\ntokenizer:" + cfg.tokenizer + "\ncache:" + cfg.cache_dir;
-  std::lock_guard<std::mutex> lock(m);
-  if (auto t = held[key].lock()) return t;
-  const auto start = std::chrono::steady_clock::now();
-  auto t = std::make_shared<const tokenized_text>(cfg, text);
-  if (t->tokens->written_here())
-    spdlog::info("encoded {} bytes into {} + {} tokens with {} in {:.1f} s: {}", text.size(), t->tokens->n_train(),
-                 t->tokens->n_valid(), t->tok->path(),
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), t->tokens->cache_file());
-  held[key] = t;
-  return t;
+  return shared_by_key<tokenized_text>(key, [&] {
+    const auto start = std::chrono::steady_clock::now();
+    auto t = std::make_shared<const tokenized_text>(cfg, text);
+    if (t->tokens->written_here())
+      spdlog::info("encoded {} bytes into {} + {} tokens with {} in {:.1f} s: {}", text.size(), t->tokens->n_train(),
+                   t->tokens->n_valid(), t->tok->path(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                   t->tokens->cache_file());
+    return t;
+  });
 }
 
 /// What names a data set of documents among a process's users.
@@ -102,14 +106,7 @@ std::string documents_key(const job_config& cfg) {
 
 /// The documents' token stream, once per process while in use (as shared_tokens).
 std::shared_ptr<const tokenized_text> shared_documents(const job_config& cfg) {
-  static std::mutex m;
-  static std::map<std::string, std::weak_ptr<const tokenized_text>> held;
-  const std::string key = documents_key(cfg);
-  std::lock_guard<std::mutex> lock(m);
-  if (auto t = held[key].lock()) return t;
-  auto t = std::make_shared<const tokenized_text>(cfg);
-  held[key] = t;
-  return t;
+  return shared_by_key<tokenized_text>(documents_key(cfg), [&] { return std::make_shared<const tokenized_text>(cfg); });
 }
 
 }  // namespace

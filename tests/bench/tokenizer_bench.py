@@ -9,7 +9,8 @@ usage: python tokenizer_bench.py TROUPE OUT MEGABYTES
   dataset) against `tokenizers`' Tokenizer.encode_batch over the same documents (the text
   in memory, RAYON_NUM_THREADS=1 for one thread) driving Megatron-Core's
   IndexedDatasetBuilder (what preprocess_data.py does; the JSON read included).
-- The time to the first step of a job on the Megatron dataset (train --steps 1) against
+- The time to the first step of a job (one process, train --steps 1) on the Megatron
+  dataset of the whole corpus against
   the same job on a dataset of one megabyte: the data's share of the wait.
 """
 import json
@@ -89,7 +90,7 @@ def troupe_preprocess(troupe, folder, corpus, prefix, threads):
 
 def first_step(troupe, folder, prefix, out):
     t0 = time.time()
-    subprocess.run([troupe, "train", "--nodes", "1", "--pipeline", "1", "--data-parallel", "1", "--microbatches", "1",
+    subprocess.run([troupe, "train", "--pipeline", "1", "--data-parallel", "1", "--microbatches", "1",
                     "--model", folder, "--data", prefix, "--steps", "1", "--eval-interval", "0",
                     "--global-batch", "4", "--seq-len", "24", "--cache-dir", out + "/cache"],
                    check=True, capture_output=True)
@@ -120,8 +121,8 @@ def main():
                  size / ref["encode_seconds"] / 1e6))
         same = open(out + "/mine.bin", "rb").read() == open(out + "/ref.bin", "rb").read()
         print("  same .bin as the reference: %s" % same)
-    subprocess.run([troupe, "preprocess", "--data", corpus, "--model", folder, "--out", out + "/big"], check=True,
-                   capture_output=True)
+    os.replace(out + "/mine.bin", out + "/big.bin")  # the last run's dataset: the whole corpus
+    os.replace(out + "/mine.idx", out + "/big.idx")
     with open(out + "/small.jsonl", "w") as f:
         for line in open(corpus):
             f.write(line)

@@ -52,7 +52,7 @@ json small_bpe() {
 TEST(HfTokenizer, MergesApplyByRankAndRareCharactersFallBackToBytes) {
   test::temp_dir dir;
   write(dir / "tokenizer.json", small_bpe().dump());
-  const hf_tokenizer tok(dir / "tokenizer.json", "");
+  const hf_tokenizer tok(dir / "tokenizer.json");
   EXPECT_EQ(tok.size(), 13);
   // "b c" ranks first: a + bc, then "a bc" -> abc (not ab + c).
   EXPECT_EQ(tok.encode("abc"), (std::vector<int>{6}));
@@ -87,14 +87,14 @@ TEST(HfTokenizer, NormalizerTemplateAndConfigGiveLlamaTwosIds) {
                     {{"type", "Fuse"}},
                     {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}};
   write(dir / "tokenizer.json", j.dump());
-  const hf_tokenizer tok(dir / "tokenizer.json", "");
+  const hf_tokenizer tok(dir / "tokenizer.json");
   EXPECT_EQ(tok.encode("a b"), (std::vector<int>{11, 10, 9, 2}));  // <s> ▁a ▁ b
   EXPECT_EQ(tok.decode({10, 9, 2, 7}), "a bx");
   EXPECT_EQ(tok.eos_id(), -1);
   // tokenizer_config.json: add_eos_token set explicitly rebuilds the template.
   write(dir / "tokenizer_config.json", R"({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": false,
                                            "add_eos_token": true})");
-  const hf_tokenizer with_config(dir / "tokenizer.json", dir / "tokenizer_config.json");
+  const hf_tokenizer with_config(dir / "tokenizer.json", tokenizer_config::read(dir / "tokenizer_config.json"));
   EXPECT_EQ(with_config.encode("a"), (std::vector<int>{10, 12}));
   EXPECT_EQ(with_config.eos_id(), 12);
   EXPECT_EQ(with_config.bos_id(), 11);
@@ -105,7 +105,7 @@ TEST(HfTokenizer, UnsupportedTokenizersAreNamed) {
   const auto refusal = [&](json j) {
     write(dir / "t.json", j.dump());
     try {
-      hf_tokenizer tok(dir / "t.json", "");
+      hf_tokenizer tok(dir / "t.json");
     } catch (const data_error& e) {
       return std::string(e.what());
     }
@@ -124,7 +124,7 @@ TEST(HfTokenizer, UnsupportedTokenizersAreNamed) {
   EXPECT_NE(refusal(j).find("BertPreTokenizer"), std::string::npos) << refusal(j);
   EXPECT_NE(refusal(json::parse("{\"model\": 3}")).find("t.json"), std::string::npos);
   write(dir / "t.json", small_bpe().dump());
-  EXPECT_THROW(hf_tokenizer(dir / "t.json", "").encode("a\xff"), data_error);  // not UTF-8
+  EXPECT_THROW(hf_tokenizer(dir / "t.json").encode("a\xff"), data_error);  // not UTF-8
 }
 
 TEST(MegatronDataset, WrittenIndexReadsBackAndMismatchesAreRefused) {
