@@ -841,10 +841,12 @@ std::string job_config::data_label() const {
   const std::string tokens = tokenizer.empty() ? "" : " tokenized by " + tokenizer + " (" +
                              std::to_string(tokenizer_info_of(tokenizer).size) + " pieces)";
   if (uses_documents()) {
-    std::string paths;
-    for (const auto& p : data) paths += (paths.empty() ? "" : ", ") + p;
-    std::string valid;
-    for (const auto& p : val_data) valid += (valid.empty() ? "" : ", ") + p;
+    const auto joined = [](const std::vector<std::string>& list) {
+      std::string out;
+      for (const auto& p : list) out += (out.empty() ? "" : ", ") + p;
+      return out;
+    };
+    const auto paths = joined(data), valid = joined(val_data);
     const auto tok = text_tokenizer();
     return " on the documents of " + paths + (valid.empty() ? "" : ", validated on " + valid) +
            (tok.empty() ? "" : " tokenized by " + tok);
