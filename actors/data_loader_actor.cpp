@@ -57,7 +57,7 @@ void send_next(loader_self self) {
   auto b = s.data->samples(int(s.step), ctx.dp_of(s.replica) * ctx.m * ctx.mbs + k * ctx.mbs, ctx.mbs);
   const auto& row = s.wiring->stages[s.replica];
   s.sent.push_back(message_key("input mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, 0)));
-  self->send(row.front(), microbatch_input{s.step, k, make_payload(b.input)});
+  self->send(row.front(), microbatch_input{s.step, k, make_payload(b.input), optional_payload(b.positions)});
   s.sent.push_back(message_key("target mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, ctx.loss_stage())));
   self->send(row.at(ctx.loss_stage()), microbatch_target{s.step, k, make_payload(b.target)});
 }

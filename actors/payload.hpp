@@ -14,6 +14,12 @@ namespace troupe {
 /// gets a ready event on the calling thread's current stream.
 tensor_payload make_payload(const torch::Tensor& t, bool with_checksum = false);
 
+/// make_payload of `t`, or an empty payload (dtype -1) when `t` is undefined: a message's
+/// optional tensor (a micro-batch's document positions).
+tensor_payload optional_payload(const torch::Tensor& t);
+/// The tensor of an optional payload: undefined when it is empty.
+torch::Tensor optional_tensor(const tensor_payload& p);
+
 /// Checks a received payload against what the receiver expects (shape, dtype, bytes
 /// present, checksum). Returns an empty string when it is fine, else the problem.
 std::string check_payload(const tensor_payload& p, c10::IntArrayRef expected_shape,

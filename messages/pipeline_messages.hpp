@@ -9,11 +9,13 @@
 
 namespace troupe {
 
-/// Data loader -> first stage: micro-batch `mb`'s inputs.
+/// Data loader -> first stage: micro-batch `mb`'s inputs, and with --document-attention
+/// their tokens' positions in their documents (batch::positions; empty otherwise).
 struct microbatch_input {
   std::int64_t step = 0;
   std::int32_t mb = 0;
   tensor_payload data;
+  tensor_payload positions;
 };
 
 /// Data loader -> last stage: micro-batch `mb`'s targets.
@@ -29,12 +31,15 @@ struct credit {
   std::int32_t mb = 0;
 };
 
-/// Stage -> stage owning virtual chunk `chunk` downstream: output of the forward.
+/// Stage -> stage owning virtual chunk `chunk` downstream: output of the forward, and the
+/// micro-batch's positions (documents: every slice of the forward attends by them; empty
+/// otherwise).
 struct forward_activation {
   std::int64_t step = 0;
   std::int32_t mb = 0;
   std::int32_t chunk = 0;  ///< the receiver's chunk index
   tensor_payload data;
+  tensor_payload positions;
 };
 
 /// Stage -> stage owning virtual chunk `chunk` upstream: gradient of its output.
@@ -68,6 +73,7 @@ struct eval_activation {
   std::int32_t index = 0;
   std::int32_t chunk = 0;  ///< the receiver's chunk index
   tensor_payload data;
+  tensor_payload positions;  ///< documents: the rows' positions (as forward_activation's)
 };
 
 /// Coordinator -> a replica's last stage: evaluation forward `index`'s targets.
@@ -89,7 +95,7 @@ struct eval_result {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, microbatch_input& x) {
-  return f(caf::meta::type_name("microbatch_input"), x.step, x.mb, x.data);
+  return f(caf::meta::type_name("microbatch_input"), x.step, x.mb, x.data, x.positions);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, microbatch_target& x) {
@@ -101,7 +107,7 @@ typename Inspector::result_type inspect(Inspector& f, credit& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, forward_activation& x) {
-  return f(caf::meta::type_name("forward_activation"), x.step, x.mb, x.chunk, x.data);
+  return f(caf::meta::type_name("forward_activation"), x.step, x.mb, x.chunk, x.data, x.positions);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, backward_grad& x) {
@@ -118,7 +124,7 @@ typename Inspector::result_type inspect(Inspector& f, tied_grad& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, eval_activation& x) {
-  return f(caf::meta::type_name("eval_activation"), x.step, x.index, x.chunk, x.data);
+  return f(caf::meta::type_name("eval_activation"), x.step, x.index, x.chunk, x.data, x.positions);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, eval_target& x) {

@@ -46,11 +46,13 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
   const int ep = ctx.cfg.expert_parallel, width = ep / std::gcd(ep, ctx.t) * ctx.t, groups = ctx.pipes / width;
   for (std::size_t f = 0; f < plan.size(); ++f) {
     const int first = int(f % std::size_t(groups)) * width;
-    const auto rows = [&](const torch::Tensor& t) { return make_payload(t.narrow(0, plan[f].begin, plan[f].rows)); };
+    const auto rows = [&](const torch::Tensor& t) {
+      return optional_payload(t.defined() ? t.narrow(0, plan[f].begin, plan[f].rows) : t);
+    };
     for (int r = first; r < first + ctx.t; ++r)
       self->send(s.wiring->stages[r].at(ctx.loss_stage()), eval_target{s.step, std::int32_t(f), rows(set.target)});
     for (int r = first; r < first + width; ++r)
-      self->send(s.wiring->stages[r].front(), eval_activation{s.step, std::int32_t(f), 0, rows(set.input)});
+      self->send(s.wiring->stages[r].front(), eval_activation{s.step, std::int32_t(f), 0, rows(set.input), rows(set.positions)});
   }
   self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), eval_atom_v, s.step);
 }

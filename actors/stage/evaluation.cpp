@@ -50,6 +50,9 @@ void stage_logic::run_eval_forward(const eval_activation& msg) {
   // (A loader's windows through to_device; another stage's activation as it came: a
   // transport may hand over a buffer it reuses.)
   auto in = x == 0 ? to_device(tensor_of(msg.data)) : tensor_of(msg.data).to(ctx.device);
+  std::string bad;
+  const auto positions = positions_of(msg.positions, in.size(0), bad);
+  if (!bad.empty()) return fail("evaluation forward " + std::to_string(msg.index) + ": " + bad);
   if (x > 0) in = in.to(ctx.residual_dtype);  // the stage computes from its residual stream's dtype
   trace_event ev{"eval F", s_.replica, s_.stage, msg.index, msg.chunk, s_.step, ctx.now_us(), 0};
   s_.computing_forward = {msg.index, msg.chunk};
@@ -58,7 +61,7 @@ void stage_logic::run_eval_forward(const eval_activation& msg) {
   torch::Tensor out;
   {
     precision_scope amp(ctx.device, ctx.compute_dtype);
-    out = s_.chunks[msg.chunk]->forward(in);
+    out = s_.chunks[msg.chunk]->forward(in, positions);
   }
   ev.end_us = ctx.now_us();
   s_.eval_events.push_back(std::move(ev));
@@ -66,7 +69,8 @@ void stage_logic::run_eval_forward(const eval_activation& msg) {
     const auto next = s_.owner(x + 1);
     send_to_stage(next.stage, next.actor,
                   eval_activation{s_.step, msg.index, next.chunk,
-                                  make_payload(out.to(ctx.compute_dtype), ctx.cfg.checksum)});
+                                  make_payload(out.to(ctx.compute_dtype), ctx.cfg.checksum),
+                                  optional_payload(positions)});
     return;
   }
   if (!s_.scores_evaluation()) return;

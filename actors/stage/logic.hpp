@@ -75,6 +75,7 @@ struct stage_state {
   std::map<key, torch::Tensor> inputs;    // received inputs / activations
   std::map<key, torch::Tensor> out_grads; // received gradients of outputs
   std::map<int, torch::Tensor> targets;
+  std::map<int, torch::Tensor> positions;  // documents: each micro-batch's, as its input or activation brought them
   std::vector<std::pair<int, torch::Tensor>> losses;  // (micro-batch, loss) until the step's ops are done
   std::set<std::pair<received, key>> seen;  // (kind, key) of every tensor received this step
   struct saved_t {
@@ -298,6 +299,7 @@ class stage_logic {
     bool split = false;
     weight_grad_store* store = nullptr;  // a split forward's W store, or a W's
     torch::Tensor in, out, loss, target;  // forward
+    torch::Tensor positions;              // forward: its micro-batch's documents (undefined: none)
     stage_state::saved_t sv;             // backward: the forward's input and output
     torch::Tensor grad;                  // backward: the gradient of its output (not on the last virtual stage)
     double computed_us = -1;             // an overlapped op: when its compute ended
@@ -369,8 +371,12 @@ class stage_logic {
   bool accept(std::int64_t step);
 
   /// Buffers a received activation or gradient after checking it, then runs what is ready.
+  /// An activation's document positions (`positions`, optional) are kept for its micro-batch.
   void receive(std::map<key, torch::Tensor>& into, std::int64_t step, int mb, int chunk, const tensor_payload& data,
-               const std::vector<std::int64_t>& shape, const char* what);
+               const std::vector<std::int64_t>& shape, const char* what, const tensor_payload* positions = nullptr);
+  /// Checks a micro-batch's document positions (empty: none; else (rows, seq_len) int64)
+  /// and returns them on the CPU (undefined when empty); "" or the problem in `problem`.
+  torch::Tensor positions_of(const tensor_payload& p, std::int64_t rows, std::string& problem) const;
 
   /// A send ("send <what>": the time the send took on this actor, the hand-off or the
   /// start of a transfer) or receive ("recv <what>": when it was accepted) trace event,

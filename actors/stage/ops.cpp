@@ -131,6 +131,7 @@ stage_logic::op_work stage_logic::begin_op(const pipeline_op& op) {
     s_.inputs.erase(w.k);
     if (w.x > 0) w.in = w.in.detach().requires_grad_(true);
     if (s_.is_last_virtual(op.chunk)) w.target = s_.targets[op.mb];
+    if (const auto p = s_.positions.find(op.mb); p != s_.positions.end()) w.positions = p->second;
     if (w.split) w.store = &s_.deferred[w.k];
   } else {
     w.sv = std::move(s_.saved[w.k]);
@@ -159,7 +160,7 @@ void stage_logic::compute(op_work& w) {
   } else if (w.op.kind == op_kind::forward) {
     precision_scope amp(ctx.device, ctx.compute_dtype);
     if (w.split) slice.defer_weight_grads(w.store);
-    w.out = slice.forward(w.in);
+    w.out = slice.forward(w.in, w.positions);
     slice.defer_weight_grads(nullptr);
     if (s_.is_last_virtual(w.op.chunk)) w.loss = slice.loss(w.out, w.target);
   } else {
@@ -195,7 +196,8 @@ void stage_logic::end_op(op_work& w) {
       // pipeline sends bf16); the receiver widens them to fp32.
       send_tensor(next.stage, next.actor,
                   forward_activation{s_.step, op.mb, next.chunk,
-                                     make_payload(out.detach().to(ctx.compute_dtype), ctx.cfg.checksum)},
+                                     make_payload(out.detach().to(ctx.compute_dtype), ctx.cfg.checksum),
+                                     optional_payload(w.positions)},
                   "activation", op.mb, op.chunk);
       deallocate(out);
     }

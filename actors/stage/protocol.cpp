@@ -30,6 +30,7 @@ reset_report stage_logic::reset() {
   s_.inputs.clear();
   s_.out_grads.clear();
   s_.targets.clear();
+  s_.positions.clear();
   s_.losses.clear();
   s_.saved.clear();
   s_.deferred.clear();
@@ -63,15 +64,39 @@ bool stage_logic::accept(std::int64_t step) {
 }
 
 void stage_logic::receive(std::map<key, torch::Tensor>& into, std::int64_t step, int mb, int chunk, const tensor_payload& data,
-             const std::vector<std::int64_t>& shape, const char* what) {
+             const std::vector<std::int64_t>& shape, const char* what, const tensor_payload* positions) {
   if (!accept(step)) return;
   if (!first_time(&into == &s_.inputs ? received::activation : received::gradient, {mb, chunk}, what)) return;
-  const auto problem = check_payload(data, shape, s_.ctx->compute_dtype);
+  auto problem = check_payload(data, shape, s_.ctx->compute_dtype);
   if (!problem.empty()) return fail(std::string(what) + " of micro-batch " + std::to_string(mb) + ": " + problem);
+  if (positions) {
+    auto p = positions_of(*positions, shape.front(), problem);
+    if (!problem.empty()) return fail(std::string(what) + " of micro-batch " + std::to_string(mb) + ": " + problem);
+    if (p.defined()) s_.positions[mb] = std::move(p);
+  }
   // The stage computes from its residual stream's dtype (fp32 unless fp32_residual = false).
   into[{mb, chunk}] = tensor_of(data).to(s_.ctx->device, s_.ctx->residual_dtype);
   trace_comm("recv", what, mb, chunk, s_.ctx->now_us(), payload_bytes(data));
   run_ready();
+}
+
+torch::Tensor stage_logic::positions_of(const tensor_payload& p, std::int64_t rows, std::string& problem) const {
+  problem.clear();
+  const bool documents = s_.ctx->cfg.document_attention;
+  if (!p.local.defined() && p.dtype < 0) {
+    if (documents) problem = "no document positions (the job attends by documents)";
+    return {};
+  }
+  if (!documents) {
+    problem = "document positions in a job without document attention";
+    return {};
+  }
+  problem = check_payload(p, {rows, s_.ctx->spec.decoder.seq_len}, torch::kInt64);
+  if (!problem.empty()) {
+    problem = "document positions: " + problem;
+    return {};
+  }
+  return tensor_of(p).cpu();
 }
 
 void stage_logic::trace_comm(const char* dir, const char* what, int mb, int chunk, double start_us, std::int64_t bytes) {

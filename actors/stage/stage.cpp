@@ -296,6 +296,10 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
         auto& s = self->state;
         const auto problem = check_payload(msg.data, ctx->input_shape(), ctx->input_dtype());
         if (!problem.empty()) return logic->fail("micro-batch input " + std::to_string(msg.mb) + ": " + problem);
+        std::string bad;
+        auto positions = logic->positions_of(msg.positions, ctx->mbs, bad);
+        if (!bad.empty()) return logic->fail("micro-batch input " + std::to_string(msg.mb) + ": " + bad);
+        if (positions.defined()) s.positions[msg.mb] = std::move(positions);
         s.inputs[{msg.mb, 0}] = logic->to_device(tensor_of(msg.data));
         logic->run_ready();
       },
@@ -308,7 +312,8 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
         if (!logic->fetched(msg)) return;
         // An activation entering virtual stage x has the shape of x's input.
         const int x = self->state.virtual_of(msg.chunk);
-        logic->receive(self->state.inputs, msg.step, msg.mb, msg.chunk, msg.data, act_shape(x), "activation");
+        logic->receive(self->state.inputs, msg.step, msg.mb, msg.chunk, msg.data, act_shape(x), "activation",
+                       &msg.positions);
       },
       [=](backward_grad& msg) {
         if (!logic->fetched(msg)) return;

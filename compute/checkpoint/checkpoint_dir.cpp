@@ -222,6 +222,7 @@ std::vector<std::pair<std::string, std::string>> training_identity(const job_con
         // (documents: their paths and field; none in manifests from before the keys)
         (kv.first == "data.data" && cfg.uses_documents()) || (kv.first == "data.val_data" && !cfg.val_data.empty()) ||
         (kv.first == "data.data_field" && cfg.uses_documents()) ||
+        (kv.first == "data.document_attention" && cfg.document_attention) ||
         // (a Hugging Face folder's model: its rope scaling, GELU and routing have no key)
         (kv.first == "train.model" && !cfg.hf_model.empty()))
       out.push_back(kv);

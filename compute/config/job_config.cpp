@@ -350,6 +350,11 @@ const std::vector<key_def>& key_defs() {
       list_key("data.val_data", "with --data: the validation documents (then all of --data trains)",
                &job_config::val_data),
       string_key("data.data_field", "JSON lines: the field that holds a document's text", &job_config::data_field),
+      bool_key("data.document_attention",
+               "with --data: a token attends only to the earlier tokens of its own document in its window, and "
+               "positions count from 0 again after each EOS (Megatron's --reset-attention-mask "
+               "--reset-position-ids)",
+               &job_config::document_attention),
       string_key("data.cache_dir", "the token cache's folder (empty: $XDG_CACHE_HOME/troupe, else ~/.cache/troupe)",
                  &job_config::cache_dir),
       string_key("data.fmnist_dir", "Fashion-MNIST folder", &job_config::fmnist_dir),
@@ -622,6 +627,9 @@ void job_config::validate() const {
     fail("val_text " + val_text + " validates a text of your own: give its training text too (data.text)");
   if (!val_data.empty() && data.empty())
     fail("val_data " + val_data.front() + " validates documents: give the training documents too (--data)");
+  if (document_attention && !uses_documents())
+    fail("document_attention resets attention at the documents of --data (--text is one stream, without "
+         "documents)");
   if (uses_documents()) {
     if (!is_decoder()) fail("data " + data.front() + " is documents for the decoder workloads (fmnist-mlp reads images)");
     if (!text.empty())
@@ -639,10 +647,13 @@ void job_config::validate() const {
     if (text_documents && tok.empty())
       fail("documents need a tokenizer: --model DIR (its tokenizer.json or tokenizer.model), or --tokenizer" +
            std::string(hf_model.empty() ? "" : " (" + hf_model + " has neither tokenizer.json nor tokenizer.model)"));
+    if (document_attention && tok.empty() && document_eos(hf_model, -1) < 0)
+      fail("document_attention needs the documents' EOS token, which ends each one: --model DIR (config.json's "
+           "eos_token_id) or --tokenizer");
     if (!tok.empty()) {
       try {
         const auto info = tokenizer_info_of(tok);
-        if (text_documents && document_eos(hf_model, info.eos) < 0)
+        if ((text_documents || document_attention) && document_eos(hf_model, info.eos) < 0)
           fail("tokenizer " + tok + " has no EOS token (config.json's eos_token_id, tokenizer_config.json's "
                "eos_token): documents end with one");
         if (is_decoder() && info.size > model().decoder.vocab)
@@ -849,7 +860,7 @@ std::string job_config::data_label() const {
     const auto paths = joined(data), valid = joined(val_data);
     const auto tok = text_tokenizer();
     return " on the documents of " + paths + (valid.empty() ? "" : ", validated on " + valid) +
-           (tok.empty() ? "" : " tokenized by " + tok);
+           (tok.empty() ? "" : " tokenized by " + tok) + (document_attention ? ", attending within documents" : "");
   }
   if (text.empty()) return tokens;
   return " on the text in " + text + (val_text.empty() ? "" : ", validated on " + val_text) + tokens;

@@ -95,6 +95,7 @@ struct job_config {
   std::vector<std::string> data;      ///< documents: JSON lines, files, folders, Megatron prefixes, in order
   std::vector<std::string> val_data;  ///< with data: the validation documents (then all of data trains)
   std::string data_field = "text";    ///< JSON lines: the field that holds a document
+  bool document_attention = false;    ///< with data: attention and positions reset at each document's start
   std::string cache_dir;              ///< the token cache's folder ("": $XDG_CACHE_HOME/troupe or ~/.cache/troupe)
   std::string fmnist_dir = "/usr/share/datasets/fashion-mnist";
   // [output]

@@ -279,7 +279,7 @@ batch text_corpus::windows(const std::vector<std::size_t>& offsets, int seq_len)
       tg[i][t] = w[t + 1];
     }
   }
-  return {input, target};
+  return {input, target, {}};
 }
 
 batch text_corpus::train_batch(std::uint64_t seed, std::uint64_t first, int count,
@@ -384,7 +384,7 @@ int fashion_mnist::test_size() const {
 
 batch fashion_mnist::test_set() const {
   test_size();  // (throws when not loaded)
-  return {test_images_, test_labels_};
+  return {test_images_, test_labels_, {}};
 }
 
 std::vector<std::int64_t> fashion_mnist::epoch_order(std::uint64_t seed, std::uint64_t epoch) const {
@@ -401,7 +401,19 @@ std::vector<std::int64_t> fashion_mnist::epoch_order(std::uint64_t seed, std::ui
 batch fashion_mnist::train_batch(const std::vector<std::int64_t>& order, std::int64_t first,
                                  int count) const {
   auto idx = torch::from_blob(const_cast<std::int64_t*>(order.data() + first), {count}, torch::kInt64);
-  return {train_images_.index_select(0, idx), train_labels_.index_select(0, idx)};
+  return {train_images_.index_select(0, idx), train_labels_.index_select(0, idx), {}};
+}
+
+torch::Tensor document_positions(const torch::Tensor& ids, std::int64_t eos) {
+  const auto T = ids.size(1);
+  const auto index = torch::arange(T, ids.options().dtype(torch::kInt64)).expand({ids.size(0), T});
+  // Token t starts a document when t = 0 or token t - 1 is EOS; its position is t minus
+  // the index of the last start at or before it.
+  auto starts = torch::zeros_like(index, torch::kBool);
+  starts.select(1, 0).fill_(true);
+  if (T > 1) starts.narrow(1, 1, T - 1).copy_(ids.narrow(1, 0, T - 1).eq(eos));
+  const auto last_start = std::get<0>(torch::cummax(index * starts.to(torch::kInt64), /*dim=*/1));
+  return index - last_start;
 }
 
 }  // namespace troupe

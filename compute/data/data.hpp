@@ -20,10 +20,19 @@ struct data_error : std::runtime_error {
 struct batch {
   torch::Tensor input;   ///< gpt: int64 [B, T] bytes; mlp: float [B, 784]
   torch::Tensor target;  ///< gpt: int64 [B, T] next bytes; mlp: int64 [B]
+  /// Documents with --document-attention: int64 [B, T], each input token's position in
+  /// its document (document_positions); undefined otherwise. (A per-token loss mask,
+  /// for supervised fine-tuning, would travel beside the targets the same way.)
+  torch::Tensor positions;
   /// Text: the bytes a target stands for, on average (1 for bytes; a tokenizer's
   /// validation windows: their pieces' bytes), for bits per byte.
   double bytes_per_target = 1.0;
 };
+
+/// Documents in a window (WORKLOADS.md section 6, --document-attention): the position of
+/// each token of `ids` (B, T): 0 at the window's first token and again at each token
+/// that follows `eos`, else one more than the token before. (B, T) int64 on ids' device.
+torch::Tensor document_positions(const torch::Tensor& ids, std::int64_t eos);
 
 /// A byte-level text corpus (the tokens are the 256 byte values) split 90/10 into
 /// training and validation, sampled as WORKLOADS.md says: the fortunes corpus, or a

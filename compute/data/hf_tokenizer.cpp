@@ -11,6 +11,7 @@
 #include <functional>
 #include <mutex>
 #include <queue>
+#include <set>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -625,6 +626,8 @@ tokenizer_config tokenizer_config::read(const std::string& path) {
     out.unk_token = token_text(c.value("unk_token", json()));
     if (c.contains("add_bos_token")) out.add_bos_token = c.at("add_bos_token").get<bool>();
     if (c.contains("add_eos_token")) out.add_eos_token = c.at("add_eos_token").get<bool>();
+    for (const auto& [key, field] : {std::pair{"legacy", &out.legacy}, {"add_prefix_space", &out.add_prefix_space}})
+      if (c.contains(key) && c.at(key).is_boolean()) *field = c.at(key).get<bool>();
     if (c.contains("added_tokens_decoder"))
       for (const auto& [id, t] : c.at("added_tokens_decoder").items()) out.added_tokens.push_back(added_token_of(std::stoi(id), t));
   } catch (const std::exception& e) {
@@ -633,13 +636,35 @@ tokenizer_config tokenizer_config::read(const std::string& path) {
   return out;
 }
 
-hf_tokenizer::hf_tokenizer(const std::string& path, const tokenizer_config& config) : impl_(std::make_unique<impl>()) {
-  auto& m = *impl_;
-  m.where = "tokenizer " + path;
-  json j;
+namespace {
+
+/// The text of tokenizer.json `path`; throws data_error naming it.
+std::string tokenizer_text(const std::string& path) {
   try {
     const auto bytes = read_file_bytes(path);
-    j = json::parse(bytes.begin(), bytes.end());
+    return std::string(bytes.begin(), bytes.end());
+  } catch (const std::exception& e) {
+    throw data_error("tokenizer " + path + " cannot be read: " + e.what());
+  }
+}
+
+}  // namespace
+
+hf_tokenizer::hf_tokenizer(const std::string& path, const tokenizer_config& config)
+    : hf_tokenizer(text_tag{}, "tokenizer " + path, tokenizer_text(path), config) {}
+
+std::unique_ptr<hf_tokenizer> hf_tokenizer::from_text(const std::string& json_text, const std::string& where,
+                                                      const tokenizer_config& config) {
+  return std::unique_ptr<hf_tokenizer>(new hf_tokenizer(text_tag{}, where, json_text, config));
+}
+
+hf_tokenizer::hf_tokenizer(text_tag, const std::string& where, const std::string& text, const tokenizer_config& config)
+    : impl_(std::make_unique<impl>()) {
+  auto& m = *impl_;
+  m.where = where;
+  json j;
+  try {
+    j = json::parse(text);
   } catch (const std::exception& e) {
     throw data_error(m.where + " cannot be read as JSON: " + e.what());
   }
@@ -885,6 +910,65 @@ std::vector<std::int32_t> hf_tokenizer::piece_bytes() const {
     out[id] = n;
   }
   return out;
+}
+
+std::string llama_tokenizer_json(const std::vector<sentencepiece_piece>& pieces, const tokenizer_config& config) {
+  using kind = sentencepiece_piece::kind;
+  json vocab = json::object();
+  std::unordered_map<std::string, int> ids;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    vocab[pieces[i].text] = int(i);
+    ids.emplace(pieces[i].text, int(i));
+  }
+  // transformers' generate_merges: each piece split at each character boundary into two
+  // pieces of the vocabulary, ranked by the merged piece's id, then the left part's length.
+  json merges = json::array();
+  for (const auto& p : pieces)
+    for (std::size_t at = p.text.empty() ? 0 : utf8_len(static_cast<unsigned char>(p.text[0])); at < p.text.size();
+         at += utf8_len(static_cast<unsigned char>(p.text[at]))) {
+      const auto left = p.text.substr(0, at), right = p.text.substr(at);
+      if (ids.count(left) && ids.count(right)) merges.push_back({left, right});
+    }
+  const auto name = [](const std::string& t, const char* fallback) { return t.empty() ? std::string(fallback) : t; };
+  json added = json::array();
+  std::set<int> taken;
+  const auto add = [&](int id, const std::string& content, bool special) {
+    if (id < 0 || !taken.insert(id).second) return;
+    added.push_back({{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false}, {"rstrip", false},
+                     {"normalized", false}, {"special", special}});
+  };
+  const auto id_of = [&](const std::string& t) { return ids.count(t) ? ids.at(t) : -1; };
+  for (const auto& t : {name(config.unk_token, "<unk>"), name(config.bos_token, "<s>"), name(config.eos_token, "</s>")})
+    add(id_of(t), t, true);
+  for (std::size_t i = 0; i < pieces.size(); ++i)
+    if (pieces[i].type == kind::control || pieces[i].type == kind::user_defined)
+      add(int(i), pieces[i].text, pieces[i].type == kind::control);
+  for (const auto& a : config.added_tokens)
+    if (taken.insert(a.id).second)
+      added.push_back({{"id", a.id}, {"content", a.content}, {"single_word", a.single_word}, {"lstrip", a.lstrip},
+                       {"rstrip", a.rstrip}, {"normalized", a.normalized}, {"special", a.special}});
+  const bool prefix_space = config.add_prefix_space != 0;
+  const std::string scheme = !prefix_space ? "never" : config.legacy == 1 ? "always" : "first";
+  const std::string space = "\xe2\x96\x81";  // U+2581
+  json decoders = json::array({json{{"type", "Replace"}, {"pattern", {{"String", space}}}, {"content", " "}},
+                               json{{"type", "ByteFallback"}}, json{{"type", "Fuse"}}});
+  if (prefix_space) decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+  const json j = {
+      {"version", "1.0"},
+      {"added_tokens", added},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "Metaspace"}, {"replacement", space}, {"prepend_scheme", scheme}, {"split", false}}},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "Sequence"}, {"decoders", decoders}}},
+      {"model",
+       {{"type", "BPE"},
+        {"vocab", vocab},
+        {"merges", merges},
+        {"unk_token", nullptr},
+        {"fuse_unk", true},
+        {"byte_fallback", true},
+        {"ignore_merges", false}}}};
+  return j.dump();
 }
 
 }  // namespace troupe

@@ -52,6 +52,7 @@ struct tokenizer_config {
   std::string tokenizer_class;            ///< "" : not set
   std::string bos_token, eos_token, unk_token;  ///< a token's text ("" : not set)
   int add_bos_token = -1, add_eos_token = -1;   ///< as set: 0 or 1 (-1: not set)
+  int legacy = -1, add_prefix_space = -1;       ///< LlamaTokenizer's (a lone tokenizer.model): 0, 1 or -1
   std::vector<added_token> added_tokens;  ///< added_tokens_decoder
   /// LlamaTokenizer and CodeLlamaTokenizer (fast or not): BOS by default.
   bool llama_class() const;
@@ -65,6 +66,9 @@ class hf_tokenizer {
   /// data_error naming the file and what is not supported (a WordPiece or Unigram model,
   /// an unknown normalizer, ...).
   hf_tokenizer(const std::string& json, const tokenizer_config& config = {});
+  /// The same from a tokenizer.json's text built in memory (`where` names it in errors).
+  static std::unique_ptr<hf_tokenizer> from_text(const std::string& json_text, const std::string& where,
+                                                 const tokenizer_config& config = {});
   ~hf_tokenizer();
   hf_tokenizer(const hf_tokenizer&) = delete;
   hf_tokenizer& operator=(const hf_tokenizer&) = delete;
@@ -89,8 +93,26 @@ class hf_tokenizer {
   struct impl;
 
  private:
+  struct text_tag {};
+  hf_tokenizer(text_tag, const std::string& where, const std::string& text, const tokenizer_config& config);
   std::unique_ptr<impl> impl_;
 };
+
+/// A SentencePiece model's piece, for llama_tokenizer_json.
+struct sentencepiece_piece {
+  std::string text;
+  enum class kind { normal, control, byte, unknown, user_defined } type = kind::normal;
+};
+
+/// The tokenizer.json that transformers 5's LlamaTokenizer builds from a folder's lone
+/// tokenizer.model (its `pieces`, by id) and tokenizer_config.json (`config`): a BPE of
+/// every piece with byte fallback, merges of every split of a piece into two pieces
+/// (ranked by the merged piece's id, then the left part's length), no normalizer,
+/// Metaspace (prepend_scheme first; always when `legacy`, never without
+/// add_prefix_space), <unk>, <s>, </s> and the control pieces as special tokens, the
+/// user-defined pieces as added ones. (BOS and EOS come from add_bos_token and
+/// add_eos_token, by default neither.)
+std::string llama_tokenizer_json(const std::vector<sentencepiece_piece>& pieces, const tokenizer_config& config);
 
 /// True when `text` is valid UTF-8; else `bad` is the offset of the first invalid byte.
 bool valid_utf8(std::string_view text, std::size_t* bad = nullptr);

@@ -14,6 +14,8 @@
 #include <mutex>
 #include <unordered_map>
 #include <algorithm>
+#include <string_view>
+#include <functional>
 
 #include <dlfcn.h>
 
@@ -59,15 +61,74 @@ struct cache_header {
   std::uint64_t n_train, n_valid;
 };
 
+/// A protocol-buffer varint at `at` of `b` (advanced past it); throws past the end.
+std::uint64_t varint(std::string_view b, std::size_t& at) {
+  std::uint64_t v = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (at >= b.size()) throw std::runtime_error("truncated");
+    const auto c = static_cast<unsigned char>(b[at++]);
+    v |= std::uint64_t(c & 0x7f) << shift;
+    if (!(c & 0x80)) return v;
+  }
+  throw std::runtime_error("a varint of more than 64 bits");
+}
+
+/// Calls `each(field, value)` for each field of the message `b` (value: a varint's or a
+/// length-delimited field's bytes; fixed-width fields skipped).
+void for_each_field(std::string_view b, const std::function<void(int, std::uint64_t, std::string_view)>& each) {
+  for (std::size_t at = 0; at < b.size();) {
+    const auto key = varint(b, at);
+    const int field = int(key >> 3);
+    switch (key & 7) {
+      case 0: each(field, varint(b, at), {}); break;
+      case 1: at += 8; break;
+      case 5: at += 4; break;
+      case 2: {
+        const auto n = varint(b, at);
+        if (n > b.size() - at) throw std::runtime_error("a field past the end");
+        each(field, 0, b.substr(at, n));
+        at += n;
+        break;
+      }
+      default: throw std::runtime_error("wire type " + std::to_string(key & 7));
+    }
+    if (at > b.size()) throw std::runtime_error("truncated");
+  }
+}
+
+/// The pieces of a SentencePiece model (ModelProto's field 1: each SentencePiece's piece,
+/// field 1, and type, field 3), by id. (Debian's SentencePiece tells no user-defined type.)
+std::vector<sentencepiece_piece> sentencepiece_pieces(std::string_view model, const std::string& where) {
+  using kind = sentencepiece_piece::kind;
+  std::vector<sentencepiece_piece> out;
+  try {
+    for_each_field(model, [&](int field, std::uint64_t, std::string_view piece) {
+      if (field != 1) return;
+      sentencepiece_piece p;
+      for_each_field(piece, [&](int f, std::uint64_t v, std::string_view bytes) {
+        if (f == 1) p.text = std::string(bytes);
+        if (f == 3)  // NORMAL 1, UNKNOWN 2, CONTROL 3, USER_DEFINED 4, UNUSED 5, BYTE 6
+          p.type = v == 2 || v == 5 ? kind::unknown : v == 3 ? kind::control : v == 4 ? kind::user_defined
+                   : v == 6 ? kind::byte : kind::normal;
+      });
+      out.push_back(std::move(p));
+    });
+  } catch (const std::exception& e) {
+    throw data_error("tokenizer " + where + ": its pieces cannot be read (" + e.what() + ")");
+  }
+  return out;
+}
+
 }  // namespace
 
 /// What a tokenizer is made of: a SentencePiece processor (a model file of its own, or a
-/// folder's tokenizer.model with AutoTokenizer's conventions), or a tokenizer.json.
+/// folder's tokenizer.model of a class other than Llama's), or a tokenizer.json (a
+/// folder's, or the one transformers 5 builds from a Llama folder's tokenizer.model).
 struct tokenizer::impl {
   void* sp = nullptr;  ///< the plugin's processor (compute/data/spm_plugin.hpp)
   std::unique_ptr<hf_tokenizer> hf;
-  // A folder's tokenizer.model: its special tokens split out, BOS/EOS added as
-  // tokenizer_config.json says (LlamaTokenizer's defaults: BOS, no EOS).
+  // A folder's tokenizer.model (not Llama's class): its special tokens split out, BOS/EOS
+  // added as tokenizer_config.json says.
   bool folder = false, add_bos = false, add_eos = false;
   added_vocabulary added;
   int bos = -1, eos = -1;
@@ -117,12 +178,29 @@ tokenizer::tokenizer(const std::string& path) : path_(path), impl_(std::make_uni
     if (!impl_->sp)
       throw data_error("tokenizer " + file.string() + " is not a SentencePiece model (" + error +
                        "): make one with troupe tokenizer, or give a tokenizer.json or a model folder");
-    if (folder) {
+    if (folder && (settings.tokenizer_class.empty() || settings.llama_class())) {
+      // transformers 5's LlamaTokenizer: the model's pieces as a BPE (llama_tokenizer_json),
+      // BOS and EOS only where tokenizer_config.json adds them.
+      const auto pieces = sentencepiece_pieces(std::string_view(bytes.data(), model_bytes), file.string());
+      auto llama = settings;
+      const auto or_default = [](std::string& t, const char* fallback) {
+        if (t.empty()) t = fallback;
+      };
+      or_default(llama.bos_token, "<s>");
+      or_default(llama.eos_token, "</s>");
+      or_default(llama.unk_token, "<unk>");
+      llama.add_bos_token = std::max(0, llama.add_bos_token);
+      llama.add_eos_token = std::max(0, llama.add_eos_token);
+      impl_->hf = hf_tokenizer::from_text(llama_tokenizer_json(pieces, llama),
+                                          "tokenizer " + file.string() + " (as transformers 5's LlamaTokenizer)", llama);
+      spm().release(impl_->sp);
+      impl_->sp = nullptr;
+    } else if (folder) {
+      // Another class's tokenizer.model: SentencePiece's ids, with the special tokens split
+      // out and BOS/EOS added as tokenizer_config.json says.
       auto& m = *impl_;
       m.folder = true;
-      // (Without a tokenizer_config.json: LlamaTokenizer's names and defaults.)
-      const bool llama = settings.tokenizer_class.empty() || settings.llama_class();
-      m.add_bos = settings.add_bos_token >= 0 ? settings.add_bos_token == 1 : llama;
+      m.add_bos = settings.add_bos_token == 1;
       m.add_eos = settings.add_eos_token == 1;
       const auto or_default = [](const std::string& t, const char* fallback) { return t.empty() ? fallback : t; };
       const auto bos = or_default(settings.bos_token, "<s>"), eos = or_default(settings.eos_token, "</s>");
@@ -138,7 +216,10 @@ tokenizer::tokenizer(const std::string& path) : path_(path), impl_(std::make_uni
       impl_->eos = impl_->sp_id("</s>");
     }
   }
-  fingerprint_ = std::to_string(size()) + " pieces, fnv1a " + hex64(fnv1a(bytes.data(), bytes.size()));
+  // (A Llama folder's tokenizer.model read as transformers 5 converts it gives other ids
+  // than SentencePiece: its caches and checkpoints are told apart.)
+  fingerprint_ = std::to_string(size()) + " pieces, fnv1a " + hex64(fnv1a(bytes.data(), bytes.size())) +
+                 (impl_->hf && !is_json ? ", as transformers 5's BPE" : "");
 }
 
 tokenizer::~tokenizer() = default;

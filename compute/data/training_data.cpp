@@ -52,7 +52,7 @@ struct tokenized_text {
   explicit tokenized_text(const job_config& cfg) {
     const auto name = cfg.text_tokenizer();
     if (!name.empty()) tok = std::make_unique<tokenizer>(name);
-    const int eos = tok ? document_eos(cfg.hf_model, tok->eos_id()) : -1;
+    eos = document_eos(cfg.hf_model, tok ? tok->eos_id() : -1);
     std::vector<std::shared_ptr<const token_file>> stream;
     std::size_t n_data = 0;
     for (const auto* list : {&cfg.data, &cfg.val_data})
@@ -73,6 +73,7 @@ struct tokenized_text {
   }
   std::unique_ptr<tokenizer> tok;  ///< null: a Megatron dataset's ids without a tokenizer
   std::unique_ptr<token_corpus> tokens;
+  int eos = -1;  ///< documents: the id that ends each one (-1: none known)
 };
 
 namespace {
@@ -170,9 +171,22 @@ std::string training_data::identity(const job_config& cfg) {
          (cfg.uses_documents() ? "; field " + cfg.data_field : "");
 }
 
+/// --document-attention: the positions of `b`'s input tokens in their documents.
+batch training_data::with_documents(batch b) const {
+  if (cfg_.document_attention) {
+    if (!tokenized_ || tokenized_->eos < 0)
+      throw data_error("document attention needs the documents' EOS token (config.json's eos_token_id or the "
+                       "tokenizer's)");
+    b.positions = document_positions(b.input, tokenized_->eos);
+  }
+  return b;
+}
+
 batch training_data::samples(int step, int first, int count) {
   const std::int64_t B = cfg_.global_batch;
-  if (tokenized_) return tokenized_->tokens->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().decoder.seq_len);
+  if (tokenized_)
+    return with_documents(
+        tokenized_->tokens->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().decoder.seq_len));
   if (text_) return text_->train_batch(cfg_.seed, std::uint64_t(step) * B + first, count, cfg_.model().decoder.seq_len);
   // Fashion-MNIST: step t of epoch e takes positions [B t, B t + B) of e's order.
   const int per_epoch = images_->train_size() / int(B);
@@ -185,7 +199,8 @@ batch training_data::samples(int step, int first, int count) {
 }
 
 batch training_data::evaluation_set() const {
-  if (tokenized_) return tokenized_->tokens->validation_batch(cfg_.model().decoder.seq_len, tokenized_->tok.get());
+  if (tokenized_)
+    return with_documents(tokenized_->tokens->validation_batch(cfg_.model().decoder.seq_len, tokenized_->tok.get()));
   return text_ ? text_->validation_batch(cfg_.model().decoder.seq_len) : images_->test_set();
 }
 

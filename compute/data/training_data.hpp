@@ -40,6 +40,8 @@ class training_data {
   const token_corpus* tokens() const;
 
  private:
+  /// `b` with its positions in their documents under --document-attention.
+  batch with_documents(batch b) const;
   job_config cfg_;
   std::shared_ptr<const text_corpus> text_;  ///< shared by the process's users of the same corpus
   std::shared_ptr<const struct tokenized_text> tokenized_;  ///< data.tokenizer's; shared as the text is

@@ -20,7 +20,8 @@ torch::Tensor decoder_block(const part_context& c, torch::Tensor x, int i, kv_ca
                             const block_parts& parts) {
   const auto& f = c.family;
   const std::string p = f.block(i);
-  x = x + attention(c, norm(c, x, p + f.attention_norm), p, cache, cache_index, parts.core, parts.rotary);
+  x = x + attention(c, norm(c, x, p + f.attention_norm), p, cache, cache_index, parts.core, parts.rotary,
+                    parts.positions);
   if (c.cfg.is_moe_block(i)) {
     // The experts compute on this rank's tokens, not split (expert tensor parallelism 1):
     // under sequence parallelism its part of the sequences, so nothing is gathered.

@@ -18,11 +18,13 @@ namespace troupe {
 param_table block_params(const decoder_family& f, const decoder_config& c, int i);
 
 /// What a block computes with besides its context: the attention's core and the family's
-/// rotary embedding (nullptr: learned positions), and what its experts add up.
+/// rotary embedding (nullptr: learned positions), what its experts add up, and the
+/// tokens' positions (documents: (B, T) int64; undefined: 0, 1, ...).
 struct block_parts {
   const attention_core& core;
   const rotary_embedding* rotary = nullptr;
   expert_tally& experts;
+  torch::Tensor positions = {};
 };
 
 /// Block i on x. With a cache, x holds the tokens after the cache's (entry `cache_index`).

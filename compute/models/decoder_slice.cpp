@@ -63,10 +63,25 @@ decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, c
   if (family_.positions == position_kind::rotary) rotary_.emplace(cfg_, device);
 }
 
-torch::Tensor decoder_slice::forward(const torch::Tensor& input) {
+torch::Tensor decoder_slice::forward(const torch::Tensor& input, const torch::Tensor& positions) {
+  // Documents: every block of this forward attends by their mask (the positions whole
+  // under sequence parallelism: the attention gathers the sequence).
+  struct documents_scope {
+    window_documents& docs;
+    ~documents_scope() { docs = {}; }
+  } scope{documents_};
+  if (positions.defined()) {
+    if (positions.dim() != 2 || positions.size(0) != input.size(0) || positions.size(1) != cfg_.seq_len)
+      throw model_error("document positions of shape " + c10::str(positions.sizes()) + " for " +
+                        std::to_string(input.size(0)) + " sequences of " + std::to_string(cfg_.seq_len) + " tokens");
+    const auto p = positions.to(input.device(), torch::kInt64);
+    documents_ = {p, document_mask(p, core_->window())};
+  }
   // Sequence parallelism: between the layers, this rank's positions only; a stage's
   // activations travel whole.
-  torch::Tensor x = is_first() ? embed(input, 0, tp_.sequence) : sequence() ? tp::scatter_sequence(input, group()) : input;
+  torch::Tensor x = is_first() ? embed(input, 0, tp_.sequence, documents_.positions)
+                    : sequence() ? tp::scatter_sequence(input, group())
+                                 : input;
   x = to_residual(x);
   const bool recompute = recompute_ == recompute_mode::full && torch::GradMode::is_enabled();
   // (Function::apply builds no backward node for an input without a gradient: the
@@ -127,12 +142,14 @@ torch::Tensor decoder_slice::block(const torch::Tensor& x, int i, kv_cache* cach
   const auto c = context(sequence() && !cache, pass);
   // Selective recompute wraps the attention's core (not in generation, nor without a graph).
   const bool selective = recompute_ == recompute_mode::selective && !cache && torch::GradMode::is_enabled();
-  const attention_core core = [this, selective](const torch::Tensor& q, const torch::Tensor& k,
-                                                const torch::Tensor& v, std::int64_t past) {
-    return selective ? recomputed_attention(q, k, v, *core_) : (*core_)(q, k, v, past);
+  // (Documents: not in generation.)
+  const auto docs = cache ? window_documents{} : documents_;
+  const attention_core core = [this, selective, &docs](const torch::Tensor& q, const torch::Tensor& k,
+                                                       const torch::Tensor& v, std::int64_t past) {
+    return selective ? recomputed_attention(q, k, v, *core_, docs.mask) : (*core_)(q, k, v, past, docs.mask);
   };
   expert_tally tally{ep_, aux_scale_, aux_sum_, expert_tokens_};
-  return decoder_block(c, x, i, cache, i - range_.first, {core, rotary_ ? &*rotary_ : nullptr, tally});
+  return decoder_block(c, x, i, cache, i - range_.first, {core, rotary_ ? &*rotary_ : nullptr, tally, docs.positions});
 }
 
 torch::Tensor decoder_slice::own_logits(const torch::Tensor& output) {
@@ -148,17 +165,20 @@ torch::Tensor decoder_slice::own_logits(const torch::Tensor& output) {
   return l;
 }
 
-torch::Tensor decoder_slice::embed(const torch::Tensor& tokens, std::int64_t from, bool sequence) {
+torch::Tensor decoder_slice::embed(const torch::Tensor& tokens, std::int64_t from, bool sequence,
+                                   const torch::Tensor& positions) {
   torch::Tensor x;
+  auto rows = positions;
   if (!tp_.active()) {
     x = torch::embedding(param(embedding_), tokens);
   } else {
     x = tp::vocab_embedding(tokens, param(embedding_), vocab_first_);
     x = sequence ? tp::reduce_scatter_sequence(x, group()) : tp::reduce_from(x, group());
     if (sequence) from += x.size(1) * tp_.rank;
+    if (sequence && rows.defined()) rows = rows.narrow(1, from, x.size(1));  // this rank's tokens'
   }
   if (family_.positions != position_kind::learned) return x;  // rotary: positions enter in the attention
-  return add_learned_positions(x, param(family_.position_embedding), from, tokens.device());
+  return add_learned_positions(x, param(family_.position_embedding), from, tokens.device(), rows);
 }
 
 torch::Tensor decoder_slice::to_residual(const torch::Tensor& x) const {

@@ -24,13 +24,14 @@ class decoder_slice final : public model_slice, block_runner {
                 torch::Device device, torch::ScalarType param_dtype, const tensor_parallel& tp,
                 const expert_share& experts);
 
-  torch::Tensor forward(const torch::Tensor& input) override;
+  torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& positions = {}) override;
   torch::Tensor forward_cached(const torch::Tensor& input, kv_cache& cache) override;
   torch::Tensor logits(const torch::Tensor& output) override;
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override;
 
   torch::Tensor run_block(const torch::Tensor& x, int i, block_pass pass) override;
   weight_grad_store*& deferral() override { return defer_; }
+  window_documents& documents() override { return documents_; }
 
  private:
   /// Block i (with a cache: of generation), run as `pass` says.
@@ -41,7 +42,8 @@ class decoder_slice final : public model_slice, block_runner {
   /// Token (and learned position) embeddings of `tokens` (batch, T) at positions from,
   /// from + 1, ... Tensor parallelism: vocab-parallel, summed over the group (with
   /// `sequence`, reduce-scattered: this rank's positions only).
-  torch::Tensor embed(const torch::Tensor& tokens, std::int64_t from, bool sequence);
+  torch::Tensor embed(const torch::Tensor& tokens, std::int64_t from, bool sequence,
+                      const torch::Tensor& positions = {});
   /// The residual stream in its dtype (see model_slice::set_residual_dtype): `x` rounded
   /// to bf16 under bf16 autocast when the slice keeps a bf16 stream, else `x`.
   torch::Tensor to_residual(const torch::Tensor& x) const;
@@ -60,6 +62,7 @@ class decoder_slice final : public model_slice, block_runner {
   std::optional<rotary_embedding> rotary_;  ///< a family with rotary positions
   std::string embedding_, output_;         ///< the token embedding's and the output layer's names
   torch::Tensor padded_;                   ///< (vocab) bool: the rows past the tokenizer's pieces
+  window_documents documents_;             ///< the forward's documents (while it runs)
 };
 
 }  // namespace troupe

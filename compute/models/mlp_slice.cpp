@@ -16,7 +16,7 @@ mlp_slice::mlp_slice(const model_spec& spec, const layer_range& range, const sta
   allocate(spec, state, slice_parameter_names(spec, range), {}, pad_to, device, param_dtype, {});
 }
 
-torch::Tensor mlp_slice::forward(const torch::Tensor& input) {
+torch::Tensor mlp_slice::forward(const torch::Tensor& input, const torch::Tensor& /*positions: no attention*/) {
   torch::Tensor x = input;
   for (int i = range_.first; i < range_.last; ++i) {
     const std::string p = "net." + std::to_string(2 * i) + ".";

@@ -42,7 +42,11 @@ class model_slice : public named_parameters {
 
   /// First slice: `input` is data (token ids, or images); otherwise the previous
   /// slice's activation. Last slice: returns the final features (see `loss`).
-  virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  /// `positions` (decoders, --document-attention): the documents of the window, as the
+  /// position of each token (B, T) int64 (document_positions: 0 where a document begins);
+  /// a token attends to the earlier tokens of its own document only. Undefined: one
+  /// causal sequence at positions 0, 1, ... Every slice of a forward gets the same.
+  virtual torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& positions = {}) = 0;
   /// Last slice only: mean loss of `output` (from forward) against `target`.
   virtual torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) = 0;
   /// Last slice only: logits from `output` (for accuracy).

@@ -23,6 +23,12 @@ struct recomputed_block_fn : torch::autograd::Function<recomputed_block_fn> {
     ctx->saved_data["block"] = i;
     ctx->saved_data["precision"] = std::int64_t(current_precision(x.device()));
     ctx->saved_data["defer"] = reinterpret_cast<std::int64_t>(runner->deferral());
+    // (Documents: the rerun attends as this forward does.)
+    const auto& docs = runner->documents();
+    if (docs.positions.defined()) {
+      ctx->saved_data["positions"] = docs.positions;
+      ctx->saved_data["mask"] = docs.mask;
+    }
     // (No graph, but a training forward: its load-balancing loss counts.)
     return runner->run_block(x, int(i), block_pass::checkpointing);
   }
@@ -38,9 +44,15 @@ struct recomputed_block_fn : torch::autograd::Function<recomputed_block_fn> {
       // The store the forward deferred into (the backward may run while another is set).
       auto* const before = runner->deferral();
       runner->deferral() = reinterpret_cast<weight_grad_store*>(ctx->saved_data["defer"].toInt());
+      // The forward's documents (the slice may be in another micro-batch's forward now).
+      auto docs_before = std::move(runner->documents());
+      runner->documents() = {};
+      if (ctx->saved_data.count("positions"))
+        runner->documents() = {ctx->saved_data["positions"].toTensor(), ctx->saved_data["mask"].toTensor()};
       // (Its load-balancing loss was counted by the forward.)
       y = runner->run_block(x, int(ctx->saved_data["block"].toInt()), block_pass::recomputing);
       runner->deferral() = before;
+      runner->documents() = std::move(docs_before);
     }
     ++recomputed_blocks;
     torch::autograd::backward({y}, {grads[0]});
@@ -50,15 +62,18 @@ struct recomputed_block_fn : torch::autograd::Function<recomputed_block_fn> {
 
 struct recomputed_attention_fn : torch::autograd::Function<recomputed_attention_fn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const causal_attention* core) {
+                               const torch::Tensor& v, const causal_attention* core, const torch::Tensor* documents) {
+    // (The documents' mask as saved data: an undefined tensor is no Function input.)
+    const auto mask = documents ? *documents : torch::Tensor();
     ctx->save_for_backward({q, k, v});
     ctx->saved_data["core"] = reinterpret_cast<std::int64_t>(core);
     ctx->saved_data["precision"] = std::int64_t(current_precision(q.device()));
-    return (*core)(q, k, v, 0);
+    if (mask.defined()) ctx->saved_data["mask"] = mask;
+    return (*core)(q, k, v, 0, mask);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
     const auto* core = reinterpret_cast<const causal_attention*>(ctx->saved_data["core"].toInt());
     const auto saved = ctx->get_saved_variables();
     std::vector<torch::Tensor> in;
@@ -67,11 +82,12 @@ struct recomputed_attention_fn : torch::autograd::Function<recomputed_attention_
     {
       torch::AutoGradMode grad(true);
       precision_scope amp(in[0].device(), torch::ScalarType(ctx->saved_data["precision"].toInt()));
-      y = (*core)(in[0], in[1], in[2], 0);
+      const auto mask = ctx->saved_data.count("mask") ? ctx->saved_data["mask"].toTensor() : torch::Tensor();
+      y = (*core)(in[0], in[1], in[2], 0, mask);
     }
     ++recomputed_attentions;
     auto g = torch::autograd::grad({y}, in, {grads[0]});
-    return {g[0], g[1], g[2], torch::Tensor()};
+    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -82,8 +98,8 @@ torch::Tensor recomputed_block(const torch::Tensor& x, block_runner& runner, int
 }
 
 torch::Tensor recomputed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                   const causal_attention& core) {
-  return recomputed_attention_fn::apply(q, k, v, &core);
+                                   const causal_attention& core, const torch::Tensor& mask) {
+  return recomputed_attention_fn::apply(q, k, v, &core, mask.defined() ? &mask : nullptr);
 }
 
 std::int64_t blocks_recomputed() { return recomputed_blocks.load(); }

@@ -25,6 +25,9 @@ class block_runner {
   /// The split backward's store the slice's projections use now (the rerun in the
   /// backward uses the one its forward deferred into).
   virtual weight_grad_store*& deferral() = 0;
+  /// The documents of the window the slice computes now (positions and mask; undefined:
+  /// one causal sequence); the rerun in the backward uses its forward's.
+  virtual window_documents& documents() = 0;
 };
 
 /// Block i of `runner` with its activations recomputed in the backward (a reentrant
@@ -32,10 +35,10 @@ class block_runner {
 /// usual, the input's gradient is returned. `x` must require a gradient.
 torch::Tensor recomputed_block(const torch::Tensor& x, block_runner& runner, int i);
 
-/// `core` (with no cached keys) keeping only q, k and v, run again in the backward. The
-/// core must outlive the backward.
+/// `core` (with no cached keys, with `mask` when defined) keeping only q, k and v, run
+/// again in the backward. The core must outlive the backward.
 torch::Tensor recomputed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                   const causal_attention& core);
+                                   const causal_attention& core, const torch::Tensor& mask = {});
 
 /// Blocks (full) and attention cores (selective) run again in backwards so far, by every
 /// slice of this process.

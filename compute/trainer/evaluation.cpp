@@ -60,7 +60,9 @@ evaluation evaluate_model(local_pipeline& model, const batch& set, bool text, in
   std::vector<eval_score> scores;
   for (const auto& f : plan_evaluation(set, text, tokens_per_forward)) {
     const auto target = set.target.narrow(0, f.begin, f.rows).to(device);
-    scores.push_back(score_evaluation(last, model.forward(set.input.narrow(0, f.begin, f.rows).to(device)), target, text));
+    const auto positions = set.positions.defined() ? set.positions.narrow(0, f.begin, f.rows) : torch::Tensor();
+    scores.push_back(score_evaluation(
+        last, model.forward(set.input.narrow(0, f.begin, f.rows).to(device), positions), target, text));
   }
   return combine_evaluation(scores, set, text, step);
 }

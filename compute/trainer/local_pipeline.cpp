@@ -49,7 +49,7 @@ std::vector<double> local_pipeline::run_step(const schedule& sched,
       auto in = x == 0 ? microbatches[op.mb].input : outputs[at(x - 1, op.mb)].detach().requires_grad_(true);
       inputs[i] = in;
       if (split[i]) s.defer_weight_grads(&deferred[i]);
-      auto out = s.forward(in);
+      auto out = s.forward(in, microbatches[op.mb].positions);
       s.defer_weight_grads(nullptr);
       if (x == n_virtual - 1) {
         auto l = s.loss(out, microbatches[op.mb].target);
@@ -97,10 +97,10 @@ void local_pipeline::zero_grads() {
   for (auto& s : slices_) s->zero_grads();
 }
 
-torch::Tensor local_pipeline::forward(const torch::Tensor& input) {
+torch::Tensor local_pipeline::forward(const torch::Tensor& input, const torch::Tensor& positions) {
   torch::NoGradGuard no_grad;
   torch::Tensor x = input;
-  for (auto& s : slices_) x = s->forward(x);
+  for (auto& s : slices_) x = s->forward(x, positions);
   return x;
 }
 

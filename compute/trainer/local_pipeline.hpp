@@ -47,7 +47,8 @@ class local_pipeline {
   expert_counts take_expert_tokens();
 
   /// Forward through every slice without autograd; returns the last slice's output.
-  torch::Tensor forward(const torch::Tensor& input);
+  /// `positions`: the documents of the windows (model_slice::forward).
+  torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& positions = {});
 
   /// Full-model parameters (each once, canonical order), cloned. Tensor parallelism:
   /// this rank's parts of them (unshard_state puts the ranks' together); sharded experts:

@@ -12,6 +12,7 @@
 #include "compute/data/documents.hpp"
 #include "compute/data/hf_tokenizer.hpp"
 #include "compute/data/training_data.hpp"
+#include "small_tokenizer.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
@@ -25,33 +26,11 @@ void write(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;
 }
 
-/// A tokenizer.json of a BPE over characters: a, b, c, ab, bc, abc, the byte pieces
-/// of 'x' and '!', <s> and </s>; the merges' order decides "abc".
-json small_bpe() {
-  json vocab = {{"<unk>", 0}, {"a", 1}, {"b", 2}, {"c", 3}, {"ab", 4}, {"bc", 5}, {"abc", 6}, {"<0x78>", 7},
-                {"<0x21>", 8}, {"\xe2\x96\x81", 9}, {"\xe2\x96\x81" "a", 10}};
-  return {{"version", "1.0"},
-          {"added_tokens",
-           {{{"id", 11}, {"content", "<s>"}, {"special", true}, {"normalized", false}},
-            {{"id", 12}, {"content", "</s>"}, {"special", true}, {"normalized", false}, {"lstrip", true}}}},
-          {"normalizer", nullptr},
-          {"pre_tokenizer", nullptr},
-          {"post_processor", nullptr},
-          {"decoder", nullptr},
-          {"model",
-           {{"type", "BPE"},
-            {"vocab", vocab},
-            {"merges", {"b c", "a b", "a bc", "\xe2\x96\x81 a"}},
-            {"unk_token", "<unk>"},
-            {"fuse_unk", true},
-            {"byte_fallback", true}}}};
-}
-
 }  // namespace
 
 TEST(HfTokenizer, MergesApplyByRankAndRareCharactersFallBackToBytes) {
   test::temp_dir dir;
-  write(dir / "tokenizer.json", small_bpe().dump());
+  write(dir / "tokenizer.json", test::small_bpe().dump());
   const hf_tokenizer tok(dir / "tokenizer.json");
   EXPECT_EQ(tok.size(), 13);
   // "b c" ranks first: a + bc, then "a bc" -> abc (not ab + c).
@@ -71,7 +50,7 @@ TEST(HfTokenizer, MergesApplyByRankAndRareCharactersFallBackToBytes) {
 
 TEST(HfTokenizer, NormalizerTemplateAndConfigGiveLlamaTwosIds) {
   test::temp_dir dir;
-  auto j = small_bpe();
+  auto j = test::small_bpe();
   j["normalizer"] = {{"type", "Sequence"},
                      {"normalizers",
                       {{{"type", "Prepend"}, {"prepend", "\xe2\x96\x81"}},
@@ -100,6 +79,35 @@ TEST(HfTokenizer, NormalizerTemplateAndConfigGiveLlamaTwosIds) {
   EXPECT_EQ(with_config.bos_id(), 11);
 }
 
+// A lone tokenizer.model as transformers 5's LlamaTokenizer converts it: merges from
+// the splits of each piece (by the merged piece's id, then the left part's length),
+// Metaspace's first-only prefix (always with legacy), control pieces special, a
+// user-defined piece added, BOS only when tokenizer_config.json adds it.
+TEST(HfTokenizer, ALlamaTokenizerModelIsTheBpeTransformersBuildsFromIt) {
+  using kind = sentencepiece_piece::kind;
+  const std::string sp = "\xe2\x96\x81";
+  const std::vector<sentencepiece_piece> pieces = {
+      {"<unk>", kind::unknown}, {"<s>", kind::control}, {"</s>", kind::control}, {"<0x21>", kind::byte},
+      {sp, kind::normal},       {"a", kind::normal},    {"b", kind::normal},     {sp + "a", kind::normal},
+      {"ab", kind::normal},     {sp + "ab", kind::normal}, {"<sep>", kind::user_defined}};
+  tokenizer_config config;
+  const auto tok = hf_tokenizer::from_text(llama_tokenizer_json(pieces, config), "test", config);
+  // ▁ab▁ab then '!' as its byte: (▁, a) first, (a, b), (▁, ab), (▁a, b) last.
+  EXPECT_EQ(tok->encode("ab ab!"), (std::vector<int>{9, 9, 3}));
+  EXPECT_EQ(tok->decode({9, 9, 3}), "ab ab!");
+  EXPECT_EQ(tok->encode("a<sep>b"), (std::vector<int>{7, 10, 6}));  // only the text's start gets ▁
+  config.legacy = 1;
+  EXPECT_EQ(hf_tokenizer::from_text(llama_tokenizer_json(pieces, config), "test", config)->encode("a<sep>b"),
+            (std::vector<int>{7, 10, 4, 6}));
+  config.legacy = -1;
+  config.add_bos_token = 1;
+  config.bos_token = "<s>";
+  config.eos_token = "</s>";
+  const auto with_bos = hf_tokenizer::from_text(llama_tokenizer_json(pieces, config), "test", config);
+  EXPECT_EQ(with_bos->encode("ab</s>"), (std::vector<int>{1, 9, 2}));
+  EXPECT_EQ(with_bos->eos_id(), 2);
+}
+
 TEST(HfTokenizer, UnsupportedTokenizersAreNamed) {
   test::temp_dir dir;
   const auto refusal = [&](json j) {
@@ -111,19 +119,19 @@ TEST(HfTokenizer, UnsupportedTokenizersAreNamed) {
     }
     return std::string("accepted");
   };
-  auto j = small_bpe();
+  auto j = test::small_bpe();
   j["model"] = {{"type", "WordPiece"}, {"vocab", {{"a", 0}}}};
   EXPECT_NE(refusal(j).find("WordPiece"), std::string::npos) << refusal(j);
   j["model"] = {{"type", "Unigram"}, {"vocab", json::array()}};
   EXPECT_NE(refusal(j).find("Unigram"), std::string::npos) << refusal(j);
-  j = small_bpe();
+  j = test::small_bpe();
   j["normalizer"] = {{"type", "Precompiled"}, {"precompiled_charsmap", ""}};
   EXPECT_NE(refusal(j).find("Precompiled"), std::string::npos) << refusal(j);
-  j = small_bpe();
+  j = test::small_bpe();
   j["pre_tokenizer"] = {{"type", "BertPreTokenizer"}};
   EXPECT_NE(refusal(j).find("BertPreTokenizer"), std::string::npos) << refusal(j);
   EXPECT_NE(refusal(json::parse("{\"model\": 3}")).find("t.json"), std::string::npos);
-  write(dir / "t.json", small_bpe().dump());
+  write(dir / "t.json", test::small_bpe().dump());
   EXPECT_THROW(hf_tokenizer(dir / "t.json").encode("a\xff"), data_error);  // not UTF-8
 }
 
@@ -174,7 +182,7 @@ TEST(Documents, JsonLinesFilesAndFoldersInOrderWithTheirEos) {
   test::temp_dir dir;
   write(dir / "spm.txt", "abcabc ab\nca\n");
   fs::create_directories(dir / "tok");
-  write(dir / "tok/tokenizer.json", small_bpe().dump());
+  write(dir / "tok/tokenizer.json", test::small_bpe().dump());
   write(dir / "tok/tokenizer_config.json", R"({"eos_token": "</s>"})");
   const tokenizer tok(dir / "tok");  // a folder's tokenizer
   const int eos = tok.eos_id();
@@ -240,7 +248,7 @@ TEST(Documents, JobsWithoutTokenizerOrEosOrWithTooLargeATokenizerAreRefused) {
   c.data = {dir / "missing.jsonl"};
   EXPECT_NE(test::config_error_of(c).find("does not exist"), std::string::npos) << test::config_error_of(c);
   // A tokenizer.json without an EOS token.
-  write(dir / "tokenizer.json", small_bpe().dump());
+  write(dir / "tokenizer.json", test::small_bpe().dump());
   c.data = {dir / "a.jsonl"};
   c.tokenizer = dir / "tokenizer.json";
   EXPECT_NE(test::config_error_of(c).find("has no EOS token"), std::string::npos) << test::config_error_of(c);

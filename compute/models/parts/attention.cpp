@@ -43,12 +43,12 @@ param_table attention_params(const decoder_family& f, const decoder_config& c, c
 
 causal_attention::causal_attention(std::int64_t seq_len, torch::Device device, std::int64_t window)
     : causal_(torch::ones({seq_len, seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril()),
-      windowed_(window > 0 && window < seq_len) {
+      windowed_(window > 0 && window < seq_len), window_(windowed_ ? window : 0) {
   if (windowed_) causal_ = causal_.triu(-(window - 1));  // key j of query i: i - window < j <= i
 }
 
 torch::Tensor causal_attention::operator()(const torch::Tensor& q, torch::Tensor k, torch::Tensor v,
-                                           std::int64_t past) const {
+                                           std::int64_t past, const torch::Tensor& documents) const {
   const auto T = q.size(2), hd = q.size(3);
   if (k.size(1) != q.size(1)) {  // grouped-query: query head h uses key/value head h / (H / KV)
     const auto group = q.size(1) / k.size(1);
@@ -58,12 +58,14 @@ torch::Tensor causal_attention::operator()(const torch::Tensor& q, torch::Tensor
   // Query t (position past + t) sees keys 0 .. past + t: rows past.. of the causal mask.
   // One new token sees them all: no mask.
   // (A sliding window masks the earlier keys of a single new token too.)
-  const bool masked = T > 1 || windowed_;
-  const auto mask = causal_.slice(0, past, past + T).slice(1, 0, past + T);
+  // (Documents: their mask, the window's included, for a window without a cache.)
+  const bool masked = T > 1 || windowed_ || documents.defined();
+  const auto mask = documents.defined() ? documents : causal_.slice(0, past, past + T).slice(1, 0, past + T);
 #if TORCH_VERSION_MAJOR >= 2
   // LibTorch 2.x: the fused kernel (flash / memory-efficient attention on GPUs).
   (void)hd;
-  return past == 0 && !windowed_ ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
+  return past == 0 && !windowed_ && !documents.defined()
+             ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
          : masked  ? at::scaled_dot_product_attention(q, k, v, mask)
                    : at::scaled_dot_product_attention(q, k, v);
 #else
@@ -113,7 +115,8 @@ torch::Tensor attend(const decoder_config& cfg, torch::Tensor q, torch::Tensor k
 }  // namespace
 
 torch::Tensor attention(const part_context& c, const torch::Tensor& x, const std::string& block, kv_cache* cache,
-                        int cache_index, const attention_core& core, const rotary_embedding* rotary) {
+                        int cache_index, const attention_core& core, const rotary_embedding* rotary,
+                        const torch::Tensor& positions) {
   const auto& o = c.family.attention;
   const std::string p = block + o.prefix;
   const std::int64_t H = c.heads, KV = c.kv_heads, hd = c.cfg.head_dim();
@@ -132,7 +135,7 @@ torch::Tensor attention(const part_context& c, const torch::Tensor& x, const std
   };
   auto positioned = [&](const torch::Tensor& t, const std::string& norm) {
     const auto normed = head_norm(t, norm);
-    return rotary ? rotary->rotate(normed, from) : normed;
+    return rotary ? rotary->rotate(normed, from, positions) : normed;
   };
   // Fewer key/value heads than tensor-parallel ranks: each rank's copy of the whole k and
   // v projections (replicated), of which it computes the head its query heads use; f on

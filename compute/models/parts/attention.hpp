@@ -23,15 +23,20 @@ param_table attention_params(const decoder_family& f, const decoder_config& c, c
 /// The causal core, softmax(q k^T / sqrt(hd)) v, for queries at positions past, past + 1,
 /// ... and keys from position 0 (q: (B, H, T, hd); k, v: (B, KV, past + T, hd); query head
 /// h uses key/value head h / (H / KV)). With a `window` (Mistral's sliding window), the
-/// query at position i sees the keys at positions i - window + 1 .. i only.
+/// query at position i sees the keys at positions i - window + 1 .. i only. With a
+/// `mask` ((B, 1, T, T) bool, document_mask's: documents in the window; no cache), the
+/// query sees the keys the mask allows instead.
 class causal_attention {
  public:
   causal_attention(std::int64_t seq_len, torch::Device device, std::int64_t window = 0);
-  torch::Tensor operator()(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, std::int64_t past) const;
+  torch::Tensor operator()(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, std::int64_t past,
+                           const torch::Tensor& mask = {}) const;
+  std::int64_t window() const { return window_; }
 
  private:
   torch::Tensor causal_;  ///< (seq_len, seq_len) bool, lower triangle (within the window)
   bool windowed_ = false;  ///< a window shorter than seq_len
+  std::int64_t window_ = 0;  ///< the window when windowed_, else 0
 };
 
 /// The core an attention runs (causal_attention, or a wrapper of it: selective recompute).
@@ -41,8 +46,10 @@ using attention_core =
 /// The attention of block `block` on `x` (its normed input, (B, T, d)): what the residual
 /// adds. With a cache, `x` holds the tokens after the cache's: their keys and values are
 /// appended to the block's (entry `cache_index` of the cache), and they attend to all of
-/// them. `rotary`: the family's rotary embedding (nullptr: learned positions).
+/// them. `rotary`: the family's rotary embedding (nullptr: learned positions), at the
+/// tokens' `positions` when given ((B, T) int64, documents; no cache).
 torch::Tensor attention(const part_context& c, const torch::Tensor& x, const std::string& block, kv_cache* cache,
-                        int cache_index, const attention_core& core, const rotary_embedding* rotary);
+                        int cache_index, const attention_core& core, const rotary_embedding* rotary,
+                        const torch::Tensor& positions = {});
 
 }  // namespace troupe

@@ -11,9 +11,21 @@ param_table learned_position_params(const std::string& name, std::int64_t positi
 }
 
 torch::Tensor add_learned_positions(const torch::Tensor& x, const torch::Tensor& table, std::int64_t from,
-                                    torch::Device device) {
+                                    torch::Device device, const torch::Tensor& positions) {
+  if (positions.defined()) return x + torch::embedding(table, positions.to(device));
   auto pos = torch::arange(from, from + x.size(1), torch::TensorOptions().dtype(torch::kInt64).device(device));
   return x + torch::embedding(table, pos);
+}
+
+torch::Tensor document_mask(const torch::Tensor& positions, std::int64_t window) {
+  const auto T = positions.size(1);
+  // Documents numbered in each sequence: key j and query i share one when as many
+  // documents begin at or before each.
+  const auto doc = positions.eq(0).to(torch::kInt64).cumsum(/*dim=*/1);
+  auto mask = doc.unsqueeze(2).eq(doc.unsqueeze(1));  // (B, T, T): [b, i, j]
+  auto causal = torch::ones({T, T}, positions.options().dtype(torch::kBool)).tril();
+  if (window > 0 && window < T) causal = causal.triu(-(window - 1));
+  return mask.logical_and(causal).unsqueeze(1);
 }
 
 rotary_embedding::rotary_embedding(const decoder_config& cfg, torch::Device device) {
@@ -44,10 +56,15 @@ rotary_embedding::rotary_embedding(const decoder_config& cfg, torch::Device devi
   sin_ = emb.sin().to(device);
 }
 
-torch::Tensor rotary_embedding::rotate(const torch::Tensor& x, std::int64_t from) const {
+torch::Tensor rotary_embedding::rotate(const torch::Tensor& x, std::int64_t from, const torch::Tensor& positions) const {
   const auto T = x.size(2), half = x.size(3) / 2;
-  const auto cos = cos_.narrow(0, from, T).to(x.scalar_type());
-  const auto sin = sin_.narrow(0, from, T).to(x.scalar_type());
+  // Documents: each sequence's rows of the tables, (B, 1, T, hd) over the heads.
+  const auto rows = [&](const torch::Tensor& table) {
+    return positions.defined() ? table.index_select(0, positions.reshape({-1})).view({positions.size(0), 1, T, -1})
+                               : table.narrow(0, from, T);
+  };
+  const auto cos = rows(cos_).to(x.scalar_type());
+  const auto sin = rows(sin_).to(x.scalar_type());
   const auto rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, /*dim=*/3);
   return x * cos + rotated * sin;
 }

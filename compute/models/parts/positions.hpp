@@ -15,9 +15,22 @@ namespace troupe {
 /// holds it whole; no weight decay).
 param_table learned_position_params(const std::string& name, std::int64_t positions, std::int64_t width);
 
-/// x (B, T, d) plus the rows from, from + 1, ... of the learned `table`, on `device`.
+/// x (B, T, d) plus the rows from, from + 1, ... of the learned `table`, on `device`; with
+/// `positions` ((B, T) int64, documents), the rows they name instead.
 torch::Tensor add_learned_positions(const torch::Tensor& x, const torch::Tensor& table, std::int64_t from,
-                                    torch::Device device);
+                                    torch::Device device, const torch::Tensor& positions = {});
+
+/// The attention mask of documents at `positions` (B, T; document_positions'): query i sees key j when j <= i
+/// and no document begins in (j, i] (a position 0 starts one); with a `window` (0: none),
+/// also i - window < j. (B, 1, T, T) bool, true where a query sees a key.
+torch::Tensor document_mask(const torch::Tensor& positions, std::int64_t window = 0);
+
+/// The documents of the window a slice computes (--document-attention): its tokens'
+/// positions and the mask they give. Both undefined: one causal sequence.
+struct window_documents {
+  torch::Tensor positions;  ///< (B, T) int64
+  torch::Tensor mask;       ///< (B, 1, T, T) bool
+};
 
 /// Rotary tables as Hugging Face computes them, in fp32: inv_freq[j] = 1 / theta^(2j / hd),
 /// angle = position * inv_freq[j]; cos and sin of [angles, angles] (length hd).
@@ -25,8 +38,9 @@ class rotary_embedding {
  public:
   rotary_embedding(const decoder_config& cfg, torch::Device device);
   /// The rotary embedding of q or k (B, heads, T, hd) at positions from, from + 1, ...
-  /// (the tables cast to x's dtype, as Hugging Face does).
-  torch::Tensor rotate(const torch::Tensor& x, std::int64_t from) const;
+  /// (the tables cast to x's dtype, as Hugging Face does); with `positions` ((B, T) int64,
+  /// documents), at the positions they give each sequence's tokens instead.
+  torch::Tensor rotate(const torch::Tensor& x, std::int64_t from, const torch::Tensor& positions = {}) const;
 
  private:
   torch::Tensor cos_, sin_;  ///< (seq_len, head dim), fp32

@@ -1,7 +1,7 @@
 """A plain PyTorch training loop over the transformers module of a Hugging Face folder
 (WORKLOADS.md section 6): what Troupe's `--model DIR` run is compared with.
 
-usage: python hf_train_reference.py FOLDER OUT STEPS TOTAL_STEPS SEQ_LEN [DATA...]
+usage: python hf_train_reference.py FOLDER OUT STEPS TOTAL_STEPS SEQ_LEN [--document-attention] [DATA...]
 Loads FOLDER with AutoModelForCausalLM (fp32, eager attention), trains STEPS steps of
 section 1's rules (AdamW (0.9, 0.95), eps 1e-8, the lr schedule over TOTAL_STEPS, weight
 decay 0.1 on every parameter of 2 or more dimensions but gpt2's wpe, clipping at 1.0) on
@@ -11,6 +11,9 @@ each block with experts. With DATA (.jsonl files, Megatron prefixes), the window
 section 6's document stream instead: each JSON line's "text" as AutoTokenizer encodes
 it, EOS (config.json's eos_token_id) appended unless last; a Megatron dataset's ids
 as stored (Megatron-Core's IndexedDataset); the first floor(9 n / 10) tokens train.
+With --document-attention, each window is cut into its documents (a new one after each
+EOS) and the module runs on each of them alone: positions from 0 and attention within
+the document, by construction; the window's logits are theirs in order.
 Writes OUT/losses.txt (each step's cross-entropy) and
 OUT/final (save_pretrained of the trained model).
 """
@@ -60,13 +63,17 @@ def document_stream(folder, paths, eos):
 
 def main():
     folder, out, steps, total, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-    paths = sys.argv[6:]
+    paths = [a for a in sys.argv[6:] if a != "--document-attention"]
+    documents = "--document-attention" in sys.argv[6:]
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager")
     model.train()
     config = model.config
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
     top_k = getattr(config, "num_experts_per_tok", 0)
     coeff = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if documents and routers(model):
+        sys.exit("--document-attention: the per-sequence load-balancing term is not split by document here")
     logits_of_routers = []
     for r in routers(model):
         # (5.x's routers return (router_logits, weights, indices))
@@ -76,9 +83,19 @@ def main():
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
 
+    def window_logits(x):
+        if not documents:
+            return model(x).logits
+        rows = []
+        for seq in x:
+            starts = [0] + [t + 1 for t in range(len(seq) - 1) if int(seq[t]) == eos]
+            ends = starts[1:] + [len(seq)]
+            rows.append(torch.cat([model(seq[a:b].unsqueeze(0)).logits[0] for a, b in zip(starts, ends)]))
+        return torch.stack(rows)
+
     def losses_of(x, y):
         logits_of_routers.clear()
-        logits = model(x).logits
+        logits = window_logits(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
         aux = 0.0
         for router_logits in logits_of_routers:  # (B T, E) of one block with experts
@@ -91,7 +108,6 @@ def main():
             aux = aux + coeff * E * (f * P).sum(1).mean()
         return loss, aux
 
-    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
     stream = document_stream(folder, paths, eos) if paths else None
     losses = gpt_tiny.train(model, opt, losses_of, steps, total, seq_len, stream=stream)
     model.save_pretrained(os.path.join(out, "final"))

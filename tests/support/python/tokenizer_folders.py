@@ -7,8 +7,8 @@ KIND: gpt2 (byte-level BPE, GPT-2's pre-tokenizer), llama3 (byte-level, Llama 3'
 regex, ignore_merges, a BOS template, many special tokens), qwen2 (NFC, Qwen2's regex, no
 template), llama2 (SentencePiece-style BPE with byte fallback: Prepend/Replace normalizer,
 BOS template), metaspace (the same with a Metaspace pre-tokenizer, LlamaTokenizer's
-add_bos_token), spm (a SentencePiece tokenizer.model only, as Llama 2's slow files;
-needs the sentencepiece module).
+add_bos_token), spm (a SentencePiece tokenizer.model only, as Llama 2's slow files, with
+a user-defined piece: transformers 5 converts it to a BPE; needs the sentencepiece module).
 Writes OUT/KIND/ (the folder) and OUT/KIND.json: {"texts": [...], "ids": [[...]]} with
 AutoTokenizer.from_pretrained(OUT/KIND)(text)["input_ids"] for each text. --vocab: the
 byte-level and byte-fallback kinds' vocabulary size (default 700).
@@ -25,7 +25,7 @@ TEXTS = [
     "Unicode: naïve café, Straße, 東京タワー, Привет мир, مرحبا بالعالم, ελληνικά",
     "emoji 👩‍👩‍👧‍👦 family 🏳️‍🌈 flag 👍🏽 thumbs, ZWJ\u200dinside",
     "digits 3.14159 and 1,000,000 and ٣٤٥ and 0xDEADBEEF and 2026-12-02",
-    "special tokens spelled inside: <|endoftext|> and <s> and </s> and <|begin_of_text|>x<|eot_id|>",
+    "special tokens spelled inside: <|endoftext|> and <s> and </s> and <|begin_of_text|>x<|eot_id|> and <sep>x",
     "",
     "combining e\u0301 versus \u00e9 and A\u030a versus \u00c5 (NFC composes them)",
     " " * 40 + "x" + "\n" * 5 + " \n \n",
@@ -125,7 +125,7 @@ def sentencepiece_model(folder):
                                    # Llama 2's: no normalization, the dummy prefix, digits split
                                    normalization_rule_name="identity", remove_extra_whitespaces=False,
                                    add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
-                                   minloglevel=2)
+                                   user_defined_symbols=["<sep>"], minloglevel=2)
     os.remove(os.path.join(folder, "tokenizer.vocab"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
@@ -154,10 +154,6 @@ def main():
         ids = [auto(t)["input_ids"] for t in TEXTS]
         result = {"texts": TEXTS, "ids": ids, "eos": auto.eos_token_id, "class": type(auto).__name__,
                   "transformers": transformers.__version__}
-        if kind == "spm":  # SentencePiece's own ids, BOS first (AutoTokenizer converts the model to a BPE)
-            import sentencepiece as spm
-            sp = spm.SentencePieceProcessor(model_file=os.path.join(folder, "tokenizer.model"))
-            result["sentencepiece_ids"] = [[sp.bos_id()] + sp.encode(t) for t in TEXTS]
         with open(os.path.join(out, kind + ".json"), "w") as f:
             json.dump(result, f)
 

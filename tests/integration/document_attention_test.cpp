@@ -1,0 +1,154 @@
+// --document-attention through the actor runtime: the documents' positions travel with
+// the micro-batches and activations to every stage, and layouts of pipeline, tensor and
+// sequence parallelism, replicas, recomputation and schedules give the parameters and
+// losses of the one-process loop; the evaluation in the pipeline gives the gathered
+// model's. (The forward's semantics: tests/unit/document_attention_test.cpp; against
+// transformers: tests/integration/tokenizer_client_test.cpp.)
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "actor_test_util.hpp"
+#include "compute/data/documents.hpp"
+#include "small_tokenizer.hpp"
+
+namespace troupe {
+
+using namespace actor_test;
+
+namespace {
+
+/// A tokenizer folder (test::small_bpe, EOS </s>) and 400 JSON-lines documents of 2 to
+/// 60 characters of "abcx!" (a few tokens to some 40): a window of 64 holds several.
+struct documents {
+  test::temp_dir dir;
+  documents() {
+    std::filesystem::create_directories(dir / "tok");
+    std::ofstream(dir / "tok/tokenizer.json") << test::small_bpe().dump();
+    std::ofstream(dir / "tok/tokenizer_config.json") << R"({"eos_token": "</s>"})";
+    std::ofstream out(dir / "docs.jsonl");
+    std::mt19937 rng(11);
+    const std::string chars = "abcx!";
+    for (int d = 0; d < 400; ++d) {
+      std::string text(std::size_t(2 + rng() % 59), 'a');
+      for (auto& ch : text) ch = chars[rng() % chars.size()];
+      out << nlohmann::json{{"text", text}}.dump() << "\n";
+    }
+  }
+  job_config job(const std::string& workload) const {
+    auto c = test::small_config(200);
+    c.workload = workload;
+    c.data = {dir / "docs.jsonl"};
+    c.tokenizer = dir / "tok";
+    c.cache_dir = dir / "cache";
+    c.document_attention = true;
+    c.microbatches = 4;
+    return c;
+  }
+};
+
+const documents& shared_documents() {
+  static const documents d;
+  return d;
+}
+
+struct documents_layout {
+  const char* name;
+  const char* workload;
+  std::vector<std::pair<std::string, std::string>> keys;
+};
+
+void PrintTo(const documents_layout& l, std::ostream* os) { *os << l.name; }
+
+class DocumentLayouts : public ::testing::TestWithParam<documents_layout> {};
+
+}  // namespace
+
+TEST_P(DocumentLayouts, SameParametersAndLossesAsTheOneProcessLoop) {
+  const auto& l = GetParam();
+  auto c = shared_documents().job(l.workload);
+  for (const auto& [key, value] : l.keys) c.set(key, value, "test");
+  c.validate();
+  auto one = c;  // the one-process loop: no group of any kind
+  one.tensor_parallel = 1;
+  one.sequence_parallel = false;
+  one.recompute = "none";
+  const auto ref = reference_of(one);
+  const auto got = run_actors(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5) << l.name;
+  ASSERT_EQ(got.losses.size(), ref.losses.size());
+  for (std::size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i;
+  // The documents change what the model computes: one causal sequence per window trains
+  // to other parameters.
+  one.document_attention = false;
+  EXPECT_GT(test::max_abs_diff(reference_of(one).state, ref.state), 1e-4) << l.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Documents, DocumentLayouts,
+    ::testing::Values(
+        documents_layout{"llama_t2_sp_p2_recompute_full",
+                         "llama-tiny",
+                         {{"tensor_parallel", "2"}, {"sequence_parallel", "true"}, {"pipeline", "2"},
+                          {"recompute", "full"}}},
+        documents_layout{"llama_p2_v2_interleaved_recompute_selective",
+                         "llama-tiny",
+                         {{"pipeline", "2"}, {"chunks", "2"}, {"schedule", "interleaved-1f1b"},
+                          {"recompute", "selective"}}},
+        documents_layout{"gpt_t2_sp_d2_zero_bubble",
+                         "gpt-tiny",
+                         {{"tensor_parallel", "2"}, {"sequence_parallel", "true"}, {"pipeline", "2"},
+                          {"data_parallel", "2"}, {"schedule", "zero-bubble"}}}),
+    [](const ::testing::TestParamInfo<documents_layout>& info) { return std::string(info.param.name); });
+
+// The validation windows' positions go to the first stage with their rows and on with the
+// activations: the pipeline's evaluation gives the gathered model's.
+TEST(DocumentAttention, ThePipelinesEvaluationGivesTheGatheredModels) {
+  auto c = shared_documents().job("llama-tiny");
+  c.pipeline = 2;
+  c.steps = 2;
+  c.eval_interval = 2;
+  c.eval_tokens = 512;
+  c.eval_mode = "gather";
+  const auto gathered = run_actors(c);
+  c.eval_mode = "pipeline";
+  const auto piped = run_actors(c);
+  ASSERT_EQ(gathered.exit_code, 0) << gathered.error;
+  ASSERT_EQ(piped.exit_code, 0) << piped.error;
+  ASSERT_EQ(piped.evaluations.size(), 1u);
+  ASSERT_EQ(gathered.evaluations.size(), 1u);
+  EXPECT_NEAR(piped.evaluations[0].loss, gathered.evaluations[0].loss, 1e-6);
+}
+
+TEST(DocumentAttention, JobsWithoutDocumentsOrTheirEosAreRefused) {
+  auto c = test::small_config(1);
+  c.document_attention = true;
+  EXPECT_NE(test::config_error_of(c).find("document_attention resets attention at the documents of --data"),
+            std::string::npos)
+      << test::config_error_of(c);
+  // A Megatron dataset's ids need no tokenizer, but its documents' EOS must be known.
+  test::temp_dir dir;
+  {
+    megatron_writer w(dir / "ids", 256);
+    w.add_document({5, 6, 7});
+    w.finish();
+  }
+  c.data = {dir / "ids"};
+  EXPECT_NE(test::config_error_of(c).find("document_attention needs the documents' EOS token"), std::string::npos)
+      << test::config_error_of(c);
+  c.document_attention = false;
+  EXPECT_EQ(test::config_error_of(c), "");
+  // A tokenizer without EOS (a tokenizer.json without a tokenizer_config.json beside it).
+  c.document_attention = true;
+  std::ofstream(dir / "tokenizer.json") << test::small_bpe().dump();
+  c.tokenizer = dir / "tokenizer.json";
+  EXPECT_NE(test::config_error_of(c).find("has no EOS token"), std::string::npos) << test::config_error_of(c);
+  c.tokenizer = shared_documents().dir / "tok";
+  EXPECT_EQ(test::config_error_of(c), "");
+}
+
+}  // namespace troupe
