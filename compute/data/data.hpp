@@ -25,7 +25,8 @@ struct batch {
   /// for supervised fine-tuning, would travel beside the targets the same way.)
   torch::Tensor positions;
   /// Text: the bytes a target stands for, on average (1 for bytes; a tokenizer's
-  /// validation windows: their pieces' bytes), for bits per byte.
+  /// validation windows: their pieces' bytes; 0: not known, ids without a tokenizer), for
+  /// bits per byte.
   double bytes_per_target = 1.0;
 };
 

@@ -484,7 +484,10 @@ batch token_corpus::validation_batch(int seq_len, const tokenizer* tok, int n_wi
   std::vector<std::size_t> offsets(static_cast<std::size_t>(n_windows));
   for (int i = 0; i < n_windows; ++i) offsets[std::size_t(i)] = n_train_ + std::size_t(i) * stride;
   auto b = windows(offsets, seq_len);
-  if (!tok) return b;
+  if (!tok) {  // (a Megatron dataset's ids without a tokenizer: their bytes are not known)
+    b.bytes_per_target = 0;
+    return b;
+  }
   const auto bytes = tok->piece_bytes();
   std::int64_t total = 0;
   const auto* target = b.target.data_ptr<std::int64_t>();

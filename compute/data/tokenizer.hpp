@@ -123,7 +123,7 @@ class token_corpus {
 
   batch train_batch(std::uint64_t seed, std::uint64_t first, int count, int seq_len) const;
   /// The validation windows; `bytes_per_target` is set from the tokenizer's piece bytes
-  /// (null: 1 per token).
+  /// (null: 0, not known).
   batch validation_batch(int seq_len, const tokenizer* tok, int windows = 32) const;
 
  private:

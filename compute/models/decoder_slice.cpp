@@ -66,20 +66,17 @@ decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, c
 torch::Tensor decoder_slice::forward(const torch::Tensor& input, const torch::Tensor& positions) {
   // Documents: every block of this forward attends by their mask (the positions whole
   // under sequence parallelism: the attention gathers the sequence).
-  struct documents_scope {
-    window_documents& docs;
-    ~documents_scope() { docs = {}; }
-  } scope{documents_};
+  window_documents docs;
   if (positions.defined()) {
     if (positions.dim() != 2 || positions.size(0) != input.size(0) || positions.size(1) != cfg_.seq_len)
       throw model_error("document positions of shape " + c10::str(positions.sizes()) + " for " +
                         std::to_string(input.size(0)) + " sequences of " + std::to_string(cfg_.seq_len) + " tokens");
     const auto p = positions.to(input.device(), torch::kInt64);
-    documents_ = {p, document_mask(p, core_->window())};
+    docs = {p, document_mask(p, core_->window())};
   }
   // Sequence parallelism: between the layers, this rank's positions only; a stage's
   // activations travel whole.
-  torch::Tensor x = is_first() ? embed(input, 0, tp_.sequence, documents_.positions)
+  torch::Tensor x = is_first() ? embed(input, 0, tp_.sequence, docs.positions)
                     : sequence() ? tp::scatter_sequence(input, group())
                                  : input;
   x = to_residual(x);
@@ -88,7 +85,7 @@ torch::Tensor decoder_slice::forward(const torch::Tensor& input, const torch::Te
   // blocks' parameters would get none.)
   if (recompute && !x.requires_grad()) x = x.detach().requires_grad_(true);
   for (int i = range_.first; i < range_.last; ++i)
-    x = recompute ? recomputed_block(x, *this, i) : block(x, i, nullptr, block_pass::plain);
+    x = recompute ? recomputed_block(x, *this, i, docs) : block(x, i, nullptr, block_pass::plain, docs);
   if (is_last()) x = final_norm(x);
   // (The last stage's enters its column-parallel output layer: each rank's share of the
   // gradient summed.)
@@ -130,26 +127,28 @@ torch::Tensor decoder_slice::loss(const torch::Tensor& output, const torch::Tens
   return F::cross_entropy(l.view({-1, l.size(-1)}), target.reshape({-1}));
 }
 
-torch::Tensor decoder_slice::run_block(const torch::Tensor& x, int i, block_pass pass) {
-  return block(x, i, nullptr, pass);
+torch::Tensor decoder_slice::run_block(const torch::Tensor& x, int i, block_pass pass,
+                                       const window_documents& documents) {
+  return block(x, i, nullptr, pass, documents);
 }
 
 part_context decoder_slice::context(bool sequence, block_pass pass) {
   return part_context{family_, cfg_, *this, defer_, tp_, sequence, pass, heads_, kv_heads_};
 }
 
-torch::Tensor decoder_slice::block(const torch::Tensor& x, int i, kv_cache* cache, block_pass pass) {
+torch::Tensor decoder_slice::block(const torch::Tensor& x, int i, kv_cache* cache, block_pass pass,
+                                   const window_documents& documents) {
   const auto c = context(sequence() && !cache, pass);
   // Selective recompute wraps the attention's core (not in generation, nor without a graph).
   const bool selective = recompute_ == recompute_mode::selective && !cache && torch::GradMode::is_enabled();
-  // (Documents: not in generation.)
-  const auto docs = cache ? window_documents{} : documents_;
-  const attention_core core = [this, selective, &docs](const torch::Tensor& q, const torch::Tensor& k,
+  const auto& mask = documents.mask;
+  const attention_core core = [this, selective, &mask](const torch::Tensor& q, const torch::Tensor& k,
                                                        const torch::Tensor& v, std::int64_t past) {
-    return selective ? recomputed_attention(q, k, v, *core_, docs.mask) : (*core_)(q, k, v, past, docs.mask);
+    return selective ? recomputed_attention(q, k, v, *core_, mask) : (*core_)(q, k, v, past, mask);
   };
   expert_tally tally{ep_, aux_scale_, aux_sum_, expert_tokens_};
-  return decoder_block(c, x, i, cache, i - range_.first, {core, rotary_ ? &*rotary_ : nullptr, tally, docs.positions});
+  return decoder_block(c, x, i, cache, i - range_.first,
+                       {core, rotary_ ? &*rotary_ : nullptr, tally, documents.positions});
 }
 
 torch::Tensor decoder_slice::own_logits(const torch::Tensor& output) {

@@ -29,13 +29,13 @@ class decoder_slice final : public model_slice, block_runner {
   torch::Tensor logits(const torch::Tensor& output) override;
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override;
 
-  torch::Tensor run_block(const torch::Tensor& x, int i, block_pass pass) override;
+  torch::Tensor run_block(const torch::Tensor& x, int i, block_pass pass, const window_documents& documents) override;
   weight_grad_store*& deferral() override { return defer_; }
-  window_documents& documents() override { return documents_; }
 
  private:
-  /// Block i (with a cache: of generation), run as `pass` says.
-  torch::Tensor block(const torch::Tensor& x, int i, kv_cache* cache, block_pass pass);
+  /// Block i (with a cache: of generation), run as `pass` says, attending by `documents`.
+  torch::Tensor block(const torch::Tensor& x, int i, kv_cache* cache, block_pass pass,
+                      const window_documents& documents = {});
   /// The logits of this rank's vocabulary columns (all of them without tensor
   /// parallelism); the padded rows' are minus infinity.
   torch::Tensor own_logits(const torch::Tensor& output);
@@ -62,7 +62,6 @@ class decoder_slice final : public model_slice, block_runner {
   std::optional<rotary_embedding> rotary_;  ///< a family with rotary positions
   std::string embedding_, output_;         ///< the token embedding's and the output layer's names
   torch::Tensor padded_;                   ///< (vocab) bool: the rows past the tokenizer's pieces
-  window_documents documents_;             ///< the forward's documents (while it runs)
 };
 
 }  // namespace troupe

@@ -17,24 +17,23 @@ std::atomic<std::int64_t> recomputed_attentions{0};
 
 struct recomputed_block_fn : torch::autograd::Function<recomputed_block_fn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, block_runner* runner,
-                               std::int64_t i) {
+                               std::int64_t i, const window_documents* docs) {
     ctx->save_for_backward({x});
     ctx->saved_data["runner"] = reinterpret_cast<std::int64_t>(runner);
     ctx->saved_data["block"] = i;
     ctx->saved_data["precision"] = std::int64_t(current_precision(x.device()));
     ctx->saved_data["defer"] = reinterpret_cast<std::int64_t>(runner->deferral());
     // (Documents: the rerun attends as this forward does.)
-    const auto& docs = runner->documents();
-    if (docs.positions.defined()) {
-      ctx->saved_data["positions"] = docs.positions;
-      ctx->saved_data["mask"] = docs.mask;
+    if (docs->positions.defined()) {
+      ctx->saved_data["positions"] = docs->positions;
+      ctx->saved_data["mask"] = docs->mask;
     }
     // (No graph, but a training forward: its load-balancing loss counts.)
-    return runner->run_block(x, int(i), block_pass::checkpointing);
+    return runner->run_block(x, int(i), block_pass::checkpointing, *docs);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
     auto* runner = reinterpret_cast<block_runner*>(ctx->saved_data["runner"].toInt());
     const auto x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     torch::Tensor y;
@@ -44,19 +43,16 @@ struct recomputed_block_fn : torch::autograd::Function<recomputed_block_fn> {
       // The store the forward deferred into (the backward may run while another is set).
       auto* const before = runner->deferral();
       runner->deferral() = reinterpret_cast<weight_grad_store*>(ctx->saved_data["defer"].toInt());
-      // The forward's documents (the slice may be in another micro-batch's forward now).
-      auto docs_before = std::move(runner->documents());
-      runner->documents() = {};
+      window_documents docs;
       if (ctx->saved_data.count("positions"))
-        runner->documents() = {ctx->saved_data["positions"].toTensor(), ctx->saved_data["mask"].toTensor()};
+        docs = {ctx->saved_data["positions"].toTensor(), ctx->saved_data["mask"].toTensor()};
       // (Its load-balancing loss was counted by the forward.)
-      y = runner->run_block(x, int(ctx->saved_data["block"].toInt()), block_pass::recomputing);
+      y = runner->run_block(x, int(ctx->saved_data["block"].toInt()), block_pass::recomputing, docs);
       runner->deferral() = before;
-      runner->documents() = std::move(docs_before);
     }
     ++recomputed_blocks;
     torch::autograd::backward({y}, {grads[0]});
-    return {x.grad(), torch::Tensor(), torch::Tensor()};
+    return {x.grad(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -93,8 +89,8 @@ struct recomputed_attention_fn : torch::autograd::Function<recomputed_attention_
 
 }  // namespace
 
-torch::Tensor recomputed_block(const torch::Tensor& x, block_runner& runner, int i) {
-  return recomputed_block_fn::apply(x, &runner, std::int64_t(i));
+torch::Tensor recomputed_block(const torch::Tensor& x, block_runner& runner, int i, const window_documents& documents) {
+  return recomputed_block_fn::apply(x, &runner, std::int64_t(i), &documents);
 }
 
 torch::Tensor recomputed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

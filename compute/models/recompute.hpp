@@ -20,20 +20,19 @@ namespace troupe {
 class block_runner {
  public:
   virtual ~block_runner() = default;
-  /// Block i of the slice on x, run as `pass` says.
-  virtual torch::Tensor run_block(const torch::Tensor& x, int i, block_pass pass) = 0;
+  /// Block i of the slice on x, run as `pass` says, attending by the window's `documents`.
+  virtual torch::Tensor run_block(const torch::Tensor& x, int i, block_pass pass, const window_documents& documents) = 0;
   /// The split backward's store the slice's projections use now (the rerun in the
   /// backward uses the one its forward deferred into).
   virtual weight_grad_store*& deferral() = 0;
-  /// The documents of the window the slice computes now (positions and mask; undefined:
-  /// one causal sequence); the rerun in the backward uses its forward's.
-  virtual window_documents& documents() = 0;
 };
 
 /// Block i of `runner` with its activations recomputed in the backward (a reentrant
 /// checkpoint, as torch.utils.checkpoint's): the parameters' gradients accumulate as
-/// usual, the input's gradient is returned. `x` must require a gradient.
-torch::Tensor recomputed_block(const torch::Tensor& x, block_runner& runner, int i);
+/// usual, the input's gradient is returned. `x` must require a gradient. The rerun
+/// attends by the same `documents` (kept with the graph: a slice may run another
+/// micro-batch's forward meanwhile, on another thread too).
+torch::Tensor recomputed_block(const torch::Tensor& x, block_runner& runner, int i, const window_documents& documents);
 
 /// `core` (with no cached keys, with `mask` when defined) keeping only q, k and v, run
 /// again in the backward. The core must outlive the backward.

@@ -7,9 +7,12 @@
 
 namespace troupe {
 
-double evaluation::bits_per_byte() const { return loss / std::log(2.0) / bytes_per_target; }
+double evaluation::bits_per_byte() const {
+  return bytes_per_target > 0 ? loss / std::log(2.0) / bytes_per_target : std::nan("");
+}
 
 std::vector<std::pair<std::string, double>> evaluation::fields() const {
+  if (text && bytes_per_target <= 0) return {{"val_loss", loss}};  // (ids without a tokenizer)
   if (text) return {{"val_loss", loss}, {"val_bpb", bits_per_byte()}};
   return {{"test_loss", loss}, {"test_accuracy", accuracy}};
 }
@@ -48,6 +51,8 @@ evaluation combine_evaluation(const std::vector<eval_score>& scores, const batch
 }
 
 std::string evaluation::summary() const {
+  if (text && bytes_per_target <= 0)
+    return fmt::format("validation loss {:.4f} (bits per byte unknown: the ids have no tokenizer)", loss);
   if (text) return fmt::format("validation loss {:.4f}, {:.4f} bits per byte", loss, bits_per_byte());
   return fmt::format("test loss {:.4f}, test accuracy {:.2f} %", loss, 100 * accuracy);
 }

@@ -19,7 +19,7 @@ struct evaluation {
   bool text = true;     ///< gpt: validation windows; mlp: test set with accuracy
   double loss = 0;
   double accuracy = 0;  ///< fraction correct (mlp only)
-  double bytes_per_target = 1.0;  ///< text: the bytes a target token stands for, on average
+  double bytes_per_target = 1.0;  ///< text: the bytes a target token stands for, on average (0: not known)
   /// Text: the validation targets' summed cross-entropy / ln 2 / their bytes (WORKLOADS.md
   /// section 5), so that runs with different tokenizers, and bytes, compare.
   double bits_per_byte() const;

@@ -1,8 +1,8 @@
 // --document-attention through the actor runtime: the documents' positions travel with
-// the micro-batches and activations to every stage, and layouts of pipeline, tensor and
-// sequence parallelism, replicas, recomputation and schedules give the parameters and
-// losses of the one-process loop; the evaluation in the pipeline gives the gathered
-// model's. (The forward's semantics: tests/unit/document_attention_test.cpp; against
+// the micro-batches and activations to every stage, and layouts of pipeline, tensor,
+// sequence and expert parallelism, replicas, recomputation and schedules give the
+// parameters and losses of the one-process loop; the evaluation in the pipeline gives the
+// gathered model's. (The forward's semantics: tests/unit/document_attention_test.cpp; against
 // transformers: tests/integration/tokenizer_client_test.cpp.)
 #include <gtest/gtest.h>
 
@@ -38,9 +38,10 @@ struct documents {
       out << nlohmann::json{{"text", text}}.dump() << "\n";
     }
   }
-  job_config job(const std::string& workload) const {
+  /// small llama-tiny (a layout's workload key may change it) on the documents.
+  job_config job() const {
     auto c = test::small_config(200);
-    c.workload = workload;
+    c.workload = "llama-tiny";
     c.data = {dir / "docs.jsonl"};
     c.tokenizer = dir / "tok";
     c.cache_dir = dir / "cache";
@@ -55,60 +56,38 @@ const documents& shared_documents() {
   return d;
 }
 
-struct documents_layout {
-  const char* name;
-  const char* workload;
-  std::vector<std::pair<std::string, std::string>> keys;
-};
-
-void PrintTo(const documents_layout& l, std::ostream* os) { *os << l.name; }
-
-class DocumentLayouts : public ::testing::TestWithParam<documents_layout> {};
+class DocumentLayouts : public ::testing::TestWithParam<keyed_layout> {};
 
 }  // namespace
 
 TEST_P(DocumentLayouts, SameParametersAndLossesAsTheOneProcessLoop) {
-  const auto& l = GetParam();
-  auto c = shared_documents().job(l.workload);
-  for (const auto& [key, value] : l.keys) c.set(key, value, "test");
-  c.validate();
-  auto one = c;  // the one-process loop: no group of any kind
-  one.tensor_parallel = 1;
-  one.sequence_parallel = false;
-  one.recompute = "none";
-  const auto ref = reference_of(one);
-  const auto got = run_actors(c);
-  ASSERT_EQ(got.exit_code, 0) << got.error;
-  EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5) << l.name;
-  ASSERT_EQ(got.losses.size(), ref.losses.size());
-  for (std::size_t i = 0; i < ref.losses.size(); ++i) EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << "step " << i;
+  auto [one, ref] = expect_one_process_result(shared_documents().job(), GetParam().keys, GetParam().name);
   // The documents change what the model computes: one causal sequence per window trains
   // to other parameters.
   one.document_attention = false;
-  EXPECT_GT(test::max_abs_diff(reference_of(one).state, ref.state), 1e-4) << l.name;
+  EXPECT_GT(test::max_abs_diff(reference_of(one).state, ref.state), 1e-4) << GetParam().name;
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Documents, DocumentLayouts,
     ::testing::Values(
-        documents_layout{"llama_t2_sp_p2_recompute_full",
-                         "llama-tiny",
-                         {{"tensor_parallel", "2"}, {"sequence_parallel", "true"}, {"pipeline", "2"},
-                          {"recompute", "full"}}},
-        documents_layout{"llama_p2_v2_interleaved_recompute_selective",
-                         "llama-tiny",
-                         {{"pipeline", "2"}, {"chunks", "2"}, {"schedule", "interleaved-1f1b"},
-                          {"recompute", "selective"}}},
-        documents_layout{"gpt_t2_sp_d2_zero_bubble",
-                         "gpt-tiny",
-                         {{"tensor_parallel", "2"}, {"sequence_parallel", "true"}, {"pipeline", "2"},
-                          {"data_parallel", "2"}, {"schedule", "zero-bubble"}}}),
-    [](const ::testing::TestParamInfo<documents_layout>& info) { return std::string(info.param.name); });
+        keyed_layout{"llama_t2_sp_p2_recompute_full",
+                     {{"tensor_parallel", "2"}, {"sequence_parallel", "true"}, {"pipeline", "2"}, {"recompute", "full"}}},
+        keyed_layout{"llama_p2_v2_interleaved_recompute_selective",
+                     {{"pipeline", "2"}, {"chunks", "2"}, {"schedule", "interleaved-1f1b"}, {"recompute", "selective"}}},
+        keyed_layout{"gpt_t2_sp_d2_zero_bubble",
+                     {{"workload", "gpt-tiny"}, {"tensor_parallel", "2"}, {"sequence_parallel", "true"},
+                      {"pipeline", "2"}, {"data_parallel", "2"}, {"schedule", "zero-bubble"}}},
+        // (a forward on a second thread beside a backward that reruns its blocks)
+        keyed_layout{"moe_d2_ep2_p2_v2_combined_recompute_full",
+                     {{"workload", "moe-tiny"}, {"data_parallel", "2"}, {"expert_parallel", "2"}, {"pipeline", "2"},
+                      {"chunks", "2"}, {"schedule", "combined-1f1b"}, {"recompute", "full"}}}),
+    [](const ::testing::TestParamInfo<keyed_layout>& info) { return std::string(info.param.name); });
 
 // The validation windows' positions go to the first stage with their rows and on with the
 // activations: the pipeline's evaluation gives the gathered model's.
 TEST(DocumentAttention, ThePipelinesEvaluationGivesTheGatheredModels) {
-  auto c = shared_documents().job("llama-tiny");
+  auto c = shared_documents().job();
   c.pipeline = 2;
   c.steps = 2;
   c.eval_interval = 2;

@@ -64,6 +64,37 @@ inline actor_run_result run_actors(job_config c, actor_run_options opts = {}) {
   return run_actor_training(c, opts);
 }
 
+/// Runs `c` through the actor runtime with `keys` set and expects the parameters and the
+/// losses of the one-process loop (no tensor, sequence or expert parallelism, no
+/// recomputation) within 1e-5; returns the one-process job and its run.
+inline std::pair<job_config, reference_run> expect_one_process_result(
+    job_config c, const std::vector<std::pair<std::string, std::string>>& keys, const std::string& name) {
+  for (const auto& [key, value] : keys) c.set(key, value, "test");
+  c.validate();
+  auto one = c;
+  one.tensor_parallel = one.expert_parallel = 1;
+  one.sequence_parallel = false;
+  one.recompute = "none";
+  auto ref = reference_of(one);
+  const auto got = run_actors(c);
+  EXPECT_EQ(got.exit_code, 0) << name << ": " << got.error;
+  EXPECT_LE(test::max_abs_diff(got.final_state, ref.state), 1e-5) << name;
+  EXPECT_GT(test::max_abs_diff(got.final_state, initial_state(c.model(), c.seed)), 1e-3)
+      << name << ": parameters did not move";
+  EXPECT_EQ(got.losses.size(), ref.losses.size()) << name;
+  for (std::size_t i = 0; i < std::min(ref.losses.size(), got.losses.size()); ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5) << name << " step " << i;
+  return {one, std::move(ref)};
+}
+
+/// A layout given as job keys (key, value), named for gtest's parameterised tests.
+struct keyed_layout {
+  const char* name;
+  std::vector<std::pair<std::string, std::string>> keys;
+};
+
+inline void PrintTo(const keyed_layout& l, std::ostream* os) { *os << l.name; }
+
 struct layout {
   int p, d, v;
   const char* schedule;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <thread>
 
@@ -61,6 +62,23 @@ TEST(Evaluation, LongWindowsGoThroughTheModelAFewAtATime) {
   EXPECT_LT(one_peak, default_peak) << "peaks: " << one_peak << " (1 window) vs " << default_peak << " (8)";
   // gpt-tiny's validation windows stay one forward, as before.
   EXPECT_GE(eval_tokens_per_forward / model_spec::gpt_tiny().decoder.seq_len, 32);
+}
+
+}  // namespace troupe
+
+namespace troupe {
+
+// A Megatron dataset's ids without a tokenizer: their bytes are not known, so no bits per
+// byte is reported (not bits per token under that name).
+TEST(Evaluation, IdsWithoutATokenizerReportNoBitsPerByte) {
+  evaluation e;
+  e.loss = 2.0;
+  e.bytes_per_target = 0;
+  EXPECT_EQ(e.fields(), (std::vector<std::pair<std::string, double>>{{"val_loss", 2.0}}));
+  EXPECT_NE(e.summary().find("bits per byte unknown"), std::string::npos) << e.summary();
+  e.bytes_per_target = 2.0;
+  EXPECT_NEAR(e.bits_per_byte(), 2.0 / std::log(2.0) / 2.0, 1e-12);
+  EXPECT_EQ(e.fields().size(), 2u);
 }
 
 }  // namespace troupe

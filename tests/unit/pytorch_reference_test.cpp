@@ -93,13 +93,15 @@ TEST(PytorchReference, AnotherMoeShapeGivesTheSameLossesAndParametersAsPlainPyto
                          {1, 3});
 }
 
-// The capacity factor: each expert computes at most ceil(0.5 x 40 x 2 / 3) = 14 of a
+// The capacity factor: each expert computes at most ceil(0.75 x 40 x 2 / 3) = 20 of a
 // sequence's 80 (token, choice) pairs, those the router gives the most probability, in the
-// plain-PyTorch reference's own per-sequence loop too.
+// plain-PyTorch reference's own per-sequence loop too. (A factor whose last kept pair has
+// no near-tie here: at 0.5 two pairs' probabilities differ by rounding only, and
+// OpenBLAS's SkylakeX kernels keep the other one than Python does.)
 TEST(PytorchReference, MoeWithACapacityFactorGivesTheSameLossesAndParametersAsPlainPytorch) {
   expect_same_as_pytorch({{"workload", "moe-tiny"}, {"layers", "3"}, {"heads", "6"}, {"kv_heads", "2"},
                           {"d_model", "48"}, {"experts", "3"}, {"moe_d_ff", "40"}, {"seq_len", "40"},
-                          {"moe_capacity_factor", "0.5"}},
+                          {"moe_capacity_factor", "0.75"}},
                          {1, 3});
 }
 
