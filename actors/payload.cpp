@@ -26,8 +26,6 @@ tensor_payload make_payload(const torch::Tensor& t, bool with_checksum) {
 
 tensor_payload optional_payload(const torch::Tensor& t) { return t.defined() ? make_payload(t) : tensor_payload{}; }
 
-torch::Tensor optional_tensor(const tensor_payload& p) { return p.local.defined() ? tensor_of(p) : torch::Tensor(); }
-
 std::string check_payload(const tensor_payload& p, c10::IntArrayRef expected_shape,
                           torch::ScalarType expected_dtype) {
   std::ostringstream why;

@@ -17,8 +17,6 @@ tensor_payload make_payload(const torch::Tensor& t, bool with_checksum = false);
 /// make_payload of `t`, or an empty payload (dtype -1) when `t` is undefined: a message's
 /// optional tensor (a micro-batch's document positions).
 tensor_payload optional_payload(const torch::Tensor& t);
-/// The tensor of an optional payload: undefined when it is empty.
-torch::Tensor optional_tensor(const tensor_payload& p);
 
 /// Checks a received payload against what the receiver expects (shape, dtype, bytes
 /// present, checksum). Returns an empty string when it is fine, else the problem.

@@ -929,7 +929,6 @@ std::string llama_tokenizer_json(const std::vector<sentencepiece_piece>& pieces,
       const auto left = p.text.substr(0, at), right = p.text.substr(at);
       if (ids.count(left) && ids.count(right)) merges.push_back({left, right});
     }
-  const auto name = [](const std::string& t, const char* fallback) { return t.empty() ? std::string(fallback) : t; };
   json added = json::array();
   std::set<int> taken;
   const auto add = [&](int id, const std::string& content, bool special) {
@@ -938,8 +937,8 @@ std::string llama_tokenizer_json(const std::vector<sentencepiece_piece>& pieces,
                      {"normalized", false}, {"special", special}});
   };
   const auto id_of = [&](const std::string& t) { return ids.count(t) ? ids.at(t) : -1; };
-  for (const auto& t : {name(config.unk_token, "<unk>"), name(config.bos_token, "<s>"), name(config.eos_token, "</s>")})
-    add(id_of(t), t, true);
+  for (const auto& t : {config.unk_token, config.bos_token, config.eos_token})
+    if (!t.empty()) add(id_of(t), t, true);
   for (std::size_t i = 0; i < pieces.size(); ++i)
     if (pieces[i].type == kind::control || pieces[i].type == kind::user_defined)
       add(int(i), pieces[i].text, pieces[i].type == kind::control);

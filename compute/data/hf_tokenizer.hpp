@@ -109,8 +109,9 @@ struct sentencepiece_piece {
 /// every piece with byte fallback, merges of every split of a piece into two pieces
 /// (ranked by the merged piece's id, then the left part's length), no normalizer,
 /// Metaspace (prepend_scheme first; always when `legacy`, never without
-/// add_prefix_space), <unk>, <s>, </s> and the control pieces as special tokens, the
-/// user-defined pieces as added ones. (BOS and EOS come from add_bos_token and
+/// add_prefix_space), config's unk, bos and eos tokens (as named: a folder's default to
+/// <unk>, <s>, </s>) and the control pieces as special tokens, the user-defined pieces as
+/// added ones. (BOS and EOS come from add_bos_token and
 /// add_eos_token, by default neither.)
 std::string llama_tokenizer_json(const std::vector<sentencepiece_piece>& pieces, const tokenizer_config& config);
 

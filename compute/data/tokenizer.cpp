@@ -178,21 +178,19 @@ tokenizer::tokenizer(const std::string& path) : path_(path), impl_(std::make_uni
     if (!impl_->sp)
       throw data_error("tokenizer " + file.string() + " is not a SentencePiece model (" + error +
                        "): make one with troupe tokenizer, or give a tokenizer.json or a model folder");
+    // A folder's special tokens, named by tokenizer_config.json or as Llama's are.
+    auto names = settings;
+    for (auto [name, fallback] :
+         {std::pair{&names.bos_token, "<s>"}, {&names.eos_token, "</s>"}, {&names.unk_token, "<unk>"}})
+      if (name->empty()) *name = fallback;
     if (folder && (settings.tokenizer_class.empty() || settings.llama_class())) {
       // transformers 5's LlamaTokenizer: the model's pieces as a BPE (llama_tokenizer_json),
       // BOS and EOS only where tokenizer_config.json adds them.
       const auto pieces = sentencepiece_pieces(std::string_view(bytes.data(), model_bytes), file.string());
-      auto llama = settings;
-      const auto or_default = [](std::string& t, const char* fallback) {
-        if (t.empty()) t = fallback;
-      };
-      or_default(llama.bos_token, "<s>");
-      or_default(llama.eos_token, "</s>");
-      or_default(llama.unk_token, "<unk>");
-      llama.add_bos_token = std::max(0, llama.add_bos_token);
-      llama.add_eos_token = std::max(0, llama.add_eos_token);
-      impl_->hf = hf_tokenizer::from_text(llama_tokenizer_json(pieces, llama),
-                                          "tokenizer " + file.string() + " (as transformers 5's LlamaTokenizer)", llama);
+      names.add_bos_token = std::max(0, names.add_bos_token);
+      names.add_eos_token = std::max(0, names.add_eos_token);
+      impl_->hf = hf_tokenizer::from_text(llama_tokenizer_json(pieces, names),
+                                          "tokenizer " + file.string() + " (as transformers 5's LlamaTokenizer)", names);
       spm().release(impl_->sp);
       impl_->sp = nullptr;
     } else if (folder) {
@@ -202,12 +200,10 @@ tokenizer::tokenizer(const std::string& path) : path_(path), impl_(std::make_uni
       m.folder = true;
       m.add_bos = settings.add_bos_token == 1;
       m.add_eos = settings.add_eos_token == 1;
-      const auto or_default = [](const std::string& t, const char* fallback) { return t.empty() ? fallback : t; };
-      const auto bos = or_default(settings.bos_token, "<s>"), eos = or_default(settings.eos_token, "</s>");
-      m.bos = m.sp_id(bos);
-      m.eos = m.sp_id(eos);
+      m.bos = m.sp_id(names.bos_token);
+      m.eos = m.sp_id(names.eos_token);
       std::vector<added_token> added = settings.added_tokens;
-      for (const auto& name : {bos, eos, or_default(settings.unk_token, "<unk>")}) {
+      for (const auto& name : {names.bos_token, names.eos_token, names.unk_token}) {
         const int id = m.sp_id(name);
         if (id >= 0) added.push_back({id, name, false, false, false, false, true});
       }

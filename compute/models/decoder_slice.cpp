@@ -72,7 +72,7 @@ torch::Tensor decoder_slice::forward(const torch::Tensor& input, const torch::Te
       throw model_error("document positions of shape " + c10::str(positions.sizes()) + " for " +
                         std::to_string(input.size(0)) + " sequences of " + std::to_string(cfg_.seq_len) + " tokens");
     const auto p = positions.to(input.device(), torch::kInt64);
-    docs = {p, document_mask(p, core_->window())};
+    docs = {p, core_->document_mask(p)};
   }
   // Sequence parallelism: between the layers, this rank's positions only; a stage's
   // activations travel whole.

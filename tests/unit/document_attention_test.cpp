@@ -12,7 +12,7 @@
 #include "compute/models/model.hpp"
 #include "compute/models/model_slice.hpp"
 #include "compute/models/partition.hpp"
-#include "compute/models/parts/positions.hpp"
+#include "compute/models/parts/attention.hpp"
 #include "test_util.hpp"
 
 namespace troupe {
@@ -57,7 +57,7 @@ TEST(DocumentAttention, PositionsCountFromZeroAfterEachEos) {
       << p;
   // The mask: query i sees key j when j <= i and both are in one document (checked
   // against the documents written out by hand).
-  const auto mask = document_mask(p);
+  const auto mask = causal_attention(7, torch::kCPU).document_mask(p);
   ASSERT_EQ(mask.sizes(), (std::vector<std::int64_t>{2, 1, 7, 7}));
   const std::vector<std::vector<int>> doc = {{0, 0, 1, 1, 1, 2, 3}, {0, 0, 0, 0, 0, 0, 0}};
   for (int b = 0; b < 2; ++b)
@@ -65,7 +65,7 @@ TEST(DocumentAttention, PositionsCountFromZeroAfterEachEos) {
       for (int j = 0; j < 7; ++j)
         EXPECT_EQ(mask[b][0][i][j].item<bool>(), j <= i && doc[b][i] == doc[b][j]) << b << " " << i << " " << j;
   // With a sliding window of 2: also j > i - 2.
-  const auto windowed = document_mask(p, 2);
+  const auto windowed = causal_attention(7, torch::kCPU, 2).document_mask(p);
   for (int i = 0; i < 7; ++i)
     for (int j = 0; j < 7; ++j)
       EXPECT_EQ(windowed[1][0][i][j].item<bool>(), j <= i && j > i - 2) << i << " " << j;

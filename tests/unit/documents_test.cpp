@@ -91,6 +91,9 @@ TEST(HfTokenizer, ALlamaTokenizerModelIsTheBpeTransformersBuildsFromIt) {
       {sp, kind::normal},       {"a", kind::normal},    {"b", kind::normal},     {sp + "a", kind::normal},
       {"ab", kind::normal},     {sp + "ab", kind::normal}, {"<sep>", kind::user_defined}};
   tokenizer_config config;
+  config.unk_token = "<unk>";
+  config.bos_token = "<s>";
+  config.eos_token = "</s>";
   const auto tok = hf_tokenizer::from_text(llama_tokenizer_json(pieces, config), "test", config);
   // ▁ab▁ab then '!' as its byte: (▁, a) first, (a, b), (▁, ab), (▁a, b) last.
   EXPECT_EQ(tok->encode("ab ab!"), (std::vector<int>{9, 9, 3}));
@@ -101,8 +104,6 @@ TEST(HfTokenizer, ALlamaTokenizerModelIsTheBpeTransformersBuildsFromIt) {
             (std::vector<int>{7, 10, 4, 6}));
   config.legacy = -1;
   config.add_bos_token = 1;
-  config.bos_token = "<s>";
-  config.eos_token = "</s>";
   const auto with_bos = hf_tokenizer::from_text(llama_tokenizer_json(pieces, config), "test", config);
   EXPECT_EQ(with_bos->encode("ab</s>"), (std::vector<int>{1, 9, 2}));
   EXPECT_EQ(with_bos->eos_id(), 2);

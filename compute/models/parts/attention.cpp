@@ -43,8 +43,17 @@ param_table attention_params(const decoder_family& f, const decoder_config& c, c
 
 causal_attention::causal_attention(std::int64_t seq_len, torch::Device device, std::int64_t window)
     : causal_(torch::ones({seq_len, seq_len}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril()),
-      windowed_(window > 0 && window < seq_len), window_(windowed_ ? window : 0) {
+      windowed_(window > 0 && window < seq_len) {
   if (windowed_) causal_ = causal_.triu(-(window - 1));  // key j of query i: i - window < j <= i
+}
+
+torch::Tensor causal_attention::document_mask(const torch::Tensor& positions) const {
+  const auto T = positions.size(1);
+  // Documents numbered in each sequence: key j and query i share one when as many
+  // documents begin at or before each.
+  const auto doc = positions.eq(0).to(torch::kInt64).cumsum(/*dim=*/1);
+  const auto same = doc.unsqueeze(2).eq(doc.unsqueeze(1));  // (B, T, T): [b, i, j]
+  return same.logical_and(causal_.slice(0, 0, T).slice(1, 0, T).to(same.device())).unsqueeze(1);
 }
 
 torch::Tensor causal_attention::operator()(const torch::Tensor& q, torch::Tensor k, torch::Tensor v,

@@ -31,12 +31,14 @@ class causal_attention {
   causal_attention(std::int64_t seq_len, torch::Device device, std::int64_t window = 0);
   torch::Tensor operator()(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, std::int64_t past,
                            const torch::Tensor& mask = {}) const;
-  std::int64_t window() const { return window_; }
+  /// The mask of the documents at `positions` (B, T; document_positions': a position 0
+  /// begins one): query i sees key j where the causal mask (and the window) lets it and
+  /// no document begins in (j, i]. (B, 1, T, T) bool.
+  torch::Tensor document_mask(const torch::Tensor& positions) const;
 
  private:
   torch::Tensor causal_;  ///< (seq_len, seq_len) bool, lower triangle (within the window)
   bool windowed_ = false;  ///< a window shorter than seq_len
-  std::int64_t window_ = 0;  ///< the window when windowed_, else 0
 };
 
 /// The core an attention runs (causal_attention, or a wrapper of it: selective recompute).

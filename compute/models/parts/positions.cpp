@@ -17,17 +17,6 @@ torch::Tensor add_learned_positions(const torch::Tensor& x, const torch::Tensor&
   return x + torch::embedding(table, pos);
 }
 
-torch::Tensor document_mask(const torch::Tensor& positions, std::int64_t window) {
-  const auto T = positions.size(1);
-  // Documents numbered in each sequence: key j and query i share one when as many
-  // documents begin at or before each.
-  const auto doc = positions.eq(0).to(torch::kInt64).cumsum(/*dim=*/1);
-  auto mask = doc.unsqueeze(2).eq(doc.unsqueeze(1));  // (B, T, T): [b, i, j]
-  auto causal = torch::ones({T, T}, positions.options().dtype(torch::kBool)).tril();
-  if (window > 0 && window < T) causal = causal.triu(-(window - 1));
-  return mask.logical_and(causal).unsqueeze(1);
-}
-
 rotary_embedding::rotary_embedding(const decoder_config& cfg, torch::Device device) {
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
   const std::int64_t hd = cfg.head_dim();

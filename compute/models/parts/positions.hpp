@@ -20,11 +20,6 @@ param_table learned_position_params(const std::string& name, std::int64_t positi
 torch::Tensor add_learned_positions(const torch::Tensor& x, const torch::Tensor& table, std::int64_t from,
                                     torch::Device device, const torch::Tensor& positions = {});
 
-/// The attention mask of documents at `positions` (B, T; document_positions'): query i sees key j when j <= i
-/// and no document begins in (j, i] (a position 0 starts one); with a `window` (0: none),
-/// also i - window < j. (B, 1, T, T) bool, true where a query sees a key.
-torch::Tensor document_mask(const torch::Tensor& positions, std::int64_t window = 0);
-
 /// The documents of the window a slice computes (--document-attention): its tokens'
 /// positions and the mask they give. Both undefined: one causal sequence.
 struct window_documents {
