@@ -1,5 +1,6 @@
 #include "actors/node.hpp"
 
+#include "actors/checkpoint_writer.hpp"
 #include "actors/intra_op_threads.hpp"
 #include "compute/checkpoint/checkpoint_dir.hpp"
 #include "compute/runtime/device.hpp"
@@ -470,6 +471,9 @@ actor_run_result run_node(const node_options& o) {
     if (registrar_handle && o.node == 0) caf::anon_send_exit(registrar_handle, caf::exit_reason::user_shutdown);
     registrar_handle = nullptr;
     supervisor = nullptr;
+    // A background checkpoint write still running (the run failed meanwhile; its folder is
+    // abandoned) finishes before the process ends, not torn by its exit.
+    await_checkpoint_writes(checkpoint_write_seconds);
     // The job is over (results and checkpoints written): a shutdown that does not finish
     // (an actor object kept alive by a reference we do not know of) must not keep the
     // process, and with it the launcher, waiting.

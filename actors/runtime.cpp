@@ -1,5 +1,7 @@
 #include "actors/runtime.hpp"
 
+#include "actors/checkpoint_writer.hpp"
+
 #include <cstdlib>
 #include <set>
 #include <thread>
@@ -274,6 +276,7 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
     sys.await_all_actors_done();
     wiring->clear();
   }
+  await_checkpoint_writes(checkpoint_write_seconds);  // one the run abandoned: not left writing
   return *result;
 }
 

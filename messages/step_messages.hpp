@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include <caf/actor.hpp>
 #include <caf/meta/type_name.hpp>
 
 #include "messages/tensor_payload.hpp"
@@ -145,9 +146,13 @@ typename Inspector::result_type inspect(Inspector& f, shard_moments& x) {
 
 /// Coordinator -> replica 0's stage K: write your files of a checkpoint folder into its
 /// temporary folder `folder` (the stage gathers its optimizer state from its shards).
+/// `background` (output.checkpoint_async): take a snapshot in host memory and answer at
+/// once, the files written by a writer actor of the stage's process while training goes
+/// on (its handle in the answer), unless the snapshot is over the host-memory bound.
 struct write_checkpoint {
   std::string folder;
   std::int64_t step = 0;  ///< the steps the checkpoint has finished
+  bool background = false;
 };
 
 /// A file a stage wrote into a checkpoint folder (compute/checkpoint/checkpoint.hpp's checkpoint_file).
@@ -160,11 +165,16 @@ struct written_file {
 };
 
 /// Stage -> coordinator: the files it wrote, or why it could not, and the trace events
-/// of its work ("checkpoint gather": its shards' state; "checkpoint write": its files).
+/// of its work ("checkpoint gather": its shards' state; "checkpoint snapshot": its copy in
+/// host memory; "checkpoint write": its files). A background write: `writer` is set and
+/// `files` empty; the writer answers durable_atom with the files once they are durable
+/// (fsync, rename) and quits.
 struct stage_checkpoint {
   std::vector<written_file> files;
   std::string error;
   std::vector<trace_event> events;
+  caf::actor writer;
+  std::int64_t snapshot_bytes = 0;  ///< the snapshot's host memory (a background write)
 };
 
 template <class Inspector>
@@ -173,11 +183,11 @@ typename Inspector::result_type inspect(Inspector& f, written_file& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, write_checkpoint& x) {
-  return f(caf::meta::type_name("write_checkpoint"), x.folder, x.step);
+  return f(caf::meta::type_name("write_checkpoint"), x.folder, x.step, x.background);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, stage_checkpoint& x) {
-  return f(caf::meta::type_name("stage_checkpoint"), x.files, x.error, x.events);
+  return f(caf::meta::type_name("stage_checkpoint"), x.files, x.error, x.events, x.writer, x.snapshot_bytes);
 }
 
 }  // namespace troupe

@@ -75,5 +75,6 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, wait_atom, "wait")
   CAF_ADD_ATOM(troupe, troupe, watchdog_atom, "watchdog")
   CAF_ADD_ATOM(troupe, troupe, activity_atom, "activity")
+  CAF_ADD_ATOM(troupe, troupe, durable_atom, "durable")
 
 CAF_END_TYPE_ID_BLOCK(troupe)

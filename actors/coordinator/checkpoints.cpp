@@ -60,9 +60,8 @@ void fetch_final_state(self_ptr self, std::function<void(state_dict)> then) {
   });
 }
 
-bool checkpoint_failed(self_ptr self, const std::string& what, bool final) {
+bool checkpoint_failed(self_ptr self, std::int64_t next, const std::string& what, bool final) {
   auto& s = self->state;
-  const auto next = s.step + 1;
   if (final) {
     fail(self, "cannot write the checkpoint of step " + std::to_string(next) + " (the run's last): " + what, false);
     return false;
@@ -82,7 +81,7 @@ bool save_file(self_ptr self, const state_dict& model, const named_moments& mome
     spdlog::info("step {}: checkpoint written to {} (and {}.optim)", next, cfg.save, cfg.save);
     return true;
   } catch (const std::exception& e) {
-    if (!final) return checkpoint_failed(self, e.what(), final);
+    if (!final) return checkpoint_failed(self, next, e.what(), final);
     // The run's last: the checkpoint folder (if the job has one) is still written, and the
     // run then fails, saying where its weights are (save_failure_text).
     s.save_failure = "cannot write --save " + cfg.save + " at step " + std::to_string(next) + " (the run's last): " +
@@ -106,21 +105,45 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
   auto& s = self->state;
   const auto& cfg = s.ctx->cfg;
   const auto next = s.step + 1;
+  if (s.pending) {  // at most one in flight: this one waits for it
+    spdlog::info("step {}: the checkpoint of step {} is still being written; this one waits for it", next,
+                 s.pending->step);
+    s.pending->waiting.push_back([=] { write_folder(self, final, then); });
+    return;
+  }
   const double t0 = s.ctx->now_us();
   std::string tmp;
   try {
     tmp = begin_checkpoint_dir(cfg.checkpoint_dir, next);
   } catch (const std::exception& e) {
-    if (checkpoint_failed(self, e.what(), final)) then();
+    if (checkpoint_failed(self, next, e.what(), final)) then();
     return;
   }
   const int p = s.ctx->p;
+  const bool background = cfg.checkpoint_async && !final;
   auto files = std::make_shared<std::vector<checkpoint_file>>();
   auto errors = std::make_shared<std::vector<std::string>>(p);  // per stage, reported in stage order
-  auto conclude = [=] {
+  auto writers = std::make_shared<std::vector<caf::actor>>();
+  auto writer_stages = std::make_shared<std::vector<int>>();
+  auto snapshot_bytes = std::make_shared<std::int64_t>(0);
+  auto add = [self, errors, files](int k, stage_checkpoint& rep) {
+    if (!rep.error.empty()) (*errors)[k] = "stage " + std::to_string(k) + ": " + rep.error;
+    auto& events = self->state.result->events;
+    events.insert(events.end(), rep.events.begin(), rep.events.end());
+    for (const auto& f : rep.files) files->push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
+  };
+  auto no_answer = [self, errors](int k, const caf::error& err) {
+    (*errors)[k] = "stage " + std::to_string(k) + ": no answer (" + self->system().render(err) + ")";
+  };
+  // Every part is in (written, or why not): the folder completed, or abandoned. True
+  // unless the run failed.
+  auto conclude = [=](double waited_us) {
     auto& s = self->state;
     const auto& cfg = s.ctx->cfg;
-    if (s.at == phase::finished) return abandon_checkpoint_dir(cfg.checkpoint_dir, next);  // ended meanwhile (a node lost)
+    if (s.at == phase::finished) {  // ended meanwhile (a node lost)
+      abandon_checkpoint_dir(cfg.checkpoint_dir, next);
+      return false;
+    }
     std::string what;
     for (const auto& e : *errors)
       if (!e.empty()) what += (what.empty() ? "" : "; ") + e;
@@ -128,31 +151,81 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
       if (!what.empty()) throw checkpoint_error(what);
       const auto where = finish_checkpoint_dir(cfg.checkpoint_dir, cfg, *files, next, cfg.keep_checkpoints);
       s.last_folder = where;
-      const double seconds = (s.ctx->now_us() - t0) * 1e-6;
-      spdlog::info("step {}: checkpoint written to {} ({} stage(s) wrote their files in {:.2f} s)", next, where, p,
-                   seconds);
-      s.checkpoint_seconds += seconds;
+      const double seconds = (s.ctx->now_us() - t0) * 1e-6, waited = waited_us * 1e-6;
+      if (writers->empty())
+        spdlog::info("step {}: checkpoint written to {} ({} stage(s) wrote their files in {:.2f} s)", next, where, p,
+                     seconds);
+      else {
+        spdlog::info("step {}: checkpoint written to {}: durable {:.2f} s after its snapshot (training waited "
+                     "{:.2f} s for the snapshot; {} stage(s) wrote in the background)",
+                     next, where, seconds, waited, writers->size());
+        s.durable_seconds += seconds;
+        ++s.background_checkpoints;
+      }
+      s.checkpoint_seconds += waited;
       ++s.checkpoints;
     } catch (const std::exception& e) {
       abandon_checkpoint_dir(cfg.checkpoint_dir, next);
-      if (!checkpoint_failed(self, e.what(), final)) return;
+      return checkpoint_failed(self, next, e.what(), final);
     }
+    return true;
+  };
+  // The stages' answers are in: written (then `then`), or the snapshots taken (then
+  // `then` at once, the folder completed once every writer has answered).
+  auto answered = [=] {
+    auto& s = self->state;
+    const double waited_us = s.ctx->now_us() - t0;
+    if (writers->empty()) {
+      if (conclude(waited_us)) then();
+      return;
+    }
+    auto pending = std::make_shared<pending_checkpoint>(pending_checkpoint{next, t0, {}});
+    s.pending = pending;
+    spdlog::info("step {}: checkpoint snapshot taken in {:.2f} s ({:.0f} MiB in host memory); {} stage(s) write it "
+                 "while training goes on",
+                 next, waited_us * 1e-6, double(*snapshot_bytes) / (1 << 20), writers->size());
+    auto end = [=] {
+      auto& s = self->state;
+      if (s.pending != pending) return;  // abandoned (the run ended)
+      s.pending.reset();
+      if (!conclude(waited_us)) return;
+      for (auto& w : pending->waiting) w();
+    };
+    request_all<stage_checkpoint>(
+        self, *writers, checkpoint_write_timeout,
+        [add, writer_stages](std::size_t i, stage_checkpoint& rep) { add((*writer_stages)[i], rep); }, end,
+        [no_answer, writer_stages](std::size_t i, caf::error& err) {
+          no_answer((*writer_stages)[i], err);
+          return true;
+        },
+        durable_atom_v);
     then();
   };
   request_all<stage_checkpoint>(
       self, s.wiring->stages[0], checkpoint_write_timeout,
-      [self, errors, files](std::size_t k, stage_checkpoint& rep) {
-        if (!rep.error.empty()) (*errors)[k] = "stage " + std::to_string(k) + ": " + rep.error;
-        auto& events = self->state.result->events;
-        events.insert(events.end(), rep.events.begin(), rep.events.end());
-        for (const auto& f : rep.files) files->push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
+      [add, writers, writer_stages, snapshot_bytes](std::size_t k, stage_checkpoint& rep) {
+        add(int(k), rep);
+        if (!rep.writer) return;
+        writers->push_back(rep.writer);
+        writer_stages->push_back(int(k));
+        *snapshot_bytes += rep.snapshot_bytes;
       },
-      conclude,
-      [self, errors](std::size_t k, caf::error& err) {
-        (*errors)[k] = "stage " + std::to_string(k) + ": no answer (" + self->system().render(err) + ")";
+      answered,
+      [no_answer](std::size_t k, caf::error& err) {
+        no_answer(int(k), err);
         return true;
       },
-      write_checkpoint{tmp, next});
+      write_checkpoint{tmp, next, background});
+}
+
+void abandon_pending_checkpoint(self_ptr self) {
+  auto& s = self->state;
+  if (!s.pending) return;
+  spdlog::warn("step {}: checkpoint abandoned: the run ends before its background write is durable; the newest "
+               "complete checkpoint is {}",
+               s.pending->step, s.last_folder.empty() ? std::string("one written before this run, if any") : s.last_folder);
+  abandon_checkpoint_dir(s.ctx->cfg.checkpoint_dir, s.pending->step);
+  s.pending.reset();
 }
 
 }  // namespace troupe::coordinator

@@ -61,6 +61,7 @@ std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::stri
 void finish(self_ptr self, int code, const std::string& error) {
   auto& s = self->state;
   if (s.at == phase::finished) return;
+  abandon_pending_checkpoint(self);
   enter(self, phase::finished);
   s.result->exit_code = code;
   s.result->error = error;
@@ -216,9 +217,14 @@ void after_reset(self_ptr self, nlohmann::json line) {
     if (last) {
       s.result->final_state = std::move(state);
       spdlog::info("done: {} steps in {}", s.timed, duration_text(s.elapsed));
-      if (s.checkpoints > 0)
+      if (s.checkpoints > 0 && s.background_checkpoints == 0)
         spdlog::info("checkpoint folders: {} written between steps in {:.2f} s ({:.0f} ms each)",
                      s.checkpoints, s.checkpoint_seconds, s.checkpoint_seconds / s.checkpoints * 1e3);
+      else if (s.checkpoints > 0)
+        spdlog::info("checkpoint folders: {} written ({} in the background, durable {:.2f} s after their snapshot "
+                     "on average); training waited {:.2f} s for them ({:.0f} ms each)",
+                     s.checkpoints, s.background_checkpoints, s.durable_seconds / s.background_checkpoints,
+                     s.checkpoint_seconds, s.checkpoint_seconds / s.checkpoints * 1e3);
       if (s.checkpoint_failures > 0)
         spdlog::warn("{} checkpoint(s) due during the run could not be written (see the errors above)",
                      s.checkpoint_failures);
@@ -461,6 +467,8 @@ void commit(self_ptr self) {
                       {"grad_reduce_tail_s", timing.reduce_tail_s},
                       {"peak_in_flight", s.peaks},
                       {"skipped", s.skipping}};
+  // The step ran while a checkpoint folder was being written in the background.
+  if (s.writing_at_begin >= 0) line["checkpoint_writing"] = s.writing_at_begin;
   add_expert_metrics(line, s.stats, ctx.spec);
   // Reset: the supervisors drop every actor's per-step state and report leftovers.
   auto reports = std::make_shared<std::vector<reset_report>>();
@@ -498,6 +506,7 @@ void begin(self_ptr self) {
   s.seen_stages.assign(std::size_t(ctx.pipes) * ctx.p, false);
   s.seen_shards.assign(std::size_t(ctx.p) * ctx.pipes, false);
   s.skipping = false;
+  s.writing_at_begin = s.pending ? s.pending->step : -1;
   s.events.clear();
   s.peaks.assign(std::size_t(ctx.pipes) * ctx.p, 0);
   if (s.profile && s.step == s.profile_request->first && !s.profile->running()) s.profile->start();

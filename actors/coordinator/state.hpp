@@ -36,6 +36,14 @@ constexpr std::size_t recent_step_count = 16;                // the steps whose 
 
 /// The coordinator's phases, each a named behavior (actors/coordinator/phases.cpp; the diagram
 /// in actors/coordinator/coordinator.hpp). What a phase does not expect is dropped there explicitly.
+/// A checkpoint folder whose stages' files are being written in the background
+/// (output.checkpoint_async): the snapshots are taken, the writers not all done.
+struct pending_checkpoint {
+  std::int64_t step = 0;            ///< its folder's step (the steps it has finished)
+  double started_us = 0;            ///< when the snapshots were asked for
+  std::vector<std::function<void()>> waiting;  ///< what waits for it to end (the next checkpoint)
+};
+
 enum class phase {
   idle,           ///< spawned: waits for run_atom
   wiring,         ///< the supervisors' actors are collected and wired, before a step's begin
@@ -77,8 +85,12 @@ struct coordinator_state {
   int timed = 0;
   int skipped = 0;           // updates skipped for NaN/inf gradients
   bool skipping = false;     // this step's update is skipped
-  double checkpoint_seconds = 0;  // spent on the checkpoint folders written
+  double checkpoint_seconds = 0;  // training waited for the checkpoint folders written (a write, or a snapshot)
+  double durable_seconds = 0;     // background folders: from the snapshot until durable
   int checkpoints = 0;
+  int background_checkpoints = 0;  // of `checkpoints`: written while training went on
+  std::shared_ptr<pending_checkpoint> pending;  // a folder being written in the background (null: none)
+  std::int64_t writing_at_begin = -1;  // the step of the folder being written as this step began (-1: none)
   int checkpoint_failures = 0;  // checkpoints due that could not be written (the run went on)
   std::int64_t saved_step = -1;  // the step of this run's newest --save pair (-1: none yet)
   std::string last_folder;       // this run's newest checkpoint folder ("": none yet)
@@ -165,7 +177,7 @@ void fetch_final_state(self_ptr self, std::function<void(state_dict)> then);
 /// disk) does not end the run: the training state is whole in memory, so it is logged and
 /// the run goes on to the next one; but the run's last (`final`: the end, or a stop) must
 /// be written: false (the run failed).
-bool checkpoint_failed(self_ptr self, const std::string& what, bool final);
+bool checkpoint_failed(self_ptr self, std::int64_t step, const std::string& what, bool final);
 /// Writes the --save pair FILE and FILE.optim (as the plain loop does) from the gathered
 /// model. False where the run failed (see checkpoint_failed). The run's last that cannot
 /// be written sets save_failure: the checkpoint folder is still written, then the run
@@ -177,8 +189,14 @@ std::string save_failure_text(const coordinator_state& s);
 /// this one creates the step's temporary folder, replica 0's stages write their files
 /// into it from their own processes (write_checkpoint), and this one then writes the
 /// manifest and renames the folder. Calls `then` unless the run failed (see
-/// checkpoint_failed).
+/// checkpoint_failed). With checkpoint_async (not the run's last, `final`): `then` as
+/// soon as the stages hold their snapshots; the folder is completed once every writer
+/// has answered (`pending` meanwhile). At most one is pending: a folder due while one
+/// is waits for it.
 void write_folder(self_ptr self, bool final, std::function<void()> then);
+/// The run ends with a folder still being written: it is abandoned (the previous
+/// checkpoint stays the newest).
+void abandon_pending_checkpoint(self_ptr self);
 
 // --- actors/coordinator/metrics.cpp
 

@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include "actors/checkpoint_writer.hpp"
 #include "actors/stage/logic.hpp"
 #include "transport/torch_threads.hpp"
 
@@ -101,7 +102,9 @@ void join_expert_groups(stage_state& st, const std::shared_ptr<transport::commun
 /// optimizer state assembled from the stage's shards, whose fp32 main parameters
 /// stand for the rounded ones in bf16 jobs. Tensor or expert parallelism: replica 0's
 /// rank 0 writes, with the parts of its stage's other ranks (their stage actors' and
-/// shards') put together: the files hold whole parameters, as without it.
+/// shards') put together: the files hold whole parameters, as without it. In the
+/// background (msg.background, within the snapshot bound): the answer comes once the
+/// snapshot is copied, with the handle of the writer that writes it (checkpoint_writer.hpp).
 caf::result<stage_checkpoint> write_stage_checkpoint(stage_self self,
                                                      const write_checkpoint& msg) {
   const auto& ctx = self->state.ctx;
@@ -139,36 +142,56 @@ caf::result<stage_checkpoint> write_stage_checkpoint(stage_self self,
       return false;
     };
   };
-  auto write = [=, stage = s.stage]() mutable {
+  auto write = [=, stage = s.stage, node = wiring->node]() mutable {
     gathered->end_us = ctx->now_us();
     stage_checkpoint out;
     out.events.push_back(*gathered);
-    auto written = *gathered;
-    written.name = "checkpoint write";
-    written.start_us = ctx->now_us();
+    auto now = [ctx] { return ctx->now_us(); };
+    stage_files files{msg.folder, stage, {}, {}};
     try {
-      state_dict params;
       named_moments whole;
       if (t == 1) {
         for (const auto& [name, shape] : names)
-          params.emplace_back(name, from_shards ? torch::zeros({}).expand(shape) : parts->front().at(name));
+          files.params.emplace_back(name, from_shards ? torch::zeros({}).expand(shape) : parts->front().at(name));
         whole = std::move(moments->front());
       } else {
         const auto joined = unshard_by_name(ctx->spec, {}, *parts);
-        for (const auto& [name, shape] : names) params.emplace_back(name, joined.at(name));
-        whole = unshard_moments(ctx->spec, params, *moments);
+        for (const auto& [name, shape] : names) files.params.emplace_back(name, joined.at(name));
+        whole = unshard_moments(ctx->spec, files.params, *moments);
       }
-      use_main_params(params, whole);
-      for (const auto& f :
-           write_stage_files(msg.folder, stage, params, optimizer_state_dict(whole, params, msg.step)))
-        out.files.push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
+      use_main_params(files.params, whole);
+      files.optim = optimizer_state_dict(whole, files.params, msg.step);
     } catch (const std::exception& e) {
       out.error = e.what();
+      rp.deliver(std::move(out));
+      return;
     }
-    written.end_us = ctx->now_us();
-    written.bytes = 0;
-    for (const auto& f : out.files) written.bytes += std::int64_t(f.bytes);
-    out.events.push_back(written);
+    if (msg.background) {
+      // A snapshot in host memory, written while training goes on, if the bound allows.
+      const auto bytes = snapshot_bytes(files);
+      const auto refused = reserve_snapshot(bytes, ctx->cfg.checkpoint_async_memory);
+      if (refused.empty()) {
+        auto copied = *gathered;
+        copied.name = "checkpoint snapshot";
+        copied.start_us = ctx->now_us();
+        auto snapshot = copy_snapshot(files);
+        files = {};
+        copied.end_us = ctx->now_us();
+        copied.bytes = bytes;
+        out.events.push_back(copied);
+        out.snapshot_bytes = bytes;
+        out.writer = spawn_checkpoint_writer(self, std::move(snapshot), bytes, *gathered, now,
+                                             self->state.faults.write_kill(node, msg.step - 1), node);
+        rp.deliver(std::move(out));
+        return;
+      }
+      spdlog::warn("step {}: stage {} writes its checkpoint files before training goes on: {}", msg.step, stage,
+                   refused);
+    }
+    auto written = write_files(files, *gathered, now);
+    out.files = std::move(written.files);
+    out.error = std::move(written.error);
+    out.events.push_back(written.events.front());
     rp.deliver(std::move(out));
   };
   auto fetch_moments = [=, stage = s.stage]() mutable {

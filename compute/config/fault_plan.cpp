@@ -60,7 +60,7 @@ const char* name(message_action a) {
 }
 
 bool fault_plan::empty() const {
-  return !stage_throw && !message && !stall && !freeze && kills.empty() && nan_at < 0;
+  return !stage_throw && !message && !stall && !freeze && kills.empty() && !write_kill && nan_at < 0;
 }
 
 fault_plan fault_plan::parse(const fault_keys& cfg) {
@@ -144,6 +144,16 @@ fault_plan fault_plan::parse(const fault_keys& cfg) {
       throw config_error("faults.freeze must be replica:stage:step[:SECONDS], not '" + cfg.freeze + "'");
     plan.freeze = freeze_fault{int(r), int(k), s, *d};
   }
+
+  if (!cfg.kill_in_write.empty()) {
+    const auto f = split(cfg.kill_in_write, ':');
+    const auto node = f.size() >= 2 ? count(f[0]) : std::nullopt;
+    const auto step = f.size() >= 2 ? count(f[1]) : std::nullopt;
+    const auto d = f.size() == 3 ? seconds(f[2]) : std::optional<double>(0.0);
+    if ((f.size() != 2 && f.size() != 3) || !node || !step || !d)
+      throw config_error("faults.kill_in_write must be node:step[:SECONDS], not '" + cfg.kill_in_write + "'");
+    plan.write_kill = write_kill_fault{int(*node), *step, *d};
+  }
   return plan;
 }
 
@@ -179,6 +189,12 @@ bool fault_injector::shard_stalls(int stage, int rank, std::int64_t step, std::i
 bool fault_injector::kills_node(int node, std::int64_t step, std::int32_t attempt) const {
   const auto it = plan_.kills.find(node);
   return attempt == 0 && it != plan_.kills.end() && it->second == step;
+}
+
+std::optional<double> fault_injector::write_kill(int node, std::int64_t step) const {
+  const auto& k = plan_.write_kill;
+  if (!k || k->node != node || k->step != step) return std::nullopt;
+  return k->seconds;
 }
 
 bool fault_injector::nan_loss(std::int64_t step, std::int32_t attempt) const {

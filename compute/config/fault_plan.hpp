@@ -9,6 +9,7 @@
 //   stall     = "stage:rank:step"                    a shard never starts its reduce-scatter
 //   freeze    = "replica:stage:step[:SECONDS]"       a stage actor's thread blocks (default 15 s)
 //   kill_node = "node:step[+node:step...]"           a node process SIGKILLs itself
+//   kill_in_write = "node:step[:SECONDS]"            ... during its background checkpoint write
 //   nan_at    = step                                 the last stages' losses are NaN
 //   attempt   = N                                    the launch the faults fire in
 // Steps are 0-based indices. Every fault fires in the first attempt of its step only
@@ -31,6 +32,7 @@ struct fault_keys {
   std::string freeze;
   int fault_attempt = 0;
   int pipeline = 1;
+  std::string kill_in_write;
 };
 
 /// When a stage actor throws: before the step's second op, as its updated parameters
@@ -69,12 +71,21 @@ struct freeze_fault {
   double seconds = 15;
 };
 
+/// A node process that SIGKILLs itself `seconds` after its background write of the
+/// checkpoint after step `step` (0-based index) begins.
+struct write_kill_fault {
+  int node = 0;
+  std::int64_t step = 0;
+  double seconds = 0;
+};
+
 struct fault_plan {
   std::optional<stage_throw_fault> stage_throw;
   std::optional<message_fault> message;
   std::optional<stall_fault> stall;
   std::optional<freeze_fault> freeze;
   std::map<int, std::int64_t> kills;  ///< node -> the step whose beginning kills its process
+  std::optional<write_kill_fault> write_kill;
   std::int64_t nan_at = -1;
   int attempt = 0;                    ///< the launch the faults fire in
 
@@ -101,6 +112,9 @@ class fault_injector {
   std::optional<double> take_freeze(int replica, int stage, std::int64_t step, std::int32_t attempt);
   bool shard_stalls(int stage, int rank, std::int64_t step, std::int32_t attempt) const;
   bool kills_node(int node, std::int64_t step, std::int32_t attempt) const;
+  /// Seconds after which node `node` dies in its background write of the checkpoint
+  /// after step `step` (checkpoints are written in a step's first attempt's launch only).
+  std::optional<double> write_kill(int node, std::int64_t step) const;
   bool nan_loss(std::int64_t step, std::int32_t attempt) const;
 
  private:

@@ -367,6 +367,15 @@ const std::vector<key_def>& key_defs() {
                  &job_config::checkpoint_dir),
       int_key("output.keep_checkpoints", "newest checkpoint folders kept in checkpoint_dir", &job_config::keep_checkpoints,
               1, 1000000),
+      bool_key("output.checkpoint_async",
+               "write interim checkpoint folders in the background: each stage takes a snapshot in host memory at "
+               "the step boundary and its node writes it while the next steps run (the run's last checkpoint, "
+               "and --save files, are written before it ends)",
+               &job_config::checkpoint_async),
+      int_key("output.checkpoint_async_memory",
+              "MiB of host memory a node's checkpoint snapshots may hold (0: half of its available memory); a "
+              "snapshot over it is written before training goes on",
+              &job_config::checkpoint_async_memory, 0, 100000000),
       string_key("output.resume", "continue from a checkpoint folder (or checkpoint_dir's newest: auto)",
                  &job_config::resume),
       bool_key("output.strict_resume",
@@ -392,6 +401,10 @@ const std::vector<key_def>& key_defs() {
                  "replica:stage:step[:SECONDS] - that stage actor's thread blocks for SECONDS (default 15) at "
                  "its second op of that step: an actor that stops answering (0-based; testing)",
                  &job_config::freeze),
+      string_key("faults.kill_in_write",
+                 "node:step[:SECONDS] - that node's process SIGKILLs itself SECONDS (default 0) after its background "
+                 "write of the checkpoint after that step (0-based index) begins (testing)",
+                 &job_config::kill_in_write),
       int_key("faults.attempt", "the launch the faults fire in (0: the first; 1: the first restart; ...)",
               &job_config::fault_attempt, 0, 1000000),
   };

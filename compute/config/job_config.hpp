@@ -103,6 +103,8 @@ struct job_config {
   int checkpoint_interval = 0;        ///< also save every N steps (0: only at the end)
   std::string checkpoint_dir;         ///< checkpoint folders (every checkpoint_interval, end)
   int keep_checkpoints = 3;           ///< newest step folders kept in checkpoint_dir
+  bool checkpoint_async = true;       ///< interim folders: a host-memory snapshot, written while training goes on
+  int checkpoint_async_memory = 0;    ///< MiB a node's snapshots may hold (0: half of its available memory)
   std::string resume;                 ///< checkpoint folder to continue from, or "auto"
   bool strict_resume = false;         ///< a newest checkpoint that does not verify: refused, not passed over
   std::string trace;                  ///< Chrome trace JSON of every executed op
@@ -113,9 +115,12 @@ struct job_config {
   std::string message;                ///< "ACTION[=SECONDS]@replica:stage:step[:loss|:eval]"
   std::string stall;                  ///< "stage:rank:step": that shard never starts its reduce-scatter
   std::string freeze;                 ///< "replica:stage:step[:SECONDS]": that stage's thread blocks
+  std::string kill_in_write;          ///< "node:step[:SECONDS]": that node dies during its background checkpoint write
   int fault_attempt = 0;              ///< the launch (0: first, 1: first restart, ...) they fire in
   /// The [faults] keys, for fault_plan::parse.
-  fault_keys faults() const { return {throw_at, nan_at, kill_node, message, stall, freeze, fault_attempt, pipeline}; }
+  fault_keys faults() const {
+    return {throw_at, nan_at, kill_node, message, stall, freeze, fault_attempt, pipeline, kill_in_write};
+  }
 
   /// The defaults of a workload of WORKLOADS.md.
   static job_config defaults_for(const std::string& workload);

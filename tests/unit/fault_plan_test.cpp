@@ -32,6 +32,7 @@ TEST(FaultPlan, EveryKindParses) {
                              {"stall", "1:0:6"},
                              {"freeze", "0:1:2:8"},
                              {"kill_node", "1:5+0:9"},
+                             {"kill_in_write", "1:3:0.25"},
                              {"nan_at", "7"}});
   ASSERT_TRUE(plan.stage_throw);
   EXPECT_EQ(plan.stage_throw->replica, 1);
@@ -50,8 +51,14 @@ TEST(FaultPlan, EveryKindParses) {
   ASSERT_TRUE(plan.freeze);
   EXPECT_DOUBLE_EQ(plan.freeze->seconds, 8);
   EXPECT_EQ(plan.kills, (std::map<int, std::int64_t>{{0, 9}, {1, 5}}));
+  ASSERT_TRUE(plan.write_kill);
+  EXPECT_EQ(plan.write_kill->node, 1);
+  EXPECT_EQ(plan.write_kill->step, 3);
+  EXPECT_DOUBLE_EQ(plan.write_kill->seconds, 0.25);
   EXPECT_EQ(plan.nan_at, 7);
   EXPECT_FALSE(plan.empty());
+  EXPECT_FALSE(plan_of({{"kill_in_write", "0:1"}}).empty());
+  EXPECT_DOUBLE_EQ(plan_of({{"kill_in_write", "0:1"}}).write_kill->seconds, 0);
   EXPECT_TRUE(plan_of({}).empty());
   // Defaults: a delay of 0.3 s, a freeze of 15 s, a throw in the step.
   EXPECT_DOUBLE_EQ(plan_of({{"message", "delay@0:0:1"}}).message->delay_seconds, 0.3);
@@ -70,6 +77,11 @@ TEST(FaultPlan, BadKeysNameTheKeyAndValue) {
   EXPECT_NE(error_of({{"message", "drop@0:0:1:loss"}}).find("come from the last stage (1), not 0"), std::string::npos);
   EXPECT_NE(error_of({{"stall", "1:0"}}).find("faults.stall must be stage:rank:step, not '1:0'"), std::string::npos);
   EXPECT_NE(error_of({{"freeze", "0:0:1:forever"}}).find("faults.freeze must be"), std::string::npos);
+  for (const char* bad : {"1", "1:2:soon", "1:2:-1", "1:2:3:4", "x:2"})
+    EXPECT_NE(error_of({{"kill_in_write", bad}}).find("faults.kill_in_write must be node:step[:SECONDS], not '" +
+                                                       std::string(bad) + "'"),
+              std::string::npos)
+        << bad;
   for (const char* bad : {"1:5+1:6", "1:5+", "1", "1:-2"})
     EXPECT_NE(error_of({{"kill_node", bad}}).find("faults.kill_node must be node:step"), std::string::npos) << bad;
 }
@@ -95,6 +107,11 @@ TEST(FaultPlan, TheInjectorFiresInTheFirstAttemptOfItsStepOnly) {
   EXPECT_FALSE(faults.take_freeze(0, 0, 5, 0)) << "a freeze fires once";
   EXPECT_TRUE(faults.kills_node(1, 6, 0));
   EXPECT_FALSE(faults.kills_node(0, 6, 0));
+  EXPECT_FALSE(faults.write_kill(1, 6)) << "no kill_in_write in this plan";
+  fault_injector writes(plan_of({{"kill_in_write", "1:4:0.5"}}));
+  EXPECT_EQ(writes.write_kill(1, 4), 0.5);
+  EXPECT_FALSE(writes.write_kill(0, 4));
+  EXPECT_FALSE(writes.write_kill(1, 3));
   EXPECT_TRUE(faults.nan_loss(7, 0));
   EXPECT_FALSE(faults.nan_loss(7, 1));
   EXPECT_FALSE(fault_injector().nan_loss(0, 0)) << "an empty plan fires nothing";
