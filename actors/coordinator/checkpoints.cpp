@@ -179,26 +179,45 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
       if (conclude(waited_us)) then();
       return;
     }
-    auto pending = std::make_shared<pending_checkpoint>(pending_checkpoint{next, t0, {}});
+    auto pending = std::make_shared<pending_checkpoint>(pending_checkpoint{next, t0, {}, {}});
     s.pending = pending;
     spdlog::info("step {}: checkpoint snapshot taken in {:.2f} s ({:.0f} MiB in host memory); {} stage(s) write it "
                  "while training goes on",
                  next, waited_us * 1e-6, double(*snapshot_bytes) / (1 << 20), writers->size());
-    auto end = [=] {
+    // Each writer answers once (its files, an error), or ends before it could (monitored:
+    // its node lost): the folder is then abandoned.
+    auto settled = std::make_shared<std::vector<bool>>(writers->size(), false);
+    auto left = std::make_shared<std::size_t>(writers->size());
+    auto settle = [=](std::size_t i, const std::function<void()>& record) {
+      if ((*settled)[i]) return;
+      (*settled)[i] = true;
+      record();
+      if (--*left > 0) return;
       auto& s = self->state;
       if (s.pending != pending) return;  // abandoned (the run ended)
       s.pending.reset();
       if (!conclude(waited_us)) return;
       for (auto& w : pending->waiting) w();
     };
-    request_all<stage_checkpoint>(
-        self, *writers, checkpoint_write_timeout,
-        [add, writer_stages](std::size_t i, stage_checkpoint& rep) { add((*writer_stages)[i], rep); }, end,
-        [no_answer, writer_stages](std::size_t i, caf::error& err) {
-          no_answer((*writer_stages)[i], err);
-          return true;
-        },
-        durable_atom_v);
+    pending->on_down = [=](const caf::down_msg& msg) {
+      for (std::size_t i = 0; i < writers->size(); ++i) {
+        if (msg.source != (*writers)[i].address()) continue;
+        settle(i, [&] {
+          (*errors)[(*writer_stages)[i]] = "stage " + std::to_string((*writer_stages)[i]) +
+                                           ": its background writer ended before its files were durable (" +
+                                           self->system().render(msg.reason) + ")";
+        });
+        return true;
+      }
+      return false;
+    };
+    for (std::size_t i = 0; i < writers->size(); ++i) {
+      self->monitor((*writers)[i]);
+      const int k = (*writer_stages)[i];
+      self->request((*writers)[i], checkpoint_write_timeout, durable_atom_v)
+          .then([=](stage_checkpoint& rep) { settle(i, [&] { add(k, rep); }); },
+                [=](caf::error& err) { settle(i, [&] { no_answer(k, err); }); });
+    }
     then();
   };
   request_all<stage_checkpoint>(

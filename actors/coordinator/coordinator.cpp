@@ -58,6 +58,15 @@ std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::stri
 }
 
 /// Stops everything and answers the run request.
+void finish_after_write(self_ptr self, int code, const std::string& error) {
+  auto& s = self->state;
+  if (!s.pending) return finish(self, code, error);
+  if (s.ending) return;
+  s.ending = true;
+  spdlog::warn("{}; the run ends once the background write of step {}'s checkpoint is over", error, s.pending->step);
+  s.pending->waiting.push_back([=] { finish(self, code, error); });
+}
+
 void finish(self_ptr self, int code, const std::string& error) {
   auto& s = self->state;
   if (s.at == phase::finished) return;
@@ -88,7 +97,7 @@ void retry_in_place(self_ptr self);
 
 void fail(self_ptr self, const std::string& why, bool recoverable, bool new_round) {
   auto& s = self->state;
-  if (s.at == phase::finished || (s.at == phase::rebuilding && !new_round)) return;
+  if (s.at == phase::finished || s.ending || (s.at == phase::rebuilding && !new_round)) return;
   const bool evaluating = s.at == phase::evaluating;
   // Step not committed, every node process alive: rebuild the actors from the snapshots
   // of the state before this step and run it again (bounded), instead of exiting for a
@@ -114,7 +123,7 @@ void fail(self_ptr self, const std::string& why, bool recoverable, bool new_roun
   // Steps count from 1 in what people read (progress lines), from 0 in metrics and faults.
   const auto what = (evaluating ? "the evaluation after step " : "step ") + std::to_string(s.step + 1) + "/" +
                     std::to_string(s.ctx->cfg.steps) + (evaluating ? " failed: " : " aborted: ") + why;
-  if (!in_place) return finish(self, recoverable ? exit_recoverable : 1, what);
+  if (!in_place) return finish_after_write(self, recoverable ? exit_recoverable : 1, what);
   spdlog::warn("{}; retrying it in place ({} of at most {})", what, s.attempt + 1, s.ctx->cfg.max_step_retries);
   retry_in_place(self);
 }
@@ -591,6 +600,7 @@ void wire_and_start(self_ptr self, std::shared_ptr<std::vector<node_actors>> nod
 /// run ends for a restart from its newest checkpoint).
 void on_node_down(self_ptr self, const caf::down_msg& msg) {
   auto& s = self->state;
+  if (s.pending && s.pending->on_down(msg)) return;  // a background checkpoint writer
   for (std::size_t i = 0; i < s.supervisors.size(); ++i) {
     if (msg.source != s.supervisors[i].address()) continue;
     // Its actors and snapshots went with it. A node other than 0 whose process the

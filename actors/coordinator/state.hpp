@@ -41,7 +41,9 @@ constexpr std::size_t recent_step_count = 16;                // the steps whose 
 struct pending_checkpoint {
   std::int64_t step = 0;            ///< its folder's step (the steps it has finished)
   double started_us = 0;            ///< when the snapshots were asked for
-  std::vector<std::function<void()>> waiting;  ///< what waits for it to end (the next checkpoint)
+  std::vector<std::function<void()>> waiting;  ///< what waits for it to end (the next checkpoint, the run's end)
+  /// A monitored writer ended (its node lost): true where it is one of this folder's.
+  std::function<bool(const caf::down_msg&)> on_down;
 };
 
 enum class phase {
@@ -90,6 +92,7 @@ struct coordinator_state {
   int checkpoints = 0;
   int background_checkpoints = 0;  // of `checkpoints`: written while training went on
   std::shared_ptr<pending_checkpoint> pending;  // a folder being written in the background (null: none)
+  bool ending = false;  // the run ends once the pending folder is written (finish_after_write)
   std::int64_t writing_at_begin = -1;  // the step of the folder being written as this step began (-1: none)
   int checkpoint_failures = 0;  // checkpoints due that could not be written (the run went on)
   std::int64_t saved_step = -1;  // the step of this run's newest --save pair (-1: none yet)
@@ -130,6 +133,9 @@ using self_ptr = coordinator_actor::stateful_pointer<coordinator_state>;
 void fail(self_ptr self, const std::string& why, bool recoverable = true, bool new_round = false);
 /// Stops everything and answers the run request with `code`.
 void finish(self_ptr self, int code, const std::string& error);
+/// finish, once a folder being written in the background is complete (or abandoned):
+/// the step it holds was committed, so a restart resumes from it.
+void finish_after_write(self_ptr self, int code, const std::string& error);
 /// True the first time report `index` of this step arrives; a duplicate is logged and dropped.
 bool first_report(std::vector<bool>& seen, std::size_t index, const char* what, std::int64_t step);
 // The handlers of the phases' messages.
