@@ -23,8 +23,11 @@ bool is_eval(const trace_event& e) { return e.name == "eval F"; }
 bool is_all_to_all(const trace_event& e) { return e.name == "all-to-all"; }
 /// A tensor-parallel group's collective ("tp all-reduce", ...), inside the op it served.
 bool is_tensor_parallel(const trace_event& e) { return e.name.rfind("tp ", 0) == 0; }
-/// A checkpoint-writing stage's fetch of its shards' optimizer state, or its file writes.
-bool is_checkpoint(const trace_event& e) { return e.name == "checkpoint gather" || e.name == "checkpoint write"; }
+/// A checkpoint-writing stage's fetch of its shards' optimizer state, its snapshot in host
+/// memory (a background write), or its file writes.
+bool is_checkpoint(const trace_event& e) {
+  return e.name == "checkpoint gather" || e.name == "checkpoint snapshot" || e.name == "checkpoint write";
+}
 }  // namespace
 
 step_timing measure_step(const std::vector<trace_event>& events, int replicas, int stages) {

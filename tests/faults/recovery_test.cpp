@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -358,6 +359,84 @@ TEST(Recovery, ShardsOfGradientBucketsRetryInPlaceAndResumeByName) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
   EXPECT_EQ(test::max_abs_diff(resumed.final_state, straight.final_state), 0.0)
       << "d = 2: the same sums with one bucket or several";
+}
+
+// Checkpoints written in the background (checkpoint_async, the default): the folders hold
+// the very files a synchronous write makes (the same bytes, the same CRC-32 in each
+// manifest), the run itself is unchanged, the steps that ran while a folder was written say
+// so in the metrics log, and a run resumed from a background folder ends bit-identical.
+// Snapshots over the memory bound (checkpoint_async_memory) are not taken: those stages
+// write before training goes on, and the folders are the same again.
+TEST(Recovery, BackgroundCheckpointsWriteTheSameFoldersAndResumeBitIdentical) {
+  test::temp_dir dir;
+  auto sync = small_job();
+  sync.checkpoint_interval = 2;
+  sync.keep_checkpoints = 10;
+  sync.checkpoint_async = false;
+  sync.checkpoint_dir = dir / "sync";
+  sync.metrics = dir / "sync.jsonl";
+  const auto straight = run(sync);
+  ASSERT_EQ(straight.exit_code, 0) << straight.error;
+
+  const auto snapshots_in = [](const std::string& trace) {
+    std::ifstream in(trace);
+    const auto json = nlohmann::json::parse(in);
+    int n = 0;
+    for (const auto& e : json.at("traceEvents")) n += e.value("name", "") == "checkpoint snapshot";
+    return n;
+  };
+  const auto files_of = [](const std::string& folder) {
+    std::ifstream in(folder + "/manifest.json");
+    return nlohmann::json::parse(in).at("files");
+  };
+  struct variant {
+    std::string name;
+    int memory_mib;
+    int snapshots;  // "checkpoint snapshot" events in the trace
+  };
+  // Steps 2 and 4 in the background (both stages), step 6 (the run's last) synchronously.
+  // A bound of 1 MiB is below each stage's state (the embedding alone is 12 MiB).
+  for (const auto& v : {variant{"async", 0, 2 * 2}, variant{"bounded", 1, 0}}) {
+    auto c = sync;
+    c.checkpoint_async = true;
+    c.checkpoint_async_memory = v.memory_mib;
+    c.checkpoint_dir = dir / v.name;
+    c.metrics = dir / (v.name + ".jsonl");
+    c.trace = dir / (v.name + ".json");
+    const auto got = run(c);
+    ASSERT_EQ(got.exit_code, 0) << v.name << ": " << got.error;
+    EXPECT_EQ(test::max_abs_diff(got.final_state, straight.final_state), 0.0) << v.name;
+    EXPECT_EQ(got.losses, straight.losses) << v.name;
+    EXPECT_EQ(snapshots_in(c.trace), v.snapshots) << v.name;
+    for (const char* step : {"step-00000002", "step-00000004", "step-00000006"})
+      EXPECT_EQ(files_of(c.checkpoint_dir + "/" + step), files_of(sync.checkpoint_dir + "/" + step))
+          << v.name << " " << step;
+    // Step index 2 began while step 2's folder was written (the coordinator goes on as soon
+    // as the snapshots are taken), step index 4 while step 4's was; the step after each
+    // perhaps too (the write may still run), none before step 2's.
+    std::map<int, int> writing;  // step index: the checkpoint being written as it began
+    for (const auto& j : metrics_lines(c.metrics))
+      if (j.contains("loss") && j.contains("checkpoint_writing"))
+        writing[j.at("step").get<int>()] = j.at("checkpoint_writing").get<int>();
+    if (v.snapshots > 0) {
+      EXPECT_EQ(writing[2], 2) << v.name;
+      EXPECT_EQ(writing[4], 4) << v.name;
+      for (const auto& [step, folder] : writing) EXPECT_EQ(folder, step - step % 2) << v.name << " " << step;
+    } else {
+      EXPECT_TRUE(writing.empty()) << v.name;
+    }
+    EXPECT_FALSE(std::filesystem::exists(c.checkpoint_dir + "/.step-00000004.tmp"));
+  }
+
+  auto resumed_cfg = sync;
+  resumed_cfg.checkpoint_dir = dir / "resumed";
+  resumed_cfg.metrics.clear();
+  resumed_cfg.resume = dir / "async/step-00000004";
+  const auto resumed = run(resumed_cfg);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
+  EXPECT_EQ(test::max_abs_diff(resumed.final_state, straight.final_state), 0.0);
+  ASSERT_EQ(resumed.losses.size(), 2u);
+  EXPECT_EQ(resumed.losses[1], straight.losses[5]);
 }
 
 }  // namespace troupe

@@ -59,6 +59,7 @@ TEST(FaultPlan, EveryKindParses) {
   EXPECT_FALSE(plan.empty());
   EXPECT_FALSE(plan_of({{"kill_in_write", "0:1"}}).empty());
   EXPECT_DOUBLE_EQ(plan_of({{"kill_in_write", "0:1"}}).write_kill->seconds, 0);
+  EXPECT_DOUBLE_EQ(plan_of({{"kill_in_write", "0:1:0"}}).write_kill->seconds, 0);
   EXPECT_TRUE(plan_of({}).empty());
   // Defaults: a delay of 0.3 s, a freeze of 15 s, a throw in the step.
   EXPECT_DOUBLE_EQ(plan_of({{"message", "delay@0:0:1"}}).message->delay_seconds, 0.3);
