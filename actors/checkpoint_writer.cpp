@@ -25,10 +25,18 @@ namespace {
 constexpr std::int64_t mib = 1 << 20;
 std::atomic<std::int64_t> reserved{0};  // bytes of this process's snapshots in flight
 
-// The background writes of this process that are running.
-std::mutex writes_mutex;
-std::condition_variable writes_done;
-int writes_running = 0;
+// The background writes of this process that are running. Never destroyed: the detached
+// writing (and fault) threads use it, also while the process ends.
+struct writes_state {
+  std::mutex mutex;
+  std::condition_variable changed;
+  int running = 0;
+  int ended = 0;  // how many times await_checkpoint_writes returned (a run's end)
+};
+writes_state& writes() {
+  static auto* w = new writes_state;
+  return *w;
+}
 
 /// MemAvailable of /proc/meminfo in bytes, or -1.
 std::int64_t available_memory() {
@@ -93,9 +101,11 @@ std::string reserve_snapshot(std::int64_t bytes, int limit_mib) {
 void release_snapshot(std::int64_t bytes) { reserved -= bytes; }
 
 stage_files copy_snapshot(const stage_files& files) {
+  // One copy each: a device tensor's copy to the host is already its own.
+  const auto own = [](const torch::Tensor& t) { return t.device().is_cpu() ? t.clone() : t.to(torch::kCPU); };
   stage_files out{files.folder, files.stage, {}, {}};
-  for (const auto& [name, t] : files.params) out.params.emplace_back(name, t.to(torch::kCPU).clone());
-  for (const auto& [name, t] : files.optim) out.optim.emplace_back(name, t.to(torch::kCPU).clone());
+  for (const auto& [name, t] : files.params) out.params.emplace_back(name, own(t));
+  for (const auto& [name, t] : files.optim) out.optim.emplace_back(name, own(t));
   return out;
 }
 
@@ -129,14 +139,20 @@ caf::actor spawn_checkpoint_writer(caf::local_actor* parent, stage_files snapsho
         },
     };
   });
+  int run = 0;
   {
-    std::lock_guard<std::mutex> lock(writes_mutex);
-    ++writes_running;
+    std::lock_guard<std::mutex> lock(writes().mutex);
+    ++writes().running;
+    run = writes().ended;
   }
   const auto step = event.step + 1;
   if (kill_after)
-    std::thread([seconds = *kill_after, node, step] {
-      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    std::thread([seconds = *kill_after, node, step, run] {
+      {  // not once the run has ended (its writes done): the process is then on its way out
+        auto& w = writes();
+        std::unique_lock<std::mutex> lock(w.mutex);
+        if (w.changed.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return w.ended != run; })) return;
+      }
       static std::atomic_flag killing = ATOMIC_FLAG_INIT;
       if (killing.test_and_set()) return;
       spdlog::warn("fault injected: node {} kills its own process (SIGKILL) {:.3f} s into its background write of "
@@ -153,16 +169,20 @@ caf::actor spawn_checkpoint_writer(caf::local_actor* parent, stage_files snapsho
     snapshot = {};  // the host memory back before the bound is
     release_snapshot(bytes);
     caf::anon_send(writer, std::move(out));
-    std::lock_guard<std::mutex> lock(writes_mutex);
-    --writes_running;
-    writes_done.notify_all();
+    auto& w = writes();
+    std::lock_guard<std::mutex> lock(w.mutex);
+    --w.running;
+    w.changed.notify_all();
   }).detach();
   return writer;
 }
 
 void await_checkpoint_writes(double seconds) {
-  std::unique_lock<std::mutex> lock(writes_mutex);
-  writes_done.wait_for(lock, std::chrono::duration<double>(seconds), [] { return writes_running == 0; });
+  auto& w = writes();
+  std::unique_lock<std::mutex> lock(w.mutex);
+  w.changed.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return w.running == 0; });
+  ++w.ended;
+  w.changed.notify_all();
 }
 
 }  // namespace troupe

@@ -57,7 +57,8 @@ caf::actor spawn_checkpoint_writer(caf::local_actor* parent, stage_files snapsho
 constexpr double checkpoint_write_seconds = 600;
 
 /// Waits (up to `seconds`) until no background write of this process is running: a
-/// process ending with one (a run that failed meanwhile) lets it finish first.
+/// process ending with one (a run that failed meanwhile) lets it finish first. No
+/// kill_in_write fault of the writes begun before fires after it.
 void await_checkpoint_writes(double seconds);
 
 }  // namespace troupe

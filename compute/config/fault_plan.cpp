@@ -149,7 +149,7 @@ fault_plan fault_plan::parse(const fault_keys& cfg) {
     const auto f = split(cfg.kill_in_write, ':');
     const auto node = f.size() >= 2 ? count(f[0]) : std::nullopt;
     const auto step = f.size() >= 2 ? count(f[1]) : std::nullopt;
-    const auto d = f.size() == 2 || f[2] == "0" ? std::optional<double>(0.0) : seconds(f[2]);  // 0: at once
+    const auto d = f.size() != 3 || f[2] == "0" ? std::optional<double>(0.0) : seconds(f[2]);  // 0: at once
     if ((f.size() != 2 && f.size() != 3) || !node || !step || !d)
       throw config_error("faults.kill_in_write must be node:step[:SECONDS], not '" + cfg.kill_in_write + "'");
     plan.write_kill = write_kill_fault{int(*node), *step, *d};
