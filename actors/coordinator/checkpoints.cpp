@@ -179,7 +179,7 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
       if (conclude(waited_us)) then();
       return;
     }
-    auto pending = std::make_shared<pending_checkpoint>(pending_checkpoint{next, t0, {}, {}});
+    auto pending = std::make_shared<pending_checkpoint>(pending_checkpoint{next, {}, {}});
     s.pending = pending;
     spdlog::info("step {}: checkpoint snapshot taken in {:.2f} s ({:.0f} MiB in host memory); {} stage(s) write it "
                  "while training goes on",

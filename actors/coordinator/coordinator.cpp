@@ -57,7 +57,6 @@ std::function<bool(std::size_t, caf::error&)> fail_with(self_ptr self, std::stri
   };
 }
 
-/// Stops everything and answers the run request.
 void finish_after_write(self_ptr self, int code, const std::string& error) {
   auto& s = self->state;
   if (!s.pending) return finish(self, code, error);
@@ -67,6 +66,7 @@ void finish_after_write(self_ptr self, int code, const std::string& error) {
   s.pending->waiting.push_back([=] { finish(self, code, error); });
 }
 
+/// Stops everything and answers the run request.
 void finish(self_ptr self, int code, const std::string& error) {
   auto& s = self->state;
   if (s.at == phase::finished) return;

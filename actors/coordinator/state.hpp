@@ -34,18 +34,17 @@ constexpr auto wait_answer_timeout = std::chrono::seconds(2);  // an actor's ans
 constexpr double first_step_hang_seconds = 60;               // the watchdog's limit before a step's time is known
 constexpr std::size_t recent_step_count = 16;                // the steps whose median sets the limit
 
-/// The coordinator's phases, each a named behavior (actors/coordinator/phases.cpp; the diagram
-/// in actors/coordinator/coordinator.hpp). What a phase does not expect is dropped there explicitly.
 /// A checkpoint folder whose stages' files are being written in the background
 /// (output.checkpoint_async): the snapshots are taken, the writers not all done.
 struct pending_checkpoint {
   std::int64_t step = 0;            ///< its folder's step (the steps it has finished)
-  double started_us = 0;            ///< when the snapshots were asked for
   std::vector<std::function<void()>> waiting;  ///< what waits for it to end (the next checkpoint, the run's end)
   /// A monitored writer ended (its node lost): true where it is one of this folder's.
   std::function<bool(const caf::down_msg&)> on_down;
 };
 
+/// The coordinator's phases, each a named behavior (actors/coordinator/phases.cpp; the diagram
+/// in actors/coordinator/coordinator.hpp). What a phase does not expect is dropped there explicitly.
 enum class phase {
   idle,           ///< spawned: waits for run_atom
   wiring,         ///< the supervisors' actors are collected and wired, before a step's begin

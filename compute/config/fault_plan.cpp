@@ -27,12 +27,12 @@ std::optional<std::int64_t> count(const std::string& s) {
   return std::stoll(s);
 }
 
-/// A positive number of seconds, all of `s`; nullopt otherwise.
-std::optional<double> seconds(const std::string& s) {
+/// A positive (or, with `zero`, a nonnegative) number of seconds, all of `s`; nullopt otherwise.
+std::optional<double> seconds(const std::string& s, bool zero = false) {
   try {
     std::size_t used = 0;
     const double x = std::stod(s, &used);
-    if (used == s.size() && std::isfinite(x) && x > 0 && x <= 3600) return x;
+    if (used == s.size() && std::isfinite(x) && (x > 0 || (zero && x == 0)) && x <= 3600) return x;
   } catch (...) {
   }
   return std::nullopt;
@@ -149,7 +149,7 @@ fault_plan fault_plan::parse(const fault_keys& cfg) {
     const auto f = split(cfg.kill_in_write, ':');
     const auto node = f.size() >= 2 ? count(f[0]) : std::nullopt;
     const auto step = f.size() >= 2 ? count(f[1]) : std::nullopt;
-    const auto d = f.size() != 3 || f[2] == "0" ? std::optional<double>(0.0) : seconds(f[2]);  // 0: at once
+    const auto d = f.size() == 3 ? seconds(f[2], /*zero=*/true) : std::optional<double>(0.0);  // 0: at once
     if ((f.size() != 2 && f.size() != 3) || !node || !step || !d)
       throw config_error("faults.kill_in_write must be node:step[:SECONDS], not '" + cfg.kill_in_write + "'");
     plan.write_kill = write_kill_fault{int(*node), *step, *d};

@@ -35,20 +35,21 @@ no_temporary() {  # name: no .step-*.tmp left in its checkpoint folder
   left=$(find "$tmp/$1.ck" -maxdepth 1 -name '.step-*' | wc -l)
   [ "$left" = 0 ] && ok "$1: no temporary folder left" || bad "$1: $left temporary folder(s) left" "$tmp/$1.log"
 }
-# trial NAME NODE INDEX DELAY MODE: node NODE kills itself DELAY s into its background
+# trial NAME NODE INDEX DELAY MODE [random]: node NODE kills itself DELAY s into its background
 # write of the checkpoint after step index INDEX (the folder of step INDEX + 1); MODE
 # rejoin (node 1 comes back into the running job) or restart (--max-node-restarts 0: the
 # launcher restarts the job). A node lost before node 0 has every stage's snapshot answer
-# is lost between steps, where the job restarts in either mode.
+# is lost between steps, where the job restarts in either mode. `random`: the moment may
+# fall after the node's run has ended (see below).
 trial() {
-  local name=$1 node=$2 index=$3 delay=$4 mode=$5 folder=$(($3 + 1)) extra=()
+  local name=$1 node=$2 index=$3 delay=$4 mode=$5 random=${6:-} folder=$(($3 + 1)) extra=()
   [ "$mode" = restart ] && extra=(--max-node-restarts 0)
   "$launcher" "${job[@]}" --checkpoint-dir "$tmp/$name.ck" --metrics "$tmp/$name.jsonl" --save "$tmp/$name.pt" \
     --kill-in-write "$node:$index:$delay" "${extra[@]}" >"$tmp/$name.log" 2>&1
   local rc=$? log=$tmp/$name.log
   echo "$name: node $node killed $delay s into its write of step $folder's folder ($mode)"
   if ! grep -q "fault injected: node $node kills its own process (SIGKILL) .* into its background write of step $folder's" \
-    "$log" && [ "$name" != "${name%-r}" ]; then  # a random moment after the node's run ended: nothing fired
+    "$log" && [ "$random" = random ]; then
     [ $rc = 0 ] && ok "$name: the run ended before the kill was due (it does not fire then)" || bad "$name: exit $rc" "$log"
     same "$name" 0
     return
@@ -93,8 +94,8 @@ trial restart-0 1 3 0 restart
 # moment after the node's run has ended, on a machine less busy than then, fires
 # nothing): node 1 rejoining, and node 0 or 1 lost with the job restarted.
 pick() { awk -v r=$RANDOM -v d="$durable" 'BEGIN { printf "%.3f", r / 32767 * 1.5 * d }'; }
-trial rejoin-r 1 $((RANDOM % 2 * 2 + 3)) "$(pick)" rejoin
-trial restart-r $((RANDOM % 2)) $((RANDOM % 2 * 2 + 3)) "$(pick)" restart
+trial rejoin-r 1 $((RANDOM % 2 * 2 + 3)) "$(pick)" rejoin random
+trial restart-r $((RANDOM % 2)) $((RANDOM % 2 * 2 + 3)) "$(pick)" restart random
 
 sleep 0.5
 [ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"
