@@ -52,9 +52,9 @@ void send_next(loader_self self) {
   const auto& ctx = *s.ctx;
   const int k = s.next_mb++;
   // Replica r takes block [r B/d, (r+1) B/d) of the step's samples; micro-batch k the
-  // k-th contiguous block of that (tensor parallelism: each pipeline of the replica the
-  // same).
-  auto b = s.data->samples(int(s.step), ctx.dp_of(s.replica) * ctx.m * ctx.mbs + k * ctx.mbs, ctx.mbs);
+  // k-th contiguous block of that (tensor and context parallelism: each pipeline of the
+  // replica the same; a context-parallel rank's first stage takes its tokens).
+  auto b = s.data->samples(int(s.step), ctx.data_of(s.replica) * ctx.m * ctx.mbs + k * ctx.mbs, ctx.mbs);
   const auto& row = s.wiring->stages[s.replica];
   s.sent.push_back(message_key("input mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, 0)));
   self->send(row.front(), microbatch_input{s.step, k, make_payload(b.input), optional_payload(b.positions)});

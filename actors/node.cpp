@@ -255,6 +255,9 @@ void configure_node_system(caf::actor_system_config& acfg, const node_options& o
 registrar_actor open_registrar(caf::actor_system& sys, const node_options& o, job_config& cfg) {
   cfg = o.cfg;
   cfg.validate();
+  if (cfg.context_parallel > 1 && o.nodes > 1)
+    throw config_error("invalid configuration: context_parallel " + std::to_string(cfg.context_parallel) +
+                       " runs in one process so far (--nodes 1): node processes do not yet make its groups");
   node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes, cfg.tensor_parallel);  // fits, or a clear error now
   // (And checkpoint_dir locked for this job before anything in it is read; a restart
   // waits a little for its previous launch's node 0 to let go of it.)

@@ -45,16 +45,16 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
       spec(c.model()),
       tied_name(tied_parameter(spec)),
       p(c.pipeline),
-      d(c.data_parallel),
+      d(c.data_parallel * c.context_parallel),
       m(c.microbatches),
       v(c.chunks),
       mbs(c.microbatch_size()),
       ahead(c.credit_window > 0 ? std::min(c.credit_window, c.microbatches) : c.microbatches),
       t(c.tensor_parallel),
-      pipes(c.data_parallel * c.tensor_parallel),
+      pipes(c.data_parallel * c.context_parallel * c.tensor_parallel),
       sequence_parallel(c.tensor_parallel > 1 && c.sequence_parallel),
       ep(c.expert_parallel),
-      edp(c.expert_parallel > 1 ? c.data_parallel * c.tensor_parallel / c.expert_parallel : 1),
+      edp(c.expert_parallel > 1 ? c.data_parallel * c.context_parallel * c.tensor_parallel / c.expert_parallel : 1),
       n_virtual(c.pipeline * c.chunks),
       dataflow(c.schedule == "dataflow"),
       sched(make_schedule(dataflow ? schedule_kind::one_f_one_b : parse_schedule_kind(c.schedule), p, m, v)),
@@ -62,7 +62,9 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
       ranges(partition_layers(spec.n_layers(), p, v, c.split)),
       clock(clock_ ? std::move(clock_) : std::make_shared<const job_clock>(steady_clock_ns())) {
   launch = launch_;
+  this->c = cfg.context_parallel;
   try {
+    cp_kind = parse_cp_comm(c.context_parallel_comm);
     device = resolve_device(c.device);
     compute_dtype = parse_precision(c.precision);
     residual_dtype = c.fp32_residual || spec.type != model_spec::kind::decoder ? torch::kFloat32 : compute_dtype;
@@ -135,7 +137,7 @@ std::vector<flat_range> runtime_context::buckets_of(const model_slice& slice) co
 
 std::vector<std::int64_t> runtime_context::activation_shape(int x, std::int64_t rows) const {
   if (rows < 0) rows = mbs;
-  if (spec.type == model_spec::kind::decoder) return {rows, spec.decoder.seq_len, spec.decoder.d_model};
+  if (spec.type == model_spec::kind::decoder) return {rows, spec.decoder.seq_len / c, spec.decoder.d_model};
   return {rows, spec.mlp_widths.at(ranges.at(x).first)};
 }
 
@@ -196,24 +198,25 @@ void fetch_payload(const job_wiring& w, const tensor_payload& p,
 }
 
 namespace {
-/// ", tp T" of pipeline `pipe` (tensor parallelism), else "".
+/// ", cp C" (context parallelism) and ", tp T" (tensor parallelism) of pipeline `pipe`.
 std::string tp_suffix(const runtime_context& ctx, int pipe) {
-  return ctx.t > 1 ? ", tp " + std::to_string(ctx.tp_of(pipe)) : "";
+  return (ctx.c > 1 ? ", cp " + std::to_string(ctx.cp_of(pipe)) : "") +
+         (ctx.t > 1 ? ", tp " + std::to_string(ctx.tp_of(pipe)) : "");
 }
 }  // namespace
 
 std::string runtime_context::stage_name(int replica, int stage) const {
-  return "stage[replica " + std::to_string(dp_of(replica)) + ", stage " + std::to_string(stage) +
+  return "stage[replica " + std::to_string(data_of(replica)) + ", stage " + std::to_string(stage) +
          tp_suffix(*this, replica) + "]";
 }
 
 std::string runtime_context::shard_name(int stage, int rank) const {
-  return "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(dp_of(rank)) + tp_suffix(*this, rank) +
+  return "shard[stage " + std::to_string(stage) + ", rank " + std::to_string(data_of(rank)) + tp_suffix(*this, rank) +
          "]";
 }
 
 std::string runtime_context::loader_name(int replica) const {
-  return "loader[replica " + std::to_string(dp_of(replica)) + tp_suffix(*this, replica) + "]";
+  return "loader[replica " + std::to_string(data_of(replica)) + tp_suffix(*this, replica) + "]";
 }
 
 actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_options& opts_in) {
@@ -221,7 +224,7 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
   cfg.validate();
   if (cfg.threads == 0)  // share the cores between the stage actors
     cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) /
-                                  (cfg.pipeline * cfg.data_parallel * cfg.tensor_parallel));
+                                  (cfg.pipeline * cfg.data_parallel * cfg.context_parallel * cfg.tensor_parallel));
   auto opts = opts_in;
   if (opts.trace_path.empty()) opts.trace_path = cfg.trace;
   // Only stage actors run LibTorch ops with several intra-op threads; every other thread

@@ -74,6 +74,20 @@ struct runtime_context {
   bool sequence_parallel = false;
   int dp_of(int pipe) const { return pipe / t; }
   int tp_of(int pipe) const { return pipe % t; }
+  /// Context parallelism (parallel.context_parallel): each data-parallel replica is `c`
+  /// context-parallel ranks, each holding 1/c of every sequence's tokens (chunks cp and
+  /// 2c-1-cp), numbered as Megatron numbers them, tensor-parallel fastest, then
+  /// context-parallel: pipeline q = (data c + cp) t + tp. To the shards, the losses and
+  /// the checkpoints a context-parallel rank is a replica: `d` = data_parallel x c, and
+  /// dp_of(q) = data c + cp (the gradients are averaged over the data-parallel x
+  /// context-parallel group, as Megatron does). The data's blocks are data_of(q)'s.
+  int c = 1;
+  cp_comm cp_kind = cp_comm::p2p;
+  int data_of(int pipe) const { return dp_of(pipe) / c; }
+  int cp_of(int pipe) const { return dp_of(pipe) % c; }
+  /// A micro-batch's loss's weight in the step's (its share of the tokens): micro-batch
+  /// size / (global batch x c).
+  double loss_weight() const { return double(mbs) / (double(cfg.global_batch) * c); }
   /// Expert parallelism (parallel.expert_parallel): pipelines EP g .. EP g + EP - 1 are an
   /// expert-parallel group; pipeline q holds share q mod EP of each expert layer's experts,
   /// and its shards shard them over the `edp` = d t / EP pipelines holding the same share

@@ -42,6 +42,19 @@ std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes, i
   return slots;
 }
 
+std::vector<std::shared_ptr<transport::communicator>> context_groups(const runtime_context& ctx,
+                                                                    const std::vector<std::pair<int, int>>& slots) {
+  // One per (replica, stage, tensor-parallel rank), rank cp.
+  std::map<std::tuple<int, int, int>, std::vector<std::shared_ptr<transport::communicator>>> groups;
+  std::vector<std::shared_ptr<transport::communicator>> out;
+  for (const auto& [q, k] : slots) {
+    auto& g = groups[{ctx.data_of(q), k, ctx.tp_of(q)}];
+    if (g.empty()) g = transport::make_local_group(ctx.c);
+    out.push_back(g.at(std::size_t(ctx.cp_of(q))));
+  }
+  return out;
+}
+
 node_plan local_node_plan(const runtime_context& ctx) {
   node_plan plan;
   // The shards' data-parallel groups: one per (stage, tensor-parallel rank), rank dp.
@@ -58,6 +71,7 @@ node_plan local_node_plan(const runtime_context& ctx) {
       plan.tp_comms.push_back(g.at(std::size_t(ctx.tp_of(q))));
     }
   }
+  if (ctx.c > 1) plan.cp_comms = context_groups(ctx, plan.slots);
   const int ep = ctx.cfg.expert_parallel;
   if (ep > 1) {
     // The shards' expert-data-parallel groups: one per (stage, share), rank q / EP.
@@ -155,7 +169,7 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
     wiring.stages[r][k] = spawn_stage_actor(self, ctx, s.wiring, r, k,
                                             params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
                                             comm_or_null(plan.ep_comms, i), comm_or_null(plan.ep_backward_comms, i),
-                                            comm_or_null(plan.tp_comms, i));
+                                            comm_or_null(plan.tp_comms, i), comm_or_null(plan.cp_comms, i));
     mine.stages.push_back(add(wiring.stages[r][k], ctx->stage_name(r, k)));
   }
   for (int r : plan.loader_replicas) {
@@ -234,7 +248,7 @@ void renew(supervisor_self self) {
   auto& s = self->state;
   auto& plan = s.plan;
   std::vector<std::shared_ptr<transport::communicator>> old = std::move(plan.comms);
-  for (auto* group : {&plan.ep_comms, &plan.ep_backward_comms, &plan.tp_comms, &plan.edp_comms}) {
+  for (auto* group : {&plan.ep_comms, &plan.ep_backward_comms, &plan.tp_comms, &plan.cp_comms, &plan.edp_comms}) {
     old.insert(old.end(), group->begin(), group->end());
     group->clear();
   }
@@ -284,7 +298,7 @@ void renew(supervisor_self self) {
 /// retried in place, fails those collectives first, so that the actors can take their
 /// exit or abort.
 void release_groups(supervisor_state& s, const std::string& why) {
-  for (auto* group : {&s.plan.ep_comms, &s.plan.ep_backward_comms, &s.plan.tp_comms})
+  for (auto* group : {&s.plan.ep_comms, &s.plan.ep_backward_comms, &s.plan.tp_comms, &s.plan.cp_comms})
     for (auto& c : *group)
       if (c) c->abort(why);
 }

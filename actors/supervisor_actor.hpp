@@ -69,6 +69,10 @@ struct node_plan {
   /// the stage actors of pipelines T dp .. T dp + T - 1 at that stage, rank pipeline mod
   /// T; in this process: transport/local/); empty without tensor parallelism.
   std::vector<std::shared_ptr<transport::communicator>> tp_comms;
+  /// Per slot: its stage actor's context-parallel group (parallel.context_parallel = C >
+  /// 1: the stage actors of the replica's C context-parallel ranks at that stage and
+  /// tensor-parallel rank, rank cp; in this process: transport/local/); empty without.
+  std::vector<std::shared_ptr<transport::communicator>> cp_comms;
   std::vector<int> loader_replicas;
   std::shared_ptr<transport::communicator> world;  ///< between nodes (rank = node); null: one process
   /// Several nodes: where addresses are exchanged, and how to make fresh communicators.
@@ -91,6 +95,10 @@ std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes, i
 /// Every replica in this process, shards (and expert-parallel groups) on in-process
 /// communicators.
 node_plan local_node_plan(const runtime_context& ctx);
+/// The context-parallel groups of `slots` ((pipeline, stage) pairs holding whole groups),
+/// in this process: per slot its member.
+std::vector<std::shared_ptr<transport::communicator>> context_groups(const runtime_context& ctx,
+                                                                    const std::vector<std::pair<int, int>>& slots);
 
 /// Spawns the supervisor of a node (a stateful actor: its state, the children's handles
 /// with it, goes when it quits).

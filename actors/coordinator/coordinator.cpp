@@ -438,7 +438,7 @@ void commit(self_ptr self) {
   const auto& ctx = *s.ctx;
   enter(self, phase::between_steps);  // committed
   s.stats.loss = 0;
-  const double weight = double(ctx.mbs) / ctx.cfg.global_batch;
+  const double weight = ctx.loss_weight();
   for (double l : s.losses) s.stats.loss += l * weight;  // replica order, micro-batch order
   s.stats.seconds = (ctx.now_us() - s.started_us) * 1e-6;
   s.stats.tokens = std::int64_t(ctx.cfg.global_batch) *

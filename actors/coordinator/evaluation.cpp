@@ -42,14 +42,16 @@ void evaluate_in_pipeline(self_ptr self, std::function<void(evaluation)> then) {
   // the pipelines of the whole replicas an expert-parallel group spans (EP consecutive
   // pipelines, tensor-parallel rank fastest: width lcm(EP, T)), scored by the block's
   // first replica (the others serve its tokens' experts). Tensor parallelism: that
-  // replica's every pipeline scores its part of the vocabulary.
-  const int ep = ctx.cfg.expert_parallel, width = ep / std::gcd(ep, ctx.t) * ctx.t, groups = ctx.pipes / width;
+  // replica's every pipeline scores its part of the vocabulary; context parallelism: the
+  // T C pipelines of a replica, each its tokens (width lcm(EP, T C)).
+  const int ep = ctx.cfg.expert_parallel, ranks = ctx.t * ctx.c, width = ep / std::gcd(ep, ranks) * ranks,
+            groups = ctx.pipes / width;
   for (std::size_t f = 0; f < plan.size(); ++f) {
     const int first = int(f % std::size_t(groups)) * width;
     const auto rows = [&](const torch::Tensor& t) {
       return optional_payload(t.defined() ? t.narrow(0, plan[f].begin, plan[f].rows) : t);
     };
-    for (int r = first; r < first + ctx.t; ++r)
+    for (int r = first; r < first + ranks; ++r)
       self->send(s.wiring->stages[r].at(ctx.loss_stage()), eval_target{s.step, std::int32_t(f), rows(set.target)});
     for (int r = first; r < first + width; ++r)
       self->send(s.wiring->stages[r].front(), eval_activation{s.step, std::int32_t(f), 0, rows(set.input), rows(set.positions)});

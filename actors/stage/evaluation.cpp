@@ -87,7 +87,7 @@ void stage_logic::on_eval_target(const eval_target& msg) {
 }
 
 void stage_logic::score_eval(int index) {
-  if (s_.tp_size == 1) return score_eval_now(index);
+  if (s_.tp_size == 1 && s_.cp_size == 1) return score_eval_now(index);
   const int groups = s_.ctx->pipes / s_.group_size();
   if (s_.score_next < 0) s_.score_next = s_.replica / s_.group_size();
   while (s_.eval_outputs.count(s_.score_next) && s_.eval_targets.count(s_.score_next)) {
@@ -110,6 +110,12 @@ void stage_logic::score_eval_now(int index) {
   {
     precision_scope amp(ctx.device, ctx.compute_dtype);
     score = score_evaluation(*s_.chunks.at(ctx.place(ctx.n_virtual - 1).second), out->second, target->second, ctx.spec.type == model_spec::kind::decoder);
+  }
+  if (s_.cp_size > 1) {  // each rank's loss is the mean over its tokens: the group's mean of them
+    auto both = torch::tensor({score.weighted, score.correct}, torch::kFloat64);
+    s_.cp_group->all_reduce(both);
+    score.weighted = both[0].item<double>() / s_.cp_size;
+    score.correct = both[1].item<double>();
   }
   s_.eval_outputs.erase(out);
   s_.eval_targets.erase(target);

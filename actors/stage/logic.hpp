@@ -136,11 +136,14 @@ struct stage_state {
   int ep_size = 1;  // expert parallelism: the size of the stage's expert-parallel group
   int tp_size = 1;  // tensor parallelism: the size of the stage's tensor-parallel group
   std::shared_ptr<collective_group> tp_group;  // (tp_size > 1)
+  int cp_size = 1;  // context parallelism: the size of the stage's context-parallel group
+  std::shared_ptr<collective_group> cp_group;  // (cp_size > 1)
   /// The stage actors that run the same forwards and backwards in one order, meeting in
   /// their collectives (an expert-parallel or a tensor-parallel group; 1: none).
   /// The pipelines that evaluate together: the whole replicas an expert-parallel group
-  /// spans (EP consecutive pipelines, tensor-parallel rank fastest), lcm(EP, T).
-  int group_size() const { return ep_size / std::gcd(ep_size, tp_size) * tp_size; }
+  /// spans (EP consecutive pipelines, tensor-parallel rank fastest), lcm(EP, T); with
+  /// context parallelism the T C pipelines of a replica (lcm(EP, T C)).
+  int group_size() const { return ep_size / std::gcd(ep_size, tp_size * cp_size) * tp_size * cp_size; }
   /// Whether backwards run on the stage's thread (backward_on_this_thread): in a group
   /// (required: its collectives would wait for each other on LibTorch's one autograd
   /// thread per GPU), or when the launcher asks (launch_info::backward_on_stage_threads).
@@ -161,8 +164,9 @@ struct stage_state {
   /// Whether this stage scores evaluation forwards: without a group every replica's last
   /// stage, with expert parallelism the first replica of the group's (the others run the
   /// same forwards for the experts they hold), with tensor parallelism each of that
-  /// replica's ranks (each holds part of the vocabulary).
-  bool scores_evaluation() const { return replica % group_size() < tp_size; }
+  /// replica's ranks (each holds part of the vocabulary), with context parallelism each of
+  /// its ranks (each scores its tokens; their scores are summed over the group).
+  bool scores_evaluation() const { return replica % group_size() < tp_size * cp_size; }
   /// Whether it reports the scores: the group's rank 0.
   bool reports_evaluation() const { return replica % group_size() == 0; }
 

@@ -189,7 +189,7 @@ void stage_logic::end_op(op_work& w) {
         loss = loss * std::numeric_limits<double>::quiet_NaN();
       s_.targets.erase(op.mb);
       s_.losses.emplace_back(op.mb, loss.detach());  // reported after the last op: no sync now
-      out = loss * (double(ctx.mbs) / ctx.cfg.global_batch);
+      out = loss * ctx.loss_weight();
     } else {
       const auto next = s_.owner(w.x + 1);
       // Activations travel in the compute dtype (bf16 jobs: half the bytes, as Megatron's

@@ -70,7 +70,7 @@ void make_chunks(stage_state& st, const tensor_parallel& tp, const std::vector<t
     auto& chunk = *st.chunks.back();
     chunk.set_recompute(parse_recompute(ctx.cfg.recompute));
     chunk.set_residual_dtype(ctx.residual_dtype);
-    chunk.set_aux_loss_scale(double(ctx.mbs) / ctx.cfg.global_batch);  // (experts)
+    chunk.set_aux_loss_scale(ctx.loss_weight());  // (experts)
     if (!params.empty())
       chunk.set_params(from_rank_order(params.at(c), ctx.buckets_of(chunk), ctx.groups_of(st.replica, chunk)));
   }
@@ -95,6 +95,20 @@ void join_expert_groups(stage_state& st, const std::shared_ptr<transport::commun
                                          ctx.launch.all_to_all_delay)};
   for (auto& chunk : st.chunks) chunk->set_expert_parallel(ep);
   st.ep_size = experts->size();
+}
+
+/// Context parallelism: the chunks compute this rank's tokens of every sequence, their
+/// attention meeting the group's (`contexts`: rank cp of the replica's context-parallel
+/// group of this stage and tensor-parallel rank). (No observers: the ring's shifts run on
+/// a thread of their own, beside the stage's.)
+void join_context_group(stage_state& st, const std::shared_ptr<transport::communicator>& contexts) {
+  const auto& ctx = *st.ctx;
+  if (contexts->size() != ctx.c || contexts->rank() != ctx.cp_of(st.replica))
+    throw std::logic_error(st.name + ": context-parallel communicator is rank " + std::to_string(contexts->rank()) +
+                           " of " + std::to_string(contexts->size()));
+  st.cp_size = contexts->size();
+  st.cp_group = as_collective_group(contexts);
+  for (auto& chunk : st.chunks) chunk->set_context_parallel({contexts->rank(), contexts->size(), ctx.cp_kind, st.cp_group});
 }
 
 /// Checkpoint folders: replica 0's stages write their own files into the step's
@@ -220,7 +234,8 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
                                           std::vector<torch::Tensor> params,
                                           std::shared_ptr<transport::communicator> experts,
                                           std::shared_ptr<transport::communicator> experts_backward,
-                                          std::shared_ptr<transport::communicator> tensors) {
+                                          std::shared_ptr<transport::communicator> tensors,
+                                          std::shared_ptr<transport::communicator> contexts) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
@@ -231,6 +246,7 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
   const auto tp = join_tensor_group(st, tensors);
   make_chunks(st, tp, params);
   if (experts) join_expert_groups(st, experts, experts_backward);
+  if (contexts) join_context_group(st, contexts);
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   if (st.order)
     for (const auto& op : *st.order)
@@ -399,12 +415,14 @@ stage_actor spawn_stage_actor(caf::local_actor* supervisor, std::shared_ptr<cons
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
                              std::shared_ptr<transport::communicator> experts_backward,
-                             std::shared_ptr<transport::communicator> tensors) {
+                             std::shared_ptr<transport::communicator> tensors,
+                             std::shared_ptr<transport::communicator> contexts) {
   // Detached: a thread of its own, so its LibTorch intra-op thread count is its own
   // and long compute never holds a scheduler thread other actors need.
   return supervisor->spawn<caf::detached + caf::monitored>(stage_behavior, std::move(ctx), std::move(wiring),
                                                           replica, stage, std::move(params), std::move(experts),
-                                                          std::move(experts_backward), std::move(tensors));
+                                                          std::move(experts_backward), std::move(tensors),
+                                                          std::move(contexts));
 }
 
 }  // namespace troupe

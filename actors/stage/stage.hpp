@@ -44,6 +44,7 @@ stage_actor spawn_stage_actor(caf::local_actor* supervisor, std::shared_ptr<cons
                              std::vector<torch::Tensor> params = {},
                              std::shared_ptr<transport::communicator> experts = nullptr,
                              std::shared_ptr<transport::communicator> experts_backward = nullptr,
-                             std::shared_ptr<transport::communicator> tensors = nullptr);
+                             std::shared_ptr<transport::communicator> tensors = nullptr,
+                             std::shared_ptr<transport::communicator> contexts = nullptr);
 
 }  // namespace troupe

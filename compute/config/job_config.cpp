@@ -1,4 +1,5 @@
 #include "compute/config/job_config.hpp"
+#include "compute/parallel/context_parallel.hpp"
 #include "compute/parallel/tensor_parallel.hpp"
 #include "compute/models/tensor_parallel_layout.hpp"
 #include "compute/data/tokenizer.hpp"
@@ -278,6 +279,16 @@ const std::vector<key_def>& key_defs() {
               "token to its experts' rank): EP consecutive ranks of the dense layout, tensor-parallel rank fastest "
               "(Megatron's folding); divides data_parallel x tensor_parallel and the experts",
               &job_config::expert_parallel, 1, 1024),
+      int_key("parallel.context_parallel",
+              "ranks each sequence is split over (context parallelism): the sequence cut into 2 x C chunks, rank i "
+              "holding chunks i and 2C-1-i (causal load balance); the gradients are averaged over data_parallel x "
+              "context_parallel; a group's stage actors share one node process",
+              &job_config::context_parallel, 1, 1024),
+      string_key("parallel.context_parallel_comm",
+                 "context_parallel > 1: how the attention sees the other ranks' keys: p2p (ring of key/value "
+                 "blocks, overlapped with the attention), a2a (all-to-all of heads for sequence, "
+                 "DeepSpeed-Ulysses) or allgather",
+                 &job_config::context_parallel_comm),
       bool_key("parallel.sequence_parallel",
                "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
                "(all-gather and reduce-scatter instead of all-reduce)",
@@ -546,6 +557,48 @@ void job_config::set(const std::string& key, const std::string& value, const std
   }
 }
 
+namespace {
+
+/// What context parallelism needs of the job (validate's).
+void check_context_parallel(const job_config& c) {
+  auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
+  try {
+    parse_cp_comm(c.context_parallel_comm);
+  } catch (const std::invalid_argument& e) {
+    fail(e.what());
+  }
+  const int C = c.context_parallel, T = c.tensor_parallel;
+  if (C == 1) return;
+  const std::string cp = "context_parallel " + std::to_string(C);
+  if (!c.is_decoder()) fail(cp + ": fmnist-mlp has no sequences to split");
+  const auto& g = c.model().decoder;
+  if (g.seq_len % (2 * C) != 0)
+    fail(cp + " needs seq_len " + std::to_string(g.seq_len) + " divisible by 2 x " + std::to_string(C) +
+         " (each rank holds two of 2 x context_parallel equal chunks)");
+  if (T > 1 && c.sequence_parallel && (g.seq_len / C) % T != 0)
+    fail(cp + " with sequence parallelism needs seq_len / context_parallel (" + std::to_string(g.seq_len / C) +
+         ") divisible by tensor_parallel " + std::to_string(T));
+  if (c.context_parallel_comm == "a2a") {
+    const int heads = g.n_head / T, kv = std::max(1, g.kv_heads() / T);
+    if (heads % C != 0 || (kv % C != 0 && C % kv != 0))
+      fail(cp + " with context_parallel_comm a2a trades heads for sequence: each tensor-parallel rank's " +
+           std::to_string(heads) + " query heads and " + std::to_string(kv) +
+           " key/value heads must divide by context_parallel (or the key/value heads divide it: replicated); "
+           "p2p and allgather have no such limit");
+  }
+  if (c.runtime == "local") fail(cp + " runs in the actor runtime (--runtime actors)");
+  if (c.schedule == "dataflow")
+    fail(cp + " with schedule dataflow: the stage actors of a context-parallel group meet in every attention, so "
+         "they run one fixed order (any schedule but dataflow)");
+  if (c.document_attention)
+    fail(cp + " with document_attention: the context-parallel attention masks by position only");
+  if (g.n_experts > 0)
+    fail(cp + " with experts: their load-balancing loss over a rank's part of the sequences is not the whole "
+         "sequences' (not yet)");
+}
+
+}  // namespace
+
 void job_config::validate() const {
   auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
   if (workload != "gpt-tiny" && workload != "gpt-small" && workload != "llama-tiny" && workload != "llama-small" &&
@@ -634,6 +687,7 @@ void job_config::validate() const {
       fail(tp + " with schedule dataflow: the stage actors of a tensor-parallel group meet in every layer's "
            "collectives, so they run one fixed order (any schedule but dataflow)");
   }
+  if (context_parallel > 1 || context_parallel_comm != "p2p") check_context_parallel(*this);
   if (!text.empty() && workload == "fmnist-mlp")
     fail("text " + text + " is a corpus for the decoder workloads (fmnist-mlp reads Fashion-MNIST)");
   if (!val_text.empty() && text.empty())

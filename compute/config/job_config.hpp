@@ -66,6 +66,8 @@ struct job_config {
   int tensor_parallel = 1;            ///< ranks each layer is split over (Megatron's tensor parallelism)
   bool sequence_parallel = false;     ///< tensor_parallel > 1: norms and residuals hold 1/T of the sequence
   int expert_parallel = 1;            ///< ranks each expert layer's experts are spread over (divides data_parallel)
+  int context_parallel = 1;           ///< ranks each sequence is split over (2C chunks, causal balance)
+  std::string context_parallel_comm = "p2p";  ///< p2p (ring) | a2a (Ulysses) | allgather
   int microbatches = 8;               ///< per replica per step
   int chunks = 1;
   std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | zero-bubble | combined-1f1b | zbv | dualpipev | dataflow
@@ -173,9 +175,11 @@ struct job_config {
   /// "expert-parallel 2 (2 of the 4 experts on each rank) x " (empty without either).
   std::string model_parallel_label() const {
     std::string out;
+    if (context_parallel > 1)
+      out = "context-parallel " + std::to_string(context_parallel) + " (" + context_parallel_comm + ") x ";
     if (tensor_parallel > 1)
-      out = "tensor-parallel " + std::to_string(tensor_parallel) + (sequence_parallel ? " (sequence parallel)" : "") +
-            " x ";
+      out += "tensor-parallel " + std::to_string(tensor_parallel) + (sequence_parallel ? " (sequence parallel)" : "") +
+             " x ";
     if (expert_parallel > 1) {
       const int e = model().decoder.n_experts;
       out += "expert-parallel " + std::to_string(expert_parallel) + " (" + std::to_string(e / expert_parallel) +

@@ -56,8 +56,8 @@ decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, c
     kv_heads_ = std::max(1, cfg_.kv_heads() / tp_.size);  // (fewer than the ranks: one, replicated)
     vocab_first_ = std::int64_t(cfg_.vocab / tp_.size) * tp_.rank;
   }
-  core_ = std::make_unique<causal_attention>(cfg_.seq_len, device,
-                                             family_.attention.sliding_window ? cfg_.sliding_window : 0);
+  window_ = family_.attention.sliding_window ? cfg_.sliding_window : 0;
+  core_ = std::make_unique<causal_attention>(cfg_.seq_len, device, window_);
   embedding_ = family_.token_embedding;
   output_ = cfg_.tie_embeddings ? embedding_ : family_.output;
   if (family_.positions == position_kind::rotary) rotary_.emplace(cfg_, device);
@@ -74,9 +74,22 @@ torch::Tensor decoder_slice::forward(const torch::Tensor& input, const torch::Te
     const auto p = positions.to(input.device(), torch::kInt64);
     docs = {p, core_->document_mask(p)};
   }
+  // Context parallelism: this rank's tokens of whole sequences at the first slice, and
+  // their global positions (the rotary or learned positions'; the attention's core is
+  // the group's, without a mask).
+  auto tokens = input;
+  if (cp_.active()) {
+    if (positions.defined())
+      throw model_error("document positions with context parallelism (its attention masks by position only)");
+    if (is_first()) tokens = cp::local_tokens(input, 1, cp_.size, cp_.rank);
+    docs.positions = cp::local_positions(cfg_.seq_len, cp_.size, cp_.rank, input.device())
+                         .unsqueeze(0)
+                         .expand({input.size(0), cfg_.seq_len / cp_.size})
+                         .contiguous();
+  }
   // Sequence parallelism: between the layers, this rank's positions only; a stage's
   // activations travel whole.
-  torch::Tensor x = is_first() ? embed(input, 0, tp_.sequence, docs.positions)
+  torch::Tensor x = is_first() ? embed(tokens, 0, tp_.sequence, docs.positions)
                     : sequence() ? tp::scatter_sequence(input, group())
                                  : input;
   x = to_residual(x);
@@ -94,6 +107,7 @@ torch::Tensor decoder_slice::forward(const torch::Tensor& input, const torch::Te
 }
 
 torch::Tensor decoder_slice::forward_cached(const torch::Tensor& input, kv_cache& cache) {
+  if (cp_.active()) throw model_error("generation with context parallelism (a slice of whole sequences generates)");
   const std::int64_t from = cache.length, T = input.size(1);
   const std::size_t blocks = std::size_t(range_.last - range_.first);
   if (cache.keys.size() != blocks) {
@@ -121,7 +135,10 @@ torch::Tensor decoder_slice::logits(const torch::Tensor& output) {
   return tp_.active() ? tp::gather_dim(l, -1, group()) : l;
 }
 
-torch::Tensor decoder_slice::loss(const torch::Tensor& output, const torch::Tensor& target) {
+torch::Tensor decoder_slice::loss(const torch::Tensor& output, const torch::Tensor& target_in) {
+  // (Context parallelism: the mean over this rank's tokens; the group's ranks hold equal
+  // shares, so the mean of their means is the sequences'.)
+  const auto target = cp_.active() ? cp::local_tokens(target_in, 1, cp_.size, cp_.rank) : target_in;
   auto l = own_logits(output);
   if (tp_.active()) return tp::vocab_cross_entropy(l.to(torch::kFloat32), target, vocab_first_, group());
   return F::cross_entropy(l.view({-1, l.size(-1)}), target.reshape({-1}));
@@ -144,6 +161,9 @@ torch::Tensor decoder_slice::block(const torch::Tensor& x, int i, kv_cache* cach
   const auto& mask = documents.mask;
   const attention_core core = [this, selective, &mask](const torch::Tensor& q, const torch::Tensor& k,
                                                        const torch::Tensor& v, std::int64_t past) {
+    // (Context parallelism: the group's core, whose backward recomputes the scores block
+    // by block: selective recompute's saving already.)
+    if (cp_.active()) return cp::attention(q, k, v, cp_, cfg_.seq_len, window_);
     return selective ? recomputed_attention(q, k, v, *core_, mask) : (*core_)(q, k, v, past, mask);
   };
   expert_tally tally{ep_, aux_scale_, aux_sum_, expert_tokens_};
@@ -192,5 +212,17 @@ torch::Tensor decoder_slice::final_norm(const torch::Tensor& x) {
 }
 
 collective_group& decoder_slice::group() const { return group_of(tp_); }
+
+void decoder_slice::set_context_parallel(context_parallel cp) {
+  if (cp.active()) {
+    if (cfg_.seq_len % (2 * cp.size) != 0)
+      throw model_error("context_parallel " + std::to_string(cp.size) + ": seq_len " + std::to_string(cfg_.seq_len) +
+                        " does not cut into 2 x " + std::to_string(cp.size) + " equal chunks");
+    if (!cp.group || cp.group->size() != cp.size || cp.group->rank() != cp.rank)
+      throw model_error("context-parallel rank " + std::to_string(cp.rank) + " of " + std::to_string(cp.size) +
+                        " without its group");
+  }
+  cp_ = std::move(cp);
+}
 
 }  // namespace troupe

@@ -31,6 +31,7 @@ class decoder_slice final : public model_slice, block_runner {
 
   torch::Tensor run_block(const torch::Tensor& x, int i, block_pass pass, const window_documents& documents) override;
   weight_grad_store*& deferral() override { return defer_; }
+  void set_context_parallel(context_parallel cp) override;
 
  private:
   /// Block i (with a cache: of generation), run as `pass` says, attending by `documents`.
@@ -59,6 +60,7 @@ class decoder_slice final : public model_slice, block_runner {
   std::int64_t heads_ = cfg_.n_head, kv_heads_ = cfg_.kv_heads();  ///< this rank's
   std::int64_t vocab_first_ = 0;  ///< this rank's first vocabulary row (tensor parallelism)
   std::unique_ptr<causal_attention> core_;
+  std::int64_t window_ = 0;  ///< the family's sliding window (0: none)
   std::optional<rotary_embedding> rotary_;  ///< a family with rotary positions
   std::string embedding_, output_;         ///< the token embedding's and the output layer's names
   torch::Tensor padded_;                   ///< (vocab) bool: the rows past the tokenizer's pieces

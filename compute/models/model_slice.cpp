@@ -141,6 +141,11 @@ expert_counts model_slice::take_expert_tokens() {
   return out;
 }
 
+void model_slice::set_context_parallel(context_parallel cp) {
+  if (cp.active()) throw model_error("context parallelism splits a decoder's sequences; this model has none");
+  cp_ = std::move(cp);
+}
+
 double model_slice::take_aux_loss() {
   if (!aux_sum_.defined()) return 0;
   const double v = aux_sum_.item<double>();

@@ -21,6 +21,7 @@
 #include "compute/models/parameters.hpp"
 #include "compute/models/split_backward.hpp"
 #include "compute/parallel/collective_group.hpp"
+#include "compute/parallel/context_parallel.hpp"
 
 namespace troupe {
 
@@ -131,6 +132,12 @@ class model_slice : public named_parameters {
   /// with the matching expert_share, the slice holds only those experts; without one it
   /// holds every expert, and the other ranks' get no gradient here.
   void set_expert_parallel(expert_parallel ep) { ep_ = std::move(ep); }
+  /// Context parallelism: this slice computes rank `cp.rank`'s tokens of every sequence
+  /// (chunks rank and 2 size - 1 - rank: compute/parallel/context_parallel.hpp). A first
+  /// slice takes them from whole sequences of tokens, a loss from whole targets; between
+  /// slices the activations hold those tokens only. Decoders only (model_error otherwise).
+  virtual void set_context_parallel(context_parallel cp);
+  const context_parallel& cp_place() const { return cp_; }
   /// The load-balancing loss those forwards added, times the scale (summed over blocks and
   /// forwards), and zeroes it: after a step's forwards, the step's auxiliary loss (for
   /// the log; 0 without experts).
@@ -146,6 +153,7 @@ class model_slice : public named_parameters {
   weight_grad_store* defer_ = nullptr;
   double aux_scale_ = 1.0;
   expert_parallel ep_;
+  context_parallel cp_;
   torch::Tensor aux_sum_;  ///< take_aux_loss's, undefined when nothing was added
   std::map<int, torch::Tensor> expert_tokens_;  ///< take_expert_tokens's, on the slice's device
 

@@ -1,0 +1,136 @@
+// Context parallelism in the actor runtime: C stage actors per stage and replica, each with
+// 1/C of every sequence's tokens, meeting in their group's attention. Against the unsplit
+// run of the same layout (the same job without context parallelism): the parameters after
+// 5 steps, every step's loss and the evaluation's, for each comm, C = 2 and 4, alone and
+// with tensor (and sequence), pipeline and data parallelism; and the layouts refused.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+
+#include "actors/runtime.hpp"
+#include "compute/config/config_error.hpp"
+#include "test_util.hpp"
+#include "tp_test_util.hpp"
+
+namespace troupe {
+
+namespace {
+
+struct cp_layout {
+  int c;
+  const char* comm;
+  int t, p, d;
+  const char* schedule;
+  const char* recompute;
+};
+
+std::string name_of(const cp_layout& l) {
+  std::string s = std::string(l.comm) + "_c" + std::to_string(l.c) + "_t" + std::to_string(l.t) + "_p" +
+                  std::to_string(l.p) + "_d" + std::to_string(l.d);
+  if (std::string(l.schedule) != "1f1b") s += l.schedule[0] == 'z' ? "_zero_bubble" : "_interleaved";
+  if (std::string(l.recompute) != "none") s += std::string("_recompute_") + l.recompute;
+  return s;
+}
+
+/// llama-tiny's shape at 2 layers of width 64, 8 query and 4 key/value heads, sequences of
+/// 512, 2 micro-batches of 4 per replica, 5 steps and the evaluation at the end (through
+/// the stage actors).
+job_config cp_job(const cp_layout& l) {
+  auto c = tp_test::small_job("llama-tiny");
+  c.runtime = "actors";
+  c.steps = 5;
+  c.layers = 2 * l.p;
+  c.threads = 1;
+  c.heads = 8;
+  c.kv_heads = 4;
+  c.seq_len = 512;
+  c.global_batch = 8 * l.d;
+  c.microbatches = 2;
+  c.eval_interval = 0;  // (the run's end evaluates)
+  c.tensor_parallel = l.t;
+  c.sequence_parallel = l.t > 1;
+  c.pipeline = l.p;
+  c.data_parallel = l.d;
+  c.schedule = l.schedule;
+  if (c.schedule == "interleaved-1f1b") c.chunks = 2;
+  c.recompute = l.recompute;
+  c.context_parallel = l.c;
+  c.context_parallel_comm = l.comm;
+  return c;
+}
+
+actor_run_result actors_run(const job_config& c) {
+  actor_run_options opts;
+  opts.quiet = true;
+  return run_actor_training(c, opts);
+}
+
+/// The unsplit run of `c`'s layout (context_parallel 1), once per layout.
+const actor_run_result& unsplit_run(job_config c) {
+  static std::map<std::string, actor_run_result> runs;
+  c.context_parallel = 1;
+  c.context_parallel_comm = "p2p";
+  const auto key = c.to_toml();
+  auto it = runs.find(key);
+  if (it == runs.end()) it = runs.emplace(key, actors_run(c)).first;
+  return it->second;
+}
+
+class ContextParallelActors : public ::testing::TestWithParam<cp_layout> {};
+
+}  // namespace
+
+TEST_P(ContextParallelActors, FollowTheUnsplitRun) {
+  const auto l = GetParam();
+  const auto c = cp_job(l);
+  const auto& want = unsplit_run(c);
+  ASSERT_EQ(want.exit_code, 0) << want.error;
+  const auto got = actors_run(c);
+  ASSERT_EQ(got.exit_code, 0) << got.error;
+  // The same computation but for the order of sums: the attention's blocks merged by
+  // their log-sum-exp, the gradients averaged over data x context ranks.
+  EXPECT_LE(test::max_abs_diff(got.final_state, want.final_state), 1e-5) << name_of(l);
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (std::size_t i = 0; i < got.losses.size(); ++i) EXPECT_NEAR(got.losses[i], want.losses[i], 1e-5) << "step " << i;
+  ASSERT_EQ(got.evaluations.size(), want.evaluations.size());
+  for (std::size_t i = 0; i < got.evaluations.size(); ++i)
+    EXPECT_NEAR(got.evaluations[i].loss, want.evaluations[i].loss, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, ContextParallelActors,
+    ::testing::Values(cp_layout{2, "p2p", 1, 1, 1, "1f1b", "none"}, cp_layout{4, "p2p", 1, 1, 1, "1f1b", "none"},
+                      cp_layout{2, "a2a", 1, 1, 1, "1f1b", "none"}, cp_layout{4, "a2a", 1, 1, 1, "1f1b", "none"},
+                      cp_layout{2, "allgather", 1, 1, 1, "1f1b", "none"},
+                      cp_layout{4, "allgather", 1, 1, 1, "1f1b", "none"},
+                      cp_layout{2, "p2p", 2, 1, 1, "1f1b", "none"}, cp_layout{2, "a2a", 2, 1, 1, "1f1b", "none"},
+                      cp_layout{2, "p2p", 1, 2, 1, "interleaved-1f1b", "full"},
+                      cp_layout{2, "allgather", 1, 2, 1, "interleaved-1f1b", "full"},
+                      cp_layout{2, "a2a", 1, 1, 2, "1f1b", "none"}),
+    [](const ::testing::TestParamInfo<cp_layout>& i) { return name_of(i.param); });
+
+TEST(ContextParallelConfig, RefusesWhatCannotWork) {
+  auto base = cp_job({2, "p2p", 1, 1, 1, "1f1b", "none"});
+  auto refused = [&](auto edit, const std::string& why) {
+    auto c = base;
+    edit(c);
+    try {
+      c.validate();
+      ADD_FAILURE() << "accepted: " << why;
+    } catch (const config_error& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  };
+  refused([](job_config& c) { c.seq_len = 510; }, "divisible by 2 x 2");
+  refused([](job_config& c) { c.context_parallel_comm = "ring"; }, "expected p2p, a2a or allgather");
+  refused([](job_config& c) { c.context_parallel = 8; c.context_parallel_comm = "a2a"; c.kv_heads = 4; c.heads = 12; c.d_model = 96; },
+          "a2a trades heads for sequence");
+  refused([](job_config& c) { c.runtime = "local"; }, "runs in the actor runtime");
+  refused([](job_config& c) { c.schedule = "dataflow"; }, "schedule dataflow");
+  refused([](job_config& c) { c.workload = "fmnist-mlp"; c.heads = 0; c.kv_heads = 0; c.seq_len = 0; c.layers = 0; c.d_model = 0; },
+          "no sequences to split");
+  base.validate();  // the base itself is fine
+}
+
+}  // namespace troupe
