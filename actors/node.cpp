@@ -255,10 +255,7 @@ void configure_node_system(caf::actor_system_config& acfg, const node_options& o
 registrar_actor open_registrar(caf::actor_system& sys, const node_options& o, job_config& cfg) {
   cfg = o.cfg;
   cfg.validate();
-  if (cfg.context_parallel > 1 && o.nodes > 1)
-    throw config_error("invalid configuration: context_parallel " + std::to_string(cfg.context_parallel) +
-                       " runs in one process so far (--nodes 1): node processes do not yet make its groups");
-  node_slots(cfg.pipeline, cfg.data_parallel, 0, o.nodes, cfg.tensor_parallel);  // fits, or a clear error now
+  job_slots(cfg, 0, o.nodes);  // fits, or a clear error now
   // (And checkpoint_dir locked for this job before anything in it is read; a restart
   // waits a little for its previous launch's node 0 to let go of it.)
   check_output_paths(cfg, o.run.launch.attempt > 0 ? 30 : 0);
@@ -389,7 +386,7 @@ actor_run_result run_node(const node_options& o) {
           cfg.resume.clear();
           cfg.load.clear();
         }
-        const auto slots = node_slots(cfg.pipeline, cfg.data_parallel, o.node, o.nodes, cfg.tensor_parallel);
+        const auto slots = job_slots(cfg, o.node, o.nodes);
         // threads = 0: share the machine's cores between the stage actors of every node on
         // it (more OpenMP threads than cores, in several processes, spin against each other).
         if (cfg.threads == 0)
@@ -417,19 +414,21 @@ actor_run_result run_node(const node_options& o) {
           plan.slots = slots;
           plan.rejoining = true;
         } else {  // UCX communicators (round 0 of the address exchange)
-          const auto comms = make_node_comms(o.node, o.nodes, ctx->p, ctx->d, ctx->t, cfg.expert_parallel, slots, how);
+          const auto comms =
+              make_node_comms(o.node, o.nodes, ctx->p, ctx->d, ctx->t, cfg.expert_parallel, ctx->c, slots, how);
           const auto table = ask<node_addresses>(self, registrar_handle, o.join_timeout, comms->addresses(),
                                                  where + ": address exchange");
           plan = comms->connect(table);
         }
         plan.registrar = registrar_handle;
         plan.renew = [node = o.node, nodes = o.nodes, p = ctx->p, d = ctx->d, t = ctx->t, ep = cfg.expert_parallel,
-                      slots, how]() -> std::unique_ptr<comm_renewal> {
-          return make_node_comms(node, nodes, p, d, t, ep, slots, how);
+                      c = ctx->c, slots, how]() -> std::unique_ptr<comm_renewal> {
+          return make_node_comms(node, nodes, p, d, t, ep, c, slots, how);
         };
-        std::string hosted;  // (replica,stage), with tensor parallelism (replica,stage,tp)
+        std::string hosted;  // (replica,stage), with context or tensor parallelism (replica,stage[,cp][,tp])
         for (const auto& [r, k] : slots)
-          hosted += " (" + std::to_string(ctx->dp_of(r)) + "," + std::to_string(k) +
+          hosted += " (" + std::to_string(ctx->data_of(r)) + "," + std::to_string(k) +
+                    (ctx->c > 1 ? "," + std::to_string(ctx->cp_of(r)) : "") +
                     (ctx->t > 1 ? "," + std::to_string(ctx->tp_of(r)) : "") + ")";
         supervisor = spawn_supervisor_actor(sys, ctx, wiring, std::move(plan));
         ask<bool>(self, registrar_handle, o.join_timeout, node_ready{o.node, caf::actor_cast<caf::actor>(supervisor)},
@@ -439,7 +438,7 @@ actor_run_result run_node(const node_options& o) {
                                                              std::to_string(o.nodes_per_host) + " on this machine"
                                                        : "";
         spdlog::info("{} on {} (pid {}{}): stages (replica,stage{}){}{}", where, hostname(), ::getpid(), here,
-                     ctx->t > 1 ? ",tp" : "", hosted,
+                     std::string(ctx->c > 1 ? ",cp" : "") + (ctx->t > 1 ? ",tp" : ""), hosted,
                      o.rejoin ? ": rejoined the job, waiting for the coordinator's recovery" : "");
         if (o.node == 0) {
           lead_job(self, o, cfg, ctx, wiring, shared_result, registrar_handle);

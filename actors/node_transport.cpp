@@ -51,9 +51,9 @@ std::vector<std::size_t> in_entry_order(std::size_t n, EntryOf entry_of) {
 /// machine goes through shared buffers where `transport.ipc` says so.
 class ucx_renewal : public comm_renewal {
  public:
-  ucx_renewal(int node, int nodes, int p, int d, int t, int ep, std::vector<std::pair<int, int>> slots,
+  ucx_renewal(int node, int nodes, int p, int d, int t, int ep, int c, std::vector<std::pair<int, int>> slots,
               node_transport transport)
-      : node_(node), nodes_(nodes), d_(d), t_(t), ep_(ep), slots_(std::move(slots)), transport_(transport),
+      : node_(node), nodes_(nodes), d_(d), t_(t), ep_(ep), c_(c), slots_(std::move(slots)), transport_(transport),
         machine_(transport::machine_key()), links_(transport.nccl || transport.ucx_links ? link_pairs(p, d, nodes, t)
                                                                                           : decltype(links_){}) {
     mine_.node = node;
@@ -163,6 +163,14 @@ class ucx_renewal : public comm_renewal {
         plan.tp_comms.push_back(g.at(std::size_t(q % t_)));
       }
     }
+    if (c_ > 1) {  // context-parallel groups: one per (replica, stage, tp), rank cp, all here
+      std::map<std::tuple<int, int, int>, std::vector<std::shared_ptr<transport::communicator>>> groups;
+      for (const auto& [q, k] : slots_) {
+        auto& g = groups[{q / (t_ * c_), k, q % t_}];
+        if (g.empty()) g = transport::make_local_group(c_);
+        plan.cp_comms.push_back(g.at(std::size_t(q / t_ % c_)));
+      }
+    }
     for (const auto& [r, k] : slots_)
       if (k == 0) plan.loader_replicas.push_back(r);
     plan.world = staged(pending_.back()->connect(column(-1, nodes_, table.addresses)));
@@ -221,6 +229,7 @@ class ucx_renewal : public comm_renewal {
 
  private:
   int node_, nodes_, d_, t_, ep_;
+  int c_ = 1;  ///< context parallelism: its groups are whole on a node (node_slots), in process
   /// The table's entry of the shard group of slot (pipeline q, stage k): its (stage,
   /// tensor-parallel rank).
   int shard_group(int q, int k) const { return k * t_ + q % t_; }
@@ -276,9 +285,9 @@ class ucx_renewal : public comm_renewal {
 
 }  // namespace
 
-std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int t, int ep,
+std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int t, int ep, int c,
                                               std::vector<std::pair<int, int>> slots, node_transport transport) {
-  return std::make_unique<ucx_renewal>(node, nodes, p, d, t, ep, std::move(slots), transport);
+  return std::make_unique<ucx_renewal>(node, nodes, p, d, t, ep, c, std::move(slots), transport);
 }
 
 node_transport transport_for(const runtime_context& ctx, const node_transport_settings& settings,

@@ -51,8 +51,10 @@ node_transport transport_for(const runtime_context& ctx, const node_transport_se
 /// parallelism `ep` > 1 per slot rank r mod ep of its stage's expert-parallel group (UCX),
 /// and with tensor parallelism `t` > 1 per slot rank tp of its (replica, stage)'s
 /// tensor-parallel group: in this process where node_slots put the whole group here,
-/// else over UCX (entry tensor_group_entry).
-std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int t, int ep,
+/// else over UCX (entry tensor_group_entry). With context parallelism `c` > 1 (`d` then
+/// counts its ranks: data_parallel x c) per slot rank cp of its (replica, stage, tp)'s
+/// context-parallel group, in this process (node_slots keeps the groups whole).
+std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int t, int ep, int c,
                                               std::vector<std::pair<int, int>> slots, node_transport transport);
 
 }  // namespace troupe

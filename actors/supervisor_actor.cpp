@@ -55,6 +55,16 @@ std::vector<std::shared_ptr<transport::communicator>> context_groups(const runti
   return out;
 }
 
+std::vector<std::pair<int, int>> job_slots(const job_config& cfg, int node, int nodes) {
+  const int C = cfg.context_parallel;
+  if (C > 1 && nodes > 0 && cfg.data_parallel % nodes != 0)
+    throw config_error("invalid configuration: " + std::to_string(nodes) + " nodes with context_parallel " +
+                       std::to_string(C) + " need data_parallel " + std::to_string(cfg.data_parallel) +
+                       " divisible by the node count: each node hosts whole replicas (a context-parallel group's "
+                       "collectives stay in one node process)");
+  return node_slots(cfg.pipeline, cfg.data_parallel * C, node, nodes, cfg.tensor_parallel);
+}
+
 node_plan local_node_plan(const runtime_context& ctx) {
   node_plan plan;
   // The shards' data-parallel groups: one per (stage, tensor-parallel rank), rank dp.

@@ -708,7 +708,7 @@ int main(int argc, char** argv) {
                                                      : std::vector<std::pair<std::string, std::string>>{
                                                            {"train.device", "cpu"}});
       cfg.validate();
-      troupe::node_slots(cfg.pipeline, cfg.data_parallel, 0, check_job_nodes, cfg.tensor_parallel);
+      troupe::job_slots(cfg, 0, check_job_nodes);
       if (check_job_here) {
         spdlog::set_level(spdlog::level::err);  // (node 0 warns about what it finds itself)
         troupe::training_data::check_available(cfg);

@@ -1018,7 +1018,9 @@ elastic_layout shrink_layout(const job_config& cfg, int max_nodes, int min_nodes
   const int micro = cfg.microbatch_size();
   for (int nodes = max_nodes; nodes >= min_nodes; --nodes)
     for (int d = cfg.data_parallel; d >= 1; --d) {
-      if (!nodes_fit(cfg.pipeline, d, cfg.tensor_parallel, nodes) || cfg.global_batch % (micro * d) != 0) continue;
+      if (!nodes_fit(cfg.pipeline, d * cfg.context_parallel, cfg.tensor_parallel, nodes) ||
+          cfg.global_batch % (micro * d) != 0 || (cfg.context_parallel > 1 && d % nodes != 0))
+        continue;
       job_config c = cfg;
       c.data_parallel = d;
       c.microbatches = cfg.global_batch / (micro * d);

@@ -4,7 +4,7 @@
 # rebuilds its actors in place, the lost node's optimizer shards from the copies on the
 # next node (its buddy) and its stages' parameters all-gathered from them; the run ends
 # bit-identical to the fault-free one with the same loss log (also with expert
-# parallelism across the nodes, and with a tensor-parallel group spread over two nodes). Also: the last node (whose
+# parallelism across the nodes, with context parallelism, and with a tensor-parallel group spread over two nodes). Also: the last node (whose
 # buddy is node 0), a node that does not come back in time (exit 75, the launcher restarts
 # the job from its newest checkpoint), a node and its buddy lost together (the same), and
 # --max-node-restarts 0 (no buddy copies, a job restart); node 0 stalled past the
@@ -57,6 +57,11 @@ rejoined ref kill-node-1 1 "${two[@]}" --kill-node 1:4
 moe=(--workload moe-tiny --layers 2 --expert-parallel 2 "${two[@]}")
 reference moe-ref "${moe[@]}"
 rejoined moe-ref moe-kill-node-1 1 "${moe[@]}" --kill-node 1:4
+# Context parallelism: node 1 hosts replica 1's two context-parallel ranks (their ring in
+# its process); killed, it rejoins with a fresh group, its shards from the buddy copies.
+cp=(--context-parallel 2 --layers 2 "${two[@]}")
+reference cp-ref "${cp[@]}"
+rejoined cp-ref cp-kill-node-1 1 "${cp[@]}" --kill-node 1:4
 # Tensor parallelism with more nodes than pipeline x data-parallel (one GPU each): a group
 # spans node processes (its collectives over UCX): p 2, d 1, T 2 on 4 nodes, one stage
 # actor each; node 1 (stage 0's rank 1) killed while its peer on node 0 waits in their

@@ -48,6 +48,20 @@ rc=$?
 [ $rc = 0 ] && ! grep -q "node 0 of" "$tmp/tp1.log" && grep -q "stages (replica,stage,tp) (1,0,0) (1,0,1) (1,1,0) (1,1,1)" "$tmp/tp2.log" \
   && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/tp1" "$tmp/tp2" 0 \
   && ok "tensor-parallel 2 on 2 nodes: one process's bits, layout lines" || bad "tensor-parallel 2 on 2 nodes: exit $rc" "$tmp/tp2.log"
+# Context parallelism over node processes (gpt2's learned positions): 2 nodes, each
+# hosting whole replicas (both context-parallel ranks of replica r, its group in process),
+# train one process's bits; a node count that would split a replica is refused.
+cp_job=(train "${small[@]}" --context-parallel 2 --pipeline 2 --data-parallel 2 --layers 2 --steps 3 --eval-interval 0)
+"$launcher" "${cp_job[@]}" --save "$tmp/cp1.pt" --metrics "$tmp/cp1.jsonl" >"$tmp/cp1.log" 2>&1
+"$launcher" "${cp_job[@]}" --nodes 2 --save "$tmp/cp2.pt" --metrics "$tmp/cp2.jsonl" >"$tmp/cp2.log" 2>&1
+rc=$?
+[ $rc = 0 ] && grep -q "stages (replica,stage,cp) (1,0,0) (1,1,0) (1,0,1) (1,1,1)" "$tmp/cp2.log" \
+  && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/cp1" "$tmp/cp2" 0 \
+  && ok "context-parallel 2 on 2 nodes: one process's bits, layout lines" || bad "context-parallel 2 on 2 nodes: exit $rc" "$tmp/cp2.log"
+"$launcher" train "${small[@]}" --context-parallel 2 --pipeline 2 --data-parallel 1 --layers 2 --nodes 2 >"$tmp/cp-bad.log" 2>&1
+rc=$?
+[ $rc = 2 ] && grep -q "context_parallel 2 need data_parallel 1 divisible by the node count" "$tmp/cp-bad.log" \
+  && ok "context-parallel 2 with a replica over 2 nodes refused (exit 2)" || bad "context-parallel over nodes: exit $rc" "$tmp/cp-bad.log"
 # Without layout flags any node count runs the default job's layout (p2 d2).
 "$launcher" train "${small[@]}" --nodes 1 --steps 1 --eval-interval 0 >"$tmp/one.log" 2>&1
 rc=$?
