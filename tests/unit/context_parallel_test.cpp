@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "actors/tp_groups.hpp"
+#include "rank_threads.hpp"
 #include "compute/models/parts/attention.hpp"
 #include "compute/parallel/context_parallel.hpp"
 
@@ -16,22 +16,7 @@ using namespace troupe;
 
 namespace {
 
-void on_ranks(int size, const std::function<void(int, std::shared_ptr<collective_group>)>& fn) {
-  auto groups = in_process_groups(size);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(static_cast<std::size_t>(size));
-  for (int t = 0; t < size; ++t)
-    threads.emplace_back([&, t] {
-      try {
-        fn(t, groups[std::size_t(t)]);
-      } catch (const std::exception& e) {
-        errors[std::size_t(t)] = e.what();
-        for (auto& g : groups) g->abort(e.what());
-      }
-    });
-  for (auto& th : threads) th.join();
-  for (const auto& e : errors) ASSERT_EQ(e, "");
-}
+using test::on_group_ranks;
 
 torch::Tensor leaf(const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); }
 
@@ -105,7 +90,7 @@ TEST(ContextParallel, EveryCommMatchesTheWholeSequenceValuesAndGradients) {
         const auto label = std::string(cp_comm_name(comm)) + " C " + std::to_string(C) + " heads " +
                            std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " window " +
                            std::to_string(c.window);
-        on_ranks(C, [&](int r, std::shared_ptr<collective_group> g) {
+        on_group_ranks(C, [&](int r, std::shared_ptr<collective_group> g) {
           const context_parallel place{r, C, comm, g};
           auto local = [&](const torch::Tensor& t) { return cp::local_tokens(t, 2, C, r); };
           auto ql = leaf(local(q)), kl = leaf(local(k)), vl = leaf(local(v));
@@ -121,7 +106,7 @@ TEST(ContextParallel, EveryCommMatchesTheWholeSequenceValuesAndGradients) {
 }
 
 TEST(ContextParallel, BadLayoutsAreRefused) {
-  on_ranks(4, [](int r, std::shared_ptr<collective_group> g) {
+  on_group_ranks(4, [](int r, std::shared_ptr<collective_group> g) {
     const auto q = torch::randn({1, 6, 4, 8}), k = torch::randn({1, 3, 4, 8});
     // 6 query heads do not split over 4 ranks (a2a trades heads for sequence)
     EXPECT_THROW(cp::attention(q, k, k, {r, 4, cp_comm::a2a, g}, 16), std::invalid_argument);

@@ -8,6 +8,7 @@
 #include <torch/nn/functional.h>
 
 #include "actors/tp_groups.hpp"
+#include "rank_threads.hpp"
 #include "ucx_groups.hpp"
 #include "compute/parallel/tensor_parallel.hpp"
 #include "compute/models/tensor_parallel_layout.hpp"
@@ -24,20 +25,7 @@ using namespace tp_test;
 
 /// Runs fn(rank, group) on `size` threads, one per rank of an in-process group.
 void on_ranks(int size, const std::function<void(int, collective_group&)>& fn) {
-  auto groups = in_process_groups(size);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(static_cast<std::size_t>(size));
-  for (int t = 0; t < size; ++t)
-    threads.emplace_back([&, t] {
-      try {
-        fn(t, *groups[std::size_t(t)]);
-      } catch (const std::exception& e) {
-        errors[std::size_t(t)] = e.what();
-        for (auto& g : groups) g->abort(e.what());
-      }
-    });
-  for (auto& th : threads) th.join();
-  for (const auto& e : errors) ASSERT_EQ(e, "");
+  test::on_group_ranks(size, [&](int rank, std::shared_ptr<collective_group> g) { fn(rank, *g); });
 }
 
 torch::Tensor leaf(const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); }
