@@ -26,6 +26,7 @@ struct cp_layout {
   int t, p, d;
   const char* schedule;
   const char* recompute;
+  const char* workload = "llama-tiny";
 };
 
 std::string name_of(const cp_layout& l) {
@@ -33,20 +34,20 @@ std::string name_of(const cp_layout& l) {
                   std::to_string(l.p) + "_d" + std::to_string(l.d);
   if (std::string(l.schedule) != "1f1b") s += l.schedule[0] == 'z' ? "_zero_bubble" : "_interleaved";
   if (std::string(l.recompute) != "none") s += std::string("_recompute_") + l.recompute;
-  return s;
+  return std::string(l.workload) + "_" + s;
 }
 
-/// llama-tiny's shape at 2 layers of width 64, 8 query and 4 key/value heads, sequences of
-/// 512, 2 micro-batches of 4 per replica, 5 steps and the evaluation at the end (through
-/// the stage actors).
+/// llama-tiny's shape (or gpt-tiny's: learned positions) at 2 layers per stage of width
+/// 64, 8 query and 4 key/value heads, sequences of 512, 2 micro-batches of 4 per replica, 5
+/// steps and the evaluation at the end (through the stage actors).
 job_config cp_job(const cp_layout& l) {
-  auto c = tp_test::small_job("llama-tiny");
+  auto c = tp_test::small_job(l.workload);
   c.runtime = "actors";
   c.steps = 5;
   c.layers = 2 * l.p;
   c.threads = 1;
   c.heads = 8;
-  c.kv_heads = 4;
+  if (std::string(l.workload) != "gpt-tiny") c.kv_heads = 4;  // (gpt2: every head its own keys)
   c.seq_len = 512;
   c.global_batch = 8 * l.d;
   c.microbatches = 2;
@@ -92,7 +93,7 @@ TEST(ContextParallelActors, FollowTheUnsplitRunInEveryLayout) {
       {2, "allgather", 1, 1, 1, "1f1b", "none"}, {4, "allgather", 1, 1, 1, "1f1b", "none"},
       {2, "p2p", 2, 1, 1, "1f1b", "none"},       {2, "a2a", 2, 1, 1, "1f1b", "none"},
       {2, "p2p", 1, 2, 1, "interleaved-1f1b", "full"}, {2, "allgather", 1, 2, 1, "interleaved-1f1b", "full"},
-      {2, "a2a", 1, 1, 2, "1f1b", "none"}};
+      {2, "a2a", 1, 1, 2, "1f1b", "none"},       {2, "p2p", 1, 1, 1, "1f1b", "none", "gpt-tiny"}};
   for (const auto& l : layouts) {
     SCOPED_TRACE(name_of(l));
     const auto c = cp_job(l);
