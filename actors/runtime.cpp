@@ -66,6 +66,9 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   try {
     cp_kind = parse_cp_comm(c.context_parallel_comm);
     device = resolve_device(c.device);
+    if (this->c > 1 && device.is_cuda())  // (device auto found a GPU: job_config refuses an explicit one)
+      throw std::invalid_argument("context_parallel " + std::to_string(this->c) + " on " + device.str() +
+                                  ": not yet on GPUs (--device cpu)");
     compute_dtype = parse_precision(c.precision);
     residual_dtype = c.fp32_residual || spec.type != model_spec::kind::decoder ? torch::kFloat32 : compute_dtype;
     use_deterministic_algorithms(c.deterministic);  // before this process's first matrix product

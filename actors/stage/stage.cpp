@@ -51,9 +51,11 @@ tensor_parallel join_tensor_group(stage_state& st, const std::shared_ptr<transpo
   st.tp_size = tensors->size();
   const int dp = ctx.dp_of(st.replica);
   auto* state = &st;
-  st.tp_group = as_collective_group(
-      tensors, nullptr, group_observer(state, [state] { return state->in_backward; }, "tp "),
-      group_entry(st, fmt::format("tensor-parallel group of replica {}, stage {}", dp, st.stage), dp * ctx.t, ctx.t));
+  const auto label = fmt::format("tensor-parallel group of replica {}{}, stage {}", ctx.data_of(st.replica),
+                                 ctx.c > 1 ? fmt::format(", cp {}", ctx.cp_of(st.replica)) : "", st.stage);
+  st.tp_group = as_collective_group(tensors, nullptr,
+                                    group_observer(state, [state] { return state->in_backward; }, "tp "),
+                                    group_entry(st, label, dp * ctx.t, ctx.t));
   return {tensors->rank(), tensors->size(), ctx.sequence_parallel, st.tp_group};
 }
 

@@ -587,6 +587,9 @@ void check_context_parallel(const job_config& c) {
            "p2p and allgather have no such limit");
   }
   if (c.runtime == "local") fail(cp + " runs in the actor runtime (--runtime actors)");
+  if (c.device.rfind("cuda", 0) == 0)
+    fail(cp + " on " + c.device + ": its ring's shifts run beside the stage on a thread without the stage's CUDA "
+         "stream (not yet on GPUs; --device cpu)");
   if (c.schedule == "dataflow")
     fail(cp + " with schedule dataflow: the stage actors of a context-parallel group meet in every attention, so "
          "they run one fixed order (any schedule but dataflow)");

@@ -191,6 +191,18 @@ torch::Tensor shift(collective_group& g, const torch::Tensor& x) {
   return g.all_to_all(x.contiguous().view({1, -1}), send, recv).view(x.sizes());
 }
 
+/// shift(g, x) on a thread of its own, which moves data only: one intra-op thread (a
+/// thread's first parallel op would otherwise start a team the size of the machine).
+/// (CPU streams only: on a GPU the thread would have to run on the caller's stream;
+/// job_config refuses context parallelism there.)
+std::future<torch::Tensor> shift_beside(collective_group& g, const torch::Tensor& x) {
+  return std::async(std::launch::async, [&g, x] {
+    (void)at::get_num_threads();  // (LibTorch's lazy set-up of this thread first)
+    at::set_num_threads(1);
+    return shift(g, x);
+  });
+}
+
 /// Autocast off: the cores compute in fp32 whatever the forward's precision.
 struct fp32_only {
   c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
@@ -217,7 +229,7 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     auto block = torch::stack({k, v}).contiguous();  // sent in the compute dtype
     for (int j = 0; j < C; ++j) {
       std::future<torch::Tensor> next;
-      if (j + 1 < C) next = std::async(std::launch::async, [&g, block] { return shift(g, block); });
+      if (j + 1 < C) next = shift_beside(g, block);
       forward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
                     rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), out, lse);
       if (next.valid()) block = next.get();
@@ -244,7 +256,7 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     auto dblock = torch::zeros(block.sizes(), block.options().dtype(torch::kFloat32));
     for (int j = 0; j < C; ++j) {
       std::future<torch::Tensor> next;
-      if (j + 1 < C) next = std::async(std::launch::async, [&g, block] { return shift(g, block); });
+      if (j + 1 < C) next = shift_beside(g, block);
       backward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
                      rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), lse, dout, delta, dq, dblock[0],
                      dblock[1]);

@@ -179,6 +179,7 @@ TEST(ContextParallelConfig, RefusesWhatCannotWork) {
           "a2a trades heads for sequence");
   refused([](job_config& c) { c.runtime = "local"; }, "runs in the actor runtime");
   refused([](job_config& c) { c.schedule = "dataflow"; }, "schedule dataflow");
+  refused([](job_config& c) { c.device = "cuda"; }, "not yet on GPUs");
   refused([](job_config& c) { c.workload = "fmnist-mlp"; c.heads = 0; c.kv_heads = 0; c.seq_len = 0; c.layers = 0; c.d_model = 0; },
           "no sequences to split");
   base.validate();  // the base itself is fine
