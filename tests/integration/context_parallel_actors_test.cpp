@@ -93,6 +93,7 @@ TEST(ContextParallelActors, FollowTheUnsplitRunInEveryLayout) {
       {2, "allgather", 1, 1, 1, "1f1b", "none"}, {4, "allgather", 1, 1, 1, "1f1b", "none"},
       {2, "p2p", 2, 1, 1, "1f1b", "none"},       {2, "a2a", 2, 1, 1, "1f1b", "none"},
       {2, "p2p", 1, 2, 1, "interleaved-1f1b", "full"}, {2, "allgather", 1, 2, 1, "interleaved-1f1b", "full"},
+      {2, "p2p", 1, 2, 1, "zero-bubble", "none"},
       {2, "a2a", 1, 1, 2, "1f1b", "none"},       {2, "p2p", 1, 1, 1, "1f1b", "none", "gpt-tiny"}};
   for (const auto& l : layouts) {
     SCOPED_TRACE(name_of(l));
