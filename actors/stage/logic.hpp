@@ -165,7 +165,7 @@ struct stage_state {
   /// stage, with expert parallelism the first replica of the group's (the others run the
   /// same forwards for the experts they hold), with tensor parallelism each of that
   /// replica's ranks (each holds part of the vocabulary), with context parallelism each of
-  /// its ranks (each scores its tokens; their scores are summed over the group).
+  /// its ranks (each scores its tokens; the group's score is the mean of theirs).
   bool scores_evaluation() const { return replica % group_size() < tp_size * cp_size; }
   /// Whether it reports the scores: the group's rank 0.
   bool reports_evaluation() const { return replica % group_size() == 0; }
