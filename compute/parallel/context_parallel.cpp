@@ -88,7 +88,7 @@ struct visible_keys {
 visible_keys visible(const run& q, const torch::Tensor& k, const torch::Tensor& v, const std::vector<run>& k_runs,
                      std::int64_t heads, std::int64_t window) {
   visible_keys out;
-  std::vector<torch::Tensor> ks, vs, positions;
+  std::vector<torch::Tensor> ks, vs;
   bool partial = false;
   for (const auto& r : k_runs) {
     const auto rel = relation(q, r, window);
@@ -97,7 +97,6 @@ visible_keys visible(const run& q, const torch::Tensor& k, const torch::Tensor& 
     out.from.push_back(r);
     ks.push_back(k.narrow(2, r.offset, r.len));
     vs.push_back(v.narrow(2, r.offset, r.len));
-    positions.push_back(torch::arange(r.first, r.first + r.len, torch::TensorOptions().dtype(torch::kInt64)));
   }
   if (out.from.empty()) return out;
   out.k = ks.size() == 1 ? ks[0] : torch::cat(ks, 2);
@@ -106,8 +105,11 @@ visible_keys visible(const run& q, const torch::Tensor& k, const torch::Tensor& 
     out.k = out.k.repeat_interleave(heads / k.size(1), 1);
     out.v = out.v.repeat_interleave(heads / k.size(1), 1);
   }
-  if (partial) {
-    const auto qp = torch::arange(q.first, q.first + q.len, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(1);
+  if (partial) {  // (the keys' positions only where a mask needs them)
+    const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+    std::vector<torch::Tensor> positions;
+    for (const auto& r : out.from) positions.push_back(torch::arange(r.first, r.first + r.len, i64));
+    const auto qp = torch::arange(q.first, q.first + q.len, i64).unsqueeze(1);
     const auto kp = torch::cat(positions).unsqueeze(0);
     auto mask = kp <= qp;
     if (window > 0) mask = mask.logical_and(qp - kp < window);
