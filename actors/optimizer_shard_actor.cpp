@@ -43,6 +43,7 @@ struct shard_state {
                                // the compute dtype: bf16 jobs gather bf16, half the bytes)
     torch::Tensor rounded;     // bf16 jobs: this rank's main parameters rounded (all-gather input)
     std::vector<param_entry> entries;  // the chunk's layout (names and offsets)
+    std::int64_t numel = 0;            // the chunk's whole buffer's elements
     std::vector<double> start_us;      // each bucket's reduce-scatter
   };
   std::shared_ptr<const runtime_context> ctx;
@@ -117,7 +118,8 @@ wait_report shard_waits(const shard_state& s, std::int64_t step) {
       rep.state = "has " + std::to_string(s.received) + " of " + std::to_string(s.order.size()) + " gradient buckets";
       for (const auto& [ci, b] : s.order)
         if (!s.chunks[ci].here[b]) {
-          rep.waits_for = "gradient bucket " + std::to_string(b) + " of chunk " + std::to_string(ci);
+          rep.waits_for = s.ctx->shards_grads() ? "reduced gradients of chunk " + std::to_string(ci)
+                                                : "gradient bucket " + std::to_string(b) + " of chunk " + std::to_string(ci);
           rep.from = {s.stage_actor_name()};
           rep.keys = {message_key(rep.waits_for, s.stage_actor_name(), s.name)};
           break;
@@ -158,8 +160,8 @@ void take_snapshot(shard_state& s, std::int64_t step) {
   snap->step = step;
   for (const auto& ch : s.chunks) {
     snap->chunks.push_back(ch.opt.current());
-    snap->stage_numel.push_back(ch.gathered.numel());
-    snap->stage_expert_offset.push_back(std::min(ch.groups.expert_offset, ch.gathered.numel()));
+    snap->stage_numel.push_back(ch.numel);
+    snap->stage_expert_offset.push_back(std::min(ch.groups.expert_offset, ch.numel));
   }
   s.store->put(s.stage, s.rank, std::move(snap));
 }
@@ -198,7 +200,10 @@ void init_chunks(shard_state& st, const std::shared_ptr<const shard_snapshot>& f
     ch.norm_mask = norm_mask(layout->entries(), ch.layout).to(ctx->device);
     ch.here.assign(ch.buckets.size(), 0);
     ch.reduced = torch::empty({size}, layout->flat_params().options());
-    ch.gathered = torch::empty({n}, layout->flat_params().options().dtype(ctx->compute_dtype));
+    ch.numel = n;
+    // (Parameters sharded: the stage gathers them from this shard's pieces, for each op.)
+    if (!ctx->shards_params())
+      ch.gathered = torch::empty({n}, layout->flat_params().options().dtype(ctx->compute_dtype));
     if (ctx->compute_dtype != torch::kFloat32)
       ch.rounded = torch::empty({size}, layout->flat_params().options().dtype(ctx->compute_dtype));
     ch.start_us.assign(ch.buckets.size(), 0.0);
@@ -274,6 +279,23 @@ void start_all_gathers(shard_self self) {
                                                ch.gathered.narrow(0, bucket.begin, bucket.size())),
                    collective::all_gather, ci, b);
   }
+}
+
+void maybe_done(shard_self self);
+
+/// Parameters sharded (ZeRO-3): the stage gets this shard's updated pieces (bf16 jobs:
+/// rounded), from which its ops gather the chunk; no all-gather here.
+void send_pieces(shard_self self) {
+  auto& s = self->state;
+  for (int ci = 0; ci < s.ctx->v; ++ci) {
+    auto& ch = s.chunks[ci];
+    if (ch.rounded.defined()) ch.rounded.copy_(ch.opt.params());
+    s.record_sent("parameters of chunk " + std::to_string(ci), s.stage_actor_name());
+    self->send(s.wiring->stages[s.rank][s.stage],
+               param_shard{s.step, ci, s.rank, make_payload(ch.rounded.defined() ? ch.rounded : ch.opt.params())});
+  }
+  s.gathered = true;
+  maybe_done(self);
 }
 
 /// Reports the step done once its all-gather finished and the buddy holds its copies.
@@ -371,12 +393,53 @@ void on_begin_step(shard_self self, const begin_step& msg) {
   for (auto& m : stash) caf::anon_send(caf::actor_cast<caf::actor>(self), std::move(m));  // in order, as they came
 }
 
+/// The gradient-norm partials of every chunk's reduced gradients go to the coordinator,
+/// which answers with the clip factor.
+void send_norm_partials(shard_self self) {
+  auto& s = self->state;
+  for (int ci = 0; ci < s.ctx->v; ++ci) {
+    auto& ch = s.chunks[ci];
+    ch.grads = torch::Tensor();  // the stage's buffer is no longer read
+    std::fill(ch.here.begin(), ch.here.end(), 0);
+    s.record_sent("gradient-norm partial of chunk " + std::to_string(ci), "coordinator");
+    self->send(s.wiring->coordinator, grad_norm_partial{s.step, s.ctx->virtual_stage(s.stage, ci), s.rank,
+                                                        partial_sq_norm(ch.reduced, ch.norm_mask)});
+  }
+  s.phase = shard_phase::awaiting_clip;
+}
+
+/// Gradients sharded (FSDP): a chunk's gradients, reduce-scattered by its stage after
+/// each backward, this shard's pieces summed over the step (bucket -1: all at once).
+void on_reduced_grads(shard_self self, grad_shard& msg) {
+  auto& s = self->state;
+  auto& c = s.chunks.at(msg.chunk);
+  auto fail = [&](const std::string& why) {
+    self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, why, s.wiring->generation});
+  };
+  const auto problem = check_payload(msg.data, {c.reduced.numel()}, torch::kFloat32);
+  if (!problem.empty()) return fail("reduced gradients: " + problem);
+  if (msg.bucket != -1 || c.here.at(0)) return fail("reduced gradients of chunk " + std::to_string(msg.chunk) +
+                                                    ": not all buckets at once, or handed over twice");
+  c.reduced.copy_(tensor_of(msg.data));  // (the stage's accumulator is zeroed for its next step)
+  std::fill(c.here.begin(), c.here.end(), 1);
+  s.received += int(c.buckets.size());
+  if (s.faults.shard_stalls(s.stage, s.rank, s.step, s.attempt)) {
+    if (s.received == int(s.order.size())) {
+      s.phase = shard_phase::stalled;
+      spdlog::warn("fault injected: {} stalls: no update in step {} (index {})", s.name, s.step + 1, s.step);
+    }
+    return;
+  }
+  if (s.received == int(s.order.size())) send_norm_partials(self);
+}
+
 /// A bucket of the stage's gradients, final: its reduce-scatter starts in its turn.
 void on_grad_shard(shard_self self, grad_shard& msg) {
   if (!accept(self, msg.step)) return;
   auto& s = self->state;
   auto& c = s.chunks.at(msg.chunk);
-  const auto problem = check_payload(msg.data, {c.gathered.numel()}, torch::kFloat32);
+  if (s.ctx->shards_grads()) return on_reduced_grads(self, msg);
+  const auto problem = check_payload(msg.data, {c.numel}, torch::kFloat32);
   if (!problem.empty()) {
     self->send(s.wiring->coordinator, runtime_failure{s.step, s.name, "gradient buffer: " + problem, s.wiring->generation});
     return;
@@ -424,18 +487,7 @@ void on_collective_done(shard_self self, const collective_done& msg) {
   }
   if (++s.completed < s.order.size()) return;
   s.pending.clear();
-  if (collective(msg.kind) == collective::reduce_scatter) {
-    for (int ci = 0; ci < s.ctx->v; ++ci) {
-      auto& ch = s.chunks[ci];
-      ch.grads = torch::Tensor();  // the stage's buffer is no longer read
-      std::fill(ch.here.begin(), ch.here.end(), 0);
-      s.record_sent("gradient-norm partial of chunk " + std::to_string(ci), "coordinator");
-      self->send(s.wiring->coordinator, grad_norm_partial{s.step, s.ctx->virtual_stage(s.stage, ci), s.rank,
-                                                          partial_sq_norm(ch.reduced, ch.norm_mask)});
-    }
-    s.phase = shard_phase::awaiting_clip;
-    return;
-  }
+  if (collective(msg.kind) == collective::reduce_scatter) return send_norm_partials(self);
   // (The all-gather phase of all chunks, with the bytes of their whole buffers.)
   std::int64_t bytes = 0;
   for (const auto& ch : s.chunks) bytes += ch.gathered.nbytes();
@@ -461,14 +513,18 @@ void on_clip_factor(shard_self self, const clip_factor_msg& msg) {
   take_snapshot(s, s.step + 1);
   ev.end_us = s.ctx->now_us();
   s.events.push_back(ev);
-  start_all_gathers(self);
+  if (s.ctx->shards_params())
+    send_pieces(self);
+  else
+    start_all_gathers(self);
   send_copy(self, s.step + 1);
 }
 
 /// Checkpoints: AdamW moments by parameter name, and the fp32 main parameters where the
 /// stages hold them rounded (bf16 jobs).
 shard_moments checkpoint_answer(const shard_state& s) {
-  const bool main = s.ctx->compute_dtype != torch::kFloat32;
+  // (Parameters sharded: the main parameters are the only copy, in fp32 jobs too.)
+  const bool main = s.ctx->compute_dtype != torch::kFloat32 || s.ctx->shards_params();
   shard_moments rep;
   for (const auto& ch : s.chunks)
     for (auto& piece : moment_pieces(ch.entries, ch.layout, ch.opt, main)) {

@@ -69,6 +69,14 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
     if (this->c > 1 && device.is_cuda())  // (device auto found a GPU: job_config refuses an explicit one)
       throw std::invalid_argument("context_parallel " + std::to_string(this->c) + " on " + device.str() +
                                   ": not yet on GPUs (--device cpu)");
+    shard = parse_shard_level(c.shard);
+    if (shards_grads() && device.is_cuda())  // (device auto found a GPU: job_config refuses an explicit one)
+      throw std::invalid_argument(std::string("shard ") + c.shard + " on " + device.str() +
+                                  ": not yet on GPUs (--device cpu)");
+    if (shards_grads() && !tied_name.empty() && c.pipeline * c.chunks > 1)
+      throw std::invalid_argument(std::string("shard ") + c.shard + " with the tied embedding " + tied_name +
+                                  " on two virtual stages: its copies' gradients are summed once a step, not once "
+                                  "a backward (not yet; --tie-embeddings false, or one stage of one chunk)");
     compute_dtype = parse_precision(c.precision);
     residual_dtype = c.fp32_residual || spec.type != model_spec::kind::decoder ? torch::kFloat32 : compute_dtype;
     use_deterministic_algorithms(c.deterministic);  // before this process's first matrix product

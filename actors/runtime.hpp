@@ -37,6 +37,7 @@
 #include "compute/schedule/schedule.hpp"
 #include "compute/trainer/local_trainer.hpp"
 #include "messages/interfaces.hpp"
+#include "compute/optim/fsdp.hpp"
 #include "messages/step_messages.hpp"
 #include "transport/transport.hpp"
 
@@ -100,6 +101,13 @@ struct runtime_context {
   shard_groups groups_of(int pipe, const model_slice& slice) const {
     return {d, dp_of(pipe), slice.expert_offset(), edp, ep > 1 ? pipe / ep : 0};
   }
+  /// What the data-parallel group shards (parallel.shard): with gradients or parameters
+  /// the stage actors reduce-scatter each backward's gradients (and with parameters
+  /// all-gather each op's parameters) over their shards' communicator themselves
+  /// (compute/optim/fsdp.hpp); the shards get the reduced pieces.
+  shard_level shard = shard_level::optimizer;
+  bool shards_grads() const { return shard != shard_level::optimizer; }
+  bool shards_params() const { return shard == shard_level::parameters; }
   int n_virtual;
   bool dataflow;                     ///< no fixed order (schedule = "dataflow")
   schedule sched;                    ///< fixed-order kinds (for dataflow: 1f1b, unused)

@@ -179,7 +179,8 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
     wiring.stages[r][k] = spawn_stage_actor(self, ctx, s.wiring, r, k,
                                             params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
                                             comm_or_null(plan.ep_comms, i), comm_or_null(plan.ep_backward_comms, i),
-                                            comm_or_null(plan.tp_comms, i), comm_or_null(plan.cp_comms, i));
+                                            comm_or_null(plan.tp_comms, i), comm_or_null(plan.cp_comms, i),
+                                            ctx->shards_grads() ? plan.comms.at(i) : nullptr);
     mine.stages.push_back(add(wiring.stages[r][k], ctx->stage_name(r, k)));
   }
   for (int r : plan.loader_replicas) {
@@ -310,6 +311,10 @@ void renew(supervisor_self self) {
 void release_groups(supervisor_state& s, const std::string& why) {
   for (auto* group : {&s.plan.ep_comms, &s.plan.ep_backward_comms, &s.plan.tp_comms, &s.plan.cp_comms})
     for (auto& c : *group)
+      if (c) c->abort(why);
+  // (Gradients or parameters sharded: the stages' ops wait in the shards' communicators.)
+  if (s.ctx->shards_grads())
+    for (auto& c : s.plan.comms)
       if (c) c->abort(why);
 }
 

@@ -26,7 +26,16 @@ void fetch_state(self_ptr self, std::function<void(state_dict)> then) {
         const auto by_name = parts->size() == 1 ? parts->front() : unshard_by_name(spec, {}, *parts);
         state_dict full;
         for (const auto& name : parameter_names(spec)) full.emplace_back(name, by_name.at(name));
-        then(std::move(full));
+        if (!self->state.ctx->shards_params()) return then(std::move(full));
+        // Parameters sharded: the stages sent placeholders; the shards hold the only copy,
+        // in fp32. What the stages compute with is that rounded to the compute dtype (bf16
+        // jobs; their final state is the fp32 one: fetch_final_state).
+        with_shard_state(self, std::move(full), [self, then](state_dict model, named_moments) {
+          const auto dtype = self->state.ctx->compute_dtype;
+          if (dtype != torch::kFloat32)
+            for (auto& [name, t] : model) t = t.to(dtype).to(torch::kFloat32);
+          then(std::move(model));
+        });
       },
       fail_with(self, "no parameters from a stage"), state_atom_v);
 }

@@ -243,7 +243,9 @@ void after_reset(self_ptr self, nlohmann::json line) {
     s.attempt = 0;
     begin(self);
   };
-  const bool gathered_eval = eval && cfg.eval_mode == "gather";
+  // (Parameters sharded: the stages hold no parameters between steps; the model is
+  // gathered from the shards and evaluated here.)
+  const bool gathered_eval = eval && (cfg.eval_mode == "gather" || s.ctx->shards_params());
   // The checkpoint folder (written by the stages, nothing gathered), then the next step.
   auto write_then_proceed = [=](state_dict model) {
     if (!folder) return proceed(std::move(model));

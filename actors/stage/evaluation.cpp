@@ -49,6 +49,8 @@ void stage_logic::run_eval_forward(const eval_activation& msg) {
   }
   // (A loader's windows through to_device; another stage's activation as it came: a
   // transport may hand over a buffer it reuses.)
+  if (ctx.shards_params())  // (the coordinator evaluates a sharded model from its shards: eval_mode gather)
+    return fail("evaluation forward " + std::to_string(msg.index) + " with the parameters sharded");
   auto in = x == 0 ? to_device(tensor_of(msg.data)) : tensor_of(msg.data).to(ctx.device);
   std::string bad;
   const auto positions = positions_of(msg.positions, in.size(0), bad);

@@ -26,6 +26,7 @@
 #include "compute/checkpoint/checkpoint_dir.hpp"
 #include "compute/runtime/device.hpp"
 #include "compute/optim/grad_buffer.hpp"
+#include "compute/optim/fsdp.hpp"
 #include "compute/parallel/tensor_parallel.hpp"
 #include "compute/models/tensor_parallel_layout.hpp"
 #include "compute/trainer/local_trainer.hpp"
@@ -43,6 +44,7 @@ inline std::string gradient_text(int mb, int chunk) {
   return "gradient mb " + std::to_string(mb) + " chunk " + std::to_string(chunk);
 }
 inline std::string bucket_text(int chunk, int b) {
+  if (b < 0) return "reduced gradients of chunk " + std::to_string(chunk);  // (FSDP: all buckets at once)
   return "gradient bucket " + std::to_string(b) + " of chunk " + std::to_string(chunk);
 }
 
@@ -136,6 +138,10 @@ struct stage_state {
   int ep_size = 1;  // expert parallelism: the size of the stage's expert-parallel group
   int tp_size = 1;  // tensor parallelism: the size of the stage's tensor-parallel group
   std::shared_ptr<collective_group> tp_group;  // (tp_size > 1)
+  /// Gradients or parameters sharded (ctx->shards_grads()): per chunk its FSDP part, and
+  /// the data-parallel group the ops' collectives run in.
+  std::vector<sharded_slice> sharded;
+  std::shared_ptr<collective_group> dp_group;
   int cp_size = 1;  // context parallelism: the size of the stage's context-parallel group
   std::shared_ptr<collective_group> cp_group;  // (cp_size > 1)
   /// The stage actors that run the same forwards and backwards in one order, meeting in
@@ -314,6 +320,7 @@ class stage_logic {
   /// The op's compute: its slice (and a split op's W store) only, and the expert
   /// all-to-alls' trace events (under their lock).
   void compute(op_work& w);
+  void compute_op(op_work& w, model_slice& slice);  // compute's op itself (FSDP's collectives around it)
 
   void end_op(op_work& w);
 

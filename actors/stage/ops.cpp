@@ -138,7 +138,8 @@ stage_logic::op_work stage_logic::begin_op(const pipeline_op& op) {
     s_.saved.erase(w.k);
     // The chunk's last op: its buckets go to the shard as this backward finishes them
     // (split backwards: after their W's, in chunk_done).
-    if (!w.split && s_.chunk_ops_left.at(op.chunk) == 1) s_.watches.at(op.chunk)->arm();
+    // (Gradients sharded: each backward's are reduce-scattered as it ends, in compute.)
+    if (!w.split && s_.chunk_ops_left.at(op.chunk) == 1 && !ctx.shards_grads()) s_.watches.at(op.chunk)->arm();
     if (!s_.is_last_virtual(op.chunk)) {
       w.grad = std::move(s_.out_grads[w.k]);
       s_.out_grads.erase(w.k);
@@ -155,6 +156,20 @@ void stage_logic::compute(op_work& w) {
   if (w.op.kind == op_kind::forward) s_.computing_forward = w.k;
   if (w.op.kind == op_kind::backward) s_.computing_backward = w.k;
   s_.in_backward = w.op.kind == op_kind::backward;
+  sharded_slice* sharded = ctx.shards_grads() ? &s_.sharded.at(std::size_t(w.op.chunk)) : nullptr;
+  if (sharded) {  // FSDP: the chunk's parameters gathered, its gradient buffer made
+    if (w.op.kind != op_kind::weight) gather_params(slice, *sharded, *s_.dp_group);
+    if (w.op.kind != op_kind::forward) make_grads(slice, *sharded);
+  }
+  compute_op(w, slice);
+  if (sharded) {  // and released; the op's gradients reduce-scattered into this rank's pieces
+    if (w.op.kind != op_kind::weight) release_params(slice, *sharded);
+    if (w.op.kind != op_kind::forward) reduce_grads(slice, *sharded, *s_.dp_group);
+  }
+}
+
+void stage_logic::compute_op(op_work& w, model_slice& slice) {
+  const auto& ctx = *s_.ctx;
   if (w.op.kind == op_kind::weight) {
     w.store->apply();
   } else if (w.op.kind == op_kind::forward) {
@@ -276,6 +291,12 @@ void stage_logic::execute_pair(const pipeline_op& f, const pipeline_op& b) {
 
 void stage_logic::chunk_done(int chunk) {
   const auto& ctx = *s_.ctx;
+  if (ctx.shards_grads()) {  // FSDP: the step's reduced pieces of the chunk's gradients, at once
+    s_.record_sent({stage_state::sent_message::bucket, chunk, -1});
+    caf::anon_send(s_.wiring->shards[s_.stage][s_.replica],
+                   grad_shard{s_.step, chunk, s_.replica, -1, make_payload(s_.sharded.at(chunk).grads)});
+    return;
+  }
   s_.watches.at(chunk)->finish();
   if (s_.sums_replicated()) {
     activity_board::op_scope busy(s_.name, s_.wiring->node, s_.generation, s_.step,
@@ -366,10 +387,19 @@ void stage_logic::on_params(const param_shard& msg) {
                              std::to_string(s_.step + 1));
   }
   auto& chunk = *s_.chunks.at(msg.chunk);
-  // bf16 jobs: the shards gather their main parameters rounded to bf16.
-  const auto problem = check_payload(msg.data, {chunk.flat_params().numel()}, s_.ctx->compute_dtype);
+  // bf16 jobs: the shards gather their main parameters rounded to bf16. Parameters
+  // sharded: the shard's own pieces, which this stage's ops gather from.
+  const bool pieces = s_.ctx->shards_params();
+  const std::int64_t numel = pieces ? s_.sharded.at(msg.chunk).size() : chunk.flat_params().numel();
+  const auto problem = check_payload(msg.data, {numel}, s_.ctx->compute_dtype);
   if (!problem.empty()) throw std::runtime_error(s_.name + ": parameters from the shard: " + problem);
-  chunk.set_params(tensor_of(msg.data));
+  if (pieces) {
+    auto& sh = s_.sharded.at(msg.chunk);
+    sh.params = tensor_of(msg.data);  // (no copy: the shard writes its next update elsewhere)
+    sh.copies_fresh = false;
+  } else {
+    chunk.set_params(tensor_of(msg.data));
+  }
   if (++s_.params_received == s_.ctx->v) {
     // On a GPU the compute ops' spans are when the stream ran them (their kernels were
     // done before the gradients they made were reduced), not when the host launched them.

@@ -45,7 +45,14 @@ reset_report stage_logic::reset() {
   // Each gradient must still be a view of the zeroed buffer (a gradient autograd replaced
   // would not be zeroed, nor reach the shard). Only pointers are compared: a pass over the
   // buffer would cost a read of every gradient and, on a GPU, a host synchronisation per step.
+  for (std::size_t i = 0; i < s_.sharded.size(); ++i) {  // FSDP: nothing gathered or made between steps
+    auto& c = *s_.chunks[i];
+    release_params(c, s_.sharded[i]);
+    release_storage(c.flat_grads());
+    s_.sharded[i].grads.zero_();
+  }
   for (auto& c : s_.chunks) {
+    if (!storage_held(c->flat_grads())) continue;
     c->zero_grads();
     const auto* begin = static_cast<const char*>(c->flat_grads().data_ptr());
     const auto* end = begin + c->flat_grads().nbytes();

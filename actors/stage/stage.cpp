@@ -99,6 +99,33 @@ void join_expert_groups(stage_state& st, const std::shared_ptr<transport::commun
   st.ep_size = experts->size();
 }
 
+/// Gradients or parameters sharded (parallel.shard): the chunks' FSDP layout (this rank's
+/// piece of each gradient bucket, the pieces its shard updates) and the data-parallel
+/// group (`shards`: the stage's shards' communicator, which the shards then leave to the
+/// stage: their collectives run here, inside the ops). With parameters the chunks'
+/// parameter buffers are released until an op gathers them.
+void join_shard_group(stage_state& st, const std::shared_ptr<transport::communicator>& shards) {
+  const auto& ctx = *st.ctx;
+  if (!shards || shards->size() != ctx.d || shards->rank() != ctx.dp_of(st.replica))
+    throw std::logic_error(st.name + ": no data-parallel communicator of " + std::to_string(ctx.d) +
+                           " ranks with its rank " + std::to_string(ctx.dp_of(st.replica)));
+  group_identity id{fmt::format("data-parallel group of stage {}{}", st.stage,
+                                ctx.t > 1 ? fmt::format(", tensor-parallel rank {}", ctx.tp_of(st.replica)) : ""),
+                    {}};
+  for (int r = ctx.tp_of(st.replica); r < ctx.pipes; r += ctx.t) id.members.push_back(ctx.stage_name(r, st.stage));
+  auto group = std::make_shared<const group_identity>(std::move(id));
+  auto calls = std::make_shared<std::int64_t>(0);
+  auto* state = &st;
+  st.dp_group = as_collective_group(
+      shards, nullptr, group_observer(state, [state] { return state->in_backward; }, "fsdp "),
+      [group, calls](const char* name) { activity_board::enter_collective(name, group, (*calls)++); });
+  for (auto& chunk : st.chunks) {
+    auto buckets = ctx.buckets_of(*chunk);
+    auto layout = bucket_shard(buckets, ctx.groups_of(st.replica, *chunk));
+    st.sharded.push_back(shard_slice(*chunk, std::move(buckets), std::move(layout), ctx.shards_params()));
+  }
+}
+
 /// Context parallelism: the chunks compute this rank's tokens of every sequence, their
 /// attention meeting the group's (`contexts`: rank cp of the replica's context-parallel
 /// group of this stage and tensor-parallel rank). (No observers: the ring's shifts run on
@@ -111,6 +138,17 @@ void join_context_group(stage_state& st, const std::shared_ptr<transport::commun
   st.cp_size = contexts->size();
   st.cp_group = as_collective_group(contexts);
   for (auto& chunk : st.chunks) chunk->set_context_parallel({contexts->rank(), contexts->size(), ctx.cp_kind, st.cp_group});
+}
+
+/// A chunk's parameters (shared copies left out) for a checkpoint or the final state.
+/// Parameters sharded: zeros of their shapes, the shards' main parameters standing for
+/// them (use_main_params), which are the only copy.
+state_dict chunk_state(const runtime_context& ctx, const model_slice& c) {
+  if (!ctx.shards_params()) return c.state();
+  state_dict out;
+  for (const auto& e : c.entries())
+    if (!e.shared_copy) out.emplace_back(e.name, torch::zeros(e.shape));
+  return out;
 }
 
 /// Checkpoint folders: replica 0's stages write their own files into the step's
@@ -145,13 +183,14 @@ caf::result<stage_checkpoint> write_stage_checkpoint(stage_self self,
     }
   // bf16 without tensor or expert parallelism: the shards' fp32 main parameters are
   // what is written, so the rounded ones are not copied (use_main_params replaces each).
-  const bool from_shards = ctx->compute_dtype != torch::kFloat32 && t == 1 && ctx->ep == 1;
+  // Parameters sharded: the shards hold the only copy (their main parameters).
+  const bool from_shards = (ctx->compute_dtype != torch::kFloat32 || ctx->shards_params()) && t == 1 && ctx->ep == 1;
   // The other pipelines holding parts of this stage: replica 0's tensor-parallel
   // ranks, and the pipelines holding the other shares of the experts.
   const int holders = std::max(t, ctx->ep);
   if (!from_shards)
     for (auto& c : s.chunks)
-      for (auto& [name, p] : c->state()) (*parts)[0].emplace(name, std::move(p));
+      for (auto& [name, p] : chunk_state(*ctx, *c)) (*parts)[0].emplace(name, std::move(p));
   auto fail_with = [=](const std::string& what) {
     return [=](std::size_t, caf::error& err) mutable {
       rp.deliver(stage_checkpoint{{}, what + ": " + self->system().render(err), {}});
@@ -237,7 +276,8 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
                                           std::shared_ptr<transport::communicator> experts,
                                           std::shared_ptr<transport::communicator> experts_backward,
                                           std::shared_ptr<transport::communicator> tensors,
-                                          std::shared_ptr<transport::communicator> contexts) {
+                                          std::shared_ptr<transport::communicator> contexts,
+                                          std::shared_ptr<transport::communicator> shards) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
@@ -249,6 +289,7 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
   make_chunks(st, tp, params);
   if (experts) join_expert_groups(st, experts, experts_backward);
   if (contexts) join_context_group(st, contexts);
+  if (ctx->shards_grads()) join_shard_group(st, shards);
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   if (st.order)
     for (const auto& op : *st.order)
@@ -398,7 +439,7 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
       [=](state_atom) -> state_reply {
         state_reply rep;
         for (auto& c : self->state.chunks)
-          for (auto& [name, t] : c->state()) {
+          for (auto& [name, t] : chunk_state(*ctx, *c)) {
             rep.names.push_back(name);
             rep.tensors.push_back(make_payload(t));
           }
@@ -418,13 +459,14 @@ stage_actor spawn_stage_actor(caf::local_actor* supervisor, std::shared_ptr<cons
                              std::vector<torch::Tensor> params, std::shared_ptr<transport::communicator> experts,
                              std::shared_ptr<transport::communicator> experts_backward,
                              std::shared_ptr<transport::communicator> tensors,
-                             std::shared_ptr<transport::communicator> contexts) {
+                             std::shared_ptr<transport::communicator> contexts,
+                             std::shared_ptr<transport::communicator> shards) {
   // Detached: a thread of its own, so its LibTorch intra-op thread count is its own
   // and long compute never holds a scheduler thread other actors need.
   return supervisor->spawn<caf::detached + caf::monitored>(stage_behavior, std::move(ctx), std::move(wiring),
                                                           replica, stage, std::move(params), std::move(experts),
                                                           std::move(experts_backward), std::move(tensors),
-                                                          std::move(contexts));
+                                                          std::move(contexts), std::move(shards));
 }
 
 }  // namespace troupe

@@ -38,13 +38,16 @@ namespace troupe {
 /// forwards in (forward, chunk) order). With them an overlapped pair's forward and
 /// backward compute at once (on the CPU, without recomputation). `tensors`
 /// (parallel.tensor_parallel > 1): the stage's tensor-parallel group, rank pipeline mod T,
-/// in which its layers' collectives run (likewise in one order).
+/// in which its layers' collectives run (likewise in one order). `shards`
+/// (parallel.shard gradients or parameters): its shards' data-parallel communicator,
+/// in which its ops' reduce-scatters (and all-gathers) run (compute/optim/fsdp.hpp).
 stage_actor spawn_stage_actor(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params = {},
                              std::shared_ptr<transport::communicator> experts = nullptr,
                              std::shared_ptr<transport::communicator> experts_backward = nullptr,
                              std::shared_ptr<transport::communicator> tensors = nullptr,
-                             std::shared_ptr<transport::communicator> contexts = nullptr);
+                             std::shared_ptr<transport::communicator> contexts = nullptr,
+                             std::shared_ptr<transport::communicator> shards = nullptr);
 
 }  // namespace troupe

@@ -1,5 +1,6 @@
 #include "compute/config/job_config.hpp"
 #include "compute/parallel/context_parallel.hpp"
+#include "compute/optim/fsdp.hpp"
 #include "compute/parallel/tensor_parallel.hpp"
 #include "compute/models/tensor_parallel_layout.hpp"
 #include "compute/data/tokenizer.hpp"
@@ -289,6 +290,16 @@ const std::vector<key_def>& key_defs() {
                  "blocks, overlapped with the attention), a2a (all-to-all of heads for sequence, "
                  "DeepSpeed-Ulysses) or allgather",
                  &job_config::context_parallel_comm),
+      string_key("parallel.shard",
+                 "what each data-parallel replica keeps 1/d of: optimizer (ZeRO-1: the fp32 main parameters and "
+                 "AdamW's moments, Megatron's distributed optimizer), gradients (ZeRO-2: and the gradients, "
+                 "reduce-scattered as each backward produces them) or parameters (ZeRO-3, FSDP: and the parameters, "
+                 "all-gathered for each forward and backward of a stage's chunk and released after it)",
+                 &job_config::shard),
+      int_key("parallel.shard_group",
+              "ranks the state is sharded over (hybrid sharding, HSDP: shard within groups of this many "
+              "replicas, replicate across them); 0: the whole data-parallel group",
+              &job_config::shard_group, 0, 1 << 20),
       bool_key("parallel.sequence_parallel",
                "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
                "(all-gather and reduce-scatter instead of all-reduce)",
@@ -559,6 +570,35 @@ void job_config::set(const std::string& key, const std::string& value, const std
 
 namespace {
 
+/// What parallel.shard and parallel.shard_group need of the job (validate's).
+void check_sharding(const job_config& c) {
+  auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
+  shard_level level;
+  try {
+    level = parse_shard_level(c.shard);
+  } catch (const std::invalid_argument& e) {
+    fail(e.what());
+  }
+  const int d = c.data_parallel * c.context_parallel;
+  if (c.shard_group != 0 && c.shard_group != d)
+    fail("shard_group " + std::to_string(c.shard_group) + ": hybrid sharding (shard groups smaller than the " +
+         std::to_string(d) + " data-parallel ranks, replicated across) is not built yet; 0 or " + std::to_string(d) +
+         " shards over the whole group");
+  if (level == shard_level::optimizer) return;
+  const std::string what = "shard " + c.shard;
+  if (c.runtime == "local") fail(what + " runs in the actor runtime (--runtime actors)");
+  if (c.schedule == "dataflow")
+    fail(what + " with schedule dataflow: a stage's replicas meet in each op's all-gather and reduce-scatter, so "
+         "they run one fixed order (any schedule but dataflow)");
+  if (c.device.rfind("cuda", 0) == 0)
+    fail(what + " on " + c.device + ": the stage's collectives are not yet on its CUDA stream (--device cpu)");
+  if (c.is_decoder() && c.model().decoder.n_experts > 0)
+    fail(what + " with experts: the experts' region is not yet sharded over the expert-data-parallel group");
+  if (c.tensor_parallel > 1 && c.sequence_parallel)
+    fail(what + " with sequence parallelism: the replicated parameters' gradients are summed over the "
+         "tensor-parallel group once a step, not once a backward (not yet)");
+}
+
 /// What context parallelism needs of the job (validate's).
 void check_context_parallel(const job_config& c) {
   auto fail = [](const std::string& msg) { throw config_error("invalid configuration: " + msg); };
@@ -691,6 +731,7 @@ void job_config::validate() const {
            "collectives, so they run one fixed order (any schedule but dataflow)");
   }
   if (context_parallel > 1 || context_parallel_comm != "p2p") check_context_parallel(*this);
+  check_sharding(*this);
   if (!text.empty() && workload == "fmnist-mlp")
     fail("text " + text + " is a corpus for the decoder workloads (fmnist-mlp reads Fashion-MNIST)");
   if (!val_text.empty() && text.empty())

@@ -68,6 +68,8 @@ struct job_config {
   int expert_parallel = 1;            ///< ranks each expert layer's experts are spread over (divides data_parallel)
   int context_parallel = 1;           ///< ranks each sequence is split over (2C chunks, causal balance)
   std::string context_parallel_comm = "p2p";  ///< p2p (ring) | a2a (Ulysses) | allgather
+  std::string shard = "optimizer";    ///< what the data-parallel group shards: optimizer | gradients | parameters
+  int shard_group = 0;                ///< ranks a shard group spans (hybrid sharding; 0: the whole group)
   int microbatches = 8;               ///< per replica per step
   int chunks = 1;
   std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | zero-bubble | combined-1f1b | zbv | dualpipev | dataflow

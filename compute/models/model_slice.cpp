@@ -122,6 +122,11 @@ void model_slice::set_params(const torch::Tensor& src) {
                       std::to_string(src.numel()));
   torch::NoGradGuard no_grad;
   flat_params_.copy_(src.reshape(flat_params_.sizes()));
+  refresh_copies();
+}
+
+void model_slice::refresh_copies() {
+  torch::NoGradGuard no_grad;
   for (const auto i : fp32_copies_) {
     const auto& e = entries_[i];
     params_[i].copy_(flat_params_.narrow(0, e.offset, e.numel).view(e.shape));

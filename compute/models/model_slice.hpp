@@ -75,6 +75,9 @@ class model_slice : public named_parameters {
   /// device; rounded to the parameter dtype), fp32 copies included. Writing into
   /// `flat_params()` directly leaves a bf16 slice's fp32 copies stale.
   void set_params(const torch::Tensor& src);
+  /// After writing into `flat_params()` directly: a bf16 slice's fp32 copies take the
+  /// buffer's values (fp32 slices have none).
+  void refresh_copies();
   torch::Tensor flat_grads() const { return flat_grads_; }
   std::int64_t numel() const { return numel_; }  ///< without padding
   /// Where the expert region of the flat buffers begins (a slice made with an active

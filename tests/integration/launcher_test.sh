@@ -62,6 +62,16 @@ rc=$?
 rc=$?
 [ $rc = 2 ] && grep -q "context_parallel 2 need data_parallel 1 divisible by the node count" "$tmp/cp-bad.log" \
   && ok "context-parallel 2 with a replica over 2 nodes refused (exit 2)" || bad "context-parallel over nodes: exit $rc" "$tmp/cp-bad.log"
+# Parameters sharded (ZeRO-3) over node processes: each op's all-gather and
+# reduce-scatter between the nodes' stage actors over UCX, the evaluation from the
+# shards; the bits of one process.
+fsdp_job=(train "${small[@]}" --shard parameters --pipeline 1 --data-parallel 2 --steps 3 --eval-interval 2)
+"$launcher" "${fsdp_job[@]}" --save "$tmp/fsdp1.pt" --metrics "$tmp/fsdp1.jsonl" >"$tmp/fsdp1.log" 2>&1
+"$launcher" "${fsdp_job[@]}" --nodes 2 --save "$tmp/fsdp2.pt" --metrics "$tmp/fsdp2.jsonl" >"$tmp/fsdp2.log" 2>&1
+rc=$?
+[ $rc = 0 ] && grep -q "eval" "$tmp/fsdp2.jsonl" \
+  && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/fsdp1" "$tmp/fsdp2" 0 \
+  && ok "shard parameters on 2 nodes: one process's bits" || bad "shard parameters on 2 nodes: exit $rc" "$tmp/fsdp2.log"
 # Without layout flags any node count runs the default job's layout (p2 d2).
 "$launcher" train "${small[@]}" --nodes 1 --steps 1 --eval-interval 0 >"$tmp/one.log" 2>&1
 rc=$?

@@ -1,0 +1,84 @@
+#pragma once
+// Fully sharded data parallelism (ZeRO-2 and ZeRO-3, torch's FSDP) over a slice's flat
+// buffers. A unit is a slice (a stage's chunk: a group of layers); its buffers are cut
+// into the gradient buckets of the distributed optimizer (grad_buffer.hpp) and each rank
+// owns its piece of every bucket, the same pieces its optimizer shard updates.
+//
+//   parameters (ZeRO-3): between uses the slice's parameter buffer holds no memory; a
+//   forward or backward first all-gathers it from the ranks' pieces, and it is released
+//   when the op ends (the saved activations keep views of it: the backward's gather
+//   refills the same storage, as FSDP2 resizes its storage to 0 and back).
+//   gradients (ZeRO-2) and parameters: the gradient buffer exists only while a backward
+//   (or a weight pass) accumulates into it; the op's gradients are then reduce-scattered
+//   bucket by bucket, added into this rank's fp32 shard, and the buffer is released.
+//
+// A group of ranks calls these in one order (each a collective of the slice's group).
+#include <cstdint>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "compute/optim/grad_buffer.hpp"
+#include "compute/parallel/collective_group.hpp"
+
+namespace troupe {
+
+/// How much of a replica's model state is sharded over its data-parallel group
+/// (parallel.shard).
+enum class shard_level {
+  optimizer,   ///< ZeRO-1: the main parameters and moments (Megatron's distributed optimizer)
+  gradients,   ///< ZeRO-2: and the gradients, reduce-scattered as each backward produces them
+  parameters,  ///< ZeRO-3: and the parameters, all-gathered for each op and released after it
+};
+/// "optimizer", "gradients" or "parameters"; std::invalid_argument names the choices.
+shard_level parse_shard_level(const std::string& name);
+const char* shard_level_name(shard_level level);
+
+/// Releases the memory of `t`'s storage: every view of it (parameters, saved tensors)
+/// then points at no bytes until `materialize`. No-op when already released.
+void release_storage(const torch::Tensor& t);
+/// Gives `t`'s storage `nbytes` of fresh (uninitialised) memory where it holds none.
+void materialize_storage(const torch::Tensor& t, std::size_t nbytes);
+/// Gives `t`'s released storage the memory of `from` (a tensor of its own, filling
+/// a storage of the same bytes), which is left without any: no copy, and the views of `t`
+/// keep their version counters (a refill between a forward and its backward is not an
+/// in-place change to autograd, as FSDP2's gather is not).
+void adopt_storage(const torch::Tensor& t, torch::Tensor from);
+/// Whether `t`'s storage holds its bytes.
+bool storage_held(const torch::Tensor& t);
+
+/// One rank's part of a slice under FSDP.
+struct sharded_slice {
+  std::vector<flat_range> buckets;  ///< the slice's gradient buckets (every rank's the same)
+  shard_layout layout;              ///< this rank's piece of each bucket
+  std::vector<std::int64_t> at;     ///< where each piece begins in the shard
+  torch::Tensor params;  ///< parameters: this rank's pieces, concatenated (the parameter dtype)
+  torch::Tensor grads;   ///< this rank's pieces of the step's summed gradients so far (fp32)
+  std::size_t param_bytes = 0, grad_bytes = 0;  ///< the whole buffers' sizes
+  bool shards_params = false;
+  /// bf16 slices: whether their fp32 copies of the norms and embeddings hold `params`'
+  /// values (new pieces: not until the step's first gather, before any graph saves them).
+  bool copies_fresh = true;
+  std::int64_t size() const { return grads.numel(); }
+};
+
+/// Lays `slice` out for FSDP over `buckets` with this rank's pieces `layout`; with
+/// `params` keeps this rank's pieces of its parameters and releases the parameter
+/// buffer. The gradient buffer is released either way (zeroed when it is next made).
+sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, shard_layout layout, bool params);
+
+/// Parameters: all-gathers `slice`'s parameter buffer from the ranks' pieces (no-op when
+/// it is held), over `group`.
+void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group);
+/// Parameters: releases the parameter buffer.
+void release_params(model_slice& slice, const sharded_slice& sh);
+/// Makes the gradient buffer (zeroed) where it is released: before a backward or a weight pass.
+void make_grads(model_slice& slice, const sharded_slice& sh);
+/// Reduce-scatters the gradient buffer over `group`, bucket by bucket (the last first),
+/// adds this rank's pieces into `sh.grads`, and releases the buffer.
+void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group);
+
+/// The bytes a tensor's storage holds now (0 where released).
+std::size_t held_bytes(const torch::Tensor& t);
+
+}  // namespace troupe

@@ -1,0 +1,176 @@
+// Fully sharded data parallelism: the bytes a data-parallel rank holds, and the step time,
+// for each shard level (optimizer: ZeRO-1, gradients: ZeRO-2, parameters: ZeRO-3) at
+// d = 1, 2, 4, 8, beside a formula that names every buffer. The d replicas are stage
+// actors of this process (one stage each); the bytes are glibc's allocated bytes
+// (mallinfo2), sampled every millisecond during the run: the peak less the bytes before
+// the job, and between steps (the lowest sample after the first step) likewise.
+// Timings are never asserted (docs/performance.md).
+//   build/troupe_fsdp_bench [--width W] [--layers L] [--seq S] [--steps N] [--rounds R]
+// (Then the step time of each level on one job, in alternating rounds.)
+#include <malloc.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "actors/runtime.hpp"
+#include "compute/models/model.hpp"
+#include "compute/models/parameters.hpp"
+#include "launch/blas_kernels.hpp"
+
+using namespace troupe;
+
+namespace {
+
+std::int64_t allocated() {
+  const auto m = mallinfo2();
+  return std::int64_t(m.uordblks + m.hblkhd);
+}
+
+struct measured {
+  double peak_mb = 0, between_mb = 0, step_s = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+/// One run: its peak and between-step bytes above the bytes before it, and its median step.
+measured run(const job_config& c) {
+  malloc_trim(0);
+  const auto before = allocated();
+  std::atomic<bool> done{false};
+  std::atomic<std::int64_t> peak{0};
+  std::vector<std::pair<double, std::int64_t>> samples;  // (time, bytes)
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread sampler([&] {
+    while (!done) {
+      const auto b = allocated();
+      peak = std::max(peak.load(), b);
+      samples.emplace_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), b);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  actor_run_options opts;
+  opts.quiet = true;
+  const auto r = run_actor_training(c, opts);
+  done = true;
+  sampler.join();
+  if (r.exit_code != 0) {
+    std::fprintf(stderr, "run failed: %s\n", r.error.c_str());
+    std::exit(1);
+  }
+  // Between steps: the lowest sample after the first step's end and before the last's.
+  double first_end = 0, total = 0;
+  for (std::size_t i = 0; i < r.step_seconds.size(); ++i) {
+    total += r.step_seconds[i];
+    if (i == 0) first_end = total;
+  }
+  std::int64_t low = peak;
+  const double end = samples.empty() ? 0 : samples.back().first;
+  for (const auto& [t, b] : samples)
+    if (t > first_end + 0.5 && t < end - 0.5) low = std::min(low, b);
+  measured m;
+  m.peak_mb = (peak - before) / 1e6;
+  m.between_mb = (low - before) / 1e6;
+  std::vector<double> steps(r.step_seconds.begin() + 1, r.step_seconds.end());  // (the first warms up)
+  m.step_s = median(steps);
+  return m;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int width = 512, layers = 4, seq = 256, steps = 6, rounds = 1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    const int v = std::atoi(argv[i + 1]);
+    if (a == "--width") width = v;
+    else if (a == "--layers") layers = v;
+    else if (a == "--seq") seq = v;
+    else if (a == "--steps") steps = v;
+    else if (a == "--rounds") rounds = v;
+  }
+  run_with_blas_kernels(argv);  // as the troupe command does
+  auto base = job_config::defaults_for("llama-tiny");
+  base.runtime = "actors";
+  base.device = "cpu";
+  base.d_model = width;
+  base.heads = 8;
+  base.kv_heads = 4;
+  base.layers = layers;
+  base.seq_len = seq;
+  base.steps = steps;
+  base.threads = 1;
+  base.microbatches = 1;
+  base.eval_interval = 0;
+  base.checkpoint_async = false;
+  const auto spec = base.model();
+  std::int64_t P = 0;
+  for (const auto& [name, t] : initial_state(spec, 1)) P += t.numel();
+  const double MB = 1e6, p4 = 4.0 * P / MB;  // fp32 bytes of the whole model, MB
+  std::printf("llama shape: width %d, %d layers, seq %d, %lld parameters (%.1f MB fp32); 1 sequence per rank "
+              "per step, %d steps\n",
+              width, layers, seq, static_cast<long long>(P), p4, steps);
+  std::printf("per rank, MB: measured peak and between steps ((process bytes - bytes before) / d), and the "
+              "formula's model state (W: the whole model's fp32 bytes)\n");
+  std::printf("| shard | d | peak | between steps | formula between | formula peak (state + working set) | "
+              "step s |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const char* level : {"optimizer", "gradients", "parameters"}) {
+    for (int d : {1, 2, 4, 8}) {
+      auto c = base;
+      c.data_parallel = d;
+      c.global_batch = d;
+      c.shard = level;
+      std::vector<measured> ms;
+      for (int r = 0; r < rounds; ++r) ms.push_back(run(c));
+      measured m = ms.front();
+      for (const auto& x : ms) m.step_s = std::min(m.step_s, x.step_s);
+      // The formula (fp32, W = 4 P bytes). Every rank: its shard's fp32 main parameters
+      // and two moments, double-buffered (the state before the step stays for in-place
+      // retries and buddy copies: 6 W / d), and its reduced gradient pieces (W / d).
+      // optimizer: the stage's parameters and gradients (2 W) and the shard's gathered
+      // buffer (W). gradients: the parameters and gathered buffer (2 W), the stage's
+      // gradient pieces (W / d); the gradient buffer only in a backward (W working).
+      // parameters: the stage's gradient pieces (W / d); its parameter pieces are the
+      // shard's own; the parameters and gradients of the chunk in an op (2 W working).
+      // Per process: the job's initial parameters (W, ctx->init) and the final state (W),
+      // spread over the d ranks.
+      const double shard = 7 * p4 / d, process = 2 * p4 / d;
+      double between = 0, working = 0;
+      if (std::string(level) == "optimizer") between = 3 * p4 + shard;
+      if (std::string(level) == "gradients") between = 2 * p4 + shard + p4 / d, working = p4;
+      if (std::string(level) == "parameters") between = shard + p4 / d, working = 2 * p4;
+      std::printf("| %s | %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", level, d, m.peak_mb / d, m.between_mb / d,
+                  between + process, between + working + process, m.step_s);
+      std::fflush(stdout);
+    }
+  }
+  // Speed: the same job (d = 2, 4 micro-batches of 1 sequence per replica) at each level,
+  // in alternating rounds; the median over rounds of each run's median step.
+  std::printf("\nstep time, d = 2, 4 micro-batches per replica, %d alternating rounds (median of each run's "
+              "median step; ratio to optimizer)\n| shard | step s | ratio |\n| --- | --- | --- |\n",
+              std::max(rounds, 3));
+  std::map<std::string, std::vector<double>> times;
+  const char* levels[] = {"optimizer", "gradients", "parameters"};
+  for (int r = 0; r < std::max(rounds, 3); ++r)
+    for (const char* level : levels) {
+      auto c = base;
+      c.data_parallel = 2;
+      c.microbatches = 4;
+      c.global_batch = 8;
+      c.shard = level;
+      times[level].push_back(run(c).step_s);
+    }
+  const double ref = median(times["optimizer"]);
+  for (const char* level : levels)
+    std::printf("| %s | %.3f | %.3f |\n", level, median(times[level]), median(times[level]) / ref);
+  return 0;
+}
