@@ -140,6 +140,7 @@ struct stage_state {
   std::shared_ptr<collective_group> tp_group;  // (tp_size > 1)
   /// Gradients or parameters sharded (ctx->shards_grads()): per chunk its FSDP part, and
   /// the data-parallel group the ops' collectives run in.
+  storage_pool fsdp_pool;  // their buffers' memory between ops of a step (cleared once its ops are done)
   std::vector<sharded_slice> sharded;
   std::shared_ptr<collective_group> dp_group;
   int cp_size = 1;  // context parallelism: the size of the stage's context-parallel group

@@ -50,6 +50,7 @@ void stage_logic::run_ready(bool weight_turn) {
     }
   }
   if (s_.ops_done == s_.total_ops && s_.running) {
+    s_.fsdp_pool.clear();  // (FSDP: between steps no buffer holds memory)
     report_losses();
     after_backward();
   }

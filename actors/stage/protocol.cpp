@@ -51,6 +51,7 @@ reset_report stage_logic::reset() {
     release_storage(c.flat_grads());
     s_.sharded[i].grads.zero_();
   }
+  s_.fsdp_pool.clear();
   for (auto& c : s_.chunks) {
     if (!storage_held(c->flat_grads())) continue;
     c->zero_grads();

@@ -122,7 +122,8 @@ void join_shard_group(stage_state& st, const std::shared_ptr<transport::communic
   for (auto& chunk : st.chunks) {
     auto buckets = ctx.buckets_of(*chunk);
     auto layout = bucket_shard(buckets, ctx.groups_of(st.replica, *chunk));
-    st.sharded.push_back(shard_slice(*chunk, std::move(buckets), std::move(layout), ctx.shards_params()));
+    st.sharded.push_back(
+        shard_slice(*chunk, std::move(buckets), std::move(layout), ctx.shards_params(), &st.fsdp_pool));
   }
 }
 

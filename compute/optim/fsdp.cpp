@@ -25,30 +25,48 @@ const char* shard_level_name(shard_level level) {
   return "?";
 }
 
-void release_storage(const torch::Tensor& t) {
+at::DataPtr storage_pool::take(std::size_t nbytes, c10::Allocator* allocator) {
+  auto it = free_.lower_bound(nbytes);
+  if (it == free_.end()) {
+    auto ptr = allocator->allocate(nbytes);
+    lent_[ptr.get()] = nbytes;
+    return ptr;
+  }
+  auto ptr = std::move(it->second);
+  lent_[ptr.get()] = it->first;
+  free_.erase(it);
+  return ptr;
+}
+
+void storage_pool::put(at::DataPtr ptr) {
+  const auto it = lent_.find(ptr.get());
+  if (it == lent_.end()) return;  // (not from this pool: freed as it goes)
+  const auto capacity = it->second;
+  lent_.erase(it);
+  free_.emplace(capacity, std::move(ptr));
+}
+
+void storage_pool::clear() { free_.clear(); }
+
+std::size_t storage_pool::held() const {
+  std::size_t n = 0;
+  for (const auto& [capacity, ptr] : free_) n += capacity;
+  return n;
+}
+
+void release_storage(const torch::Tensor& t, storage_pool* pool) {
   auto* impl = t.storage().unsafeGetStorageImpl();
   if (impl->nbytes() == 0) return;
-  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  auto old = impl->set_data_ptr(at::DataPtr(nullptr, impl->device()));
   impl->set_nbytes(0);
+  if (pool) pool->put(std::move(old));
 }
 
-void materialize_storage(const torch::Tensor& t, std::size_t nbytes) {
+void materialize_storage(const torch::Tensor& t, std::size_t nbytes, storage_pool* pool) {
   auto* impl = t.storage().unsafeGetStorageImpl();
   if (impl->nbytes() != 0) return;
-  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_data_ptr_noswap(pool ? pool->take(nbytes, impl->allocator()) : impl->allocator()->allocate(nbytes));
   impl->set_nbytes(nbytes);
-}
-
-void adopt_storage(const torch::Tensor& t, torch::Tensor from) {
-  auto* impl = t.storage().unsafeGetStorageImpl();
-  auto* src = from.storage().unsafeGetStorageImpl();
-  if (impl->nbytes() != 0 || src->nbytes() == 0 || src->device() != impl->device())
-    throw std::logic_error("FSDP: a storage refilled while it holds memory, or from one without");
-  const auto n = src->nbytes();
-  auto ptr = src->set_data_ptr(at::DataPtr(nullptr, src->device()));
-  src->set_nbytes(0);
-  impl->set_data_ptr_noswap(std::move(ptr));
-  impl->set_nbytes(n);
 }
 
 bool storage_held(const torch::Tensor& t) { return t.storage().unsafeGetStorageImpl()->nbytes() != 0; }
@@ -57,7 +75,8 @@ std::size_t held_bytes(const torch::Tensor& t) {
   return t.defined() ? t.storage().unsafeGetStorageImpl()->nbytes() : 0;
 }
 
-sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, shard_layout layout, bool params) {
+sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, shard_layout layout, bool params,
+                          storage_pool* pool) {
   if (buckets.size() != layout.size()) throw std::logic_error("FSDP: a piece per bucket");
   sharded_slice sh;
   sh.buckets = std::move(buckets);
@@ -70,6 +89,7 @@ sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, s
   sh.grad_bytes = slice.flat_grads().storage().nbytes();
   sh.grads = torch::zeros({size}, slice.flat_grads().options());
   sh.shards_params = params;
+  sh.pool = pool;
   if (params) {
     std::vector<torch::Tensor> mine;
     for (const auto& piece : sh.layout) mine.push_back(flat.narrow(0, piece.begin, piece.size()));
@@ -84,15 +104,17 @@ void gather_params(model_slice& slice, sharded_slice& sh, collective_group& grou
   if (!sh.shards_params) return;
   const auto flat = slice.flat_params();
   if (storage_held(flat)) return;
-  // Gathered into memory of its own, which the buffer's storage then takes: the saved
-  // views of a forward see their values again, at their versions.
+  // Gathered through an alias of the buffer with a version counter of its own: the
+  // saved views of a forward see their values again, at their versions (a refill
+  // between a forward and its backward is no in-place change to autograd, as FSDP2's
+  // gather into its resized storage is not).
+  materialize_storage(flat, sh.param_bytes, sh.pool);
   torch::NoGradGuard no_grad;
-  auto whole = torch::empty({std::int64_t(sh.param_bytes / flat.element_size())}, flat.options());
+  const auto alias = torch::from_blob(flat.data_ptr(), {flat.numel()}, flat.options());
   for (std::size_t b = 0; b < sh.buckets.size(); ++b) {
     const auto& bucket = sh.buckets[b];
-    group.all_gather(sh.params.narrow(0, sh.at[b], sh.layout[b].size()), whole.narrow(0, bucket.begin, bucket.size()));
+    group.all_gather(sh.params.narrow(0, sh.at[b], sh.layout[b].size()), alias.narrow(0, bucket.begin, bucket.size()));
   }
-  adopt_storage(flat, std::move(whole));
   if (!sh.copies_fresh) {  // (bf16 slices: their fp32 copies of the norms and embeddings)
     slice.refresh_copies();
     sh.copies_fresh = true;
@@ -100,13 +122,13 @@ void gather_params(model_slice& slice, sharded_slice& sh, collective_group& grou
 }
 
 void release_params(model_slice& slice, const sharded_slice& sh) {
-  if (sh.shards_params) release_storage(slice.flat_params());
+  if (sh.shards_params) release_storage(slice.flat_params(), sh.pool);
 }
 
 void make_grads(model_slice& slice, const sharded_slice& sh) {
   const auto grads = slice.flat_grads();
   if (storage_held(grads)) return;
-  materialize_storage(grads, sh.grad_bytes);
+  materialize_storage(grads, sh.grad_bytes, sh.pool);
   grads.zero_();
 }
 
@@ -120,7 +142,7 @@ void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group
     group.reduce_scatter(grads.narrow(0, bucket.begin, bucket.size()), piece);
     sh.grads.narrow(0, sh.at[i], sh.layout[i].size()).add_(piece);
   }
-  release_storage(grads);
+  release_storage(grads, sh.pool);
 }
 
 }  // namespace troupe

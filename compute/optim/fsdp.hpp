@@ -14,8 +14,10 @@
 //
 // A group of ranks calls these in one order (each a collective of the slice's group).
 #include <cstdint>
+#include <map>
 #include <vector>
 
+#include <c10/core/Allocator.h>
 #include <torch/types.h>
 
 #include "compute/optim/grad_buffer.hpp"
@@ -34,16 +36,31 @@ enum class shard_level {
 shard_level parse_shard_level(const std::string& name);
 const char* shard_level_name(shard_level level);
 
+/// Memory that released buffers give back and made ones take, within a step: on the
+/// CPU a buffer of tens of MB freed goes back to the system, and every op would fault in
+/// fresh pages (GPUs have their caching allocator). `clear` frees what it holds (at a
+/// step's end: between steps the buffers hold nothing). A take is served by the smallest
+/// block that fits, so chunks of different sizes share blocks. Not thread-safe: one
+/// stage's thread.
+class storage_pool {
+ public:
+  at::DataPtr take(std::size_t nbytes, c10::Allocator* allocator);
+  void put(at::DataPtr ptr);
+  void clear();
+  std::size_t held() const;  ///< bytes of the blocks it holds
+
+ private:
+  std::multimap<std::size_t, at::DataPtr> free_;  // capacity -> block
+  std::map<const void*, std::size_t> lent_;       // block -> capacity
+};
+
 /// Releases the memory of `t`'s storage: every view of it (parameters, saved tensors)
-/// then points at no bytes until `materialize`. No-op when already released.
-void release_storage(const torch::Tensor& t);
-/// Gives `t`'s storage `nbytes` of fresh (uninitialised) memory where it holds none.
-void materialize_storage(const torch::Tensor& t, std::size_t nbytes);
-/// Gives `t`'s released storage the memory of `from` (a tensor of its own, filling
-/// a storage of the same bytes), which is left without any: no copy, and the views of `t`
-/// keep their version counters (a refill between a forward and its backward is not an
-/// in-place change to autograd, as FSDP2's gather is not).
-void adopt_storage(const torch::Tensor& t, torch::Tensor from);
+/// then points at no bytes until `materialize`. No-op when already released. With a
+/// pool the memory goes there.
+void release_storage(const torch::Tensor& t, storage_pool* pool = nullptr);
+/// Gives `t`'s storage `nbytes` of fresh (uninitialised) memory where it holds none
+/// (from `pool` when given).
+void materialize_storage(const torch::Tensor& t, std::size_t nbytes, storage_pool* pool = nullptr);
 /// Whether `t`'s storage holds its bytes.
 bool storage_held(const torch::Tensor& t);
 
@@ -56,6 +73,7 @@ struct sharded_slice {
   torch::Tensor grads;   ///< this rank's pieces of the step's summed gradients so far (fp32)
   std::size_t param_bytes = 0, grad_bytes = 0;  ///< the whole buffers' sizes
   bool shards_params = false;
+  storage_pool* pool = nullptr;  ///< where its buffers' memory goes between ops (null: freed)
   /// bf16 slices: whether their fp32 copies of the norms and embeddings hold `params`'
   /// values (new pieces: not until the step's first gather, before any graph saves them).
   bool copies_fresh = true;
@@ -65,7 +83,9 @@ struct sharded_slice {
 /// Lays `slice` out for FSDP over `buckets` with this rank's pieces `layout`; with
 /// `params` keeps this rank's pieces of its parameters and releases the parameter
 /// buffer. The gradient buffer is released either way (zeroed when it is next made).
-sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, shard_layout layout, bool params);
+/// `pool`: where the buffers' memory goes between ops (it must outlive the result).
+sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, shard_layout layout, bool params,
+                          storage_pool* pool = nullptr);
 
 /// Parameters: all-gathers `slice`'s parameter buffer from the ranks' pieces (no-op when
 /// it is held), over `group`.

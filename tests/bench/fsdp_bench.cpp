@@ -2,8 +2,8 @@
 // for each shard level (optimizer: ZeRO-1, gradients: ZeRO-2, parameters: ZeRO-3) at
 // d = 1, 2, 4, 8, beside a formula that names every buffer. The d replicas are stage
 // actors of this process (one stage each); the bytes are glibc's allocated bytes
-// (mallinfo2), sampled every millisecond during the run: the peak less the bytes before
-// the job, and between steps (the lowest sample after the first step) likewise.
+// (mallinfo2), sampled every millisecond during steps 2 .. N: the peak less the bytes
+// before the job, and between steps (the lowest sample) likewise.
 // Timings are never asserted (docs/performance.md).
 //   build/troupe_fsdp_bench [--width W] [--layers L] [--seq S] [--steps N] [--rounds R]
 // (Then the step time of each level on one job, in alternating rounds.)
@@ -67,18 +67,18 @@ measured run(const job_config& c) {
     std::fprintf(stderr, "run failed: %s\n", r.error.c_str());
     std::exit(1);
   }
-  // Between steps: the lowest sample after the first step's end and before the last's.
-  double first_end = 0, total = 0;
-  for (std::size_t i = 0; i < r.step_seconds.size(); ++i) {
-    total += r.step_seconds[i];
-    if (i == 0) first_end = total;
+  // The window of steps 2 .. N on the job's clock (which starts as the job does, a few
+  // milliseconds after t0): the peak in it, and its lowest sample (between steps).
+  double from = 1e300, to = 0;
+  for (const auto& e : r.events) {
+    if (e.step >= 1) from = std::min(from, e.start_us * 1e-6);
+    to = std::max(to, e.end_us * 1e-6);
   }
-  std::int64_t low = peak;
-  const double end = samples.empty() ? 0 : samples.back().first;
+  std::int64_t high = 0, low = peak;
   for (const auto& [t, b] : samples)
-    if (t > first_end + 0.5 && t < end - 0.5) low = std::min(low, b);
+    if (t >= from && t <= to) high = std::max(high, b), low = std::min(low, b);
   measured m;
-  m.peak_mb = (peak - before) / 1e6;
+  m.peak_mb = (high - before) / 1e6;
   m.between_mb = (low - before) / 1e6;
   std::vector<double> steps(r.step_seconds.begin() + 1, r.step_seconds.end());  // (the first warms up)
   m.step_s = median(steps);
@@ -112,6 +112,7 @@ int main(int argc, char** argv) {
   base.microbatches = 1;
   base.eval_interval = 0;
   base.checkpoint_async = false;
+  base.eval_tokens = seq;  // (the run's end evaluates: one window per forward, outside the window measured)
   const auto spec = base.model();
   std::int64_t P = 0;
   for (const auto& [name, t] : initial_state(spec, 1)) P += t.numel();

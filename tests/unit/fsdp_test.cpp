@@ -29,14 +29,20 @@ TEST(Fsdp, AReleasedStorageRefilledBeforeTheBackwardServesItsSavedViews) {
   release_storage(w);
   EXPECT_FALSE(storage_held(flat));
   EXPECT_EQ(held_bytes(flat), 0u);
-  // Refilled from memory of its own (what the all-gather writes): the saved views keep
-  // their versions, so the backward runs.
-  adopt_storage(w, keep.clone());
+  // Refilled through an alias with a version counter of its own (what the all-gather
+  // writes into): the saved views keep their versions, so the backward runs. From a
+  // pool: the block a release gave back.
+  storage_pool pool;
+  materialize_storage(w, bytes, &pool);
   EXPECT_TRUE(storage_held(flat));
-  EXPECT_EQ(flat.storage().nbytes(), bytes);
+  torch::from_blob(flat.data_ptr(), {12}, flat.options()).copy_(keep);
   y.backward();
-  release_storage(w);
-  materialize_storage(w, bytes);
+  const auto* block = flat.data_ptr();
+  release_storage(w, &pool);
+  EXPECT_EQ(pool.held(), bytes);
+  materialize_storage(w, bytes, &pool);
+  EXPECT_EQ(flat.data_ptr(), block);
+  EXPECT_EQ(pool.held(), 0u);
   EXPECT_EQ(held_bytes(flat), bytes);
   EXPECT_TRUE(torch::equal(w.grad(), want.grad()));
 }
