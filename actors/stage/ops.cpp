@@ -163,9 +163,13 @@ void stage_logic::compute(op_work& w) {
     if (w.op.kind != op_kind::forward) make_grads(slice, *sharded);
   }
   compute_op(w, slice);
-  if (sharded) {  // and released; the op's gradients reduce-scattered into this rank's pieces
-    if (w.op.kind != op_kind::weight) release_params(slice, *sharded);
-    if (w.op.kind != op_kind::forward) reduce_grads(slice, *sharded, *s_.dp_group);
+  // Released once the stage's next op is on another chunk (or the step's ops end), the
+  // gradients accumulated since they were made reduce-scattered into this rank's pieces:
+  // a chunk's consecutive ops share one gather and one reduction (one chunk per stage:
+  // once a step, ZeRO-1's sums; torchtitan keeps a pipeline stage's parameters so too).
+  if (sharded && !(s_.order && s_.next_op < s_.order->size() && (*s_.order)[s_.next_op].chunk == w.op.chunk)) {
+    release_params(slice, *sharded);
+    reduce_grads(slice, *sharded, *s_.dp_group);
   }
 }
 

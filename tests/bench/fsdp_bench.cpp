@@ -141,10 +141,10 @@ int main(int argc, char** argv) {
       // buffer (W). gradients: the parameters and gathered buffer (2 W), the stage's
       // gradient pieces (W / d); the gradient buffer only in a backward (W working).
       // parameters: the stage's gradient pieces (W / d); its parameter pieces are the
-      // shard's own; the parameters and gradients of the chunk in an op (2 W working).
-      // Per process: the job's initial parameters (W, ctx->init) and the final state (W),
-      // spread over the d ranks.
-      const double shard = 7 * p4 / d, process = 2 * p4 / d;
+      // shard's own; the parameters and gradients of the chunk its ops run on (2 W
+      // working, kept while the next op is on the same chunk).
+      // Per process: the job's initial parameters (W, ctx->init), spread over the d ranks.
+      const double shard = 7 * p4 / d, process = p4 / d;
       double between = 0, working = 0;
       if (std::string(level) == "optimizer") between = 3 * p4 + shard;
       if (std::string(level) == "gradients") between = 2 * p4 + shard + p4 / d, working = p4;
