@@ -102,9 +102,9 @@ struct runtime_context {
     return {d, dp_of(pipe), slice.expert_offset(), edp, ep > 1 ? pipe / ep : 0};
   }
   /// What the data-parallel group shards (parallel.shard): with gradients or parameters
-  /// the stage actors reduce-scatter each backward's gradients (and with parameters
-  /// all-gather each op's parameters) over their shards' communicator themselves
-  /// (compute/optim/fsdp.hpp); the shards get the reduced pieces.
+  /// the stage actors reduce-scatter their chunks' gradients (and with parameters
+  /// all-gather their parameters) around each run of ops on a chunk, over their shards'
+  /// communicator themselves (compute/optim/fsdp.hpp); the shards get the reduced pieces.
   shard_level shard = shard_level::optimizer;
   bool shards_grads() const { return shard != shard_level::optimizer; }
   bool shards_params() const { return shard == shard_level::parameters; }

@@ -293,8 +293,8 @@ const std::vector<key_def>& key_defs() {
       string_key("parallel.shard",
                  "what each data-parallel replica keeps 1/d of: optimizer (ZeRO-1: the fp32 main parameters and "
                  "AdamW's moments, Megatron's distributed optimizer), gradients (ZeRO-2: and the gradients, "
-                 "reduce-scattered as each backward produces them) or parameters (ZeRO-3, FSDP: and the parameters, "
-                 "all-gathered for each forward and backward of a stage's chunk and released after it)",
+                 "reduce-scattered once the stage's ops leave a chunk) or parameters (ZeRO-3, FSDP: and the "
+                 "parameters, all-gathered when the stage's ops come to a chunk and released when they leave it)",
                  &job_config::shard),
       int_key("parallel.shard_group",
               "ranks the state is sharded over (hybrid sharding, HSDP: shard within groups of this many "

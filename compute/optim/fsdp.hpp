@@ -4,13 +4,16 @@
 // into the gradient buckets of the distributed optimizer (grad_buffer.hpp) and each rank
 // owns its piece of every bucket, the same pieces its optimizer shard updates.
 //
-//   parameters (ZeRO-3): between uses the slice's parameter buffer holds no memory; a
-//   forward or backward first all-gathers it from the ranks' pieces, and it is released
-//   when the op ends (the saved activations keep views of it: the backward's gather
-//   refills the same storage, as FSDP2 resizes its storage to 0 and back).
-//   gradients (ZeRO-2) and parameters: the gradient buffer exists only while a backward
-//   (or a weight pass) accumulates into it; the op's gradients are then reduce-scattered
+//   parameters (ZeRO-3): between uses the slice's parameter buffer holds no memory; the
+//   first forward or backward of a run of ops on it all-gathers it from the ranks'
+//   pieces, and it is released when the run ends (the saved activations keep views of
+//   it: a later gather refills the same storage, as FSDP2 resizes its storage to 0 and
+//   back).
+//   gradients (ZeRO-2) and parameters: the gradient buffer exists from a run's first
+//   backward (or weight pass) to the run's end; its gradients are then reduce-scattered
 //   bucket by bucket, added into this rank's fp32 shard, and the buffer is released.
+//   (The caller says where a run ends: actors/stage/ops.cpp, when the stage's next op is
+//   on another chunk.)
 //
 // A group of ranks calls these in one order (each a collective of the slice's group).
 #include <cstdint>
