@@ -1,7 +1,8 @@
 // The troupe command: `troupe train`, `troupe node` (also run as `troupe-node`: one node
 // of a multi-process job, started by launch/troupe), `troupe generate`, `troupe eval`,
-// `troupe schedule`, and launch/troupe's own `troupe elastic-layout` (for --min-nodes) and
-// `troupe check-host` (whether a host of a --hostfile job can run a node).
+// `troupe schedule`, `troupe plan` (launch/plan_command.hpp), and launch/troupe's own
+// `troupe elastic-layout` (for --min-nodes) and `troupe check-host` (whether a host of a
+// --hostfile job can run a node).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -41,6 +42,7 @@
 #include "compute/trainer/local_trainer.hpp"
 #include "launch/blas_kernels.hpp"
 #include "launch/cli_common.hpp"
+#include "launch/plan_command.hpp"
 
 using namespace troupe_cli;
 
@@ -602,6 +604,9 @@ int main(int argc, char** argv) {
                     "inside one (default 0)")
       ->check(CLI::NonNegativeNumber);
 
+  // troupe plan
+  auto& plan_cmd = add_plan_command(app);
+
   // troupe trace-svg
   auto* trace_svg = app.add_subcommand("trace-svg", "draw one step of a run's trace (trace = true) as the "
                                                     "schedule drawing of `troupe schedule --format svg`");
@@ -662,6 +667,7 @@ int main(int argc, char** argv) {
       return fail(exit_usage, e.what());
     }
   }
+  if (*plan_cmd.cmd) return run_plan(plan_cmd);
   if (*trace_svg) {
     try {
       std::ifstream in(trace_path);

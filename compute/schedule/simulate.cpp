@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "compute/schedule/schedule.hpp"
+#include "compute/schedule/timed_simulation.hpp"
 
 namespace troupe {
 
@@ -11,9 +11,10 @@ namespace {
 
 /// Replays `s`; calls on_op(stage, index, start, end) for every op (for an F&B pair: for
 /// both, with the pair's times). Returns an empty string, or a description of the
-/// deadlock. cost(op) is one op's time, pair_cost(first, second) a pair's.
-template <class Cost, class PairCost, class OnOp>
-std::string replay(const schedule& s, Cost cost, PairCost pair_cost, OnOp on_op) {
+/// deadlock. cost(stage, op) is one op's time, pair_cost(stage, first, second) a pair's,
+/// transfer(from, to) the time a tensor takes from virtual stage `from` to `to`.
+template <class Cost, class PairCost, class Transfer, class OnOp>
+std::string replay(const schedule& s, Cost cost, PairCost pair_cost, Transfer transfer, OnOp on_op) {
   const int p = s.stages, m = s.microbatches, n_virtual = s.virtual_stages();
   std::vector<double> f_end(std::size_t(n_virtual) * m, -1.0), b_end(std::size_t(n_virtual) * m, -1.0);
   std::vector<std::size_t> next(p, 0);
@@ -24,11 +25,14 @@ std::string replay(const schedule& s, Cost cost, PairCost pair_cost, OnOp on_op)
   auto ready_at = [&](int r, const pipeline_op& op) {
     const int x = s.virtual_stage(r, op.chunk);
     const std::size_t here = std::size_t(x) * m + op.mb;
-    if (op.kind == op_kind::forward) return x > 0 ? f_end[here - m] : 0.0;
+    if (op.kind == op_kind::forward) {
+      if (x == 0) return 0.0;
+      return f_end[here - m] < 0 ? -1.0 : f_end[here - m] + transfer(x - 1, x);
+    }
     if (op.kind == op_kind::weight) return b_end[here];
     if (f_end[here] < 0) return -1.0;
     if (x == n_virtual - 1) return f_end[here];
-    return b_end[here + m] < 0 ? -1.0 : std::max(f_end[here], b_end[here + m]);
+    return b_end[here + m] < 0 ? -1.0 : std::max(f_end[here], b_end[here + m] + transfer(x + 1, x));
   };
   auto finish = [&](int r, const pipeline_op& op, double end) {
     const std::size_t here = std::size_t(s.virtual_stage(r, op.chunk)) * m + op.mb;
@@ -50,7 +54,7 @@ std::string replay(const schedule& s, Cost cost, PairCost pair_cost, OnOp on_op)
           ready = std::max(ready, second);
         }
         const double start = std::max(free_at[r], ready);
-        const double end = start + (pair ? pair_cost(op, ops[next[r] + 1]) : cost(op));
+        const double end = start + (pair ? pair_cost(r, op, ops[next[r] + 1]) : cost(r, op));
         const std::size_t n = pair ? 2 : 1;
         for (std::size_t i = 0; i < n; ++i) {
           finish(r, ops[next[r]], end);
@@ -83,7 +87,8 @@ std::string replay(const schedule& s, Cost cost, PairCost pair_cost, OnOp on_op)
 template <class OnOp>
 std::string replay_unit(const schedule& s, OnOp on_op) {
   return replay(
-      s, [](const pipeline_op&) { return 1.0; }, [](const pipeline_op&, const pipeline_op&) { return 1.0; }, on_op);
+      s, [](int, const pipeline_op&) { return 1.0; }, [](int, const pipeline_op&, const pipeline_op&) { return 1.0; },
+      [](int, int) { return 0.0; }, on_op);
 }
 
 }  // namespace
@@ -166,16 +171,31 @@ simulation simulate(const schedule& s, const op_costs& costs) {
     throw schedule_error(why.str());
   }
   auto compute = [&](const pipeline_op& op) { return compute_cost(s, c, op); };
-  auto cost = [&](const pipeline_op& op) { return compute(op) + (op.kind == op_kind::weight ? 0.0 : c.alltoall); };
-  auto pair_cost = [&](const pipeline_op& a, const pipeline_op& b) {
+  timed_costs t;
+  t.op = [&](int, const pipeline_op& op) { return compute(op) + (op.kind == op_kind::weight ? 0.0 : c.alltoall); };
+  t.pair = [&](int, const pipeline_op& a, const pipeline_op& b) {
     return c.pair >= 0 ? c.pair : std::max(compute(a) + compute(b), 2 * c.alltoall);
   };
+  return simulate(s, t);
+}
+
+simulation simulate(const schedule& s, const timed_costs& c) {
+  if (!c.op) throw schedule_error("simulate: no op costs");
+  auto cost = [&](int r, const pipeline_op& op) {
+    const double x = c.op(r, op);
+    if (x < 0) throw schedule_error("simulated costs must not be negative");
+    return x;
+  };
+  auto pair_cost = [&](int r, const pipeline_op& a, const pipeline_op& b) {
+    return c.pair ? c.pair(r, a, b) : cost(r, a) + cost(r, b);
+  };
+  auto transfer = [&](int from, int to) { return c.transfer ? c.transfer(from, to) : 0.0; };
   simulation out;
   out.busy.assign(s.stages, 0.0);
   out.peak_activations.assign(s.stages, 0);
   out.times.resize(s.stages);
   for (int r = 0; r < s.stages; ++r) out.times[r].resize(s.ranks[r].size());
-  const auto error = replay(s, cost, pair_cost, [&](int r, std::size_t i, double start, double end) {
+  const auto error = replay(s, cost, pair_cost, transfer, [&](int r, std::size_t i, double start, double end) {
     const bool second_of_pair = i > 0 && s.ranks[r][i - 1].paired;
     out.times[r][i] = {start, end};
     if (!second_of_pair) out.busy[r] += end - start;

@@ -458,4 +458,27 @@ else
   fail=1
 fi
 expect_in config-reference-has-every-section "$out" "## [faults]"
+# troupe plan: the ranked layouts, restrictions, and refusals.
+check plan-json 0 "$troupe" plan --workload llama3-8b --devices 64 --device h100 --top 5 --format json
+/usr/bin/python3 - "$out" <<'PY' || fail=1
+import json, sys
+d = json.load(open(sys.argv[1]))
+rows = d["layouts"]
+assert len(rows) == 5 and d["fitting"] >= 5 and d["considered"] > d["fitting"], d
+for r in rows:
+    assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 64, r
+    assert r["dp"] * r["micro_batch"] * r["microbatches"] == 2048, r
+    assert sum(r["memory_bytes"].values()) <= 72e9, r
+assert [r["step_seconds"] for r in rows] == sorted(r["step_seconds"] for r in rows), rows
+print("ok   plan-json-content")
+PY
+check plan-table 0 "$troupe" plan --workload llama3-8b --devices 16 --device a100 --tp 8 --top 3
+expect_in plan-table-tp "$out" "1   8    "
+check plan-no-fit 1 "$troupe" plan --workload llama3-405b --devices 8 --device h100
+expect_in plan-no-fit-msg "$err" "no layout fits"
+check plan-bad-device 2 "$troupe" plan --workload gpt-tiny --devices 2 --device tpu
+expect_in plan-bad-device-msg "$err" "unknown device 'tpu'"
+printf '[inter]\nbandwidth = 5\n' >"$tmp/net.toml"
+check plan-bad-network 2 "$troupe" plan --workload gpt-tiny --devices 2 --network "$tmp/net.toml"
+expect_in plan-bad-network-msg "$err" "inter.bandwidth"
 exit $fail

@@ -1,0 +1,200 @@
+// The planner (compute/plan/planner.hpp): its step model against the schedule simulator,
+// its memory model, its refusals, the search, and published large-scale results.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "compute/plan/planner.hpp"
+#include "compute/schedule/timed_simulation.hpp"
+#include "tests/support/build_paths.hpp"
+#include "tests/support/temp_dir.hpp"
+
+namespace troupe::plan {
+namespace {
+
+problem llama8b(int devices) {
+  problem p;
+  auto& m = p.model;
+  m.n_layer = 32, m.d_model = 4096, m.n_head = 32, m.n_kv_head = 8, m.d_ff = 14336, m.vocab = 128256;
+  m.arch = decoder_arch::llama, m.tie_embeddings = false;
+  p.seq_len = 4096, p.global_batch = 256, p.devices = devices;
+  p.device = builtin_device("h100");
+  return p;
+}
+
+layout make(int tp, int pp, int dp, int mb, const problem& p, schedule_kind k = schedule_kind::one_f_one_b, int vp = 1) {
+  layout l;
+  l.tp = tp, l.pp = pp, l.dp = dp, l.vp = vp, l.micro_batch = mb, l.schedule = k;
+  l.microbatches = p.global_batch / (dp * mb);
+  return l;
+}
+
+TEST(Plan, PipelineIsTheScheduleSimulatedWithTheLayersCosts) {
+  // Four stages of 8 layers each and no communication (one node, dp 1): the pipeline's
+  // makespan is the plain simulator's with one stage's forward and backward, and the
+  // bubble 1f1b's (p - 1) / (m + p - 1) up to the first and last stages' extra work.
+  auto p = llama8b(4);
+  p.model.vocab = 256;  // (the embedding and output layer negligible)
+  p.global_batch = 8;
+  const auto pred = predict(p, make(1, 4, 1, 1, p));
+  const auto s = make_schedule(schedule_kind::one_f_one_b, 4, 8);
+  EXPECT_NEAR(pred.bubble, 3.0 / 11, 0.01);
+  const double per_mb = pred.parts.compute / 8;  // the busiest stage's F + B per micro-batch
+  EXPECT_NEAR(pred.parts.pipeline, per_mb * 11, per_mb * 11 * 0.02);
+  EXPECT_GT(pred.step_seconds, pred.parts.pipeline);  // the optimizer step after it
+  EXPECT_LT(pred.step_seconds, pred.parts.pipeline * 1.05);
+  (void)s;
+}
+
+TEST(Plan, TransferTimesDelayDependentOps) {
+  const auto s = make_schedule(schedule_kind::one_f_one_b, 2, 1);
+  timed_costs c;
+  c.op = [](int, const pipeline_op& op) { return op.kind == op_kind::forward ? 1.0 : 2.0; };
+  EXPECT_DOUBLE_EQ(simulate(s, c).makespan, 6.0);  // F F B B
+  c.transfer = [](int from, int to) { return from < to ? 0.5 : 0.25; };
+  EXPECT_DOUBLE_EQ(simulate(s, c).makespan, 6.75);
+}
+
+TEST(Plan, MemoryNamesEveryBuffer) {
+  auto p = llama8b(8);
+  const auto a = predict(p, make(1, 1, 8, 1, p));
+  const double n = parameter_count(p.model);
+  EXPECT_NEAR(a.memory.params, 2 * n, 1e-6 * n);      // bf16, whole
+  EXPECT_NEAR(a.memory.grads, 4 * n, 1e-6 * n);       // fp32, whole
+  EXPECT_NEAR(a.memory.optimizer, 12 * n / 8, 1e-6 * n);  // main copy and moments, 1/dp
+  EXPECT_FALSE(a.fits);  // 8B at dp 8 without sharding: about 60 GB before activations
+  // Tensor parallelism divides parameters and activations; full recompute keeps one
+  // input per layer (and one layer's whole activations while it recomputes).
+  p.model.vocab = 256;  // (no logits: they are kept either way)
+  auto l = make(8, 1, 1, 1, p);
+  const auto t8 = predict(p, l);
+  EXPECT_LT(t8.memory.params, a.memory.params / 7);
+  l.recompute = true;
+  const auto rc = predict(p, l);
+  EXPECT_LT(rc.memory.activations, t8.memory.activations / 5);
+  EXPECT_GT(rc.step_seconds, t8.step_seconds * 1.2);  // a forward more in every backward
+}
+
+TEST(Plan, RefusesLayoutsThatCannotRun) {
+  auto p = llama8b(16);
+  EXPECT_NE(check_layout(p, make(3, 1, 5, 1, p)).find("not the 16 devices"), std::string::npos);
+  auto bad_heads = p;
+  bad_heads.devices = 12;
+  bad_heads.global_batch = 240;
+  EXPECT_NE(check_layout(bad_heads, make(12, 1, 1, 1, bad_heads)).find("does not divide"), std::string::npos);
+  auto l = make(1, 1, 16, 1, p);
+  l.microbatches = 3;
+  EXPECT_NE(check_layout(p, l).find("global batch"), std::string::npos);
+  EXPECT_NE(check_layout(p, make(1, 4, 4, 1, p, schedule_kind::zbv, 1)).find("schedule"), std::string::npos);
+  EXPECT_NE(check_layout(p, make(1, 4, 4, 1, p, schedule_kind::one_f_one_b, 2)).find("chunks"), std::string::npos);
+  l = make(8, 1, 2, 1, p);
+  l.shard = "parameters";
+  EXPECT_NE(check_layout(p, l).find("FSDP"), std::string::npos);
+  EXPECT_THROW(predict(p, make(3, 1, 5, 1, p)), plan_error);
+  EXPECT_THROW(builtin_device("tpu"), plan_error);
+}
+
+TEST(Plan, SearchRanksLayoutsThatFit) {
+  auto p = llama8b(64);
+  const auto result = search(p, {}, 20);
+  const auto& found = result.best;
+  ASSERT_EQ(found.size(), 20u);
+  EXPECT_GT(result.considered, result.fitting);
+  EXPECT_GE(result.fitting, found.size());
+  for (std::size_t i = 0; i < found.size(); ++i) {
+    EXPECT_TRUE(found[i].fits);
+    EXPECT_EQ(found[i].l.devices(), 64);
+    EXPECT_EQ(check_layout(p, found[i].l), "");
+    EXPECT_LE(found[i].memory.total(), p.device.memory_bytes);
+    if (i) EXPECT_LE(found[i - 1].step_seconds, found[i].step_seconds);
+  }
+  // Tensor parallelism stays within a node of 8.
+  for (const auto& f : found) EXPECT_LE(f.l.tp, 8);
+  search_limits only;
+  only.pp = 2, only.tp = 4;
+  const auto limited = search(p, only, 0);
+  EXPECT_FALSE(limited.best.empty());
+  EXPECT_EQ(limited.best.size(), limited.fitting);
+  for (const auto& f : limited.best) EXPECT_TRUE(f.l.pp == 2 && f.l.tp == 4);
+}
+
+TEST(Plan, NetworkFileOverridesLinks) {
+  test::temp_dir dir;
+  const auto path = dir / "net.toml";
+  std::ofstream(path) << "per_node = 4\n[inter]\nbandwidth_gbytes_per_s = 12.5\nlatency_us = 3\n";
+  auto d = builtin_device("h100");
+  read_network_file(d, path);
+  EXPECT_EQ(d.per_node, 4);
+  EXPECT_DOUBLE_EQ(d.inter.bandwidth, 12.5e9);
+  EXPECT_DOUBLE_EQ(d.inter.latency, 3e-6);
+  std::ofstream(path) << "[inter]\nbandwidth = 1\n";
+  try {
+    read_network_file(d, path);
+    FAIL() << "accepted an unknown key";
+  } catch (const plan_error& e) {
+    EXPECT_NE(std::string(e.what()).find("inter.bandwidth"), std::string::npos) << e.what();
+  }
+}
+
+std::vector<std::string> split(const std::string& line) {
+  std::vector<std::string> out;
+  std::stringstream s(line);
+  std::string cell;
+  while (std::getline(s, cell, ',')) out.push_back(cell);
+  return out;
+}
+
+TEST(Plan, PublishedRunsWithinTwentyPercent) {
+  // tests/support/published_training.csv: each run's step time from its reported TFLOP/s
+  // per GPU (counted its source's way) against the planner's prediction of its layout.
+  std::ifstream in(std::string(test::source_dir) + "/tests/support/published_training.csv");
+  ASSERT_TRUE(in) << "no published_training.csv";
+  std::string line;
+  std::vector<std::string> head;
+  int rows = 0;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const auto c = split(line);
+    if (head.empty()) {
+      head = c;
+      continue;
+    }
+    ASSERT_EQ(c.size(), head.size()) << line;
+    auto at = [&](const char* name) { return c.at(std::size_t(std::find(head.begin(), head.end(), name) - head.begin())); };
+    auto num = [&](const char* name) { return std::stoi(at(name)); };
+    problem p;
+    auto& m = p.model;
+    m.arch = at("arch") == "llama" ? decoder_arch::llama : decoder_arch::gpt2;
+    m.n_layer = num("layers"), m.d_model = num("d_model"), m.n_head = num("heads"), m.n_kv_head = num("kv_heads");
+    m.d_ff = num("d_ff"), m.vocab = num("vocab"), m.tie_embeddings = m.arch == decoder_arch::gpt2;
+    p.seq_len = num("seq"), p.global_batch = num("global_batch"), p.devices = num("devices");
+    p.device = builtin_device(at("device"));
+    p.device.fused_attention = at("attention") == "fused";
+    layout l;
+    l.tp = num("tp"), l.pp = num("pp"), l.vp = num("vp"), l.dp = num("dp"), l.cp = num("cp");
+    l.micro_batch = num("micro_batch"), l.schedule = parse_schedule_kind(at("schedule"));
+    l.recompute = at("recompute") == "full";
+    l.microbatches = p.global_batch / (l.dp * l.micro_batch);
+    const auto pred = predict(p, l);
+    const double B = p.global_batch, s = p.seq_len, L = m.n_layer, h = m.d_model, V = m.vocab;
+    const double flops = at("flops") == "megatron"
+                             ? 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+                             : model_flops_per_token(m, p.seq_len) * B * s;
+    const double published = flops / (std::stod(at("tflops_per_gpu")) * 1e12 * p.devices);
+    const double ratio = pred.step_seconds / published;
+    std::printf("%s %s on %d %s, %s: published %.2f s, predicted %.2f s (%.2f), %.1f GB per device\n",
+                at("source").c_str(), at("model").c_str(), p.devices, at("device").c_str(), l.text().c_str(),
+                published, pred.step_seconds, ratio, pred.memory.total() / 1e9);
+    EXPECT_NEAR(ratio, 1.0, 0.2) << line;
+    if (at("recompute") != "unstated")  // the layout ran on these devices: it must fit
+      EXPECT_TRUE(pred.fits) << line << ": " << pred.memory.total() / 1e9 << " GB";
+    ++rows;
+  }
+  EXPECT_GE(rows, 10);
+}
+
+}  // namespace
+}  // namespace troupe::plan
