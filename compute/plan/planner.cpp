@@ -6,11 +6,15 @@
 #include <cmath>
 #include <map>
 #include <sstream>
+#include <thread>
 #include <tuple>
 
 #include <torch/torch.h>
 #include <toml++/toml.h>
 
+#include "compute/models/model.hpp"
+#include "compute/models/parameters.hpp"
+#include "compute/models/partition.hpp"
 #include "compute/schedule/timed_simulation.hpp"
 
 namespace troupe::plan {
@@ -92,6 +96,63 @@ device_model builtin_device(const std::string& name) {
 }
 
 std::string device_names() { return "h100, h200, a100, cpu"; }
+
+void calibrate_cpu(problem& p) {
+  model_spec spec;
+  spec.decoder = p.model;
+  spec.decoder.seq_len = p.seq_len;
+  layer_range whole;
+  whole.last = spec.n_layers();
+  const auto state = initial_state(spec, 1234);
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(1);
+  // As many models as there are devices (cores) the job uses, each timed on its own thread
+  // while the others run: what a core gives when every core computes.
+  const int concurrent = std::max(1, std::min<int>(p.devices, int(std::thread::hardware_concurrency())));
+  struct samples {
+    std::vector<double> f1, b1, f4, b4;
+  };
+  std::vector<samples> each(static_cast<std::size_t>(concurrent));
+  auto run = [&](samples& t) {
+    torch::AutoGradMode grad(true);
+    auto slice = make_slice(spec, whole, state);
+    auto once = [&](int sequences, std::vector<double>& forward, std::vector<double>& backward) {
+      const auto tokens = torch::randint(0, p.model.vocab, {sequences, p.seq_len}, torch::kInt64);
+      const auto a = std::chrono::steady_clock::now();
+      auto loss = slice->loss(slice->forward(tokens), tokens);
+      const auto b = std::chrono::steady_clock::now();
+      loss.backward();
+      const auto c = std::chrono::steady_clock::now();
+      forward.push_back(std::chrono::duration<double>(b - a).count());
+      backward.push_back(std::chrono::duration<double>(c - b).count());
+    };
+    std::vector<double> ignored_f, ignored_b;
+    once(4, ignored_f, ignored_b);  // warm-up: first-touch pages, OpenBLAS's buffers
+    for (int i = 0; i < 7; ++i) {  // alternating sizes: both see the same moments of the machine
+      once(1, t.f1, t.b1);
+      once(4, t.f4, t.b4);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int i = 1; i < concurrent; ++i) pool.emplace_back(run, std::ref(each[std::size_t(i)]));
+  run(each[0]);
+  for (auto& th : pool) th.join();
+  torch::set_num_threads(threads);
+  auto median = [&](std::vector<double> samples::*field) {
+    std::vector<double> all;
+    for (const auto& t : each) all.insert(all.end(), (t.*field).begin(), (t.*field).end());
+    std::nth_element(all.begin(), all.begin() + long(all.size() / 2), all.end());
+    return all[all.size() / 2];
+  };
+  const double f1 = median(&samples::f1), b1 = median(&samples::b1), f4 = median(&samples::f4), b4 = median(&samples::b4);
+  device_model::layer_profile prof;
+  const double layers = p.model.n_layer;
+  prof.forward_per_sequence = std::max(0.0, (f4 - f1) / 3) / layers;
+  prof.forward_fixed = std::max(0.0, f1 / layers - prof.forward_per_sequence);
+  prof.backward_per_sequence = std::max(0.0, (b4 - b1) / 3) / layers;
+  prof.backward_fixed = std::max(0.0, b1 / layers - prof.backward_per_sequence);
+  p.device.profile = prof;
+}
 
 void read_network_file(device_model& d, const std::string& path) {
   toml::table doc;
@@ -269,6 +330,7 @@ model_costs costs_of(const problem& pr, const layout& l) {
   // One layer, forward: products, attention, elementwise, collectives.
   auto layer = [&](bool moe, double& fwd, double& bwd, double& w, double& tp_s, double& act, double& whole) {
     const double mlp = moe ? sh.mlp_active : sh.mlp_dense, f = moe ? sh.f_active : m.d_ff;
+    const auto& prof = dev.profile;
     const int gemms = 4 + (moe ? 3 * std::max(1, m.n_experts / l.ep) : sh.gated ? 3 : 2);
     const double mm = 2 * T * (sh.attn + mlp) / t / rate + gemms * dev.op_seconds;
     const double heads = double(m.n_head) / t;
@@ -295,6 +357,22 @@ model_costs costs_of(const problem& pr, const layout& l) {
     fwd = mm + attn + elem + tp + cp + ep;
     w = mm;  // the weights' half of the backward's products
     bwd = 2 * mm + attn_bwd + 2 * elem + tp + 2 * cp + ep;
+    if (prof) {
+      // Measured. The per-sequence part scales with the sequences (b / cp); tensor
+      // parallelism divides the share of it that the model above gives the products,
+      // attention and the sharded elementwise work (without sequence parallelism the
+      // norms and residuals stay whole on every rank).
+      const double norms = T * 8 * d * bytes / dev.memory_bandwidth;  // at tp 1
+      const double whole_at_1 = 2 * T * (sh.attn + mlp) / rate + attn * t + norms +
+                                T * (sh.gated ? 6 : 4) * f * bytes / dev.memory_bandwidth;
+      const double split_share = sp ? 1.0 : 1 - norms / whole_at_1;
+      const double seqs = b / double(c), tp_factor = split_share / t + (1 - split_share);
+      const double f_c = prof->forward_fixed + prof->forward_per_sequence * seqs * tp_factor;
+      const double b_c = prof->backward_fixed + prof->backward_per_sequence * seqs * tp_factor;
+      fwd = f_c + tp + cp + ep;
+      w = b_c * mm / (2 * mm + attn_bwd + 2 * elem);  // the products' weight half of it
+      bwd = b_c + tp + 2 * cp + ep;
+    }
     if (l.recompute) bwd += fwd;
     tp_s = 2 * tp;
     const double sharded = 5 * d + (sh.gated ? 3 : 2) * f, replicated = 3 * d;
@@ -331,15 +409,15 @@ model_costs costs_of(const problem& pr, const layout& l) {
     const int tables = (x == 0) + (x == nv - 1 && (nv > 1 || !m.tie_embeddings));
     cc.dense_params += tables * double(m.vocab) * d / t;
     cc.params += tables * double(m.vocab) * d / t;
-    if (x == 0) cc.forward += T * d * bytes * 2 / dev.memory_bandwidth;
-    if (x == nv - 1) {  // output layer and cross-entropy (fp32 logits)
+    if (x == 0 && !dev.profile) cc.forward += T * d * bytes * 2 / dev.memory_bandwidth;
+    if (x == nv - 1 && !dev.profile) {  // output layer and cross-entropy (fp32 logits; a profile has them in its layers')
       const double mm = 2 * T * d * m.vocab / t / rate + dev.op_seconds;
       const double ce = T * double(m.vocab) / t * 4 * 3 / dev.memory_bandwidth;
       cc.forward += mm + ce;
       cc.backward += 2 * mm + ce;
       cc.weight += mm;
-      cc.activation_bytes += T * double(m.vocab) / t * 4 * 2;
     }
+    if (x == nv - 1) cc.activation_bytes += T * double(m.vocab) / t * 4 * 2;
   }
   const double act_bytes = T * d * bytes / (sp ? t : 1);
   const int span = t * c * l.dp;

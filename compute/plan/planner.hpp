@@ -27,6 +27,7 @@
 // bytes per layer, with FlashAttention's) times the schedule's peak micro-batches in
 // flight.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,13 @@ struct device_model {
   /// Data-parallel collectives overlap the backward and the next forward (all but one
   /// layer's bucket).
   bool overlap_dp = true;
+  /// Measured op times (calibrate_cpu), per layer for one micro-batch: a fixed part and a
+  /// part per sequence at the problem's length. Where set they replace the compute terms
+  /// of the model above (the collectives stay modelled).
+  struct layer_profile {
+    double forward_fixed = 0, forward_per_sequence = 0, backward_fixed = 0, backward_per_sequence = 0;
+  };
+  std::optional<layer_profile> profile;
 };
 
 /// h100, h200, a100 (80 GB SXM nodes of 8 with NVLink and 400 or 200 Gb/s InfiniBand per
@@ -102,6 +110,15 @@ struct problem {
   int devices = 0;
   device_model device;
 };
+
+/// The problem's model timed on this machine's cores (LibTorch, the code the stages run,
+/// one thread per model): the whole model's forward and backward for micro-batches of 1
+/// and 4 sequences, on as many threads at once as the job has devices (up to the cores:
+/// a core's speed while the others compute), the median of a few tries, as a
+/// layer_profile (a fixed part and a part per sequence, divided over the layers) in
+/// p.device. Op times measured, then scaled by shape: tensor and context parallelism
+/// divide the per-sequence part.
+void calibrate_cpu(problem& p);
 
 /// Bytes per device.
 struct memory_use {

@@ -121,6 +121,30 @@ TEST(Plan, SearchRanksLayoutsThatFit) {
   for (const auto& f : limited.best) EXPECT_TRUE(f.l.pp == 2 && f.l.tp == 4);
 }
 
+TEST(Plan, CpuCalibrationTimesTheModelAndScalesItByShape) {
+  problem p;
+  p.model = model_spec::gpt_tiny().decoder;
+  p.model.n_layer = 2;  // (quick)
+  p.seq_len = 64, p.global_batch = 8, p.devices = 2;
+  p.device = builtin_device("cpu");
+  calibrate_cpu(p);
+  ASSERT_TRUE(p.device.profile);
+  const auto& prof = *p.device.profile;
+  EXPECT_GT(prof.forward_fixed + prof.forward_per_sequence, 0);
+  EXPECT_GT(prof.backward_per_sequence, 0);
+  // Data parallelism halves each rank's sequences; so does tensor parallelism's split of
+  // the per-sequence part (up to the norms it leaves whole, and its collectives).
+  layout one;
+  one.dp = 2, one.micro_batch = 4, one.microbatches = 1;
+  const auto d2 = predict(p, one);
+  one.micro_batch = 2, one.microbatches = 2;
+  const auto d2_small = predict(p, one);
+  EXPECT_GT(d2_small.parts.compute, d2.parts.compute);  // twice the fixed parts
+  EXPECT_NEAR(d2.parts.compute,
+              2 * (prof.forward_fixed + prof.backward_fixed) + 2 * 4 * (prof.forward_per_sequence + prof.backward_per_sequence),
+              1e-9);
+}
+
 TEST(Plan, NetworkFileOverridesLinks) {
   test::temp_dir dir;
   const auto path = dir / "net.toml";
