@@ -1,5 +1,7 @@
 #include "actors/node.hpp"
 
+#include "actors/compute_gate.hpp"
+
 #include "actors/checkpoint_writer.hpp"
 #include "actors/intra_op_threads.hpp"
 #include "compute/checkpoint/checkpoint_dir.hpp"
@@ -389,6 +391,7 @@ actor_run_result run_node(const node_options& o) {
         const auto slots = job_slots(cfg, o.node, o.nodes);
         // threads = 0: share the machine's cores between the stage actors of every node on
         // it (more OpenMP threads than cores, in several processes, spin against each other).
+        set_compute_slots(compute_slots_for(cfg, int(slots.size()), std::max(1, o.nodes_per_host)));
         if (cfg.threads == 0)
           cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) /
                                         (int(slots.size()) * std::max(1, o.nodes_per_host)));

@@ -1,5 +1,7 @@
 #include "actors/runtime.hpp"
 
+#include "actors/compute_gate.hpp"
+
 #include "actors/checkpoint_writer.hpp"
 
 #include <cstdlib>
@@ -233,6 +235,8 @@ std::string runtime_context::loader_name(int replica) const {
 actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_options& opts_in) {
   auto cfg = cfg_in;
   cfg.validate();
+  set_compute_slots(
+      compute_slots_for(cfg, cfg.pipeline * cfg.data_parallel * cfg.context_parallel * cfg.tensor_parallel, 1));
   if (cfg.threads == 0)  // share the cores between the stage actors
     cfg.threads = std::max(1, int(std::thread::hardware_concurrency()) /
                                   (cfg.pipeline * cfg.data_parallel * cfg.context_parallel * cfg.tensor_parallel));

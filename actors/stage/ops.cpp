@@ -1,6 +1,7 @@
 // The stage's ops in a step: which runs next, forward, backward and weight passes,
 // overlapped pairs, gradient buckets, the tied embedding, parameters (actors/stage/logic.hpp).
 #include "actors/stage/logic.hpp"
+#include "actors/compute_gate.hpp"
 #include "transport/torch_threads.hpp"
 
 namespace troupe::stage_detail {
@@ -258,7 +259,12 @@ void stage_logic::push_event(trace_event ev) {
 void stage_logic::execute(const pipeline_op& op) {
   if (s_.ops_done == 1) inject_op_faults();
   auto w = begin_op(op);
-  compute(w);
+  {
+    // A CPU job with more stage actors than cores: the ops take turns. The trace's op
+    // starts when it was ready (as without turns, where the kernel slices the cores).
+    compute_slot slot;
+    compute(w);
+  }
   end_op(w);
 }
 

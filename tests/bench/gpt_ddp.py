@@ -34,7 +34,7 @@ def run(rank, steps, store_path, out_path):
     opt = gpt_tiny.make_optimizer(model.module)
     per_rank = GLOBAL_BATCH // WORLD
     n_micro = per_rank // MICRO
-    elapsed, timed = 0.0, 0
+    elapsed, timed, each = 0.0, 0, []
     for t in range(steps):
         x, y = gpt_tiny.train_batch(data, n_train, 1234, t * GLOBAL_BATCH, GLOBAL_BATCH, 128)
         x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
@@ -52,12 +52,13 @@ def run(rank, steps, store_path, out_path):
         opt.zero_grad()
         dist.barrier()
         if t > 0:  # the first step is warm-up
-            elapsed += time.perf_counter() - start
+            each.append(time.perf_counter() - start)
+            elapsed += each[-1]
             timed += 1
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"processes": WORLD, "tokens_per_s": timed * GLOBAL_BATCH * 128 / elapsed,
-                       "step_ms": 1000 * elapsed / timed}, f)
+                       "step_ms": 1000 * elapsed / timed, "median_step_s": sorted(each)[len(each) // 2]}, f)
     dist.destroy_process_group()
 
 
