@@ -9,6 +9,7 @@
 
 #include "compute/checkpoint/hf_folder.hpp"
 #include "compute/config/job_config.hpp"
+#include "actors/tp_groups.hpp"
 #include "launch/cli_common.hpp"
 
 namespace troupe_cli {
@@ -97,6 +98,7 @@ int run_plan(const plan_command& c) {
     if (!c.network.empty()) plan::read_network_file(pr.device, c.network);
     if (c.per_node > 0) pr.device.per_node = c.per_node;
     if (!c.attention.empty()) pr.device.fused_attention = c.attention == "fused";
+    if (pr.device.name == "cpu") plan::calibrate_cpu(pr, troupe::in_process_groups);
     auto limits = c.limits;
     if (!c.recompute.empty()) limits.recompute = c.recompute == "full";
     const auto result = plan::search(pr, limits, c.top);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <cmath>
 #include <map>
 #include <sstream>
@@ -15,6 +16,7 @@
 #include "compute/models/model.hpp"
 #include "compute/models/parameters.hpp"
 #include "compute/models/partition.hpp"
+#include "compute/models/tensor_parallel_layout.hpp"
 #include "compute/schedule/timed_simulation.hpp"
 
 namespace troupe::plan {
@@ -97,47 +99,52 @@ device_model builtin_device(const std::string& name) {
 
 std::string device_names() { return "h100, h200, a100, cpu"; }
 
-void calibrate_cpu(problem& p) {
-  model_spec spec;
-  spec.decoder = p.model;
-  spec.decoder.seq_len = p.seq_len;
-  layer_range whole;
-  whole.last = spec.n_layers();
-  const auto state = initial_state(spec, 1234);
-  const int threads = torch::get_num_threads();
-  torch::set_num_threads(1);
-  // As many models as there are devices (cores) the job uses, each timed on its own thread
-  // while the others run: what a core gives when every core computes.
-  const int concurrent = std::max(1, std::min<int>(p.devices, int(std::thread::hardware_concurrency())));
+namespace {
+
+/// One rank of a timed group: its slice and whether its group computes the same tokens.
+using slice_maker = std::function<std::unique_ptr<model_slice>(int rank, std::shared_ptr<collective_group> member)>;
+
+/// The model's forward and backward for micro-batches of 1 and 4 sequences, timed on
+/// `concurrent` threads at once: concurrent / size groups of `size` ranks (size 1: no
+/// group), each rank's slice from `make`. Medians of 7 tries per size, alternating.
+device_model::layer_profile time_model(const problem& p, int concurrent, int size, const slice_maker& make,
+                                       const group_factory& groups) {
   struct samples {
     std::vector<double> f1, b1, f4, b4;
   };
-  std::vector<samples> each(static_cast<std::size_t>(concurrent));
-  auto run = [&](samples& t) {
+  const int ranks = std::max(size, concurrent / size * size);
+  std::vector<samples> each(static_cast<std::size_t>(ranks));
+  std::vector<std::shared_ptr<collective_group>> members;
+  for (int g = 0; g < ranks / size; ++g) {
+    auto one = size > 1 ? groups(size) : std::vector<std::shared_ptr<collective_group>>(1);
+    members.insert(members.end(), one.begin(), one.end());
+  }
+  std::vector<std::unique_ptr<model_slice>> slices;
+  for (int r = 0; r < ranks; ++r) slices.push_back(make(r % size, members[std::size_t(r)]));
+  auto run = [&](int r) {
     torch::AutoGradMode grad(true);
-    auto slice = make_slice(spec, whole, state);
-    auto once = [&](int sequences, std::vector<double>& forward, std::vector<double>& backward) {
+    auto& slice = *slices[std::size_t(r)];
+    auto& t = each[std::size_t(r)];
+    auto once = [&](int sequences, std::vector<double>* forward, std::vector<double>* backward) {
       const auto tokens = torch::randint(0, p.model.vocab, {sequences, p.seq_len}, torch::kInt64);
       const auto a = std::chrono::steady_clock::now();
-      auto loss = slice->loss(slice->forward(tokens), tokens);
+      auto loss = slice.loss(slice.forward(tokens), tokens);
       const auto b = std::chrono::steady_clock::now();
       loss.backward();
       const auto c = std::chrono::steady_clock::now();
-      forward.push_back(std::chrono::duration<double>(b - a).count());
-      backward.push_back(std::chrono::duration<double>(c - b).count());
+      if (forward) forward->push_back(std::chrono::duration<double>(b - a).count());
+      if (backward) backward->push_back(std::chrono::duration<double>(c - b).count());
     };
-    std::vector<double> ignored_f, ignored_b;
-    once(4, ignored_f, ignored_b);  // warm-up: first-touch pages, OpenBLAS's buffers
+    once(4, nullptr, nullptr);  // warm-up: first-touch pages, OpenBLAS's buffers
     for (int i = 0; i < 7; ++i) {  // alternating sizes: both see the same moments of the machine
-      once(1, t.f1, t.b1);
-      once(4, t.f4, t.b4);
+      once(1, &t.f1, &t.b1);
+      once(4, &t.f4, &t.b4);
     }
   };
   std::vector<std::thread> pool;
-  for (int i = 1; i < concurrent; ++i) pool.emplace_back(run, std::ref(each[std::size_t(i)]));
-  run(each[0]);
+  for (int r = 1; r < ranks; ++r) pool.emplace_back(run, r);
+  run(0);
   for (auto& th : pool) th.join();
-  torch::set_num_threads(threads);
   auto median = [&](std::vector<double> samples::*field) {
     std::vector<double> all;
     for (const auto& t : each) all.insert(all.end(), (t.*field).begin(), (t.*field).end());
@@ -151,7 +158,61 @@ void calibrate_cpu(problem& p) {
   prof.forward_fixed = std::max(0.0, f1 / layers - prof.forward_per_sequence);
   prof.backward_per_sequence = std::max(0.0, (b4 - b1) / 3) / layers;
   prof.backward_fixed = std::max(0.0, b1 / layers - prof.backward_per_sequence);
-  p.device.profile = prof;
+  return prof;
+}
+
+}  // namespace
+
+const device_model::layer_profile* device_model::profile_for(int tp, int ep, bool& with_groups) const {
+  with_groups = false;
+  if (tp > 1 || ep > 1) {
+    if (const auto it = group_profiles.find({tp, ep}); it != group_profiles.end()) {
+      with_groups = true;
+      return &it->second;
+    }
+  }
+  return profile ? &*profile : nullptr;
+}
+
+void calibrate_cpu(problem& p, const group_factory& groups) {
+  model_spec spec;
+  spec.decoder = p.model;
+  spec.decoder.seq_len = p.seq_len;
+  layer_range whole;
+  whole.last = spec.n_layers();
+  const auto state = initial_state(spec, 1234);
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(1);
+  // As many ranks as there are devices (cores) the job uses, each timed on its own thread
+  // while the others run: what a core gives when every core computes.
+  const int concurrent = std::max(1, std::min<int>(p.devices, int(std::thread::hardware_concurrency())));
+  p.device.profile = time_model(p, concurrent, 1, [&](int, auto) { return make_slice(spec, whole, state); }, groups);
+  p.device.group_profiles.clear();
+  for (int size = 2; groups && size <= concurrent; ++size) {
+    bool fits = true;
+    try {
+      check_tensor_parallel(spec, size, false);
+    } catch (const std::exception&) {
+      fits = false;
+    }
+    if (fits && p.model.n_experts == 0)  // (experts with tensor parallelism need sequence parallelism)
+      p.device.group_profiles[{size, 1}] = time_model(
+          p, concurrent, size,
+          [&](int r, std::shared_ptr<collective_group> g) {
+            return make_slice(spec, whole, state, 1, torch::kCPU, torch::kFloat32, tensor_parallel{r, size, false, g});
+          },
+          groups);
+    if (p.model.n_experts > 0 && p.model.n_experts % size == 0)
+      p.device.group_profiles[{1, size}] = time_model(
+          p, concurrent, size,
+          [&](int r, std::shared_ptr<collective_group> g) {
+            auto s = make_slice(spec, whole, state, 1, torch::kCPU, torch::kFloat32, {}, expert_share{r, size, 1});
+            s->set_expert_parallel({r, size, g});
+            return s;
+          },
+          groups);
+  }
+  torch::set_num_threads(threads);
 }
 
 void read_network_file(device_model& d, const std::string& path) {
@@ -330,7 +391,8 @@ model_costs costs_of(const problem& pr, const layout& l) {
   // One layer, forward: products, attention, elementwise, collectives.
   auto layer = [&](bool moe, double& fwd, double& bwd, double& w, double& tp_s, double& act, double& whole) {
     const double mlp = moe ? sh.mlp_active : sh.mlp_dense, f = moe ? sh.f_active : m.d_ff;
-    const auto& prof = dev.profile;
+    bool with_groups = false;
+    const auto* prof = dev.profile_for(t, l.ep, with_groups);
     const int gemms = 4 + (moe ? 3 * std::max(1, m.n_experts / l.ep) : sh.gated ? 3 : 2);
     const double mm = 2 * T * (sh.attn + mlp) / t / rate + gemms * dev.op_seconds;
     const double heads = double(m.n_head) / t;
@@ -365,10 +427,12 @@ model_costs costs_of(const problem& pr, const layout& l) {
       const double norms = T * 8 * d * bytes / dev.memory_bandwidth;  // at tp 1
       const double whole_at_1 = 2 * T * (sh.attn + mlp) / rate + attn * t + norms +
                                 T * (sh.gated ? 6 : 4) * f * bytes / dev.memory_bandwidth;
+      // A profile measured with the layout's groups has their collectives in it.
       const double split_share = sp ? 1.0 : 1 - norms / whole_at_1;
-      const double seqs = b / double(c), tp_factor = split_share / t + (1 - split_share);
+      const double seqs = b / double(c), tp_factor = with_groups ? 1.0 : split_share / t + (1 - split_share);
       const double f_c = prof->forward_fixed + prof->forward_per_sequence * seqs * tp_factor;
       const double b_c = prof->backward_fixed + prof->backward_per_sequence * seqs * tp_factor;
+      if (with_groups) tp = ep = 0;
       fwd = f_c + tp + cp + ep;
       w = b_c * mm / (2 * mm + attn_bwd + 2 * elem);  // the products' weight half of it
       bwd = b_c + tp + 2 * cp + ep;

@@ -27,11 +27,14 @@
 // bytes per layer, with FlashAttention's) times the schedule's peak micro-batches in
 // flight.
 #include <cstdint>
+#include <map>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "compute/models/model_spec.hpp"
+#include "compute/parallel/collective_group.hpp"
 #include "compute/schedule/schedule.hpp"
 
 namespace troupe::plan {
@@ -77,6 +80,13 @@ struct device_model {
     double forward_fixed = 0, forward_per_sequence = 0, backward_fixed = 0, backward_per_sequence = 0;
   };
   std::optional<layer_profile> profile;
+  /// Measured with a tensor- or expert-parallel group's ranks on threads of their own, by
+  /// (tp, ep): the group's collectives and its ranks' waits for each other are in the
+  /// times, so a layout with that group uses them as they are (nothing divided, no
+  /// modelled collective added).
+  std::map<std::pair<int, int>, layer_profile> group_profiles;
+  /// The profile for a layout's tp and ep, and whether it holds their collectives.
+  const layer_profile* profile_for(int tp, int ep, bool& with_groups) const;
 };
 
 /// h100, h200, a100 (80 GB SXM nodes of 8 with NVLink and 400 or 200 Gb/s InfiniBand per
@@ -117,8 +127,11 @@ struct problem {
 /// a core's speed while the others compute), the median of a few tries, as a
 /// layer_profile (a fixed part and a part per sequence, divided over the layers) in
 /// p.device. Op times measured, then scaled by shape: tensor and context parallelism
-/// divide the per-sequence part.
-void calibrate_cpu(problem& p);
+/// divide the per-sequence part. With `groups` (in-process collective groups), the
+/// model's tensor-parallel slices (each size up to the devices and cores that the model's
+/// heads and widths allow) and, for experts, its expert-parallel slices are timed the same
+/// way, each group's ranks on threads of their own: group_profiles.
+void calibrate_cpu(problem& p, const group_factory& groups = {});
 
 /// Bytes per device.
 struct memory_use {

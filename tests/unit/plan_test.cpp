@@ -6,7 +6,9 @@
 #include <cmath>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
+#include "actors/tp_groups.hpp"
 #include "compute/plan/planner.hpp"
 #include "compute/schedule/timed_simulation.hpp"
 #include "tests/support/build_paths.hpp"
@@ -143,6 +145,42 @@ TEST(Plan, CpuCalibrationTimesTheModelAndScalesItByShape) {
   EXPECT_NEAR(d2.parts.compute,
               2 * (prof.forward_fixed + prof.backward_fixed) + 2 * 4 * (prof.forward_per_sequence + prof.backward_per_sequence),
               1e-9);
+}
+
+// Tensor and expert parallelism on this machine's cores: their slices are timed with the
+// group's collectives (ranks on threads of their own), and a layout with that group takes
+// those times as they are, with no modelled collective added.
+TEST(Plan, CpuCalibrationTimesTensorAndExpertGroups) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one core: no group of two runs at once";
+  problem p;
+  p.model = model_spec::gpt_tiny().decoder;
+  p.model.n_layer = 2;
+  p.seq_len = 64, p.global_batch = 8, p.devices = 2;
+  p.device = builtin_device("cpu");
+  calibrate_cpu(p, in_process_groups);
+  ASSERT_EQ(p.device.group_profiles.count({2, 1}), 1u);
+  EXPECT_EQ(p.device.group_profiles.count({1, 2}), 0u);  // (no experts)
+  const auto& tp = p.device.group_profiles.at({2, 1});
+  EXPECT_GT(tp.forward_fixed + tp.forward_per_sequence, 0);
+  layout t2;
+  t2.tp = 2, t2.micro_batch = 4, t2.microbatches = 2, t2.sequence_parallel = false;
+  const auto got = predict(p, t2);
+  EXPECT_EQ(got.parts.tp_comm, 0);  // in the measured times
+  EXPECT_NEAR(got.parts.compute,
+              2 * 2 * (tp.forward_fixed + tp.backward_fixed) + 2 * 2 * 4 * (tp.forward_per_sequence + tp.backward_per_sequence),
+              1e-9);
+  // Experts: an expert-parallel group of two, and no tensor-parallel one.
+  problem moe = p;
+  moe.model = model_spec::moe_tiny().decoder;
+  moe.model.n_layer = 2;
+  calibrate_cpu(moe, in_process_groups);
+  EXPECT_EQ(moe.device.group_profiles.count({1, 2}), 1u);
+  EXPECT_EQ(moe.device.group_profiles.count({2, 1}), 0u);
+  bool with_groups = false;
+  EXPECT_EQ(moe.device.profile_for(1, 2, with_groups), &moe.device.group_profiles.at({1, 2}));
+  EXPECT_TRUE(with_groups);
+  EXPECT_EQ(moe.device.profile_for(1, 1, with_groups), &*moe.device.profile);
+  EXPECT_FALSE(with_groups);
 }
 
 TEST(Plan, NetworkFileOverridesLinks) {
