@@ -79,39 +79,79 @@ wait_diagnosis diagnose_waits(const std::vector<wait_report>& given, const std::
     for (const auto& f : r.from) waited_on.insert(f);
 
   wait_diagnosis out;
+  std::map<std::string, std::size_t> line_of;  // actor -> its line in out.all_lines
   for (const auto& name : order) {
     const auto& n = nodes.at(name);
     const auto& r = *n.report;
+    std::string line;
     if (n.silent) {
-      out.lines.push_back(fmt::format("{} did not answer within {:.0f} s: {}", node_label(r), answer_seconds,
-                                      blocked_text(r)));
+      line = fmt::format("{} did not answer within {:.0f} s: {}", node_label(r), answer_seconds, blocked_text(r));
     } else if (!r.waits_for.empty() && r.from.empty()) {  // a collective every member is in
-      out.lines.push_back(fmt::format("{} waits in the {}, which every member of the group has entered{}",
-                                      node_label(r), r.waits_for, r.state.empty() ? "" : "; " + r.state));
+      line = fmt::format("{} waits in the {}, which every member of the group has entered{}", node_label(r),
+                         r.waits_for, r.state.empty() ? "" : "; " + r.state);
     } else if (!r.waits_for.empty()) {
       std::vector<std::string> from;
-      for (const auto& f : r.from) from.push_back(label(f));
-      out.lines.push_back(fmt::format("{} waits for {} from {}{}", node_label(r), r.waits_for, joined(from),
-                                      r.state.empty() ? "" : "; " + r.state));
+      for (std::size_t i = 0; i < r.from.size() && i < 8; ++i) from.push_back(label(r.from[i]));
+      if (r.from.size() > 8) from.push_back(std::to_string(r.from.size() - 8) + " more");
+      line = fmt::format("{} waits for {} from {}{}", node_label(r), r.waits_for, joined(from),
+                         r.state.empty() ? "" : "; " + r.state);
     } else if (waited_on.count(name)) {
-      out.lines.push_back(fmt::format("{} waits for nothing{}", node_label(r), r.state.empty() ? "" : ": " + r.state));
+      line = fmt::format("{} waits for nothing{}", node_label(r), r.state.empty() ? "" : ": " + r.state);
     }
+    if (line.empty()) continue;
+    line_of.emplace(name, out.all_lines.size());
+    out.all_lines.push_back(std::move(line));
   }
+  // The chains from the coordinator to what the waiting ends at, as found below.
+  std::vector<std::vector<std::string>> chains;
+  auto brief = [&] {
+    if (out.all_lines.size() <= brief_lines) {
+      out.lines = out.all_lines;
+      return;
+    }
+    // Many actors: the lines on the chains to the root, then the silent actors, then a count.
+    std::set<std::size_t> shown;
+    auto show = [&](const std::string& name) {
+      const auto it = line_of.find(name);
+      if (it == line_of.end() || !shown.insert(it->second).second) return;
+      out.lines.push_back(out.all_lines[it->second]);
+    };
+    for (const auto& chain : chains)
+      for (const auto& name : chain) show(name);
+    auto is_shown = [&](const std::string& name) {
+      const auto it = line_of.find(name);
+      return it != line_of.end() && shown.count(it->second);
+    };
+    std::size_t more_silent = 8;
+    for (const auto& r : silent)
+      if (!is_shown(r.actor) && more_silent > 0) show(r.actor), --more_silent;
+    const auto silent_left =
+        std::count_if(silent.begin(), silent.end(), [&](const wait_report& r) { return !is_shown(r.actor); });
+    if (shown.size() < out.all_lines.size())
+      out.lines.push_back(fmt::format("and {} more actors wait on these or on each other, {} of them silent (every "
+                                      "actor's line: the log's debug level)",
+                                      out.all_lines.size() - shown.size(), silent_left));
+  };
 
   // 1. A message its receiver waits for and its sender has sent: lost on the way.
+  std::map<std::string, const std::string*> sender_of;  // message key -> the actor that sent it
+  for (const auto& [name, n] : nodes)
+    if (!n.silent)
+      for (const auto& key : n.report->sent) sender_of.emplace(key, &name);
   std::vector<std::string> lost;
-  for (const auto& r : reports)
+  for (const auto& r : reports) {
+    if (r.keys.empty()) continue;
+    const std::set<std::string> from(r.from.begin(), r.from.end());
     for (const auto& key : r.keys)
-      for (const auto& f : r.from) {
-        const auto it = nodes.find(f);
-        if (it == nodes.end() || it->second.silent) continue;
-        const auto& sent = it->second.report->sent;
-        if (std::find(sent.begin(), sent.end(), key) != sent.end())
-          lost.push_back(key + (settled ? " was sent and never received: a lost message"
-                                        : " was sent and not received yet (in flight, or lost)"));
+      if (const auto it = sender_of.find(key); it != sender_of.end() && from.count(*it->second)) {
+        lost.push_back(key + (settled ? " was sent and never received: a lost message"
+                                      : " was sent and not received yet (in flight, or lost)"));
+        if (chains.size() < 3) chains.push_back({order.front(), *it->second, r.actor});
       }
+  }
   if (!lost.empty()) {
     out.root = joined(lost, 3);
+    brief();
     return out;
   }
 
@@ -134,8 +174,14 @@ wait_diagnosis diagnose_waits(const std::vector<wait_report>& given, const std::
     const auto it = nodes.find(name);
     if (it == nodes.end()) return;  // not asked (a supervisor): no edges known
     const auto& n = it->second;
+    auto chain_ends = [&] {
+      if (chains.size() >= 3) return;
+      chains.push_back(path);
+      chains.back().push_back(name);
+    };
     if (n.silent) {
       ends.push_back(fmt::format("{} does not answer ({})", label(name), blocked_text(*n.report)));
+      chain_ends();
       return;
     }
     if (!n.report->waits_for.empty() && n.report->from.empty()) {
@@ -147,13 +193,15 @@ wait_diagnosis diagnose_waits(const std::vector<wait_report>& given, const std::
           "the {} was entered by every member ({}) and has not finished: its transport lost a transfer, or a "
           "member's device does not finish it",
           n.report->waits_for, joined(named));
-      if (std::find(ends.begin(), ends.end(), text) == ends.end()) ends.push_back(text);
+      if (std::find(ends.begin(), ends.end(), text) == ends.end()) ends.push_back(text), chain_ends();
       return;
     }
     if (n.report->waits_for.empty()) {
-      if (name != order.front())
+      if (name != order.front()) {
         ends.push_back(fmt::format("{} waits for nothing{}", label(name),
                                    n.report->state.empty() ? "" : " (" + n.report->state + ")"));
+        chain_ends();
+      }
       return;
     }
     path.push_back(name);
@@ -165,6 +213,7 @@ wait_diagnosis diagnose_waits(const std::vector<wait_report>& given, const std::
   if (!order.empty()) visit(order.front());
   if (!ends.empty()) {
     out.root = joined(ends, 3);
+    brief();
     return out;
   }
   if (!cycle.empty()) {
@@ -173,9 +222,12 @@ wait_diagnosis diagnose_waits(const std::vector<wait_report>& given, const std::
     std::string text;
     for (std::size_t i = 0; i < named.size(); ++i) text += (i ? " waits for " : "") + named[i];
     out.root = "a deadlock: " + text;
+    chains.push_back(cycle);
+    brief();
     return out;
   }
   out.root = "no actor waits for another (the step may have been about to finish)";
+  brief();
   return out;
 }
 

@@ -3,6 +3,7 @@
 // and its root: a message sent and never received, an actor that does not answer or
 // waits for nothing while others wait on it, a group collective that every member has
 // entered and none left, or a cycle (a deadlock).
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -11,9 +12,16 @@
 namespace troupe {
 
 struct wait_diagnosis {
-  std::vector<std::string> lines;  ///< one per actor that waits or is waited on ("X (node n) waits for ...")
-  std::string root;                ///< the root, in one sentence
+  /// One per actor that waits or is waited on ("X (node n) waits for ...", naming at most
+  /// 8 of whom it waits on and how many more).
+  std::vector<std::string> all_lines;
+  /// What to log: all_lines where they are at most brief_lines; else the lines of the
+  /// actors on the chains from the coordinator to the root (up to 3 chains), up to 8 more
+  /// silent actors, and one line that counts the rest.
+  std::vector<std::string> lines;
+  std::string root;  ///< the root, in one sentence
 };
+inline constexpr std::size_t brief_lines = 24;
 
 /// `reports`: the coordinator's own first, then every actor that answered (or that its
 /// node reported inside a group collective: `collective` set, `from` its group's other

@@ -11,6 +11,9 @@
 #include <optional>
 #include <stdexcept>
 
+#include <spdlog/cfg/env.h>
+#include <spdlog/spdlog.h>
+
 #include "compute/config/job_config.hpp"
 #include "compute/data/tokenizer.hpp"
 
@@ -88,6 +91,7 @@ const troupe::launch_info& read_environment() {
   static const troupe::launch_info read = [] {
     troupe::transport::set_process_ucx_options(ucx_options_from(std::getenv("TROUPE_UCX_SPIN"), std::getenv("UCX_TLS")));
     troupe::set_default_cache_dir(cache_dir_from(std::getenv("XDG_CACHE_HOME"), std::getenv("HOME")));
+    spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug: the debug lines too (every actor's wait in a hang)
     return launch_info_from_environment();
   }();
   return read;

@@ -34,8 +34,9 @@ void end_with_launcher();
 
 /// Reads the environment once (the first call; a malformed value throws config_error on
 /// every call): installs the UCX options for every communicator of this process
-/// (transport::set_process_ucx_options) and the token cache's default folder
-/// (troupe::set_default_cache_dir); returns the launch_info.
+/// (transport::set_process_ucx_options), the token cache's default folder
+/// (troupe::set_default_cache_dir) and the log level (SPDLOG_LEVEL, spdlog's
+/// load_env_levels: `debug` adds the debug lines); returns the launch_info.
 const troupe::launch_info& read_environment();
 
 }  // namespace troupe_cli

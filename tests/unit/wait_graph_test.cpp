@@ -140,6 +140,48 @@ TEST(WaitGraph, AGroupCollectiveWaitsForTheMembersNotInTheSameCall) {
   EXPECT_EQ(d.root, "a deadlock: tp 0 (node 0) waits for tp 1 (node 0) waits for tp 0 (node 0)");
 }
 
+// 16,384 ranks (1,024 pipelines of 16 stages, a shard beside each stage): stage 3 of
+// pipeline 5 is frozen. Its pipeline's later stages wait for its activations, the earlier
+// ones for its gradients, its shards' data-parallel peers in the reduce-scatter for
+// pipeline 5's shards, and the coordinator for all of them. The log names the root and
+// the chain to it in a few lines; every actor's line is still there for the debug log.
+TEST(WaitGraph, SixteenThousandRanksNameTheRootInAFewLines) {
+  const int pipes = 1024, stages = 16, hung_pipe = 5, hung_stage = 3;
+  auto stage = [](int r, int k) { return "stage " + std::to_string(k) + " of pipeline " + std::to_string(r); };
+  auto shard = [](int k, int r) { return "shard " + std::to_string(k) + "." + std::to_string(r); };
+  auto node = [](int r, int k) { return (r * 16 + k) / 8; };  // 8 ranks a node
+  wait_report coordinator;
+  coordinator.actor = "coordinator";
+  coordinator.waits_for = "16 stage-done reports and 16384 shard-done reports";
+  for (int k = 0; k < stages; ++k) coordinator.from.push_back(stage(hung_pipe, k));
+  for (int k = 0; k < stages; ++k)
+    for (int r = 0; r < pipes; ++r) coordinator.from.push_back(shard(k, r));
+  std::vector<wait_report> reports{coordinator}, silent;
+  for (int k = 0; k < stages; ++k) {
+    if (k == hung_stage) {
+      silent.push_back(idle(stage(hung_pipe, k), node(hung_pipe, k), ""));
+    } else {
+      const int from = k > hung_stage ? k - 1 : k + 1;
+      reports.push_back(waiting(stage(hung_pipe, k), node(hung_pipe, k), k > hung_stage ? "activation mb 0 chunk 0" : "gradient mb 3 chunk 0",
+                                stage(hung_pipe, from)));
+    }
+    for (int r = 0; r < pipes; ++r)
+      reports.push_back(r == hung_pipe ? waiting(shard(k, r), node(r, k), "the step's gradients", stage(r, k))
+                                       : waiting(shard(k, r), node(r, k), "the reduce-scatter", shard(k, hung_pipe)));
+  }
+  const auto d = diagnose_waits(reports, silent, 2);
+  EXPECT_EQ(d.root, "stage 3 of pipeline 5 (node 10) does not answer (its thread is blocked: a long op, or frozen)");
+  EXPECT_GT(d.all_lines.size(), std::size_t(stages * pipes));
+  EXPECT_LE(d.lines.size(), brief_lines);
+  EXPECT_TRUE(has_line(d, "stage 3 of pipeline 5 (node 10) did not answer"));
+  EXPECT_TRUE(has_line(d, "coordinator (node 0) waits for 16 stage-done reports and 16384 shard-done reports from stage 0 of "
+                          "pipeline 5 (node 10), "));
+  EXPECT_TRUE(has_line(d, "and 16392 more")) << "the coordinator's line names 8 of whom it waits on";
+  // The last line counts what it leaves out.
+  EXPECT_NE(d.lines.back().find("more actors wait on these or on each other, 0 of them silent"), std::string::npos)
+      << d.lines.back();
+}
+
 TEST(WaitGraph, NothingWaitedForSaysSo) {
   const auto d = diagnose_waits({idle("coordinator", 0, "between steps")}, {}, 2);
   EXPECT_EQ(d.root, "no actor waits for another (the step may have been about to finish)");
