@@ -19,7 +19,6 @@ struct loader_state {
   std::int64_t step = -1;
   int next_mb = 0;
   std::string name;
-  std::vector<std::string> sent;  ///< message_key of what it sent this step (wait-for graph)
 };
 
 /// What loader `s` waits for in `step`: the credit of stage 0 for its next micro-batch.
@@ -34,7 +33,12 @@ wait_report loader_waits(const loader_state& s, std::int64_t step) {
     rep.keys = {message_key(rep.waits_for, "coordinator", s.name)};
     return rep;
   }
-  rep.sent = s.sent;
+  if (s.step == step)  // what it sent: micro-batches 0 .. next_mb - 1 (their keys made only when asked)
+    for (int k = 0; k < s.next_mb; ++k) {
+      rep.sent.push_back(message_key("input mb " + std::to_string(k), s.name, s.ctx->stage_name(s.replica, 0)));
+      rep.sent.push_back(
+          message_key("target mb " + std::to_string(k), s.name, s.ctx->stage_name(s.replica, s.ctx->loss_stage())));
+    }
   rep.state = "sent " + std::to_string(s.next_mb) + " of " + std::to_string(s.ctx->m) + " micro-batches";
   if (s.step == step && s.next_mb < s.ctx->m) {
     const auto stage0 = s.ctx->stage_name(s.replica, 0);
@@ -54,11 +58,17 @@ void send_next(loader_self self) {
   // Replica r takes block [r B/d, (r+1) B/d) of the step's samples; micro-batch k the
   // k-th contiguous block of that (tensor and context parallelism: each pipeline of the
   // replica the same; a context-parallel rank's first stage takes its tokens).
-  auto b = s.data->samples(int(s.step), ctx.data_of(s.replica) * ctx.m * ctx.mbs + k * ctx.mbs, ctx.mbs);
   const auto& row = s.wiring->stages[s.replica];
-  s.sent.push_back(message_key("input mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, 0)));
+  if (!s.data) {  // compute simulated: the micro-batch's dtype and shape, no tokens
+    tensor_payload sized;
+    sized.dtype = std::int8_t(ctx.input_dtype());
+    sized.shape = ctx.input_shape();
+    self->send(row.front(), microbatch_input{s.step, k, sized, {}});
+    self->send(row.at(ctx.loss_stage()), microbatch_target{s.step, k, std::move(sized)});
+    return;
+  }
+  auto b = s.data->samples(int(s.step), ctx.data_of(s.replica) * ctx.m * ctx.mbs + k * ctx.mbs, ctx.mbs);
   self->send(row.front(), microbatch_input{s.step, k, make_payload(b.input), optional_payload(b.positions)});
-  s.sent.push_back(message_key("target mb " + std::to_string(k), s.name, ctx.stage_name(s.replica, ctx.loss_stage())));
   self->send(row.at(ctx.loss_stage()), microbatch_target{s.step, k, make_payload(b.target)});
 }
 
@@ -123,7 +133,6 @@ void start_step(loader_self self, const begin_step& msg) {
   auto& s = self->state;
   s.step = msg.step;
   s.next_mb = 0;
-  s.sent.clear();
   while (s.next_mb < s.ctx->ahead) send_next(self);
   self->become(s.next_mb < s.ctx->m ? feeding(self) : idle(self));
 }
@@ -136,7 +145,8 @@ loader_actor::behavior_type loader_behavior(loader_self self, std::shared_ptr<co
   st.wiring = wiring;
   st.replica = replica;
   st.name = ctx->loader_name(replica);
-  st.data = std::make_unique<training_data>(ctx->cfg, training_data::use::training);
+  // (compute simulated: no data read; the micro-batches are sizes only)
+  if (!ctx->simulated) st.data = std::make_unique<training_data>(ctx->cfg, training_data::use::training);
   return idle(self);
 }
 

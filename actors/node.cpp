@@ -257,6 +257,9 @@ void configure_node_system(caf::actor_system_config& acfg, const node_options& o
 registrar_actor open_registrar(caf::actor_system& sys, const node_options& o, job_config& cfg) {
   cfg = o.cfg;
   cfg.validate();
+  if (cfg.compute == "simulated")
+    throw config_error("invalid configuration: compute simulated runs in one process (build/troupe train, or "
+                       "launch/troupe train --nodes 1), not yet over node processes");
   job_slots(cfg, 0, o.nodes);  // fits, or a clear error now
   // (And checkpoint_dir locked for this job before anything in it is read; a restart
   // waits a little for its previous launch's node 0 to let go of it.)

@@ -3,6 +3,7 @@
 #include "actors/compute_gate.hpp"
 
 #include "actors/checkpoint_writer.hpp"
+#include "actors/simulated/simulated.hpp"
 
 #include <cstdlib>
 #include <set>
@@ -89,6 +90,11 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   // the caller's, made once (run_actor_training, node 0 for every node).
   resolve_resume(cfg, false);
   if (launch.attempt == cfg.fault_attempt) faults = fault_plan::parse(cfg.faults());
+  if (cfg.compute == "simulated") {  // no parameters anywhere: the stages and shards model their ops
+    simulated = make_simulated_costs(cfg, spec);
+    resume_shards_left_ = 0;
+    return;
+  }
   if (!cfg.resume.empty()) {
     std::function<bool(const std::string&)> keep;
     if (slots) keep = [mine = parameters_of(*slots)](const std::string& name) { return mine.count(name) > 0; };
@@ -277,6 +283,13 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
                    "{} intra-op thread(s) per stage{}", cfg.model_label(), cfg.data_label(), cfg.steps,
                    cfg.model_parallel_label(), cfg.pipeline, cfg.data_parallel,
                    cfg.microbatches, cfg.microbatch_size(), cfg.schedule_label(), cfg.threads, cfg.compute_note());
+    if (ctx->simulated && !opts.quiet) {
+      const auto& sim = *ctx->simulated;
+      spdlog::info("compute simulated on {} ({} ranks): a step is modelled as {:.4g} s ({:.4g} s of it the pipeline's "
+                   "makespan, bubble {:.2f}); every modelled wait times {}; no evaluation",
+                   sim.device, ctx->p * ctx->pipes, sim.model.predicted.step_seconds,
+                   sim.model.predicted.parts.pipeline, sim.model.predicted.bubble, sim.scale);
+    }
     {
       auto coordinator = spawn_coordinator_actor(sys, ctx, wiring, opts, result);
       caf::scoped_actor self{sys};

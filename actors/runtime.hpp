@@ -43,6 +43,8 @@
 
 namespace troupe {
 
+struct simulated_costs;  // actors/simulated/costs.hpp
+
 /// What every actor of a job knows; immutable once the job starts.
 struct runtime_context {
   /// `clock`: the timeline of trace events (nodes of a job: the coordinator's, see
@@ -119,6 +121,9 @@ struct runtime_context {
   int virtual_stage(int stage, int chunk) const { return sched.virtual_stage(stage, chunk); }
   std::pair<int, int> place(int x) const { return sched.place(x); }
   int loss_stage() const { return place(n_virtual - 1).first; }
+  /// train.compute = "simulated": the modelled times of every op, collective and transfer;
+  /// the stages and shards are actors/simulated/'s and `init` stays empty (null: real).
+  std::shared_ptr<const simulated_costs> simulated;
   torch::Device device{torch::kCPU}; ///< where stages and shards compute (train.device)
   torch::ScalarType compute_dtype = torch::kFloat32;  ///< train.precision
   /// The decoders' residual stream (train.fp32_residual): fp32, or compute_dtype (bf16

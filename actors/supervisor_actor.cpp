@@ -1,4 +1,5 @@
 #include "actors/supervisor_actor.hpp"
+#include "actors/simulated/simulated.hpp"
 
 #include <atomic>
 #include <future>
@@ -67,6 +68,11 @@ std::vector<std::pair<int, int>> job_slots(const job_config& cfg, int node, int 
 
 node_plan local_node_plan(const runtime_context& ctx) {
   node_plan plan;
+  if (ctx.simulated) {  // no communicators: simulated shards meet in sim_collectives
+    plan.slots = node_slots(ctx.p, ctx.d, 0, 1, ctx.t);
+    for (int q = 0; q < ctx.pipes; ++q) plan.loader_replicas.push_back(q);
+    return plan;
+  }
   // The shards' data-parallel groups: one per (stage, tensor-parallel rank), rank dp.
   std::vector<std::vector<std::shared_ptr<transport::communicator>>> groups;
   for (int i = 0; i < ctx.p * ctx.t; ++i) groups.push_back(transport::make_local_group(ctx.d));
@@ -144,6 +150,7 @@ struct supervisor_state {
   std::optional<recovery> recovering;
   // Old communicators being closed (a thread each); their destruction waits for them.
   std::list<std::future<void>> retired;
+  std::shared_ptr<sim_groups> sim;  // compute simulated: the shards' collectives
 };
 
 using supervisor_self = supervisor_actor::stateful_pointer<supervisor_state>;
@@ -168,11 +175,22 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
   auto comm_or_null = [](const std::vector<std::shared_ptr<transport::communicator>>& comms, std::size_t i) {
     return comms.empty() ? nullptr : comms.at(i);
   };
+  if (ctx->simulated && !s.sim) {
+    if (!wiring.nodes.empty()) throw std::runtime_error("compute simulated runs in one process (not yet over node processes)");
+    s.sim = make_sim_groups(*ctx);
+  }
   for (std::size_t i = 0; i < plan.slots.size(); ++i) {
     const auto [r, k] = plan.slots[i];
-    auto from = step >= 0 ? s.store->get(k, r, step) : nullptr;
     mine.slot_replicas.push_back(r);
     mine.slot_stages.push_back(k);
+    if (ctx->simulated) {
+      wiring.shards[k][r] = spawn_simulated_shard(self, ctx, s.wiring, k, r, s.sim);
+      mine.shards.push_back(add(wiring.shards[k][r], ctx->shard_name(k, r)));
+      wiring.stages[r][k] = spawn_simulated_stage(self, ctx, s.wiring, r, k);
+      mine.stages.push_back(add(wiring.stages[r][k], ctx->stage_name(r, k)));
+      continue;
+    }
+    auto from = step >= 0 ? s.store->get(k, r, step) : nullptr;
     wiring.shards[k][r] = spawn_optimizer_shard_actor(self, ctx, s.wiring, k, r, plan.comms.at(i),
                                                       comm_or_null(plan.edp_comms, i), s.store, from);
     mine.shards.push_back(add(wiring.shards[k][r], ctx->shard_name(k, r)));
@@ -219,11 +237,17 @@ void give_up(supervisor_self self, const std::string& why) {
   enter_phase(self);
 }
 
+void on_gathered(supervisor_self self, std::int32_t round, const std::string& err);
+
 /// Starts the all-gather of every stage's parameters; each completion comes back as
 /// (gathered, round, error).
 void gather(supervisor_self self) {
   auto& s = self->state;
   auto& rec = *s.recovering;
+  if (s.ctx->simulated) {  // nothing to gather: a simulated shard holds no parameters
+    rec.pending = 1;
+    return on_gathered(self, rec.round, "");
+  }
   const auto me = caf::actor_cast<supervisor_actor>(self);
   std::vector<transport::work_ptr> works;
   for (std::size_t i = 0; i < s.plan.slots.size(); ++i) {

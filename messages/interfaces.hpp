@@ -29,6 +29,7 @@ using loader_actor = step_actor::extend<caf::reacts_to<credit>>;
 /// A stage (stage_actor.hpp): micro-batches, activations and gradients in; its updated
 /// parameters from its optimizer shards; evaluation forwards; its state and checkpoint
 /// files on request. `run_atom`: a weight-gradient turn it sent itself (dataflow);
+/// `run_atom, n`: the end of its n-th modelled op (train.compute simulated: actors/simulated/);
 /// `plant_atom`: tests plant a stray tensor the next reset must report.
 using stage_actor = step_actor::extend<caf::reacts_to<microbatch_input>,                                //
                                        caf::reacts_to<microbatch_target>,                               //
@@ -40,6 +41,7 @@ using stage_actor = step_actor::extend<caf::reacts_to<microbatch_input>,        
                                        caf::reacts_to<eval_target>,                                     //
                                        caf::replies_to<eval_atom, std::int64_t>::with<std::vector<trace_event>>,  //
                                        caf::reacts_to<run_atom>,                                        //
+                                       caf::reacts_to<run_atom, std::int64_t>,                          //
                                        caf::replies_to<state_atom>::with<state_reply>,                  //
                                        caf::replies_to<write_checkpoint>::with<stage_checkpoint>,       //
                                        caf::reacts_to<plant_atom>>;

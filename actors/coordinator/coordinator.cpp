@@ -1,5 +1,6 @@
 #include "actors/coordinator/coordinator.hpp"
 #include "actors/coordinator/state.hpp"
+#include "actors/simulated/simulated.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -8,6 +9,8 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <unordered_map>
+#include <unordered_set>
 
 #include <caf/all.hpp>
 #include <nlohmann/json.hpp>
@@ -213,7 +216,8 @@ void after_reset(self_ptr self, nlohmann::json line) {
   const auto& cfg = s.ctx->cfg;
   const int done_steps = int(s.step) + 1;
   const bool last = done_steps == cfg.steps;
-  const bool eval = last || (cfg.eval_interval > 0 && done_steps % cfg.eval_interval == 0);
+  // (A simulated model has no outputs to score: no evaluation.)
+  const bool eval = !s.ctx->simulated && (last || (cfg.eval_interval > 0 && done_steps % cfg.eval_interval == 0));
   // Asked to stop (SIGTERM, SIGUSR1): this committed step is the run's last, checkpointed.
   const int stop = last ? 0 : stop_requested();
   const bool due = last || stop || (cfg.checkpoint_interval > 0 && done_steps % cfg.checkpoint_interval == 0);
@@ -303,18 +307,28 @@ wait_report coordinator_waits(const coordinator_state& s) {
   wait_report rep;
   rep.actor = "coordinator";
   rep.node = 0;
-  rep.sent = s.sent;
+  const auto begun = "begin of step " + std::to_string(s.step + 1);
+  for (int r = 0; r < ctx.pipes && s.sent_begin; ++r) {
+    rep.sent.push_back(message_key(begun, "coordinator", ctx.loader_name(r)));
+    for (int k = 0; k < ctx.p; ++k) {
+      rep.sent.push_back(message_key(begun, "coordinator", ctx.stage_name(r, k)));
+      rep.sent.push_back(message_key(begun, "coordinator", ctx.shard_name(k, r)));
+    }
+  }
+  for (int k = 0; k < ctx.p && s.sent_clip; ++k)
+    for (int r = 0; r < ctx.pipes; ++r) rep.sent.push_back(message_key("the clip factor", "coordinator", ctx.shard_name(k, r)));
   if (s.at != phase::stepping) {
     rep.state = s.step < ctx.cfg.steps ? "between steps (an evaluation, a checkpoint or the next step's start)"
                                        : "at the run's end";
     return rep;
   }
   int missing[4] = {0, 0, 0, 0};
+  std::unordered_set<std::string> waited;  // (rep.from without repeats, in first-seen order)
   auto expect = [&](bool seen, int kind, const std::string& what, const std::string& actor) {
     if (seen) return;
     ++missing[kind];
     rep.keys.push_back(message_key(what, actor, "coordinator"));
-    if (std::find(rep.from.begin(), rep.from.end(), actor) == rep.from.end()) rep.from.push_back(actor);
+    if (waited.insert(actor).second) rep.from.push_back(actor);
   };
   for (int r = 0; r < ctx.d; ++r)  // (tensor parallelism: rank 0 of each replica reports)
     for (int mb = 0; mb < ctx.m; ++mb)
@@ -354,14 +368,20 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
     wait_report stub;  // its name and node, should it not answer
   };
   auto asked = std::make_shared<std::vector<asked_actor>>();
+  auto stub = [](std::string name, int node) {
+    wait_report r;
+    r.actor = std::move(name);
+    r.node = node;
+    return r;
+  };
   for (int r = 0; r < ctx.pipes; ++r)
     for (int k = 0; k < ctx.p; ++k)
-      asked->push_back({s.wiring->stages[r][k], {ctx.stage_name(r, k), s.stage_nodes.at(std::size_t(r) * ctx.p + k)}});
+      asked->push_back({s.wiring->stages[r][k], stub(ctx.stage_name(r, k), s.stage_nodes.at(std::size_t(r) * ctx.p + k))});
   for (int k = 0; k < ctx.p; ++k)
     for (int r = 0; r < ctx.pipes; ++r)
-      asked->push_back({s.wiring->shards[k][r], {ctx.shard_name(k, r), s.stage_nodes.at(std::size_t(r) * ctx.p + k)}});
+      asked->push_back({s.wiring->shards[k][r], stub(ctx.shard_name(k, r), s.stage_nodes.at(std::size_t(r) * ctx.p + k))});
   for (int r = 0; r < ctx.pipes; ++r)
-    asked->push_back({s.wiring->loaders[r], {ctx.loader_name(r), s.loader_nodes.at(r)}});
+    asked->push_back({s.wiring->loaders[r], stub(ctx.loader_name(r), s.loader_nodes.at(r))});
   auto answers = std::make_shared<std::vector<std::optional<wait_report>>>(asked->size());
   auto boards = std::make_shared<std::vector<wait_report>>();  // what the nodes' threads compute
   auto answered = std::make_shared<std::vector<bool>>(s.supervisors.size(), false);  // by node: its board came
@@ -372,6 +392,13 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
     // (CAF keeps the order of one actor's messages to another).
     const auto own = coordinator_waits(s);
     std::vector<wait_report> reports{own}, silent;
+    // The nodes' word for each actor: its board entry inside an op (waits_for set) before
+    // any other (one lookup per silent actor, not a scan of every board).
+    std::unordered_map<std::string, const wait_report*> board_of;
+    for (const auto& r : *boards) {
+      auto& at = board_of[r.actor];
+      if (!at || (at->waits_for.empty() && !r.waits_for.empty())) at = &r;
+    }
     for (std::size_t i = 0; i < asked->size(); ++i) {
       if ((*answers)[i]) {
         reports.push_back(std::move(*(*answers)[i]));
@@ -380,17 +407,13 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
       // An actor that did not answer because its thread is inside an op: its node's word
       // for it (in a collective: a wait for the members not in the same call).
       auto stub = (*asked)[i].stub;
-      const auto on_board = std::find_if(boards->begin(), boards->end(), [&](const wait_report& r) {
-        return r.actor == stub.actor && !r.waits_for.empty();
-      });
-      const auto any = std::find_if(boards->begin(), boards->end(),
-                                    [&](const wait_report& r) { return r.actor == stub.actor; });
-      if (on_board != boards->end()) {
-        reports.push_back(*on_board);
+      const auto board = board_of.find(stub.actor);
+      if (board != board_of.end() && !board->second->waits_for.empty()) {
+        reports.push_back(*board->second);
         continue;
       }
-      if (any != boards->end())
-        stub.state = any->state;
+      if (board != board_of.end())
+        stub.state = board->second->state;
       else if (stub.node >= 0 && std::size_t(stub.node) < answered->size() && (*answered)[std::size_t(stub.node)])
         stub.state = "its node answered, but its thread is in no op: frozen or stuck in the actor's own code";
       else if (answered->size() > 1)
@@ -401,6 +424,11 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
         diagnose_waits(reports, silent, std::chrono::duration<double>(wait_answer_timeout).count(), /*settled=*/hang);
     std::string block;
     for (const auto& line : d.lines) block += "\n  " + line;
+    if (d.lines.size() < d.all_lines.size() && spdlog::should_log(spdlog::level::debug)) {
+      std::string all;
+      for (const auto& line : d.all_lines) all += "\n  " + line;
+      spdlog::debug("every actor's wait in step {}:{}", step + 1, all);
+    }
     const auto what = "step " + std::to_string(step + 1) + "/" + std::to_string(s.ctx->cfg.steps);
     const bool same = step == s.step && attempt == s.attempt && s.at == phase::stepping;
     if (!hang) {
@@ -463,7 +491,12 @@ void commit(self_ptr self) {
   const bool text = ctx.spec.type == model_spec::kind::decoder;
   if (!s.opts.quiet) {
     const double eta = s.elapsed / s.timed * (ctx.cfg.steps - s.step - 1);
-    std::printf("%s | bubble %.2f\n", progress_line(s.stats, ctx.cfg.steps, eta, text).c_str(), timing.bubble);
+    if (ctx.simulated)
+      std::printf("%s | bubble %.2f | simulated: modelled %.4g s, runtime %+.4g s\n",
+                  progress_line(s.stats, ctx.cfg.steps, eta, text).c_str(), timing.bubble,
+                  ctx.simulated->step_seconds(), s.stats.seconds - ctx.simulated->step_seconds());
+    else
+      std::printf("%s | bubble %.2f\n", progress_line(s.stats, ctx.cfg.steps, eta, text).c_str(), timing.bubble);
     std::fflush(stdout);
   }
   nlohmann::json line{{"step", s.step},
@@ -477,7 +510,16 @@ void commit(self_ptr self) {
                       {"stage_idle_s", timing.idle_s},
                       {"grad_reduce_tail_s", timing.reduce_tail_s},
                       {"peak_in_flight", s.peaks},
-                      {"skipped", s.skipping}};
+                      {"skipped", s.skipping},
+                      {"since_start_seconds", ctx.now_us() * 1e-6},
+                      {"coordinator_cpu_seconds", s.step_cpu_s},
+                      {"process_cpu_seconds", cpu_meter::process_seconds() - s.step_process_cpu0},
+                      {"coordinator_messages", s.step_messages_in + s.step_messages_out}};
+  // A simulated step: the cost model's step (scaled) and what the runtime added to it.
+  if (ctx.simulated) {
+    line["modelled_step_seconds"] = ctx.simulated->step_seconds();
+    line["runtime_overhead_seconds"] = s.stats.seconds - ctx.simulated->step_seconds();
+  }
   // The step ran while a checkpoint folder was being written in the background.
   if (s.writing_at_begin >= 0) line["checkpoint_writing"] = s.writing_at_begin;
   add_expert_metrics(line, s.stats, ctx.spec);
@@ -506,6 +548,10 @@ void maybe_commit(self_ptr self) {
 void begin(self_ptr self) {
   auto& s = self->state;
   const auto& ctx = *s.ctx;
+  s.step_cpu_s = 0;
+  s.step_messages_in = s.step_messages_out = 0;
+  s.step_process_cpu0 = cpu_meter::process_seconds();
+  const cpu_meter meter(s);
   s.stats = step_stats{};
   s.stats.step = int(s.step);
   s.stats.lr = s.lrs.at(int(s.step), ctx.cfg.steps);
@@ -527,21 +573,15 @@ void begin(self_ptr self) {
   s.skipped_before = s.skipped;
   enter(self, phase::stepping);
   s.last_progress_us = s.started_us;
-  s.sent.clear();
-  const auto begun = "begin of step " + std::to_string(s.step + 1);
-  for (int r = 0; r < ctx.pipes; ++r) {
-    s.sent.push_back(message_key(begun, "coordinator", ctx.loader_name(r)));
-    for (int k = 0; k < ctx.p; ++k) {
-      s.sent.push_back(message_key(begun, "coordinator", ctx.stage_name(r, k)));
-      s.sent.push_back(message_key(begun, "coordinator", ctx.shard_name(k, r)));
-    }
-  }
+  s.sent_begin = true;
+  s.sent_clip = false;
   const begin_step msg{s.step, s.stats.lr, s.attempt};
   for (const auto& row : s.wiring->shards)
     for (const auto& a : row) self->send(a, msg);
   for (const auto& row : s.wiring->stages)
     for (const auto& a : row) self->send(a, msg);
   for (const auto& a : s.wiring->loaders) self->send(a, msg);
+  s.step_messages_out += std::int64_t(2 * ctx.p * ctx.pipes + ctx.pipes);
   self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), timeout_atom_v, s.step, s.attempt);
 }
 
@@ -657,11 +697,11 @@ void on_grad_norm_partial(self_ptr self, const grad_norm_partial& msg) {
                   false);
   }
   const double factor = s.skipping ? 0.0 : s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
-  for (int k = 0; k < s.ctx->p; ++k)
-    for (int r = 0; r < s.ctx->pipes; ++r) {
-      s.sent.push_back(message_key("the clip factor", "coordinator", s.ctx->shard_name(k, r)));
-      self->send(s.wiring->shards[k][r], clip_factor_msg{s.step, factor, s.skipping});
-    }
+  s.sent_clip = true;
+  const clip_factor_msg clip{s.step, factor, s.skipping};
+  for (const auto& row : s.wiring->shards)
+    for (const auto& a : row) self->send(a, clip);
+  s.step_messages_out += std::int64_t(s.ctx->p * s.ctx->pipes);
 }
 
 /// A stage finished its ops of the step: its peak, load-balancing loss, expert counts and
@@ -695,6 +735,7 @@ coordinator_actor::behavior_type coordinator_behavior(self_ptr self, std::shared
   st.ctx = ctx;
   st.wiring = wiring;
   st.opts = opts;
+  if (ctx->simulated) st.opts.final_state = false;  // (no parameters to gather)
   st.result = result;
   st.lrs = {ctx->cfg.lr, ctx->cfg.min_lr, ctx->cfg.warmup};
   open_metrics(self);

@@ -48,10 +48,10 @@ auto no_step_timeout() {
 coordinator_actor::behavior_type stepping_behavior(self_ptr self) {
   return {
       refuse_run(),
-      [self](const loss_report& msg) { on_loss_report(self, msg); },
-      [self](const grad_norm_partial& msg) { on_grad_norm_partial(self, msg); },
-      [self](stage_done& msg) { on_stage_done(self, msg); },
-      [self](shard_done& msg) { on_shard_done(self, msg); },
+      [self](const loss_report& msg) { counted(self, [&] { on_loss_report(self, msg); }); },
+      [self](const grad_norm_partial& msg) { counted(self, [&] { on_grad_norm_partial(self, msg); }); },
+      [self](stage_done& msg) { counted(self, [&] { on_stage_done(self, msg); }); },
+      [self](shard_done& msg) { counted(self, [&] { on_shard_done(self, msg); }); },
       failures(self),
       drop<eval_result>(self, "evaluation result"),
       no_eval_timeout(),

@@ -6,6 +6,7 @@
 // metrics log) and evaluation.cpp (evaluation in this process or through the pipeline).
 // Internal to actors/coordinator/.
 #include <chrono>
+#include <ctime>
 #include <cstdint>
 #include <deque>
 #include <fstream>
@@ -115,7 +116,15 @@ struct coordinator_state {
   std::deque<double> recent_steps;
   double last_progress_us = 0;
   bool diagnosing = false;
-  std::vector<std::string> sent;     // message_key of what it sent this step (the wait-for graph)
+  // What it sent this step (the wait-for graph): begin_step to every actor, the clip factor
+  // to every shard. Flags, not keys: the keys are made only when the graph is asked for.
+  bool sent_begin = false, sent_clip = false;
+  /// The step's work of the coordinator itself: CPU time in its step's handlers (its
+  /// thread's clock) and the messages they took and sent (the metrics line's
+  /// coordinator_cpu_seconds and coordinator_messages).
+  double step_cpu_s = 0;
+  double step_process_cpu0 = 0;  ///< this process's CPU seconds at the step's begin
+  std::int64_t step_messages_in = 0, step_messages_out = 0;
   std::vector<int> stage_nodes;      // [replica * p + stage]: the node of the stage (and of its shard)
   std::vector<int> loader_nodes;     // [replica]
   // TROUPE_KERNEL_PROFILE: the GPU kernels of chosen steps (compute/runtime/kernel_profile.hpp).
@@ -124,6 +133,35 @@ struct coordinator_state {
 };
 
 using self_ptr = coordinator_actor::stateful_pointer<coordinator_state>;
+
+/// The coordinator's CPU time from its construction to its end (its thread's clock), added
+/// to the step's (coordinator_state::step_cpu_s).
+class cpu_meter {
+ public:
+  explicit cpu_meter(coordinator_state& s) : s_(s), start_(thread_seconds()) {}
+  ~cpu_meter() { s_.step_cpu_s += thread_seconds() - start_; }
+  cpu_meter(const cpu_meter&) = delete;
+  cpu_meter& operator=(const cpu_meter&) = delete;
+  static double thread_seconds() { return seconds_of(CLOCK_THREAD_CPUTIME_ID); }
+  static double process_seconds() { return seconds_of(CLOCK_PROCESS_CPUTIME_ID); }
+  static double seconds_of(clockid_t clock) {
+    timespec t{};
+    clock_gettime(clock, &t);
+    return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
+  }
+
+ private:
+  coordinator_state& s_;
+  double start_;
+};
+
+/// A step's report handled: one message in, its CPU time counted.
+template <class F>
+void counted(self_ptr self, F&& handle) {
+  const cpu_meter meter(self->state);
+  ++self->state.step_messages_in;
+  handle();
+}
 
 // --- actors/coordinator/coordinator.cpp
 

@@ -431,6 +431,7 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
         self->state.turn_asked = false;
         logic->run_ready(/*weight_turn=*/true);
       },
+      [=](run_atom, std::int64_t) {},  // (a simulated stage's op end: not this one's)
       [=](const reset_step&) -> reset_report { return logic->reset(); },
       [=](wait_atom, std::int64_t step) -> wait_report { return logic->waits(step); },
       [=](const abort_step& msg) {

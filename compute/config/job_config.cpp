@@ -172,6 +172,17 @@ const std::vector<key_def>& key_defs() {
               "tokens per evaluation forward (whole windows, at least one): bounds evaluation's activations",
               &job_config::eval_tokens, 1, 1LL << 40),
       string_key("train.runtime", "actors (the actor runtime) or local (the plain loop)", &job_config::runtime),
+      string_key("train.compute",
+                 "real, or simulated (actors, one process: the stage and shard actors run the schedule's ops as "
+                 "waits of the planner's cost model for simulated_device, activations and gradients as sizes "
+                 "without data; the coordinator, supervisors, loaders, reports and watchdog are the real ones. "
+                 "Decoders with a fixed-order schedule, no evaluation, nothing loaded or saved; see docs/simulation.md)",
+                 &job_config::compute),
+      string_key("train.simulated_device", "compute simulated: the device model (h100, h200, a100, or cpu: this machine's core, measured)",
+                 &job_config::simulated_device),
+      double_key("train.simulated_time_scale",
+                 "compute simulated: every modelled wait times this (0.1: a 10 s step runs in about 1 s)",
+                 &job_config::simulated_time_scale, 1e-6, 1000),
       int_key("train.step_timeout", "seconds before an unfinished step is aborted (the hard limit; see hang_factor)",
               &job_config::step_timeout, 1, 1000000),
       double_key("train.hang_factor",
@@ -790,6 +801,8 @@ void job_config::validate() const {
          std::to_string(data_parallel) + ") x microbatches (" + std::to_string(microbatches) + ")");
   if (min_lr > lr) fail("min_lr " + fmt_double(min_lr) + " is above lr " + fmt_double(lr));
   if (runtime != "actors" && runtime != "local") fail("unknown runtime '" + runtime + "' (expected actors or local)");
+  if (compute != "real" && compute != "simulated")
+    fail("unknown compute '" + compute + "' (expected real or simulated)");
   if (schedule == "dataflow") {
     if (chunks != 1) fail("dataflow takes no virtual chunks (got chunks " + std::to_string(chunks) + ")");
     if (runtime != "actors") fail("the dataflow schedule needs the actors runtime");

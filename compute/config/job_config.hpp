@@ -33,6 +33,11 @@ struct job_config {
   std::string eval_mode = "pipeline"; ///< actors: pipeline (forward-only through the stages) | gather
   std::int64_t eval_tokens = eval_tokens_per_forward;  ///< tokens per evaluation forward (whole windows, at least one)
   std::string runtime = "actors";     ///< actors | local (the plain single-process loop)
+  /// real | simulated (actors: the stages and shards run the schedule's ops as waits of a cost
+  /// model's length, tensors as sizes without data; everything else as in a real run)
+  std::string compute = "real";
+  std::string simulated_device = "h100";  ///< simulated: the device model (compute/plan: h100, h200, a100, cpu)
+  double simulated_time_scale = 1;        ///< simulated: each modelled wait times this (0.1: a 10 s step in 1 s)
   int step_timeout = 300;             ///< seconds before an unfinished step is aborted
   double hang_factor = 4;             ///< no progress for this many recent median steps: a hang (0: off)
   int hang_min_seconds = 5;           ///< the hang watchdog's shortest limit

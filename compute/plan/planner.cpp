@@ -207,7 +207,7 @@ void calibrate_cpu(problem& p, const group_factory& groups) {
           p, concurrent, size,
           [&](int r, std::shared_ptr<collective_group> g) {
             auto s = make_slice(spec, whole, state, 1, torch::kCPU, torch::kFloat32, {}, expert_share{r, size, 1});
-            s->set_expert_parallel({r, size, g});
+            s->set_expert_parallel({r, size, g, nullptr});
             return s;
           },
           groups);
@@ -580,6 +580,35 @@ std::vector<int> powers_of_two_upto(int n) {
 }
 
 }  // namespace
+
+layout_costs costs_for(const problem& pr, const layout& l) {
+  layout_costs out;
+  out.predicted = predict(pr, l);  // (checks the layout)
+  const auto mc = costs_of(pr, l);
+  const auto& m = pr.model;
+  const auto& dev = pr.device;
+  const int dc = l.dp * l.cp;
+  const auto dp_link = l.tp * dc <= dev.per_node ? dev.intra : dev.inter;
+  for (const auto& cc : mc.chunks) {
+    stage_costs sc;
+    sc.forward = cc.forward;
+    sc.backward = cc.backward;
+    sc.weight = cc.weight;
+    sc.params = cc.params;
+    const double shard_of = cc.dense_params / dc + (cc.params - cc.dense_params) * l.ep / dc;
+    sc.reduce_scatter = dp_link.ring(cc.params * 4, dc);
+    sc.all_gather = dp_link.ring(cc.params * dev.dtype_bytes, dc);
+    sc.optimizer = shard_of * (4 + 12 + 12 + dev.dtype_bytes) / dev.memory_bandwidth;
+    const double hidden = dev.overlap_dp ? 1.0 / std::max(1, cc.layers * l.vp) : 1.0;  // (a stage's layers)
+    sc.reduce_scatter_exposed = sc.reduce_scatter * hidden;
+    sc.all_gather_exposed = sc.all_gather * hidden;
+    out.chunks.push_back(sc);
+  }
+  out.transfer = mc.transfer;
+  const bool sp = l.sequence_parallel && l.tp > 1;
+  out.activation_bytes = double(l.micro_batch) * pr.seq_len / l.cp * m.d_model * dev.dtype_bytes / (sp ? l.tp : 1);
+  return out;
+}
 
 prediction predict(const problem& p, const layout& l) {
   schedule_cache cache;

@@ -171,6 +171,30 @@ std::string check_layout(const problem& p, const layout& l);
 /// The predicted step of `l` (check_layout must pass: throws plan_error otherwise).
 prediction predict(const problem& p, const layout& l);
 
+/// The modelled time of each op of a layout: what a simulated run waits
+/// (train.compute = "simulated"; actors/simulated/). One virtual stage's, in seconds:
+/// per micro-batch its forward, backward and the backward's weight part (what a split
+/// backward's W takes), and per step the data-parallel collectives over its parameters
+/// (the gradients' reduce-scatter in fp32, the parameters' all-gather) and the optimizer's
+/// update of its shard.
+struct stage_costs {
+  double forward = 0, backward = 0, weight = 0;
+  double params = 0;          ///< parameters on one device
+  double reduce_scatter = 0, all_gather = 0, optimizer = 0;
+  /// The collectives' part that the step waits for: where the device overlaps them with
+  /// the backward and the next forward (device_model::overlap_dp), one layer's bucket of
+  /// the stage's (as predict counts them); else all of it.
+  double reduce_scatter_exposed = 0, all_gather_exposed = 0;
+};
+struct layout_costs {
+  std::vector<stage_costs> chunks;  ///< by virtual stage
+  double transfer = 0;              ///< an activation or a gradient between two stages
+  double activation_bytes = 0;      ///< one micro-batch's activation between stages
+  prediction predicted;             ///< the whole step as the planner predicts it
+};
+/// `l`'s op times for `p` (check_layout must pass: throws plan_error otherwise).
+layout_costs costs_for(const problem& p, const layout& l);
+
 /// Restrictions of the search: 0 / "" / -1 = any.
 struct search_limits {
   int tp = 0, pp = 0, vp = 0, cp = 0, ep = 0, micro_batch = 0;

@@ -1,0 +1,91 @@
+#pragma once
+// Simulated compute (train.compute = "simulated"): the stage and optimizer shard actors of
+// a run whose ops take the time of a cost model instead of computing. The rest of the
+// runtime is the real one, unchanged: the coordinator and its step, the supervisors, the
+// data loaders, begin_step and the reports, the hang watchdog and its wait-for graphs.
+//
+// - A simulated stage runs its stage's list of the schedule (fixed-order kinds) in order:
+//   each op starts once its inputs are here, as a real stage's, and ends after the
+//   modelled time (a timer, no thread held). Activations and gradients are messages
+//   that carry their shape and dtype but no data, sent so that they arrive after the
+//   link's modelled time. After a chunk's last op its gradient buckets go to its shard
+//   (sizes only); once every chunk's parameters are back it reports stage_done.
+// - A simulated shard meets the other shards of its data-parallel group in a simulated
+//   collective (sim_collective: every member arrives, then each waits the collective's
+//   modelled time, the part not hidden behind the backward and the next forward as the
+//   planner counts it): the gradients' reduce-scatter once its stage's buckets are in, its
+//   norm partial to the coordinator, the clip factor, the optimizer's update, the
+//   parameters' all-gather, param_shard to its stage and shard_done.
+//
+// The cost model is the planner's (compute/plan/planner.hpp: costs_for): a device model
+// (train.simulated_device) and the schedule simulated with it. Every modelled wait is
+// multiplied by train.simulated_time_scale; what a step takes beyond the modelled
+// makespan is the runtime's.
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <caf/local_actor.hpp>
+
+#include "actors/runtime.hpp"
+#include "compute/plan/planner.hpp"
+
+namespace troupe {
+
+/// The modelled times of a simulated job (runtime_context::simulated).
+struct simulated_costs {
+  plan::layout_costs model;  ///< per virtual stage, the transfers, the planner's prediction
+  std::string device;        ///< the device model's name
+  double scale = 1;          ///< train.simulated_time_scale
+  std::int64_t buckets_per_chunk = 1;  ///< gradient buckets a stage sends its shard per chunk
+  /// A modelled time as a wait (scaled), at least 1 us.
+  std::chrono::microseconds wait(double seconds) const;
+  /// The modelled step (the planner's prediction), scaled: what a step would take with no
+  /// runtime overhead.
+  double step_seconds() const { return model.predicted.step_seconds * scale; }
+};
+
+/// The costs of `c`'s layout on its simulated_device. Throws config_error where the job
+/// cannot be simulated: not a decoder, a dataflow schedule, weights to load or save, or a
+/// layout the planner refuses (its reason). (A simulated run does not evaluate.)
+std::shared_ptr<const simulated_costs> make_simulated_costs(const job_config& c, const model_spec& spec);
+
+/// A simulated collective of a group of `size` members (in one process): each member's
+/// call `n` (its calls are numbered in order) completes for all of them once every member
+/// has arrived, after `seconds` of modelled time (the slowest member's: the last one's
+/// arrival is the start). `done(member)` runs under no lock on the last arrival's thread.
+class sim_collective {
+ public:
+  explicit sim_collective(int size) : size_(size) {}
+  int size() const { return size_; }
+  /// Member `rank` arrives at call `n`: returns true for the last arrival, which gets
+  /// every member's rank in `all`.
+  bool arrive(std::int64_t n, int rank, std::vector<int>& all);
+  /// The members still missing at call `n` (for the wait-for graph).
+  std::vector<int> missing(std::int64_t n) const;
+  /// Drops every call below `n` (a step's collectives once it is over).
+  void forget_below(std::int64_t n);
+
+ private:
+  int size_;
+  mutable std::mutex m_;
+  std::map<std::int64_t, std::vector<int>> arrived_;
+};
+
+/// The simulated collectives of a job (one per shard group: (stage, tensor-parallel
+/// rank)), made once per process.
+struct sim_groups {
+  std::vector<std::shared_ptr<sim_collective>> by_group;  ///< [stage * t + tp]
+};
+std::shared_ptr<sim_groups> make_sim_groups(const runtime_context& ctx);
+
+stage_actor spawn_simulated_stage(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                                  std::shared_ptr<const job_wiring> wiring, int replica, int stage);
+shard_actor spawn_simulated_shard(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
+                                  std::shared_ptr<const job_wiring> wiring, int stage, int rank,
+                                  std::shared_ptr<sim_groups> groups);
+
+}  // namespace troupe

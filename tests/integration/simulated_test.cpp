@@ -1,0 +1,200 @@
+// train.compute = "simulated" (actors/simulated/): the real coordinator, supervisors and
+// loaders drive stage and shard actors whose ops are timers of the planner's cost model.
+// Checked: every stage runs its schedule's list in order, no op ends before its modelled
+// time, no step is shorter than the modelled pipeline, the losses are those a simulated
+// stage reports, an injected fault is retried in place, and a 1,024-rank layout (Llama 3
+// 8B's shape at TP 8 x PP 16 x DP 8) runs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "actors/runtime.hpp"
+#include "actors/simulated/simulated.hpp"
+#include "compute/schedule/schedule.hpp"
+#include "test_util.hpp"
+
+namespace troupe {
+
+namespace {
+
+/// A Llama-shaped model of `layers` layers; `scale` brings its H100 step to a fraction of
+/// a second.
+job_config simulated_job(int layers, int d_model, int seq_len, double scale) {
+  auto c = job_config::defaults_for("llama-tiny");
+  c.device = "cpu";
+  c.compute = "simulated";
+  c.simulated_device = "h100";
+  c.simulated_time_scale = scale;
+  c.layers = layers;
+  c.d_model = d_model;
+  c.heads = d_model / 128;
+  c.kv_heads = std::max(1, c.heads / 4);
+  c.d_ff = d_model * 7 / 2;
+  c.seq_len = seq_len;
+  c.vocab = 32000;
+  c.steps = 2;
+  c.eval_interval = 0;
+  return c;
+}
+
+actor_run_result run_quiet(const job_config& c) {
+  actor_run_options o;
+  o.quiet = true;
+  return run_actor_training(c, o);
+}
+
+struct schedule_case {
+  const char* schedule;
+  int chunks;
+};
+
+class SimulatedSchedules : public ::testing::TestWithParam<schedule_case> {};
+
+}  // namespace
+
+TEST_P(SimulatedSchedules, EachStageRunsItsListAndNoOpEndsBeforeItsModelledTime) {
+  const auto [kind, chunks] = GetParam();
+  auto c = simulated_job(8, 2048, 2048, 0.2);
+  c.pipeline = 2;
+  c.data_parallel = 2;
+  c.microbatches = 4;
+  c.chunks = chunks;
+  c.schedule = kind;
+  c.global_batch = 16;
+  const auto costs = make_simulated_costs(c, c.model());
+  const auto sched = make_schedule(parse_schedule_kind(kind), c.pipeline, c.microbatches, chunks);
+  const auto r = run_quiet(c);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  ASSERT_EQ(r.losses.size(), 2u);
+  for (double l : r.losses) EXPECT_NEAR(l, std::log(32000.0), 1e-9);  // each micro-batch's, weighted: the same
+  // Per (step, replica, stage): its ops in the order they started.
+  std::map<std::tuple<std::int64_t, int, int>, std::vector<trace_event>> ops;
+  for (const auto& e : r.events)
+    if (e.name == "F" || e.name == "B" || e.name == "W") ops[{e.step, e.replica, e.stage}].push_back(e);
+  ASSERT_EQ(ops.size(), std::size_t(2 * c.data_parallel * c.pipeline));
+  for (auto& [where, evs] : ops) {
+    const int stage = std::get<2>(where);
+    std::sort(evs.begin(), evs.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
+    const auto& want = sched.ranks.at(std::size_t(stage));
+    ASSERT_EQ(evs.size(), want.size()) << "stage " << stage;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(evs[i].name, op_letter(want[i].kind)) << "stage " << stage << " op " << i;
+      EXPECT_EQ(evs[i].mb, want[i].mb) << "stage " << stage << " op " << i;
+      EXPECT_EQ(evs[i].chunk, want[i].chunk) << "stage " << stage << " op " << i;
+      const auto& cc = costs->model.chunks.at(std::size_t(sched.virtual_stage(stage, want[i].chunk)));
+      const double modelled = want[i].kind == op_kind::forward  ? cc.forward
+                              : want[i].kind == op_kind::weight ? cc.weight
+                              : want[i].split                   ? cc.backward - cc.weight
+                                                                : cc.backward;
+      EXPECT_GE(evs[i].end_us - evs[i].start_us, 0.999 * modelled * c.simulated_time_scale * 1e6)
+          << "stage " << stage << " op " << i;
+    }
+  }
+  // A step holds the modelled pipeline (its ops and transfers in their dependencies).
+  for (double s : r.step_seconds) EXPECT_GE(s, 0.999 * costs->model.predicted.parts.pipeline * c.simulated_time_scale);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, SimulatedSchedules,
+                         ::testing::Values(schedule_case{"1f1b", 1}, schedule_case{"interleaved-1f1b", 2},
+                                           schedule_case{"zero-bubble", 1}, schedule_case{"zbv", 2},
+                                           schedule_case{"gpipe", 1}),
+                         [](const auto& info) {
+                           std::string n = info.param.schedule;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
+
+TEST(SimulatedRun, TensorParallelRanksAndShardGroupsRunTheirSteps) {
+  auto c = simulated_job(8, 2048, 2048, 0.2);
+  c.pipeline = 2;
+  c.data_parallel = 2;
+  c.tensor_parallel = 2;
+  c.sequence_parallel = true;
+  c.microbatches = 4;
+  c.global_batch = 16;
+  const auto r = run_quiet(c);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  EXPECT_EQ(r.losses.size(), 2u);
+  int reduce_scatters = 0;
+  for (const auto& e : r.events) reduce_scatters += e.name == "reduce-scatter";
+  // Every shard (stage x pipeline) reduce-scatters its one chunk each step.
+  EXPECT_EQ(reduce_scatters, 2 * c.pipeline * c.data_parallel * c.tensor_parallel);
+}
+
+TEST(SimulatedRun, AStageThatThrowsIsRetriedInPlace) {
+  auto c = simulated_job(4, 1024, 1024, 1.0);
+  c.pipeline = 2;
+  c.data_parallel = 2;
+  c.microbatches = 4;
+  c.global_batch = 16;
+  c.steps = 3;
+  c.throw_at = "1:1:1";  // replica 1's stage 1 in step 2 (index 1)
+  const auto r = run_quiet(c);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  EXPECT_EQ(r.losses.size(), 3u);
+}
+
+TEST(SimulatedRun, RefusesWhatItCannotSimulate) {
+  auto expect_refused = [](job_config c, const std::string& part) {
+    try {
+      run_quiet(c);
+      ADD_FAILURE() << "not refused: " << part;
+    } catch (const config_error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  auto c = simulated_job(4, 1024, 1024, 1.0);
+  c.schedule = "dataflow";
+  expect_refused(c, "fixed-order schedule");
+  c = simulated_job(4, 1024, 1024, 1.0);
+  c.save = "/tmp/never-written.pt";
+  expect_refused(c, "no weights are read or written");
+  c = job_config::defaults_for("fmnist-mlp");
+  c.compute = "simulated";
+  expect_refused(c, "decoder workloads only");
+  c = simulated_job(4, 1024, 1024, 1.0);
+  c.simulated_device = "tpu";
+  expect_refused(c, "tpu");
+  c = simulated_job(4, 1024, 1024, 1.0);
+  c.compute = "modelled";
+  EXPECT_NE(test::config_error_of(c).find("unknown compute 'modelled'"), std::string::npos);
+}
+
+// 1,024 ranks in one process: Llama 3 8B's shape (32 layers, d_model 4096, 32 heads, 8 kv
+// heads, d_ff 14336, sequence 4096) at TP 8 x PP 16 x DP 8, its H100 step scaled down a
+// thousandfold. The control plane at that size (tests/bench/simulated has 4k and 16k).
+TEST(SimulatedRun, AThousandRanksRunTheirSteps) {
+  auto c = job_config::defaults_for("llama-tiny");
+  c.device = "cpu";
+  c.compute = "simulated";
+  c.simulated_time_scale = 0.001;
+  c.layers = 32;
+  c.d_model = 4096;
+  c.heads = 32;
+  c.kv_heads = 8;
+  c.d_ff = 14336;
+  c.seq_len = 4096;
+  c.vocab = 128256;
+  c.tensor_parallel = 8;
+  c.sequence_parallel = true;
+  c.pipeline = 16;
+  c.data_parallel = 8;
+  c.microbatches = 16;
+  c.global_batch = 128;
+  c.steps = 3;
+  c.eval_interval = 0;
+  const auto r = run_quiet(c);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  ASSERT_EQ(r.losses.size(), 3u);
+  std::size_t stage_ops = 0;
+  for (const auto& e : r.events) stage_ops += e.name == "F" || e.name == "B";
+  EXPECT_EQ(stage_ops, std::size_t(3) * 1024 * 16 * 2);  // steps x ranks x micro-batches x (F, B)
+}
+
+}  // namespace troupe
