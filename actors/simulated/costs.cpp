@@ -1,9 +1,125 @@
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <map>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
 
 #include "actors/simulated/simulated.hpp"
+#include "compute/schedule/timed_simulation.hpp"
 
 namespace troupe {
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + std::ptrdiff_t(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+/// The op times of a real run of this layout, from its Chrome trace (--trace): per virtual
+/// stage the median forward, backward and weight op; per stage the median tail from its
+/// last op to its chunks' last reduce-scatter, the optimizer's update and the all-gather.
+/// Steps after the first (warm-up) where there are several.
+struct trace_shape {
+  schedule sched;
+};
+
+plan::layout_costs costs_from_trace(const std::string& path, const job_config& c, const trace_shape& shape) {
+  std::ifstream in(path);
+  if (!in) throw config_error("invalid configuration: simulated_device trace:" + path + ": cannot be read");
+  nlohmann::json doc;
+  try {
+    in >> doc;
+  } catch (const std::exception& e) {
+    throw config_error("invalid configuration: simulated_device trace:" + path + ": not JSON (" + e.what() + ")");
+  }
+  const auto& events = doc.is_object() ? doc.at("traceEvents") : doc;
+  std::int64_t last_step = 0;
+  for (const auto& e : events)
+    if (e.value("ph", "") == "X" && e.contains("args")) last_step = std::max<std::int64_t>(last_step, e["args"].value("step", 0));
+  const std::int64_t first = last_step > 0 ? 1 : 0;
+  const auto& sched = shape.sched;
+  const int nv = sched.virtual_stages();
+  std::vector<std::vector<double>> f(nv), b(nv), w(nv), opt(c.pipeline), ag(c.pipeline);
+  // (step, replica, stage, chunk) -> last op end, last reduce-scatter end
+  std::map<std::tuple<std::int64_t, int, int, int>, std::pair<double, double>> ends;
+  std::size_t ops = 0;
+  for (const auto& e : events) {
+    if (e.value("ph", "") != "X" || !e.contains("args")) continue;
+    const auto& a = e["args"];
+    const auto step = a.value("step", std::int64_t(0));
+    if (step < first) continue;
+    const double end = e.value("ts", 0.0) + e.value("dur", 0.0), dur = e.value("dur", 0.0) * 1e-6;
+    const int stage = a.value("stage", -1), replica = a.value("replica", 0), chunk = a.value("chunk", -1);
+    const auto cat = e.value("cat", std::string());
+    const auto name = e.value("name", std::string());
+    if (cat == "compute" && stage >= 0 && stage < c.pipeline && chunk >= 0 && chunk < c.chunks) {
+      const auto x = std::size_t(sched.virtual_stage(stage, chunk));
+      const auto op = a.value("op", std::string());
+      (op == "F" ? f : op == "B" ? b : w)[x].push_back(dur);
+      auto& tail = ends[{step, replica, stage, chunk}];
+      tail.first = std::max(tail.first, end);
+      ++ops;
+    } else if (cat == "optimizer" && stage >= 0 && stage < c.pipeline) {
+      if (name == "reduce-scatter" && chunk >= 0) {
+        auto& tail = ends[{step, replica, stage, chunk}];
+        tail.second = std::max(tail.second, end);
+      } else if (name == "optimizer") {
+        opt[std::size_t(stage)].push_back(dur);
+      } else if (name == "all-gather") {
+        ag[std::size_t(stage)].push_back(dur);
+      }
+    }
+  }
+  if (ops == 0) throw config_error("invalid configuration: simulated_device trace:" + path + ": no ops of this layout");
+  std::vector<std::vector<double>> rs(nv);
+  for (const auto& [k, t] : ends)
+    rs[std::size_t(sched.virtual_stage(std::get<2>(k), std::get<3>(k)))].push_back(std::max(0.0, t.second - t.first) * 1e-6);
+  plan::layout_costs out;
+  out.chunks.resize(std::size_t(nv));
+  for (int x = 0; x < nv; ++x) {
+    auto& cc = out.chunks[std::size_t(x)];
+    if (f[x].empty() || b[x].empty())
+      throw config_error("invalid configuration: simulated_device trace:" + path + ": no forward or backward of virtual stage " +
+                         std::to_string(x) + " (a trace of another layout?)");
+    cc.forward = median(f[x]);
+    cc.weight = median(w[x]);
+    cc.backward = median(b[x]) + cc.weight;  // (a split B is backward - weight)
+    cc.reduce_scatter = cc.reduce_scatter_exposed = median(rs[x]);
+    const auto [stage, chunk] = sched.place(x);
+    if (chunk == 0) {  // (a stage's update and all-gather: its first chunk's)
+      cc.optimizer = median(opt[std::size_t(stage)]);
+      cc.all_gather = cc.all_gather_exposed = median(ag[std::size_t(stage)]);
+    }
+  }
+  // The whole step: the schedule with these op times, then the slowest stage's tail.
+  timed_costs tc;
+  tc.op = [&](int stage, const pipeline_op& op) {
+    const auto& cc = out.chunks[std::size_t(sched.virtual_stage(stage, op.chunk))];
+    if (op.kind == op_kind::forward) return cc.forward;
+    if (op.kind == op_kind::weight) return cc.weight;
+    return op.split ? cc.backward - cc.weight : cc.backward;
+  };
+  const auto sim = simulate(sched, tc);
+  double tail = 0;
+  for (int k = 0; k < c.pipeline; ++k) {
+    double t = 0;
+    for (int ch = 0; ch < c.chunks; ++ch) {
+      const auto& cc = out.chunks[std::size_t(sched.virtual_stage(k, ch))];
+      t += cc.reduce_scatter_exposed + cc.optimizer + cc.all_gather_exposed;
+    }
+    tail = std::max(tail, t);
+  }
+  out.predicted.bubble = sim.bubble;
+  out.predicted.parts.pipeline = sim.makespan;
+  out.predicted.step_seconds = sim.makespan + tail;
+  return out;
+}
+
+}  // namespace
 
 std::chrono::microseconds simulated_costs::wait(double seconds) const {
   return std::chrono::microseconds(std::max<std::int64_t>(1, std::llround(seconds * scale * 1e6)));
@@ -38,11 +154,19 @@ std::shared_ptr<const simulated_costs> make_simulated_costs(const job_config& c,
   l.microbatches = c.microbatches;
   l.recompute = c.recompute != "none";
   l.sequence_parallel = c.sequence_parallel;
+  const std::string trace_prefix = "trace:";
   try {
     l.schedule = parse_schedule_kind(c.schedule);
-    pr.devices = l.devices();
-    pr.device = plan::builtin_device(c.simulated_device);
-    out->model = plan::costs_for(pr, l);
+    if (c.simulated_device.rfind(trace_prefix, 0) == 0) {
+      out->model = costs_from_trace(c.simulated_device.substr(trace_prefix.size()), c,
+                                    {make_schedule(l.schedule, c.pipeline, c.microbatches, c.chunks)});
+    } else {
+      pr.devices = l.devices();
+      pr.device = plan::builtin_device(c.simulated_device);
+      out->model = plan::costs_for(pr, l);
+    }
+  } catch (const config_error&) {
+    throw;
   } catch (const std::invalid_argument& e) {
     refuse(e.what());
   }

@@ -178,7 +178,10 @@ const std::vector<key_def>& key_defs() {
                  "without data; the coordinator, supervisors, loaders, reports and watchdog are the real ones. "
                  "Decoders with a fixed-order schedule, no evaluation, nothing loaded or saved; see docs/simulation.md)",
                  &job_config::compute),
-      string_key("train.simulated_device", "compute simulated: the device model (h100, h200, a100, or cpu: this machine's core, measured)",
+      string_key("train.simulated_device",
+                 "compute simulated: the device model (h100, h200, a100, or cpu: this machine's core, measured), or "
+                 "trace:FILE, a Chrome trace (--trace) of a real run of the same layout: its ops' median times, and "
+                 "each stage's median tail (the reduce-scatter after its last op, the update, the all-gather)",
                  &job_config::simulated_device),
       double_key("train.simulated_time_scale",
                  "compute simulated: every modelled wait times this (0.1: a 10 s step runs in about 1 s)",

@@ -166,6 +166,55 @@ TEST(SimulatedRun, RefusesWhatItCannotSimulate) {
   EXPECT_NE(test::config_error_of(c).find("unknown compute 'modelled'"), std::string::npos);
 }
 
+// A real run's trace as the cost model (simulated_device "trace:FILE"): each virtual
+// stage's op times are the medians of the trace's ops after the first step, and the
+// simulated run's ops last at least as long.
+TEST(SimulatedRun, ReplaysARealRunsTrace) {
+  auto c = test::small_config(4);
+  c.pipeline = 2;
+  c.data_parallel = 2;
+  c.microbatches = 4;
+  c.eval_interval = 0;
+  const auto path = ::testing::TempDir() + "/troupe-simulated-replay-trace.json";
+  c.trace = path;
+  const auto real = run_quiet(c);
+  ASSERT_EQ(real.exit_code, 0) << real.error;
+  std::map<std::pair<int, std::string>, std::vector<double>> durations;  // (virtual stage, op) -> seconds
+  const auto sched = make_schedule(parse_schedule_kind(c.schedule), c.pipeline, c.microbatches, c.chunks);
+  for (const auto& e : real.events)
+    if ((e.name == "F" || e.name == "B") && e.step >= 1)
+      durations[{sched.virtual_stage(e.stage, e.chunk), e.name}].push_back((e.end_us - e.start_us) * 1e-6);
+  auto median = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + std::ptrdiff_t(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  auto sim = c;
+  sim.trace.clear();
+  sim.compute = "simulated";
+  sim.simulated_device = "trace:" + path;
+  sim.simulated_time_scale = 1;
+  const auto costs = make_simulated_costs(sim, sim.model());
+  ASSERT_EQ(costs->model.chunks.size(), 2u);
+  for (int x = 0; x < 2; ++x) {
+    // (the trace's microseconds have three decimals)
+    EXPECT_NEAR(costs->model.chunks[std::size_t(x)].forward, median(durations[{x, "F"}]), 1e-6) << "virtual stage " << x;
+    EXPECT_NEAR(costs->model.chunks[std::size_t(x)].backward, median(durations[{x, "B"}]), 1e-6) << "virtual stage " << x;
+  }
+  const auto r = run_quiet(sim);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  for (const auto& e : r.events)
+    if (e.name == "F" || e.name == "B") {
+      const int x = sched.virtual_stage(e.stage, e.chunk);
+      const auto& cc = costs->model.chunks[std::size_t(x)];
+      EXPECT_GE(e.end_us - e.start_us, 0.999 * 1e6 * (e.name == "F" ? cc.forward : cc.backward));
+    }
+  // A trace of another layout is refused with its reason.
+  auto other = sim;
+  other.pipeline = 4;
+  other.layers = 4;
+  EXPECT_THROW(make_simulated_costs(other, other.model()), config_error);
+}
+
 // 1,024 ranks in one process: Llama 3 8B's shape (32 layers, d_model 4096, 32 heads, 8 kv
 // heads, d_ff 14336, sequence 4096) at TP 8 x PP 16 x DP 8, its H100 step scaled down a
 // thousandfold. The control plane at that size (tests/bench/simulated has 4k and 16k).
