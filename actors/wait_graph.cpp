@@ -9,6 +9,21 @@
 
 namespace troupe {
 
+bool report_other_step(wait_report& rep, std::int64_t at, std::int64_t asked) {
+  if (at < asked) {
+    rep.state = at < 0 ? "has run no step" : "still at step " + std::to_string(at + 1);
+    rep.waits_for = "begin of step " + std::to_string(asked + 1);
+    rep.from = {"coordinator"};
+    rep.keys = {message_key(rep.waits_for, "coordinator", rep.actor)};
+    return true;
+  }
+  if (at > asked) {
+    rep.state = "already at step " + std::to_string(at + 1);
+    return true;
+  }
+  return false;
+}
+
 namespace {
 
 struct graph_node {

@@ -4,12 +4,18 @@
 // waits for nothing while others wait on it, a group collective that every member has
 // entered and none left, or a cycle (a deadlock).
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "messages/wait_messages.hpp"
 
 namespace troupe {
+
+/// The part of an actor's wait report (rep.actor set) that its step decides: at step `at`
+/// (-1: none yet), behind the step `asked` about, it waits for that step's begin from the
+/// coordinator; ahead of it, for nothing. Returns false when `at` is `asked`.
+bool report_other_step(wait_report& rep, std::int64_t at, std::int64_t asked);
 
 struct wait_diagnosis {
   /// One per actor that waits or is waited on ("X (node n) waits for ...", naming at most

@@ -98,10 +98,7 @@ plan::layout_costs costs_from_trace(const std::string& path, const job_config& c
   // The whole step: the schedule with these op times, then the slowest stage's tail.
   timed_costs tc;
   tc.op = [&](int stage, const pipeline_op& op) {
-    const auto& cc = out.chunks[std::size_t(sched.virtual_stage(stage, op.chunk))];
-    if (op.kind == op_kind::forward) return cc.forward;
-    if (op.kind == op_kind::weight) return cc.weight;
-    return op.split ? cc.backward - cc.weight : cc.backward;
+    return op_seconds(out.chunks[std::size_t(sched.virtual_stage(stage, op.chunk))], op);
   };
   const auto sim = simulate(sched, tc);
   double tail = 0;
@@ -120,6 +117,12 @@ plan::layout_costs costs_from_trace(const std::string& path, const job_config& c
 }
 
 }  // namespace
+
+double op_seconds(const plan::stage_costs& c, const pipeline_op& op) {
+  if (op.kind == op_kind::forward) return c.forward;
+  if (op.kind == op_kind::weight) return c.weight;
+  return op.split ? c.backward - c.weight : c.backward;
+}
 
 std::chrono::microseconds simulated_costs::wait(double seconds) const {
   return std::chrono::microseconds(std::max<std::int64_t>(1, std::llround(seconds * scale * 1e6)));

@@ -3,6 +3,7 @@
 #include <caf/all.hpp>
 
 #include "actors/simulated/simulated.hpp"
+#include "actors/wait_graph.hpp"
 #include "messages/type_ids.hpp"
 
 namespace troupe {
@@ -163,15 +164,7 @@ shard_actor::behavior_type sim_shard_behavior(sim_shard_self self, std::shared_p
         wait_report rep;
         rep.actor = s.name;
         rep.node = s.wiring->node;
-        if (s.step != step) {
-          rep.state = s.step < step ? "not yet in step " + std::to_string(step + 1) : "past that step";
-          if (s.step < step) {
-            rep.waits_for = "begin of step " + std::to_string(step + 1);
-            rep.from = {"coordinator"};
-            rep.keys = {message_key(rep.waits_for, "coordinator", s.name)};
-          }
-          return rep;
-        }
+        if (report_other_step(rep, s.step, step)) return rep;
         rep.state = "reduced " + std::to_string(s.reduced) + " of " + std::to_string(s.ctx->v) + " chunks (simulated)";
         if (!s.running) {
           rep.state += ", done";

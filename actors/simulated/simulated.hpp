@@ -48,6 +48,10 @@ struct simulated_costs {
   double step_seconds() const { return model.predicted.step_seconds * scale; }
 };
 
+/// One op's modelled time on a virtual stage of costs `c` (a split B: the backward less its
+/// weight part; a W: the weight part).
+double op_seconds(const plan::stage_costs& c, const pipeline_op& op);
+
 /// The costs of `c`'s layout on its simulated_device. Throws config_error where the job
 /// cannot be simulated: not a decoder, a dataflow schedule, weights to load or save, or a
 /// layout the planner refuses (its reason). (A simulated run does not evaluate.)

@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "actors/simulated/simulated.hpp"
+#include "actors/wait_graph.hpp"
 #include "messages/type_ids.hpp"
 
 namespace troupe {
@@ -58,18 +59,13 @@ class sim_stage {
 
   bool ready(const pipeline_op& op) const {
     const key k{op.mb, op.chunk};
-    const int x = virtual_of(op.chunk);
     if (op.kind == op_kind::forward) return s_.inputs.count(k) && (!is_last(op.chunk) || s_.targets.count(op.mb));
     if (op.kind == op_kind::backward) return s_.forwarded.count(k) && (is_last(op.chunk) || s_.grads.count(k));
-    (void)x;
     return s_.backwarded.count(k) > 0;
   }
 
   double cost(const pipeline_op& op) const {
-    const auto& c = ctx_.simulated->model.chunks.at(std::size_t(virtual_of(op.chunk)));
-    if (op.kind == op_kind::forward) return c.forward;
-    if (op.kind == op_kind::weight) return c.weight;
-    return op.split ? c.backward - c.weight : c.backward;
+    return op_seconds(ctx_.simulated->model.chunks.at(std::size_t(virtual_of(op.chunk))), op);
   }
 
   /// Starts the next op of the order when its inputs are here and no op is running.
@@ -251,15 +247,7 @@ class sim_stage {
       rep.waits_for = std::move(what);
       rep.from = {from};
     };
-    if (s_.step < step) {
-      rep.state = s_.step < 0 ? "has run no step" : "still at step " + std::to_string(s_.step + 1);
-      wait("begin of step " + std::to_string(step + 1), "coordinator");
-      return rep;
-    }
-    if (s_.step > step) {
-      rep.state = "already at step " + std::to_string(s_.step + 1);
-      return rep;
-    }
+    if (report_other_step(rep, s_.step, step)) return rep;
     rep.state = "ran " + std::to_string(s_.next_op) + " of " + std::to_string(s_.order->size()) + " simulated ops";
     if (s_.busy) {
       rep.state += ", computing";

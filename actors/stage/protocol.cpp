@@ -1,6 +1,7 @@
 // A step's messages at a stage: reset, acceptance, duplicates, what it waits for
 // (actors/stage/logic.hpp).
 #include "actors/stage/logic.hpp"
+#include "actors/wait_graph.hpp"
 
 namespace troupe::stage_detail {
 
@@ -149,15 +150,7 @@ wait_report stage_logic::waits(std::int64_t step) {
     rep.waits_for = std::move(what);
     rep.from = {from};
   };
-  if (s_.step < step) {
-    rep.state = s_.step < 0 ? "has run no step" : "still at step " + std::to_string(s_.step + 1);
-    wait("begin of step " + std::to_string(step + 1), "coordinator");
-    return rep;
-  }
-  if (s_.step > step) {
-    rep.state = "already at step " + std::to_string(s_.step + 1);
-    return rep;
-  }
+  if (report_other_step(rep, s_.step, step)) return rep;
   rep.state = "ran " + std::to_string(s_.ops_done) + " of " + std::to_string(s_.total_ops) + " ops" +
               (!s_.last_op ? ""
                            : " (last " + std::string(op_letter(s_.last_op->kind)) + std::to_string(s_.last_op->mb) +
