@@ -111,7 +111,9 @@ TEST(Plan, SearchRanksLayoutsThatFit) {
     EXPECT_EQ(found[i].l.devices(), 64);
     EXPECT_EQ(check_layout(p, found[i].l), "");
     EXPECT_LE(found[i].memory.total(), p.device.memory_bytes);
-    if (i) EXPECT_LE(found[i - 1].step_seconds, found[i].step_seconds);
+    if (i) {
+      EXPECT_LE(found[i - 1].step_seconds, found[i].step_seconds);
+    }
   }
   // Tensor parallelism stays within a node of 8.
   for (const auto& f : found) EXPECT_LE(f.l.tp, 8);
@@ -251,8 +253,9 @@ TEST(Plan, PublishedRunsWithinTwentyPercent) {
                 at("source").c_str(), at("model").c_str(), p.devices, at("device").c_str(), l.text().c_str(),
                 published, pred.step_seconds, ratio, pred.memory.total() / 1e9);
     EXPECT_NEAR(ratio, 1.0, 0.2) << line;
-    if (at("recompute") != "unstated")  // the layout ran on these devices: it must fit
+    if (at("recompute") != "unstated") {  // the layout ran on these devices: it must fit
       EXPECT_TRUE(pred.fits) << line << ": " << pred.memory.total() / 1e9 << " GB";
+    }
     ++rows;
   }
   EXPECT_GE(rows, 10);
