@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <string>
 #include <tuple>
@@ -213,6 +214,7 @@ TEST(SimulatedRun, ReplaysARealRunsTrace) {
   other.pipeline = 4;
   other.layers = 4;
   EXPECT_THROW(make_simulated_costs(other, other.model()), config_error);
+  std::remove(path.c_str());
 }
 
 // 1,024 ranks in one process: Llama 3 8B's shape (32 layers, d_model 4096, 32 heads, 8 kv
