@@ -92,7 +92,6 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   if (launch.attempt == cfg.fault_attempt) faults = fault_plan::parse(cfg.faults());
   if (cfg.compute == "simulated") {  // no parameters anywhere: the stages and shards model their ops
     simulated = make_simulated_costs(cfg, spec);
-    resume_shards_left_ = 0;
     return;
   }
   if (!cfg.resume.empty()) {

@@ -175,10 +175,7 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
   auto comm_or_null = [](const std::vector<std::shared_ptr<transport::communicator>>& comms, std::size_t i) {
     return comms.empty() ? nullptr : comms.at(i);
   };
-  if (ctx->simulated && !s.sim) {
-    if (!wiring.nodes.empty()) throw std::runtime_error("compute simulated runs in one process (not yet over node processes)");
-    s.sim = make_sim_groups(*ctx);
-  }
+  if (ctx->simulated && !s.sim) s.sim = make_sim_groups(*ctx);  // (one process: node 0 refuses node processes)
   for (std::size_t i = 0; i < plan.slots.size(); ++i) {
     const auto [r, k] = plan.slots[i];
     mine.slot_replicas.push_back(r);

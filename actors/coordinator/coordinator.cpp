@@ -491,12 +491,12 @@ void commit(self_ptr self) {
   const bool text = ctx.spec.type == model_spec::kind::decoder;
   if (!s.opts.quiet) {
     const double eta = s.elapsed / s.timed * (ctx.cfg.steps - s.step - 1);
-    if (ctx.simulated)
-      std::printf("%s | bubble %.2f | simulated: modelled %.4g s, runtime %+.4g s\n",
-                  progress_line(s.stats, ctx.cfg.steps, eta, text).c_str(), timing.bubble,
-                  ctx.simulated->step_seconds(), s.stats.seconds - ctx.simulated->step_seconds());
-    else
-      std::printf("%s | bubble %.2f\n", progress_line(s.stats, ctx.cfg.steps, eta, text).c_str(), timing.bubble);
+    const auto simulated = ctx.simulated ? fmt::format(" | simulated: modelled {:.4g} s, runtime {:+.4g} s",
+                                                       ctx.simulated->step_seconds(),
+                                                       s.stats.seconds - ctx.simulated->step_seconds())
+                                         : std::string();
+    std::printf("%s | bubble %.2f%s\n", progress_line(s.stats, ctx.cfg.steps, eta, text).c_str(), timing.bubble,
+                simulated.c_str());
     std::fflush(stdout);
   }
   nlohmann::json line{{"step", s.step},

@@ -25,7 +25,6 @@ struct sim_shard_state {
   std::vector<int> buckets;  // per chunk: buckets received
   int reduced = 0;           // chunks reduce-scattered
   bool clipped = false;
-  int gathered = 0;          // chunks all-gathered
   std::int64_t waiting_call = -1;  // the collective it is in (-1: none)
   std::string waiting_what;
   std::vector<trace_event> events;
@@ -127,7 +126,7 @@ shard_actor::behavior_type sim_shard_behavior(sim_shard_self self, std::shared_p
         s.step = msg.step;
         s.running = true;
         s.buckets.assign(std::size_t(s.ctx->v), 0);
-        s.reduced = s.gathered = 0;
+        s.reduced = 0;
         s.clipped = false;
         s.waiting_call = -1;
         auto stash = std::move(s.stash);

@@ -490,6 +490,30 @@ model_costs costs_of(const problem& pr, const layout& l) {
   return out;
 }
 
+/// The data-parallel terms of `params` parameters (of them `dense` replicated over dp x cp,
+/// the rest experts) that `layers` layers hold: the gradients' reduce-scatter (fp32) and
+/// the parameters' all-gather over the data x context group, each whole and as much as the
+/// step waits for (overlap_dp: one layer's bucket), and the optimizer's update of the shard.
+struct dp_terms {
+  double reduce_scatter = 0, all_gather = 0, exposed = 0, optimizer = 0;
+  double hidden = 1;    ///< the share of the collectives the step waits for
+  double shard_of = 0;  ///< the parameters of one data-parallel rank's shard
+};
+dp_terms dp_terms_of(const problem& pr, const layout& l, double params, double dense, int layers) {
+  const auto& dev = pr.device;
+  const int dc = l.dp * l.cp;
+  const auto dp_link = l.tp * dc <= dev.per_node ? dev.intra : dev.inter;
+  dp_terms t;
+  t.reduce_scatter = dp_link.ring(params * 4, dc);
+  t.all_gather = dp_link.ring(params * dev.dtype_bytes, dc);
+  t.hidden = dev.overlap_dp ? 1.0 / std::max(1, layers) : 1.0;
+  t.exposed = (t.reduce_scatter + t.all_gather) * t.hidden;
+  // Expert parameters are replicated over dc / ep devices, the others over dc.
+  t.shard_of = dense / dc + (params - dense) * l.ep / dc;
+  t.optimizer = t.shard_of * (4 + 12 + 12 + dev.dtype_bytes) / dev.memory_bandwidth;
+  return t;
+}
+
 struct schedule_cache {
   std::map<std::tuple<int, int, int, int>, schedule> schedules;
   const schedule& get(schedule_kind k, int p, int m, int v) {
@@ -523,7 +547,6 @@ prediction predict_with(const problem& pr, const layout& l, schedule_cache& cach
   out.bubble = sim.bubble;
   out.parts.pipeline = sim.makespan;
   // The busiest stage: its compute and collectives, its parameters, its memory.
-  const int dc = l.dp * l.cp;
   const bool shard_grads = l.shard != "optimizer", shard_params = l.shard == "parameters";
   double worst_mem = -1;
   for (int r = 0; r < l.pp; ++r) {
@@ -540,9 +563,9 @@ prediction predict_with(const problem& pr, const layout& l, schedule_cache& cach
       tp += l.microbatches * cc.tp;
       layers += cc.layers;
     }
+    const auto dpt = dp_terms_of(pr, l, params, dense, layers);
+    const double shard_of = dpt.shard_of;
     memory_use mem;
-    // Expert parameters are replicated over dc / ep devices, the others over dc.
-    const double shard_of = dense / dc + (params - dense) * l.ep / dc;
     mem.params = (shard_params ? shard_of + chunk_max : params) * dev.dtype_bytes;
     mem.grads = (shard_grads ? shard_of + chunk_max : params) * 4;
     mem.optimizer = shard_of * 12;  // fp32 main copy, two moments
@@ -551,14 +574,9 @@ prediction predict_with(const problem& pr, const layout& l, schedule_cache& cach
       worst_mem = mem.total();
       out.memory = mem;
     }
-    // Data parallelism: reduce-scatter the gradients (fp32), all-gather the parameters.
-    const auto dp_link = l.tp * dc <= dev.per_node ? dev.intra : dev.inter;
-    const double comm = dp_link.ring(params * 4, dc) + dp_link.ring(params * dev.dtype_bytes, dc);
-    const double exposed = dev.overlap_dp ? comm / std::max(1, layers) : comm;
-    const double opt = shard_of * (4 + 12 + 12 + dev.dtype_bytes) / dev.memory_bandwidth;
-    if (exposed + opt > out.parts.dp_exposed + out.parts.optimizer) {
-      out.parts.dp_exposed = exposed;
-      out.parts.optimizer = opt;
+    if (dpt.exposed + dpt.optimizer > out.parts.dp_exposed + out.parts.optimizer) {
+      out.parts.dp_exposed = dpt.exposed;
+      out.parts.optimizer = dpt.optimizer;
     }
     if (busy_compute > out.parts.compute) {
       out.parts.compute = busy_compute;
@@ -585,28 +603,22 @@ layout_costs costs_for(const problem& pr, const layout& l) {
   layout_costs out;
   out.predicted = predict(pr, l);  // (checks the layout)
   const auto mc = costs_of(pr, l);
-  const auto& m = pr.model;
-  const auto& dev = pr.device;
-  const int dc = l.dp * l.cp;
-  const auto dp_link = l.tp * dc <= dev.per_node ? dev.intra : dev.inter;
   for (const auto& cc : mc.chunks) {
     stage_costs sc;
     sc.forward = cc.forward;
     sc.backward = cc.backward;
     sc.weight = cc.weight;
     sc.params = cc.params;
-    const double shard_of = cc.dense_params / dc + (cc.params - cc.dense_params) * l.ep / dc;
-    sc.reduce_scatter = dp_link.ring(cc.params * 4, dc);
-    sc.all_gather = dp_link.ring(cc.params * dev.dtype_bytes, dc);
-    sc.optimizer = shard_of * (4 + 12 + 12 + dev.dtype_bytes) / dev.memory_bandwidth;
-    const double hidden = dev.overlap_dp ? 1.0 / std::max(1, cc.layers * l.vp) : 1.0;  // (a stage's layers)
-    sc.reduce_scatter_exposed = sc.reduce_scatter * hidden;
-    sc.all_gather_exposed = sc.all_gather * hidden;
+    // (the step waits for one layer's bucket of the stage's, whose chunks are alike)
+    const auto dpt = dp_terms_of(pr, l, cc.params, cc.dense_params, cc.layers * l.vp);
+    sc.reduce_scatter = dpt.reduce_scatter;
+    sc.all_gather = dpt.all_gather;
+    sc.optimizer = dpt.optimizer;
+    sc.reduce_scatter_exposed = dpt.reduce_scatter * dpt.hidden;
+    sc.all_gather_exposed = dpt.all_gather * dpt.hidden;
     out.chunks.push_back(sc);
   }
   out.transfer = mc.transfer;
-  const bool sp = l.sequence_parallel && l.tp > 1;
-  out.activation_bytes = double(l.micro_batch) * pr.seq_len / l.cp * m.d_model * dev.dtype_bytes / (sp ? l.tp : 1);
   return out;
 }
 

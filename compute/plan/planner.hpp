@@ -189,7 +189,6 @@ struct stage_costs {
 struct layout_costs {
   std::vector<stage_costs> chunks;  ///< by virtual stage
   double transfer = 0;              ///< an activation or a gradient between two stages
-  double activation_bytes = 0;      ///< one micro-batch's activation between stages
   prediction predicted;             ///< the whole step as the planner predicts it
 };
 /// `l`'s op times for `p` (check_layout must pass: throws plan_error otherwise).
