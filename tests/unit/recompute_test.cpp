@@ -122,7 +122,7 @@ TEST(Recompute, JobsEndWithTheSameParameters) {
   };
   for (const auto& l : {layout{2, 2, 1, "1f1b", "fp32"}, layout{2, 1, 2, "interleaved-1f1b", "fp32"},
                         layout{2, 1, 1, "dataflow", "fp32"}, layout{2, 1, 1, "1f1b", "bf16"}}) {
-    auto c = test::gpt_config(2);
+    auto c = test::small_config(2);
     c.threads = 1;
     c.pipeline = l.p;
     c.data_parallel = l.d;

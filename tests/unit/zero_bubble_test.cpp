@@ -101,7 +101,7 @@ TEST(ZeroBubble, JobsEndWithTheSameParametersAs1F1B) {
     const char* recompute;
   };
   for (const auto& l : {layout{2, 2, "fp32", "none"}, layout{4, 1, "fp32", "full"}, layout{2, 1, "bf16", "none"}}) {
-    auto c = test::gpt_config(3);
+    auto c = test::small_config(3);
     c.threads = 1;
     c.pipeline = l.p;
     c.data_parallel = l.d;
