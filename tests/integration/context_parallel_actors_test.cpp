@@ -1,7 +1,7 @@
 // Context parallelism in the actor runtime: C stage actors per stage and replica, each with
 // 1/C of every sequence's tokens, meeting in their group's attention. Against the unsplit
 // run of the same layout (the same job without context parallelism): the parameters after
-// 5 steps, every step's loss and the evaluation's, for each comm, C = 2 and 4, alone and
+// 3 steps, every step's loss and the evaluation's, for each comm, C = 2 and 4, alone and
 // with tensor (and sequence), pipeline and data parallelism; and the layouts refused.
 #include <gtest/gtest.h>
 
@@ -38,17 +38,18 @@ std::string name_of(const cp_layout& l) {
 }
 
 /// llama-tiny's shape (or gpt-tiny's: learned positions) at 2 layers per stage of width
-/// 64, 8 query and 4 key/value heads, sequences of 512, 2 micro-batches of 4 per replica, 5
-/// steps and the evaluation at the end (through the stage actors).
+/// 64, 8 query and 4 key/value heads, sequences of 256 (C = 4: 8 chunks of 32 tokens), 2
+/// micro-batches of 4 per replica, 3 steps and the evaluation at the end (through the stage
+/// actors).
 job_config cp_job(const cp_layout& l) {
   auto c = tp_test::small_job(l.workload);
   c.runtime = "actors";
-  c.steps = 5;
+  c.steps = 3;
   c.layers = 2 * l.p;
   c.threads = 1;
   c.heads = 8;
   if (std::string(l.workload) != "gpt-tiny") c.kv_heads = 4;  // (gpt2: every head its own keys)
-  c.seq_len = 512;
+  c.seq_len = 256;
   c.global_batch = 8 * l.d;
   c.microbatches = 2;
   c.eval_interval = 0;  // (the run's end evaluates)
@@ -85,7 +86,7 @@ const actor_run_result& unsplit_run(job_config c) {
 }  // namespace
 
 // (One test, so that the layouts sharing an unsplit run compute it once: its attention
-// over whole sequences of 512 is most of the time.)
+// over whole sequences is most of the time.)
 TEST(ContextParallelActors, FollowTheUnsplitRunInEveryLayout) {
   const cp_layout layouts[] = {
       {2, "p2p", 1, 1, 1, "1f1b", "none"},       {4, "p2p", 1, 1, 1, "1f1b", "none"},
