@@ -158,7 +158,8 @@ check train-bad-recompute 2 "$troupe" train --recompute partial
 expect_in train-bad-recompute-msg "$err" "unknown recompute 'partial' (expected none, selective or full)"
 check train-recompute-mlp 2 "$troupe" train --recompute full --workload fmnist-mlp
 expect_in train-recompute-mlp-msg "$err" "fmnist-mlp has none"
-check train-recompute 0 "$troupe" train --steps 1 --threads 1 --pipeline 2 --eval-interval 0 --recompute full --precision bf16
+check train-recompute 0 "$troupe" train --steps 1 --threads 1 --pipeline 2 --eval-interval 0 --recompute full --precision bf16 \
+  --d-model 64 --seq-len 64
 expect_in train-recompute-log "$err" "intra-op thread(s) per stage, bf16, recompute full"
 expect_in train-recompute-progress "$out" "step 1/1 | loss"
 check train-recompute-selective 0 "$troupe" train --steps 1 --threads 1 --pipeline 2 --eval-interval 0 --recompute selective
