@@ -21,27 +21,32 @@ template <class Reply, class Self, class Handle, class... Message>
 void request_all(Self* self, const std::vector<Handle>& to, caf::timespan timeout,
                  std::function<void(std::size_t, Reply&)> each, std::function<void()> done,
                  std::function<bool(std::size_t, caf::error&)> failed, const Message&... msg) {
+  // The callbacks once, shared by every request (they may hold much: a step's metrics
+  // line; copied into each of thousands of requests, they took seconds per step).
   struct wait {
     std::size_t left;
-    bool given_up = false;
+    bool given_up;
+    std::function<void(std::size_t, Reply&)> each;
+    std::function<void()> done;
+    std::function<bool(std::size_t, caf::error&)> failed;
   };
-  auto w = std::make_shared<wait>(wait{to.size()});
-  if (to.empty()) return done();
+  auto w = std::make_shared<wait>(wait{to.size(), false, std::move(each), std::move(done), std::move(failed)});
+  if (to.empty()) return w->done();
   for (std::size_t i = 0; i < to.size(); ++i)
     self->request(to[i], timeout, msg...)
         .then(
-            [w, i, each, done](Reply& reply) {
+            [w, i](Reply& reply) {
               if (w->given_up) return;
-              each(i, reply);
-              if (--w->left == 0) done();
+              w->each(i, reply);
+              if (--w->left == 0) w->done();
             },
-            [w, i, done, failed](caf::error& err) {
+            [w, i](caf::error& err) {
               if (w->given_up) return;
-              if (!failed(i, err)) {
+              if (!w->failed(i, err)) {
                 w->given_up = true;
                 return;
               }
-              if (--w->left == 0) done();
+              if (--w->left == 0) w->done();
             });
 }
 

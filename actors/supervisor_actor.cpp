@@ -150,7 +150,6 @@ struct supervisor_state {
   std::optional<recovery> recovering;
   // Old communicators being closed (a thread each); their destruction waits for them.
   std::list<std::future<void>> retired;
-  std::shared_ptr<sim_groups> sim;  // compute simulated: the shards' collectives
 };
 
 using supervisor_self = supervisor_actor::stateful_pointer<supervisor_state>;
@@ -175,13 +174,12 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
   auto comm_or_null = [](const std::vector<std::shared_ptr<transport::communicator>>& comms, std::size_t i) {
     return comms.empty() ? nullptr : comms.at(i);
   };
-  if (ctx->simulated && !s.sim) s.sim = make_sim_groups(*ctx);  // (one process: node 0 refuses node processes)
   for (std::size_t i = 0; i < plan.slots.size(); ++i) {
     const auto [r, k] = plan.slots[i];
     mine.slot_replicas.push_back(r);
     mine.slot_stages.push_back(k);
     if (ctx->simulated) {
-      wiring.shards[k][r] = spawn_simulated_shard(self, ctx, s.wiring, k, r, s.sim);
+      wiring.shards[k][r] = spawn_simulated_shard(self, ctx, s.wiring, k, r, ctx->simulated->groups);
       mine.shards.push_back(add(wiring.shards[k][r], ctx->shard_name(k, r)));
       wiring.stages[r][k] = spawn_simulated_stage(self, ctx, s.wiring, r, k);
       mine.stages.push_back(add(wiring.stages[r][k], ctx->stage_name(r, k)));
@@ -292,6 +290,7 @@ void renew(supervisor_self self) {
   s.retired.remove_if([](std::future<void>& f) { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
   s.retired.push_back(std::async(std::launch::async, [old = std::move(old)]() mutable { old.clear(); }));
   try {
+    if (s.ctx->simulated) return gather(self);  // no communicators (every simulated node: its own slots)
     if (!plan.renew) {  // one process: in-process communicators
       plan = local_node_plan(*s.ctx);
       return gather(self);

@@ -463,6 +463,36 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
       conclude, [](std::size_t, caf::error&) { return true; }, wait_atom_v, step);
 }
 
+/// The per-(replica, stage) figures of a step's metrics line: each entry up to
+/// per_rank_metrics_limit of them; beyond, per pipeline stage (p entries) the median and
+/// the maximum over the replicas, since a line with an entry per rank of a job of thousands
+/// is megabytes (and copying it cost seconds between steps).
+void add_stage_metrics(nlohmann::json& line, const std::vector<double>& busy, const std::vector<double>& idle,
+                       const std::vector<int>& peaks, int p) {
+  constexpr std::size_t per_rank_metrics_limit = 1024;
+  if (busy.size() <= per_rank_metrics_limit) {
+    line["stage_busy_s"] = busy;
+    line["stage_idle_s"] = idle;
+    line["peak_in_flight"] = peaks;
+    return;
+  }
+  auto by_stage = [p](const auto& xs, const char* name, nlohmann::json& out) {
+    std::vector<nlohmann::json> median, max;
+    for (int k = 0; k < p; ++k) {  // [replica * p + stage]
+      std::vector<double> col;
+      for (std::size_t i = std::size_t(k); i < xs.size(); i += std::size_t(p)) col.push_back(double(xs[i]));
+      std::sort(col.begin(), col.end());
+      median.emplace_back(col.empty() ? 0.0 : col[col.size() / 2]);
+      max.emplace_back(col.empty() ? 0.0 : col.back());
+    }
+    out[std::string(name) + "_median"] = median;
+    out[std::string(name) + "_max"] = max;
+  };
+  by_stage(busy, "stage_busy_s", line);
+  by_stage(idle, "stage_idle_s", line);
+  by_stage(peaks, "peak_in_flight", line);
+}
+
 void commit(self_ptr self) {
   auto& s = self->state;
   const auto& ctx = *s.ctx;
@@ -506,15 +536,13 @@ void commit(self_ptr self) {
                       {"tokens_per_s", s.stats.tokens / s.stats.seconds},
                       {"step_seconds", s.stats.seconds},
                       {"bubble", timing.bubble},
-                      {"stage_busy_s", timing.busy_s},
-                      {"stage_idle_s", timing.idle_s},
                       {"grad_reduce_tail_s", timing.reduce_tail_s},
-                      {"peak_in_flight", s.peaks},
                       {"skipped", s.skipping},
                       {"since_start_seconds", ctx.now_us() * 1e-6},
                       {"coordinator_cpu_seconds", s.step_cpu_s},
                       {"process_cpu_seconds", cpu_meter::process_seconds() - s.step_process_cpu0},
                       {"coordinator_messages", s.step_messages_in + s.step_messages_out}};
+  add_stage_metrics(line, timing.busy_s, timing.idle_s, s.peaks, ctx.p);
   // A simulated step: the cost model's step (scaled) and what the runtime added to it.
   if (ctx.simulated) {
     line["modelled_step_seconds"] = ctx.simulated->step_seconds();
@@ -745,6 +773,15 @@ coordinator_actor::behavior_type coordinator_behavior(self_ptr self, std::shared
     spdlog::warn("TROUPE_KERNEL_PROFILE asks for steps up to {}, but the run has {}: no profile will be written",
                  st.profile_request->last + 1, ctx->cfg.steps);
   wiring->coordinator = caf::actor_cast<coordinator_actor>(self);
+  if (supervisors.empty() && ctx->simulated && ctx->cfg.simulated_nodes > 1) {
+    // Simulated nodes: a supervisor each, and a registrar that replaces a lost one; as a
+    // launcher that restarts lost node processes, once per node the faults kill (and at
+    // least once), so that the shards keep buddy copies as they would there.
+    auto sim = spawn_simulated_nodes(self->system(), ctx, wiring, self->address());
+    supervisors = std::move(sim.supervisors);
+    st.registrar = std::move(sim.registrar);
+    st.opts.node_restarts = std::max({st.opts.node_restarts, int(ctx->faults.kills.size()), 1});
+  }
   if (supervisors.empty())  // one process: this node's supervisor hosts every replica
     supervisors.push_back(spawn_supervisor_actor(self->system(), ctx, wiring, local_node_plan(*ctx)));
   st.supervisors = supervisors;

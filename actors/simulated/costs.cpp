@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/simulated/simulated.hpp"
+#include "actors/supervisor_actor.hpp"
 #include "compute/schedule/timed_simulation.hpp"
 
 namespace troupe {
@@ -138,7 +139,15 @@ std::shared_ptr<const simulated_costs> make_simulated_costs(const job_config& c,
   if (!c.load.empty() || !c.resume.empty() || !c.init.empty() || !c.hf_model.empty() || !c.save.empty() ||
       !c.checkpoint_dir.empty())
     refuse("no weights are read or written (load, resume, init, train.model, save and checkpoint_dir are unset)");
+  if (c.simulated_nodes > 1) job_slots(c, 0, c.simulated_nodes);  // the nodes' shares (throws where they do not fit)
+  for (const auto& [node, step] : fault_plan::parse(c.faults()).kills)
+    if (node <= 0 || node >= c.simulated_nodes)
+      refuse("faults.kill_node names node " + std::to_string(node) + ", but " +
+             (c.simulated_nodes > 1 ? "the simulated nodes that can be killed are 1 to " + std::to_string(c.simulated_nodes - 1)
+                                    : std::string("the job is one node (train.simulated_nodes 1)")) +
+             " (node 0, the coordinator's, is not killed)");
   auto out = std::make_shared<simulated_costs>();
+  out->groups = make_sim_groups(c);
   out->device = c.simulated_device;
   out->scale = c.simulated_time_scale;
   plan::problem pr;
@@ -204,9 +213,10 @@ void sim_collective::forget_below(std::int64_t n) {
   arrived_.erase(arrived_.begin(), arrived_.lower_bound(n));
 }
 
-std::shared_ptr<sim_groups> make_sim_groups(const runtime_context& ctx) {
+std::shared_ptr<sim_groups> make_sim_groups(const job_config& c) {
   auto g = std::make_shared<sim_groups>();
-  for (int i = 0; i < ctx.p * ctx.t; ++i) g->by_group.push_back(std::make_shared<sim_collective>(ctx.d));
+  for (int i = 0; i < c.pipeline * c.tensor_parallel; ++i)  // (runtime_context: p x t groups of d = DP x CP)
+    g->by_group.push_back(std::make_shared<sim_collective>(c.data_parallel * c.context_parallel));
   return g;
 }
 

@@ -29,6 +29,7 @@ struct sim_shard_state {
   std::string waiting_what;
   std::vector<trace_event> events;
   std::vector<caf::message> stash;
+  bool copied_start = false;  // the buddy has the state it started from
 };
 
 using sim_shard_self = shard_actor::stateful_pointer<sim_shard_state>;
@@ -78,6 +79,28 @@ const plan::stage_costs& costs_of(const sim_shard_state& s, int chunk) {
   return s.ctx->simulated->model.chunks.at(std::size_t(s.ctx->virtual_stage(s.stage, chunk)));
 }
 
+/// Where a lost node can come back (several simulated nodes): the state before `before`
+/// goes to the buddy node's supervisor (a copy without tensors: a simulated shard holds
+/// none), then `then` runs, as a real shard reports its step done once its buddy holds
+/// the copy. (The copy's transfer time is not modelled.)
+template <class F>
+void copy_to_buddy(sim_shard_self self, std::int64_t before, F then) {
+  auto& s = self->state;
+  if (!s.wiring->buddy) return then();
+  shard_copy copy;
+  copy.stage = s.stage;
+  copy.rank = s.rank;
+  copy.step = before;
+  self->request(s.wiring->buddy, std::chrono::seconds(s.ctx->cfg.step_timeout), std::move(copy))
+      .then([then](bool) { then(); },
+            [self](caf::error& err) {
+              auto& s = self->state;
+              self->send(s.wiring->coordinator, runtime_failure{s.step, s.name,
+                                                                "copy to its buddy node: " + self->system().render(err),
+                                                                s.wiring->generation});
+            });
+}
+
 void on_done(sim_shard_self self, const collective_done& msg) {
   auto& s = self->state;
   if (!accept(self, msg.step)) return;
@@ -102,10 +125,13 @@ void on_done(sim_shard_self self, const collective_done& msg) {
       sized.shape = {std::int64_t(costs_of(s, c).params)};
       self->send(s.wiring->stages[s.rank][s.stage], param_shard{s.step, c, s.rank, std::move(sized)});
     }
-    s.running = false;
-    self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
-    s.events.clear();
     s.group->forget_below(call_of(s, reduce_scatter, 0));
+    copy_to_buddy(self, s.step + 1, [self] {
+      auto& s = self->state;
+      s.running = false;
+      self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
+      s.events.clear();
+    });
   }
 }
 
@@ -129,6 +155,10 @@ shard_actor::behavior_type sim_shard_behavior(sim_shard_self self, std::shared_p
         s.reduced = 0;
         s.clipped = false;
         s.waiting_call = -1;
+        if (!s.copied_start) {  // a new or rebuilt shard: the buddy gets the state it starts from
+          s.copied_start = true;
+          copy_to_buddy(self, s.step, [] {});
+        }
         auto stash = std::move(s.stash);
         s.stash.clear();
         for (auto& m : stash) caf::anon_send(caf::actor_cast<caf::actor>(self), std::move(m));

@@ -35,7 +35,10 @@
 
 namespace troupe {
 
-/// The modelled times of a simulated job (runtime_context::simulated).
+struct sim_groups;
+
+/// The modelled times of a simulated job (runtime_context::simulated), and its shards'
+/// simulated collectives (one set per job: every simulated node's shards meet in them).
 struct simulated_costs {
   plan::layout_costs model;  ///< per virtual stage, the transfers, the planner's prediction
   std::string device;        ///< the device model's name
@@ -46,6 +49,7 @@ struct simulated_costs {
   /// The modelled step (the planner's prediction), scaled: what a step would take with no
   /// runtime overhead.
   double step_seconds() const { return model.predicted.step_seconds * scale; }
+  std::shared_ptr<sim_groups> groups;  ///< the shards' collectives (make_sim_groups)
 };
 
 /// One op's modelled time on a virtual stage of costs `c` (a split B: the backward less its
@@ -80,11 +84,24 @@ class sim_collective {
 };
 
 /// The simulated collectives of a job (one per shard group: (stage, tensor-parallel
-/// rank)), made once per process.
+/// rank)), made once per job (simulated_costs::groups).
 struct sim_groups {
   std::vector<std::shared_ptr<sim_collective>> by_group;  ///< [stage * t + tp]
 };
-std::shared_ptr<sim_groups> make_sim_groups(const runtime_context& ctx);
+std::shared_ptr<sim_groups> make_sim_groups(const job_config& c);
+
+/// The simulated nodes of a job (train.simulated_nodes > 1, actors/simulated/nodes.cpp):
+/// a supervisor per node with node_slots' share of the actors (node 0's with
+/// `node0_wiring`, the coordinator's; every other one a wiring of its own), and a
+/// registrar that replaces a lost node (faults.kill_node) with a fresh supervisor, as the
+/// launcher restarts a node process. The registrar ends with `coordinator`. Throws
+/// config_error for a kill_node that names node 0 or no node of the job.
+struct simulated_node_set {
+  std::vector<supervisor_actor> supervisors;
+  registrar_actor registrar;
+};
+simulated_node_set spawn_simulated_nodes(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
+                                         std::shared_ptr<job_wiring> node0_wiring, const caf::actor_addr& coordinator);
 
 stage_actor spawn_simulated_stage(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                                   std::shared_ptr<const job_wiring> wiring, int replica, int stage);

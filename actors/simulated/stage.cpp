@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "actors/simulated/simulated.hpp"
+#include "actors/supervisor_actor.hpp"
 #include "actors/wait_graph.hpp"
 #include "messages/type_ids.hpp"
 
@@ -25,6 +26,7 @@ struct sim_stage_state {
   std::vector<int> chunk_ops;  // per chunk: its ops in a step
   std::int64_t ticks = 0;      // ops started (each one's end is tick n)
   fault_injector faults;       // fault injection (tests): throw_at and freeze as a real stage's
+  caf::actor_addr supervisor;  // its node's (faults.kill_node ends it: the node is lost)
   // --- per step ---
   std::int64_t step = -1;
   std::int32_t attempt = 0;
@@ -196,6 +198,14 @@ class sim_stage {
   }
 
   void begin(const begin_step& msg) {
+    // A lost node (faults.kill_node): its first slot's stage ends its supervisor, which
+    // takes every actor of the node with it, as a killed node process does.
+    if (s_.faults.kills_node(s_.wiring->node, msg.step, msg.attempt) &&
+        job_slots(ctx_.cfg, s_.wiring->node, ctx_.cfg.simulated_nodes).front() == std::make_pair(s_.replica, s_.stage)) {
+      spdlog::warn("fault injected: simulated node {} is lost as step {} (index {}) begins", s_.wiring->node,
+                   msg.step + 1, msg.step);
+      self_->send_exit(s_.supervisor, caf::make_error(caf::sec::runtime_error, std::string("simulated node lost (faults.kill_node)")));
+    }
     s_.step = msg.step;
     s_.attempt = msg.attempt;
     s_.running = true;
@@ -284,8 +294,10 @@ class sim_stage {
 };
 
 stage_actor::behavior_type sim_stage_behavior(sim_stage_self self, std::shared_ptr<const runtime_context> ctx,
-                                              std::shared_ptr<const job_wiring> wiring, int replica, int stage) {
+                                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
+                                              caf::actor_addr supervisor) {
   auto& st = self->state;
+  st.supervisor = std::move(supervisor);
   st.ctx = ctx;
   st.wiring = wiring;
   st.replica = replica;
@@ -356,7 +368,8 @@ stage_actor::behavior_type sim_stage_behavior(sim_stage_self self, std::shared_p
 stage_actor spawn_simulated_stage(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                                   std::shared_ptr<const job_wiring> wiring, int replica, int stage) {
   // Event-based (no thread of its own): its ops are timers.
-  return supervisor->spawn<caf::monitored>(sim_stage_behavior, std::move(ctx), std::move(wiring), replica, stage);
+  return supervisor->spawn<caf::monitored>(sim_stage_behavior, std::move(ctx), std::move(wiring), replica, stage,
+                                           supervisor->address());
 }
 
 }  // namespace troupe

@@ -186,6 +186,12 @@ const std::vector<key_def>& key_defs() {
       double_key("train.simulated_time_scale",
                  "compute simulated: every modelled wait times this (0.1: a 10 s step runs in about 1 s)",
                  &job_config::simulated_time_scale, 1e-6, 1000),
+      int_key("train.simulated_nodes",
+              "compute simulated: the ranks as this many nodes in this one process, each a failure domain of its own "
+              "(a supervisor with its share of the stage, shard and loader actors, as node_slots spreads them over "
+              "node processes); faults.kill_node ends one as a lost node process, and it rejoins from its buddy's "
+              "copies",
+              &job_config::simulated_nodes, 1, 1 << 20),
       int_key("train.step_timeout", "seconds before an unfinished step is aborted (the hard limit; see hang_factor)",
               &job_config::step_timeout, 1, 1000000),
       double_key("train.hang_factor",
@@ -423,7 +429,7 @@ const std::vector<key_def>& key_defs() {
       int_key("faults.nan_at", "step (0-based index) whose losses the last stages make NaN (testing; -1: none)", &job_config::nan_at, -1,
               10000000),
       string_key("faults.kill_node", "node:step[+node:step...] - that node's process SIGKILLs itself as that step (0-based index) "
-                 "begins (testing)",
+                 "begins (simulated nodes: its supervisor ends, with every actor of the node; testing)",
                  &job_config::kill_node),
       string_key("faults.message",
                  "ACTION@replica:stage:step[:loss|:eval] - drop, duplicate, corrupt or delay (delay=SECONDS; "
@@ -806,6 +812,9 @@ void job_config::validate() const {
   if (runtime != "actors" && runtime != "local") fail("unknown runtime '" + runtime + "' (expected actors or local)");
   if (compute != "real" && compute != "simulated")
     fail("unknown compute '" + compute + "' (expected real or simulated)");
+  if (simulated_nodes > 1 && compute != "simulated")
+    fail("simulated_nodes " + std::to_string(simulated_nodes) + " needs compute simulated (real nodes are node "
+         "processes: launch/troupe train --nodes N)");
   if (schedule == "dataflow") {
     if (chunks != 1) fail("dataflow takes no virtual chunks (got chunks " + std::to_string(chunks) + ")");
     if (runtime != "actors") fail("the dataflow schedule needs the actors runtime");

@@ -38,6 +38,7 @@ struct job_config {
   std::string compute = "real";
   std::string simulated_device = "h100";  ///< simulated: the device model (compute/plan: h100, h200, a100, cpu)
   double simulated_time_scale = 1;        ///< simulated: each modelled wait times this (0.1: a 10 s step in 1 s)
+  int simulated_nodes = 1;                ///< simulated: the ranks as this many nodes (failure domains) in one process
   int step_timeout = 300;             ///< seconds before an unfinished step is aborted
   double hang_factor = 4;             ///< no progress for this many recent median steps: a hang (0: off)
   int hang_min_seconds = 5;           ///< the hang watchdog's shortest limit

@@ -2,18 +2,22 @@
 // loaders drive stage and shard actors whose ops are timers of the planner's cost model.
 // Checked: every stage runs its schedule's list in order, no op ends before its modelled
 // time, no step is shorter than the modelled pipeline, the losses are those a simulated
-// stage reports, an injected fault is retried in place, and a 1,024-rank layout (Llama 3
-// 8B's shape at TP 8 x PP 16 x DP 8) runs.
+// stage reports, an injected fault is retried in place, a lost simulated node rejoins from
+// its buddy's copies, and a 1,024-rank layout (Llama 3 8B's shape at TP 8 x PP 16 x DP 8)
+// runs.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "actors/runtime.hpp"
 #include "actors/simulated/simulated.hpp"
@@ -165,6 +169,62 @@ TEST(SimulatedRun, RefusesWhatItCannotSimulate) {
   c = simulated_job(4, 1024, 1024, 1.0);
   c.compute = "modelled";
   EXPECT_NE(test::config_error_of(c).find("unknown compute 'modelled'"), std::string::npos);
+  // Simulated nodes: an equal share each; node 0 (the coordinator's) and nodes the job
+  // does not have are not killed; real compute has node processes instead.
+  c = simulated_job(4, 1024, 1024, 1.0);
+  c.pipeline = 2;
+  c.data_parallel = 2;
+  c.simulated_nodes = 3;
+  expect_refused(c, "3 nodes need pipeline x data_parallel (2 x 2) divisible by the node count");
+  c.simulated_nodes = 2;
+  c.kill_node = "0:1";
+  expect_refused(c, "node 0, the coordinator's, is not killed");
+  c.kill_node = "2:1";
+  expect_refused(c, "the simulated nodes that can be killed are 1 to 1");
+  c.simulated_nodes = 1;
+  c.kill_node = "1:1";
+  expect_refused(c, "the job is one node (train.simulated_nodes 1)");
+  c = simulated_job(4, 1024, 1024, 1.0);
+  c.compute = "real";
+  c.simulated_nodes = 2;
+  EXPECT_NE(test::config_error_of(c).find("simulated_nodes 2 needs compute simulated"), std::string::npos);
+}
+
+// Simulated nodes (train.simulated_nodes): a p2 x d4 job as 4 failure domains, node 2 lost
+// as step 2 begins (faults.kill_node). The coordinator sees its supervisor gone, the
+// registrar starts a fresh one, which takes its shards' state from node 3 (its buddy:
+// every shard of node 2 copied its state there each step), and the step runs again:
+// every step commits, and the metrics' retry line names the rejoined node.
+TEST(SimulatedRun, ALostNodeRejoinsFromItsBuddysCopies) {
+  test::temp_dir dir;
+  auto c = simulated_job(4, 1024, 1024, 1.0);
+  c.pipeline = 2;
+  c.data_parallel = 4;
+  c.microbatches = 4;
+  c.global_batch = 16;
+  c.steps = 3;
+  c.simulated_nodes = 4;
+  const auto plain = run_quiet(c);
+  ASSERT_EQ(plain.exit_code, 0) << plain.error;
+  c.kill_node = "2:1";
+  c.metrics = dir / "metrics.jsonl";
+  const auto r = run_quiet(c);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  EXPECT_EQ(r.losses, plain.losses);
+  std::ifstream in(c.metrics);
+  std::vector<nlohmann::json> retries;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("event", "") == "retry") retries.push_back(j);
+  }
+  ASSERT_EQ(retries.size(), 1u);
+  EXPECT_EQ(retries[0].at("step").get<int>(), 1);
+  EXPECT_EQ(retries[0].at("rejoined_nodes"), nlohmann::json::array({2}));
+  // Each committed step's ops, once: the lost attempt's are not among them.
+  std::size_t stage_ops = 0, plain_ops = 0;
+  for (const auto& e : r.events) stage_ops += e.name == "F" || e.name == "B";
+  for (const auto& e : plain.events) plain_ops += e.name == "F" || e.name == "B";
+  EXPECT_EQ(stage_ops, plain_ops);
 }
 
 // A real run's trace as the cost model (simulated_device "trace:FILE"): each virtual

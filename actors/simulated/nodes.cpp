@@ -1,0 +1,91 @@
+// Simulated nodes (train.simulated_nodes > 1; actors/simulated/simulated.hpp): the job's
+// ranks as that many supervisors in this process, each with the slots node_slots gives a
+// node process, and a registrar that stands in for the launcher and node 0's registrar
+// when a lost node comes back.
+#include <caf/all.hpp>
+#include <spdlog/spdlog.h>
+
+#include "actors/simulated/simulated.hpp"
+#include "actors/supervisor_actor.hpp"
+#include "messages/type_ids.hpp"
+
+namespace troupe {
+
+namespace {
+
+/// Node `node`'s plan: its slots, the loaders of its pipelines' first stages, no
+/// communicators (the simulated shards meet in sim_collectives). `rejoining`: a node
+/// process started again after a loss (no actors until the coordinator's recover).
+node_plan simulated_node_plan(const runtime_context& ctx, int node, bool rejoining) {
+  node_plan plan;
+  plan.node = node;
+  plan.slots = job_slots(ctx.cfg, node, ctx.cfg.simulated_nodes);
+  for (const auto& [r, k] : plan.slots)
+    if (k == 0) plan.loader_replicas.push_back(r);
+  plan.rejoining = rejoining;
+  return plan;
+}
+
+struct sim_registrar_state {
+  std::shared_ptr<const runtime_context> ctx;
+  std::vector<supervisor_actor> supervisors;
+};
+
+using sim_registrar_self = registrar_actor::stateful_pointer<sim_registrar_state>;
+
+/// The registrar of simulated nodes: what the coordinator asks of a registrar (a lost node's
+/// replacement: a fresh supervisor without actors, as a node process the launcher starts
+/// again); the joining side of the protocol (node processes) is refused. It ends with the
+/// coordinator.
+registrar_actor::behavior_type sim_registrar_behavior(sim_registrar_self self, std::shared_ptr<const runtime_context> ctx,
+                                                      std::vector<supervisor_actor> supervisors,
+                                                      caf::actor_addr coordinator) {
+  self->state.ctx = std::move(ctx);
+  self->state.supervisors = std::move(supervisors);
+  self->monitor(coordinator);
+  self->set_down_handler([self](const caf::down_msg&) {
+    self->state.supervisors.clear();
+    self->quit();
+  });
+  const auto refused = [] {
+    return caf::make_error(caf::sec::runtime_error, std::string("simulated nodes: no node process joins"));
+  };
+  return {
+      [](clock_atom) { return steady_clock_ns(); },
+      [](check_atom, std::int32_t, std::int32_t) {},
+      [refused](const node_hello&) -> caf::result<job_offer> { return refused(); },
+      [](const node_addresses& a) { return a; },
+      [](const node_ready&) { return true; },
+      [self](rejoin_atom, std::int32_t node, const caf::actor&) -> caf::result<caf::actor> {
+        auto& s = self->state;
+        if (node <= 0 || node >= std::int32_t(s.supervisors.size()))
+          return caf::make_error(caf::sec::invalid_argument, "no simulated node " + std::to_string(node));
+        auto sup = spawn_supervisor_actor(self->system(), s.ctx, std::make_shared<job_wiring>(),
+                                          simulated_node_plan(*s.ctx, node, /*rejoining=*/true));
+        s.supervisors.at(std::size_t(node)) = sup;
+        spdlog::info("simulated node {} started again (a fresh supervisor without actors)", node);
+        return caf::actor_cast<caf::actor>(sup);
+      },
+      [](const node_unfit&) { return true; },
+      [self](run_atom) {
+        std::vector<caf::actor> out;
+        for (const auto& sup : self->state.supervisors) out.push_back(caf::actor_cast<caf::actor>(sup));
+        return out;
+      },
+  };
+}
+
+}  // namespace
+
+simulated_node_set spawn_simulated_nodes(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
+                                      std::shared_ptr<job_wiring> node0_wiring, const caf::actor_addr& coordinator) {
+  const int n = ctx->cfg.simulated_nodes;  // (its layout and kills checked by make_simulated_costs)
+  simulated_node_set out;
+  for (int node = 0; node < n; ++node)
+    out.supervisors.push_back(spawn_supervisor_actor(sys, ctx, node == 0 ? node0_wiring : std::make_shared<job_wiring>(),
+                                                     simulated_node_plan(*ctx, node, false)));
+  out.registrar = sys.spawn(sim_registrar_behavior, ctx, out.supervisors, coordinator);
+  return out;
+}
+
+}  // namespace troupe
