@@ -78,8 +78,8 @@ registrar_actor::behavior_type sim_registrar_behavior(sim_registrar_self self, s
 }  // namespace
 
 simulated_node_set spawn_simulated_nodes(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
-                                      std::shared_ptr<job_wiring> node0_wiring, const caf::actor_addr& coordinator) {
-  const int n = ctx->cfg.simulated_nodes;  // (its layout and kills checked by make_simulated_costs)
+                                         std::shared_ptr<job_wiring> node0_wiring, const caf::actor_addr& coordinator) {
+  const int n = ctx->cfg.simulated_nodes;
   simulated_node_set out;
   for (int node = 0; node < n; ++node)
     out.supervisors.push_back(spawn_supervisor_actor(sys, ctx, node == 0 ? node0_wiring : std::make_shared<job_wiring>(),

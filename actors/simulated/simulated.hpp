@@ -94,8 +94,8 @@ std::shared_ptr<sim_groups> make_sim_groups(const job_config& c);
 /// a supervisor per node with node_slots' share of the actors (node 0's with
 /// `node0_wiring`, the coordinator's; every other one a wiring of its own), and a
 /// registrar that replaces a lost node (faults.kill_node) with a fresh supervisor, as the
-/// launcher restarts a node process. The registrar ends with `coordinator`. Throws
-/// config_error for a kill_node that names node 0 or no node of the job.
+/// launcher restarts a node process. The registrar ends with `coordinator`. (The nodes'
+/// shares and the kills are checked by make_simulated_costs.)
 struct simulated_node_set {
   std::vector<supervisor_actor> supervisors;
   registrar_actor registrar;
