@@ -105,17 +105,16 @@ def young_interval(p):
 
 class Job:
     """A job's week: wall time `t`, useful time `useful` (full-speed training seconds kept),
-    checkpoints every `interval` s of training (each stalling `stall` s; synchronous ones
-    are lost when a failure comes during their write), the speed it trains at."""
+    checkpoints every `interval` s of training (each stalling `stall` s, and kept once the
+    stall ends: a failure during it loses the checkpoint), the speed it trains at."""
 
-    def __init__(self, interval, stall, synchronous):
+    def __init__(self, interval, stall):
         self.t = 0.0
         self.useful = 0.0
         self.pending = 0.0  # useful time since the newest checkpoint
         self.cycle = 0.0    # wall time into the current checkpoint cycle (work, then stall)
-        self.interval, self.stall, self.synchronous = interval, stall, synchronous
+        self.interval, self.stall = interval, stall
         self.speed = 1.0
-        self.slow_until = 0.0
 
     def train(self, until):
         while self.t < until:
@@ -157,10 +156,10 @@ def week(strategy, p, rng):
     write, load = checkpoint_seconds(p)
     cr, tr = p["checkpoint_restart"], p["troupe"]
     if recovery == "checkpoint-restart":
-        job = Job(cr["interval_minutes"] * 60 if cr["interval_minutes"] else young_interval(p), write, True)
+        job = Job(cr["interval_minutes"] * 60 if cr["interval_minutes"] else young_interval(p), write)
         relaunch = cr["relaunch_seconds"] + load
     else:
-        job = Job(tr["checkpoint_interval_minutes"] * 60, tr["checkpoint_stall_seconds"], False)
+        job = Job(tr["checkpoint_interval_minutes"] * 60, tr["checkpoint_stall_seconds"])
         relaunch = tr["relaunch_seconds"] + load + tr["launch_to_first_step_seconds"]
     regrow_at = None  # without spares: when the shrunk job takes the repaired host back
     t_fail = rng.expovariate(lam) if lam > 0 else math.inf
