@@ -198,9 +198,10 @@ int assign_nccl_ids(node_addresses& table, const std::function<std::string()>& m
   table.nccl_ids.resize(table.stages.size());
   // Per group (a shard group >= 0, the world -1, a tensor-parallel group spread over
   // nodes <= tensor_group_base, an expert group or an expert shard group): its members'
-  // GPU keys by rank.
+  // GPU keys by rank. (Not the context-parallel groups spread over nodes: UCX.)
   auto is_group = [](int stage) {
-    return stage >= 0 || stage <= tensor_group_base || is_expert_shard_entry(stage) || is_expert_group_entry(stage);
+    return stage >= 0 || (stage <= tensor_group_base && stage > context_group_base) || is_expert_shard_entry(stage) ||
+           is_expert_group_entry(stage);
   };
   std::map<int, std::vector<std::string>> keys;
   for (std::size_t i = 0; i < n; ++i)

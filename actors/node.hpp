@@ -105,6 +105,15 @@ constexpr std::int32_t expert_shard_entry(int stage, int share, int ep) { return
 /// gets an id, as a shard group's), else over UCX.
 constexpr std::int32_t tensor_group_base = -(1 << 28);
 constexpr std::int32_t tensor_group_entry(int stage, int replica, int d) { return tensor_group_base - (stage * d + replica); }
+/// The entries of context-parallel groups that span node processes (node_slots with more
+/// nodes than p x data-parallel replicas): the stage actors at stage k of the pipelines
+/// (data c + cp) t + tp, cp = 0 .. c-1, are entry context_group_entry(k, data t + tp,
+/// data-parallel replicas x t), rank cp; below every tensor-parallel group's entry. Over
+/// UCX (context parallelism runs on the CPU).
+constexpr std::int32_t context_group_base = -(1 << 29);
+constexpr std::int32_t context_group_entry(int stage, int group, int groups) {
+  return context_group_base - (stage * groups + group);
+}
 constexpr bool is_expert_shard_entry(std::int32_t entry) { return entry <= expert_shard_base && entry > tensor_group_base; }
 constexpr bool is_expert_group_entry(std::int32_t entry) { return entry <= expert_group_base && entry > expert_shard_base; }
 

@@ -11,6 +11,7 @@
 #include "actors/node.hpp"
 #include "messages/node_messages.hpp"
 #include "transport/host_staging.hpp"
+#include "transport/hybrid.hpp"
 #include "transport/ipc/ipc.hpp"
 #include "transport/local/local_group.hpp"
 #include "transport/nccl/nccl_communicator.hpp"
@@ -84,6 +85,12 @@ class ucx_renewal : public comm_renewal {
           tensors_.push_back(transport::prepare_ucx_communicator(q % t_, t_));
           add(tensor_group_entry(k, q / t_, d_), q % t_, tensors_.back()->address(), gpu);
         }
+    if (c_ > 1)  // context-parallel groups that span nodes (the others are made in connect)
+      for (const auto& [q, k] : slots_)
+        if (!whole_context_group_here(q, k)) {
+          contexts_.push_back(transport::prepare_ucx_communicator(q / t_ % c_, c_));
+          add(context_entry(q, k), q / t_ % c_, contexts_.back()->address(), gpu);
+        }
     if (ep_ > 1)
       for (const auto& [r, k] : slots_) {
         for (const bool backward : {false, true}) {
@@ -148,6 +155,9 @@ class ucx_renewal : public comm_renewal {
       const auto [q, k] = slots_[i];
       plan.comms[i] = group_comm(shard_group(q, k), q / t_, d_, *pending_[i],
                                  "stage " + std::to_string(k) + "'s shard collectives");
+      if (transport_.shard_group > 0)
+        plan.comms[i] = transport::hybrid_shard_group(std::move(plan.comms[i]), transport_.shard_group,
+                                                      transport::process_ucx_options().timeout);
     }
     if (t_ > 1) {  // tensor-parallel groups: in process where the group is here, else over UCX
       std::map<std::pair<int, int>, std::vector<std::shared_ptr<transport::communicator>>> groups;
@@ -163,9 +173,16 @@ class ucx_renewal : public comm_renewal {
         plan.tp_comms.push_back(g.at(std::size_t(q % t_)));
       }
     }
-    if (c_ > 1) {  // context-parallel groups: one per (replica, stage, tp), rank cp, all here
+    if (c_ > 1) {  // context-parallel groups: one per (replica, stage, tp), rank cp: in process
+      // where the group is here, else over UCX
       std::map<std::tuple<int, int, int>, std::vector<std::shared_ptr<transport::communicator>>> groups;
+      std::size_t next = 0;
       for (const auto& [q, k] : slots_) {
+        if (!whole_context_group_here(q, k)) {
+          plan.cp_comms.push_back(
+              staged(contexts_.at(next++)->connect(column(context_entry(q, k), c_, table.addresses))));
+          continue;
+        }
         auto& g = groups[{q / (t_ * c_), k, q % t_}];
         if (g.empty()) g = transport::make_local_group(c_);
         plan.cp_comms.push_back(g.at(std::size_t(q / t_ % c_)));
@@ -229,7 +246,18 @@ class ucx_renewal : public comm_renewal {
 
  private:
   int node_, nodes_, d_, t_, ep_;
-  int c_ = 1;  ///< context parallelism: its groups are whole on a node (node_slots), in process
+  int c_ = 1;  ///< context parallelism: in process where a group is whole on this node, else UCX
+  /// The table's entry of slot (q, k)'s context-parallel group (spread over nodes).
+  int context_entry(int q, int k) const {
+    return context_group_entry(k, q / (t_ * c_) * t_ + q % t_, d_ / c_ * t_);
+  }
+  /// Whether every rank of slot (q, k)'s context-parallel group is on this node.
+  bool whole_context_group_here(int q, int k) const {
+    const int first = q / (t_ * c_) * (t_ * c_) + q % t_;  // its rank 0's pipeline
+    for (int cp = 0; cp < c_; ++cp)
+      if (std::find(slots_.begin(), slots_.end(), std::make_pair(first + cp * t_, k)) == slots_.end()) return false;
+    return true;
+  }
   /// The table's entry of the shard group of slot (pipeline q, stage k): its (stage,
   /// tensor-parallel rank).
   int shard_group(int q, int k) const { return k * t_ + q % t_; }
@@ -246,6 +274,7 @@ class ucx_renewal : public comm_renewal {
   std::vector<std::unique_ptr<transport::ucx_pending>> experts_;  // per slot: its expert-parallel groups (EP > 1), forwards' and backwards'
   std::vector<std::unique_ptr<transport::ucx_pending>> expert_shards_;  // per slot: its shard's expert-data-parallel group (EP > 1)
   std::vector<std::unique_ptr<transport::ucx_pending>> tensors_;  // per slot whose tensor-parallel group spans nodes
+  std::vector<std::unique_ptr<transport::ucx_pending>> contexts_;  // per slot whose context-parallel group spans nodes
   node_addresses mine_;
   std::vector<std::pair<int, int>> links_;  // link_pairs() where links are asked for
 
@@ -308,6 +337,7 @@ node_transport transport_for(const runtime_context& ctx, const node_transport_se
     t.staged = staging::device_tensors;
   }
   if (ctx.device.is_cuda()) t.device = ctx.device.has_index() ? ctx.device.index() : 0;
+  if (ctx.g < ctx.d) t.shard_group = ctx.g;
   const std::string& nccl = settings.nccl;
   if (nccl == "1") {
     if (!ctx.device.is_cuda()) throw config_error("TROUPE_NCCL=1: the job does not run on a GPU (--device cuda)");

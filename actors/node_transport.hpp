@@ -32,6 +32,10 @@ struct node_transport {
   /// Tests of the links without NCCL: the tensors between stages on nodes of link_pairs()
   /// through ordered_p2p over links on one UCX tag (TROUPE_LINKS=ucx).
   bool ucx_links = false;
+  /// Hybrid sharding (parallel.shard_group): each slot's shard communicator is its rank
+  /// of a shard group of this many ranks over the d-rank one (transport/hybrid.hpp); 0:
+  /// the whole group.
+  int shard_group = 0;
 };
 
 /// How this node's tensors travel, with the reasons logged. On a GPU: tensors staged
@@ -53,7 +57,8 @@ node_transport transport_for(const runtime_context& ctx, const node_transport_se
 /// tensor-parallel group: in this process where node_slots put the whole group here,
 /// else over UCX (entry tensor_group_entry). With context parallelism `c` > 1 (`d` then
 /// counts its ranks: data_parallel x c) per slot rank cp of its (replica, stage, tp)'s
-/// context-parallel group, in this process (node_slots keeps the groups whole).
+/// context-parallel group: in this process where the group is whole here, else over UCX
+/// (entry context_group_entry).
 std::unique_ptr<comm_renewal> make_node_comms(int node, int nodes, int p, int d, int t, int ep, int c,
                                               std::vector<std::pair<int, int>> slots, node_transport transport);
 

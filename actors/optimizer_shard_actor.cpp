@@ -402,8 +402,10 @@ void send_norm_partials(shard_self self) {
     ch.grads = torch::Tensor();  // the stage's buffer is no longer read
     std::fill(ch.here.begin(), ch.here.end(), 0);
     s.record_sent("gradient-norm partial of chunk " + std::to_string(ci), "coordinator");
-    self->send(s.wiring->coordinator, grad_norm_partial{s.step, s.ctx->virtual_stage(s.stage, ci), s.rank,
-                                                        partial_sq_norm(ch.reduced, ch.norm_mask)});
+    // Hybrid sharding: every piece has d / g copies, one of which counts.
+    const double partial = s.ctx->shard_copy_of(s.rank) == 0 ? partial_sq_norm(ch.reduced, ch.norm_mask) : 0.0;
+    self->send(s.wiring->coordinator,
+               grad_norm_partial{s.step, s.ctx->virtual_stage(s.stage, ci), s.rank, partial});
   }
   s.phase = shard_phase::awaiting_clip;
 }
@@ -552,8 +554,9 @@ shard_actor::behavior_type shard_behavior(shard_self self, std::shared_ptr<const
   st.rank = rank;
   st.name = ctx->shard_name(stage, rank);
   // Its data-parallel group: the stage's shards of the same tensor-parallel rank.
-  const int dp = ctx->dp_of(rank);
-  if (comm->size() != ctx->d || comm->rank() != dp)
+  // (Hybrid sharding: its shard group's g ranks, the sum still over all d: hybrid.hpp.)
+  const int dp = ctx->dp_of(rank) % ctx->g;
+  if (comm->size() != ctx->g || comm->rank() != dp)
     throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
                            std::to_string(comm->size()));
   if ((ctx->ep > 1) != bool(expert_comm) ||

@@ -101,8 +101,16 @@ struct runtime_context {
   }
   /// The groups shard `pipe`'s buffer of a chunk laid out as `slice` is reduced over.
   shard_groups groups_of(int pipe, const model_slice& slice) const {
-    return {d, dp_of(pipe), slice.expert_offset(), edp, ep > 1 ? pipe / ep : 0};
+    return {g, dp_of(pipe) % g, slice.expert_offset(), edp, ep > 1 ? pipe / ep : 0};
   }
+  /// Hybrid sharding (parallel.shard_group): the data-parallel group's d ranks as d / g
+  /// shard groups of g consecutive ranks (g = d: one group). Shard `pipe` owns piece
+  /// dp mod g of its group's state; the shards of the same piece in the other groups
+  /// hold the same bits (their communicator: transport/hybrid.hpp).
+  int g = 1;
+  /// Which of the d / g copies of its piece shard `pipe` holds (0: the one whose
+  /// gradient-norm partials count).
+  int shard_copy_of(int pipe) const { return dp_of(pipe) / g; }
   /// What the data-parallel group shards (parallel.shard): with gradients or parameters
   /// the stage actors reduce-scatter their chunks' gradients (and with parameters
   /// all-gather their parameters) around each run of ops on a chunk, over their shards'

@@ -18,6 +18,7 @@
 #include "actors/stage/stage.hpp"
 #include "compute/config/job_config.hpp"
 #include "messages/type_ids.hpp"
+#include "transport/hybrid.hpp"
 #include "transport/local/local_group.hpp"
 
 namespace troupe {
@@ -57,13 +58,8 @@ std::vector<std::shared_ptr<transport::communicator>> context_groups(const runti
 }
 
 std::vector<std::pair<int, int>> job_slots(const job_config& cfg, int node, int nodes) {
-  const int C = cfg.context_parallel;
-  if (C > 1 && nodes > 0 && cfg.data_parallel % nodes != 0)
-    throw config_error("invalid configuration: " + std::to_string(nodes) + " nodes with context_parallel " +
-                       std::to_string(C) + " need data_parallel " + std::to_string(cfg.data_parallel) +
-                       " divisible by the node count: each node hosts whole replicas (a context-parallel group's "
-                       "collectives stay in one node process)");
-  return node_slots(cfg.pipeline, cfg.data_parallel * C, node, nodes, cfg.tensor_parallel);
+  // (Context parallelism: a group whose ranks land on several nodes runs over UCX.)
+  return node_slots(cfg.pipeline, cfg.data_parallel * cfg.context_parallel, node, nodes, cfg.tensor_parallel);
 }
 
 node_plan local_node_plan(const runtime_context& ctx) {
@@ -77,7 +73,8 @@ node_plan local_node_plan(const runtime_context& ctx) {
   std::vector<std::vector<std::shared_ptr<transport::communicator>>> groups;
   for (int i = 0; i < ctx.p * ctx.t; ++i) groups.push_back(transport::make_local_group(ctx.d));
   plan.slots = node_slots(ctx.p, ctx.d, 0, 1, ctx.t);
-  for (const auto& [q, k] : plan.slots) plan.comms.push_back(groups[k * ctx.t + ctx.tp_of(q)][ctx.dp_of(q)]);
+  for (const auto& [q, k] : plan.slots)
+    plan.comms.push_back(transport::hybrid_shard_group(groups[k * ctx.t + ctx.tp_of(q)][ctx.dp_of(q)], ctx.g));
   if (ctx.t > 1) {
     // The stage actors' tensor-parallel groups: one per (replica, stage), rank tp.
     std::map<std::pair<int, int>, std::vector<std::shared_ptr<transport::communicator>>> tp_groups;
@@ -193,7 +190,8 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
                                             params.empty() ? std::vector<torch::Tensor>{} : params.at(i),
                                             comm_or_null(plan.ep_comms, i), comm_or_null(plan.ep_backward_comms, i),
                                             comm_or_null(plan.tp_comms, i), comm_or_null(plan.cp_comms, i),
-                                            ctx->shards_grads() ? plan.comms.at(i) : nullptr);
+                                            ctx->shards_grads() ? plan.comms.at(i) : nullptr,
+                                            ctx->shards_grads() ? comm_or_null(plan.edp_comms, i) : nullptr);
     mine.stages.push_back(add(wiring.stages[r][k], ctx->stage_name(r, k)));
   }
   for (int r : plan.loader_replicas) {
@@ -258,7 +256,7 @@ void gather(supervisor_self self) {
       const auto& piece = snap->chunks[c].params;
       const auto n = snap->stage_numel.at(c), split = snap->stage_expert_offset.at(c);
       auto& whole = rec.params.back().emplace_back(torch::empty({n}, piece.options()));
-      const auto dense = split / s.ctx->d;
+      const auto dense = split / s.ctx->g;
       works.push_back(s.plan.comms.at(i)->all_gather(piece.narrow(0, 0, dense), whole.narrow(0, 0, split)));
       if (split < n)
         works.push_back(s.plan.edp_comms.at(i)->all_gather(piece.narrow(0, dense, piece.numel() - dense),
@@ -334,8 +332,9 @@ void release_groups(supervisor_state& s, const std::string& why) {
       if (c) c->abort(why);
   // (Gradients or parameters sharded: the stages' ops wait in the shards' communicators.)
   if (s.ctx->shards_grads())
-    for (auto& c : s.plan.comms)
-      if (c) c->abort(why);
+    for (auto* group : {&s.plan.comms, &s.plan.edp_comms})
+      for (auto& c : *group)
+        if (c) c->abort(why);
 }
 
 /// The name of the child that `msg` says is gone; it leaves the list.

@@ -92,9 +92,8 @@ struct node_plan {
 /// consecutive node processes (the node count must then divide p x d x t so).
 std::vector<std::pair<int, int>> node_slots(int p, int d, int node, int nodes, int t = 1);
 /// node_slots of `cfg`'s layout: with context parallelism its ranks count as replicas
-/// (d = data_parallel x context_parallel), and every node must hold whole replicas (the
-/// node count divides data_parallel): a context-parallel group's collectives stay in one
-/// process. A layout that does not fit throws config_error.
+/// (d = data_parallel x context_parallel); a context-parallel group whose ranks land on
+/// several nodes meets over UCX. A layout that does not fit throws config_error.
 std::vector<std::pair<int, int>> job_slots(const job_config& cfg, int node, int nodes);
 
 /// Every replica in this process, shards (and expert-parallel groups) on in-process

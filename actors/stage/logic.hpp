@@ -143,6 +143,7 @@ struct stage_state {
   storage_pool fsdp_pool;  // their buffers' memory between ops of a step (cleared once its ops are done)
   std::vector<sharded_slice> sharded;
   std::shared_ptr<collective_group> dp_group;
+  std::shared_ptr<collective_group> edp_group;  // (expert parallelism: the expert regions')
   int cp_size = 1;  // context parallelism: the size of the stage's context-parallel group
   std::shared_ptr<collective_group> cp_group;  // (cp_size > 1)
   /// The stage actors that run the same forwards and backwards in one order, meeting in

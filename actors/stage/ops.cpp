@@ -160,7 +160,7 @@ void stage_logic::compute(op_work& w) {
   s_.in_backward = w.op.kind == op_kind::backward;
   sharded_slice* sharded = ctx.shards_grads() ? &s_.sharded.at(std::size_t(w.op.chunk)) : nullptr;
   if (sharded) {  // FSDP: the chunk's parameters gathered, its gradient buffer made
-    if (w.op.kind != op_kind::weight) gather_params(slice, *sharded, *s_.dp_group);
+    if (w.op.kind != op_kind::weight) gather_params(slice, *sharded, *s_.dp_group, s_.edp_group.get());
     if (w.op.kind != op_kind::forward) make_grads(slice, *sharded);
   }
   compute_op(w, slice);
@@ -170,7 +170,11 @@ void stage_logic::compute(op_work& w) {
   // once a step, ZeRO-1's sums; torchtitan keeps a pipeline stage's parameters so too).
   if (sharded && !(s_.order && s_.next_op < s_.order->size() && (*s_.order)[s_.next_op].chunk == w.op.chunk)) {
     release_params(slice, *sharded);
-    reduce_grads(slice, *sharded, *s_.dp_group);
+    // Sequence parallelism: the gradients of the parameters every tensor-parallel rank
+    // holds whole (norms) are summed over the group before they are reduced, for each run
+    // as ZeRO-1 sums them once a step (the tensor-parallel ranks run the same order).
+    if (s_.sums_replicated() && storage_held(slice.flat_grads())) sum_replicated_grads(slice);
+    reduce_grads(slice, *sharded, *s_.dp_group, s_.edp_group.get());
   }
 }
 
@@ -270,8 +274,10 @@ void stage_logic::execute(const pipeline_op& op) {
 
 bool stage_logic::overlaps_pairs() const {
   const auto& ctx = *s_.ctx;
+  // (Not with FSDP: each op's gathers and reductions run in the data-parallel groups in
+  // one order, which two ops at once would not keep.)
   return ctx.cfg.overlap_pairs && s_.ep_size > 1 && s_.tp_size == 1 && ctx.device.is_cpu() &&
-         ctx.cfg.recompute == "none";
+         ctx.cfg.recompute == "none" && !ctx.shards_grads();
 }
 
 void stage_logic::execute_pair(const pipeline_op& f, const pipeline_op& b) {

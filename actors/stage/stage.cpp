@@ -103,12 +103,15 @@ void join_expert_groups(stage_state& st, const std::shared_ptr<transport::commun
 /// piece of each gradient bucket, the pieces its shard updates) and the data-parallel
 /// group (`shards`: the stage's shards' communicator, which the shards then leave to the
 /// stage: their collectives run here, inside the ops). With parameters the chunks'
-/// parameter buffers are released until an op gathers them.
-void join_shard_group(stage_state& st, const std::shared_ptr<transport::communicator>& shards) {
+/// parameter buffers are released until an op gathers them. With expert parallelism the
+/// chunks' expert regions are gathered and reduced over `expert_shards` (the shards'
+/// expert-data-parallel communicator, rank pipeline / EP) instead.
+void join_shard_group(stage_state& st, const std::shared_ptr<transport::communicator>& shards,
+                      const std::shared_ptr<transport::communicator>& expert_shards) {
   const auto& ctx = *st.ctx;
-  if (!shards || shards->size() != ctx.d || shards->rank() != ctx.dp_of(st.replica))
-    throw std::logic_error(st.name + ": no data-parallel communicator of " + std::to_string(ctx.d) +
-                           " ranks with its rank " + std::to_string(ctx.dp_of(st.replica)));
+  if (!shards || shards->size() != ctx.g || shards->rank() != ctx.dp_of(st.replica) % ctx.g)
+    throw std::logic_error(st.name + ": no data-parallel communicator of " + std::to_string(ctx.g) +
+                           " ranks with its rank " + std::to_string(ctx.dp_of(st.replica) % ctx.g));
   group_identity id{fmt::format("data-parallel group of stage {}{}", st.stage,
                                 ctx.t > 1 ? fmt::format(", tensor-parallel rank {}", ctx.tp_of(st.replica)) : ""),
                     {}};
@@ -119,11 +122,25 @@ void join_shard_group(stage_state& st, const std::shared_ptr<transport::communic
   st.dp_group = as_collective_group(
       shards, nullptr, group_observer(state, [state] { return state->in_backward; }, "fsdp "),
       [group, calls](const char* name) { activity_board::enter_collective(name, group, (*calls)++); });
+  if (ctx.ep > 1) {
+    if (!expert_shards || expert_shards->size() != ctx.edp || expert_shards->rank() != st.replica / ctx.ep)
+      throw std::logic_error(st.name + ": no expert-data-parallel communicator of " + std::to_string(ctx.edp) +
+                             " ranks with its rank " + std::to_string(st.replica / ctx.ep));
+    group_identity eid{fmt::format("expert-data-parallel group of stage {}, share {}", st.stage, st.replica % ctx.ep),
+                       {}};
+    for (int r = st.replica % ctx.ep; r < ctx.pipes; r += ctx.ep) eid.members.push_back(ctx.stage_name(r, st.stage));
+    auto egroup = std::make_shared<const group_identity>(std::move(eid));
+    auto ecalls = std::make_shared<std::int64_t>(0);
+    st.edp_group = as_collective_group(
+        expert_shards, nullptr, group_observer(state, [state] { return state->in_backward; }, "fsdp "),
+        [egroup, ecalls](const char* name) { activity_board::enter_collective(name, egroup, (*ecalls)++); });
+  }
   for (auto& chunk : st.chunks) {
     auto buckets = ctx.buckets_of(*chunk);
-    auto layout = bucket_shard(buckets, ctx.groups_of(st.replica, *chunk));
+    const auto groups = ctx.groups_of(st.replica, *chunk);
+    auto layout = bucket_shard(buckets, groups);
     st.sharded.push_back(
-        shard_slice(*chunk, std::move(buckets), std::move(layout), ctx.shards_params(), &st.fsdp_pool));
+        shard_slice(*chunk, std::move(buckets), std::move(layout), ctx.shards_params(), &st.fsdp_pool, groups));
   }
 }
 
@@ -278,7 +295,8 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
                                           std::shared_ptr<transport::communicator> experts_backward,
                                           std::shared_ptr<transport::communicator> tensors,
                                           std::shared_ptr<transport::communicator> contexts,
-                                          std::shared_ptr<transport::communicator> shards) {
+                                          std::shared_ptr<transport::communicator> shards,
+                                          std::shared_ptr<transport::communicator> expert_shards) {
   auto& st = self->state;
   st.ctx = ctx;
   st.wiring = wiring;
@@ -290,7 +308,7 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
   make_chunks(st, tp, params);
   if (experts) join_expert_groups(st, experts, experts_backward);
   if (contexts) join_context_group(st, contexts);
-  if (ctx->shards_grads()) join_shard_group(st, shards);
+  if (ctx->shards_grads()) join_shard_group(st, shards, expert_shards);
   if (!ctx->dataflow) st.order = &ctx->sched.ranks[stage];
   if (st.order)
     for (const auto& op : *st.order)
@@ -462,13 +480,15 @@ stage_actor spawn_stage_actor(caf::local_actor* supervisor, std::shared_ptr<cons
                              std::shared_ptr<transport::communicator> experts_backward,
                              std::shared_ptr<transport::communicator> tensors,
                              std::shared_ptr<transport::communicator> contexts,
-                             std::shared_ptr<transport::communicator> shards) {
+                             std::shared_ptr<transport::communicator> shards,
+                             std::shared_ptr<transport::communicator> expert_shards) {
   // Detached: a thread of its own, so its LibTorch intra-op thread count is its own
   // and long compute never holds a scheduler thread other actors need.
   return supervisor->spawn<caf::detached + caf::monitored>(stage_behavior, std::move(ctx), std::move(wiring),
                                                           replica, stage, std::move(params), std::move(experts),
                                                           std::move(experts_backward), std::move(tensors),
-                                                          std::move(contexts), std::move(shards));
+                                                          std::move(contexts), std::move(shards),
+                                                          std::move(expert_shards));
 }
 
 }  // namespace troupe

@@ -40,7 +40,9 @@ namespace troupe {
 /// (parallel.tensor_parallel > 1): the stage's tensor-parallel group, rank pipeline mod T,
 /// in which its layers' collectives run (likewise in one order). `shards`
 /// (parallel.shard gradients or parameters): its shards' data-parallel communicator,
-/// in which its ops' reduce-scatters (and all-gathers) run (compute/optim/fsdp.hpp).
+/// in which its ops' reduce-scatters (and all-gathers) run (compute/optim/fsdp.hpp);
+/// with expert parallelism `expert_shards`, its shards' expert-data-parallel
+/// communicator, in which those of its chunks' expert regions run.
 stage_actor spawn_stage_actor(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                              std::shared_ptr<const job_wiring> wiring, int replica, int stage,
                              std::vector<torch::Tensor> params = {},
@@ -48,6 +50,7 @@ stage_actor spawn_stage_actor(caf::local_actor* supervisor, std::shared_ptr<cons
                              std::shared_ptr<transport::communicator> experts_backward = nullptr,
                              std::shared_ptr<transport::communicator> tensors = nullptr,
                              std::shared_ptr<transport::communicator> contexts = nullptr,
-                             std::shared_ptr<transport::communicator> shards = nullptr);
+                             std::shared_ptr<transport::communicator> shards = nullptr,
+                             std::shared_ptr<transport::communicator> expert_shards = nullptr);
 
 }  // namespace troupe

@@ -318,7 +318,8 @@ const std::vector<key_def>& key_defs() {
                  &job_config::shard),
       int_key("parallel.shard_group",
               "ranks the state is sharded over (hybrid sharding, HSDP: shard within groups of this many "
-              "replicas, replicate across them); 0: the whole data-parallel group",
+              "consecutive replicas, replicate across the groups; it divides the data-parallel x "
+              "context-parallel ranks); 0: the whole data-parallel group",
               &job_config::shard_group, 0, 1 << 20),
       bool_key("parallel.sequence_parallel",
                "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
@@ -600,10 +601,22 @@ void check_sharding(const job_config& c) {
     fail(e.what());
   }
   const int d = c.data_parallel * c.context_parallel;
-  if (c.shard_group != 0 && c.shard_group != d)
-    fail("shard_group " + std::to_string(c.shard_group) + ": hybrid sharding (shard groups smaller than the " +
-         std::to_string(d) + " data-parallel ranks, replicated across) is not built yet; 0 or " + std::to_string(d) +
-         " shards over the whole group");
+  const std::string ranks = c.context_parallel > 1 ? " data-parallel x context-parallel ranks" : " data-parallel ranks";
+  if (c.shard_group != 0 && (c.shard_group > d || d % c.shard_group != 0))
+    fail("shard_group " + std::to_string(c.shard_group) + " must divide the " + std::to_string(d) + ranks +
+         " (groups of that many ranks shard the state, replicated across the groups), or be 0 (the whole group)");
+  if (c.shard_group != 0 && c.shard_group < d) {
+    const std::string hybrid = "shard_group " + std::to_string(c.shard_group) + " (hybrid sharding)";
+    if (c.runtime == "local") fail(hybrid + " runs in the actor runtime (--runtime actors)");
+    if (c.device.rfind("cuda", 0) == 0)
+      fail(hybrid + " on " + c.device + ": its collectives run over the group's point-to-point by tag, which NCCL "
+           "does not match (--device cpu, or shard_group 0)");
+    if (c.is_decoder() && c.model().decoder.n_experts > 0)
+      fail(hybrid + " with experts: the experts' region is sharded over the expert-data-parallel group, which "
+           "hybrid sharding does not split yet (shard_group 0)");
+    if (c.compute == "simulated")
+      fail(hybrid + " with simulated compute: the simulated shards model the whole group (shard_group 0)");
+  }
   if (level == shard_level::optimizer) return;
   const std::string what = "shard " + c.shard;
   if (c.runtime == "local") fail(what + " runs in the actor runtime (--runtime actors)");
@@ -612,11 +625,6 @@ void check_sharding(const job_config& c) {
          "they run one fixed order (any schedule but dataflow)");
   if (c.device.rfind("cuda", 0) == 0)
     fail(what + " on " + c.device + ": the stage's collectives are not yet on its CUDA stream (--device cpu)");
-  if (c.is_decoder() && c.model().decoder.n_experts > 0)
-    fail(what + " with experts: the experts' region is not yet sharded over the expert-data-parallel group");
-  if (c.tensor_parallel > 1 && c.sequence_parallel)
-    fail(what + " with sequence parallelism: the replicated parameters' gradients are summed over the "
-         "tensor-parallel group once a step, not once a backward (not yet)");
 }
 
 /// What context parallelism needs of the job (validate's).
@@ -1088,7 +1096,7 @@ elastic_layout shrink_layout(const job_config& cfg, int max_nodes, int min_nodes
   for (int nodes = max_nodes; nodes >= min_nodes; --nodes)
     for (int d = cfg.data_parallel; d >= 1; --d) {
       if (!nodes_fit(cfg.pipeline, d * cfg.context_parallel, cfg.tensor_parallel, nodes) ||
-          cfg.global_batch % (micro * d) != 0 || (cfg.context_parallel > 1 && d % nodes != 0))
+          cfg.global_batch % (micro * d) != 0)
         continue;
       job_config c = cfg;
       c.data_parallel = d;

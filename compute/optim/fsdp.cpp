@@ -75,12 +75,24 @@ std::size_t held_bytes(const torch::Tensor& t) {
   return t.defined() ? t.storage().unsafeGetStorageImpl()->nbytes() : 0;
 }
 
+namespace {
+
+/// The group bucket `b` of `sh` is gathered and reduced over.
+collective_group& group_of(const sharded_slice& sh, std::size_t b, collective_group& group, collective_group* experts) {
+  if (!sh.expert_bucket.at(b)) return group;
+  if (!experts) throw std::logic_error("FSDP: an expert bucket without an expert-data-parallel group");
+  return *experts;
+}
+
+}  // namespace
+
 sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, shard_layout layout, bool params,
-                          storage_pool* pool) {
+                          storage_pool* pool, const shard_groups& groups) {
   if (buckets.size() != layout.size()) throw std::logic_error("FSDP: a piece per bucket");
   sharded_slice sh;
   sh.buckets = std::move(buckets);
   sh.layout = std::move(layout);
+  for (const auto& b : sh.buckets) sh.expert_bucket.push_back(groups.in_experts(b));
   for (std::size_t b = 0; b < sh.layout.size(); ++b)
     sh.at.push_back(b == 0 ? 0 : sh.at.back() + sh.layout[b - 1].size());
   const auto size = shard_size(sh.layout);
@@ -100,7 +112,7 @@ sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, s
   return sh;
 }
 
-void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group) {
+void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts) {
   if (!sh.shards_params) return;
   const auto flat = slice.flat_params();
   if (storage_held(flat)) return;
@@ -113,7 +125,8 @@ void gather_params(model_slice& slice, sharded_slice& sh, collective_group& grou
   const auto alias = torch::from_blob(flat.data_ptr(), {flat.numel()}, flat.options());
   for (std::size_t b = 0; b < sh.buckets.size(); ++b) {
     const auto& bucket = sh.buckets[b];
-    group.all_gather(sh.params.narrow(0, sh.at[b], sh.layout[b].size()), alias.narrow(0, bucket.begin, bucket.size()));
+    group_of(sh, b, group, experts)
+        .all_gather(sh.params.narrow(0, sh.at[b], sh.layout[b].size()), alias.narrow(0, bucket.begin, bucket.size()));
   }
   if (!sh.copies_fresh) {  // (bf16 slices: their fp32 copies of the norms and embeddings)
     slice.refresh_copies();
@@ -132,14 +145,14 @@ void make_grads(model_slice& slice, const sharded_slice& sh) {
   grads.zero_();
 }
 
-void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group) {
+void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts) {
   const auto grads = slice.flat_grads();
   if (!storage_held(grads)) return;  // (nothing accumulated since the last reduction)
   torch::NoGradGuard no_grad;
   for (std::size_t i = sh.buckets.size(); i-- > 0;) {
     const auto& bucket = sh.buckets[i];
     auto piece = torch::empty({sh.layout[i].size()}, sh.grads.options());
-    group.reduce_scatter(grads.narrow(0, bucket.begin, bucket.size()), piece);
+    group_of(sh, i, group, experts).reduce_scatter(grads.narrow(0, bucket.begin, bucket.size()), piece);
     sh.grads.narrow(0, sh.at[i], sh.layout[i].size()).add_(piece);
   }
   release_storage(grads, sh.pool);

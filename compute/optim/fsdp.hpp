@@ -75,6 +75,9 @@ struct sharded_slice {
   torch::Tensor params;  ///< parameters: this rank's pieces, concatenated (the parameter dtype)
   torch::Tensor grads;   ///< this rank's pieces of the step's summed gradients so far (fp32)
   std::size_t param_bytes = 0, grad_bytes = 0;  ///< the whole buffers' sizes
+  /// Per bucket: whether it is in the expert region (expert parallelism), gathered and
+  /// reduced over the expert-data-parallel group instead of the data-parallel one.
+  std::vector<char> expert_bucket;
   bool shards_params = false;
   storage_pool* pool = nullptr;  ///< where its buffers' memory goes between ops (null: freed)
   /// bf16 slices: whether their fp32 copies of the norms and embeddings hold `params`'
@@ -87,19 +90,23 @@ struct sharded_slice {
 /// `params` keeps this rank's pieces of its parameters and releases the parameter
 /// buffer. The gradient buffer is released either way (zeroed when it is next made).
 /// `pool`: where the buffers' memory goes between ops (it must outlive the result).
+/// `groups`: which buckets are in the expert region (`layout` is their pieces too).
 sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, shard_layout layout, bool params,
-                          storage_pool* pool = nullptr);
+                          storage_pool* pool = nullptr, const shard_groups& groups = {});
 
 /// Parameters: all-gathers `slice`'s parameter buffer from the ranks' pieces (no-op when
-/// it is held), over `group`.
-void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group);
+/// it is held), over `group`; the expert region's buckets over `experts` (its
+/// expert-data-parallel group; required where the slice has them).
+void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group,
+                   collective_group* experts = nullptr);
 /// Parameters: releases the parameter buffer.
 void release_params(model_slice& slice, const sharded_slice& sh);
 /// Makes the gradient buffer (zeroed) where it is released: before a backward or a weight pass.
 void make_grads(model_slice& slice, const sharded_slice& sh);
-/// Reduce-scatters the gradient buffer over `group`, bucket by bucket (the last first),
-/// adds this rank's pieces into `sh.grads`, and releases the buffer.
-void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group);
+/// Reduce-scatters the gradient buffer over `group` (the expert region's buckets over
+/// `experts`), bucket by bucket (the last first), adds this rank's pieces into
+/// `sh.grads`, and releases the buffer.
+void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts = nullptr);
 
 /// The bytes a tensor's storage holds now (0 where released).
 std::size_t held_bytes(const torch::Tensor& t);

@@ -6,7 +6,10 @@
 // before the job, and between steps (the lowest sample) likewise.
 // Timings are never asserted (docs/performance.md).
 //   build/troupe_fsdp_bench [--width W] [--layers L] [--seq S] [--steps N] [--rounds R]
-// (Then the step time of each level on one job, in alternating rounds.)
+//                           [--only-hybrid 1]
+// (Then hybrid sharding, parameters sharded in groups of g of 8 replicas, and the step
+// time of each level on one job, in alternating rounds; --only-hybrid 1: the hybrid
+// rows alone.)
 #include <malloc.h>
 
 #include <algorithm>
@@ -88,7 +91,7 @@ measured run(const job_config& c) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int width = 512, layers = 4, seq = 256, steps = 6, rounds = 1;
+  int width = 512, layers = 4, seq = 256, steps = 6, rounds = 1, only_hybrid = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const int v = std::atoi(argv[i + 1]);
@@ -97,6 +100,7 @@ int main(int argc, char** argv) {
     else if (a == "--seq") seq = v;
     else if (a == "--steps") steps = v;
     else if (a == "--rounds") rounds = v;
+    else if (a == "--only-hybrid") only_hybrid = v;
   }
   run_with_blas_kernels(argv);  // as the troupe command does
   auto base = job_config::defaults_for("llama-tiny");
@@ -125,6 +129,7 @@ int main(int argc, char** argv) {
   std::printf("| shard | d | peak | between steps | formula between | formula peak (state + working set) | "
               "step s |\n| --- | --- | --- | --- | --- | --- | --- |\n");
   for (const char* level : {"optimizer", "gradients", "parameters"}) {
+    if (only_hybrid) break;
     for (int d : {1, 2, 4, 8}) {
       auto c = base;
       c.data_parallel = d;
@@ -154,6 +159,25 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
+  // Hybrid sharding: parameters sharded within groups of g of the 8 replicas, replicated
+  // across them: a rank's model state is that of d = g (every 1/d of the formula is 1/g);
+  // the process's initial parameters are still spread over the 8 replicas.
+  std::printf("\nhybrid sharding, parameters, d = 8 replicas in shard groups of g (per rank, MB)\n"
+              "| g | peak | between steps | formula between | formula peak | step s |\n"
+              "| --- | --- | --- | --- | --- | --- |\n");
+  for (int g : {1, 2, 4, 8}) {
+    auto c = base;
+    c.data_parallel = 8;
+    c.global_batch = 8;
+    c.shard = "parameters";
+    c.shard_group = g;
+    const auto m = run(c);
+    const double between = 8 * p4 / g, working = 2 * p4, process = p4 / 8;
+    std::printf("| %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", g, m.peak_mb / 8, m.between_mb / 8, between + process,
+                between + working + process, m.step_s);
+    std::fflush(stdout);
+  }
+  if (only_hybrid) return 0;
   // Speed: the same job (d = 2, 4 micro-batches of 1 sequence per replica) at each level,
   // in alternating rounds; the median over rounds of each run's median step.
   std::printf("\nstep time, d = 2, 4 micro-batches per replica, %d alternating rounds (median of each run's "

@@ -2,7 +2,8 @@
 // parameters: ZeRO-2 and ZeRO-3) against the distributed optimizer (ZeRO-1) of the same
 // layout: the parameters after 10 steps, every step's loss and the evaluation's; the
 // checkpoint folders a sharded run writes, resumed at other widths and levels; an
-// in-place retry; and the layouts refused.
+// in-place retry; hybrid sharding (shard groups smaller than the data-parallel group);
+// and the layouts refused.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -28,12 +29,15 @@ struct fsdp_layout {
   const char* precision = "fp32";
   const char* workload = "llama-tiny";
   int c = 1;
+  bool sp = false;  // sequence parallelism (with t > 1)
+  int experts = 0, ep = 1;  // a mixture of experts (top 2), over `ep` expert-parallel ranks
 };
 
 std::string name_of(const fsdp_layout& l) {
   return std::string(l.workload) + "_p" + std::to_string(l.p) + "_d" + std::to_string(l.d) + "_t" +
          std::to_string(l.t) + (l.c > 1 ? "_c" + std::to_string(l.c) : "") + "_" + l.schedule + "_recompute_" +
-         l.recompute + "_m" + std::to_string(l.microbatches) + "_" + l.precision;
+         l.recompute + "_m" + std::to_string(l.microbatches) + "_" + l.precision + (l.sp ? "_sp" : "") +
+         (l.experts ? "_e" + std::to_string(l.experts) + "_ep" + std::to_string(l.ep) : "");
 }
 
 /// llama-tiny's shape at 2 layers per stage of width 64, sequences of 32, micro-batches
@@ -47,7 +51,13 @@ job_config fsdp_job(const fsdp_layout& l, const std::string& shard) {
   c.pipeline = l.p;
   c.data_parallel = l.d;
   c.tensor_parallel = l.t;
+  c.sequence_parallel = l.sp;
   c.context_parallel = l.c;
+  if (l.experts) {
+    c.experts = l.experts;
+    c.moe_top_k = 2;
+    c.expert_parallel = l.ep;
+  }
   c.microbatches = l.microbatches;
   c.global_batch = 2 * l.microbatches * l.d;
   c.schedule = l.schedule;
@@ -87,6 +97,10 @@ TEST(FsdpActors, GradientsAndParametersShardedFollowZeRO1InEveryLayout) {
       {2, 2, 1, "zero-bubble", "none"},
       {2, 2, 1, "gpipe", "selective"},
       {1, 2, 2, "1f1b", "none"},  // tensor parallelism (no sequence parallelism)
+      {1, 2, 2, "1f1b", "none", 2, "fp32", "llama-tiny", 1, true},  // and with it
+      {2, 2, 2, "interleaved-1f1b", "none", 4, "fp32", "llama-tiny", 1, true},
+      {1, 2, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 1, false, 4, 1},  // experts on every rank
+      {1, 4, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 1, false, 4, 2},  // over 2 expert-parallel ranks
       {1, 2, 1, "1f1b", "none", 2, "bf16"},
       {1, 1, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 2},  // context parallelism: its ranks are replicas
       {1, 2, 1, "1f1b", "none", 2, "fp32", "gpt-tiny"},      // (tied embedding, one stage)
@@ -111,6 +125,83 @@ TEST(FsdpActors, GradientsAndParametersShardedFollowZeRO1InEveryLayout) {
       expect_close(got, want, std::string(l.schedule) == "interleaved-1f1b" ? 1e-6 : 0.0);
     }
   }
+}
+
+// Hybrid sharding (parallel.shard_group): shard groups of g replicas, replicated across
+// the groups, at every level, against ZeRO-1 over the whole group. A piece's gradients are
+// summed within its shard group and then across the groups (transport/hybrid.hpp), ZeRO-1
+// sums the d ranks in one ring: another order of the same fp32 additions (and of the
+// gradient norm's partials), hence 1e-6 and not 0.
+TEST(FsdpActors, HybridShardGroupsFollowZeRO1) {
+  struct hybrid_case {
+    fsdp_layout l;
+    int g;
+  };
+  const hybrid_case cases[] = {
+      {{1, 4, 1, "1f1b", "none"}, 2},
+      {{2, 4, 1, "zero-bubble", "none"}, 2},
+      {{1, 2, 1, "1f1b", "none"}, 1},  // every replica holds the whole state (DDP's layout)
+      {{1, 2, 2, "1f1b", "none"}, 1},  // with tensor parallelism: per tensor-parallel rank
+  };
+  for (const auto& [l, g] : cases) {
+    SCOPED_TRACE(name_of(l) + "_g" + std::to_string(g));
+    const auto want = actors_run(fsdp_job(l, "optimizer"));
+    ASSERT_EQ(want.exit_code, 0) << want.error;
+    for (const char* level : {"optimizer", "gradients", "parameters"}) {
+      SCOPED_TRACE(level);
+      auto c = fsdp_job(l, level);
+      c.shard_group = g;
+      const auto got = actors_run(c);
+      ASSERT_EQ(got.exit_code, 0) << got.error;
+      expect_close(got, want, 1e-6);
+      // Not the same run: the two-level sum is another order (a test that cannot tell
+      // the layouts apart would pass with any shard_group).
+      if (l.d == 4) EXPECT_GT(test::max_abs_diff(got.final_state, want.final_state), 0.0);
+    }
+  }
+}
+
+TEST(FsdpActors, HybridShardedRunsCheckpointResumeAndRetryInPlace) {
+  // Parameters sharded over groups of 2 of 4 replicas: the folder equals --save and the
+  // run's final state, resumes with ZeRO-1 on two replicas; a rank that throws is
+  // retried in place, bit-identically.
+  test::temp_dir dir;
+  auto c = fsdp_job({1, 4, 1, "1f1b", "none"}, "parameters");
+  c.shard_group = 2;
+  c.steps = 4;
+  c.checkpoint_dir = dir / "ckpt";
+  c.checkpoint_interval = 2;
+  c.save = dir / "run.pt";
+  const auto run = actors_run(c);
+  ASSERT_EQ(run.exit_code, 0) << run.error;
+  const auto ckpt = read_checkpoint_dir(dir / "ckpt/step-00000004", c);
+  EXPECT_EQ(test::max_abs_diff(ckpt.model, load_state_dict(c.save)), 0.0);
+  EXPECT_EQ(test::max_abs_diff(ckpt.model, run.final_state), 0.0);
+  auto two = c;
+  two.data_parallel = 2;
+  two.microbatches = c.global_batch / (2 * 2);
+  two.shard = "optimizer";
+  two.shard_group = 0;
+  two.save.clear();
+  two.checkpoint_dir.clear();
+  two.resume = dir / "ckpt/step-00000002";
+  const auto resumed = actors_run(two);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
+  ASSERT_EQ(resumed.losses.size(), 2u);
+  EXPECT_NEAR(resumed.losses[1], run.losses[3], 1e-5);
+  EXPECT_LE(test::max_abs_diff(resumed.final_state, run.final_state), 1e-5);
+
+  auto retry = c;
+  retry.save.clear();
+  retry.checkpoint_dir.clear();
+  retry.steps = 3;
+  const auto clean = actors_run(retry);
+  ASSERT_EQ(clean.exit_code, 0) << clean.error;
+  retry.throw_at = "3:0:1";  // replica 3 (the second group's second rank), stage 0, step 2
+  const auto retried = actors_run(retry);
+  ASSERT_EQ(retried.exit_code, 0) << retried.error;
+  EXPECT_EQ(test::max_abs_diff(retried.final_state, clean.final_state), 0.0);
+  EXPECT_EQ(retried.losses, clean.losses);
 }
 
 TEST(FsdpActors, ShardedCheckpointFoldersResumeInOtherLayoutsAndLevels) {
@@ -175,14 +266,18 @@ TEST(FsdpConfig, RefusesWhatCannotWork) {
     }
   };
   refused([](job_config& c) { c.shard = "everything"; }, "one of optimizer (ZeRO-1), gradients (ZeRO-2), parameters");
-  refused([](job_config& c) { c.shard_group = 1; }, "hybrid sharding");
+  refused([](job_config& c) { c.shard_group = 3; }, "shard_group 3 must divide the 2 data-parallel ranks");
+  refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.runtime = "local"; }, "runs in the actor runtime");
+  refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.device = "cuda"; }, "point-to-point by tag");
+  refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.experts = 4; c.moe_top_k = 1; },
+          "hybrid sharding) with experts");
   refused([](job_config& c) { c.runtime = "local"; }, "runs in the actor runtime");
   refused([](job_config& c) { c.schedule = "dataflow"; }, "schedule dataflow");
   refused([](job_config& c) { c.device = "cuda"; }, "not yet on its CUDA stream");
-  refused([](job_config& c) { c.tensor_parallel = 2; c.sequence_parallel = true; }, "sequence parallelism");
-  refused([](job_config& c) { c.experts = 4; c.moe_top_k = 1; }, "experts");
   base.validate();
   base.shard_group = 2;  // the whole group, said explicitly
+  base.validate();
+  base.shard_group = 1;  // hybrid: groups of one, replicated twice
   base.validate();
   // The tied embedding on two stages: refused where the runtime learns of it.
   auto tied = fsdp_job({2, 2, 1, "1f1b", "none", 2, "fp32", "gpt-tiny"}, "gradients");

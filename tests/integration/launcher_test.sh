@@ -50,7 +50,8 @@ rc=$?
   && ok "tensor-parallel 2 on 2 nodes: one process's bits, layout lines" || bad "tensor-parallel 2 on 2 nodes: exit $rc" "$tmp/tp2.log"
 # Context parallelism over node processes (gpt2's learned positions): 2 nodes, each
 # hosting whole replicas (both context-parallel ranks of replica r, its group in process),
-# train one process's bits; a node count that would split a replica is refused.
+# train one process's bits; so do 2 nodes that split one replica (its context-parallel
+# ranks' ring over UCX).
 cp_job=(train "${small[@]}" --context-parallel 2 --pipeline 2 --data-parallel 2 --layers 2 --steps 3 --eval-interval 0)
 "$launcher" "${cp_job[@]}" --save "$tmp/cp1.pt" --metrics "$tmp/cp1.jsonl" >"$tmp/cp1.log" 2>&1
 "$launcher" "${cp_job[@]}" --nodes 2 --save "$tmp/cp2.pt" --metrics "$tmp/cp2.jsonl" >"$tmp/cp2.log" 2>&1
@@ -58,10 +59,13 @@ rc=$?
 [ $rc = 0 ] && grep -q "stages (replica,stage,cp) (1,0,0) (1,1,0) (1,0,1) (1,1,1)" "$tmp/cp2.log" \
   && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/cp1" "$tmp/cp2" 0 \
   && ok "context-parallel 2 on 2 nodes: one process's bits, layout lines" || bad "context-parallel 2 on 2 nodes: exit $rc" "$tmp/cp2.log"
-"$launcher" train "${small[@]}" --context-parallel 2 --pipeline 2 --data-parallel 1 --layers 2 --nodes 2 >"$tmp/cp-bad.log" 2>&1
+cp_split=(train "${small[@]}" --context-parallel 2 --pipeline 2 --data-parallel 1 --layers 2 --steps 3 --eval-interval 2)
+"$launcher" "${cp_split[@]}" --save "$tmp/cps1.pt" --metrics "$tmp/cps1.jsonl" >"$tmp/cps1.log" 2>&1
+"$launcher" "${cp_split[@]}" --nodes 2 --save "$tmp/cps2.pt" --metrics "$tmp/cps2.jsonl" >"$tmp/cps2.log" 2>&1
 rc=$?
-[ $rc = 2 ] && grep -q "context_parallel 2 need data_parallel 1 divisible by the node count" "$tmp/cp-bad.log" \
-  && ok "context-parallel 2 with a replica over 2 nodes refused (exit 2)" || bad "context-parallel over nodes: exit $rc" "$tmp/cp-bad.log"
+[ $rc = 0 ] && grep -q "stages (replica,stage,cp) (0,0,1) (0,1,1)" "$tmp/cps2.log" && grep -q "eval" "$tmp/cps2.jsonl" \
+  && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/cps1" "$tmp/cps2" 0 \
+  && ok "context-parallel 2 with its ranks on 2 nodes: one process's bits" || bad "context-parallel over nodes: exit $rc" "$tmp/cps2.log"
 # Parameters sharded (ZeRO-3) over node processes: each op's all-gather and
 # reduce-scatter between the nodes' stage actors over UCX, the evaluation from the
 # shards; the bits of one process.
@@ -72,6 +76,14 @@ rc=$?
 [ $rc = 0 ] && grep -q "eval" "$tmp/fsdp2.jsonl" \
   && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/fsdp1" "$tmp/fsdp2" 0 \
   && ok "shard parameters on 2 nodes: one process's bits" || bad "shard parameters on 2 nodes: exit $rc" "$tmp/fsdp2.log"
+# Hybrid sharding: groups of one replica, replicated across the two nodes (the shard
+# groups' sums cross the nodes over UCX point-to-point); the bits of one process.
+hsdp_job=(train "${small[@]}" --shard gradients --shard-group 1 --pipeline 1 --data-parallel 2 --steps 3 --eval-interval 0)
+"$launcher" "${hsdp_job[@]}" --save "$tmp/hsdp1.pt" --metrics "$tmp/hsdp1.jsonl" >"$tmp/hsdp1.log" 2>&1
+"$launcher" "${hsdp_job[@]}" --nodes 2 --save "$tmp/hsdp2.pt" --metrics "$tmp/hsdp2.jsonl" >"$tmp/hsdp2.log" 2>&1
+rc=$?
+[ $rc = 0 ] && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/hsdp1" "$tmp/hsdp2" 0 \
+  && ok "shard gradients in groups of 1 on 2 nodes: one process's bits" || bad "shard-group 1 on 2 nodes: exit $rc" "$tmp/hsdp2.log"
 # Without layout flags any node count runs the default job's layout (p2 d2).
 "$launcher" train "${small[@]}" --nodes 1 --steps 1 --eval-interval 0 >"$tmp/one.log" 2>&1
 rc=$?

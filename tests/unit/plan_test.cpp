@@ -143,10 +143,13 @@ TEST(Plan, CpuCalibrationTimesTheModelAndScalesItByShape) {
   const auto d2 = predict(p, one);
   one.micro_batch = 2, one.microbatches = 2;
   const auto d2_small = predict(p, one);
-  EXPECT_GT(d2_small.parts.compute, d2.parts.compute);  // twice the fixed parts
-  EXPECT_NEAR(d2.parts.compute,
-              2 * (prof.forward_fixed + prof.backward_fixed) + 2 * 4 * (prof.forward_per_sequence + prof.backward_per_sequence),
-              1e-9);
+  // Each micro-batch pays the fixed parts once, per layer: two micro-batches of 2 pay them
+  // twice (the measured fixed parts may be 0 where the fit finds none, so no strict order).
+  const double per_sequence = prof.forward_per_sequence + prof.backward_per_sequence;
+  const double fixed = prof.forward_fixed + prof.backward_fixed;
+  EXPECT_NEAR(d2.parts.compute, 2 * fixed + 2 * 4 * per_sequence, 1e-9);
+  EXPECT_NEAR(d2_small.parts.compute, 2 * 2 * fixed + 2 * 2 * 2 * per_sequence, 1e-9);
+  EXPECT_GE(d2_small.parts.compute, d2.parts.compute);
 }
 
 // Tensor and expert parallelism on this machine's cores: their slices are timed with the
