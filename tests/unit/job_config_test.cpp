@@ -246,6 +246,13 @@ TEST(JobConfig, ShrinkLayoutKeepsTheMicroBatchSizeAndPrefersMoreNodes) {
   const auto d3 = job({{"pipeline", "1"}, {"data_parallel", "3"}, {"microbatches", "4"}, {"global_batch", "36"}});
   EXPECT_TRUE(eq(troupe::shrink_layout(d3, 2, 1), L{2, 2, 6}));
   EXPECT_TRUE(eq(troupe::shrink_layout(d3, 1, 1), L{1, 3, 4}));
+  // Hybrid sharding keeps its shard groups whole: p1 d4 of micro-batches of 2 (global 24)
+  // on 3 hosts goes on as 3 replicas, with shard groups of 2 as 4 replicas on 2 nodes.
+  const auto d4g = job({{"pipeline", "1"}, {"data_parallel", "4"}, {"microbatches", "3"}, {"global_batch", "24"}});
+  EXPECT_TRUE(eq(troupe::shrink_layout(d4g, 3, 1), L{3, 3, 4}));
+  auto grouped = d4g;
+  grouped.shard_group = 2;
+  EXPECT_TRUE(eq(troupe::shrink_layout(grouped, 3, 1), L{2, 4, 3}));
   // p4 d2 on 8 nodes, 7 left: 4 nodes; with 3 left only 2 (a node holds whole stages).
   const auto p4 = job({{"pipeline", "4"}, {"data_parallel", "2"}, {"microbatches", "4"}});
   EXPECT_TRUE(eq(troupe::shrink_layout(p4, 7, 2), L{4, 2, 4}));
