@@ -156,6 +156,13 @@ class hybrid_comm final : public communicator {
                     exchange(across_, across_gather));
   }
 
+  void release_scratch() {
+    std::size_t bytes = 0;
+    for (const auto& t : scratch_) bytes += t.defined() ? t.nbytes() : 0;
+    if (bytes > kKeptScratchBytes) scratch_.clear();
+  }
+  static constexpr std::size_t kKeptScratchBytes = 4 << 20;  // small collectives keep theirs
+
   work_ptr queue(const char* what, std::function<void(std::uint64_t)> fn) {
     auto w = std::make_shared<work>(std::string("hybrid ") + what);
     std::string broken;
@@ -188,11 +195,16 @@ class hybrid_comm final : public communicator {
       } catch (const std::exception& e) {
         error = e.what();
       }
+      bool idle;
       {
         std::lock_guard<std::mutex> lock(mu_);
         running_ = false;
         if (!error.empty() && broken_.empty()) broken_ = error;  // a half-done ring: later calls would mismatch
+        idle = queue_.empty();
       }
+      // The ring's piece-sized buffers go once nothing waits: between steps a shard group
+      // holds none (3 pieces of a whole-chunk bucket would be 3/g of the chunk per rank).
+      if (idle) release_scratch();
       next.done->complete(error);
     }
   }

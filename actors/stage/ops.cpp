@@ -432,9 +432,9 @@ void stage_logic::on_params(const param_shard& msg) {
       aux += chunk->take_aux_loss();
       add_expert_counts(routed, chunk->take_expert_tokens());
     }
-    // (A tensor-parallel group's ranks computed the same load-balancing loss, rank 0
-    // reports it; each routed its own part of the sequences.)
-    if (s_.ctx->tp_of(s_.replica) != 0) aux = 0;
+    // (A tensor- or context-parallel group's ranks computed the same load-balancing loss,
+    // rank 0 reports it; each routed its own part of the sequences.)
+    if (s_.ctx->tp_of(s_.replica) != 0 || s_.ctx->cp_of(s_.replica) != 0) aux = 0;
     std::vector<std::int64_t> flat;
     for (const auto& [layer, counts] : routed) {
       flat.push_back(layer);

@@ -72,7 +72,9 @@ void make_chunks(stage_state& st, const tensor_parallel& tp, const std::vector<t
     auto& chunk = *st.chunks.back();
     chunk.set_recompute(parse_recompute(ctx.cfg.recompute));
     chunk.set_residual_dtype(ctx.residual_dtype);
-    chunk.set_aux_loss_scale(ctx.loss_weight());  // (experts)
+    // (Experts. Context parallelism: every rank of a group computes the whole sequences'
+    // load-balancing loss, whose gradient reaches its own tokens only: not 1/c of it.)
+    chunk.set_aux_loss_scale(ctx.loss_weight() * ctx.c);
     if (!params.empty())
       chunk.set_params(from_rank_order(params.at(c), ctx.buckets_of(chunk), ctx.groups_of(st.replica, chunk)));
   }

@@ -150,7 +150,7 @@ torch::Tensor decoder_slice::run_block(const torch::Tensor& x, int i, block_pass
 }
 
 part_context decoder_slice::context(bool sequence, block_pass pass) {
-  return part_context{family_, cfg_, *this, defer_, tp_, sequence, pass, heads_, kv_heads_};
+  return part_context{family_, cfg_, *this, defer_, tp_, sequence, pass, heads_, kv_heads_, &cp_};
 }
 
 torch::Tensor decoder_slice::block(const torch::Tensor& x, int i, kv_cache* cache, block_pass pass,

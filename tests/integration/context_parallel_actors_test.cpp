@@ -5,8 +5,11 @@
 // with tensor (and sequence), pipeline and data parallelism; and the layouts refused.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <map>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "actors/runtime.hpp"
 #include "compute/checkpoint/checkpoint.hpp"
@@ -27,6 +30,7 @@ struct cp_layout {
   const char* schedule;
   const char* recompute;
   const char* workload = "llama-tiny";
+  int experts = 0, ep = 1;  // a mixture of experts (top 2) over `ep` expert-parallel ranks
 };
 
 std::string name_of(const cp_layout& l) {
@@ -34,6 +38,7 @@ std::string name_of(const cp_layout& l) {
                   std::to_string(l.p) + "_d" + std::to_string(l.d);
   if (std::string(l.schedule) != "1f1b") s += l.schedule[0] == 'z' ? "_zero_bubble" : "_interleaved";
   if (std::string(l.recompute) != "none") s += std::string("_recompute_") + l.recompute;
+  if (l.experts) s += "_e" + std::to_string(l.experts) + "_ep" + std::to_string(l.ep);
   return std::string(l.workload) + "_" + s;
 }
 
@@ -62,6 +67,11 @@ job_config cp_job(const cp_layout& l) {
   c.recompute = l.recompute;
   c.context_parallel = l.c;
   c.context_parallel_comm = l.comm;
+  if (l.experts) {
+    c.experts = l.experts;
+    c.moe_top_k = 2;
+    c.expert_parallel = l.ep;
+  }
   return c;
 }
 
@@ -95,17 +105,36 @@ TEST(ContextParallelActors, FollowTheUnsplitRunInEveryLayout) {
       {2, "p2p", 2, 1, 1, "1f1b", "none"},       {2, "a2a", 2, 1, 1, "1f1b", "none"},
       {2, "p2p", 1, 2, 1, "interleaved-1f1b", "full"}, {2, "allgather", 1, 2, 1, "interleaved-1f1b", "full"},
       {2, "p2p", 1, 2, 1, "zero-bubble", "none"},
-      {2, "a2a", 1, 1, 2, "1f1b", "none"},       {2, "p2p", 1, 1, 1, "1f1b", "none", "gpt-tiny"}};
+      {2, "a2a", 1, 1, 2, "1f1b", "none"},       {2, "p2p", 1, 1, 1, "1f1b", "none", "gpt-tiny"},
+      // Experts: the load-balancing loss over whole sequences (its sums over the group).
+      {2, "p2p", 1, 1, 1, "1f1b", "none", "llama-tiny", 4, 1},
+      {2, "p2p", 2, 1, 1, "1f1b", "none", "llama-tiny", 4, 1},  // (and over the sequence-parallel ranks)
+      {2, "a2a", 1, 1, 2, "1f1b", "none", "llama-tiny", 4, 2}};
   for (const auto& l : layouts) {
     SCOPED_TRACE(name_of(l));
-    const auto c = cp_job(l);
+    test::temp_dir dir;  // (experts: both runs' metrics)
+    auto c = cp_job(l);
+    if (l.experts) c.metrics = dir / "whole.jsonl";
     const auto& want = unsplit_run(c);
     ASSERT_EQ(want.exit_code, 0) << want.error;
+    if (l.experts) c.metrics = dir / "split.jsonl";
     const auto got = actors_run(c);
     ASSERT_EQ(got.exit_code, 0) << got.error;
     // The same computation but for the order of sums: the attention's blocks merged by
     // their log-sum-exp, the gradients averaged over data x context ranks.
     EXPECT_LE(test::max_abs_diff(got.final_state, want.final_state), 1e-5);
+    if (l.experts) {  // the whole sequences' load-balancing loss, reported once; the same routed tokens
+      std::ifstream whole(dir / "whole.jsonl"), split(dir / "split.jsonl");
+      int lines = 0;
+      for (std::string a, b; std::getline(whole, a) && std::getline(split, b); ++lines) {
+        const auto x = nlohmann::json::parse(a), y = nlohmann::json::parse(b);
+        EXPECT_GT(x.at("aux_loss").get<double>(), 0.0);
+        EXPECT_NEAR(y.at("aux_loss").get<double>(), x.at("aux_loss").get<double>(), 1e-6) << "step " << lines;
+        EXPECT_EQ(y.at("expert_tokens_max"), x.at("expert_tokens_max")) << "step " << lines;
+        EXPECT_EQ(y.at("expert_tokens_min"), x.at("expert_tokens_min")) << "step " << lines;
+      }
+      EXPECT_EQ(lines, c.steps);
+    }
     ASSERT_EQ(got.losses.size(), want.losses.size());
     for (std::size_t i = 0; i < got.losses.size(); ++i) EXPECT_NEAR(got.losses[i], want.losses[i], 1e-5) << "step " << i;
     ASSERT_EQ(got.evaluations.size(), want.evaluations.size());
@@ -182,6 +211,7 @@ TEST(ContextParallelConfig, RefusesWhatCannotWork) {
   refused([](job_config& c) { c.runtime = "local"; }, "runs in the actor runtime");
   refused([](job_config& c) { c.schedule = "dataflow"; }, "schedule dataflow");
   refused([](job_config& c) { c.device = "cuda"; }, "not yet on GPUs");
+  refused([](job_config& c) { c.experts = 4; c.moe_top_k = 2; c.moe_capacity_factor = 1.25; }, "moe_capacity_factor > 0");
   refused([](job_config& c) { c.workload = "fmnist-mlp"; c.heads = 0; c.kv_heads = 0; c.seq_len = 0; c.layers = 0; c.d_model = 0; },
           "no sequences to split");
   base.validate();  // the base itself is fine

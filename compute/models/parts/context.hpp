@@ -13,6 +13,7 @@
 #include "compute/models/parameter.hpp"
 #include "compute/models/split_backward.hpp"
 #include "compute/parallel/collective_group.hpp"
+#include "compute/parallel/context_parallel.hpp"
 
 namespace troupe {
 
@@ -38,6 +39,10 @@ struct part_context {
   bool sequence = false;
   block_pass pass = block_pass::plain;
   std::int64_t heads = 0, kv_heads = 0;  ///< this rank's query and key/value heads
+  /// Context parallelism (null or inactive: none): this rank holds 1/size of every
+  /// sequence's tokens; what sums over whole sequences (the experts' load-balancing
+  /// loss) sums over the group.
+  const context_parallel* cp = nullptr;
 
   torch::Tensor& param(const std::string& name) const { return params.param(name); }
   /// The layer `name` ("h.0.attn.c_attn"): x w^T, plus its bias when `bias`.

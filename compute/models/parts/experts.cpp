@@ -170,6 +170,8 @@ torch::Tensor experts(const part_context& c, const torch::Tensor& g, const std::
   // sequence parallelism each rank holds T / size tokens of every sequence: the sums are
   // all-reduced over the group (identity backward, so each rank's gradient reaches its
   // own tokens' probabilities; the router's are summed over the group as the norms').
+  // Context parallelism likewise, over its group (the router's gradients are then summed
+  // over the data x context ranks as every parameter's).
   const auto counts = torch::zeros({B * T, E}, probs.options()).scatter_add_(1, chosen, torch::ones_like(picked.detach()));
   auto f = counts.view({B, T, E}).sum(1);
   auto P = probs.view({B, T, E}).sum(1);
@@ -178,6 +180,11 @@ torch::Tensor experts(const part_context& c, const torch::Tensor& g, const std::
     f = tp::reduce_from(f, c.group());
     P = tp::reduce_from(P, c.group());
     seq_len *= c.tp.size;
+  }
+  if (c.cp && c.cp->active()) {
+    f = tp::reduce_from(f, *c.cp->group);
+    P = tp::reduce_from(P, *c.cp->group);
+    seq_len *= c.cp->size;
   }
   f = f / double(k * seq_len);
   P = P / double(seq_len);
