@@ -144,6 +144,10 @@ struct stage_state {
   std::vector<sharded_slice> sharded;
   std::shared_ptr<collective_group> dp_group;
   std::shared_ptr<collective_group> edp_group;  // (expert parallelism: the expert regions')
+  /// FSDP with the tied embedding's copies on two stages: this copy's gradient, taken out
+  /// of each run's reduction and summed over the step (fp32, whole); with the other
+  /// copy's added it is reduced at the chunk's end.
+  torch::Tensor fsdp_tied;
   int cp_size = 1;  // context parallelism: the size of the stage's context-parallel group
   std::shared_ptr<collective_group> cp_group;  // (cp_size > 1)
   /// The stage actors that run the same forwards and backwards in one order, meeting in
@@ -362,6 +366,13 @@ class stage_logic {
   model_slice& tied_slice() { return *s_.chunks.at(s_.tied_chunk()); }
 
   void on_tied(torch::Tensor other);
+  /// This stage's copy of the tied embedding's gradient to the other copy's stage.
+  void send_tied(const torch::Tensor& mine);
+  /// FSDP: the tied chunk's reduced pieces, with the copies' summed gradient reduced into
+  /// them, to the shard.
+  void reduce_tied(const torch::Tensor& other);
+  /// FSDP: a chunk's reduced pieces of the step to its shard.
+  void send_reduced(int chunk);
 
   /// A watch reported bucket `b` of `chunk` final: to the shard, or held for the tied sum.
   /// (With CUDA this runs on LibTorch's autograd thread while the actor's thread waits

@@ -174,6 +174,14 @@ void stage_logic::compute(op_work& w) {
     // holds whole (norms) are summed over the group before they are reduced, for each run
     // as ZeRO-1 sums them once a step (the tensor-parallel ranks run the same order).
     if (s_.sums_replicated() && storage_held(slice.flat_grads())) sum_replicated_grads(slice);
+    // The tied embedding's copy: kept out of this reduction, reduced once summed with the
+    // other copy's (reduce_tied).
+    if (s_.fsdp_tied.defined() && s_.is_tied_chunk(w.op.chunk) && storage_held(slice.flat_grads())) {
+      torch::NoGradGuard no_grad;
+      auto& g = slice.param(ctx.tied_name).mutable_grad();
+      s_.fsdp_tied.add_(g);
+      g.zero_();
+    }
     reduce_grads(slice, *sharded, *s_.dp_group, s_.edp_group.get());
   }
 }
@@ -309,10 +317,9 @@ void stage_logic::execute_pair(const pipeline_op& f, const pipeline_op& b) {
 void stage_logic::chunk_done(int chunk) {
   const auto& ctx = *s_.ctx;
   if (ctx.shards_grads()) {  // FSDP: the step's reduced pieces of the chunk's gradients, at once
-    s_.record_sent({stage_state::sent_message::bucket, chunk, -1});
-    caf::anon_send(s_.wiring->shards[s_.stage][s_.replica],
-                   grad_shard{s_.step, chunk, s_.replica, -1, make_payload(s_.sharded.at(chunk).grads)});
-    return;
+    if (s_.fsdp_tied.defined() && s_.is_tied_chunk(chunk))
+      return send_tied(s_.fsdp_tied);  // (once the copies' sum is reduced too: reduce_tied)
+    return send_reduced(chunk);
   }
   s_.watches.at(chunk)->finish();
   if (s_.sums_replicated()) {
@@ -323,12 +330,43 @@ void stage_logic::chunk_done(int chunk) {
   }
   if (!s_.is_tied_chunk(chunk)) return;
   if (s_.tied_here()) return;  // both copies here: summed once every op ran (after_backward)
-  auto& mine = tied_slice().param(ctx.tied_name).mutable_grad();
+  send_tied(tied_slice().param(ctx.tied_name).mutable_grad());
+}
+
+void stage_logic::send_tied(const torch::Tensor& mine) {
   const auto peer = s_.tied_peer();
   send_tensor(peer, s_.wiring->stages[s_.replica][peer],
-              tied_grad{s_.step, make_payload(mine.clone(), ctx.cfg.checksum)}, "tied gradient", -1, -1);
+              tied_grad{s_.step, make_payload(mine.clone(), s_.ctx->cfg.checksum)}, "tied gradient", -1, -1);
   s_.tied_pending = true;
   if (s_.tied_in.defined()) on_tied(std::move(s_.tied_in));
+}
+
+void stage_logic::send_reduced(int chunk) {
+  s_.record_sent({stage_state::sent_message::bucket, chunk, -1});
+  caf::anon_send(s_.wiring->shards[s_.stage][s_.replica],
+                 grad_shard{s_.step, chunk, s_.replica, -1, make_payload(s_.sharded.at(chunk).grads)});
+}
+
+void stage_logic::reduce_tied(const torch::Tensor& other) {
+  const auto& ctx = *s_.ctx;
+  const int chunk = s_.tied_chunk();
+  auto& slice = *s_.chunks.at(chunk);
+  auto& sh = s_.sharded.at(chunk);
+  {
+    torch::NoGradGuard no_grad;
+    s_.fsdp_tied.add_(other);  // this copy's and the other's, in the order ZeRO-1 adds them
+    make_grads(slice, sh);     // (zeroed: only the tied embedding's elements are reduced)
+    slice.param(ctx.tied_name).mutable_grad().copy_(s_.fsdp_tied);
+    s_.fsdp_tied.zero_();
+  }
+  const auto& entries = slice.entries();
+  const auto e = std::find_if(entries.begin(), entries.end(), [&](const auto& x) { return x.name == ctx.tied_name; });
+  const flat_range range{e->offset, e->offset + e->numel};
+  activity_board::op_scope busy(s_.name, s_.wiring->node, s_.generation, s_.step,
+                                "the reduction of the tied embedding's gradient", -1, chunk);
+  reduce_grads(slice, sh, *s_.dp_group, s_.edp_group.get(), &range);
+  if (s_.ops_done == s_.total_ops) s_.fsdp_pool.clear();  // (between steps no buffer holds memory)
+  send_reduced(chunk);
 }
 
 void stage_logic::sum_replicated_grads(model_slice& slice) {
@@ -367,6 +405,11 @@ void stage_logic::on_tied(torch::Tensor other) {
   if (!s_.tied_pending) {  // our own tied chunk is not done yet: keep it for later
     s_.tied_in = std::move(other);
     return;
+  }
+  if (s_.fsdp_tied.defined()) {
+    s_.tied_pending = false;
+    s_.tied_in = torch::Tensor();
+    return reduce_tied(other);
   }
   {
     torch::NoGradGuard g;

@@ -53,6 +53,7 @@ reset_report stage_logic::reset() {
     s_.sharded[i].grads.zero_();
   }
   s_.fsdp_pool.clear();
+  if (s_.fsdp_tied.defined()) s_.fsdp_tied.zero_();
   for (auto& c : s_.chunks) {
     if (!storage_held(c->flat_grads())) continue;
     c->zero_grads();

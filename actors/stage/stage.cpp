@@ -137,6 +137,9 @@ void join_shard_group(stage_state& st, const std::shared_ptr<transport::communic
         expert_shards, nullptr, group_observer(state, [state] { return state->in_backward; }, "fsdp "),
         [egroup, ecalls](const char* name) { activity_board::enter_collective(name, egroup, (*ecalls)++); });
   }
+  if (st.holds_tied_copy() && !st.tied_here())  // (the tied embedding's copies on two stages)
+    st.fsdp_tied = torch::zeros(st.chunks.at(st.tied_chunk())->param(ctx.tied_name).sizes(),
+                                torch::TensorOptions().dtype(torch::kFloat32).device(ctx.device));
   for (auto& chunk : st.chunks) {
     auto buckets = ctx.buckets_of(*chunk);
     const auto groups = ctx.groups_of(st.replica, *chunk);

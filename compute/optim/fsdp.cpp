@@ -145,12 +145,14 @@ void make_grads(model_slice& slice, const sharded_slice& sh) {
   grads.zero_();
 }
 
-void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts) {
+void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts,
+                  const flat_range* only) {
   const auto grads = slice.flat_grads();
   if (!storage_held(grads)) return;  // (nothing accumulated since the last reduction)
   torch::NoGradGuard no_grad;
   for (std::size_t i = sh.buckets.size(); i-- > 0;) {
     const auto& bucket = sh.buckets[i];
+    if (only && (bucket.end <= only->begin || bucket.begin >= only->end)) continue;
     auto piece = torch::empty({sh.layout[i].size()}, sh.grads.options());
     group_of(sh, i, group, experts).reduce_scatter(grads.narrow(0, bucket.begin, bucket.size()), piece);
     sh.grads.narrow(0, sh.at[i], sh.layout[i].size()).add_(piece);

@@ -105,8 +105,10 @@ void release_params(model_slice& slice, const sharded_slice& sh);
 void make_grads(model_slice& slice, const sharded_slice& sh);
 /// Reduce-scatters the gradient buffer over `group` (the expert region's buckets over
 /// `experts`), bucket by bucket (the last first), adds this rank's pieces into
-/// `sh.grads`, and releases the buffer.
-void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts = nullptr);
+/// `sh.grads`, and releases the buffer. With `only`: just the buckets that overlap it
+/// (every rank passes the same range).
+void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts = nullptr,
+                  const flat_range* only = nullptr);
 
 /// The bytes a tensor's storage holds now (0 where released).
 std::size_t held_bytes(const torch::Tensor& t);

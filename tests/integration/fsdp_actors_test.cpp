@@ -104,6 +104,8 @@ TEST(FsdpActors, GradientsAndParametersShardedFollowZeRO1InEveryLayout) {
       {1, 2, 1, "1f1b", "none", 2, "bf16"},
       {1, 1, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 2},  // context parallelism: its ranks are replicas
       {1, 2, 1, "1f1b", "none", 2, "fp32", "gpt-tiny"},      // (tied embedding, one stage)
+      {2, 2, 1, "1f1b", "none", 2, "fp32", "gpt-tiny"},      // (its copies on two stages)
+      {2, 2, 1, "interleaved-1f1b", "none", 4, "fp32", "gpt-tiny"},
   };
   for (const auto& l : layouts) {
     SCOPED_TRACE(name_of(l));
@@ -279,11 +281,13 @@ TEST(FsdpConfig, RefusesWhatCannotWork) {
   base.validate();
   base.shard_group = 1;  // hybrid: groups of one, replicated twice
   base.validate();
-  // The tied embedding on two stages: refused where the runtime learns of it.
-  auto tied = fsdp_job({2, 2, 1, "1f1b", "none", 2, "fp32", "gpt-tiny"}, "gradients");
+  // The tied embedding's copies on two chunks of one stage (a V schedule's stage 0):
+  // refused where the runtime learns of it.
+  auto tied = fsdp_job({2, 2, 1, "zbv", "none", 4, "fp32", "gpt-tiny"}, "gradients");
+  tied.chunks = 2;
   try {
     runtime_context ctx(tied);
-    ADD_FAILURE() << "accepted the tied embedding on two stages";
+    ADD_FAILURE() << "accepted the tied embedding on two chunks of one stage";
   } catch (const config_error& e) {
     EXPECT_NE(std::string(e.what()).find("tied embedding"), std::string::npos) << e.what();
   }
