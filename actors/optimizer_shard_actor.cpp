@@ -386,6 +386,11 @@ void on_begin_step(shard_self self, const begin_step& msg) {
   s.gathered = false;
   s.phase = shard_phase::collecting;
   s.sent.clear();
+  // The step before this one is committed: its state before it (the other half of the
+  // double buffer, and its snapshot) goes until this step's update needs a bank again.
+  // Between steps the shard holds one copy of its state.
+  s.store->drop_before(s.stage, s.rank, s.step);
+  for (auto& ch : s.chunks) ch.opt.release_previous();
   // A new or rebuilt shard: the buddy gets the state it starts from.
   if (s.copied < s.step) send_copy(self, s.step);
   auto stash = std::move(s.stash);

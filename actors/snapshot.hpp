@@ -21,9 +21,10 @@ namespace troupe {
 
 /// Shard (stage, rank)'s state before step `step`, per chunk: its range of the fp32
 /// main parameters, the AdamW moments and step count. Not a copy: the tensors are the
-/// shard's own double-buffered state (adamw_shard), which its next update leaves alone
-/// and the update after that overwrites, by which time the store has dropped the
-/// snapshot (it keeps the two newest, and a shard puts one after every update). A
+/// shard's own double-buffered state (adamw_shard), which its next update leaves alone.
+/// At the next step's begin (the step after that update is committed) the shard drops
+/// the older snapshot and frees that bank (adamw_shard::release_previous): between
+/// steps a shard holds one copy of its state. A
 /// stage's parameters before the step are its shards' parameter ranges in rank order
 /// (the all-gather's result).
 struct shard_snapshot {
@@ -46,6 +47,14 @@ class snapshot_store {
     while (!q.empty() && q.back()->step >= s->step) q.pop_back();
     q.push_back(std::move(s));
     while (q.size() > 2) q.pop_front();
+  }
+  /// Drops shard (stage, rank)'s snapshots of steps before `step` (committed: no retry
+  /// goes back to them).
+  void drop_before(int stage, int rank, std::int64_t step) {
+    std::lock_guard<std::mutex> lock(m_);
+    auto it = slots_.find({stage, rank});
+    if (it == slots_.end()) return;
+    while (!it->second.empty() && it->second.front()->step < step) it->second.pop_front();
   }
   /// The state before `step`, or null.
   std::shared_ptr<const shard_snapshot> get(int stage, int rank, std::int64_t step) const {

@@ -39,6 +39,12 @@ adamw_shard::adamw_shard(const torch::Tensor& main_params, const torch::Tensor& 
     banks_[1] = {torch::empty_like(b.params), torch::empty_like(b.params), torch::empty_like(b.params), 0};
 }
 
+void adamw_shard::release_previous() {
+  if (!double_buffered_ || prev_ == cur_) return;
+  banks_[prev_] = state{};
+  prev_ = cur_;
+}
+
 void adamw_shard::assign(const state& from) {
   torch::NoGradGuard no_grad;
   auto& c = banks_[cur_];
@@ -54,6 +60,8 @@ void adamw_shard::step(const torch::Tensor& grad_in, double lr, double grad_scal
   const int from = cur_, to = double_buffered_ ? 1 - cur_ : cur_;
   const state& in = banks_[from];
   state& out = banks_[to];
+  if (!out.params.defined())  // (released: release_previous)
+    out = {torch::empty_like(in.params), torch::empty_like(in.params), torch::empty_like(in.params), 0};
   out.steps = in.steps + 1;
   const double bias_correction1 = 1.0 - std::pow(opts_.beta1, double(out.steps));
   const double bias_correction2 = 1.0 - std::pow(opts_.beta2, double(out.steps));

@@ -53,6 +53,11 @@ class adamw_shard {
   /// Double-buffered: the state before the last update (or the current one when there
   /// was none since construction); valid until the next update.
   const state& previous() const { return banks_[prev_]; }
+  /// Double-buffered: frees the state before the last update (its tensors, where nothing
+  /// else holds them; previous() is then the current state). The next update makes
+  /// the bank it writes afresh: between a step's commit and the next update a shard
+  /// holds one copy of its state.
+  void release_previous();
   /// Overwrites the current state (restoring a snapshot).
   void assign(const state& from);
   /// For restoring a checkpoint (tensors are filled in place through the accessors).

@@ -140,8 +140,9 @@ int main(int argc, char** argv) {
       measured m = ms.front();
       for (const auto& x : ms) m.step_s = std::min(m.step_s, x.step_s);
       // The formula (fp32, W = 4 P bytes). Every rank: its shard's fp32 main parameters
-      // and two moments, double-buffered (the state before the step stays for in-place
-      // retries and buddy copies: 6 W / d), and its reduced gradient pieces (W / d).
+      // and two moments (3 W / d; from its update to the next step's begin also the state
+      // before it, for in-place retries: 3 W / d more, counted in the peak) and its reduced
+      // gradient pieces (W / d).
       // optimizer: the stage's parameters and gradients (2 W) and the shard's gathered
       // buffer (W). gradients: the parameters and gathered buffer (2 W), the stage's
       // gradient pieces (W / d); the gradient buffer only in a backward (W working).
@@ -149,11 +150,11 @@ int main(int argc, char** argv) {
       // shard's own; the parameters and gradients of the chunk its ops run on (2 W
       // working, kept while the next op is on the same chunk).
       // Per process: the job's initial parameters (W, ctx->init), spread over the d ranks.
-      const double shard = 7 * p4 / d, process = p4 / d;
-      double between = 0, working = 0;
+      const double shard = 4 * p4 / d, process = p4 / d;
+      double between = 0, working = 3 * p4 / d;  // (the update's second bank)
       if (std::string(level) == "optimizer") between = 3 * p4 + shard;
-      if (std::string(level) == "gradients") between = 2 * p4 + shard + p4 / d, working = p4;
-      if (std::string(level) == "parameters") between = shard + p4 / d, working = 2 * p4;
+      if (std::string(level) == "gradients") between = 2 * p4 + shard + p4 / d, working += p4;
+      if (std::string(level) == "parameters") between = shard + p4 / d, working += 2 * p4;
       std::printf("| %s | %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", level, d, m.peak_mb / d, m.between_mb / d,
                   between + process, between + working + process, m.step_s);
       std::fflush(stdout);
@@ -172,7 +173,7 @@ int main(int argc, char** argv) {
     c.shard = "parameters";
     c.shard_group = g;
     const auto m = run(c);
-    const double between = 8 * p4 / g, working = 2 * p4, process = p4 / 8;
+    const double between = 5 * p4 / g, working = 2 * p4 + 3 * p4 / g, process = p4 / 8;
     std::printf("| %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", g, m.peak_mb / 8, m.between_mb / 8, between + process,
                 between + working + process, m.step_s);
     std::fflush(stdout);

@@ -85,6 +85,32 @@ TEST(Optimizer, DoubleBufferedAndThreadedUpdatesAreBitIdentical) {
   EXPECT_EQ(restored.steps(), buffered.steps());
 }
 
+// Between a step's commit and the next update a shard releases the state before the
+// step (the optimizer shard actor at the next begin_step): the bank is made again by the
+// next update, whose results are those of a shard that kept it.
+TEST(Optimizer, ReleasedPreviousStateChangesNoUpdate) {
+  torch::manual_seed(6);
+  const std::int64_t n = 1001;
+  auto p = torch::randn({n});
+  auto mask = torch::rand({n}) > 0.3;
+  adamw_shard kept(p, mask, {}, /*double_buffered=*/true), released(p, mask, {}, true);
+  for (int step = 0; step < 4; ++step) {
+    auto g = torch::randn({n});
+    kept.step(g, 1e-3);
+    released.step(g, 1e-3);
+    const auto before = released.previous().params;
+    released.release_previous();
+    EXPECT_EQ(released.previous().params.data_ptr(), released.params().data_ptr());  // only one copy left
+    EXPECT_EQ(before.use_count(), 1) << "the released bank is held by its last user only";
+    EXPECT_TRUE(torch::equal(kept.params(), released.params()));
+    EXPECT_TRUE(torch::equal(kept.exp_avg_sq(), released.exp_avg_sq()));
+    EXPECT_EQ(kept.steps(), released.steps());
+  }
+  adamw_shard single(p, mask, {});  // one bank: nothing to release
+  single.release_previous();
+  EXPECT_TRUE(torch::equal(single.params(), p));
+}
+
 // The fused CPU kernel against the same update as LibTorch ops (taken for tensors that
 // are not contiguous, as on a GPU), with and without weight decay, in one bank and
 // double-buffered (where the ops write the other bank from this one and leave it as it
