@@ -8,6 +8,8 @@
 
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "actors/runtime.hpp"
 #include "compute/checkpoint/checkpoint.hpp"
@@ -83,6 +85,54 @@ void expect_close(const actor_run_result& got, const actor_run_result& want, dou
   ASSERT_EQ(got.evaluations.size(), want.evaluations.size());
   for (std::size_t i = 0; i < got.evaluations.size(); ++i)
     EXPECT_NEAR(got.evaluations[i].loss, want.evaluations[i].loss, tol);
+}
+
+/// `c` run for 4 steps with a checkpoint folder every 2 and --save: the last folder
+/// holds what --save wrote and the run's final state; the folder of step 2 resumed at
+/// each (replicas, level) of `others` (shard groups: the whole group) ends where the run
+/// ended.
+void expect_resumed(job_config c, const std::vector<std::pair<int, const char*>>& others) {
+  test::temp_dir dir;
+  c.steps = 4;
+  c.checkpoint_dir = dir / "ckpt";
+  c.checkpoint_interval = 2;
+  c.save = dir / "run.pt";
+  const auto run = actors_run(c);
+  ASSERT_EQ(run.exit_code, 0) << run.error;
+  const auto ckpt = read_checkpoint_dir(dir / "ckpt/step-00000004", c);
+  EXPECT_EQ(ckpt.step, 4);
+  EXPECT_EQ(test::max_abs_diff(ckpt.model, load_state_dict(c.save)), 0.0);
+  EXPECT_EQ(test::max_abs_diff(ckpt.model, run.final_state), 0.0);
+  state_dict optim(ckpt.optim.begin(), ckpt.optim.end());
+  EXPECT_EQ(test::max_abs_diff(optim, load_state_dict(c.save + ".optim")), 0.0);
+  for (const auto& [d, level] : others) {
+    auto r = c;
+    r.data_parallel = d;
+    r.microbatches = c.global_batch / (2 * d);
+    r.shard = level;
+    r.shard_group = 0;
+    r.save.clear();
+    r.checkpoint_dir.clear();
+    r.resume = dir / "ckpt/step-00000002";
+    const auto resumed = actors_run(r);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
+    ASSERT_EQ(resumed.losses.size(), 2u) << level;
+    EXPECT_NEAR(resumed.losses[1], run.losses[3], 1e-5) << level;
+    EXPECT_LE(test::max_abs_diff(resumed.final_state, run.final_state), 1e-5) << level;
+  }
+}
+
+/// `c` for 3 steps, and again with the stage `throw_at` names throwing mid-step: the step
+/// retried in place gives the clean run's bits.
+void expect_retried_in_place(job_config c, const std::string& throw_at) {
+  c.steps = 3;
+  const auto clean = actors_run(c);
+  ASSERT_EQ(clean.exit_code, 0) << clean.error;
+  c.throw_at = throw_at;
+  const auto retried = actors_run(c);
+  ASSERT_EQ(retried.exit_code, 0) << retried.error;
+  EXPECT_EQ(test::max_abs_diff(retried.final_state, clean.final_state), 0.0);
+  EXPECT_EQ(retried.losses, clean.losses);
 }
 
 }  // namespace
@@ -165,94 +215,26 @@ TEST(FsdpActors, HybridShardGroupsFollowZeRO1) {
 
 TEST(FsdpActors, HybridShardedRunsCheckpointResumeAndRetryInPlace) {
   // Parameters sharded over groups of 2 of 4 replicas: the folder equals --save and the
-  // run's final state, resumes with ZeRO-1 on two replicas; a rank that throws is
-  // retried in place, bit-identically.
-  test::temp_dir dir;
+  // run's final state and resumes with ZeRO-1 on two replicas; a rank of the second
+  // group that throws is retried in place, bit-identically.
   auto c = fsdp_job({1, 4, 1, "1f1b", "none"}, "parameters");
   c.shard_group = 2;
-  c.steps = 4;
-  c.checkpoint_dir = dir / "ckpt";
-  c.checkpoint_interval = 2;
-  c.save = dir / "run.pt";
-  const auto run = actors_run(c);
-  ASSERT_EQ(run.exit_code, 0) << run.error;
-  const auto ckpt = read_checkpoint_dir(dir / "ckpt/step-00000004", c);
-  EXPECT_EQ(test::max_abs_diff(ckpt.model, load_state_dict(c.save)), 0.0);
-  EXPECT_EQ(test::max_abs_diff(ckpt.model, run.final_state), 0.0);
-  auto two = c;
-  two.data_parallel = 2;
-  two.microbatches = c.global_batch / (2 * 2);
-  two.shard = "optimizer";
-  two.shard_group = 0;
-  two.save.clear();
-  two.checkpoint_dir.clear();
-  two.resume = dir / "ckpt/step-00000002";
-  const auto resumed = actors_run(two);
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
-  ASSERT_EQ(resumed.losses.size(), 2u);
-  EXPECT_NEAR(resumed.losses[1], run.losses[3], 1e-5);
-  EXPECT_LE(test::max_abs_diff(resumed.final_state, run.final_state), 1e-5);
-
-  auto retry = c;
-  retry.save.clear();
-  retry.checkpoint_dir.clear();
-  retry.steps = 3;
-  const auto clean = actors_run(retry);
-  ASSERT_EQ(clean.exit_code, 0) << clean.error;
-  retry.throw_at = "3:0:1";  // replica 3 (the second group's second rank), stage 0, step 2
-  const auto retried = actors_run(retry);
-  ASSERT_EQ(retried.exit_code, 0) << retried.error;
-  EXPECT_EQ(test::max_abs_diff(retried.final_state, clean.final_state), 0.0);
-  EXPECT_EQ(retried.losses, clean.losses);
+  expect_resumed(c, {{2, "optimizer"}});
+  expect_retried_in_place(c, "3:0:1");  // replica 3 (the second group's second rank), stage 0, step 2
 }
 
 TEST(FsdpActors, ShardedCheckpointFoldersResumeInOtherLayoutsAndLevels) {
   // Parameters sharded: the shards hold the only copy; the folder replica 0's stages
   // write from their shards' pieces equals what --save writes, and resumes with ZeRO-1
   // on one replica and with parameters sharded over 4.
-  test::temp_dir dir;
-  auto two = fsdp_job({2, 2, 1, "1f1b", "none"}, "parameters");
-  two.steps = 4;
-  two.checkpoint_dir = dir / "ckpt";
-  two.checkpoint_interval = 2;
-  two.save = dir / "run.pt";
-  const auto run = actors_run(two);
-  ASSERT_EQ(run.exit_code, 0) << run.error;
-  const auto ckpt = read_checkpoint_dir(dir / "ckpt/step-00000004", two);
-  EXPECT_EQ(ckpt.step, 4);
-  EXPECT_EQ(test::max_abs_diff(ckpt.model, load_state_dict(two.save)), 0.0);
-  EXPECT_EQ(test::max_abs_diff(ckpt.model, run.final_state), 0.0);
-  state_dict optim(ckpt.optim.begin(), ckpt.optim.end());
-  EXPECT_EQ(test::max_abs_diff(optim, load_state_dict(two.save + ".optim")), 0.0);
-  for (const auto& [d, level] : {std::pair<int, const char*>{1, "optimizer"}, {4, "parameters"}}) {
-    auto c = two;
-    c.data_parallel = d;
-    c.microbatches = two.global_batch / (2 * d);
-    c.shard = level;
-    c.save.clear();
-    c.checkpoint_dir.clear();
-    c.resume = dir / "ckpt/step-00000002";
-    const auto resumed = actors_run(c);
-    ASSERT_EQ(resumed.exit_code, 0) << resumed.error;
-    ASSERT_EQ(resumed.losses.size(), 2u) << level;
-    EXPECT_NEAR(resumed.losses[1], run.losses[3], 1e-5) << level;
-    EXPECT_LE(test::max_abs_diff(resumed.final_state, run.final_state), 1e-5) << level;
-  }
+  expect_resumed(fsdp_job({2, 2, 1, "1f1b", "none"}, "parameters"), {{1, "optimizer"}, {4, "parameters"}});
 }
 
 TEST(FsdpActors, ARankThatFailsMidStepIsRetriedInPlaceBitIdentically) {
-  auto c = fsdp_job({2, 2, 1, "1f1b", "none"}, "parameters");
-  c.steps = 3;
-  const auto clean = actors_run(c);
-  ASSERT_EQ(clean.exit_code, 0) << clean.error;
   // Replica 1's stage 0 throws in step 2 while replica 0's waits for it in a gather: the
   // group is failed, every actor rebuilt from the snapshots (the stages take their
   // pieces again from the gathered parameters), the step run again.
-  c.throw_at = "1:0:1";
-  const auto retried = actors_run(c);
-  ASSERT_EQ(retried.exit_code, 0) << retried.error;
-  EXPECT_EQ(test::max_abs_diff(retried.final_state, clean.final_state), 0.0);
-  EXPECT_EQ(retried.losses, clean.losses);
+  expect_retried_in_place(fsdp_job({2, 2, 1, "1f1b", "none"}, "parameters"), "1:0:1");
 }
 
 TEST(FsdpConfig, RefusesWhatCannotWork) {
