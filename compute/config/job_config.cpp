@@ -611,9 +611,9 @@ void check_sharding(const job_config& c) {
     if (c.device.rfind("cuda", 0) == 0)
       fail(hybrid + " on " + c.device + ": its collectives run over the group's point-to-point by tag, which NCCL "
            "does not match (--device cpu, or shard_group 0)");
-    if (c.is_decoder() && c.model().decoder.n_experts > 0)
-      fail(hybrid + " with experts: the experts' region is sharded over the expert-data-parallel group, which "
-           "hybrid sharding does not split yet (shard_group 0)");
+    if (c.expert_parallel > 1)
+      fail(hybrid + " with expert parallelism: the experts' region is sharded over the expert-data-parallel "
+           "group, which hybrid sharding does not split yet (shard_group 0, or expert_parallel 1)");
     if (c.compute == "simulated")
       fail(hybrid + " with simulated compute: the simulated shards model the whole group (shard_group 0)");
   }

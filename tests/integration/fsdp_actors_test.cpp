@@ -253,8 +253,8 @@ TEST(FsdpConfig, RefusesWhatCannotWork) {
   refused([](job_config& c) { c.shard_group = 3; }, "shard_group 3 must divide the 2 data-parallel ranks");
   refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.runtime = "local"; }, "runs in the actor runtime");
   refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.device = "cuda"; }, "point-to-point by tag");
-  refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.experts = 4; c.moe_top_k = 1; },
-          "hybrid sharding) with experts");
+  refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.experts = 4; c.moe_top_k = 1; c.expert_parallel = 2; },
+          "hybrid sharding) with expert parallelism");
   refused([](job_config& c) { c.runtime = "local"; }, "runs in the actor runtime");
   refused([](job_config& c) { c.schedule = "dataflow"; }, "schedule dataflow");
   refused([](job_config& c) { c.device = "cuda"; }, "not yet on its CUDA stream");
