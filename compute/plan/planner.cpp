@@ -341,8 +341,6 @@ std::string check_layout(const problem& p, const layout& l) {
   }
   if (l.shard != "optimizer" && l.shard != "gradients" && l.shard != "parameters")
     return "shard must be optimizer, gradients or parameters";
-  if (l.shard != "optimizer" && (m.n_experts > 0 || l.tp > 1))
-    return "gradients or parameters sharded: not with experts or tensor parallelism (Troupe's FSDP)";
   try {
     (void)make_schedule(l.schedule, l.pp, l.microbatches, l.vp);
   } catch (const schedule_error& e) {

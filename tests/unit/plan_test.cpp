@@ -93,8 +93,10 @@ TEST(Plan, RefusesLayoutsThatCannotRun) {
   EXPECT_NE(check_layout(p, make(1, 4, 4, 1, p, schedule_kind::zbv, 1)).find("schedule"), std::string::npos);
   EXPECT_NE(check_layout(p, make(1, 4, 4, 1, p, schedule_kind::one_f_one_b, 2)).find("chunks"), std::string::npos);
   l = make(8, 1, 2, 1, p);
-  l.shard = "parameters";
-  EXPECT_NE(check_layout(p, l).find("FSDP"), std::string::npos);
+  l.shard = "everything";
+  EXPECT_NE(check_layout(p, l).find("shard must be"), std::string::npos);
+  l.shard = "parameters";  // (Troupe's FSDP composes with tensor parallelism and experts)
+  EXPECT_EQ(check_layout(p, l), "");
   EXPECT_THROW(predict(p, make(3, 1, 5, 1, p)), plan_error);
   EXPECT_THROW(builtin_device("tpu"), plan_error);
 }
