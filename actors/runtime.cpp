@@ -80,14 +80,6 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
     if (shards_grads() && device.is_cuda())  // (device auto found a GPU: job_config refuses an explicit one)
       throw std::invalid_argument(std::string("shard ") + c.shard + " on " + device.str() +
                                   ": not yet on GPUs (--device cpu)");
-    // (Copies on two stages: each stage's is kept out of its runs' reductions and reduced
-    // once summed with the other's. Two chunks of one stage hold both copies with p = 1 or
-    // the V kinds: not yet.)
-    if (shards_grads() && !tied_name.empty() && n_virtual > 1 && place(0).first == loss_stage())
-      throw std::invalid_argument(std::string("shard ") + c.shard + " with the tied embedding " + tied_name +
-                                  " on two chunks of one stage (pipeline 1 with chunks, or a V schedule): its copies' "
-                                  "gradients are summed once a step, not once a run of a chunk's ops (not yet; "
-                                  "--tie-embeddings false, or the copies on two stages)");
     compute_dtype = parse_precision(c.precision);
     residual_dtype = c.fp32_residual || spec.type != model_spec::kind::decoder ? torch::kFloat32 : compute_dtype;
     use_deterministic_algorithms(c.deterministic);  // before this process's first matrix product

@@ -144,10 +144,16 @@ struct stage_state {
   std::vector<sharded_slice> sharded;
   std::shared_ptr<collective_group> dp_group;
   std::shared_ptr<collective_group> edp_group;  // (expert parallelism: the expert regions')
-  /// FSDP with the tied embedding's copies on two stages: this copy's gradient, taken out
-  /// of each run's reduction and summed over the step (fp32, whole); with the other
-  /// copy's added it is reduced at the chunk's end.
-  torch::Tensor fsdp_tied;
+  /// FSDP with the tied embedding: per chunk holding a copy, that copy's gradient, taken
+  /// out of each run's reduction and summed over the step (fp32, whole); with the other
+  /// copy's added it is reduced once the step's ops ran (reduce_tied_chunk). Undefined
+  /// for the other chunks.
+  std::vector<torch::Tensor> fsdp_tied;
+  torch::Tensor* tied_sum(int chunk) {
+    return std::size_t(chunk) < fsdp_tied.size() && fsdp_tied[std::size_t(chunk)].defined()
+               ? &fsdp_tied[std::size_t(chunk)]
+               : nullptr;
+  }
   int cp_size = 1;  // context parallelism: the size of the stage's context-parallel group
   std::shared_ptr<collective_group> cp_group;  // (cp_size > 1)
   /// The stage actors that run the same forwards and backwards in one order, meeting in
@@ -368,9 +374,12 @@ class stage_logic {
   void on_tied(torch::Tensor other);
   /// This stage's copy of the tied embedding's gradient to the other copy's stage.
   void send_tied(const torch::Tensor& mine);
-  /// FSDP: the tied chunk's reduced pieces, with the copies' summed gradient reduced into
-  /// them, to the shard.
+  /// FSDP: the other stage's copy's gradient added to this one's, reduced into the tied
+  /// chunk's pieces (reduce_tied_chunk).
   void reduce_tied(const torch::Tensor& other);
+  /// FSDP: `sum` (the copies' summed gradient) reduce-scattered into `chunk`'s pieces
+  /// over the buckets holding the tied embedding, and the chunk's pieces to the shard.
+  void reduce_tied_chunk(int chunk, const torch::Tensor& sum);
   /// FSDP: a chunk's reduced pieces of the step to its shard.
   void send_reduced(int chunk);
 

@@ -176,10 +176,10 @@ void stage_logic::compute(op_work& w) {
     if (s_.sums_replicated() && storage_held(slice.flat_grads())) sum_replicated_grads(slice);
     // The tied embedding's copy: kept out of this reduction, reduced once summed with the
     // other copy's (reduce_tied).
-    if (s_.fsdp_tied.defined() && s_.is_tied_chunk(w.op.chunk) && storage_held(slice.flat_grads())) {
+    if (auto* sum = s_.tied_sum(w.op.chunk); sum && storage_held(slice.flat_grads())) {
       torch::NoGradGuard no_grad;
       auto& g = slice.param(ctx.tied_name).mutable_grad();
-      s_.fsdp_tied.add_(g);
+      sum->add_(g);
       g.zero_();
     }
     reduce_grads(slice, *sharded, *s_.dp_group, s_.edp_group.get());
@@ -317,8 +317,10 @@ void stage_logic::execute_pair(const pipeline_op& f, const pipeline_op& b) {
 void stage_logic::chunk_done(int chunk) {
   const auto& ctx = *s_.ctx;
   if (ctx.shards_grads()) {  // FSDP: the step's reduced pieces of the chunk's gradients, at once
-    if (s_.fsdp_tied.defined() && s_.is_tied_chunk(chunk))
-      return send_tied(s_.fsdp_tied);  // (once the copies' sum is reduced too: reduce_tied)
+    if (auto* sum = s_.tied_sum(chunk)) {  // (once the copies' sum is reduced too)
+      if (!s_.tied_here()) send_tied(*sum);  // (both copies here: summed once every op ran, after_backward)
+      return;
+    }
     return send_reduced(chunk);
   }
   s_.watches.at(chunk)->finish();
@@ -348,16 +350,24 @@ void stage_logic::send_reduced(int chunk) {
 }
 
 void stage_logic::reduce_tied(const torch::Tensor& other) {
-  const auto& ctx = *s_.ctx;
   const int chunk = s_.tied_chunk();
+  auto& sum = *s_.tied_sum(chunk);
+  {
+    torch::NoGradGuard no_grad;
+    sum.add_(other);  // this copy's and the other's, in the order ZeRO-1 adds them
+  }
+  reduce_tied_chunk(chunk, sum);
+  sum.zero_();
+}
+
+void stage_logic::reduce_tied_chunk(int chunk, const torch::Tensor& sum) {
+  const auto& ctx = *s_.ctx;
   auto& slice = *s_.chunks.at(chunk);
   auto& sh = s_.sharded.at(chunk);
   {
     torch::NoGradGuard no_grad;
-    s_.fsdp_tied.add_(other);  // this copy's and the other's, in the order ZeRO-1 adds them
-    make_grads(slice, sh);     // (zeroed: only the tied embedding's elements are reduced)
-    slice.param(ctx.tied_name).mutable_grad().copy_(s_.fsdp_tied);
-    s_.fsdp_tied.zero_();
+    make_grads(slice, sh);  // (zeroed: only the tied embedding's elements are reduced)
+    slice.param(ctx.tied_name).mutable_grad().copy_(sum);
   }
   const auto& entries = slice.entries();
   const auto e = std::find_if(entries.begin(), entries.end(), [&](const auto& x) { return x.name == ctx.tied_name; });
@@ -389,6 +399,20 @@ void stage_logic::sum_replicated_grads(model_slice& slice) {
 void stage_logic::after_backward() {
   s_.running = false;
   const auto& ctx = *s_.ctx;
+  if (s_.holds_tied_copy() && s_.tied_here() && ctx.shards_grads()) {  // FSDP: the copies' step sums
+    const int a = ctx.place(0).second, b = ctx.place(ctx.n_virtual - 1).second;
+    auto &first = *s_.tied_sum(a), &last = *s_.tied_sum(b);
+    {
+      torch::NoGradGuard g;
+      first.add_(last);
+      last.copy_(first);
+    }
+    reduce_tied_chunk(a, first);
+    reduce_tied_chunk(b, last);
+    first.zero_();
+    last.zero_();
+    return;
+  }
   if (s_.holds_tied_copy() && s_.tied_here()) {  // both copies here: sum locally, as the reference does
     auto& first = s_.chunks.at(ctx.place(0).second)->param(ctx.tied_name).mutable_grad();
     auto& last = s_.chunks.at(ctx.place(ctx.n_virtual - 1).second)->param(ctx.tied_name).mutable_grad();
@@ -406,7 +430,7 @@ void stage_logic::on_tied(torch::Tensor other) {
     s_.tied_in = std::move(other);
     return;
   }
-  if (s_.fsdp_tied.defined()) {
+  if (s_.tied_sum(s_.tied_chunk())) {
     s_.tied_pending = false;
     s_.tied_in = torch::Tensor();
     return reduce_tied(other);

@@ -53,7 +53,8 @@ reset_report stage_logic::reset() {
     s_.sharded[i].grads.zero_();
   }
   s_.fsdp_pool.clear();
-  if (s_.fsdp_tied.defined()) s_.fsdp_tied.zero_();
+  for (auto& t : s_.fsdp_tied)
+    if (t.defined()) t.zero_();
   for (auto& c : s_.chunks) {
     if (!storage_held(c->flat_grads())) continue;
     c->zero_grads();

@@ -137,9 +137,11 @@ void join_shard_group(stage_state& st, const std::shared_ptr<transport::communic
         expert_shards, nullptr, group_observer(state, [state] { return state->in_backward; }, "fsdp "),
         [egroup, ecalls](const char* name) { activity_board::enter_collective(name, egroup, (*ecalls)++); });
   }
-  if (st.holds_tied_copy() && !st.tied_here())  // (the tied embedding's copies on two stages)
-    st.fsdp_tied = torch::zeros(st.chunks.at(st.tied_chunk())->param(ctx.tied_name).sizes(),
-                                torch::TensorOptions().dtype(torch::kFloat32).device(ctx.device));
+  st.fsdp_tied.assign(st.chunks.size(), torch::Tensor());
+  for (int c = 0; c < int(st.chunks.size()); ++c)  // (the chunks holding a copy of the tied embedding)
+    if (st.is_tied_chunk(c))
+      st.fsdp_tied[std::size_t(c)] = torch::zeros(st.chunks[std::size_t(c)]->param(ctx.tied_name).sizes(),
+                                                  torch::TensorOptions().dtype(torch::kFloat32).device(ctx.device));
   for (auto& chunk : st.chunks) {
     auto buckets = ctx.buckets_of(*chunk);
     const auto groups = ctx.groups_of(st.replica, *chunk);
