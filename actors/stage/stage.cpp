@@ -101,6 +101,25 @@ void join_expert_groups(stage_state& st, const std::shared_ptr<transport::commun
   st.ep_size = experts->size();
 }
 
+/// An FSDP group of the stage's ops: `comm` (checked to be rank `rank` of `size`), named
+/// `what` with the stage actors of pipelines first, first + step, ... as its members (the
+/// hang diagnosis's), observed as the stage's other collectives.
+std::shared_ptr<collective_group> fsdp_group(stage_state& st, const std::shared_ptr<transport::communicator>& comm,
+                                             int size, int rank, std::string what, int first, int step) {
+  const auto& ctx = *st.ctx;
+  if (!comm || comm->size() != size || comm->rank() != rank)
+    throw std::logic_error(st.name + ": " + what + ": no communicator of " + std::to_string(size) +
+                           " ranks with its rank " + std::to_string(rank));
+  group_identity id{std::move(what), {}};
+  for (int r = first; r < ctx.pipes; r += step) id.members.push_back(ctx.stage_name(r, st.stage));
+  auto group = std::make_shared<const group_identity>(std::move(id));
+  auto calls = std::make_shared<std::int64_t>(0);
+  auto* state = &st;
+  return as_collective_group(
+      comm, nullptr, group_observer(state, [state] { return state->in_backward; }, "fsdp "),
+      [group, calls](const char* name) { activity_board::enter_collective(name, group, (*calls)++); });
+}
+
 /// Gradients or parameters sharded (parallel.shard): the chunks' FSDP layout (this rank's
 /// piece of each gradient bucket, the pieces its shard updates) and the data-parallel
 /// group (`shards`: the stage's shards' communicator, which the shards then leave to the
@@ -111,32 +130,14 @@ void join_expert_groups(stage_state& st, const std::shared_ptr<transport::commun
 void join_shard_group(stage_state& st, const std::shared_ptr<transport::communicator>& shards,
                       const std::shared_ptr<transport::communicator>& expert_shards) {
   const auto& ctx = *st.ctx;
-  if (!shards || shards->size() != ctx.g || shards->rank() != ctx.dp_of(st.replica) % ctx.g)
-    throw std::logic_error(st.name + ": no data-parallel communicator of " + std::to_string(ctx.g) +
-                           " ranks with its rank " + std::to_string(ctx.dp_of(st.replica) % ctx.g));
-  group_identity id{fmt::format("data-parallel group of stage {}{}", st.stage,
-                                ctx.t > 1 ? fmt::format(", tensor-parallel rank {}", ctx.tp_of(st.replica)) : ""),
-                    {}};
-  for (int r = ctx.tp_of(st.replica); r < ctx.pipes; r += ctx.t) id.members.push_back(ctx.stage_name(r, st.stage));
-  auto group = std::make_shared<const group_identity>(std::move(id));
-  auto calls = std::make_shared<std::int64_t>(0);
-  auto* state = &st;
-  st.dp_group = as_collective_group(
-      shards, nullptr, group_observer(state, [state] { return state->in_backward; }, "fsdp "),
-      [group, calls](const char* name) { activity_board::enter_collective(name, group, (*calls)++); });
-  if (ctx.ep > 1) {
-    if (!expert_shards || expert_shards->size() != ctx.edp || expert_shards->rank() != st.replica / ctx.ep)
-      throw std::logic_error(st.name + ": no expert-data-parallel communicator of " + std::to_string(ctx.edp) +
-                             " ranks with its rank " + std::to_string(st.replica / ctx.ep));
-    group_identity eid{fmt::format("expert-data-parallel group of stage {}, share {}", st.stage, st.replica % ctx.ep),
-                       {}};
-    for (int r = st.replica % ctx.ep; r < ctx.pipes; r += ctx.ep) eid.members.push_back(ctx.stage_name(r, st.stage));
-    auto egroup = std::make_shared<const group_identity>(std::move(eid));
-    auto ecalls = std::make_shared<std::int64_t>(0);
-    st.edp_group = as_collective_group(
-        expert_shards, nullptr, group_observer(state, [state] { return state->in_backward; }, "fsdp "),
-        [egroup, ecalls](const char* name) { activity_board::enter_collective(name, egroup, (*ecalls)++); });
-  }
+  st.dp_group = fsdp_group(st, shards, ctx.g, ctx.dp_of(st.replica) % ctx.g,
+                           fmt::format("data-parallel group of stage {}{}", st.stage,
+                                       ctx.t > 1 ? fmt::format(", tensor-parallel rank {}", ctx.tp_of(st.replica)) : ""),
+                           ctx.tp_of(st.replica), ctx.t);
+  if (ctx.ep > 1)
+    st.edp_group = fsdp_group(st, expert_shards, ctx.edp, st.replica / ctx.ep,
+                              fmt::format("expert-data-parallel group of stage {}, share {}", st.stage, st.replica % ctx.ep),
+                              st.replica % ctx.ep, ctx.ep);
   st.fsdp_tied.assign(st.chunks.size(), torch::Tensor());
   for (int c = 0; c < int(st.chunks.size()); ++c)  // (the chunks holding a copy of the tied embedding)
     if (st.is_tied_chunk(c))
