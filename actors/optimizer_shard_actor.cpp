@@ -309,7 +309,7 @@ void maybe_done(shard_self self) {
   s.gathered = false;
   s.phase = shard_phase::between_steps;
   s.record_sent("shard done", "coordinator");
-  self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
+  self->send(s.wiring->supervisor, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
   s.events.clear();
 }
 
@@ -409,7 +409,7 @@ void send_norm_partials(shard_self self) {
     s.record_sent("gradient-norm partial of chunk " + std::to_string(ci), "coordinator");
     // Hybrid sharding: every piece has d / g copies, one of which counts.
     const double partial = s.ctx->shard_copy_of(s.rank) == 0 ? partial_sq_norm(ch.reduced, ch.norm_mask) : 0.0;
-    self->send(s.wiring->coordinator,
+    self->send(s.wiring->supervisor,
                grad_norm_partial{s.step, s.ctx->virtual_stage(s.stage, ci), s.rank, partial});
   }
   s.phase = shard_phase::awaiting_clip;

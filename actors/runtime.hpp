@@ -2,7 +2,7 @@
 // The actor runtime in one process: a coordinator, a supervisor, and per replica a data
 // loader and p stage actors, per stage d optimizer shard actors.
 //
-//   coordinator --begin_step--> loaders, stages, shards
+//   coordinator --begin_step--> each node's supervisor --> its loaders, stages, shards
 //   loader --microbatch_input--> stage 0      loader --microbatch_target--> stage p-1
 //   stage k --forward_activation--> stage k+1 --...--> last: loss_report --> coordinator
 //   stage k <--backward_grad-- stage k+1;  first <--tied_grad--> last
@@ -12,6 +12,8 @@
 //   shards update, all-gather through the communicator; shard --param_shard--> its own
 //   stage --stage_done--> coordinator
 //   coordinator commits, then supervisor resets every actor and checks what it still held
+// The reports "--> coordinator" go through the actor's supervisor, which sends them on
+// batched (step_reports); the clip factor goes through the supervisors too.
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -212,6 +214,9 @@ struct job_wiring {
   /// copies of this node's optimizer shards (null: no copies).
   supervisor_actor buddy;
   int buddy_node = -1;
+  /// This node's supervisor: its actors' step reports (loss, gradient-norm partial,
+  /// stage and shard done) go to it, which batches them for the coordinator.
+  supervisor_actor supervisor;
 
   /// True when stage (replica, stage) lives in another process.
   bool remote(int replica, int stage) const { return !nodes.empty() && nodes[replica][stage] != node; }
@@ -222,6 +227,7 @@ struct job_wiring {
     loaders.clear();
     world = nullptr;
     buddy = nullptr;
+    supervisor = nullptr;
   }
 };
 

@@ -132,6 +132,15 @@ struct recovery {
   std::string error;
 };
 
+/// The step's relay: the step (and attempt) of the begin_step last forwarded to the
+/// children, and their reports of it not yet sent on, with what has come of each kind.
+struct relay_state {
+  std::int64_t step = -1;
+  std::int32_t attempt = 0;
+  step_reports pending;
+  std::size_t partials = 0, stages = 0, shards = 0;
+};
+
 struct supervisor_state {
   std::shared_ptr<const runtime_context> ctx;
   std::shared_ptr<job_wiring> wiring;
@@ -147,6 +156,7 @@ struct supervisor_state {
   std::optional<recovery> recovering;
   // Old communicators being closed (a thread each); their destruction waits for them.
   std::list<std::future<void>> retired;
+  relay_state relay;
 };
 
 using supervisor_self = supervisor_actor::stateful_pointer<supervisor_state>;
@@ -592,10 +602,84 @@ auto abort(supervisor_self self) {
   };
 }
 
+// --- the step's relay: the coordinator's begin_step and clip factor to the children, and
+// their reports back in a few batches per step (step_reports), so that the coordinator's
+// messages grow with the nodes, not the ranks.
+
+/// Sends the reports held, if any.
+void flush_reports(supervisor_self self) {
+  auto& r = self->state.relay;
+  if (r.pending.empty() || !self->state.wiring->coordinator) return;
+  r.pending.step = r.step;
+  r.pending.attempt = r.attempt;
+  r.pending.node = self->state.plan.node;
+  self->send(self->state.wiring->coordinator, std::move(r.pending));
+  r.pending = step_reports{};
+}
+
+enum class report_kind { loss, partial, stage, shard };
+
+/// A child's report of the step is held: sent on with the others once the node's shards
+/// have all sent their gradient-norm partials (the clip factor waits for them), or its
+/// stages are all done, or its shards are all done. What comes after its kind is complete
+/// (a loss report delayed by an injected fault, a duplicate) goes at once.
+void held(supervisor_self self, report_kind kind) {
+  auto& s = self->state;
+  auto& r = s.relay;
+  const auto shards = s.mine.shards.size(), stages = s.mine.stages.size();
+  bool complete = false;
+  switch (kind) {
+    case report_kind::loss: complete = r.stages >= stages; break;  // (its stage's stage_done follows it)
+    case report_kind::partial: complete = ++r.partials >= shards * std::size_t(s.ctx->v); break;  // one per chunk
+    case report_kind::stage: complete = ++r.stages >= stages; break;
+    case report_kind::shard: complete = ++r.shards >= shards; break;
+  }
+  if (complete) flush_reports(self);
+}
+
+template <class Report>
+auto relay_report(supervisor_self self, std::vector<Report> step_reports::*list, report_kind kind) {
+  return [self, list, kind](Report& msg) {
+    auto& s = self->state;
+    if (msg.step != s.relay.step) {
+      spdlog::debug("supervisor of node {}: a report of step {} dropped (relaying step {})", s.plan.node, msg.step + 1,
+                    s.relay.step + 1);
+      return;
+    }
+    (s.relay.pending.*list).push_back(std::move(msg));
+    held(self, kind);
+  };
+}
+
+/// begin_step to every child (shards, stages, then loaders), and the relay's count anew.
+auto relay_begin(supervisor_self self) {
+  return [self](const begin_step& msg) {
+    auto& s = self->state;
+    s.relay = relay_state{};
+    s.relay.step = msg.step;
+    s.relay.attempt = msg.attempt;
+    for (const auto* group : {&s.mine.shards, &s.mine.stages, &s.mine.loaders})
+      for (const auto& a : *group) self->send(caf::actor_cast<step_actor>(a), msg);
+  };
+}
+
+/// The clip factor to every shard of this node.
+auto relay_clip(supervisor_self self) {
+  return [self](const clip_factor_msg& msg) {
+    auto& s = self->state;
+    if (msg.step != s.relay.step) return;
+    for (const auto& a : s.mine.shards) self->send(caf::actor_cast<shard_actor>(a), msg);
+  };
+}
+
 /// The hang diagnosis: what this process's threads compute in `step` (for the stage
-/// actors that cannot answer while inside an op).
+/// actors that cannot answer while inside an op). The reports held go first, so that the
+/// coordinator has all that the actors sent before they answered its probe.
 auto activity(supervisor_self self) {
-  return [self](activity_atom, std::int64_t step) { return activity_board::reports(self->state.wiring->generation, step); };
+  return [self](activity_atom, std::int64_t step) {
+    flush_reports(self);
+    return activity_board::reports(self->state.wiring->generation, step);
+  };
 }
 
 auto plant(supervisor_self self) {
@@ -616,7 +700,16 @@ supervisor_actor::behavior_type serving(supervisor_self self) {
       wiring(self),
       [self](check_atom, const reset_step& msg) { return reset_children(self, msg); },
       abort(self), activity(self), plant(self),
+      relay_begin(self), relay_clip(self),
+      relay_report<loss_report>(self, &step_reports::losses, report_kind::loss),
+      relay_report<grad_norm_partial>(self, &step_reports::partials, report_kind::partial),
+      relay_report<stage_done>(self, &step_reports::stages, report_kind::stage),
+      relay_report<shard_done>(self, &step_reports::shards, report_kind::shard),
   };
+}
+
+void dropped(supervisor_self self, const char* what, std::int64_t step) {
+  spdlog::debug("supervisor of node {} (recovering): {} of step {} dropped", self->state.plan.node, what, step + 1);
 }
 
 /// Recovering: the children are killed, the communicators renewed, the stages'
@@ -632,6 +725,13 @@ supervisor_actor::behavior_type recovering(supervisor_self self) {
                                "node " + std::to_string(self->state.plan.node) + " is recovering: no step to reset");
       },
       abort(self), activity(self), plant(self),
+      // (No step runs: what the old children sent, or a begin, is stale.)
+      [self](const begin_step& msg) { dropped(self, "begin", msg.step); },
+      [self](const clip_factor_msg& msg) { dropped(self, "clip factor", msg.step); },
+      [self](const loss_report& msg) { dropped(self, "loss report", msg.step); },
+      [self](const grad_norm_partial& msg) { dropped(self, "gradient-norm partial", msg.step); },
+      [self](const stage_done& msg) { dropped(self, "stage-done report", msg.step); },
+      [self](const shard_done& msg) { dropped(self, "shard-done report", msg.step); },
   };
 }
 
@@ -647,12 +747,14 @@ supervisor_actor::behavior_type supervisor_behavior(supervisor_self self, std::s
   wiring->loaders.assign(ctx->pipes, loader_actor());
   wiring->node = s.plan.node;
   wiring->world = s.plan.world;
+  wiring->supervisor = caf::actor_cast<supervisor_actor>(self);  // (cleared as it quits: no cycle)
   // A node process restarted after a loss starts without actors: the coordinator's
   // recover (with the buddy that holds its shards' state) spawns them.
   s.mine.node = s.plan.node;
   if (!s.plan.rejoining) s.mine = spawn_all(self, -1, 0, {});
   self->set_exit_handler([self](const caf::exit_msg& msg) {
     release_groups(self->state, "the node is shutting down");
+    self->state.wiring->supervisor = nullptr;
     for (auto& [h, n] : self->state.children) self->send_exit(h, msg.reason);
     self->quit(msg.reason);
   });

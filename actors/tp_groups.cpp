@@ -41,6 +41,19 @@ class communicator_group final : public collective_group {
     run("reduce-scatter", &collective_traffic::reduce_scatter, in.numel(), out.nbytes(),
         [&] { return comm_->reduce_scatter(in.view({-1}), out.view({-1})); });
   }
+  /// Observed (and entered on the activity board) at its wait: the time it was not
+  /// hidden behind the caller's compute.
+  started_collective start_all_gather(const torch::Tensor& in, torch::Tensor out, const char* name) override {
+    const auto elements = out.numel();
+    const auto bytes = std::int64_t(out.nbytes());
+    auto w = comm_->all_gather(in.view({-1}), out.view({-1}));
+    return started_collective(
+        [this, w, elements, bytes, name] {
+          if (enter_) enter_(name);
+          finish(name, &collective_traffic::all_gather, elements, bytes, w, std::chrono::steady_clock::now());
+        },
+        [w] { w->wait(std::chrono::seconds(30)); });
+  }
   torch::Tensor all_to_all(const torch::Tensor& in, const std::vector<std::int64_t>& send_rows,
                            const std::vector<std::int64_t>& recv_rows) override {
     std::int64_t rows = 0;
@@ -66,7 +79,11 @@ class communicator_group final : public collective_group {
            std::int64_t bytes, Start start) {
     if (enter_) enter_(name);
     const auto t0 = std::chrono::steady_clock::now();
-    const auto w = start();
+    finish(name, kind, elements, bytes, start(), t0);
+  }
+  /// Waits for `w`, started at `t0`, and counts it.
+  void finish(const char* name, std::atomic<std::int64_t> collective_traffic::*kind, std::int64_t elements,
+              std::int64_t bytes, const transport::work_ptr& w, std::chrono::steady_clock::time_point t0) {
     while (!w->wait(std::chrono::seconds(60))) {
     }
     if (kind == &collective_traffic::all_to_all && all_to_all_delay_.count() > 0)

@@ -54,12 +54,10 @@ using shard_actor = step_actor::extend<caf::reacts_to<grad_shard>,       //
                                        caf::replies_to<state_atom>::with<shard_moments>>;
 
 /// The coordinator (coordinator_actor.hpp): `run_atom` trains and answers the exit code;
-/// the step's reports; its own watchdog ticks and timeouts.
+/// the step's reports, batched by each node's supervisor; its own watchdog ticks and
+/// timeouts.
 using coordinator_actor = caf::typed_actor<caf::replies_to<run_atom>::with<int>,                //
-                                           caf::reacts_to<loss_report>,                         //
-                                           caf::reacts_to<grad_norm_partial>,                   //
-                                           caf::reacts_to<stage_done>,                          //
-                                           caf::reacts_to<shard_done>,                          //
+                                           caf::reacts_to<step_reports>,                        //
                                            caf::reacts_to<runtime_failure>,                     //
                                            caf::reacts_to<eval_result>,                         //
                                            caf::reacts_to<eval_atom, std::int64_t>,             //
@@ -69,9 +67,16 @@ using coordinator_actor = caf::typed_actor<caf::replies_to<run_atom>::with<int>,
 /// A node's supervisor (supervisor_actor.hpp): its actors once spawned, the job's wiring,
 /// in-place recovery (from the state before the step, or a lost node's from its buddy),
 /// buddy copies of the previous node's shards, the reset check between steps, the
-/// threads' activity for the hang probe.
+/// threads' activity for the hang probe. The step's relay: begin_step and the clip factor
+/// from the coordinator to its actors, their reports batched back (step_reports).
 using supervisor_actor =
     caf::typed_actor<caf::replies_to<run_atom>::with<node_actors>,                                       //
+                     caf::reacts_to<begin_step>,                                                        //
+                     caf::reacts_to<clip_factor_msg>,                                                   //
+                     caf::reacts_to<loss_report>,                                                       //
+                     caf::reacts_to<grad_norm_partial>,                                                 //
+                     caf::reacts_to<stage_done>,                                                        //
+                     caf::reacts_to<shard_done>,                                                        //
                      caf::replies_to<recover_atom, std::int64_t, std::int32_t>::with<node_actors>,      //
                      caf::replies_to<recover_atom, std::int64_t, std::int32_t, caf::actor>::with<node_actors>,  //
                      caf::replies_to<shard_copy>::with<bool>,                                           //

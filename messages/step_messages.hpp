@@ -7,6 +7,8 @@
 #include <caf/actor.hpp>
 #include <caf/meta/type_name.hpp>
 
+#include "messages/optimizer_messages.hpp"
+#include "messages/pipeline_messages.hpp"
 #include "messages/tensor_payload.hpp"
 
 namespace troupe {
@@ -50,6 +52,23 @@ struct shard_done {
   std::int32_t stage = 0;
   std::int32_t rank = 0;
   std::vector<trace_event> events;
+};
+
+/// A node's supervisor -> coordinator: its actors' reports of a step, batched. The
+/// stages, shards and loaders of a node report to their supervisor, which sends what it
+/// holds once all of its shards' gradient-norm partials are in, once all of its stages
+/// are done, once all of its shards are done, and when the hang probe asks (activity_atom):
+/// the coordinator takes a few messages per node and step, not several per rank.
+struct step_reports {
+  std::int64_t step = 0;
+  std::int32_t attempt = 0;  ///< of the begin_step the supervisor forwarded
+  std::int32_t node = 0;
+  std::vector<loss_report> losses;
+  std::vector<grad_norm_partial> partials;
+  std::vector<stage_done> stages;
+  std::vector<shard_done> shards;
+
+  bool empty() const { return losses.empty() && partials.empty() && stages.empty() && shards.empty(); }
 };
 
 /// Coordinator -> actors: drop all per-step state of `step`.
@@ -96,6 +115,10 @@ typename Inspector::result_type inspect(Inspector& f, stage_done& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, shard_done& x) {
   return f(caf::meta::type_name("shard_done"), x.step, x.stage, x.rank, x.events);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, step_reports& x) {
+  return f(caf::meta::type_name("step_reports"), x.step, x.attempt, x.node, x.losses, x.partials, x.stages, x.shards);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, reset_step& x) {

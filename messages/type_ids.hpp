@@ -58,6 +58,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (troupe::stage_checkpoint))
   CAF_ADD_TYPE_ID(troupe, (troupe::wait_report))
   CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::wait_report>))
+  CAF_ADD_TYPE_ID(troupe, (troupe::step_reports))
 
   // Atoms (at most 10 characters).
   CAF_ADD_ATOM(troupe, troupe, run_atom, "run")

@@ -388,8 +388,10 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
   auto finish = [=] {
     auto& s = self->state;
     s.diagnosing = false;
-    // Its own waits after every answer: what an actor sent it before answering has arrived
-    // (CAF keeps the order of one actor's messages to another).
+    // Its own waits after every answer and every node's board: what an actor reported
+    // before answering has arrived. Its supervisor had it before the actor answered, and
+    // sends what it holds before its board (CAF keeps the order of one actor's messages
+    // to another).
     const auto own = coordinator_waits(s);
     std::vector<wait_report> reports{own}, silent;
     // The nodes' word for each actor: its board entry inside an op (waits_for set) before
@@ -443,11 +445,10 @@ void diagnose(self_ptr self, bool hang, double idle_s, double limit_s) {
       fail(self, fmt::format("no progress for {:.1f} s: {}", idle_s, d.root));
     }
   };
-  // After the actors' answers: where some did not answer, their nodes' supervisors say
-  // what those actors' threads compute (activity_board).
+  // After the actors' answers, the nodes' supervisors send the reports they hold and say
+  // what the threads of the actors that did not answer compute (activity_board).
   auto conclude = [=] {
     auto& s = self->state;
-    if (std::all_of(answers->begin(), answers->end(), [](const auto& a) { return a.has_value(); })) return finish();
     request_all<std::vector<wait_report>>(
         self, s.supervisors, wait_answer_timeout,
         [boards, answered](std::size_t i, std::vector<wait_report>& found) {
@@ -603,13 +604,10 @@ void begin(self_ptr self) {
   s.last_progress_us = s.started_us;
   s.sent_begin = true;
   s.sent_clip = false;
+  // Through each node's supervisor, which sends it on to its shards, stages and loaders.
   const begin_step msg{s.step, s.stats.lr, s.attempt};
-  for (const auto& row : s.wiring->shards)
-    for (const auto& a : row) self->send(a, msg);
-  for (const auto& row : s.wiring->stages)
-    for (const auto& a : row) self->send(a, msg);
-  for (const auto& a : s.wiring->loaders) self->send(a, msg);
-  s.step_messages_out += std::int64_t(2 * ctx.p * ctx.pipes + ctx.pipes);
+  for (const auto& sup : s.supervisors) self->send(sup, msg);
+  s.step_messages_out += std::int64_t(s.supervisors.size());
   self->delayed_send(self, std::chrono::seconds(ctx.cfg.step_timeout), timeout_atom_v, s.step, s.attempt);
 }
 
@@ -727,9 +725,8 @@ void on_grad_norm_partial(self_ptr self, const grad_norm_partial& msg) {
   const double factor = s.skipping ? 0.0 : s.ctx->cfg.clip > 0 ? clip_factor(sq, s.ctx->cfg.clip) : 1.0;
   s.sent_clip = true;
   const clip_factor_msg clip{s.step, factor, s.skipping};
-  for (const auto& row : s.wiring->shards)
-    for (const auto& a : row) self->send(a, clip);
-  s.step_messages_out += std::int64_t(s.ctx->p * s.ctx->pipes);
+  for (const auto& sup : s.supervisors) self->send(sup, clip);  // (each to its node's shards)
+  s.step_messages_out += std::int64_t(s.supervisors.size());
 }
 
 /// A stage finished its ops of the step: its peak, load-balancing loss, expert counts and
@@ -811,6 +808,27 @@ caf::typed_response_promise<int> on_run(self_ptr self) {
       self, s.supervisors, std::chrono::seconds(60), [nodes](std::size_t, node_actors& n) { nodes->push_back(n); },
       [self, nodes] { wire_and_start(self, nodes); }, fail_with(self, "a supervisor did not start"), run_atom_v);
   return s.done;
+}
+
+void on_step_reports(self_ptr self, step_reports& msg) {
+  auto& s = self->state;
+  if (msg.step != s.step || msg.attempt != s.attempt) {
+    spdlog::debug("coordinator: node {}'s reports of step {} (attempt {}) dropped", msg.node, msg.step + 1,
+                  msg.attempt + 1);
+    return;
+  }
+  // Each in turn, as if it had come on its own, while the step runs (one of them may fail
+  // it, the last one commits it).
+  auto each = [&](auto& list, auto handle) {
+    for (auto& x : list) {
+      if (s.at != phase::stepping || s.step != msg.step) return;
+      handle(self, x);
+    }
+  };
+  each(msg.losses, on_loss_report);
+  each(msg.partials, on_grad_norm_partial);
+  each(msg.stages, on_stage_done);
+  each(msg.shards, on_shard_done);
 }
 
 void on_loss_report(self_ptr self, const loss_report& msg) {

@@ -48,10 +48,7 @@ auto no_step_timeout() {
 coordinator_actor::behavior_type stepping_behavior(self_ptr self) {
   return {
       refuse_run(),
-      [self](const loss_report& msg) { counted(self, [&] { on_loss_report(self, msg); }); },
-      [self](const grad_norm_partial& msg) { counted(self, [&] { on_grad_norm_partial(self, msg); }); },
-      [self](stage_done& msg) { counted(self, [&] { on_stage_done(self, msg); }); },
-      [self](shard_done& msg) { counted(self, [&] { on_shard_done(self, msg); }); },
+      [self](step_reports& msg) { counted(self, [&] { on_step_reports(self, msg); }); },
       failures(self),
       drop<eval_result>(self, "evaluation result"),
       no_eval_timeout(),
@@ -64,10 +61,7 @@ coordinator_actor::behavior_type stepping_behavior(self_ptr self) {
 coordinator_actor::behavior_type evaluating_behavior(self_ptr self) {
   return {
       refuse_run(),
-      drop<loss_report>(self, "loss report"),
-      drop<grad_norm_partial>(self, "gradient-norm partial"),
-      drop<stage_done>(self, "stage-done report"),
-      drop<shard_done>(self, "shard-done report"),
+      drop<step_reports>(self, "a node's reports"),
       failures(self),
       [self](const eval_result& msg) { on_eval_result(self, msg); },
       [self](eval_atom, std::int64_t step) { on_eval_timeout(self, step); },
@@ -83,10 +77,7 @@ template <class Run>
 coordinator_actor::behavior_type waiting_behavior(self_ptr self, Run run) {
   return {
       run,
-      drop<loss_report>(self, "loss report"),
-      drop<grad_norm_partial>(self, "gradient-norm partial"),
-      drop<stage_done>(self, "stage-done report"),
-      drop<shard_done>(self, "shard-done report"),
+      drop<step_reports>(self, "a node's reports"),
       failures(self),
       drop<eval_result>(self, "evaluation result"),
       no_eval_timeout(),

@@ -177,6 +177,7 @@ void finish_after_write(self_ptr self, int code, const std::string& error);
 bool first_report(std::vector<bool>& seen, std::size_t index, const char* what, std::int64_t step);
 // The handlers of the phases' messages.
 caf::typed_response_promise<int> on_run(self_ptr self);
+void on_step_reports(self_ptr self, step_reports& msg);
 void on_loss_report(self_ptr self, const loss_report& msg);
 void on_grad_norm_partial(self_ptr self, const grad_norm_partial& msg);
 void on_stage_done(self_ptr self, stage_done& msg);

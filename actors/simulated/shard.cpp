@@ -111,7 +111,7 @@ void on_done(sim_shard_self self, const collective_done& msg) {
           ctx.now_us() - double(ctx.simulated->wait(costs_of(s, msg.chunk).reduce_scatter_exposed).count()));
     ++s.reduced;
     // Each chunk's part of the norm: together a norm of 1.
-    self->send(s.wiring->coordinator, grad_norm_partial{s.step, ctx.virtual_stage(s.stage, msg.chunk), s.rank,
+    self->send(s.wiring->supervisor, grad_norm_partial{s.step, ctx.virtual_stage(s.stage, msg.chunk), s.rank,
                                                         1.0 / (double(ctx.n_virtual) * ctx.pipes)});
   } else if (msg.kind == update) {
     double seconds = 0;
@@ -129,7 +129,7 @@ void on_done(sim_shard_self self, const collective_done& msg) {
     copy_to_buddy(self, s.step + 1, [self] {
       auto& s = self->state;
       s.running = false;
-      self->send(s.wiring->coordinator, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
+      self->send(s.wiring->supervisor, shard_done{s.step, s.stage, s.rank, std::move(s.events)});
       s.events.clear();
     });
   }

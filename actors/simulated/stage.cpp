@@ -171,7 +171,7 @@ class sim_stage {
   void report_losses() {
     if (ctx_.tp_of(s_.replica) == 0)
       for (int mb : s_.losses)
-        self_->send(s_.wiring->coordinator,
+        self_->send(s_.wiring->supervisor,
                     loss_report{s_.step, s_.replica, mb, std::log(double(ctx_.spec.decoder.vocab))});
     s_.losses.clear();
   }
@@ -187,7 +187,7 @@ class sim_stage {
     done.peak_in_flight = s_.peak_in_flight;
     done.events = std::move(s_.events);
     s_.events.clear();
-    self_->send(s_.wiring->coordinator, std::move(done));
+    self_->send(s_.wiring->supervisor, std::move(done));
   }
 
   /// Whether a message of `step` is taken now (a later one's waits for its begin_step).

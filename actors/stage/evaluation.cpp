@@ -123,7 +123,7 @@ void stage_logic::score_eval_now(int index) {
   s_.eval_targets.erase(target);
   if (!s_.reports_evaluation()) return;
   const eval_result result{s_.step, s_.replica, index, score.weighted, score.correct};
-  if (!report_fault(message_target::eval_result, "evaluation result", result))
+  if (!report_fault(s_.wiring->coordinator, message_target::eval_result, "evaluation result", result))
     self_->send(s_.wiring->coordinator, result);
 }
 

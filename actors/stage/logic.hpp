@@ -269,21 +269,28 @@ class stage_logic {
     return s_.ctx->launch.blocking_input_copies ? host.to(s_.ctx->device) : to_device_async(host, s_.ctx->device);
   }
 
+  /// FSDP with parameters (parallel.fsdp_prefetch): starts the all-gather of the chunk of
+  /// op `i` of the order (none where it is held, or op i is a weight pass), one op ahead
+  /// of it: it runs while the stage computes op i - 1 or, for op 0 (at begin_step), waits
+  /// for its first input. The replicas start it at the same place of the same order.
+  void prefetch(std::size_t i);
+
   /// The last stage's losses of this step, read from the device once (one host sync).
   /// (Tensor parallelism: the group's rank 0; every rank computed the same losses.)
   void report_losses();
 
   /// Fault injection, once: the first report of `target` (a loss report, an evaluation
-  /// result) to the coordinator of the faulty step is dropped, duplicated or delayed. True
-  /// when it was taken care of (dropped or delayed), false when it is still to be sent.
-  template <class Report>
-  bool report_fault(message_target target, const char* what, const Report& rep) {
+  /// result) of the faulty step, on its way to `to` (the supervisor, the coordinator), is
+  /// dropped, duplicated or delayed. True when it was taken care of (dropped or delayed),
+  /// false when it is still to be sent.
+  template <class Handle, class Report>
+  bool report_fault(const Handle& to, message_target target, const char* what, const Report& rep) {
     const auto fault = s_.faults.take_message(s_.replica, s_.stage, s_.step, s_.attempt, target);
     if (!fault) return false;
     spdlog::warn("fault injected: {} {}s its first {} of step {} (index {})", s_.name, name(fault->action), what,
                  s_.step + 1, s_.step);
-    if (fault->action == message_action::duplicate) self_->send(s_.wiring->coordinator, rep);
-    if (fault->action == message_action::delay) self_->delayed_send(s_.wiring->coordinator, delay_of(*fault), rep);
+    if (fault->action == message_action::duplicate) self_->send(to, rep);
+    if (fault->action == message_action::delay) self_->delayed_send(to, delay_of(*fault), rep);
     return fault->action == message_action::drop || fault->action == message_action::delay;
   }
 

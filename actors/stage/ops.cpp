@@ -69,7 +69,8 @@ void stage_logic::report_losses() {
   for (const auto& [mb, loss] : s_.losses) {
     loss_report rep{s_.step, s_.replica, mb, *value++};
     s_.record_sent({stage_state::sent_message::loss, mb});
-    if (!report_fault(message_target::loss_report, "loss report", rep)) self_->send(s_.wiring->coordinator, rep);
+    if (!report_fault(s_.wiring->supervisor, message_target::loss_report, "loss report", rep))
+      self_->send(s_.wiring->supervisor, rep);
   }
   s_.losses.clear();
 }
@@ -162,6 +163,7 @@ void stage_logic::compute(op_work& w) {
   if (sharded) {  // FSDP: the chunk's parameters gathered, its gradient buffer made
     if (w.op.kind != op_kind::weight) gather_params(slice, *sharded, *s_.dp_group, s_.edp_group.get());
     if (w.op.kind != op_kind::forward) make_grads(slice, *sharded);
+    prefetch(s_.next_op);  // (the next op's chunk, where it is another one)
   }
   compute_op(w, slice);
   // Released once the stage's next op is on another chunk (or the step's ops end), the
@@ -184,6 +186,15 @@ void stage_logic::compute(op_work& w) {
     }
     reduce_grads(slice, *sharded, *s_.dp_group, s_.edp_group.get());
   }
+}
+
+void stage_logic::prefetch(std::size_t i) {
+  const auto& ctx = *s_.ctx;
+  if (!ctx.shards_params() || !ctx.cfg.fsdp_prefetch || !s_.order || i >= s_.order->size()) return;
+  const auto& op = (*s_.order)[i];
+  if (op.kind == op_kind::weight) return;  // (a weight pass needs no parameters)
+  start_gather(*s_.chunks[std::size_t(op.chunk)], s_.sharded.at(std::size_t(op.chunk)), *s_.dp_group,
+               s_.edp_group.get(), /*ahead=*/true);
 }
 
 void stage_logic::compute_op(op_work& w, model_slice& slice) {
@@ -507,7 +518,7 @@ void stage_logic::on_params(const param_shard& msg) {
       flat.push_back(layer);
       flat.insert(flat.end(), counts.begin(), counts.end());
     }
-    self_->send(s_.wiring->coordinator, stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight,
+    self_->send(s_.wiring->supervisor, stage_done{s_.step, s_.replica, s_.stage, s_.peak_in_flight,
                                                    std::move(s_.events), aux, std::move(flat)});
   }
 }

@@ -398,6 +398,7 @@ stage_actor::behavior_type stage_behavior(stage_self self, std::shared_ptr<const
         auto stash = std::move(s.stash);
         s.stash.clear();
         for (auto& m : stash) caf::anon_send(caf::actor_cast<caf::actor>(self), std::move(m));  // in order, as they came
+        logic->prefetch(0);
         logic->run_ready();
       },
       [=](microbatch_input& msg) {

@@ -321,6 +321,11 @@ const std::vector<key_def>& key_defs() {
               "consecutive replicas, replicate across the groups; it divides the data-parallel x "
               "context-parallel ranks); 0: the whole data-parallel group",
               &job_config::shard_group, 0, 1 << 20),
+      bool_key("parallel.fsdp_prefetch",
+               "shard = parameters: start a chunk's all-gather one op ahead, while the stage computes the op "
+               "before it (or, for the step's first op, waits for its input), so that its parameters are there "
+               "when the op starts; the working set is then up to two chunks",
+               &job_config::fsdp_prefetch),
       bool_key("parallel.sequence_parallel",
                "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
                "(all-gather and reduce-scatter instead of all-reduce)",

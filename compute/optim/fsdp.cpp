@@ -112,10 +112,11 @@ sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, s
   return sh;
 }
 
-void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts) {
+void start_gather(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts,
+                  bool ahead) {
   if (!sh.shards_params) return;
   const auto flat = slice.flat_params();
-  if (storage_held(flat)) return;
+  if (storage_held(flat)) return;  // (held, or its gather started)
   // Gathered through an alias of the buffer with a version counter of its own: the
   // saved views of a forward see their values again, at their versions (a refill
   // between a forward and its backward is no in-place change to autograd, as FSDP2's
@@ -125,16 +126,27 @@ void gather_params(model_slice& slice, sharded_slice& sh, collective_group& grou
   const auto alias = torch::from_blob(flat.data_ptr(), {flat.numel()}, flat.options());
   for (std::size_t b = 0; b < sh.buckets.size(); ++b) {
     const auto& bucket = sh.buckets[b];
-    group_of(sh, b, group, experts)
-        .all_gather(sh.params.narrow(0, sh.at[b], sh.layout[b].size()), alias.narrow(0, bucket.begin, bucket.size()));
+    sh.gathering.push_back(group_of(sh, b, group, experts)
+                               .start_all_gather(sh.params.narrow(0, sh.at[b], sh.layout[b].size()),
+                                                 alias.narrow(0, bucket.begin, bucket.size()),
+                                                 ahead ? "prefetched all-gather" : "all-gather"));
   }
+}
+
+void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts) {
+  if (!sh.shards_params) return;
+  start_gather(slice, sh, group, experts);
+  auto started = std::move(sh.gathering);
+  sh.gathering.clear();
+  for (auto& g : started) g.wait();  // (on an error, the rest are settled as `started` goes)
   if (!sh.copies_fresh) {  // (bf16 slices: their fp32 copies of the norms and embeddings)
     slice.refresh_copies();
     sh.copies_fresh = true;
   }
 }
 
-void release_params(model_slice& slice, const sharded_slice& sh) {
+void release_params(model_slice& slice, sharded_slice& sh) {
+  sh.gathering.clear();  // (none in flight writes into the buffer: settled)
   if (sh.shards_params) release_storage(slice.flat_params(), sh.pool);
 }
 

@@ -83,6 +83,9 @@ struct sharded_slice {
   /// bf16 slices: whether their fp32 copies of the norms and embeddings hold `params`'
   /// values (new pieces: not until the step's first gather, before any graph saves them).
   bool copies_fresh = true;
+  /// Parameters: the gathers started ahead of the op that needs them (start_gather), one
+  /// per bucket; gather_params waits for them.
+  std::vector<started_collective> gathering;
   std::int64_t size() const { return grads.numel(); }
 };
 
@@ -96,11 +99,18 @@ sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, s
 
 /// Parameters: all-gathers `slice`'s parameter buffer from the ranks' pieces (no-op when
 /// it is held), over `group`; the expert region's buckets over `experts` (its
-/// expert-data-parallel group; required where the slice has them).
+/// expert-data-parallel group; required where the slice has them). A gather begun by
+/// start_gather is waited for.
 void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group,
                    collective_group* experts = nullptr);
+/// Parameters: starts gather_params's all-gathers and returns (`ahead`, a prefetch: they go
+/// on while the caller computes another op, and the group's observers call them
+/// "prefetched all-gather"; the buffer holds memory from now). No-op when the buffer is
+/// held or its gather started.
+void start_gather(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts = nullptr,
+                  bool ahead = false);
 /// Parameters: releases the parameter buffer.
-void release_params(model_slice& slice, const sharded_slice& sh);
+void release_params(model_slice& slice, sharded_slice& sh);
 /// Makes the gradient buffer (zeroed) where it is released: before a backward or a weight pass.
 void make_grads(model_slice& slice, const sharded_slice& sh);
 /// Reduce-scatters the gradient buffer over `group` (the expert region's buckets over

@@ -11,6 +11,48 @@
 
 namespace troupe {
 
+/// A collective started and not waited for yet (collective_group::start_all_gather).
+/// `wait` blocks until it is done and throws its error. One dropped without a wait is
+/// settled: waited for up to a bound (`settle`), errors ignored, so that no transfer
+/// writes into memory freed after it (a step aborted first aborts its groups).
+class started_collective {
+ public:
+  started_collective() = default;
+  started_collective(std::function<void()> wait, std::function<void()> settle)
+      : wait_(std::move(wait)), settle_(std::move(settle)) {}
+  started_collective(started_collective&& o) noexcept { *this = std::move(o); }
+  started_collective& operator=(started_collective&& o) noexcept {
+    if (this != &o) {
+      drop();
+      wait_ = std::move(o.wait_);
+      settle_ = std::move(o.settle_);
+      o.wait_ = nullptr;
+      o.settle_ = nullptr;
+    }
+    return *this;
+  }
+  started_collective(const started_collective&) = delete;
+  started_collective& operator=(const started_collective&) = delete;
+  ~started_collective() { drop(); }
+  bool pending() const { return bool(wait_); }
+  void wait() {
+    auto w = std::move(wait_);
+    wait_ = settle_ = nullptr;
+    if (w) w();
+  }
+
+ private:
+  void drop() noexcept {
+    auto s = std::move(settle_);
+    wait_ = settle_ = nullptr;
+    try {
+      if (s) s();
+    } catch (...) {
+    }
+  }
+  std::function<void()> wait_, settle_;
+};
+
 /// A group of `size()` ranks; this member is rank `rank()`. Every rank calls the same
 /// collectives in the same order with tensors of the same size and dtype. The calls block
 /// until the group's result is in: each rank must call from a thread of its own (a rank
@@ -28,6 +70,16 @@ class collective_group {
   /// `out` (contiguous, 1/size() of `in`'s elements) = this rank's piece of the sum of
   /// every rank's `in` (piece i: elements [i n/size, (i+1) n/size)).
   virtual void reduce_scatter(const torch::Tensor& in, torch::Tensor out) = 0;
+  /// all_gather, started: it goes on while the caller computes, until its wait (the
+  /// group's collectives still pair up in the order they are started). `in` and `out`
+  /// must stay until then. `name`: what observers of the group call it. By default it
+  /// runs at once.
+  virtual started_collective start_all_gather(const torch::Tensor& in, torch::Tensor out,
+                                              const char* name = "all-gather") {
+    (void)name;
+    all_gather(in, std::move(out));
+    return {};
+  }
   /// All-to-all with per-rank sizes along dim 0: `in` holds send_rows[0] rows for rank 0,
   /// then send_rows[1] for rank 1, ...; returns recv_rows[s] rows from each rank s in rank
   /// order (the rows' other dimensions and dtype are `in`'s). Rank r's send_rows[q] must

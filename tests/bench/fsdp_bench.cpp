@@ -6,10 +6,12 @@
 // before the job, and between steps (the lowest sample) likewise.
 // Timings are never asserted (docs/performance.md).
 //   build/troupe_fsdp_bench [--width W] [--layers L] [--seq S] [--steps N] [--rounds R]
-//                           [--only-hybrid 1]
-// (Then hybrid sharding, parameters sharded in groups of g of 8 replicas, and the step
-// time of each level on one job, in alternating rounds; --only-hybrid 1: the hybrid
-// rows alone.)
+//                           [--only-hybrid 1] [--only-prefetch 1]
+// (Then hybrid sharding, parameters sharded in groups of g of 8 replicas, the step time
+// of each level on one job, in alternating rounds, and parameters sharded with and
+// without the gathers' prefetch on a pipeline of 2 stages of 2 chunks each (interleaved
+// 1F1B); --only-hybrid 1: the hybrid rows alone; --only-prefetch 1: the prefetch rows
+// alone.)
 #include <malloc.h>
 
 #include <algorithm>
@@ -88,10 +90,52 @@ measured run(const job_config& c) {
   return m;
 }
 
+/// Parameters sharded, with and without the gathers' prefetch (parallel.fsdp_prefetch),
+/// beside optimizer: pipeline 2 x d 2, 2 chunks per stage (interleaved 1F1B), 4
+/// micro-batches per replica, in alternating rounds; the median over rounds of each run's
+/// median step, and the peak bytes per rank (the prefetched chunk is held beside the
+/// current one).
+int prefetch_rows(const job_config& base, int rounds) {
+  std::printf("\nprefetch: parameters sharded, pipeline 2 x d 2, 2 chunks per stage (interleaved-1f1b), 4 "
+              "micro-batches per replica, %d alternating rounds (median of each run's median step)\n"
+              "| run | step s | ratio to optimizer | peak per rank MB |\n| --- | --- | --- | --- |\n",
+              std::max(rounds, 3));
+  struct variant {
+    const char* name;
+    const char* shard;
+    bool prefetch;
+  };
+  const variant variants[] = {{"optimizer", "optimizer", true},
+                              {"parameters, prefetch", "parameters", true},
+                              {"parameters, no prefetch", "parameters", false}};
+  std::map<std::string, std::vector<double>> times, peaks;
+  for (int r = 0; r < std::max(rounds, 3); ++r)
+    for (const auto& v : variants) {
+      auto c = base;
+      c.pipeline = 2;
+      c.data_parallel = 2;
+      c.chunks = 2;
+      c.schedule = "interleaved-1f1b";
+      c.layers = std::max(4, c.layers);
+      c.microbatches = 4;
+      c.global_batch = 8;
+      c.shard = v.shard;
+      c.fsdp_prefetch = v.prefetch;
+      const auto m = run(c);
+      times[v.name].push_back(m.step_s);
+      peaks[v.name].push_back(m.peak_mb / 4);
+    }
+  const double ref = median(times["optimizer"]);
+  for (const auto& v : variants)
+    std::printf("| %s | %.3f | %.3f | %.1f |\n", v.name, median(times[v.name]), median(times[v.name]) / ref,
+                median(peaks[v.name]));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  int width = 512, layers = 4, seq = 256, steps = 6, rounds = 1, only_hybrid = 0;
+  int width = 512, layers = 4, seq = 256, steps = 6, rounds = 1, only_hybrid = 0, only_prefetch = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const int v = std::atoi(argv[i + 1]);
@@ -101,6 +145,7 @@ int main(int argc, char** argv) {
     else if (a == "--steps") steps = v;
     else if (a == "--rounds") rounds = v;
     else if (a == "--only-hybrid") only_hybrid = v;
+    else if (a == "--only-prefetch") only_prefetch = v;
   }
   run_with_blas_kernels(argv);  // as the troupe command does
   auto base = job_config::defaults_for("llama-tiny");
@@ -124,6 +169,7 @@ int main(int argc, char** argv) {
   std::printf("llama shape: width %d, %d layers, seq %d, %lld parameters (%.1f MB fp32); 1 sequence per rank "
               "per step, %d steps\n",
               width, layers, seq, static_cast<long long>(P), p4, steps);
+  if (only_prefetch) return prefetch_rows(base, rounds);
   std::printf("per rank, MB: measured peak and between steps ((process bytes - bytes before) / d), and the "
               "formula's model state (W: the whole model's fp32 bytes)\n");
   std::printf("| shard | d | peak | between steps | formula between | formula peak (state + working set) | "
@@ -198,5 +244,5 @@ int main(int argc, char** argv) {
   const double ref = median(times["optimizer"]);
   for (const char* level : levels)
     std::printf("| %s | %.3f | %.3f |\n", level, median(times[level]), median(times[level]) / ref);
-  return 0;
+  return prefetch_rows(base, rounds);
 }

@@ -6,6 +6,7 @@
 // and the layouts refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <utility>
@@ -237,6 +238,30 @@ TEST(FsdpActors, ARankThatFailsMidStepIsRetriedInPlaceBitIdentically) {
   // group is failed, every actor rebuilt from the snapshots (the stages take their
   // pieces again from the gathered parameters), the step run again.
   expect_retried_in_place(fsdp_job({2, 2, 1, "1f1b", "none"}, "parameters"), "1:0:1");
+}
+
+// parallel.fsdp_prefetch: a chunk's all-gather starts one op ahead (at begin_step for the
+// step's first op, else as the op before it starts). The same gathers, started earlier:
+// the same bits, as many all-gathers, and the prefetched ones named so in the trace.
+TEST(FsdpActors, PrefetchStartsTheNextChunksGatherOneOpAhead) {
+  auto c = fsdp_job({2, 2, 1, "interleaved-1f1b", "none", 4, "fp32", "gpt-tiny"}, "parameters");
+  c.steps = 3;
+  auto count = [](const actor_run_result& r, const std::string& name) {
+    return std::count_if(r.events.begin(), r.events.end(), [&](const trace_event& e) { return e.name == name; });
+  };
+  const auto ahead = actors_run(c);
+  ASSERT_EQ(ahead.exit_code, 0) << ahead.error;
+  c.fsdp_prefetch = false;
+  const auto at_once = actors_run(c);
+  ASSERT_EQ(at_once.exit_code, 0) << at_once.error;
+  EXPECT_EQ(test::max_abs_diff(ahead.final_state, at_once.final_state), 0.0);
+  EXPECT_EQ(ahead.losses, at_once.losses);
+  EXPECT_EQ(count(at_once, "fsdp prefetched all-gather"), 0);
+  // Every gather of a run of ops on a chunk is prefetched: each stage's step starts on a
+  // chunk (prefetched at begin_step), and every switch to the other chunk is one op ahead.
+  EXPECT_EQ(count(ahead, "fsdp all-gather"), 0);
+  EXPECT_EQ(count(ahead, "fsdp prefetched all-gather"), count(at_once, "fsdp all-gather"));
+  EXPECT_GT(count(ahead, "fsdp prefetched all-gather"), 0);
 }
 
 TEST(FsdpConfig, RefusesWhatCannotWork) {

@@ -279,8 +279,13 @@ TEST(SimulatedRun, ReplaysARealRunsTrace) {
 
 // 1,024 ranks in one process: Llama 3 8B's shape (32 layers, d_model 4096, 32 heads, 8 kv
 // heads, d_ff 14336, sequence 4096) at TP 8 x PP 16 x DP 8, its H100 step scaled down a
-// thousandfold. The control plane at that size (tests/bench/simulated has 4k and 16k).
+// thousandfold. The control plane at that size (tests/bench/simulated has 4k and 16k),
+// as one node and as 128 nodes of 8 ranks: the coordinator's messages of a step are five
+// per node, whatever the ranks (begin_step and the clip factor to each node's supervisor;
+// from each, its shards' gradient-norm partials, its stages' reports with their losses,
+// and its shards' reports, in one message each).
 TEST(SimulatedRun, AThousandRanksRunTheirSteps) {
+  test::temp_dir dir;
   auto c = job_config::defaults_for("llama-tiny");
   c.device = "cpu";
   c.compute = "simulated";
@@ -300,12 +305,26 @@ TEST(SimulatedRun, AThousandRanksRunTheirSteps) {
   c.global_batch = 128;
   c.steps = 3;
   c.eval_interval = 0;
-  const auto r = run_quiet(c);
-  ASSERT_EQ(r.exit_code, 0) << r.error;
-  ASSERT_EQ(r.losses.size(), 3u);
-  std::size_t stage_ops = 0;
-  for (const auto& e : r.events) stage_ops += e.name == "F" || e.name == "B";
-  EXPECT_EQ(stage_ops, std::size_t(3) * 1024 * 16 * 2);  // steps x ranks x micro-batches x (F, B)
+  for (const int nodes : {1, 128}) {
+    SCOPED_TRACE(std::to_string(nodes) + " node(s)");
+    c.simulated_nodes = nodes;
+    c.metrics = dir / ("metrics-" + std::to_string(nodes) + ".jsonl");
+    const auto r = run_quiet(c);
+    ASSERT_EQ(r.exit_code, 0) << r.error;
+    ASSERT_EQ(r.losses.size(), 3u);
+    std::size_t stage_ops = 0;
+    for (const auto& e : r.events) stage_ops += e.name == "F" || e.name == "B";
+    EXPECT_EQ(stage_ops, std::size_t(3) * 1024 * 16 * 2);  // steps x ranks x micro-batches x (F, B)
+    std::ifstream in(c.metrics);
+    int steps = 0;
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (!j.contains("coordinator_messages")) continue;
+      ++steps;
+      EXPECT_EQ(j.at("coordinator_messages").get<std::int64_t>(), 5 * nodes) << line.substr(0, 200);
+    }
+    EXPECT_EQ(steps, 3);
+  }
 }
 
 }  // namespace troupe
