@@ -47,6 +47,10 @@ plan_command& add_plan_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   c->add_option("--shard", p.limits.shard, "only this shard level")
       ->check(CLI::IsMember({"optimizer", "gradients", "parameters"}));
+  c->add_option("--shard-group", p.limits.shard_group,
+                "only this shard group (hybrid sharding over groups of N of the dp x cp ranks; 0: the whole "
+                "group); by default both the whole group and a node's worth")
+      ->check(CLI::NonNegativeNumber);
   c->add_option("--schedule", p.limits.schedule, "only this schedule");
   c->add_option("--recompute", p.recompute, "only none or full")->check(CLI::IsMember({"none", "full"}));
   return p;
@@ -107,7 +111,8 @@ int run_plan(const plan_command& c) {
       auto rows = nlohmann::json::array();
       for (const auto& f : found)
         rows.push_back({{"tp", f.l.tp}, {"pp", f.l.pp}, {"vp", f.l.vp}, {"dp", f.l.dp}, {"cp", f.l.cp},
-                        {"ep", f.l.ep}, {"shard", f.l.shard}, {"schedule", troupe::to_string(f.l.schedule)},
+                        {"ep", f.l.ep}, {"shard", f.l.shard}, {"shard_group", f.l.group()},
+                        {"schedule", troupe::to_string(f.l.schedule)},
                         {"micro_batch", f.l.micro_batch}, {"microbatches", f.l.microbatches},
                         {"recompute", f.l.recompute ? "full" : "none"}, {"step_seconds", f.step_seconds},
                         {"tokens_per_s", f.tokens_per_s}, {"mfu", f.mfu}, {"bubble", f.bubble},
@@ -126,16 +131,16 @@ int run_plan(const plan_command& c) {
                 std::min(pr.device.per_node, pr.devices), result.considered, result.fitting,
                 pr.device.memory_bytes / 1e9);
     if (found.empty()) return fail(1, "plan: no layout fits (try more devices, a shorter sequence or a smaller batch)");
-    std::printf("%-3s %-4s %-4s %-3s %-5s %-3s %-3s %-10s %-16s %-9s %-9s %-10s %-12s %-6s %-7s %s\n", "#", "tp", "pp",
+    std::printf("%-3s %-4s %-4s %-3s %-5s %-3s %-3s %-14s %-16s %-9s %-9s %-10s %-12s %-6s %-7s %s\n", "#", "tp", "pp",
                 "vp", "dp", "cp", "ep", "shard", "schedule", "mb x m", "recomp", "step s", "tokens/s", "MFU",
                 "bubble", "GB/device (params grads optim act)");
     int i = 0;
     for (const auto& f : found) {
       const auto& m = f.memory;
       const std::string mbm = std::to_string(f.l.micro_batch) + "x" + std::to_string(f.l.microbatches);
-      std::printf("%-3d %-4d %-4d %-3d %-5d %-3d %-3d %-10s %-16s %-9s %-9s %-10.4g %-12.4g %-6.3f %-7.3f %.1f "
+      std::printf("%-3d %-4d %-4d %-3d %-5d %-3d %-3d %-14s %-16s %-9s %-9s %-10.4g %-12.4g %-6.3f %-7.3f %.1f "
                   "(%.1f %.1f %.1f %.1f)\n",
-                  ++i, f.l.tp, f.l.pp, f.l.vp, f.l.dp, f.l.cp, f.l.ep, f.l.shard.c_str(),
+                  ++i, f.l.tp, f.l.pp, f.l.vp, f.l.dp, f.l.cp, f.l.ep, f.l.shard_label().c_str(),
                   troupe::to_string(f.l.schedule).c_str(), mbm.c_str(), f.l.recompute ? "full" : "none",
                   f.step_seconds, f.tokens_per_s, f.mfu, f.bubble, m.total() / 1e9, m.params / 1e9, m.grads / 1e9,
                   m.optimizer / 1e9, m.activations / 1e9);

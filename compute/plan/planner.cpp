@@ -248,9 +248,14 @@ void read_network_file(device_model& d, const std::string& path) {
   }
 }
 
+std::string layout::shard_label() const {
+  return hybrid() ? shard + "/g" + std::to_string(group()) : shard;
+}
+
 std::string layout::text() const {
   std::ostringstream o;
-  o << "tp " << tp << " pp " << pp << " vp " << vp << " dp " << dp << " cp " << cp << " ep " << ep << " " << shard
+  o << "tp " << tp << " pp " << pp << " vp " << vp << " dp " << dp << " cp " << cp << " ep " << ep << " "
+    << shard_label()
     << " " << to_string(schedule) << " mb " << micro_batch << " x " << microbatches << " recompute "
     << (recompute ? "full" : "none");
   return o.str();
@@ -341,6 +346,11 @@ std::string check_layout(const problem& p, const layout& l) {
   }
   if (l.shard != "optimizer" && l.shard != "gradients" && l.shard != "parameters")
     return "shard must be optimizer, gradients or parameters";
+  if (l.shard_group < 0 || (l.dp * l.cp) % l.group()) {
+    why << "shard group " << l.shard_group << " must divide dp x cp (" << l.dp * l.cp << ")";
+    return why.str();
+  }
+  if (l.hybrid() && l.ep > 1) return "hybrid sharding with expert parallelism (Troupe refuses it)";
   try {
     (void)make_schedule(l.schedule, l.pp, l.microbatches, l.vp);
   } catch (const schedule_error& e) {
@@ -499,15 +509,18 @@ struct dp_terms {
 };
 dp_terms dp_terms_of(const problem& pr, const layout& l, double params, double dense, int layers) {
   const auto& dev = pr.device;
-  const int dc = l.dp * l.cp;
-  const auto dp_link = l.tp * dc <= dev.per_node ? dev.intra : dev.inter;
+  const int dc = l.dp * l.cp, g = l.group();
+  const auto link_of = [&](int ranks) { return l.tp * ranks <= dev.per_node ? dev.intra : dev.inter; };
   dp_terms t;
-  t.reduce_scatter = dp_link.ring(params * 4, dc);
-  t.all_gather = dp_link.ring(params * dev.dtype_bytes, dc);
+  // Hybrid sharding: a reduce-scatter within the shard group (g consecutive ranks), then
+  // an all-reduce of the piece across the dc / g groups; the all-gather within the group.
+  t.reduce_scatter = link_of(g).ring(params * 4, g) + link_of(dc).ring(params * 4 / g, dc / g, 2);
+  t.all_gather = link_of(g).ring(params * dev.dtype_bytes, g);
   t.hidden = dev.overlap_dp ? 1.0 / std::max(1, layers) : 1.0;
   t.exposed = (t.reduce_scatter + t.all_gather) * t.hidden;
-  // Expert parameters are replicated over dc / ep devices, the others over dc.
-  t.shard_of = dense / dc + (params - dense) * l.ep / dc;
+  // Expert parameters are replicated over dc / ep devices, the others over dc (hybrid:
+  // sharded over g, without expert parallelism).
+  t.shard_of = dense / g + (params - dense) * l.ep / dc;
   t.optimizer = t.shard_of * (4 + 12 + 12 + dev.dtype_bytes) / dev.memory_bandwidth;
   return t;
 }
@@ -564,7 +577,9 @@ prediction predict_with(const problem& pr, const layout& l, schedule_cache& cach
     const auto dpt = dp_terms_of(pr, l, params, dense, layers);
     const double shard_of = dpt.shard_of;
     memory_use mem;
-    mem.params = (shard_params ? shard_of + chunk_max : params) * dev.dtype_bytes;
+    // Parameters sharded: the chunk in use gathered, and with several chunks the next one's
+    // gather prefetched beside it (parallel.fsdp_prefetch).
+    mem.params = (shard_params ? shard_of + chunk_max * (l.vp > 1 ? 2 : 1) : params) * dev.dtype_bytes;
     mem.grads = (shard_grads ? shard_of + chunk_max : params) * 4;
     mem.optimizer = shard_of * 12;  // fp32 main copy, two moments
     mem.activations = act * sim.peak_activations[std::size_t(r)] + recomputing;
@@ -669,15 +684,23 @@ search_result search(const problem& p, const search_limits& lim, int top) {
                   for (const auto& shard : shards) {
                     if (fitted) break;
                     if (!lim.shard.empty() && lim.shard != shard) continue;
-                    layout l;
-                    l.tp = tp, l.pp = pp, l.vp = vp, l.dp = dp, l.cp = cp, l.ep = ep, l.shard = shard;
-                    l.schedule = kind, l.micro_batch = mb, l.microbatches = micro, l.recompute = rc == 1;
-                    if (!check_layout(p, l).empty()) continue;
-                    ++n;
-                    auto pred = predict_with(p, l, cache);
-                    if (!pred.fits) continue;
-                    fitted = true;
-                    found.push_back(std::move(pred));
+                    // The whole group, and a node's worth of it where it spans nodes.
+                    std::vector<int> groups{0};
+                    const int node_group = std::max(1, p.device.per_node / tp);
+                    if (node_group < dp * cp && (dp * cp) % node_group == 0) groups.push_back(node_group);
+                    if (lim.shard_group >= 0) groups = {lim.shard_group};
+                    for (const int g : groups) {
+                      layout l;
+                      l.tp = tp, l.pp = pp, l.vp = vp, l.dp = dp, l.cp = cp, l.ep = ep, l.shard = shard;
+                      l.shard_group = g;
+                      l.schedule = kind, l.micro_batch = mb, l.microbatches = micro, l.recompute = rc == 1;
+                      if (!check_layout(p, l).empty()) continue;
+                      ++n;
+                      auto pred = predict_with(p, l, cache);
+                      if (!pred.fits) continue;
+                      fitted = true;  // (a heavier level after both groupings of this one)
+                      found.push_back(std::move(pred));
+                    }
                   }
                 }
               }

@@ -21,9 +21,11 @@
 //   the data x context group, hidden behind the backward and the next forward except one
 //   layer's bucket where `overlap_dp` (Megatron's overlap_grad_reduce and
 //   overlap_param_gather); FSDP's per-layer gathers the same way; the optimizer step as
-//   bytes at the memory bandwidth.
+//   bytes at the memory bandwidth. Hybrid sharding (shard_group g): the reduce-scatter
+//   within the group of g, an all-reduce of its 1/g across the groups, the all-gather
+//   within the group, each over the link its ranks span.
 // Memory per device: parameters, gradients (fp32), optimizer state (fp32 main copy and
-// two moments) as the shard level divides them, and activations (Korthikanti et al.'s
+// two moments) as the shard level divides them (over the shard group), and activations (Korthikanti et al.'s
 // bytes per layer, with FlashAttention's) times the schedule's peak micro-batches in
 // flight.
 #include <cstdint>
@@ -103,12 +105,20 @@ void read_network_file(device_model& d, const std::string& path);
 struct layout {
   int tp = 1, pp = 1, vp = 1, dp = 1, cp = 1, ep = 1;
   std::string shard = "optimizer";  ///< optimizer (ZeRO-1), gradients (ZeRO-2), parameters (ZeRO-3)
+  /// Hybrid sharding (HSDP): the state sharded over groups of this many of the dp x cp
+  /// ranks, replicated across the groups (0: over all of them).
+  int shard_group = 0;
   schedule_kind schedule = schedule_kind::one_f_one_b;
   int micro_batch = 1;   ///< sequences per micro-batch
   int microbatches = 1;  ///< per replica and step
   bool recompute = false;
   bool sequence_parallel = true;  ///< with tp > 1 (Megatron's norms and dropout on sequence shards)
   int devices() const { return tp * pp * dp * cp; }
+  /// The ranks one shard group spans: shard_group, or dp x cp.
+  int group() const { return shard_group > 0 ? shard_group : dp * cp; }
+  bool hybrid() const { return group() < dp * cp; }
+  /// The shard level, and "/gN" with hybrid sharding: "parameters/g8".
+  std::string shard_label() const;
   std::string text() const;  ///< "tp 8 pp 16 vp 1 dp 128 cp 1 ep 1 optimizer 1f1b mb 1 x 16 recompute none"
 };
 
@@ -197,6 +207,7 @@ layout_costs costs_for(const problem& p, const layout& l);
 /// Restrictions of the search: 0 / "" / -1 = any.
 struct search_limits {
   int tp = 0, pp = 0, vp = 0, cp = 0, ep = 0, micro_batch = 0;
+  int shard_group = -1;  ///< -1: any (the whole group, and a node's worth: per_node / tp); 0: the whole group
   std::string shard, schedule;
   int recompute = -1;
 };
@@ -207,7 +218,9 @@ struct search_result {
 };
 /// Every layout within `limits` that fits the device's memory, fastest first. Sharding
 /// more or recomputing is tried only where the lighter choice does not fit (neither is
-/// faster in this model), zero-bubble only with pp > 1.
+/// faster in this model), zero-bubble only with pp > 1. Each shard level is tried over
+/// the whole data-parallel group and, where it spans several nodes, hybrid-sharded over a
+/// node's worth of it (per_node / tp ranks, torch's HSDP within a node).
 search_result search(const problem& p, const search_limits& limits, int top);
 
 }  // namespace troupe::plan

@@ -127,6 +127,44 @@ TEST(Plan, SearchRanksLayoutsThatFit) {
   for (const auto& f : limited.best) EXPECT_TRUE(f.l.pp == 2 && f.l.tp == 4);
 }
 
+// Hybrid sharding (layout::shard_group): the state over a node's 8 ranks instead of all
+// 64, and the gradients' reduce-scatter within the node, then an all-reduce of 1/8 of them
+// across the nodes: more memory, less traffic over the slower link between nodes.
+TEST(Plan, HybridShardingTradesMemoryForTrafficBetweenNodes) {
+  auto p = llama8b(64);
+  auto whole = make(1, 1, 64, 1, p);
+  whole.shard = "parameters";
+  auto hybrid = whole;
+  hybrid.shard_group = 8;
+  EXPECT_EQ(hybrid.shard_label(), "parameters/g8");
+  EXPECT_EQ(whole.shard_label(), "parameters");
+  const auto w = predict(p, whole), h = predict(p, hybrid);
+  const double n = parameter_count(p.model);
+  EXPECT_NEAR(w.memory.optimizer, 12 * n / 64, 1e-6 * n);
+  EXPECT_NEAR(h.memory.optimizer, 12 * n / 8, 1e-6 * n);
+  EXPECT_NEAR(h.memory.grads - w.memory.grads, 4 * (n / 8 - n / 64), 1e-6 * n);
+  // The collectives' share the step waits for: the same fraction of each, so their ratio
+  // is that of the rings' times over the two links.
+  const auto& d = p.device;
+  const double whole_rings = d.inter.ring(4 * n, 64) + d.inter.ring(d.dtype_bytes * n, 64);
+  const double hybrid_rings = d.intra.ring(4 * n, 8) + d.inter.ring(4 * n / 8, 8, 2) + d.intra.ring(d.dtype_bytes * n, 8);
+  EXPECT_NEAR(h.parts.dp_exposed / w.parts.dp_exposed, hybrid_rings / whole_rings, 1e-6);
+  EXPECT_LT(h.parts.dp_exposed, w.parts.dp_exposed / 2);
+  auto bad = whole;
+  bad.shard_group = 3;
+  EXPECT_NE(check_layout(p, bad).find("must divide"), std::string::npos);
+  // The search tries both; --shard-group limits it.
+  search_limits only;
+  only.tp = 1, only.pp = 1, only.shard = "parameters";
+  bool saw_whole = false, saw_hybrid = false;
+  for (const auto& f : search(p, only, 0).best) (f.l.hybrid() ? saw_hybrid : saw_whole) = true;
+  EXPECT_TRUE(saw_whole && saw_hybrid);
+  only.shard_group = 8;
+  const auto hybrid_only = search(p, only, 0);
+  EXPECT_FALSE(hybrid_only.best.empty());
+  for (const auto& f : hybrid_only.best) EXPECT_EQ(f.l.group(), 8);
+}
+
 TEST(Plan, CpuCalibrationTimesTheModelAndScalesItByShape) {
   problem p;
   p.model = model_spec::gpt_tiny().decoder;
