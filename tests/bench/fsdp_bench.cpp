@@ -40,6 +40,7 @@ std::int64_t allocated() {
 
 struct measured {
   double peak_mb = 0, between_mb = 0, step_s = 0;
+  double gather_wait_s = 0;  ///< the stages' waits in FSDP all-gathers, per step of steps 2 .. N (all ranks)
 };
 
 double median(std::vector<double> v) {
@@ -74,10 +75,12 @@ measured run(const job_config& c) {
   }
   // The window of steps 2 .. N on the job's clock (which starts as the job does, a few
   // milliseconds after t0): the peak in it, and its lowest sample (between steps).
-  double from = 1e300, to = 0;
+  double from = 1e300, to = 0, gather_wait = 0;
   for (const auto& e : r.events) {
     if (e.step >= 1) from = std::min(from, e.start_us * 1e-6);
     to = std::max(to, e.end_us * 1e-6);
+    if (e.step >= 1 && (e.name == "fsdp all-gather" || e.name == "fsdp prefetched all-gather"))
+      gather_wait += (e.end_us - e.start_us) * 1e-6;
   }
   std::int64_t high = 0, low = peak;
   for (const auto& [t, b] : samples)
@@ -87,6 +90,7 @@ measured run(const job_config& c) {
   m.between_mb = (low - before) / 1e6;
   std::vector<double> steps(r.step_seconds.begin() + 1, r.step_seconds.end());  // (the first warms up)
   m.step_s = median(steps);
+  m.gather_wait_s = steps.empty() ? 0 : gather_wait / double(steps.size());
   return m;
 }
 
@@ -98,7 +102,8 @@ measured run(const job_config& c) {
 int prefetch_rows(const job_config& base, int rounds) {
   std::printf("\nprefetch: parameters sharded, pipeline 2 x d 2, 2 chunks per stage (interleaved-1f1b), 4 "
               "micro-batches per replica, %d alternating rounds (median of each run's median step)\n"
-              "| run | step s | ratio to optimizer | peak per rank MB |\n| --- | --- | --- | --- |\n",
+              "| run | step s | ratio to optimizer | all-gather wait per step (4 ranks) | peak per rank MB |\n"
+              "| --- | --- | --- | --- | --- |\n",
               std::max(rounds, 3));
   struct variant {
     const char* name;
@@ -108,7 +113,7 @@ int prefetch_rows(const job_config& base, int rounds) {
   const variant variants[] = {{"optimizer", "optimizer", true},
                               {"parameters, prefetch", "parameters", true},
                               {"parameters, no prefetch", "parameters", false}};
-  std::map<std::string, std::vector<double>> times, peaks;
+  std::map<std::string, std::vector<double>> times, peaks, waits;
   for (int r = 0; r < std::max(rounds, 3); ++r)
     for (const auto& v : variants) {
       auto c = base;
@@ -124,11 +129,12 @@ int prefetch_rows(const job_config& base, int rounds) {
       const auto m = run(c);
       times[v.name].push_back(m.step_s);
       peaks[v.name].push_back(m.peak_mb / 4);
+      waits[v.name].push_back(m.gather_wait_s);
     }
   const double ref = median(times["optimizer"]);
   for (const auto& v : variants)
-    std::printf("| %s | %.3f | %.3f | %.1f |\n", v.name, median(times[v.name]), median(times[v.name]) / ref,
-                median(peaks[v.name]));
+    std::printf("| %s | %.3f | %.3f | %.1f ms | %.1f |\n", v.name, median(times[v.name]), median(times[v.name]) / ref,
+                median(waits[v.name]) * 1e3, median(peaks[v.name]));
   return 0;
 }
 
