@@ -1,5 +1,7 @@
 #include "compute/parallel/context_parallel.hpp"
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <future>
 #include <limits>
@@ -193,6 +195,13 @@ torch::Tensor shift(collective_group& g, const torch::Tensor& x) {
   return g.all_to_all(x.contiguous().view({1, -1}), send, recv).view(x.sizes());
 }
 
+// cp::ring_totals' counters (nanoseconds).
+std::atomic<std::int64_t> ring_shifts{0}, ring_shift_ns{0}, ring_waited_ns{0};
+
+std::int64_t ns_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
 /// shift(g, x) on a thread of its own, which moves data only: one intra-op thread (a
 /// thread's first parallel op would otherwise start a team the size of the machine).
 /// (CPU streams only: on a GPU the thread would have to run on the caller's stream;
@@ -201,8 +210,31 @@ std::future<torch::Tensor> shift_beside(collective_group& g, const torch::Tensor
   return std::async(std::launch::async, [&g, x] {
     (void)at::get_num_threads();  // (LibTorch's lazy set-up of this thread first)
     at::set_num_threads(1);
-    return shift(g, x);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto out = shift(g, x);
+    ++ring_shifts;
+    ring_shift_ns += ns_since(t0);
+    return out;
   });
+}
+
+/// The shifted block, once its shift is done: the wait counted.
+torch::Tensor arrived(std::future<torch::Tensor>& next) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto out = next.get();
+  ring_waited_ns += ns_since(t0);
+  return out;
+}
+
+/// A shift not overlapped (the backward's gradients): counted whole as waited.
+torch::Tensor shift_counted(collective_group& g, const torch::Tensor& x) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto out = shift(g, x);
+  const auto ns = ns_since(t0);
+  ++ring_shifts;
+  ring_shift_ns += ns;
+  ring_waited_ns += ns;
+  return out;
 }
 
 /// Autocast off: the cores compute in fp32 whatever the forward's precision.
@@ -234,7 +266,7 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
       if (j + 1 < C) next = shift_beside(g, block);
       forward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
                     rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), out, lse);
-      if (next.valid()) block = next.get();
+      if (next.valid()) block = arrived(next);
     }
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["group"] = group;
@@ -262,8 +294,8 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
       backward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
                      rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), lse, dout, delta, dq, dblock[0],
                      dblock[1]);
-      if (next.valid()) block = next.get();  // (one collective of the group at a time)
-      dblock = shift(g, dblock);
+      if (next.valid()) block = arrived(next);  // (one collective of the group at a time)
+      dblock = shift_counted(g, dblock);
     }
     return {dq.to(q.scalar_type()), dblock[0].to(k.scalar_type()), dblock[1].to(v.scalar_type()),
             torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -372,6 +404,10 @@ torch::Tensor local_positions(std::int64_t seq_len, int size, int rank, torch::D
 torch::Tensor local_tokens(const torch::Tensor& x, std::int64_t dim, int size, int rank) {
   const auto c = chunk_of(x.size(dim), size);
   return torch::cat({x.narrow(dim, rank * c, c), x.narrow(dim, (2 * size - 1 - rank) * c, c)}, dim);
+}
+
+ring_counters ring_totals() {
+  return {ring_shifts.load(), double(ring_shift_ns.load()) * 1e-9, double(ring_waited_ns.load()) * 1e-9};
 }
 
 torch::Tensor local_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

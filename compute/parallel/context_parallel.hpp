@@ -67,6 +67,17 @@ torch::Tensor local_attention(const torch::Tensor& q, const torch::Tensor& k, co
                               const torch::Tensor& q_positions, const torch::Tensor& k_positions,
                               std::int64_t window = 0);
 
+/// The ring's (p2p's) shifts in this process since it started, over every rank: how many,
+/// how long they took, and how long the attention waited for them. A key/value shift runs
+/// beside the block in hand, so its wait is what the overlap did not hide (both include a
+/// wait for the peer's side of it); the backward's gradient shifts, not overlapped, count
+/// whole in both.
+struct ring_counters {
+  std::int64_t shifts = 0;
+  double shift_seconds = 0, waited_seconds = 0;
+};
+ring_counters ring_totals();
+
 }  // namespace cp
 
 }  // namespace troupe

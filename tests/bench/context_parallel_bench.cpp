@@ -3,6 +3,9 @@
 // per comm and C, beside the model's own core on the whole sequence measured in the same
 // run. The ranks are threads of this process (an in-process group); the bytes are glibc's
 // allocated bytes (mallinfo2) after every rank's forward, less those before, divided by C.
+// Then the ring's (p2p's) overlap: how long its shifts took and how long the attention
+// waited for them (cp::ring_totals), over the in-process group and over UCX between the
+// threads (shared memory, as between node processes of one machine).
 // Timings are never asserted (docs/performance.md).
 //   build/troupe_cp_bench [SEQ_LEN ...]      (default: 2048 8192)
 #include <malloc.h>
@@ -23,6 +26,7 @@
 #include "compute/models/parts/attention.hpp"
 #include "compute/parallel/context_parallel.hpp"
 #include "launch/blas_kernels.hpp"
+#include "transport/ucx/ucx_communicator.hpp"
 
 using namespace troupe;
 
@@ -103,6 +107,36 @@ measure time_ranks(int ranks, std::int64_t S, Run run) {
   return {held[1], times[1]};
 }
 
+/// The forward alone (no graph) over `ranks` threads, 4 times: its key/value shifts all
+/// run beside a block's compute.
+template <class Run>
+void forward_ranks(int ranks, std::int64_t S, Run run) {
+  for (int round = 0; round < 4; ++round) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] {
+        torch::set_num_threads(1);
+        torch::NoGradGuard no_grad;
+        const auto L = S / ranks;
+        run(r, torch::randn({B, H, L, hd}), torch::randn({B, KV, L, hd}), torch::randn({B, KV, L, hd}));
+      });
+    for (auto& t : threads) t.join();
+  }
+}
+
+/// `size` UCX communicators of this process, as collective groups.
+std::vector<std::shared_ptr<collective_group>> ucx_groups(int size) {
+  std::vector<std::unique_ptr<transport::ucx_pending>> pending;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < size; ++r) {
+    pending.push_back(transport::prepare_ucx_communicator(r, size));
+    addresses.push_back(pending.back()->address());
+  }
+  std::vector<std::shared_ptr<collective_group>> out;
+  for (auto& p : pending) out.push_back(as_collective_group(p->connect(addresses)));
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -137,5 +171,38 @@ int main(int argc, char** argv) {
             }));
       }
   }
+  // The ring's overlap: per rank and forward + backward (the 4 runs of time_ranks), the
+  // shifts' time on their threads and the attention's wait for them.
+  std::printf("\nring (p2p) shifts per rank and pass: their time, the attention's wait for them, and the share "
+              "of their time hidden behind the blocks' compute (the backward's gradient shifts are not overlapped)\n"
+              "| seq | group | C | pass | s | shifts | shift s | waited s | hidden |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const auto S : lengths)
+    for (const char* over : {"in process", "UCX"})
+      for (int C : {2, 4}) {
+        const auto groups = std::string(over) == "UCX" ? ucx_groups(C) : in_process_groups(C);
+        const auto before = cp::ring_totals();
+        const auto m = time_ranks(C, S, [&](int r, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+          return cp::attention(q, k, v, {r, C, cp_comm::p2p, groups[std::size_t(r)]}, S);
+        });
+        const auto after = cp::ring_totals();
+        const double per = 4.0 * C;  // (time_ranks' runs x ranks)
+        const double shift = (after.shift_seconds - before.shift_seconds) / per,
+                     waited = (after.waited_seconds - before.waited_seconds) / per;
+        std::printf("| %lld | %s | %d | forward and backward | %.3f | %.0f | %.4f | %.4f | %.2f |\n", (long long)S, over,
+                    C, m.seconds, double(after.shifts - before.shifts) / per, shift, waited,
+                    shift > 0 ? 1 - waited / shift : 0.0);
+        // The forward alone: its C - 1 key/value shifts, each beside a block's compute.
+        const auto t0 = now_s();
+        forward_ranks(C, S, [&](int r, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+          return cp::attention(q, k, v, {r, C, cp_comm::p2p, groups[std::size_t(r)]}, S);
+        });
+        const double fwd_s = (now_s() - t0) / 4;
+        const auto fwd = cp::ring_totals();
+        const double fshift = (fwd.shift_seconds - after.shift_seconds) / per,
+                     fwaited = (fwd.waited_seconds - after.waited_seconds) / per;
+        std::printf("| %lld | %s | %d | forward | %.3f | %.0f | %.4f | %.4f | %.2f |\n", (long long)S, over, C, fwd_s,
+                    double(fwd.shifts - after.shifts) / per, fshift, fwaited, fshift > 0 ? 1 - fwaited / fshift : 0.0);
+      }
   return 0;
 }
