@@ -708,8 +708,12 @@ supervisor_actor::behavior_type serving(supervisor_self self) {
   };
 }
 
-void dropped(supervisor_self self, const char* what, std::int64_t step) {
-  spdlog::debug("supervisor of node {} (recovering): {} of step {} dropped", self->state.plan.node, what, step + 1);
+/// Recovering: a step message, dropped.
+template <class Msg>
+auto stale(supervisor_self self, const char* what) {
+  return [self, what](const Msg& msg) {
+    spdlog::debug("supervisor of node {} (recovering): {} of step {} dropped", self->state.plan.node, what, msg.step + 1);
+  };
 }
 
 /// Recovering: the children are killed, the communicators renewed, the stages'
@@ -726,12 +730,9 @@ supervisor_actor::behavior_type recovering(supervisor_self self) {
       },
       abort(self), activity(self), plant(self),
       // (No step runs: what the old children sent, or a begin, is stale.)
-      [self](const begin_step& msg) { dropped(self, "begin", msg.step); },
-      [self](const clip_factor_msg& msg) { dropped(self, "clip factor", msg.step); },
-      [self](const loss_report& msg) { dropped(self, "loss report", msg.step); },
-      [self](const grad_norm_partial& msg) { dropped(self, "gradient-norm partial", msg.step); },
-      [self](const stage_done& msg) { dropped(self, "stage-done report", msg.step); },
-      [self](const shard_done& msg) { dropped(self, "shard-done report", msg.step); },
+      stale<begin_step>(self, "begin"), stale<clip_factor_msg>(self, "clip factor"),
+      stale<loss_report>(self, "loss report"), stale<grad_norm_partial>(self, "gradient-norm partial"),
+      stale<stage_done>(self, "stage-done report"), stale<shard_done>(self, "shard-done report"),
   };
 }
 

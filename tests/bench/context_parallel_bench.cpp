@@ -26,7 +26,7 @@
 #include "compute/models/parts/attention.hpp"
 #include "compute/parallel/context_parallel.hpp"
 #include "launch/blas_kernels.hpp"
-#include "transport/ucx/ucx_communicator.hpp"
+#include "tests/support/ucx_groups.hpp"
 
 using namespace troupe;
 
@@ -124,19 +124,6 @@ void forward_ranks(int ranks, std::int64_t S, Run run) {
   }
 }
 
-/// `size` UCX communicators of this process, as collective groups.
-std::vector<std::shared_ptr<collective_group>> ucx_groups(int size) {
-  std::vector<std::unique_ptr<transport::ucx_pending>> pending;
-  std::vector<std::string> addresses;
-  for (int r = 0; r < size; ++r) {
-    pending.push_back(transport::prepare_ucx_communicator(r, size));
-    addresses.push_back(pending.back()->address());
-  }
-  std::vector<std::shared_ptr<collective_group>> out;
-  for (auto& p : pending) out.push_back(as_collective_group(p->connect(addresses)));
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -180,7 +167,7 @@ int main(int argc, char** argv) {
   for (const auto S : lengths)
     for (const char* over : {"in process", "UCX"})
       for (int C : {2, 4}) {
-        const auto groups = std::string(over) == "UCX" ? ucx_groups(C) : in_process_groups(C);
+        const auto groups = std::string(over) == "UCX" ? test::ucx_groups(C) : in_process_groups(C);
         const auto before = cp::ring_totals();
         const auto m = time_ranks(C, S, [&](int r, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
           return cp::attention(q, k, v, {r, C, cp_comm::p2p, groups[std::size_t(r)]}, S);
