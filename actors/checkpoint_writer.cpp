@@ -58,8 +58,11 @@ stage_checkpoint write_files(const stage_files& files, trace_event event, const 
   event.name = "checkpoint write";
   event.start_us = now_us();
   try {
-    for (const auto& f : write_stage_files(files.folder, files.stage, files.params, files.optim))
-      out.files.push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
+    const auto written = files.shard >= 0
+                             ? std::vector<checkpoint_file>{write_shard_file(files.folder, files.stage, files.shard,
+                                                                             files.params)}
+                             : write_stage_files(files.folder, files.stage, files.params, files.optim);
+    for (const auto& f : written) out.files.push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
   } catch (const std::exception& e) {
     out.error = e.what();
   }
@@ -103,7 +106,7 @@ void release_snapshot(std::int64_t bytes) { reserved -= bytes; }
 stage_files copy_snapshot(const stage_files& files) {
   // One copy each: a device tensor's copy to the host is already its own.
   const auto own = [](const torch::Tensor& t) { return t.device().is_cpu() ? t.clone() : t.to(torch::kCPU); };
-  stage_files out{files.folder, files.stage, {}, {}};
+  stage_files out{files.folder, files.stage, {}, {}, files.shard};
   for (const auto& [name, t] : files.params) out.params.emplace_back(name, own(t));
   for (const auto& [name, t] : files.optim) out.optim.emplace_back(name, own(t));
   return out;

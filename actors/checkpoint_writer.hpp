@@ -21,11 +21,13 @@
 
 namespace troupe {
 
-/// What a stage writes into a checkpoint's temporary folder.
+/// What a stage writes into a checkpoint's temporary folder (its two files), or an
+/// optimizer shard (`shard` >= 0: its one file, `params` its pieces: write_shard_file).
 struct stage_files {
   std::string folder;
   int stage = 0;
   state_dict params, optim;
+  int shard = -1;
 };
 
 /// Writes `files` (write_stage_files): the answer with its files or the error, and the

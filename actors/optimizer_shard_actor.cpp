@@ -3,7 +3,9 @@
 #include <caf/all.hpp>
 #include <torch/torch.h>
 
+#include "actors/checkpoint_writer.hpp"
 #include "actors/snapshot.hpp"
+#include "compute/checkpoint/checkpoint_dir.hpp"
 #include "compute/optim/grad_buffer.hpp"
 #include "compute/optim/optimizer.hpp"
 #include "compute/parallel/tensor_parallel.hpp"
@@ -520,10 +522,16 @@ void on_clip_factor(shard_self self, const clip_factor_msg& msg) {
   take_snapshot(s, s.step + 1);
   ev.end_us = s.ctx->now_us();
   s.events.push_back(ev);
-  if (s.ctx->shards_params())
+  // The copy first where the pieces go at once (parameters sharded): send_pieces reports
+  // the step done unless a copy is pending, and shard_done must wait for its
+  // acknowledgement (an acknowledgement that came in the next step would be dropped, the
+  // copy left pending for ever).
+  if (s.ctx->shards_params()) {
+    send_copy(self, s.step + 1);
     send_pieces(self);
-  else
-    start_all_gathers(self);
+    return;
+  }
+  start_all_gathers(self);
   send_copy(self, s.step + 1);
 }
 
@@ -541,6 +549,43 @@ shard_moments checkpoint_answer(const shard_state& s) {
       rep.tensors.push_back(make_payload(piece.data));
     }
   return rep;
+}
+
+/// Parameters sharded (checkpoint folders written by every shard): this shard's file of
+/// the step folder (write_shard_file: its pieces of the fp32 main parameters and the
+/// moments), written now or, in the background (msg.background, within the snapshot
+/// bound), by a writer actor from a copy taken now. Hybrid sharding: the first shard
+/// group's shards write; the copies in the other groups answer with no file.
+stage_checkpoint write_shard_checkpoint(shard_self self, const write_checkpoint& msg) {
+  const auto& s = self->state;
+  const auto& ctx = *s.ctx;
+  trace_event ev{"checkpoint snapshot", s.rank, s.stage, -1, -1, msg.step - 1, ctx.now_us(), 0, 0};
+  auto now = [c = s.ctx] { return c->now_us(); };
+  if (ctx.shard_copy_of(s.rank) != 0) return {};
+  std::vector<moment_piece> pieces;
+  for (const auto& ch : s.chunks)  // (copies: the shard's state moves on)
+    for (auto& piece : moment_pieces(ch.entries, ch.layout, ch.opt, /*main_params=*/true))
+      pieces.push_back(std::move(piece));
+  stage_files files{msg.folder, s.stage, shard_file_state(pieces, ctx.tp_of(s.rank), ctx.t, msg.step), {}, s.rank};
+  pieces.clear();
+  ev.end_us = ctx.now_us();
+  const auto bytes = snapshot_bytes(files);
+  if (msg.background) {
+    const auto refused = reserve_snapshot(bytes, ctx.cfg.checkpoint_async_memory);
+    if (refused.empty()) {
+      stage_checkpoint out;
+      ev.bytes = bytes;
+      out.events.push_back(ev);
+      out.snapshot_bytes = bytes;
+      auto written = ev;
+      written.start_us = ev.end_us;
+      out.writer = spawn_checkpoint_writer(self, std::move(files), bytes, written, now,
+                                           s.faults.write_kill(s.wiring->node, msg.step - 1), s.wiring->node);
+      return out;
+    }
+    spdlog::warn("step {}: {} writes its checkpoint file before training goes on: {}", msg.step, s.name, refused);
+  }
+  return write_files(files, ev, now);
 }
 
 shard_actor::behavior_type shard_behavior(shard_self self, std::shared_ptr<const runtime_context> ctx,
@@ -581,6 +626,7 @@ shard_actor::behavior_type shard_behavior(shard_self self, std::shared_ptr<const
       [self](const reset_step&) -> reset_report { return drop_step_state(self); },
       [self](wait_atom, std::int64_t step) -> wait_report { return shard_waits(self->state, step); },
       [self](state_atom) -> shard_moments { return checkpoint_answer(self->state); },
+      [self](const write_checkpoint& msg) { return write_shard_checkpoint(self, msg); },
       [self](const abort_step& msg) {
         drop_step_state(self);
         self->state.step = msg.step;

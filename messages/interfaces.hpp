@@ -51,7 +51,8 @@ using stage_actor = step_actor::extend<caf::reacts_to<microbatch_input>,        
 using shard_actor = step_actor::extend<caf::reacts_to<grad_shard>,       //
                                        caf::reacts_to<collective_done>,  //
                                        caf::reacts_to<clip_factor_msg>,  //
-                                       caf::replies_to<state_atom>::with<shard_moments>>;
+                                       caf::replies_to<state_atom>::with<shard_moments>,
+                                       caf::replies_to<write_checkpoint>::with<stage_checkpoint>>;
 
 /// The coordinator (coordinator_actor.hpp): `run_atom` trains and answers the exit code;
 /// the step's reports, batched by each node's supervisor; its own watchdog ticks and

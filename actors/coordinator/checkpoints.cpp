@@ -128,21 +128,29 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
     if (checkpoint_failed(self, next, e.what(), final)) then();
     return;
   }
-  const int p = s.ctx->p;
   const bool background = cfg.checkpoint_async && !final;
+  // Who writes: replica 0's stages (their files, the optimizer state gathered from their
+  // shards), or with parameters sharded every shard (its own pieces: no gather at all).
+  const bool by_shards = s.ctx->shards_params();
+  const auto shards = by_shards ? all_of(s.wiring->shards) : std::vector<shard_actor>{};  // [stage][pipeline]
+  const std::size_t asked = by_shards ? shards.size() : std::size_t(s.ctx->p);
+  const char* const noun = by_shards ? "shard" : "stage";
+  auto label = [ctx = s.ctx, by_shards](int i) {
+    return by_shards ? ctx->shard_name(i / ctx->pipes, i % ctx->pipes) : "stage " + std::to_string(i);
+  };
   auto files = std::make_shared<std::vector<checkpoint_file>>();
-  auto errors = std::make_shared<std::vector<std::string>>(p);  // per stage, reported in stage order
+  auto errors = std::make_shared<std::vector<std::string>>(asked);  // per writer, reported in their order
   auto writers = std::make_shared<std::vector<caf::actor>>();
-  auto writer_stages = std::make_shared<std::vector<int>>();
+  auto writer_index = std::make_shared<std::vector<int>>();
   auto snapshot_bytes = std::make_shared<std::int64_t>(0);
-  auto add = [self, errors, files](int k, stage_checkpoint& rep) {
-    if (!rep.error.empty()) (*errors)[k] = "stage " + std::to_string(k) + ": " + rep.error;
+  auto add = [self, errors, files, label](int k, stage_checkpoint& rep) {
+    if (!rep.error.empty()) (*errors)[k] = label(k) + ": " + rep.error;
     auto& events = self->state.result->events;
     events.insert(events.end(), rep.events.begin(), rep.events.end());
     for (const auto& f : rep.files) files->push_back({f.name, f.stage, f.kind, f.bytes, f.crc32});
   };
-  auto no_answer = [self, errors](int k, const caf::error& err) {
-    (*errors)[k] = "stage " + std::to_string(k) + ": no answer (" + self->system().render(err) + ")";
+  auto no_answer = [self, errors, label](int k, const caf::error& err) {
+    (*errors)[k] = label(k) + ": no answer (" + self->system().render(err) + ")";
   };
   // Every part is in (written, or why not): the folder completed, or abandoned. True
   // unless the run failed.
@@ -162,12 +170,12 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
       s.last_folder = where;
       const double seconds = (s.ctx->now_us() - t0) * 1e-6, waited = waited_us * 1e-6;
       if (writers->empty())
-        spdlog::info("step {}: checkpoint written to {} ({} stage(s) wrote their files in {:.2f} s)", next, where, p,
-                     seconds);
+        spdlog::info("step {}: checkpoint written to {} ({} {}(s) wrote their files in {:.2f} s)", next, where,
+                     files->size() / (by_shards ? 1 : 2), noun, seconds);
       else {
         spdlog::info("step {}: checkpoint written to {}: durable {:.2f} s after its snapshot (training waited "
-                     "{:.2f} s for the snapshot; {} stage(s) wrote in the background)",
-                     next, where, seconds, waited, writers->size());
+                     "{:.2f} s for the snapshot; {} {}(s) wrote in the background)",
+                     next, where, seconds, waited, writers->size(), noun);
         s.durable_seconds += seconds;
         ++s.background_checkpoints;
       }
@@ -190,9 +198,9 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
     }
     auto pending = std::make_shared<pending_checkpoint>(pending_checkpoint{next, {}, {}});
     s.pending = pending;
-    spdlog::info("step {}: checkpoint snapshot taken in {:.2f} s ({:.0f} MiB in host memory); {} stage(s) write it "
+    spdlog::info("step {}: checkpoint snapshot taken in {:.2f} s ({:.0f} MiB in host memory); {} {}(s) write it "
                  "while training goes on",
-                 next, waited_us * 1e-6, double(*snapshot_bytes) / (1 << 20), writers->size());
+                 next, waited_us * 1e-6, double(*snapshot_bytes) / (1 << 20), writers->size(), noun);
     // Each writer answers once (its files, an error), or ends before it could (monitored:
     // its node lost): the folder is then abandoned.
     auto settled = std::make_shared<std::vector<bool>>(writers->size(), false);
@@ -212,9 +220,9 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
       for (std::size_t i = 0; i < writers->size(); ++i) {
         if (msg.source != (*writers)[i].address()) continue;
         settle(i, [&] {
-          (*errors)[(*writer_stages)[i]] = "stage " + std::to_string((*writer_stages)[i]) +
-                                           ": its background writer ended before its files were durable (" +
-                                           self->system().render(msg.reason) + ")";
+          (*errors)[(*writer_index)[i]] = label((*writer_index)[i]) +
+                                          ": its background writer ended before its files were durable (" +
+                                          self->system().render(msg.reason) + ")";
         });
         return true;
       }
@@ -222,28 +230,34 @@ void write_folder(self_ptr self, bool final, std::function<void()> then) {
     };
     for (std::size_t i = 0; i < writers->size(); ++i) {
       self->monitor((*writers)[i]);
-      const int k = (*writer_stages)[i];
+      const int k = (*writer_index)[i];
       self->request((*writers)[i], checkpoint_write_timeout, durable_atom_v)
           .then([=](stage_checkpoint& rep) { settle(i, [&] { add(k, rep); }); },
                 [=](caf::error& err) { settle(i, [&] { no_answer(k, err); }); });
     }
     then();
   };
-  request_all<stage_checkpoint>(
-      self, s.wiring->stages[0], checkpoint_write_timeout,
-      [add, writers, writer_stages, snapshot_bytes](std::size_t k, stage_checkpoint& rep) {
-        add(int(k), rep);
-        if (!rep.writer) return;
-        writers->push_back(rep.writer);
-        writer_stages->push_back(int(k));
-        *snapshot_bytes += rep.snapshot_bytes;
-      },
-      answered,
-      [no_answer](std::size_t k, caf::error& err) {
-        no_answer(int(k), err);
-        return true;
-      },
-      write_checkpoint{tmp, next, background});
+  auto ask = [&](const auto& to) {
+    request_all<stage_checkpoint>(
+        self, to, checkpoint_write_timeout,
+        [add, writers, writer_index, snapshot_bytes](std::size_t k, stage_checkpoint& rep) {
+          add(int(k), rep);
+          if (!rep.writer) return;
+          writers->push_back(rep.writer);
+          writer_index->push_back(int(k));
+          *snapshot_bytes += rep.snapshot_bytes;
+        },
+        answered,
+        [no_answer](std::size_t k, caf::error& err) {
+          no_answer(int(k), err);
+          return true;
+        },
+        write_checkpoint{tmp, next, background});
+  };
+  if (by_shards)
+    ask(shards);
+  else
+    ask(s.wiring->stages[0]);
 }
 
 void abandon_pending_checkpoint(self_ptr self) {

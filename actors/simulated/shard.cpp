@@ -179,6 +179,9 @@ shard_actor::behavior_type sim_shard_behavior(sim_shard_self self, std::shared_p
         self->delayed_send(self, s.ctx->simulated->wait(seconds), collective_done{s.step, update, -1, 0, {}});
       },
       [=](state_atom) -> shard_moments { return {}; },
+      [=](const write_checkpoint&) {  // (simulated runs refuse checkpoint folders)
+        return stage_checkpoint{{}, "a simulated shard holds no state to write", {}, {}, 0};
+      },
       [=](const reset_step&) -> reset_report {
         auto& s = self->state;
         reset_report rep;

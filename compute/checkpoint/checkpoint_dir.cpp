@@ -28,6 +28,7 @@
 #include "compute/checkpoint/checkpoint.hpp"
 #include "compute/checkpoint/torch_file.hpp"
 #include "compute/models/model.hpp"
+#include "compute/models/tensor_parallel_layout.hpp"
 #include "compute/runtime/remove_tree.hpp"
 #include "compute/data/tokenizer.hpp"
 
@@ -268,28 +269,74 @@ std::string begin_checkpoint_dir(const std::string& root_path, std::int64_t next
   return tmp.string();
 }
 
-std::vector<checkpoint_file> write_stage_files(const std::string& tmp, int stage, const state_dict& params,
-                                               const state_dict& optim) {
+namespace {
+
+/// Writes `state` as file `file` of the temporary folder `tmp` (atomically), with its
+/// size and CRC-32 as they are written.
+checkpoint_file write_folder_file(const std::string& tmp, const std::string& file, int stage, const std::string& kind,
+                                  const state_dict& state) {
   // Made by the coordinator's process: a node that does not see it does not share
   // checkpoint_dir with it.
   if (!fs::is_directory(tmp))
     throw checkpoint_error(tmp + ", which node 0 made, is not there (with nodes on several hosts, checkpoint_dir "
                            "must be one folder they all share)");
-  std::vector<checkpoint_file> out;
-  for (auto [kind, state] : {std::pair{"parameters", &params}, std::pair{"optimizer", &optim}}) {
-    const auto file = stage_file_name(stage, kind);
-    std::uint64_t size = 0;
-    uLong crc = crc32(0L, Z_NULL, 0);
-    write_file_atomically((fs::path(tmp) / file).string(), [&](const byte_sink& sink) {
-      write_state_dict(*state, [&](const char* data, std::size_t n) {
-        crc = crc32_z(crc, reinterpret_cast<const Bytef*>(data), n);
-        size += n;
-        sink(data, n);
-      });
+  std::uint64_t size = 0;
+  uLong crc = crc32(0L, Z_NULL, 0);
+  write_file_atomically((fs::path(tmp) / file).string(), [&](const byte_sink& sink) {
+    write_state_dict(state, [&](const char* data, std::size_t n) {
+      crc = crc32_z(crc, reinterpret_cast<const Bytef*>(data), n);
+      size += n;
+      sink(data, n);
     });
-    out.push_back({file, stage, kind, size, static_cast<std::uint32_t>(crc)});
+  });
+  return {file, stage, kind, size, static_cast<std::uint32_t>(crc)};
+}
+
+std::string shard_file_name(int stage, int shard) {
+  return "stage-" + std::to_string(stage) + "-shard-" + std::to_string(shard) + ".pt";
+}
+
+constexpr const char* shard_kind = "shard";
+
+/// A shard file's piece key "KIND.NAME@OFFSET/NUMEL" taken apart; false for another key.
+bool parse_piece_key(const std::string& key, std::string& kind_name, std::int64_t& offset, std::int64_t& numel) {
+  const auto at = key.rfind('@'), slash = key.rfind('/');
+  if (at == std::string::npos || slash == std::string::npos || slash < at) return false;
+  try {
+    std::size_t used = 0;
+    offset = std::stoll(key.substr(at + 1, slash - at - 1), &used);
+    if (used != slash - at - 1) return false;
+    numel = std::stoll(key.substr(slash + 1), &used);
+    if (used != key.size() - slash - 1) return false;
+  } catch (const std::exception&) {
+    return false;
   }
+  kind_name = key.substr(0, at);
+  return offset >= 0 && numel > 0;
+}
+
+}  // namespace
+
+std::vector<checkpoint_file> write_stage_files(const std::string& tmp, int stage, const state_dict& params,
+                                               const state_dict& optim) {
+  std::vector<checkpoint_file> out;
+  for (auto [kind, state] : {std::pair{"parameters", &params}, std::pair{"optimizer", &optim}})
+    out.push_back(write_folder_file(tmp, stage_file_name(stage, kind), stage, kind, *state));
   return out;
+}
+
+state_dict shard_file_state(const std::vector<moment_piece>& pieces, int tp_rank, int tp_size, std::int64_t next_step) {
+  state_dict out;
+  out.emplace_back("step", torch::tensor({next_step}, torch::kInt64));
+  out.emplace_back("tensor_parallel_rank", torch::tensor({std::int64_t(tp_rank)}, torch::kInt64));
+  out.emplace_back("tensor_parallel_size", torch::tensor({std::int64_t(tp_size)}, torch::kInt64));
+  for (const auto& p : pieces)
+    out.emplace_back(p.name + "@" + std::to_string(p.offset) + "/" + std::to_string(p.numel), p.data);
+  return out;
+}
+
+checkpoint_file write_shard_file(const std::string& tmp, int stage, int shard, const state_dict& pieces) {
+  return write_folder_file(tmp, shard_file_name(stage, shard), stage, shard_kind, pieces);
 }
 
 std::string finish_checkpoint_dir(const std::string& root_path, const job_config& cfg,
@@ -309,9 +356,14 @@ std::string finish_checkpoint_dir(const std::string& root_path, const job_config
   std::map<std::string, const checkpoint_file*> by_name;
   for (const auto& f : files) by_name[f.name] = &f;
   nlohmann::json entries = nlohmann::json::array();
-  for (int k = 0; k < cfg.pipeline; ++k)
-    for (const char* kind : {"parameters", "optimizer"}) {
-      const auto name = stage_file_name(k, kind);
+  for (int k = 0; k < cfg.pipeline; ++k) {
+    // A stage's two files, or its shards' (at least one; the reader checks that their
+    // pieces cover every parameter).
+    std::vector<std::string> names;
+    for (const auto& f : files)
+      if (f.stage == k && f.kind == shard_kind) names.push_back(f.name);
+    if (names.empty()) names = {stage_file_name(k, "parameters"), stage_file_name(k, "optimizer")};
+    for (const auto& name : names) {
       auto it = by_name.find(name);
       if (it == by_name.end()) throw checkpoint_error("no " + name + " was written for " + tmp.string());
       const auto& f = *it->second;
@@ -324,6 +376,7 @@ std::string finish_checkpoint_dir(const std::string& root_path, const job_config
             " (with nodes on several hosts, checkpoint_dir must be one folder they all share)");
       entries.push_back({{"name", f.name}, {"stage", f.stage}, {"kind", f.kind}, {"bytes", f.bytes}, {"crc32", f.crc32}});
     }
+  }
   const auto identity = training_identity(cfg);
   nlohmann::json config = nlohmann::json::object();
   for (const auto& [k, v] : identity) config[k] = v;
@@ -338,7 +391,9 @@ std::string finish_checkpoint_dir(const std::string& root_path, const job_config
         {"data_parallel", cfg.data_parallel},
         {"microbatches", cfg.microbatches},
         {"chunks", cfg.chunks},
-        {"schedule", cfg.schedule}}},
+        {"schedule", cfg.schedule},
+        {"tensor_parallel", cfg.tensor_parallel},
+        {"shard", cfg.shard}}},
       {"config", config},
       {"config_hash", hash_of(identity)},
       {"files", entries}};
@@ -379,6 +434,104 @@ std::string find_checkpoint(const std::string& path) {
     if (fs::exists(*it / "manifest.json")) return it->string();
   throw checkpoint_error(path + " is not a Troupe checkpoint (no manifest.json, no complete step folder)");
 }
+
+namespace {
+
+/// The pieces of a folder's shard files (write_shard_file), put together by name.
+struct shard_pieces_read {
+  std::vector<named_moments> by_tp;  // the kept parameters' state by tensor-parallel rank
+  std::set<std::string> seen;        // every parameter a piece is of
+  // Per (tensor-parallel rank, "KIND.NAME"): the part's elements and the pieces' ranges.
+  std::map<std::pair<int, std::string>, std::pair<std::int64_t, std::vector<std::pair<std::int64_t, std::int64_t>>>>
+      ranges;
+
+  void add(state_dict& state, const fs::path& file, const std::function<bool(const std::string&)>& kept) {
+    auto scalar = [&](const char* key) {
+      for (const auto& [n, t] : state)
+        if (n == key && t.numel() == 1) return t.to(torch::kInt64).item<std::int64_t>();
+      throw checkpoint_error(file.string() + " is a shard file without its '" + key + "'");
+    };
+    const auto size = scalar("tensor_parallel_size"), rank = scalar("tensor_parallel_rank");
+    if (size < 1 || rank < 0 || rank >= size || (!by_tp.empty() && std::int64_t(by_tp.size()) != size))
+      throw checkpoint_error(file.string() + ": tensor-parallel rank " + std::to_string(rank) + " of " +
+                             std::to_string(size) + " does not fit the folder's other shard files");
+    by_tp.resize(std::size_t(size));
+    for (auto& [key, t] : state) {
+      std::string kind_name;
+      std::int64_t offset = 0, numel = 0;
+      if (key == "step" || key == "tensor_parallel_rank" || key == "tensor_parallel_size") continue;
+      const auto dot = key.find('.');
+      if (!parse_piece_key(key, kind_name, offset, numel) || dot == std::string::npos ||
+          (kind_name.compare(0, dot, "main") != 0 && kind_name.compare(0, dot, "exp_avg") != 0 &&
+           kind_name.compare(0, dot, "exp_avg_sq") != 0) ||
+          t.dim() != 1 || offset + t.numel() > numel)
+        throw checkpoint_error(file.string() + ": '" + key + "' is not a piece KIND.NAME@OFFSET/NUMEL of a flat " +
+                               "parameter (" + std::to_string(t.numel()) + " elements)");
+      const auto name = kind_name.substr(dot + 1);
+      // (Experts are not split over tensor-parallel ranks: their pieces are rank 0's.)
+      const int tp = expert_of(name) >= 0 ? 0 : int(rank);
+      seen.insert(name);
+      auto& r = ranges[{tp, kind_name}];
+      if (r.first != 0 && r.first != numel)
+        throw checkpoint_error(file.string() + ": '" + key + "' disagrees with another piece on " + kind_name +
+                               "'s size (" + std::to_string(r.first) + " elements)");
+      r.first = numel;
+      r.second.emplace_back(offset, t.numel());
+      if (kept(name)) add_moment_piece(by_tp[std::size_t(tp)], {kind_name, offset, numel, t.to(torch::kFloat32)});
+    }
+  }
+
+  /// Every part's pieces cover it; the kept parameters whole (tensor-parallel parts
+  /// joined) into `c` (params shaped, "exp_avg.NAME", "exp_avg_sq.NAME"), the others as
+  /// stand-ins of their shape. Throws checkpoint_error.
+  void assemble(const model_spec& spec, const std::function<bool(const std::string&)>& kept, checkpoint& c) {
+    for (auto& [key, r] : ranges) {
+      auto& [numel, pieces] = r;
+      std::sort(pieces.begin(), pieces.end());
+      std::int64_t covered = 0;
+      for (const auto& [offset, n] : pieces) {
+        if (offset > covered) break;
+        covered = std::max(covered, offset + n);
+      }
+      if (covered < numel)
+        throw checkpoint_error("its shard files lack elements " + std::to_string(covered) + ".. of " + key.second +
+                               (by_tp.size() > 1 ? " (tensor-parallel rank " + std::to_string(key.first) + ")" : "") +
+                               " (" + std::to_string(numel) + " elements): a shard's file is missing");
+    }
+    state_dict whole_kept;
+    std::map<std::string, std::vector<std::int64_t>> shapes;
+    for (const auto& p : all_params(spec)) shapes[p.name] = p.shape;
+    for (const auto& name : seen) {
+      const auto shape = shapes.find(name);
+      if (shape == shapes.end()) continue;  // (named by the caller as not the model's)
+      // (Of a parameter every tensor-parallel rank holds whole, rank 0's shards write the
+      // pieces; the other ranks' parts of a split one are checked as they are joined.)
+      for (const char* kind : {"main.", "exp_avg.", "exp_avg_sq."})
+        if (!ranges.count({0, kind + name}))
+          throw checkpoint_error("its shard files hold no " + std::string(kind) + name);
+      if (kept(name))
+        whole_kept.emplace_back(name, torch::zeros({}).expand(shape->second));
+      else
+        c.params.emplace(name, torch::zeros({}).expand(shape->second));
+    }
+    for (const auto& name : seen)
+      if (!shapes.count(name)) c.params.emplace(name, torch::zeros({}));  // refused below, by name
+    named_moments whole;
+    try {
+      whole = by_tp.size() == 1 ? std::move(by_tp.front()) : unshard_moments(spec, whole_kept, by_tp);
+    } catch (const std::exception& e) {
+      throw checkpoint_error(std::string("its shard files' tensor-parallel parts do not fit together: ") + e.what());
+    }
+    by_tp.clear();
+    for (auto& [name, stand_in] : whole_kept) {
+      c.params[name] = whole.main_params.at(name).view(stand_in.sizes());
+      c.optim["exp_avg." + name] = whole.exp_avg.at(name).view(stand_in.sizes());
+      c.optim["exp_avg_sq." + name] = whole.exp_avg_sq.at(name).view(stand_in.sizes());
+    }
+  }
+};
+
+}  // namespace
 
 checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
                                const std::function<bool(const std::string&)>& keep) {
@@ -438,6 +591,7 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
     // of a parameter not kept only a stand-in of its shape and type stays (no memory),
     // so that the whole model is still checked.
     const auto kept = [&](const std::string& name) { return !keep || keep(name); };
+    shard_pieces_read shards;
     for (const auto& f : manifest.at("files")) {
       const auto file = f.at("name").get<std::string>();
       std::vector<char> bytes;
@@ -453,6 +607,10 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
                                (crc_of(bytes) == f.at("crc32").get<std::uint32_t>() ? "matches" : "differs") + ")");
       auto state = load_state_dict(bytes, (dir / file).string());
       bytes = {};
+      if (f.at("kind") == shard_kind) {
+        shards.add(state, dir / file, kept);
+        continue;
+      }
       const bool parameters = f.at("kind") == "parameters";
       for (auto& [n, t] : state) {
         if (parameters)
@@ -460,6 +618,11 @@ checkpoint read_checkpoint_dir(const std::string& folder, const job_config& cfg,
         else if (const auto dot = n.find('.'); dot == std::string::npos || kept(n.substr(dot + 1)))
           c.optim.emplace(n, std::move(t));  // "exp_avg.NAME", "exp_avg_sq.NAME"
       }
+    }
+    try {
+      if (!shards.seen.empty()) shards.assemble(cfg.model(), kept, c);
+    } catch (const checkpoint_error& e) {
+      throw checkpoint_error("checkpoint " + folder + ": " + e.what());
     }
     // Model order as the spec names it; check_state says what is missing or mis-shaped.
     state_dict model;

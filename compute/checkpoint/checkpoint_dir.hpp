@@ -7,6 +7,9 @@
 //   DIR/step-00000010/stage-K.pt        stage K's parameters (PyTorch state_dict, GPT-2 names)
 //   DIR/step-00000010/optim-stage-K.pt  stage K's AdamW moments ("step", "exp_avg.NAME",
 //                                       "exp_avg_sq.NAME"), assembled from its shards
+//   DIR/step-00000010/stage-K-shard-P.pt  with parameters sharded (parallel.shard =
+//                                       "parameters"): instead of the two above, each
+//                                       optimizer shard's own pieces (shard_file_state)
 //   DIR/latest                          the name of the newest complete step folder
 //
 // A step folder is written under a temporary name and renamed when complete (atomic);
@@ -40,8 +43,20 @@ std::string begin_checkpoint_dir(const std::string& root, std::int64_t next_step
 std::vector<checkpoint_file> write_stage_files(const std::string& tmp, int stage, const state_dict& params,
                                                const state_dict& optim);
 
+/// A shard's file of a checkpoint folder: its pieces of the parameters' fp32 main values
+/// and AdamW moments, each a flat tensor keyed "KIND.NAME@OFFSET/NUMEL" (KIND: "main",
+/// "exp_avg" or "exp_avg_sq"; elements [OFFSET, OFFSET + its numel) of the flat
+/// parameter, or of the tensor-parallel rank's part of it, of NUMEL elements), and
+/// "step" (the step it continues with), "tensor_parallel_rank", "tensor_parallel_size".
+state_dict shard_file_state(const std::vector<moment_piece>& pieces, int tp_rank, int tp_size,
+                            std::int64_t next_step);
+
+/// Writes shard `shard` of stage `stage`'s file (stage-K-shard-P.pt, shard_file_state)
+/// into the temporary folder `tmp`; returns its manifest entry. Throws checkpoint_error.
+checkpoint_file write_shard_file(const std::string& tmp, int stage, int shard, const state_dict& pieces);
+
 /// Completes step `next_step`'s checkpoint: every stage of `cfg`'s pipeline must have its
-/// two files in the temporary folder, with the sizes `files` gives (a stage on another
+/// two files (or, written by its shards, at least one shard file) in the temporary folder, with the sizes `files` gives (a stage on another
 /// host writes through checkpoint_dir, which must be a folder every node shares); writes
 /// the manifest, renames the folder to its final name, replaces `latest`, keeps the
 /// newest `keep` step folders. Returns the step folder. Throws checkpoint_error, having
@@ -57,7 +72,8 @@ void abandon_checkpoint_dir(const std::string& root, std::int64_t next_step);
 /// folder). Throws checkpoint_error when there is none.
 std::string find_checkpoint(const std::string& path);
 
-/// Reads a step folder for a run of `cfg`: verifies every file's size and CRC-32, that
+/// Reads a step folder for a run of `cfg` (in any layout and shard level, whichever wrote
+/// it; shard files are put together by name): verifies every file's size and CRC-32, that
 /// the training configuration is the one that wrote it (the keys that differ are named)
 /// and that the parameters fit `cfg`'s model. Throws checkpoint_error. With `keep`, only
 /// the parameters it keeps (by name) and their moments are returned: the files are read

@@ -6,11 +6,15 @@
 # being written only if every part of it was durable before the kill, else the one before.
 # Every run ends bit-identical to the fault-free run with the same loss log, and no
 # temporary folder is left behind.
-#   tests/faults/checkpoint_write_test.sh REPO_ROOT BUILD_DIR
+#   tests/faults/checkpoint_write_test.sh REPO_ROOT BUILD_DIR [sharded]
+#   sharded: pipeline 2 x data-parallel 2 with the parameters sharded, whose shards (not
+#   the stages) each write their own file of a folder
 #   SEED=N: the trials' random choices (printed; default: from the clock)
 source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 steps=8
-job=(train "${small[@]}" --nodes 2 --pipeline 2 --steps $steps --eval-interval 0 --global-batch 16
+layout=(--pipeline 2)
+[ "${3:-}" = sharded ] && layout=(--pipeline 2 --data-parallel 2 --shard parameters)
+job=(train "${small[@]}" --nodes 2 "${layout[@]}" --steps $steps --eval-interval 0 --global-batch 16
   --checkpoint-interval 2)
 seed=${SEED:-$(date +%s)}
 RANDOM=$seed
@@ -21,6 +25,14 @@ echo "seed $seed (SEED=$seed reruns these trials)"
 rc=$?
 [ $rc = 0 ] && grep -q "checkpoint snapshot taken in" "$tmp/ref.log" && ok "fault-free run (background checkpoints)" \
   || bad "fault-free run: exit $rc" "$tmp/ref.log"
+# (A step aborted in a run without faults is a bug: parameters sharded, a shard once
+# reported its step done before its buddy copy was acknowledged, and the next step hung.)
+! grep -q "aborted" "$tmp/ref.log" && ok "fault-free run: no step aborted" || bad "fault-free run: a step aborted" "$tmp/ref.log"
+if [ "${3:-}" = sharded ]; then
+  last="$tmp/ref.ck/step-$(printf %08d $steps)"
+  ls "$last" | grep -qx "stage-1-shard-1.pt" && ! ls "$last" | grep -q "^optim" \
+    && ok "fault-free run: every shard wrote its own file" || bad "fault-free run: not written by the shards" "$tmp/ref.log"
+fi
 # How long a background folder takes to be durable here: the kills fall within 1.5 times it.
 durable=$(grep -o "durable [0-9.]* s after its snapshot" "$tmp/ref.log" | awk '{ s += $2; n++ } END { print n ? s / n : 0.05 }')
 echo "background folders durable $durable s after their snapshot (fault-free run)"

@@ -5,8 +5,11 @@
 // in-place retry; hybrid sharding (shard groups smaller than the data-parallel group);
 // and the layouts refused.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <utility>
@@ -16,6 +19,7 @@
 #include "compute/checkpoint/checkpoint.hpp"
 #include "compute/checkpoint/checkpoint_dir.hpp"
 #include "compute/config/config_error.hpp"
+#include "compute/models/parameters.hpp"
 #include "temp_dir.hpp"
 #include "test_util.hpp"
 #include "tp_test_util.hpp"
@@ -89,10 +93,51 @@ void expect_close(const actor_run_result& got, const actor_run_result& want, dou
     EXPECT_NEAR(got.evaluations[i].loss, want.evaluations[i].loss, tol);
 }
 
+/// Parameters sharded: step folder `folder` of run `c` holds a file of each shard of the
+/// first shard group (hybrid sharding: the copies in the other groups write none) and no
+/// stage file. Each is a torch state_dict of flat pieces "KIND.NAME@OFFSET/NUMEL"; a file
+/// holds about 1/(g t) of its stage's main parameters and, without tensor parallelism,
+/// the files' together are the model's parameters, each element once.
+void expect_written_by_every_shard(const job_config& c, const std::string& folder) {
+  namespace fs = std::filesystem;
+  const int t = c.tensor_parallel, pipes = c.data_parallel * c.context_parallel * t;
+  const int g = c.shard_group > 0 ? c.shard_group : c.data_parallel * c.context_parallel;
+  std::int64_t total = 0;
+  for (int k = 0; k < c.pipeline; ++k) {
+    const auto stage = std::to_string(k);
+    EXPECT_FALSE(fs::exists(folder + "/stage-" + stage + ".pt"));
+    EXPECT_FALSE(fs::exists(folder + "/optim-stage-" + stage + ".pt"));
+    std::vector<std::int64_t> mains;
+    for (int q = 0; q < pipes; ++q) {
+      const auto file = folder + "/stage-" + stage + "-shard-" + std::to_string(q) + ".pt";
+      const bool writes = q / t / g == 0;
+      ASSERT_EQ(fs::exists(file), writes) << file;
+      if (!writes) continue;
+      std::int64_t main = 0, keys = 0;
+      for (const auto& [key, tensor] : load_state_dict(file)) {
+        if (key.rfind("main.", 0) != 0) continue;
+        EXPECT_NE(key.find('@'), std::string::npos) << key;
+        EXPECT_EQ(tensor.dim(), 1) << key;
+        main += tensor.numel();
+        ++keys;
+      }
+      EXPECT_GT(keys, 0) << file;
+      mains.push_back(main);
+    }
+    std::int64_t of_stage = 0;
+    for (auto n : mains) of_stage += n;
+    for (auto n : mains) EXPECT_LE(double(n), 1.25 * double(of_stage) / double(mains.size())) << "stage " << k;
+    total += of_stage;
+  }
+  if (t == 1) {
+    EXPECT_EQ(total, parameter_count(c.model()));
+  }
+}
+
 /// `c` run for 4 steps with a checkpoint folder every 2 and --save: the last folder
-/// holds what --save wrote and the run's final state; the folder of step 2 resumed at
-/// each (replicas, level) of `others` (shard groups: the whole group) ends where the run
-/// ended.
+/// holds what --save wrote and the run's final state (parameters sharded: written by
+/// every shard); the folder of step 2 resumed at each (replicas, level) of `others`
+/// (shard groups: the whole group) ends where the run ended.
 void expect_resumed(job_config c, const std::vector<std::pair<int, const char*>>& others) {
   test::temp_dir dir;
   c.steps = 4;
@@ -101,6 +146,9 @@ void expect_resumed(job_config c, const std::vector<std::pair<int, const char*>>
   c.save = dir / "run.pt";
   const auto run = actors_run(c);
   ASSERT_EQ(run.exit_code, 0) << run.error;
+  if (c.shard == "parameters") {
+    expect_written_by_every_shard(c, dir / "ckpt/step-00000004");
+  }
   const auto ckpt = read_checkpoint_dir(dir / "ckpt/step-00000004", c);
   EXPECT_EQ(ckpt.step, 4);
   EXPECT_EQ(test::max_abs_diff(ckpt.model, load_state_dict(c.save)), 0.0);
@@ -237,6 +285,50 @@ TEST(FsdpActors, ShardedCheckpointFoldersResumeInOtherLayoutsAndLevels) {
   // write from their shards' pieces equals what --save writes, and resumes with ZeRO-1
   // on one replica and with parameters sharded over 4.
   expect_resumed(fsdp_job({2, 2, 1, "1f1b", "none"}, "parameters"), {{1, "optimizer"}, {4, "parameters"}});
+}
+
+TEST(FsdpActors, EveryShardWritesItsPiecesOfTheCheckpointFolder) {
+  // Tensor (and sequence) parallelism, experts over 2 expert-parallel ranks, bf16: each
+  // shard writes its pieces (no stage gathers them); the folder equals --save and
+  // resumes in another layout.
+  struct sharded_case {
+    fsdp_layout l;
+    std::vector<std::pair<int, const char*>> others;
+  };
+  const sharded_case cases[] = {
+      {{1, 2, 2, "1f1b", "none", 2, "fp32", "llama-tiny", 1, true}, {{1, "optimizer"}}},
+      {{1, 4, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 1, false, 4, 2}, {{2, "parameters"}}},
+      {{1, 2, 1, "1f1b", "none", 2, "bf16"}, {{1, "optimizer"}}},
+  };
+  for (const auto& [l, others] : cases) {
+    SCOPED_TRACE(name_of(l));
+    expect_resumed(fsdp_job(l, "parameters"), others);
+  }
+  // A folder whose manifest leaves out a shard's file (and the file itself) is refused,
+  // naming what its pieces lack, not read with zeros in its place.
+  test::temp_dir dir;
+  auto c = fsdp_job({1, 2, 1, "1f1b", "none"}, "parameters");
+  c.steps = 2;
+  c.checkpoint_dir = dir / "ckpt";
+  ASSERT_EQ(actors_run(c).exit_code, 0);
+  const std::string folder = dir / "ckpt/step-00000002";
+  read_checkpoint_dir(folder, c);  // whole
+  std::ifstream in(folder + "/manifest.json");
+  auto manifest = nlohmann::json::parse(in);
+  in.close();
+  auto& files = manifest.at("files");
+  files.erase(std::remove_if(files.begin(), files.end(),
+                             [](const nlohmann::json& f) { return f.at("name") == "stage-0-shard-1.pt"; }),
+              files.end());
+  ASSERT_EQ(files.size(), 1u);
+  std::filesystem::remove(folder + "/stage-0-shard-1.pt");
+  std::ofstream(folder + "/manifest.json") << manifest.dump(2);
+  try {
+    read_checkpoint_dir(folder, c);
+    ADD_FAILURE() << "a folder without one shard's file was read";
+  } catch (const checkpoint_error& e) {
+    EXPECT_NE(std::string(e.what()).find("its shard files lack elements"), std::string::npos) << e.what();
+  }
 }
 
 TEST(FsdpActors, ARankThatFailsMidStepIsRetriedInPlaceBitIdentically) {
