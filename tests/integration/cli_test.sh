@@ -350,6 +350,30 @@ assert len(ops) == 2 * 2 * 2 * 8, len(ops)
 assert set(ops[0]["args"]) >= {"step", "stage", "op", "mb", "chunk", "replica"}, ops[0]
 print("ok   metrics-checkpoint-trace")
 PY
+# Parameters sharded: every shard writes its pieces of the folder; docs/fsdp.md's Python
+# puts them together into what --save wrote (the parameters and the moments).
+check train-sharded-folder 0 "$troupe" train --steps 2 --threads 1 --d-model 64 --seq-len 64 --pipeline 2 \
+  --data-parallel 2 --shard parameters --eval-interval 0 --checkpoint-dir "$tmp/fsdp-ck" --save "$tmp/fsdp.pt"
+/usr/bin/python3 - "$tmp" <<'PY' || fail=1
+import glob, sys, torch
+files = sorted(glob.glob(sys.argv[1] + "/fsdp-ck/step-00000002/stage-*-shard-*.pt"))
+assert len(files) == 4, files
+flat = {}
+for f in files:
+    for key, piece in torch.load(f).items():
+        kind, _, rest = key.partition(".")
+        if kind not in ("main", "exp_avg", "exp_avg_sq"):
+            continue
+        name, where = rest.rsplit("@", 1)
+        offset, numel = map(int, where.split("/"))
+        flat.setdefault((kind, name), torch.zeros(numel))[offset:offset + piece.numel()] = piece
+model, optim = torch.load(sys.argv[1] + "/fsdp.pt"), torch.load(sys.argv[1] + "/fsdp.pt.optim")
+assert {n for k, n in flat if k == "main"} == set(model), sorted(set(model) ^ {n for k, n in flat if k == "main"})
+for (kind, name), t in flat.items():
+    want = model[name] if kind == "main" else optim[kind + "." + name]
+    assert torch.equal(t.view(want.shape), want), (kind, name)
+print("ok   sharded-folder-pieces-in-python")
+PY
 # A fresh run starts its metrics log anew (both runtimes): no lines of the run before.
 for runtime in actors local; do
   check "train-$runtime-metrics-anew" 0 "$troupe" train --steps 1 --runtime $runtime --threads 1 --metrics "$tmp/m.jsonl"
