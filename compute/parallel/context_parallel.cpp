@@ -202,31 +202,36 @@ std::int64_t ns_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
 }
 
-/// shift(g, x) on a thread of its own, which moves data only: one intra-op thread (a
-/// thread's first parallel op would otherwise start a team the size of the machine).
+/// shift(g, x) for each defined x of `xs`, in order, on a thread of its own, which moves
+/// data only: one intra-op thread (a thread's first parallel op would otherwise start a
+/// team the size of the machine). An undefined x stays undefined (nothing sent).
 /// (CPU streams only: on a GPU the thread would have to run on the caller's stream;
 /// job_config refuses context parallelism there.)
-std::future<torch::Tensor> shift_beside(collective_group& g, const torch::Tensor& x) {
-  return std::async(std::launch::async, [&g, x] {
+std::future<std::vector<torch::Tensor>> shift_beside(collective_group& g, std::vector<torch::Tensor> xs) {
+  return std::async(std::launch::async, [&g, xs = std::move(xs)] {
     (void)at::get_num_threads();  // (LibTorch's lazy set-up of this thread first)
     at::set_num_threads(1);
-    const auto t0 = std::chrono::steady_clock::now();
-    auto out = shift(g, x);
-    ++ring_shifts;
-    ring_shift_ns += ns_since(t0);
+    std::vector<torch::Tensor> out(xs.size());
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      if (!xs[i].defined()) continue;
+      const auto t0 = std::chrono::steady_clock::now();
+      out[i] = shift(g, xs[i]);
+      ++ring_shifts;
+      ring_shift_ns += ns_since(t0);
+    }
     return out;
   });
 }
 
-/// The shifted block, once its shift is done: the wait counted.
-torch::Tensor arrived(std::future<torch::Tensor>& next) {
+/// The shifted tensors, once their shifts are done: the wait counted.
+std::vector<torch::Tensor> arrived(std::future<std::vector<torch::Tensor>>& next) {
   const auto t0 = std::chrono::steady_clock::now();
   auto out = next.get();
   ring_waited_ns += ns_since(t0);
   return out;
 }
 
-/// A shift not overlapped (the backward's gradients): counted whole as waited.
+/// A shift not overlapped: counted whole as waited.
 torch::Tensor shift_counted(collective_group& g, const torch::Tensor& x) {
   const auto t0 = std::chrono::steady_clock::now();
   auto out = shift(g, x);
@@ -262,11 +267,11 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     auto [out, lse] = empty_result(q);
     auto block = torch::stack({k, v}).contiguous();  // sent in the compute dtype
     for (int j = 0; j < C; ++j) {
-      std::future<torch::Tensor> next;
-      if (j + 1 < C) next = shift_beside(g, block);
+      std::future<std::vector<torch::Tensor>> next;
+      if (j + 1 < C) next = shift_beside(g, {block});
       forward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
                     rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), out, lse);
-      if (next.valid()) block = arrived(next);
+      if (next.valid()) block = arrived(next).front();
     }
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["group"] = group;
@@ -286,17 +291,29 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     const auto delta = (dout * out).sum(-1);
     auto dq = torch::zeros_like(qf);
     auto block = torch::stack({k, v}).contiguous();
-    // The gradient of the block in hand; it travels with it and reaches its owner last.
-    auto dblock = torch::zeros(block.sizes(), block.options().dtype(torch::kFloat32));
+    // A block's key/value gradient is summed over the ranks as it travels the ring after
+    // it, and reaches its owner last. Each rank's part of the block in hand is computed
+    // while the shift beside it moves the next block and the previous block's sum (one
+    // thread, in that order on every rank: one collective of the group at a time); the
+    // sum for the block in hand arrives with it: the previous rank's, at the same time.
+    torch::Tensor summed;  // the previous block's sum so far, to go on to the next rank
     for (int j = 0; j < C; ++j) {
-      std::future<torch::Tensor> next;
-      if (j + 1 < C) next = shift_beside(g, block);
+      std::future<std::vector<torch::Tensor>> next;
+      const bool more = j + 1 < C;
+      if (more || summed.defined()) next = shift_beside(g, {more ? block : torch::Tensor(), summed});
+      auto part = torch::zeros(block.sizes(), block.options().dtype(torch::kFloat32));
       backward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
-                     rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), lse, dout, delta, dq, dblock[0],
-                     dblock[1]);
-      if (next.valid()) block = arrived(next);  // (one collective of the group at a time)
-      dblock = shift_counted(g, dblock);
+                     rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), lse, dout, delta, dq, part[0],
+                     part[1]);
+      summed = part;  // (the own block, j = 0: no rank before this one has a part of it)
+      if (next.valid()) {
+        auto got = arrived(next);
+        if (more) block = got[0];
+        if (got[1].defined()) summed = got[1] + part;
+      }
     }
+    // The last block's sum goes on to the next rank, its owner; this rank's own comes in.
+    const auto dblock = shift_counted(g, summed);
     return {dq.to(q.scalar_type()), dblock[0].to(k.scalar_type()), dblock[1].to(v.scalar_type()),
             torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }

@@ -10,7 +10,9 @@
 // - p2p (ring attention): the key/value blocks pass around the ring, C - 1 shifts, each
 //   overlapped with the attention of the block in hand; the blocks' partial results are
 //   merged by their log-sum-exp (the online softmax). The backward passes the blocks
-//   around again, with their key/value gradients, which end at their owner.
+//   around again; their key/value gradients follow them a shift behind, summed on the
+//   way, and end at their owner (each shift overlapped with a block's compute but the
+//   last).
 // - a2a (DeepSpeed-Ulysses): an all-to-all trades sequence for heads, so that each rank
 //   attends over the whole sequence with H / C of the heads, and a second one trades back.
 // - allgather: every rank gathers every rank's keys and values (the backward
@@ -70,8 +72,8 @@ torch::Tensor local_attention(const torch::Tensor& q, const torch::Tensor& k, co
 /// The ring's (p2p's) shifts in this process since it started, over every rank: how many,
 /// how long they took, and how long the attention waited for them. A key/value shift runs
 /// beside the block in hand, so its wait is what the overlap did not hide (both include a
-/// wait for the peer's side of it); the backward's gradient shifts, not overlapped, count
-/// whole in both.
+/// wait for the peer's side of it). The backward's gradient sums travel in the same
+/// shifts, a block behind; its last one, not overlapped, counts whole in both.
 struct ring_counters {
   std::int64_t shifts = 0;
   double shift_seconds = 0, waited_seconds = 0;
