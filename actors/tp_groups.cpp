@@ -17,6 +17,12 @@ std::int64_t row_elements(const torch::Tensor& t) {
   return n;
 }
 
+/// Rows of `t` (along dim 0) as elements.
+std::vector<std::int64_t> elements_of(const torch::Tensor& t, std::vector<std::int64_t> rows) {
+  for (auto& r : rows) r *= row_elements(t);
+  return rows;
+}
+
 class communicator_group final : public collective_group {
  public:
   communicator_group(std::shared_ptr<transport::communicator> comm, std::shared_ptr<collective_traffic> traffic,
@@ -54,6 +60,19 @@ class communicator_group final : public collective_group {
         },
         [w] { w->wait(std::chrono::seconds(30)); });
   }
+  started_collective start_all_to_all(const torch::Tensor& in, const std::vector<std::int64_t>& send_rows,
+                                      const std::vector<std::int64_t>& recv_rows, torch::Tensor out,
+                                      const char* name) override {
+    const auto elements = out.numel();
+    const auto bytes = std::int64_t(out.nbytes());
+    auto w = comm_->all_to_all(in.view({-1}), elements_of(in, send_rows), out.view({-1}), elements_of(in, recv_rows));
+    return started_collective(
+        [this, w, elements, bytes, name] {
+          if (enter_) enter_(name);
+          finish(name, &collective_traffic::all_to_all, elements, bytes, w, std::chrono::steady_clock::now());
+        },
+        [w] { w->wait(std::chrono::seconds(30)); });
+  }
   torch::Tensor all_to_all(const torch::Tensor& in, const std::vector<std::int64_t>& send_rows,
                            const std::vector<std::int64_t>& recv_rows) override {
     std::int64_t rows = 0;
@@ -61,11 +80,10 @@ class communicator_group final : public collective_group {
     auto shape = in.sizes().vec();
     shape.at(0) = rows;
     auto out = torch::empty(shape, in.options());
-    std::vector<std::int64_t> send(send_rows), recv(recv_rows);  // in elements
-    for (auto& c : send) c *= row_elements(in);
-    for (auto& c : recv) c *= row_elements(in);
-    run("all-to-all", &collective_traffic::all_to_all, out.numel(), out.nbytes(),
-        [&] { return comm_->all_to_all(in.contiguous().view({-1}), send, out.view({-1}), recv); });
+    run("all-to-all", &collective_traffic::all_to_all, out.numel(), out.nbytes(), [&] {
+      return comm_->all_to_all(in.contiguous().view({-1}), elements_of(in, send_rows), out.view({-1}),
+                               elements_of(in, recv_rows));
+    });
     return out;
   }
   void abort(const std::string& why) override { comm_->abort(why); }

@@ -31,11 +31,11 @@ collective_observer group_observer(stage_state* state, std::function<bool()> bac
 }
 
 /// The hang diagnosis's view of a thread waiting in one of its group's collectives
-/// (activity_board): the group `label`, its members (pipelines `first` .. first + size - 1
-/// of this stage), the call.
-collective_entry group_entry(const stage_state& st, std::string label, int first, int size) {
+/// (activity_board): the group `label`, its members (pipelines `first`, first + stride,
+/// ..., `size` of them, of this stage), the call.
+collective_entry group_entry(const stage_state& st, std::string label, int first, int size, int stride = 1) {
   group_identity id{std::move(label), {}};
-  for (int i = 0; i < size; ++i) id.members.push_back(st.ctx->stage_name(first + i, st.stage));
+  for (int i = 0; i < size; ++i) id.members.push_back(st.ctx->stage_name(first + i * stride, st.stage));
   auto group = std::make_shared<const group_identity>(std::move(id));
   auto calls = std::make_shared<std::int64_t>(0);
   return [group, calls](const char* name) { activity_board::enter_collective(name, group, (*calls)++); };
@@ -154,15 +154,22 @@ void join_shard_group(stage_state& st, const std::shared_ptr<transport::communic
 
 /// Context parallelism: the chunks compute this rank's tokens of every sequence, their
 /// attention meeting the group's (`contexts`: rank cp of the replica's context-parallel
-/// group of this stage and tensor-parallel rank). (No observers: the ring's shifts run on
-/// a thread of their own, beside the stage's.)
+/// group of this stage and tensor-parallel rank). Its collectives are on the trace
+/// ("cp ring shift": the time the op waited for a shift that ran beside its compute;
+/// "cp all-to-all", ...) and on the activity board, as the tensor-parallel group's.
 void join_context_group(stage_state& st, const std::shared_ptr<transport::communicator>& contexts) {
   const auto& ctx = *st.ctx;
   if (contexts->size() != ctx.c || contexts->rank() != ctx.cp_of(st.replica))
     throw std::logic_error(st.name + ": context-parallel communicator is rank " + std::to_string(contexts->rank()) +
                            " of " + std::to_string(contexts->size()));
   st.cp_size = contexts->size();
-  st.cp_group = as_collective_group(contexts);
+  auto* state = &st;
+  const int first = ctx.data_of(st.replica) * ctx.c * ctx.t + ctx.tp_of(st.replica);  // its cp rank 0
+  const auto label = fmt::format("context-parallel group of replica {}{}, stage {}", ctx.data_of(st.replica),
+                                 ctx.t > 1 ? fmt::format(", tp {}", ctx.tp_of(st.replica)) : "", st.stage);
+  st.cp_group = as_collective_group(contexts, nullptr,
+                                    group_observer(state, [state] { return state->in_backward; }, "cp "),
+                                    group_entry(st, label, first, ctx.c, ctx.t));
   for (auto& chunk : st.chunks) chunk->set_context_parallel({contexts->rank(), contexts->size(), ctx.cp_kind, st.cp_group});
 }
 
@@ -185,6 +192,8 @@ state_dict chunk_state(const runtime_context& ctx, const model_slice& c) {
 /// shards') put together: the files hold whole parameters, as without it. In the
 /// background (msg.background, within the snapshot bound): the answer comes once the
 /// snapshot is copied, with the handle of the writer that writes it (checkpoint_writer.hpp).
+/// (With parameters sharded the coordinator asks the shards instead: each writes its own
+/// pieces, optimizer_shard_actor.cpp.)
 caf::result<stage_checkpoint> write_stage_checkpoint(stage_self self,
                                                      const write_checkpoint& msg) {
   const auto& ctx = self->state.ctx;
@@ -209,8 +218,7 @@ caf::result<stage_checkpoint> write_stage_checkpoint(stage_self self,
     }
   // bf16 without tensor or expert parallelism: the shards' fp32 main parameters are
   // what is written, so the rounded ones are not copied (use_main_params replaces each).
-  // Parameters sharded: the shards hold the only copy (their main parameters).
-  const bool from_shards = (ctx->compute_dtype != torch::kFloat32 || ctx->shards_params()) && t == 1 && ctx->ep == 1;
+  const bool from_shards = ctx->compute_dtype != torch::kFloat32 && t == 1 && ctx->ep == 1;
   // The other pipelines holding parts of this stage: replica 0's tensor-parallel
   // ranks, and the pipelines holding the other shares of the experts.
   const int holders = std::max(t, ctx->ep);

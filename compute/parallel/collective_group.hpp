@@ -80,6 +80,16 @@ class collective_group {
     all_gather(in, std::move(out));
     return {};
   }
+  /// all_to_all into `out` (contiguous, the rows recv_rows sum to), started: it goes on
+  /// while the caller computes, until its wait, as start_all_gather's. `in` (contiguous)
+  /// and `out` must stay until then. By default it runs at once.
+  virtual started_collective start_all_to_all(const torch::Tensor& in, const std::vector<std::int64_t>& send_rows,
+                                              const std::vector<std::int64_t>& recv_rows, torch::Tensor out,
+                                              const char* name = "all-to-all") {
+    (void)name;
+    out.copy_(all_to_all(in, send_rows, recv_rows));
+    return {};
+  }
   /// All-to-all with per-rank sizes along dim 0: `in` holds send_rows[0] rows for rank 0,
   /// then send_rows[1] for rank 1, ...; returns recv_rows[s] rows from each rank s in rank
   /// order (the rows' other dimensions and dtype are `in`'s). Rank r's send_rows[q] must

@@ -3,7 +3,6 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <future>
 #include <limits>
 #include <stdexcept>
 #include <vector>
@@ -186,60 +185,46 @@ collective_group& group_at(AutogradContext* ctx) {
   return *reinterpret_cast<collective_group*>(ctx->saved_data["group"].toInt());
 }
 
-/// `x` from the previous rank of the ring, this rank's to the next.
-torch::Tensor shift(collective_group& g, const torch::Tensor& x) {
+// cp::ring_totals' counters (nanoseconds).
+std::atomic<std::int64_t> ring_shifts{0}, ring_waited_ns{0};
+
+/// A shift of the ring started (start_shift) and not yet waited for (arrived).
+struct shift_in_flight {
+  torch::Tensor in, out;
+  started_collective work;
+  bool overlap = true;
+};
+
+torch::Tensor arrived(shift_in_flight& s);
+
+/// Starts moving `x` to the next rank of the ring (from the previous one into `out`), as
+/// the group's non-blocking all-to-all: it goes on while this rank computes. An undefined
+/// `x`: nothing. Without `overlap` it is waited for at once.
+shift_in_flight start_shift(collective_group& g, const torch::Tensor& x, bool overlap) {
+  shift_in_flight s;
+  if (!x.defined()) return s;
   const int C = g.size(), r = g.rank();
   std::vector<std::int64_t> send(std::size_t(C), 0), recv(std::size_t(C), 0);
   send[std::size_t((r + 1) % C)] = 1;
   recv[std::size_t((r + C - 1) % C)] = 1;
-  return g.all_to_all(x.contiguous().view({1, -1}), send, recv).view(x.sizes());
-}
-
-// cp::ring_totals' counters (nanoseconds).
-std::atomic<std::int64_t> ring_shifts{0}, ring_shift_ns{0}, ring_waited_ns{0};
-
-std::int64_t ns_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-}
-
-/// shift(g, x) for each defined x of `xs`, in order, on a thread of its own, which moves
-/// data only: one intra-op thread (a thread's first parallel op would otherwise start a
-/// team the size of the machine). An undefined x stays undefined (nothing sent).
-/// (CPU streams only: on a GPU the thread would have to run on the caller's stream;
-/// job_config refuses context parallelism there.)
-std::future<std::vector<torch::Tensor>> shift_beside(collective_group& g, std::vector<torch::Tensor> xs) {
-  return std::async(std::launch::async, [&g, xs = std::move(xs)] {
-    (void)at::get_num_threads();  // (LibTorch's lazy set-up of this thread first)
-    at::set_num_threads(1);
-    std::vector<torch::Tensor> out(xs.size());
-    for (std::size_t i = 0; i < xs.size(); ++i) {
-      if (!xs[i].defined()) continue;
-      const auto t0 = std::chrono::steady_clock::now();
-      out[i] = shift(g, xs[i]);
-      ++ring_shifts;
-      ring_shift_ns += ns_since(t0);
-    }
-    return out;
-  });
-}
-
-/// The shifted tensors, once their shifts are done: the wait counted.
-std::vector<torch::Tensor> arrived(std::future<std::vector<torch::Tensor>>& next) {
-  const auto t0 = std::chrono::steady_clock::now();
-  auto out = next.get();
-  ring_waited_ns += ns_since(t0);
-  return out;
-}
-
-/// A shift not overlapped: counted whole as waited.
-torch::Tensor shift_counted(collective_group& g, const torch::Tensor& x) {
-  const auto t0 = std::chrono::steady_clock::now();
-  auto out = shift(g, x);
-  const auto ns = ns_since(t0);
+  s.in = x.contiguous();
+  s.out = torch::empty_like(s.in);
+  s.overlap = overlap;
+  s.work = g.start_all_to_all(s.in.view({1, -1}), send, recv, s.out.view({1, -1}), "ring shift");
   ++ring_shifts;
-  ring_shift_ns += ns;
-  ring_waited_ns += ns;
-  return out;
+  if (!overlap) s.out = arrived(s);
+  return s;
+}
+
+/// The shifted tensor (undefined for a shift of nothing), once it is here: the wait counted.
+torch::Tensor arrived(shift_in_flight& s) {
+  if (s.work.pending()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    s.work.wait();
+    ring_waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  }
+  s.in = torch::Tensor();
+  return s.out;
 }
 
 /// Autocast off: the cores compute in fp32 whatever the forward's precision.
@@ -259,7 +244,8 @@ std::pair<torch::Tensor, torch::Tensor> empty_result(const torch::Tensor& q) {
 /// thread of its own while this one's attention computes.
 struct ring_fn : torch::autograd::Function<ring_fn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, std::int64_t group, std::int64_t seq_len, std::int64_t window) {
+                               const torch::Tensor& v, std::int64_t group, std::int64_t seq_len, std::int64_t window,
+                               bool overlap) {
     fp32_only guard;
     auto& g = *reinterpret_cast<collective_group*>(group);
     const int C = g.size(), r = g.rank();
@@ -267,16 +253,16 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     auto [out, lse] = empty_result(q);
     auto block = torch::stack({k, v}).contiguous();  // sent in the compute dtype
     for (int j = 0; j < C; ++j) {
-      std::future<std::vector<torch::Tensor>> next;
-      if (j + 1 < C) next = shift_beside(g, {block});
+      auto next = start_shift(g, j + 1 < C ? block : torch::Tensor(), overlap);
       forward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
                     rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), out, lse);
-      if (next.valid()) block = arrived(next).front();
+      if (j + 1 < C) block = arrived(next);
     }
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["group"] = group;
     ctx->saved_data["seq_len"] = seq_len;
     ctx->saved_data["window"] = window;
+    ctx->saved_data["overlap"] = overlap;
     return out.to(q.scalar_type());
   }
 
@@ -285,6 +271,7 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     auto& g = group_at(ctx);
+    const bool overlap = ctx->saved_data["overlap"].toBool();
     const int C = g.size(), r = g.rank();
     const auto seq_len = ctx->saved_data["seq_len"].toInt(), window = ctx->saved_data["window"].toInt();
     const auto qf = q.to(torch::kFloat32), dout = grads[0].to(torch::kFloat32);
@@ -292,30 +279,28 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     auto dq = torch::zeros_like(qf);
     auto block = torch::stack({k, v}).contiguous();
     // A block's key/value gradient is summed over the ranks as it travels the ring after
-    // it, and reaches its owner last. Each rank's part of the block in hand is computed
-    // while the shift beside it moves the next block and the previous block's sum (one
-    // thread, in that order on every rank: one collective of the group at a time); the
-    // sum for the block in hand arrives with it: the previous rank's, at the same time.
+    // it, and reaches its owner last. While this rank computes its part of the block in
+    // hand, two shifts run beside it (started in this order on every rank): the next
+    // block, and the previous block's sum so far. The sum for the block in hand arrives
+    // meanwhile: the previous rank's of the same shift.
     torch::Tensor summed;  // the previous block's sum so far, to go on to the next rank
     for (int j = 0; j < C; ++j) {
-      std::future<std::vector<torch::Tensor>> next;
       const bool more = j + 1 < C;
-      if (more || summed.defined()) next = shift_beside(g, {more ? block : torch::Tensor(), summed});
+      auto next = start_shift(g, more ? block : torch::Tensor(), overlap);
+      auto sum = start_shift(g, summed, overlap);
       auto part = torch::zeros(block.sizes(), block.options().dtype(torch::kFloat32));
       backward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
                      rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), lse, dout, delta, dq, part[0],
                      part[1]);
-      summed = part;  // (the own block, j = 0: no rank before this one has a part of it)
-      if (next.valid()) {
-        auto got = arrived(next);
-        if (more) block = got[0];
-        if (got[1].defined()) summed = got[1] + part;
-      }
+      if (more) block = arrived(next);
+      // (The own block, j = 0: no rank before this one has a part of it.)
+      summed = summed.defined() ? arrived(sum) + part : part;
     }
     // The last block's sum goes on to the next rank, its owner; this rank's own comes in.
-    const auto dblock = shift_counted(g, summed);
+    auto last = start_shift(g, summed, false);
+    const auto dblock = arrived(last);
     return {dq.to(q.scalar_type()), dblock[0].to(k.scalar_type()), dblock[1].to(v.scalar_type()),
-            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -424,7 +409,7 @@ torch::Tensor local_tokens(const torch::Tensor& x, std::int64_t dim, int size, i
 }
 
 ring_counters ring_totals() {
-  return {ring_shifts.load(), double(ring_shift_ns.load()) * 1e-9, double(ring_waited_ns.load()) * 1e-9};
+  return {ring_shifts.load(), double(ring_waited_ns.load()) * 1e-9};
 }
 
 torch::Tensor local_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -451,7 +436,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   auto& g = *cp.group;
   switch (cp.comm) {
     case cp_comm::p2p:
-      return ring_fn::apply(q, k, v, handle(g), seq_len, window);
+      return ring_fn::apply(q, k, v, handle(g), seq_len, window, cp.overlap);
     case cp_comm::allgather: {
       const auto B = k.size(0), KV = k.size(1), L = k.size(2), hd = k.size(3);
       const auto all = all_gather_fn::apply(torch::stack({k, v}), handle(g));  // (C, 2, B, KV, L, hd)

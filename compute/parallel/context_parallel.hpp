@@ -42,6 +42,9 @@ struct context_parallel {
   int size = 1;
   cp_comm comm = cp_comm::p2p;
   std::shared_ptr<collective_group> group;  ///< size > 1: the group's member of this rank
+  /// p2p: each shift started before the compute it runs beside and waited for after it.
+  /// False (benchmarks: what the overlap hides): waited for as soon as it is started.
+  bool overlap = true;
   bool active() const { return size > 1; }
 };
 
@@ -70,13 +73,13 @@ torch::Tensor local_attention(const torch::Tensor& q, const torch::Tensor& k, co
                               std::int64_t window = 0);
 
 /// The ring's (p2p's) shifts in this process since it started, over every rank: how many,
-/// how long they took, and how long the attention waited for them. A key/value shift runs
-/// beside the block in hand, so its wait is what the overlap did not hide (both include a
-/// wait for the peer's side of it). The backward's gradient sums travel in the same
-/// shifts, a block behind; its last one, not overlapped, counts whole in both.
+/// and how long the attention waited for them. A shift runs beside the block in hand, so
+/// its wait is what the overlap did not hide (with a wait for the peer's side of it). The
+/// backward's gradient sums travel a block behind the key/value blocks; its last one is
+/// not overlapped. (context_parallel::overlap false: every shift's wait is its whole time.)
 struct ring_counters {
   std::int64_t shifts = 0;
-  double shift_seconds = 0, waited_seconds = 0;
+  double waited_seconds = 0;
 };
 ring_counters ring_totals();
 

@@ -3,9 +3,10 @@
 // per comm and C, beside the model's own core on the whole sequence measured in the same
 // run. The ranks are threads of this process (an in-process group); the bytes are glibc's
 // allocated bytes (mallinfo2) after every rank's forward, less those before, divided by C.
-// Then the ring's (p2p's) overlap: how long its shifts took and how long the attention
-// waited for them (cp::ring_totals), over the in-process group and over UCX between the
-// threads (shared memory, as between node processes of one machine).
+// Then the ring's (p2p's) overlap: how long the attention waited for its shifts
+// (cp::ring_totals) with them beside the blocks' compute and waited for at once, over the
+// in-process group and over UCX between the threads (shared memory, as between node
+// processes of one machine).
 // Timings are never asserted (docs/performance.md).
 //   build/troupe_cp_bench [SEQ_LEN ...]      (default: 2048 8192)
 #include <malloc.h>
@@ -158,38 +159,42 @@ int main(int argc, char** argv) {
             }));
       }
   }
-  // The ring's overlap: per rank and forward + backward (the 4 runs of time_ranks), the
-  // shifts' time on their threads and the attention's wait for them.
-  std::printf("\nring (p2p) shifts per rank and pass: their time, the attention's wait for them, and the share "
-              "of their time hidden behind the blocks' compute (the backward's gradient shifts are not overlapped)\n"
-              "| seq | group | C | pass | s | shifts | shift s | waited s | hidden |\n"
+  // The ring's overlap: per rank and pass (the 4 runs of time_ranks), the attention's wait
+  // for its shifts with each started before the compute it runs beside, against the same
+  // shifts waited for as soon as they start (context_parallel::overlap false: their whole
+  // time), alternately.
+  std::printf("\nring (p2p) shifts per rank and pass: the attention's wait for them with the overlap and without "
+              "it (their whole time), and the share of their time the overlap hides\n"
+              "| seq | group | C | pass | s | shifts | waited s, overlapped | waited s, not overlapped | hidden |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const auto S : lengths)
     for (const char* over : {"in process", "UCX"})
       for (int C : {2, 4}) {
         const auto groups = std::string(over) == "UCX" ? test::ucx_groups(C) : in_process_groups(C);
-        const auto before = cp::ring_totals();
-        const auto m = time_ranks(C, S, [&](int r, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-          return cp::attention(q, k, v, {r, C, cp_comm::p2p, groups[std::size_t(r)]}, S);
-        });
-        const auto after = cp::ring_totals();
         const double per = 4.0 * C;  // (time_ranks' runs x ranks)
-        const double shift = (after.shift_seconds - before.shift_seconds) / per,
-                     waited = (after.waited_seconds - before.waited_seconds) / per;
-        std::printf("| %lld | %s | %d | forward and backward | %.3f | %.0f | %.4f | %.4f | %.2f |\n", (long long)S, over,
-                    C, m.seconds, double(after.shifts - before.shifts) / per, shift, waited,
-                    shift > 0 ? 1 - waited / shift : 0.0);
-        // The forward alone: its C - 1 key/value shifts, each beside a block's compute.
-        const auto t0 = now_s();
-        forward_ranks(C, S, [&](int r, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-          return cp::attention(q, k, v, {r, C, cp_comm::p2p, groups[std::size_t(r)]}, S);
-        });
-        const double fwd_s = (now_s() - t0) / 4;
-        const auto fwd = cp::ring_totals();
-        const double fshift = (fwd.shift_seconds - after.shift_seconds) / per,
-                     fwaited = (fwd.waited_seconds - after.waited_seconds) / per;
-        std::printf("| %lld | %s | %d | forward | %.3f | %.0f | %.4f | %.4f | %.2f |\n", (long long)S, over, C, fwd_s,
-                    double(fwd.shifts - after.shifts) / per, fshift, fwaited, fshift > 0 ? 1 - fwaited / fshift : 0.0);
+        for (const bool backward : {true, false}) {
+          double seconds = 0, shifts = 0, waited[2] = {0, 0};
+          for (const bool overlap : {false, true}) {
+            const auto before = cp::ring_totals();
+            auto attention = [&](int r, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+              context_parallel cp{r, C, cp_comm::p2p, groups[std::size_t(r)]};
+              cp.overlap = overlap;
+              return cp::attention(q, k, v, cp, S);
+            };
+            const auto t0 = now_s();
+            if (backward)
+              seconds = time_ranks(C, S, attention).seconds;
+            else
+              forward_ranks(C, S, attention);
+            if (!backward && overlap) seconds = (now_s() - t0) / 4;
+            const auto after = cp::ring_totals();
+            waited[overlap] = (after.waited_seconds - before.waited_seconds) / per;
+            shifts = double(after.shifts - before.shifts) / per;
+          }
+          std::printf("| %lld | %s | %d | %s | %.3f | %.0f | %.4f | %.4f | %.2f |\n", (long long)S, over, C,
+                      backward ? "forward and backward" : "forward", seconds, shifts, waited[1], waited[0],
+                      waited[0] > 0 ? 1 - waited[1] / waited[0] : 0.0);
+        }
       }
   return 0;
 }

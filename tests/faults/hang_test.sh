@@ -125,6 +125,19 @@ hang frozen-tp-rank "$t1 \(node 0\) does not answer" \
   "$t0 \(node 0\) waits for all-(reduce|gather) #[0-9]+ of the tensor-parallel group of replica 0, stage 0 from $t1 \(node 0\); its thread is in op F1 \(mb 1, chunk 0\)" \
   --freeze 1:0:4:25
 
+# Context parallelism (ring attention; each node hosts a replica's ring): pipeline 1
+# (replica 0's cp rank 1) freezes at its second op of step index 4; cp rank 0 computes
+# that op and waits for the ring's shift of its next key/value block.
+job=(train "${small[@]}" --nodes 2 --pipeline 2 --data-parallel 2 --context-parallel 2 --steps 8 --eval-interval 0
+  --global-batch 16)
+ref=cp-ref
+"$launcher" "${job[@]}" --metrics "$tmp/cp-ref.jsonl" --save "$tmp/cp-ref.pt" >"$tmp/cp-ref.log" 2>&1 \
+  && ok "fault-free context-parallel run" || bad "fault-free context-parallel run" "$tmp/cp-ref.log"
+c0='stage\[replica 0, stage 0, cp 0\]' c1='stage\[replica 0, stage 0, cp 1\]'
+hang frozen-cp-rank "$c1 \(node 0\) does not answer" \
+  "$c0 \(node 0\) waits for ring shift #[0-9]+ of the context-parallel group of replica 0, stage 0 from $c1 \(node 0\); its thread is in op F1 \(mb 1, chunk 0\)" \
+  --freeze 1:0:4:25
+
 # Expert parallelism (moe-tiny, EP 2 x p2 x d2, one process): replica 1's stage 1 freezes
 # at its second op; replica 0's stage 1 waits in its backward's all-to-all for it.
 job=(train "${small[@]}" --workload moe-tiny --expert-parallel 2 --data-parallel 2 --pipeline 2 --steps 6 --eval-interval 0 --global-batch 16)

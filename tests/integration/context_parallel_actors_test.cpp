@@ -5,6 +5,8 @@
 // with tensor (and sequence), pipeline and data parallelism; and the layouts refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <fstream>
 #include <map>
 #include <string>
@@ -190,6 +192,43 @@ TEST(ContextParallelActors, ARankThatFailsMidStepIsRetriedInPlaceBitIdentically)
   ASSERT_EQ(retried.exit_code, 0) << retried.error;
   EXPECT_EQ(test::max_abs_diff(retried.final_state, clean.final_state), 0.0);
   EXPECT_EQ(retried.losses, clean.losses);
+}
+
+TEST(ContextParallelActors, TheGroupsCollectivesAreOnTheTraceInsideTheOpsTheyServe) {
+  // p2p at C = 2, two layers per stage, two micro-batches: per layer and micro-batch the
+  // forward waits for C - 1 key/value shifts, the backward for C - 1 key/value shifts and
+  // C gradient sums; each wait is a "cp ring shift" event inside its F or B op.
+  constexpr int C = 2, layers = 2, m = 2;
+  auto c = cp_job({C, "p2p", 1, 2, 1, "1f1b", "none"});
+  c.seq_len = 128;
+  c.steps = 2;
+  const auto run = actors_run(c);
+  ASSERT_EQ(run.exit_code, 0) << run.error;
+  for (int pipe = 0; pipe < C; ++pipe)
+    for (int stage = 0; stage < 2; ++stage) {
+      SCOPED_TRACE("pipeline " + std::to_string(pipe) + ", stage " + std::to_string(stage));
+      int in_forward = 0, in_backward = 0;
+      for (const auto& e : run.events) {
+        if (e.name != "cp ring shift" || e.replica != pipe || e.stage != stage || e.step != 0) continue;
+        const auto op = std::find_if(run.events.begin(), run.events.end(), [&](const trace_event& o) {
+          return (o.name == "F" || o.name == "B") && o.replica == pipe && o.stage == stage && o.step == 0 &&
+                 o.mb == e.mb && o.start_us <= e.start_us && e.end_us <= o.end_us;
+        });
+        ASSERT_NE(op, run.events.end()) << "a shift outside its op, mb " << e.mb;
+        (op->name == "F" ? in_forward : in_backward) += 1;
+      }
+      EXPECT_EQ(in_forward, layers * m * (C - 1));
+      EXPECT_EQ(in_backward, layers * m * (2 * C - 1));
+    }
+  // a2a: its all-to-alls on every rank's track.
+  c.context_parallel_comm = "a2a";
+  c.steps = 1;
+  const auto a2a = actors_run(c);
+  ASSERT_EQ(a2a.exit_code, 0) << a2a.error;
+  for (int pipe = 0; pipe < C; ++pipe)
+    EXPECT_GT(std::count_if(a2a.events.begin(), a2a.events.end(),
+                            [&](const trace_event& e) { return e.name == "cp all-to-all" && e.replica == pipe; }),
+              0);
 }
 
 TEST(ContextParallelConfig, RefusesWhatCannotWork) {
