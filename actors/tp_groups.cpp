@@ -50,28 +50,14 @@ class communicator_group final : public collective_group {
   /// Observed (and entered on the activity board) at its wait: the time it was not
   /// hidden behind the caller's compute.
   started_collective start_all_gather(const torch::Tensor& in, torch::Tensor out, const char* name) override {
-    const auto elements = out.numel();
-    const auto bytes = std::int64_t(out.nbytes());
-    auto w = comm_->all_gather(in.view({-1}), out.view({-1}));
-    return started_collective(
-        [this, w, elements, bytes, name] {
-          if (enter_) enter_(name);
-          finish(name, &collective_traffic::all_gather, elements, bytes, w, std::chrono::steady_clock::now());
-        },
-        [w] { w->wait(std::chrono::seconds(30)); });
+    return started(name, &collective_traffic::all_gather, out, comm_->all_gather(in.view({-1}), out.view({-1})));
   }
   started_collective start_all_to_all(const torch::Tensor& in, const std::vector<std::int64_t>& send_rows,
                                       const std::vector<std::int64_t>& recv_rows, torch::Tensor out,
                                       const char* name) override {
-    const auto elements = out.numel();
-    const auto bytes = std::int64_t(out.nbytes());
-    auto w = comm_->all_to_all(in.view({-1}), elements_of(in, send_rows), out.view({-1}), elements_of(in, recv_rows));
-    return started_collective(
-        [this, w, elements, bytes, name] {
-          if (enter_) enter_(name);
-          finish(name, &collective_traffic::all_to_all, elements, bytes, w, std::chrono::steady_clock::now());
-        },
-        [w] { w->wait(std::chrono::seconds(30)); });
+    return started(name, &collective_traffic::all_to_all, out,
+                   comm_->all_to_all(in.view({-1}), elements_of(in, send_rows), out.view({-1}),
+                                     elements_of(in, recv_rows)));
   }
   torch::Tensor all_to_all(const torch::Tensor& in, const std::vector<std::int64_t>& send_rows,
                            const std::vector<std::int64_t>& recv_rows) override {
@@ -98,6 +84,18 @@ class communicator_group final : public collective_group {
     if (enter_) enter_(name);
     const auto t0 = std::chrono::steady_clock::now();
     finish(name, kind, elements, bytes, start(), t0);
+  }
+  /// `w`, started into `out`, as the caller's started_collective: entered on the activity
+  /// board and observed at its wait (the time it was not hidden behind the caller's
+  /// compute); one dropped unwaited is settled with a bounded wait.
+  started_collective started(const char* name, std::atomic<std::int64_t> collective_traffic::*kind,
+                             const torch::Tensor& out, transport::work_ptr w) {
+    return started_collective(
+        [this, w, kind, elements = out.numel(), bytes = std::int64_t(out.nbytes()), name] {
+          if (enter_) enter_(name);
+          finish(name, kind, elements, bytes, w, std::chrono::steady_clock::now());
+        },
+        [w] { w->wait(std::chrono::seconds(30)); });
   }
   /// Waits for `w`, started at `t0`, and counts it.
   void finish(const char* name, std::atomic<std::int64_t> collective_traffic::*kind, std::int64_t elements,

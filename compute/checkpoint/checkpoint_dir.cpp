@@ -461,10 +461,9 @@ struct shard_pieces_read {
       std::int64_t offset = 0, numel = 0;
       if (key == "step" || key == "tensor_parallel_rank" || key == "tensor_parallel_size") continue;
       const auto dot = key.find('.');
+      const auto kind = key.substr(0, dot);
       if (!parse_piece_key(key, kind_name, offset, numel) || dot == std::string::npos ||
-          (kind_name.compare(0, dot, "main") != 0 && kind_name.compare(0, dot, "exp_avg") != 0 &&
-           kind_name.compare(0, dot, "exp_avg_sq") != 0) ||
-          t.dim() != 1 || offset + t.numel() > numel)
+          (kind != "main" && kind != "exp_avg" && kind != "exp_avg_sq") || t.dim() != 1 || offset + t.numel() > numel)
         throw checkpoint_error(file.string() + ": '" + key + "' is not a piece KIND.NAME@OFFSET/NUMEL of a flat " +
                                "parameter (" + std::to_string(t.numel()) + " elements)");
       const auto name = kind_name.substr(dot + 1);
@@ -523,11 +522,10 @@ struct shard_pieces_read {
       throw checkpoint_error(std::string("its shard files' tensor-parallel parts do not fit together: ") + e.what());
     }
     by_tp.clear();
-    for (auto& [name, stand_in] : whole_kept) {
-      c.params[name] = whole.main_params.at(name).view(stand_in.sizes());
-      c.optim["exp_avg." + name] = whole.exp_avg.at(name).view(stand_in.sizes());
-      c.optim["exp_avg_sq." + name] = whole.exp_avg_sq.at(name).view(stand_in.sizes());
-    }
+    for (auto& [name, t] : optimizer_state_dict(whole, whole_kept, 0))
+      if (name != "step") c.optim[name] = t;
+    use_main_params(whole_kept, whole);  // (the stand-ins' shapes)
+    for (auto& [name, t] : whole_kept) c.params[name] = t;
   }
 };
 

@@ -192,7 +192,6 @@ std::atomic<std::int64_t> ring_shifts{0}, ring_waited_ns{0};
 struct shift_in_flight {
   torch::Tensor in, out;
   started_collective work;
-  bool overlap = true;
 };
 
 torch::Tensor arrived(shift_in_flight& s);
@@ -209,7 +208,6 @@ shift_in_flight start_shift(collective_group& g, const torch::Tensor& x, bool ov
   recv[std::size_t((r + C - 1) % C)] = 1;
   s.in = x.contiguous();
   s.out = torch::empty_like(s.in);
-  s.overlap = overlap;
   s.work = g.start_all_to_all(s.in.view({1, -1}), send, recv, s.out.view({1, -1}), "ring shift");
   ++ring_shifts;
   if (!overlap) s.out = arrived(s);
