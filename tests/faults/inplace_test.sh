@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # In-place retries across node processes: a 2-node p2 x d2 job meets one fault that leaves
 # every node process alive (an actor that throws before or after the update, a corrupt or
-# lost activation, a stalled reduce-scatter, a lost loss report). Every node rebuilds its
+# lost activation, a stalled reduce-scatter, a lost loss report), also with a
+# context-parallel and an expert-parallel group split over the two nodes. Every node rebuilds its
 # actors from the in-memory snapshots on fresh UCX communicators and the step runs again:
 # no restart (no resume line), parameters bit-identical to the fault-free run and the same
 # loss for every step. With max_step_retries = 0 the same fault restarts the job instead.
@@ -60,6 +61,18 @@ rc=$?
   && ok "max_step_retries = 0: restarted instead" || bad "max_step_retries = 0: exit $rc" "$tmp/nr.log"
 out=$(/usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/ref" "$tmp/nr" 1 2>&1) \
   && ok "max_step_retries = 0: bit-identical ($out)" || { echo "$out"; bad "max_step_retries = 0: results differ" "$tmp/nr.log"; }
+# Groups split over the node processes: a context-parallel ring (each node holds one cp
+# rank of both stages) and an expert-parallel all-to-all (each node a replica). The
+# group's abort fails the transfers still pending to the failed rank, sends included
+# (UCX cannot cancel those), so the surviving ranks leave the collective and rebuild.
+job=(train "${small[@]}" --pipeline 2 --steps 10 --eval-interval 0 --checksum true --global-batch 16)
+split=(--nodes 2 --context-parallel 2)
+reference cp-split-ref "${split[@]}"
+retried cp-split-ref cp-split "${split[@]}" --throw-at 1:0:4
+split=(--nodes 2 --data-parallel 2 --workload moe-tiny --expert-parallel 2)
+reference ep-split-ref "${split[@]}"
+retried ep-split-ref ep-split "${split[@]}" --throw-at 1:1:4
+
 sleep 0.5
 [ "$(nodes_left)" = 0 ] && ok "no node left" || bad "$(nodes_left) node(s) left"
 exit $fail

@@ -6,6 +6,9 @@
 //                                                  with c10d::ProcessGroupGloo
 //   troupe_transport_peer mismatch RANK SIZE DIR   rank 0 calls all_reduce, the others
 //                                                  all_gather: every rank must get an error
+//   troupe_transport_peer abort    0|1 2 DIR       rank 0 aborts while its all-to-all and
+//                                                  send wait on rank 1, which never
+//                                                  receives: both fail at once
 //
 // Prints one line per failed check to stderr; exit status 0 when all checks passed.
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -142,7 +145,7 @@ void run_check(communicator& comm, c10d::ProcessGroupGloo& gloo, std::int64_t ma
 
 int main(int argc, char** argv) {
   if (argc != 5) {
-    std::cerr << "usage: troupe_transport_peer check|mismatch RANK SIZE DIR\n";
+    std::cerr << "usage: troupe_transport_peer check|mismatch|abort RANK SIZE DIR\n";
     return 2;
   }
   const std::string mode = argv[1], dir = argv[4];
@@ -183,6 +186,33 @@ int main(int argc, char** argv) {
       } catch (const transport_error& e) {
         std::cout << "rank " << rank << ": " << e.what() << std::endl;
       }
+    } else if (mode == "abort") {
+      // Rank 1 is alive but never receives (a frozen peer). Rank 0's all-to-all (a send
+      // large enough for UCX's rendezvous, and a receive) and a point-to-point send to it
+      // must fail once rank 0 aborts its communicator, not wait for ever: UCX cannot
+      // cancel a send.
+      auto gloo = make_gloo(dir, rank, size);
+      auto comm = make_ucx_communicator(rank, size, folder_exchange(dir + "/ucx", rank, size));
+      gloo->barrier()->wait();
+      if (rank == 0) {
+        const std::int64_t n = 8 << 20;  // 32 MiB of float32
+        auto in = torch::ones({2 * n}), out = torch::zeros({2 * n});
+        auto a2a = comm->all_to_all(in, {n, n}, out, {n, n});
+        auto p2p = comm->send(torch::ones({n}), 1, 7);
+        if (a2a->wait(std::chrono::milliseconds(300)) || p2p->wait(std::chrono::milliseconds(1)))
+          fail("transfers to a peer that never receives completed");
+        comm->abort("rank 1 froze");
+        for (const auto& [w, what] : {std::pair{a2a, "all-to-all"}, std::pair{p2p, "send"}}) {
+          try {
+            if (!w->wait(std::chrono::seconds(5))) fail(std::string(what) + ": still pending 5 s after the abort");
+            else fail(std::string(what) + ": succeeded after the abort");
+          } catch (const transport_error& e) {
+            if (std::string(e.what()).find("rank 1 froze") == std::string::npos)
+              fail(std::string(what) + ": the error does not name the abort: " + e.what());
+          }
+        }
+      }
+      gloo->barrier()->wait();  // rank 1 exits only now: it stayed alive and silent
     } else {
       std::cerr << "unknown mode " << mode << "\n";
       return 2;

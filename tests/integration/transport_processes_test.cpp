@@ -76,3 +76,15 @@ TEST(TransportProcesses, MismatchedCollectivesFailOnEveryRank) {
   }
   EXPECT_NE(all.find("collective order mismatch"), std::string::npos) << all;
 }
+
+// A communicator's abort fails every transfer still pending, the sends to a peer that
+// never receives included (UCX cannot cancel a send): an all-to-all or a point-to-point
+// send to a frozen rank does not hold its caller after the group is aborted.
+TEST(TransportProcesses, AbortFailsPendingSendsToAFrozenPeer) {
+  if (std::string(troupe::test::transport_peer).empty()) GTEST_SKIP() << "built without gloo headers: no transport peer";
+  for (const std::string link : {"shm", "tcp"}) {
+    test::temp_dir dir;
+    const auto results = run_peers("abort", 2, transports_of(link), dir, std::chrono::seconds(60));
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(results[r].status, 0) << "rank " << r << " (" << link << "):\n" << results[r].output;
+  }
+}

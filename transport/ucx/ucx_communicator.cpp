@@ -624,9 +624,19 @@ void ucx_comm::abort(const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_.empty()) broken_ = why;
   }
+  // Receives are cancelled; sends cannot be (UCX 1.13), and one to a peer that died or
+  // froze would never complete: every pending transfer's work fails now, so that no
+  // caller waits on it (point-to-point and all-to-all callers wait without a deadline).
+  // The op itself stays pending (its request and tensor belong to UCX until the request
+  // ends or shutdown() frees it). The work is held before the cancel, whose callback may
+  // free the op.
   post([this] {
-    for (auto* op : std::vector<pending_op*>(pending_.begin(), pending_.end()))
+    const auto why = "communicator aborted: " + broken();
+    for (auto* op : std::vector<pending_op*>(pending_.begin(), pending_.end())) {
+      auto done = op->done;
       if (op->request) ucp_request_cancel(worker_, op->request);
+      if (done) done->complete(why);
+    }
   });
 }
 
