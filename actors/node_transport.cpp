@@ -213,6 +213,9 @@ class ucx_renewal : public comm_renewal {
         const auto [r, k] = slots_[i];
         plan.edp_comms[i] = group_comm(entry_of(i), r / ep_, d_ * t_ / ep_, *expert_shards_[i],
                                        "stage " + std::to_string(k) + "'s expert shard collectives");
+        if (transport_.expert_shard_group > 0)
+          plan.edp_comms[i] = transport::hybrid_shard_group(std::move(plan.edp_comms[i]), transport_.expert_shard_group,
+                                                            transport::process_ucx_options().timeout);
       }
     }
     auto [to, from] = make_links(table, column(-1, nodes_, table.gpus), plan.world);
@@ -338,6 +341,7 @@ node_transport transport_for(const runtime_context& ctx, const node_transport_se
   }
   if (ctx.device.is_cuda()) t.device = ctx.device.has_index() ? ctx.device.index() : 0;
   if (ctx.g < ctx.d) t.shard_group = ctx.g;
+  if (ctx.eg < ctx.edp) t.expert_shard_group = ctx.eg;
   const std::string& nccl = settings.nccl;
   if (nccl == "1") {
     if (!ctx.device.is_cuda()) throw config_error("TROUPE_NCCL=1: the job does not run on a GPU (--device cuda)");

@@ -36,6 +36,9 @@ struct node_transport {
   /// of a shard group of this many ranks over the d-rank one (transport/hybrid.hpp); 0:
   /// the whole group.
   int shard_group = 0;
+  /// The same for the experts' regions (runtime_context::eg): each slot's
+  /// expert-data-parallel communicator, a shard group of this many ranks; 0: the whole.
+  int expert_shard_group = 0;
 };
 
 /// How this node's tensors travel, with the reasons logged. On a GPU: tensors staged

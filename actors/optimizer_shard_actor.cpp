@@ -610,9 +610,9 @@ shard_actor::behavior_type shard_behavior(shard_self self, std::shared_ptr<const
     throw std::logic_error(st.name + ": communicator is rank " + std::to_string(comm->rank()) + " of " +
                            std::to_string(comm->size()));
   if ((ctx->ep > 1) != bool(expert_comm) ||
-      (expert_comm && (expert_comm->size() != ctx->edp || expert_comm->rank() != rank / ctx->ep)))
-    throw std::logic_error(st.name + ": no expert-data-parallel communicator of " + std::to_string(ctx->edp) +
-                           " ranks with its rank " + std::to_string(rank / std::max(1, ctx->ep)));
+      (expert_comm && (expert_comm->size() != ctx->eg || expert_comm->rank() != ctx->expert_shard_rank(rank))))
+    throw std::logic_error(st.name + ": no expert-data-parallel communicator of " + std::to_string(ctx->eg) +
+                           " ranks with its rank " + std::to_string(ctx->expert_shard_rank(rank)));
   init_chunks(st, from);
   for (int c = ctx->v - 1; c >= 0; --c)
     for (int b = int(st.chunks[c].buckets.size()) - 1; b >= 0; --b) st.order.emplace_back(c, b);

@@ -74,6 +74,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
                                   ": not yet on GPUs (--device cpu)");
     shard = parse_shard_level(c.shard);
     g = c.shard_group > 0 ? c.shard_group : d;
+    eg = ep > 1 ? g * t / ep : 1;
     if (g < d && device.is_cuda())  // (device auto found a GPU: job_config refuses an explicit one)
       throw std::invalid_argument("shard_group " + std::to_string(g) + " (hybrid sharding) on " + device.str() +
                                   ": not yet on GPUs (--device cpu)");

@@ -103,7 +103,7 @@ struct runtime_context {
   }
   /// The groups shard `pipe`'s buffer of a chunk laid out as `slice` is reduced over.
   shard_groups groups_of(int pipe, const model_slice& slice) const {
-    return {g, dp_of(pipe) % g, slice.expert_offset(), edp, ep > 1 ? pipe / ep : 0};
+    return {g, dp_of(pipe) % g, slice.expert_offset(), eg, expert_shard_rank(pipe)};
   }
   /// Hybrid sharding (parallel.shard_group): the data-parallel group's d ranks as d / g
   /// shard groups of g consecutive ranks (g = d: one group). Shard `pipe` owns piece
@@ -113,6 +113,13 @@ struct runtime_context {
   /// Which of the d / g copies of its piece shard `pipe` holds (0: the one whose
   /// gradient-norm partials count).
   int shard_copy_of(int pipe) const { return dp_of(pipe) / g; }
+  /// With experts: the expert-data-parallel group's edp ranks as edp / eg groups of
+  /// eg = g t / EP consecutive ranks (eg = edp without hybrid sharding). A data-parallel
+  /// shard group's g t pipelines hold whole expert-parallel groups (EP divides g t), so
+  /// it holds the whole state: the dense region sharded g ways, each share of the
+  /// experts eg ways. Copy shard_copy_of(pipe) of both.
+  int eg = 1;
+  int expert_shard_rank(int pipe) const { return ep > 1 ? (pipe / ep) % eg : 0; }
   /// What the data-parallel group shards (parallel.shard): with gradients or parameters
   /// the stage actors reduce-scatter their chunks' gradients (and with parameters
   /// all-gather their parameters) around each run of ops on a chunk, over their shards'

@@ -92,7 +92,7 @@ node_plan local_node_plan(const runtime_context& ctx) {
     for (const auto& [q, k] : plan.slots) {
       auto& g = edp_groups[{k, q % ep}];
       if (g.empty()) g = transport::make_local_group(ctx.edp);
-      plan.edp_comms.push_back(g.at(std::size_t(q / ep)));
+      plan.edp_comms.push_back(transport::hybrid_shard_group(g.at(std::size_t(q / ep)), ctx.eg));
     }
     // (stage, group, backward) -> the group's members
     std::map<std::tuple<int, int, bool>, std::vector<std::shared_ptr<transport::communicator>>> ep_groups;

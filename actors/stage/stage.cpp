@@ -135,7 +135,7 @@ void join_shard_group(stage_state& st, const std::shared_ptr<transport::communic
                                        ctx.t > 1 ? fmt::format(", tensor-parallel rank {}", ctx.tp_of(st.replica)) : ""),
                            ctx.tp_of(st.replica), ctx.t);
   if (ctx.ep > 1)
-    st.edp_group = fsdp_group(st, expert_shards, ctx.edp, st.replica / ctx.ep,
+    st.edp_group = fsdp_group(st, expert_shards, ctx.eg, ctx.expert_shard_rank(st.replica),
                               fmt::format("expert-data-parallel group of stage {}, share {}", st.stage, st.replica % ctx.ep),
                               st.replica % ctx.ep, ctx.ep);
   st.fsdp_tied.assign(st.chunks.size(), torch::Tensor());

@@ -616,9 +616,10 @@ void check_sharding(const job_config& c) {
     if (c.device.rfind("cuda", 0) == 0)
       fail(hybrid + " on " + c.device + ": its collectives run over the group's point-to-point by tag, which NCCL "
            "does not match (--device cpu, or shard_group 0)");
-    if (c.expert_parallel > 1)
-      fail(hybrid + " with expert parallelism: the experts' region is sharded over the expert-data-parallel "
-           "group, which hybrid sharding does not split yet (shard_group 0, or expert_parallel 1)");
+    if (c.expert_parallel > 1 && (c.shard_group * c.tensor_parallel) % c.expert_parallel != 0)
+      fail(hybrid + " with expert_parallel " + std::to_string(c.expert_parallel) +
+           ": a shard group must hold whole expert-parallel groups, so that it holds every expert "
+           "(expert_parallel must divide shard_group x tensor_parallel)");
     if (c.compute == "simulated")
       fail(hybrid + " with simulated compute: the simulated shards model the whole group (shard_group 0)");
   }

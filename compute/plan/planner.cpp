@@ -350,7 +350,10 @@ std::string check_layout(const problem& p, const layout& l) {
     why << "shard group " << l.shard_group << " must divide dp x cp (" << l.dp * l.cp << ")";
     return why.str();
   }
-  if (l.hybrid() && l.ep > 1) return "hybrid sharding with expert parallelism (Troupe refuses it)";
+  if (l.hybrid() && l.ep > 1 && l.group() % l.ep) {
+    why << "ep " << l.ep << " must divide the shard group (" << l.group() << "): each group holds every expert";
+    return why.str();
+  }
   try {
     (void)make_schedule(l.schedule, l.pp, l.microbatches, l.vp);
   } catch (const schedule_error& e) {
@@ -518,9 +521,9 @@ dp_terms dp_terms_of(const problem& pr, const layout& l, double params, double d
   t.all_gather = link_of(g).ring(params * dev.dtype_bytes, g);
   t.hidden = dev.overlap_dp ? 1.0 / std::max(1, layers) : 1.0;
   t.exposed = (t.reduce_scatter + t.all_gather) * t.hidden;
-  // Expert parameters are replicated over dc / ep devices, the others over dc (hybrid:
-  // sharded over g, without expert parallelism).
-  t.shard_of = dense / g + (params - dense) * l.ep / dc;
+  // Expert parameters are replicated over dc / ep devices, the others over dc; each
+  // sharded over its replicas in the shard group (hybrid: g and g / ep of them).
+  t.shard_of = dense / g + (params - dense) * l.ep / g;
   t.optimizer = t.shard_of * (4 + 12 + 12 + dev.dtype_bytes) / dev.memory_bandwidth;
   return t;
 }

@@ -249,6 +249,11 @@ TEST(FsdpActors, HybridShardGroupsFollowZeRO1) {
       {{2, 4, 1, "zero-bubble", "none"}, 2},
       {{1, 2, 1, "1f1b", "none"}, 1},  // every replica holds the whole state (DDP's layout)
       {{1, 2, 2, "1f1b", "none"}, 1},  // with tensor parallelism: per tensor-parallel rank
+      // Experts over 2 expert-parallel ranks: each shard group holds an expert-parallel
+      // group, its share of the experts sharded over the share's ranks in the group (1 of
+      // the 2 expert-data-parallel ranks at d = 4, g = 2; 2 of 4 at d = 8, g = 4).
+      {{1, 4, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 1, false, 4, 2}, 2},
+      {{1, 8, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 1, false, 4, 2}, 4},
   };
   for (const auto& [l, g] : cases) {
     SCOPED_TRACE(name_of(l) + "_g" + std::to_string(g));
@@ -263,7 +268,7 @@ TEST(FsdpActors, HybridShardGroupsFollowZeRO1) {
       expect_close(got, want, 1e-6);
       // Not the same run: the two-level sum is another order (a test that cannot tell
       // the layouts apart would pass with any shard_group).
-      if (l.d == 4) {
+      if (l.d >= 4) {
         EXPECT_GT(test::max_abs_diff(got.final_state, want.final_state), 0.0);
       }
     }
@@ -278,6 +283,12 @@ TEST(FsdpActors, HybridShardedRunsCheckpointResumeAndRetryInPlace) {
   c.shard_group = 2;
   expect_resumed(c, {{2, "optimizer"}});
   expect_retried_in_place(c, "3:0:1");  // replica 3 (the second group's second rank), stage 0, step 2
+  // With experts over 2 expert-parallel ranks: only the first group's shards write, and
+  // their pieces hold every expert.
+  c = fsdp_job({1, 4, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 1, false, 4, 2}, "parameters");
+  c.shard_group = 2;
+  expect_resumed(c, {{2, "optimizer"}});
+  expect_retried_in_place(c, "2:0:1");
 }
 
 TEST(FsdpActors, ShardedCheckpointFoldersResumeInOtherLayoutsAndLevels) {
@@ -377,7 +388,7 @@ TEST(FsdpConfig, RefusesWhatCannotWork) {
   refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.runtime = "local"; }, "runs in the actor runtime");
   refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.device = "cuda"; }, "point-to-point by tag");
   refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.experts = 4; c.moe_top_k = 1; c.expert_parallel = 2; },
-          "hybrid sharding) with expert parallelism");
+          "expert_parallel must divide shard_group x tensor_parallel");
   refused([](job_config& c) { c.runtime = "local"; }, "runs in the actor runtime");
   refused([](job_config& c) { c.schedule = "dataflow"; }, "schedule dataflow");
   refused([](job_config& c) { c.device = "cuda"; }, "not yet on its CUDA stream");

@@ -84,6 +84,17 @@ hsdp_job=(train "${small[@]}" --shard gradients --shard-group 1 --pipeline 1 --d
 rc=$?
 [ $rc = 0 ] && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/hsdp1" "$tmp/hsdp2" 0 \
   && ok "shard gradients in groups of 1 on 2 nodes: one process's bits" || bad "shard-group 1 on 2 nodes: exit $rc" "$tmp/hsdp2.log"
+# With experts over 2 expert-parallel ranks: parameters sharded in groups of 2 of the 4
+# replicas, each group an expert-parallel group; the replicas of each piece, dense and
+# experts', sum across the nodes.
+hsdp_job=(train "${small[@]}" --workload moe-tiny --expert-parallel 2 --shard parameters --shard-group 2 --pipeline 1
+  --data-parallel 4 --global-batch 16 --microbatches 2 --steps 3 --eval-interval 0)
+"$launcher" "${hsdp_job[@]}" --save "$tmp/hsdp-ep1.pt" --metrics "$tmp/hsdp-ep1.jsonl" >"$tmp/hsdp-ep1.log" 2>&1
+"$launcher" "${hsdp_job[@]}" --nodes 2 --save "$tmp/hsdp-ep2.pt" --metrics "$tmp/hsdp-ep2.jsonl" >"$tmp/hsdp-ep2.log" 2>&1
+rc=$?
+[ $rc = 0 ] && /usr/bin/python3 "$root/tests/support/compare_runs.py" "$tmp/hsdp-ep1" "$tmp/hsdp-ep2" 0 \
+  && ok "shard parameters in groups of 2 with experts on 2 nodes: one process's bits" \
+  || bad "shard-group 2 with experts on 2 nodes: exit $rc" "$tmp/hsdp-ep2.log"
 # Without layout flags any node count runs the default job's layout (p2 d2).
 "$launcher" train "${small[@]}" --nodes 1 --steps 1 --eval-interval 0 >"$tmp/one.log" 2>&1
 rc=$?

@@ -165,6 +165,23 @@ TEST(Plan, HybridShardingTradesMemoryForTrafficBetweenNodes) {
   for (const auto& f : hybrid_only.best) EXPECT_EQ(f.l.group(), 8);
 }
 
+// Hybrid sharding with experts: each shard group holds whole expert-parallel groups, and
+// each share of the experts is sharded over the group's ranks that hold it (g / ep), the
+// dense parameters over g: both 64 / 16 times what they are over the whole group.
+TEST(Plan, HybridShardingWithExpertsShardsEachShareWithinTheGroup) {
+  auto p = llama8b(64);
+  p.model.n_experts = 8, p.model.moe_top_k = 2;
+  auto whole = make(1, 1, 64, 1, p);
+  whole.ep = 8, whole.shard = "parameters";
+  auto hybrid = whole;
+  hybrid.shard_group = 16;
+  ASSERT_EQ(check_layout(p, hybrid), "");
+  const auto w = predict(p, whole), h = predict(p, hybrid);
+  EXPECT_NEAR(h.memory.optimizer, 4 * w.memory.optimizer, 1e-9 * h.memory.optimizer);
+  hybrid.shard_group = 4;  // an expert-parallel group of 8 does not fit in a group of 4
+  EXPECT_NE(check_layout(p, hybrid).find("must divide the shard group"), std::string::npos);
+}
+
 TEST(Plan, CpuCalibrationTimesTheModelAndScalesItByShape) {
   problem p;
   p.model = model_spec::gpt_tiny().decoder;
