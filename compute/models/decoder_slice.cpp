@@ -72,20 +72,23 @@ torch::Tensor decoder_slice::forward(const torch::Tensor& input, const torch::Te
       throw model_error("document positions of shape " + c10::str(positions.sizes()) + " for " +
                         std::to_string(input.size(0)) + " sequences of " + std::to_string(cfg_.seq_len) + " tokens");
     const auto p = positions.to(input.device(), torch::kInt64);
-    docs = {p, core_->document_mask(p)};
+    if (cp_.active())
+      docs = {cp::local_tokens(p, 1, cp_.size, cp_.rank), {}, cp::document_numbers(p)};
+    else
+      docs = {p, core_->document_mask(p)};
   }
   // Context parallelism: this rank's tokens of whole sequences at the first slice, and
-  // their global positions (the rotary or learned positions'; the attention's core is
-  // the group's, without a mask).
+  // their global positions (the rotary or learned positions'; with documents, the
+  // document positions of this rank's tokens). The attention's core is the group's: it
+  // masks by global position, and by the documents' numbers.
   auto tokens = input;
   if (cp_.active()) {
-    if (positions.defined())
-      throw model_error("document positions with context parallelism (its attention masks by position only)");
     if (is_first()) tokens = cp::local_tokens(input, 1, cp_.size, cp_.rank);
-    docs.positions = cp::local_positions(cfg_.seq_len, cp_.size, cp_.rank, input.device())
-                         .unsqueeze(0)
-                         .expand({input.size(0), cfg_.seq_len / cp_.size})
-                         .contiguous();
+    if (!positions.defined())
+      docs.positions = cp::local_positions(cfg_.seq_len, cp_.size, cp_.rank, input.device())
+                           .unsqueeze(0)
+                           .expand({input.size(0), cfg_.seq_len / cp_.size})
+                           .contiguous();
   }
   // Sequence parallelism: between the layers, this rank's positions only; a stage's
   // activations travel whole.
@@ -159,11 +162,12 @@ torch::Tensor decoder_slice::block(const torch::Tensor& x, int i, kv_cache* cach
   // Selective recompute wraps the attention's core (not in generation, nor without a graph).
   const bool selective = recompute_ == recompute_mode::selective && !cache && torch::GradMode::is_enabled();
   const auto& mask = documents.mask;
-  const attention_core core = [this, selective, &mask](const torch::Tensor& q, const torch::Tensor& k,
-                                                       const torch::Tensor& v, std::int64_t past) {
+  const auto& numbers = documents.numbers;
+  const attention_core core = [this, selective, &mask, &numbers](const torch::Tensor& q, const torch::Tensor& k,
+                                                                 const torch::Tensor& v, std::int64_t past) {
     // (Context parallelism: the group's core, whose backward recomputes the scores block
     // by block: selective recompute's saving already.)
-    if (cp_.active()) return cp::attention(q, k, v, cp_, cfg_.seq_len, window_);
+    if (cp_.active()) return cp::attention(q, k, v, cp_, cfg_.seq_len, window_, numbers);
     return selective ? recomputed_attention(q, k, v, *core_, mask) : (*core_)(q, k, v, past, mask);
   };
   expert_tally tally{ep_, aux_scale_, aux_sum_, expert_tokens_};

@@ -26,7 +26,8 @@ struct recomputed_block_fn : torch::autograd::Function<recomputed_block_fn> {
     // (Documents: the rerun attends as this forward does.)
     if (docs->positions.defined()) {
       ctx->saved_data["positions"] = docs->positions;
-      ctx->saved_data["mask"] = docs->mask;
+      if (docs->mask.defined()) ctx->saved_data["mask"] = docs->mask;
+      if (docs->numbers.defined()) ctx->saved_data["numbers"] = docs->numbers;  // (context parallelism)
     }
     // (No graph, but a training forward: its load-balancing loss counts.)
     return runner->run_block(x, int(i), block_pass::checkpointing, *docs);
@@ -44,8 +45,10 @@ struct recomputed_block_fn : torch::autograd::Function<recomputed_block_fn> {
       auto* const before = runner->deferral();
       runner->deferral() = reinterpret_cast<weight_grad_store*>(ctx->saved_data["defer"].toInt());
       window_documents docs;
-      if (ctx->saved_data.count("positions"))
-        docs = {ctx->saved_data["positions"].toTensor(), ctx->saved_data["mask"].toTensor()};
+      auto saved = [&](const char* key) {
+        return ctx->saved_data.count(key) ? ctx->saved_data[key].toTensor() : torch::Tensor();
+      };
+      docs = {saved("positions"), saved("mask"), saved("numbers")};
       // (Its load-balancing loss was counted by the forward.)
       y = runner->run_block(x, int(ctx->saved_data["block"].toInt()), block_pass::recomputing, docs);
       runner->deferral() = before;

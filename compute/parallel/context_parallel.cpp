@@ -87,7 +87,7 @@ struct visible_keys {
 };
 
 visible_keys visible(const run& q, const torch::Tensor& k, const torch::Tensor& v, const std::vector<run>& k_runs,
-                     std::int64_t heads, std::int64_t window) {
+                     std::int64_t heads, std::int64_t window, const torch::Tensor& documents) {
   visible_keys out;
   std::vector<torch::Tensor> ks, vs;
   bool partial = false;
@@ -116,6 +116,14 @@ visible_keys visible(const run& q, const torch::Tensor& k, const torch::Tensor& 
     if (window > 0) mask = mask.logical_and(qp - kp < window);
     out.mask = mask.to(k.device());
   }
+  if (documents.defined()) {  // and only the keys of the query's own document: (B, 1, Lq, Lk)
+    std::vector<torch::Tensor> key_docs;
+    for (const auto& r : out.from) key_docs.push_back(documents.narrow(1, r.first, r.len));
+    const auto kd = key_docs.size() == 1 ? key_docs[0] : torch::cat(key_docs, 1);
+    auto same = documents.narrow(1, q.first, q.len).unsqueeze(2).eq(kd.unsqueeze(1)).to(k.device());
+    if (out.mask.defined()) same = same.logical_and(out.mask);
+    out.mask = same.unsqueeze(1);
+  }
   return out;
 }
 
@@ -129,10 +137,10 @@ torch::Tensor scores(const torch::Tensor& qr, const visible_keys& keys, double s
 /// The attention of q (runs `q_runs`) to one block of keys and values (runs `k_runs`),
 /// merged into `out` (normalized so far) and `lse` (its log-sum-exp), all fp32.
 void forward_block(const torch::Tensor& q, const std::vector<run>& q_runs, const torch::Tensor& k,
-                   const torch::Tensor& v, const std::vector<run>& k_runs, std::int64_t window, double scale,
-                   torch::Tensor& out, torch::Tensor& lse) {
+                   const torch::Tensor& v, const std::vector<run>& k_runs, std::int64_t window,
+                   const torch::Tensor& documents, double scale, torch::Tensor& out, torch::Tensor& lse) {
   for (const auto& qr : q_runs) {
-    const auto keys = visible(qr, k, v, k_runs, q.size(1), window);
+    const auto keys = visible(qr, k, v, k_runs, q.size(1), window, documents);
     if (keys.from.empty()) continue;
     const auto s = scores(q.narrow(2, qr.offset, qr.len), keys, scale);
     auto m = std::get<0>(s.max(-1, /*keepdim=*/true));
@@ -153,12 +161,12 @@ void forward_block(const torch::Tensor& q, const std::vector<run>& q_runs, const
 /// The backward of forward_block, given the final `out`, `lse`, the output's gradient
 /// `dout` and delta = rowsum(dout * out): adds to `dq` and to this block's `dk`, `dv`.
 void backward_block(const torch::Tensor& q, const std::vector<run>& q_runs, const torch::Tensor& k,
-                    const torch::Tensor& v, const std::vector<run>& k_runs, std::int64_t window, double scale,
-                    const torch::Tensor& lse, const torch::Tensor& dout, const torch::Tensor& delta, torch::Tensor& dq,
-                    torch::Tensor dk, torch::Tensor dv) {
+                    const torch::Tensor& v, const std::vector<run>& k_runs, std::int64_t window,
+                    const torch::Tensor& documents, double scale, const torch::Tensor& lse, const torch::Tensor& dout,
+                    const torch::Tensor& delta, torch::Tensor& dq, torch::Tensor dk, torch::Tensor dv) {
   const auto B = q.size(0), H = q.size(1), KV = k.size(1), hd = q.size(3);
   for (const auto& qr : q_runs) {
-    const auto keys = visible(qr, k, v, k_runs, H, window);
+    const auto keys = visible(qr, k, v, k_runs, H, window, documents);
     if (keys.from.empty()) continue;
     const auto qs = q.narrow(2, qr.offset, qr.len);
     const auto dos = dout.narrow(2, qr.offset, qr.len);
@@ -179,6 +187,10 @@ void backward_block(const torch::Tensor& q, const std::vector<run>& q_runs, cons
       at += r.len;
     }
   }
+}
+
+torch::Tensor saved_documents(AutogradContext* ctx) {
+  return ctx->saved_data.count("documents") ? ctx->saved_data["documents"].toTensor() : torch::Tensor();
 }
 
 collective_group& group_at(AutogradContext* ctx) {
@@ -242,9 +254,12 @@ std::pair<torch::Tensor, torch::Tensor> empty_result(const torch::Tensor& q) {
 /// thread of its own while this one's attention computes.
 struct ring_fn : torch::autograd::Function<ring_fn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, std::int64_t group, std::int64_t seq_len, std::int64_t window,
-                               bool overlap) {
+                               const torch::Tensor& v, const torch::Tensor* numbers, std::int64_t group,
+                               std::int64_t seq_len, std::int64_t window, bool overlap) {
     fp32_only guard;
+    // (The document numbers as saved data: an undefined tensor is no Function input.)
+    const auto documents = numbers ? *numbers : torch::Tensor();
+    if (documents.defined()) ctx->saved_data["documents"] = documents;
     auto& g = *reinterpret_cast<collective_group*>(group);
     const int C = g.size(), r = g.rank();
     const auto qf = q.to(torch::kFloat32);
@@ -253,7 +268,7 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     for (int j = 0; j < C; ++j) {
       auto next = start_shift(g, j + 1 < C ? block : torch::Tensor(), overlap);
       forward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
-                    rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), out, lse);
+                    rank_runs(seq_len, C, (r - j + C) % C), window, documents, scale_of(q), out, lse);
       if (j + 1 < C) block = arrived(next);
     }
     ctx->save_for_backward({q, k, v, out, lse});
@@ -268,6 +283,7 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     fp32_only guard;
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const auto documents = saved_documents(ctx);
     auto& g = group_at(ctx);
     const bool overlap = ctx->saved_data["overlap"].toBool();
     const int C = g.size(), r = g.rank();
@@ -288,8 +304,8 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
       auto sum = start_shift(g, summed, overlap);
       auto part = torch::zeros(block.sizes(), block.options().dtype(torch::kFloat32));
       backward_block(qf, rank_runs(seq_len, C, r), block[0].to(torch::kFloat32), block[1].to(torch::kFloat32),
-                     rank_runs(seq_len, C, (r - j + C) % C), window, scale_of(q), lse, dout, delta, dq, part[0],
-                     part[1]);
+                     rank_runs(seq_len, C, (r - j + C) % C), window, documents, scale_of(q), lse, dout, delta, dq,
+                     part[0], part[1]);
       if (more) block = arrived(next);
       // (The own block, j = 0: no rank before this one has a part of it.)
       summed = summed.defined() ? arrived(sum) + part : part;
@@ -298,7 +314,7 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
     auto last = start_shift(g, summed, false);
     const auto dblock = arrived(last);
     return {dq.to(q.scalar_type()), dblock[0].to(k.scalar_type()), dblock[1].to(v.scalar_type()),
-            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -306,11 +322,13 @@ struct ring_fn : torch::autograd::Function<ring_fn> {
 struct local_fn : torch::autograd::Function<local_fn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const torch::Tensor& q_positions,
-                               const torch::Tensor& k_positions, std::int64_t window) {
+                               const torch::Tensor& k_positions, std::int64_t window, const torch::Tensor* numbers) {
     fp32_only guard;
+    const auto documents = numbers ? *numbers : torch::Tensor();
+    if (documents.defined()) ctx->saved_data["documents"] = documents;
     auto [out, lse] = empty_result(q);
     forward_block(q.to(torch::kFloat32), runs_of(q_positions), k.to(torch::kFloat32), v.to(torch::kFloat32),
-                  runs_of(k_positions), window, scale_of(q), out, lse);
+                  runs_of(k_positions), window, documents, scale_of(q), out, lse);
     ctx->save_for_backward({q, k, v, out, lse, q_positions, k_positions});
     ctx->saved_data["window"] = window;
     return out.to(q.scalar_type());
@@ -324,9 +342,10 @@ struct local_fn : torch::autograd::Function<local_fn> {
     auto dq = torch::zeros_like(qf);
     auto dk = torch::zeros(k.sizes(), qf.options()), dv = torch::zeros(v.sizes(), qf.options());
     backward_block(qf, runs_of(saved[5]), k.to(torch::kFloat32), v.to(torch::kFloat32), runs_of(saved[6]),
-                   ctx->saved_data["window"].toInt(), scale_of(q), lse, dout, (dout * out).sum(-1), dq, dk, dv);
+                   ctx->saved_data["window"].toInt(), saved_documents(ctx), scale_of(q), lse, dout, (dout * out).sum(-1),
+                   dq, dk, dv);
     return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -375,6 +394,15 @@ torch::Tensor all_positions(std::int64_t seq_len, int size, torch::Device device
 
 std::int64_t handle(collective_group& g) { return reinterpret_cast<std::int64_t>(&g); }
 
+/// `documents` (B, S) int64 on q's device for the masks, or undefined (one document).
+torch::Tensor checked_documents(const torch::Tensor& documents, const torch::Tensor& q) {
+  if (!documents.defined()) return {};
+  if (documents.dim() != 2 || documents.size(0) != q.size(0))
+    throw std::invalid_argument("document numbers of shape " + c10::str(documents.sizes()) + " for " +
+                                std::to_string(q.size(0)) + " sequences");
+  return documents.to(q.device(), torch::kInt64);
+}
+
 /// a2a: (B, X, L, hd) of this rank's tokens and every head -> (B, X / C, C L, hd) of
 /// every rank's tokens (rank order) and this rank's X / C heads.
 torch::Tensor heads_for_sequence(const torch::Tensor& x, collective_group& g) {
@@ -406,25 +434,34 @@ torch::Tensor local_tokens(const torch::Tensor& x, std::int64_t dim, int size, i
   return torch::cat({x.narrow(dim, rank * c, c), x.narrow(dim, (2 * size - 1 - rank) * c, c)}, dim);
 }
 
+torch::Tensor document_numbers(const torch::Tensor& positions) {
+  return positions.eq(0).to(torch::kInt64).cumsum(/*dim=*/1);
+}
+
 ring_counters ring_totals() {
   return {ring_shifts.load(), double(ring_waited_ns.load()) * 1e-9};
 }
 
 torch::Tensor local_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& q_positions, const torch::Tensor& k_positions,
-                              std::int64_t window) {
+                              std::int64_t window, const torch::Tensor& documents) {
   if (q.size(1) % k.size(1) != 0)
     throw std::invalid_argument(std::to_string(q.size(1)) + " query heads over " + std::to_string(k.size(1)) +
                                 " key/value heads");
-  return local_fn::apply(q, k, v, q_positions, k_positions, window);
+  const auto numbers = checked_documents(documents, q);
+  return local_fn::apply(q, k, v, q_positions, k_positions, window, &numbers);
 }
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const context_parallel& cp, std::int64_t seq_len, std::int64_t window) {
+                        const context_parallel& cp, std::int64_t seq_len, std::int64_t window,
+                        const torch::Tensor& documents) {
   if (!cp.active()) {
     const auto all = torch::arange(seq_len, torch::TensorOptions().dtype(torch::kInt64));
-    return local_attention(q, k, v, all, all, window);
+    return local_attention(q, k, v, all, all, window, documents);
   }
+  if (documents.defined() && (documents.dim() != 2 || documents.size(1) != seq_len))
+    throw std::invalid_argument("document numbers of shape " + c10::str(documents.sizes()) + " for sequences of " +
+                                std::to_string(seq_len) + " tokens");
   if (!cp.group || cp.group->size() != cp.size || cp.group->rank() != cp.rank)
     throw std::logic_error("context-parallel rank " + std::to_string(cp.rank) + " of " + std::to_string(cp.size) +
                            " without its group");
@@ -433,14 +470,16 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                                 std::to_string(cp.size) + " ranks hold " + std::to_string(seq_len) + " tokens");
   auto& g = *cp.group;
   switch (cp.comm) {
-    case cp_comm::p2p:
-      return ring_fn::apply(q, k, v, handle(g), seq_len, window, cp.overlap);
+    case cp_comm::p2p: {
+      const auto numbers = checked_documents(documents, q);
+      return ring_fn::apply(q, k, v, &numbers, handle(g), seq_len, window, cp.overlap);
+    }
     case cp_comm::allgather: {
       const auto B = k.size(0), KV = k.size(1), L = k.size(2), hd = k.size(3);
       const auto all = all_gather_fn::apply(torch::stack({k, v}), handle(g));  // (C, 2, B, KV, L, hd)
       auto whole = [&](int i) { return all.select(1, i).permute({1, 2, 0, 3, 4}).reshape({B, KV, cp.size * L, hd}); };
       return local_attention(q, whole(0), whole(1), local_positions(seq_len, cp.size, cp.rank),
-                             all_positions(seq_len, cp.size, torch::kCPU), window);
+                             all_positions(seq_len, cp.size, torch::kCPU), window, documents);
     }
     case cp_comm::a2a: {
       auto kr = k, vr = v;
@@ -456,7 +495,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                                     std::to_string(q.size(1)) + " query heads");
       const auto positions = all_positions(seq_len, cp.size, torch::kCPU);
       const auto y = local_attention(heads_for_sequence(q, g), heads_for_sequence(kr, g), heads_for_sequence(vr, g),
-                                     positions, positions, window);
+                                     positions, positions, window, documents);
       return sequence_for_heads(y, g);
     }
   }

@@ -60,17 +60,26 @@ torch::Tensor local_tokens(const torch::Tensor& x, std::int64_t dim, int size, i
 /// The causal core over the group: q (B, H, L, hd), k and v (B, KV, L, hd) of this rank's
 /// L = seq_len / size tokens (local_tokens' order); query head h uses key/value head
 /// h / (H / KV). With a `window` > 0 (a sliding window) the query at position i sees the
-/// keys at positions i - window + 1 .. i only. Returns (B, H, L, hd) in q's dtype (the
-/// arithmetic in fp32). Every rank of the group calls it in the same order.
+/// keys at positions i - window + 1 .. i only. With `documents` ((B, seq_len) int64: each
+/// token's document number in its whole sequence, global order; document_numbers) a query
+/// sees only the keys of its own document (Megatron's reset attention mask). Returns
+/// (B, H, L, hd) in q's dtype (the arithmetic in fp32). Every rank of the group calls it
+/// in the same order.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const context_parallel& cp, std::int64_t seq_len, std::int64_t window = 0);
+                        const context_parallel& cp, std::int64_t seq_len, std::int64_t window = 0,
+                        const torch::Tensor& documents = {});
 
 /// The same core without a group, for q at global positions `q_positions` ((Lq) int64)
 /// and k, v at `k_positions` ((Lk) int64): positions need not be contiguous nor sorted
-/// (tests; the allgather and a2a comms run it on what they exchanged).
+/// (tests; the allgather and a2a comms run it on what they exchanged). `documents` as
+/// above, over the global positions.
 torch::Tensor local_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& q_positions, const torch::Tensor& k_positions,
-                              std::int64_t window = 0);
+                              std::int64_t window = 0, const torch::Tensor& documents = {});
+
+/// Each token's document number in its sequence, from the documents' positions ((B, S)
+/// int64, 0 where a document begins): as many as begin at or before it.
+torch::Tensor document_numbers(const torch::Tensor& positions);
 
 /// The ring's (p2p's) shifts in this process since it started, over every rank: how many,
 /// and how long the attention waited for them. A shift runs beside the block in hand, so

@@ -1,6 +1,6 @@
 // --document-attention through the actor runtime: the documents' positions travel with
 // the micro-batches and activations to every stage, and layouts of pipeline, tensor,
-// sequence and expert parallelism, replicas, recomputation and schedules give the
+// sequence, context and expert parallelism, replicas, recomputation and schedules give the
 // parameters and losses of the one-process loop; the evaluation in the pipeline gives the
 // gathered model's. (The forward's semantics: tests/unit/document_attention_test.cpp; against
 // transformers: tests/integration/tokenizer_client_test.cpp.)
@@ -81,7 +81,16 @@ INSTANTIATE_TEST_SUITE_P(
         // (a forward on a second thread beside a backward that reruns its blocks)
         keyed_layout{"moe_d2_ep2_p2_v2_combined_recompute_full",
                      {{"workload", "moe-tiny"}, {"data_parallel", "2"}, {"expert_parallel", "2"}, {"pipeline", "2"},
-                      {"chunks", "2"}, {"schedule", "combined-1f1b"}, {"recompute", "full"}}}),
+                      {"chunks", "2"}, {"schedule", "combined-1f1b"}, {"recompute", "full"}}},
+        // Context parallelism: each rank's tokens at their document positions, the group's
+        // core masked by the tokens' document numbers in the whole sequence.
+        keyed_layout{"llama_c2_p2p_p2_recompute_full",
+                     {{"context_parallel", "2"}, {"pipeline", "2"}, {"recompute", "full"}}},
+        keyed_layout{"llama_c4_a2a_d2",
+                     {{"context_parallel", "4"}, {"context_parallel_comm", "a2a"}, {"data_parallel", "2"}}},
+        keyed_layout{"gpt_c2_allgather_t2_sp",
+                     {{"workload", "gpt-tiny"}, {"context_parallel", "2"}, {"context_parallel_comm", "allgather"},
+                      {"tensor_parallel", "2"}, {"sequence_parallel", "true"}}}),
     [](const ::testing::TestParamInfo<keyed_layout>& info) { return std::string(info.param.name); });
 
 // The validation windows' positions go to the first stage with their rows and on with the

@@ -72,7 +72,8 @@ inline std::pair<job_config, reference_run> expect_one_process_result(
   for (const auto& [key, value] : keys) c.set(key, value, "test");
   c.validate();
   auto one = c;
-  one.tensor_parallel = one.expert_parallel = 1;
+  one.tensor_parallel = one.expert_parallel = one.context_parallel = 1;
+  one.context_parallel_comm = "p2p";
   one.sequence_parallel = false;
   one.recompute = "none";
   auto ref = reference_of(one);

@@ -1,6 +1,7 @@
 // Context parallelism's attention: each comm over C ranks against the whole sequence's
 // causal attention, values and gradients (compute/parallel/context_parallel.hpp).
 #include <functional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,13 +30,28 @@ struct reference {
   torch::Tensor out, dq, dk, dv;
 };
 
+/// With `positions` ((B, S) documents' positions): the model's core with their mask.
 reference whole(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& w,
-                std::int64_t window) {
+                std::int64_t window, const torch::Tensor& positions = {}) {
   auto ql = leaf(q), kl = leaf(k), vl = leaf(v);
   const causal_attention core(q.size(2), torch::kCPU, window);
-  auto out = core(ql, kl, vl, 0);
+  auto out = core(ql, kl, vl, 0, positions.defined() ? core.document_mask(positions) : torch::Tensor());
   (out * w).sum().backward();
   return {out.detach(), ql.grad(), kl.grad(), vl.grad()};
+}
+
+/// The documents' positions of B sequences of S tokens: documents of 1 to 12 tokens,
+/// positions from 0 in each, cut differently in each sequence.
+torch::Tensor document_positions(std::int64_t B, std::int64_t S) {
+  auto p = torch::empty({B, S}, torch::kInt64);
+  auto a = p.accessor<std::int64_t, 2>();
+  std::mt19937 rng(7);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0, at = 0, len = 1 + rng() % 12; t < S; ++t) {
+      a[b][t] = at++;
+      if (at == len) at = 0, len = 1 + rng() % 12;
+    }
+  return p;
 }
 
 void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
@@ -103,6 +119,49 @@ TEST(ContextParallel, EveryCommMatchesTheWholeSequenceValuesAndGradients) {
           expect_close(vl.grad(), local(ref.dv), rank + " dv");
         });
       }
+}
+
+// Documents (Megatron's reset attention mask): a token sees only the earlier tokens of its
+// own document. Every comm's core, given the tokens' document numbers in the whole
+// sequence, equals the model's core with the documents' mask, values and gradients.
+TEST(ContextParallel, EveryCommMasksByDocumentAsTheWholeSequenceDoes) {
+  torch::manual_seed(9);
+  const std::int64_t B = 2, S = 48, hd = 8;
+  const auto positions = document_positions(B, S);
+  const auto numbers = cp::document_numbers(positions);
+  EXPECT_GT(numbers.max().item<std::int64_t>(), 4);  // several documents in each sequence
+  for (const auto& c : {attention_case{8, 4, 0}, attention_case{4, 4, 7}}) {
+    const auto q = torch::randn({B, c.heads, S, hd}), k = torch::randn({B, c.kv_heads, S, hd}),
+               v = torch::randn({B, c.kv_heads, S, hd}), w = torch::randn({B, c.heads, S, hd});
+    const auto ref = whole(q, k, v, w, c.window, positions);
+    ASSERT_GT((ref.out - whole(q, k, v, w, c.window).out).abs().max().item<double>(), 1e-2);  // the mask matters
+    const auto case_label = "heads " + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " window " +
+                            std::to_string(c.window);
+    {
+      auto ql = leaf(q), kl = leaf(k), vl = leaf(v);
+      const auto all = torch::arange(S);
+      auto out = cp::local_attention(ql, kl, vl, all, all, c.window, numbers);
+      (out * w).sum().backward();
+      expect_close(out.detach(), ref.out, "local " + case_label + " out");
+      expect_close(kl.grad(), ref.dk, "local " + case_label + " dk");
+    }
+    for (const auto comm : {cp_comm::p2p, cp_comm::a2a, cp_comm::allgather})
+      for (int C : {2, 4}) {
+        const auto label = std::string(cp_comm_name(comm)) + " C " + std::to_string(C) + " " + case_label;
+        on_group_ranks(C, [&](int r, std::shared_ptr<collective_group> g) {
+          const context_parallel place{r, C, comm, g};
+          auto local = [&](const torch::Tensor& t) { return cp::local_tokens(t, 2, C, r); };
+          auto ql = leaf(local(q)), kl = leaf(local(k)), vl = leaf(local(v));
+          auto out = cp::attention(ql, kl, vl, place, S, c.window, numbers);
+          (out * local(w)).sum().backward();
+          const auto rank = label + " rank " + std::to_string(r);
+          expect_close(out.detach(), local(ref.out), rank + " out");
+          expect_close(ql.grad(), local(ref.dq), rank + " dq");
+          expect_close(kl.grad(), local(ref.dk), rank + " dk");
+          expect_close(vl.grad(), local(ref.dv), rank + " dv");
+        });
+      }
+  }
 }
 
 TEST(ContextParallel, BadLayoutsAreRefused) {

@@ -25,6 +25,10 @@ torch::Tensor add_learned_positions(const torch::Tensor& x, const torch::Tensor&
 struct window_documents {
   torch::Tensor positions;  ///< (B, T) int64
   torch::Tensor mask;       ///< (B, 1, T, T) bool
+  /// Context parallelism: each token's document number in its whole sequence ((B, S)
+  /// int64, cp::document_numbers), by which the group's core masks (no mask above; the
+  /// positions are this rank's tokens').
+  torch::Tensor numbers;
 };
 
 /// Rotary tables as Hugging Face computes them, in fp32: inv_freq[j] = 1 / theta^(2j / hd),
