@@ -4,7 +4,8 @@
 # rebuilds its actors in place, the lost node's optimizer shards from the copies on the
 # next node (its buddy) and its stages' parameters all-gathered from them; the run ends
 # bit-identical to the fault-free one with the same loss log (also with expert
-# parallelism across the nodes, with context parallelism, and with a tensor-parallel group spread over two nodes). Also: the last node (whose
+# parallelism across the nodes, with context parallelism, with a tensor-parallel group spread over two nodes, and
+# with hybrid sharding of experts). Also: the last node (whose
 # buddy is node 0), a node that does not come back in time (exit 75, the launcher restarts
 # the job from its newest checkpoint), a node and its buddy lost together (the same), and
 # --max-node-restarts 0 (no buddy copies, a job restart); node 0 stalled past the
@@ -73,6 +74,13 @@ reference tp-spread-one "${tp[@]}" --nodes 1
 reference tp-spread "${tp[@]}" --nodes 4
 same tp-spread-one tp-spread 0
 rejoined tp-spread tp-spread-kill-node-1 1 "${tp[@]}" --nodes 4 --kill-node 1:4
+# Hybrid sharding with experts: parameters sharded in groups of 2 of the 4 replicas (a
+# node's two), each share of the experts over its rank in the group; node 1's shards come
+# back from their buddy copies on node 0.
+job=(train "${small[@]}" --pipeline 1 --data-parallel 4 --microbatches 2 --steps 10 --eval-interval 0 --global-batch 16)
+hsdp=(--workload moe-tiny --layers 2 --expert-parallel 2 --shard parameters --shard-group 2 "${two[@]}")
+reference hsdp-ep-ref "${hsdp[@]}"
+rejoined hsdp-ep-ref hsdp-ep-kill-node-1 1 "${hsdp[@]}" --kill-node 1:4
 job=("${saved_job[@]}")
 # Node 0 stalled (SIGSTOP for 8 s: a paused VM, a swapped-out process) past the connection
 # timeout (5 s): node 1 loses it and ends with the recoverable status (75), the launcher
