@@ -667,9 +667,6 @@ void check_context_parallel(const job_config& c) {
   if (c.schedule == "dataflow")
     fail(cp + " with schedule dataflow: the stage actors of a context-parallel group meet in every attention, so "
          "they run one fixed order (any schedule but dataflow)");
-  if (g.n_experts > 0 && g.moe_capacity_factor > 0)
-    fail(cp + " with moe_capacity_factor > 0: an expert's capacity keeps the whole sequence's most probable "
-         "pairs, which no rank sees (not yet; moe_capacity_factor 0)");
 }
 
 }  // namespace

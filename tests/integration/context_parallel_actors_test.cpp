@@ -33,6 +33,7 @@ struct cp_layout {
   const char* recompute;
   const char* workload = "llama-tiny";
   int experts = 0, ep = 1;  // a mixture of experts (top 2) over `ep` expert-parallel ranks
+  double capacity = 0;      // their capacity factor (0: none)
 };
 
 std::string name_of(const cp_layout& l) {
@@ -41,6 +42,7 @@ std::string name_of(const cp_layout& l) {
   if (std::string(l.schedule) != "1f1b") s += l.schedule[0] == 'z' ? "_zero_bubble" : "_interleaved";
   if (std::string(l.recompute) != "none") s += std::string("_recompute_") + l.recompute;
   if (l.experts) s += "_e" + std::to_string(l.experts) + "_ep" + std::to_string(l.ep);
+  if (l.capacity > 0) s += "_capacity";
   return std::string(l.workload) + "_" + s;
 }
 
@@ -73,6 +75,7 @@ job_config cp_job(const cp_layout& l) {
     c.experts = l.experts;
     c.moe_top_k = 2;
     c.expert_parallel = l.ep;
+    c.moe_capacity_factor = l.capacity;
   }
   return c;
 }
@@ -111,7 +114,11 @@ TEST(ContextParallelActors, FollowTheUnsplitRunInEveryLayout) {
       // Experts: the load-balancing loss over whole sequences (its sums over the group).
       {2, "p2p", 1, 1, 1, "1f1b", "none", "llama-tiny", 4, 1},
       {2, "p2p", 2, 1, 1, "1f1b", "none", "llama-tiny", 4, 1},  // (and over the sequence-parallel ranks)
-      {2, "a2a", 1, 1, 2, "1f1b", "none", "llama-tiny", 4, 2}};
+      {2, "a2a", 1, 1, 2, "1f1b", "none", "llama-tiny", 4, 2},
+      // An expert capacity: the whole sequences' most probable pairs stay (each rank
+      // decides on every rank's router probabilities, and keeps its own tokens').
+      {2, "p2p", 1, 1, 1, "1f1b", "none", "llama-tiny", 4, 1, 0.5},
+      {4, "a2a", 2, 1, 1, "1f1b", "none", "llama-tiny", 4, 1, 0.5}};
   for (const auto& l : layouts) {
     SCOPED_TRACE(name_of(l));
     test::temp_dir dir;  // (experts: both runs' metrics)
@@ -134,6 +141,10 @@ TEST(ContextParallelActors, FollowTheUnsplitRunInEveryLayout) {
         EXPECT_NEAR(y.at("aux_loss").get<double>(), x.at("aux_loss").get<double>(), 1e-6) << "step " << lines;
         EXPECT_EQ(y.at("expert_tokens_max"), x.at("expert_tokens_max")) << "step " << lines;
         EXPECT_EQ(y.at("expert_tokens_min"), x.at("expert_tokens_min")) << "step " << lines;
+        if (l.capacity > 0) {  // the same pairs dropped, and some are
+          EXPECT_GT(x.at("expert_dropped").get<std::int64_t>(), 0) << "step " << lines;
+          EXPECT_EQ(y.at("expert_dropped"), x.at("expert_dropped")) << "step " << lines;
+        }
       }
       EXPECT_EQ(lines, c.steps);
     }
@@ -250,7 +261,6 @@ TEST(ContextParallelConfig, RefusesWhatCannotWork) {
   refused([](job_config& c) { c.runtime = "local"; }, "runs in the actor runtime");
   refused([](job_config& c) { c.schedule = "dataflow"; }, "schedule dataflow");
   refused([](job_config& c) { c.device = "cuda"; }, "not yet on GPUs");
-  refused([](job_config& c) { c.experts = 4; c.moe_top_k = 2; c.moe_capacity_factor = 1.25; }, "moe_capacity_factor > 0");
   refused([](job_config& c) { c.workload = "fmnist-mlp"; c.heads = 0; c.kv_heads = 0; c.seq_len = 0; c.layers = 0; c.d_model = 0; },
           "no sequences to split");
   base.validate();  // the base itself is fine

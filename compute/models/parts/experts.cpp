@@ -66,19 +66,35 @@ torch::Tensor drop_past_capacity(const decoder_config& cfg, const torch::Tensor&
 
 /// `chosen` (B T, k) less the pairs past their experts' capacity in each sequence
 /// (drop_past_capacity). Under sequence parallelism this rank holds T of each sequence's
-/// T x size tokens: the router's probabilities of the whole sequences are gathered over
-/// the group (no gradient), every rank decides for the whole sequences, the same way
-/// (the stable sorts of the same values), and keeps its own positions.
+/// T x size tokens, and under context parallelism its context-parallel rank holds chunks
+/// i and 2C-1-i: the router's probabilities of the whole sequences are gathered over the
+/// groups (no gradient; the context-parallel ranks' tokens put back in sequence order),
+/// every rank decides for the whole sequences, the same way (the stable sorts of the
+/// same values), and keeps its own positions.
 torch::Tensor within_capacity(const part_context& c, const torch::Tensor& probs, const torch::Tensor& chosen,
                               std::int64_t B) {
   const std::int64_t T = chosen.size(0) / B;
-  if (!c.slice_sequence()) return drop_past_capacity(c.cfg, probs, chosen, B, c.cfg.expert_capacity(T));
-  const std::int64_t E = probs.size(1), k = chosen.size(1), whole = T * c.tp.size;
-  const auto all = tp::gather_dim(probs.view({B, T, E}), 1, c.group()).reshape({B * whole, E});
+  const bool split = c.cp && c.cp->active();
+  if (!c.slice_sequence() && !split) return drop_past_capacity(c.cfg, probs, chosen, B, c.cfg.expert_capacity(T));
+  const std::int64_t E = probs.size(1), k = chosen.size(1);
+  auto all = probs.view({B, T, E});
+  if (c.slice_sequence()) all = tp::gather_dim(all, 1, c.group());  // this context-parallel rank's tokens
+  const std::int64_t local = all.size(1);
+  if (split) {  // every rank's tokens, in rank order, then in sequence order
+    const int C = c.cp->size;
+    const auto gathered = tp::gather_dim(all, 1, *c.cp->group);
+    std::vector<torch::Tensor> positions;
+    for (int r = 0; r < C; ++r) positions.push_back(cp::local_positions(local * C, C, r, gathered.device()));
+    all = torch::empty_like(gathered).index_copy_(1, torch::cat(positions), gathered);
+  }
+  const std::int64_t whole = all.size(1);
+  all = all.reshape({B * whole, E});
   const auto all_chosen =
       std::get<1>(torch::sort(all, /*stable=*/true, /*dim=*/-1, /*descending=*/true)).narrow(1, 0, k);
-  const auto kept = drop_past_capacity(c.cfg, all, all_chosen, B, c.cfg.expert_capacity(whole));
-  return kept.view({B, whole, k}).narrow(1, T * c.tp.rank, T).reshape({B * T, k});
+  auto kept = drop_past_capacity(c.cfg, all, all_chosen, B, c.cfg.expert_capacity(whole)).view({B, whole, k});
+  if (split) kept = cp::local_tokens(kept, 1, c.cp->size, c.cp->rank);
+  if (c.slice_sequence()) kept = kept.narrow(1, T * c.tp.rank, T);
+  return kept.reshape({B * T, k});
 }
 
 /// Expert e of the layer named `p`: w2(silu(w1(x)) * w3(x)).
