@@ -254,6 +254,9 @@ TEST(FsdpActors, HybridShardGroupsFollowZeRO1) {
       // the 2 expert-data-parallel ranks at d = 4, g = 2; 2 of 4 at d = 8, g = 4).
       {{1, 4, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 1, false, 4, 2}, 2},
       {{1, 8, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 1, false, 4, 2}, 4},
+      // Context parallelism: groups of 2 of the D x C = 4 ranks (a replica's two halves
+      // of each sequence shard the state; the other replica holds the same).
+      {{1, 2, 1, "1f1b", "none", 2, "fp32", "llama-tiny", 2}, 2},
   };
   for (const auto& [l, g] : cases) {
     SCOPED_TRACE(name_of(l) + "_g" + std::to_string(g));
@@ -268,7 +271,7 @@ TEST(FsdpActors, HybridShardGroupsFollowZeRO1) {
       expect_close(got, want, 1e-6);
       // Not the same run: the two-level sum is another order (a test that cannot tell
       // the layouts apart would pass with any shard_group).
-      if (l.d >= 4) {
+      if (l.d * l.c >= 4) {
         EXPECT_GT(test::max_abs_diff(got.final_state, want.final_state), 0.0);
       }
     }
