@@ -162,6 +162,7 @@ std::shared_ptr<const simulated_costs> make_simulated_costs(const job_config& c,
   l.cp = c.context_parallel;
   l.ep = c.expert_parallel;
   l.shard = c.shard;
+  l.shard_group = c.shard_group;
   l.micro_batch = c.microbatch_size();
   l.microbatches = c.microbatches;
   l.recompute = c.recompute != "none";

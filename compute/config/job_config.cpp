@@ -620,8 +620,6 @@ void check_sharding(const job_config& c) {
       fail(hybrid + " with expert_parallel " + std::to_string(c.expert_parallel) +
            ": a shard group must hold whole expert-parallel groups, so that it holds every expert "
            "(expert_parallel must divide shard_group x tensor_parallel)");
-    if (c.compute == "simulated")
-      fail(hybrid + " with simulated compute: the simulated shards model the whole group (shard_group 0)");
   }
   if (level == shard_level::optimizer) return;
   const std::string what = "shard " + c.shard;

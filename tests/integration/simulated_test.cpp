@@ -132,6 +132,31 @@ TEST(SimulatedRun, TensorParallelRanksAndShardGroupsRunTheirSteps) {
   EXPECT_EQ(reduce_scatters, 2 * c.pipeline * c.data_parallel * c.tensor_parallel);
 }
 
+// Hybrid sharding (parallel.shard_group): the planner's cost model of the layout, a
+// reduce-scatter within each node's 8 ranks (NVLink) and an all-reduce of 1/8 of the
+// gradients across the nodes, instead of one ring over all 16 ranks across them. The
+// shards of a stage still meet as one group of 16 (the all-reduce spans the groups).
+TEST(SimulatedRun, HybridShardGroupsRunWithTheirCostModel) {
+  auto c = simulated_job(4, 2048, 2048, 0.5);
+  c.data_parallel = 16;
+  c.shard = "parameters";
+  c.microbatches = 1;
+  c.global_batch = 16;
+  const auto spec = c.model();
+  const auto whole = make_simulated_costs(c, spec);
+  c.shard_group = 8;
+  const auto hybrid = make_simulated_costs(c, spec);
+  ASSERT_EQ(whole->model.chunks.size(), 1u);
+  EXPECT_LT(hybrid->model.chunks[0].reduce_scatter, whole->model.chunks[0].reduce_scatter / 2);
+  EXPECT_LT(hybrid->model.predicted.step_seconds, whole->model.predicted.step_seconds);
+  const auto r = run_quiet(c);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  EXPECT_EQ(r.losses.size(), 2u);
+  int reduce_scatters = 0;
+  for (const auto& e : r.events) reduce_scatters += e.name == "reduce-scatter";
+  EXPECT_EQ(reduce_scatters, 2 * c.data_parallel);  // every shard's one chunk, each step
+}
+
 TEST(SimulatedRun, AStageThatThrowsIsRetriedInPlace) {
   auto c = simulated_job(4, 1024, 1024, 1.0);
   c.pipeline = 2;
