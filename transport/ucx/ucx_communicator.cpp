@@ -329,6 +329,12 @@ void ucx_comm::submit(const work_ptr& w, torch::Tensor t, std::size_t bytes, std
   if (auto b = broken(); !b.empty()) return w->complete("communicator aborted: " + b);
   auto* op = new pending_op{this, w, std::move(t), bytes, check_kind, nullptr};
   auto begin = [this, op, start = std::move(start)] {
+    // (An abort between the check above and this command: its sweep ran first.)
+    if (auto b = broken(); !b.empty()) {
+      op->done->complete("communicator aborted: " + b);
+      delete op;
+      return;
+    }
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.user_data = op;
@@ -624,18 +630,19 @@ void ucx_comm::abort(const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_.empty()) broken_ = why;
   }
-  // Receives are cancelled; sends cannot be (UCX 1.13), and one to a peer that died or
-  // froze would never complete: every pending transfer's work fails now, so that no
-  // caller waits on it (point-to-point and all-to-all callers wait without a deadline).
-  // The op itself stays pending (its request and tensor belong to UCX until the request
-  // ends or shutdown() frees it). The work is held before the cancel, whose callback may
-  // free the op.
+  // Receives not yet matched are cancelled; sends cannot be (UCX 1.13), nor a receive
+  // already under way, and one with a peer that died or froze would never complete:
+  // every pending transfer's work fails now, naming the abort, so that no caller waits on
+  // it (point-to-point and all-to-all callers wait without a deadline). The op itself
+  // stays pending: its request and tensor belong to UCX until the request ends or
+  // shutdown() frees them, so a receive under way may still write into its tensor (the
+  // callers drop what an aborted transfer was to fill: a retry makes fresh buffers). The
+  // work is failed before the cancel, whose callback may free the op.
   post([this] {
     const auto why = "communicator aborted: " + broken();
     for (auto* op : std::vector<pending_op*>(pending_.begin(), pending_.end())) {
-      auto done = op->done;
+      if (op->done) op->done->complete(why);
       if (op->request) ucp_request_cancel(worker_, op->request);
-      if (done) done->complete(why);
     }
   });
 }
