@@ -60,6 +60,25 @@ void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std
   EXPECT_LT(err, 2e-5) << what;
 }
 
+/// Each of C ranks of `comm`, with its tokens of q, k, v, gives its tokens of `ref`'s
+/// output and gradients (for the weighted sum by w).
+void expect_every_rank_follows(cp_comm comm, int C, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const torch::Tensor& w, std::int64_t window,
+                               const torch::Tensor& documents, const reference& ref, const std::string& label) {
+  on_group_ranks(C, [&](int r, std::shared_ptr<collective_group> g) {
+    const context_parallel place{r, C, comm, g};
+    auto local = [&](const torch::Tensor& t) { return cp::local_tokens(t, 2, C, r); };
+    auto ql = leaf(local(q)), kl = leaf(local(k)), vl = leaf(local(v));
+    auto out = cp::attention(ql, kl, vl, place, q.size(2), window, documents);
+    (out * local(w)).sum().backward();
+    const auto rank = label + " rank " + std::to_string(r);
+    expect_close(out.detach(), local(ref.out), rank + " out");
+    expect_close(ql.grad(), local(ref.dq), rank + " dq");
+    expect_close(kl.grad(), local(ref.dk), rank + " dk");
+    expect_close(vl.grad(), local(ref.dv), rank + " dv");
+  });
+}
+
 }  // namespace
 
 TEST(ContextParallel, LocalPositionsAreChunksIAnd2CMinus1MinusI) {
@@ -106,18 +125,7 @@ TEST(ContextParallel, EveryCommMatchesTheWholeSequenceValuesAndGradients) {
         const auto label = std::string(cp_comm_name(comm)) + " C " + std::to_string(C) + " heads " +
                            std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " window " +
                            std::to_string(c.window);
-        on_group_ranks(C, [&](int r, std::shared_ptr<collective_group> g) {
-          const context_parallel place{r, C, comm, g};
-          auto local = [&](const torch::Tensor& t) { return cp::local_tokens(t, 2, C, r); };
-          auto ql = leaf(local(q)), kl = leaf(local(k)), vl = leaf(local(v));
-          auto out = cp::attention(ql, kl, vl, place, S, c.window);
-          (out * local(w)).sum().backward();
-          const auto rank = label + " rank " + std::to_string(r);
-          expect_close(out.detach(), local(ref.out), rank + " out");
-          expect_close(ql.grad(), local(ref.dq), rank + " dq");
-          expect_close(kl.grad(), local(ref.dk), rank + " dk");
-          expect_close(vl.grad(), local(ref.dv), rank + " dv");
-        });
+        expect_every_rank_follows(comm, C, q, k, v, w, c.window, {}, ref, label);
       }
 }
 
@@ -148,18 +156,7 @@ TEST(ContextParallel, EveryCommMasksByDocumentAsTheWholeSequenceDoes) {
     for (const auto comm : {cp_comm::p2p, cp_comm::a2a, cp_comm::allgather})
       for (int C : {2, 4}) {
         const auto label = std::string(cp_comm_name(comm)) + " C " + std::to_string(C) + " " + case_label;
-        on_group_ranks(C, [&](int r, std::shared_ptr<collective_group> g) {
-          const context_parallel place{r, C, comm, g};
-          auto local = [&](const torch::Tensor& t) { return cp::local_tokens(t, 2, C, r); };
-          auto ql = leaf(local(q)), kl = leaf(local(k)), vl = leaf(local(v));
-          auto out = cp::attention(ql, kl, vl, place, S, c.window, numbers);
-          (out * local(w)).sum().backward();
-          const auto rank = label + " rank " + std::to_string(r);
-          expect_close(out.detach(), local(ref.out), rank + " out");
-          expect_close(ql.grad(), local(ref.dq), rank + " dq");
-          expect_close(kl.grad(), local(ref.dk), rank + " dk");
-          expect_close(vl.grad(), local(ref.dv), rank + " dv");
-        });
+        expect_every_rank_follows(comm, C, q, k, v, w, c.window, numbers, ref, label);
       }
   }
 }
