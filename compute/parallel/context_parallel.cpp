@@ -385,13 +385,6 @@ struct all_gather_fn : torch::autograd::Function<all_gather_fn> {
   }
 };
 
-/// Every rank's positions, in rank order (what an exchange of every rank's tokens holds).
-torch::Tensor all_positions(std::int64_t seq_len, int size, torch::Device device) {
-  std::vector<torch::Tensor> parts;
-  for (int s = 0; s < size; ++s) parts.push_back(local_positions(seq_len, size, s, device));
-  return torch::cat(parts);
-}
-
 std::int64_t handle(collective_group& g) { return reinterpret_cast<std::int64_t>(&g); }
 
 /// `documents` (B, S) int64 on q's device for the masks, or undefined (one document).
@@ -427,6 +420,12 @@ torch::Tensor local_positions(std::int64_t seq_len, int size, int rank, torch::D
   const auto opts = torch::TensorOptions().dtype(torch::kInt64).device(device);
   return torch::cat({torch::arange(rank * c, (rank + 1) * c, opts),
                      torch::arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, opts)});
+}
+
+torch::Tensor all_positions(std::int64_t seq_len, int size, torch::Device device) {
+  std::vector<torch::Tensor> parts;
+  for (int s = 0; s < size; ++s) parts.push_back(local_positions(seq_len, size, s, device));
+  return torch::cat(parts);
 }
 
 torch::Tensor local_tokens(const torch::Tensor& x, std::int64_t dim, int size, int rank) {

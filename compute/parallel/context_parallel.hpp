@@ -54,6 +54,9 @@ namespace cp {
 /// ranks, in their local order: chunk `rank`, then chunk 2 size - 1 - rank ((2 c) int64,
 /// c = seq_len / (2 size)).
 torch::Tensor local_positions(std::int64_t seq_len, int size, int rank, torch::Device device = torch::kCPU);
+/// Every rank's positions, in rank order: the global position of each token of an
+/// exchange that holds every rank's tokens, rank after rank.
+torch::Tensor all_positions(std::int64_t seq_len, int size, torch::Device device = torch::kCPU);
 /// Rank `rank`'s tokens of `x` along `dim` (whole sequences there), in that order.
 torch::Tensor local_tokens(const torch::Tensor& x, std::int64_t dim, int size, int rank);
 

@@ -18,10 +18,14 @@ source "$(dirname "$0")/../support/launcher_lib.sh" "$@"
 # --global-batch 16: half the default batch in as many micro-batches: the same schedule,
 # messages and faults in about 60 % of the CPU time (the test suite is CPU-bound).
 job=(train "${small[@]}" --nodes 2 --pipeline 2 --data-parallel 2 --steps 8 --eval-interval 0 --global-batch 16)
-ref=ref  # the fault-free run hang() compares with
 
-"$launcher" "${job[@]}" --metrics "$tmp/ref.jsonl" --save "$tmp/ref.pt" >"$tmp/ref.log" 2>&1 \
-  && ok "fault-free run" || bad "fault-free run" "$tmp/ref.log"
+# fault_free NAME WHAT: the fault-free run of the job, the one hang() then compares with.
+fault_free() {
+  ref=$1
+  "$launcher" "${job[@]}" --metrics "$tmp/$ref.jsonl" --save "$tmp/$ref.pt" >"$tmp/$ref.log" 2>&1 \
+    && ok "fault-free $2run" || bad "fault-free $2run" "$tmp/$ref.log"
+}
+fault_free ref ""
 
 # seconds_between LOG A B: seconds from the first line matching A to the first matching B
 # (the log lines' [HH:MM:SS.mmm] stamps).
@@ -117,9 +121,7 @@ grep -q "status of step .* what each actor waits for" "$tmp/status.log" && ! gre
 # Tensor parallelism: pipeline 1 (replica 0's TP rank 1) freezes at its second op of step
 # index 4; rank 0 computes that op and waits inside the group's first collective of it.
 job=(train "${small[@]}" --nodes 2 --pipeline 2 --tensor-parallel 2 --steps 8 --eval-interval 0 --global-batch 16)
-ref=tp-ref
-"$launcher" "${job[@]}" --metrics "$tmp/tp-ref.jsonl" --save "$tmp/tp-ref.pt" >"$tmp/tp-ref.log" 2>&1 \
-  && ok "fault-free tensor-parallel run" || bad "fault-free tensor-parallel run" "$tmp/tp-ref.log"
+fault_free tp-ref "tensor-parallel "
 t0='stage\[replica 0, stage 0, tp 0\]' t1='stage\[replica 0, stage 0, tp 1\]'
 hang frozen-tp-rank "$t1 \(node 0\) does not answer" \
   "$t0 \(node 0\) waits for all-(reduce|gather) #[0-9]+ of the tensor-parallel group of replica 0, stage 0 from $t1 \(node 0\); its thread is in op F1 \(mb 1, chunk 0\)" \
@@ -130,9 +132,7 @@ hang frozen-tp-rank "$t1 \(node 0\) does not answer" \
 # that op and waits for the ring's shift of its next key/value block.
 job=(train "${small[@]}" --nodes 2 --pipeline 2 --data-parallel 2 --context-parallel 2 --steps 8 --eval-interval 0
   --global-batch 16)
-ref=cp-ref
-"$launcher" "${job[@]}" --metrics "$tmp/cp-ref.jsonl" --save "$tmp/cp-ref.pt" >"$tmp/cp-ref.log" 2>&1 \
-  && ok "fault-free context-parallel run" || bad "fault-free context-parallel run" "$tmp/cp-ref.log"
+fault_free cp-ref "context-parallel "
 c0='stage\[replica 0, stage 0, cp 0\]' c1='stage\[replica 0, stage 0, cp 1\]'
 hang frozen-cp-rank "$c1 \(node 0\) does not answer" \
   "$c0 \(node 0\) waits for ring shift #[0-9]+ of the context-parallel group of replica 0, stage 0 from $c1 \(node 0\); its thread is in op F1 \(mb 1, chunk 0\)" \
@@ -141,9 +141,7 @@ hang frozen-cp-rank "$c1 \(node 0\) does not answer" \
 # Expert parallelism (moe-tiny, EP 2 x p2 x d2, one process): replica 1's stage 1 freezes
 # at its second op; replica 0's stage 1 waits in its backward's all-to-all for it.
 job=(train "${small[@]}" --workload moe-tiny --expert-parallel 2 --data-parallel 2 --pipeline 2 --steps 6 --eval-interval 0 --global-batch 16)
-ref=ep-ref
-"$launcher" "${job[@]}" --metrics "$tmp/ep-ref.jsonl" --save "$tmp/ep-ref.pt" >"$tmp/ep-ref.log" 2>&1 \
-  && ok "fault-free expert-parallel run" || bad "fault-free expert-parallel run" "$tmp/ep-ref.log"
+fault_free ep-ref "expert-parallel "
 hang frozen-ep-rank "$s11 \(node 0\) does not answer" \
   "$s01 \(node 0\) waits for all-to-all #[0-9]+ of the expert-parallel group of replicas 0-1, stage 1 \(backwards\) from $s11 \(node 0\); its thread is in op B0" \
   --freeze 1:1:4:25

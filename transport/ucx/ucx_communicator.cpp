@@ -657,10 +657,7 @@ void ucx_comm::shutdown() {
   exec_cv_.notify_all();
   if (executor_.joinable()) executor_.join();
   if (progress_.joinable()) {
-    post([this] {
-      for (auto* op : std::vector<pending_op*>(pending_.begin(), pending_.end()))
-        if (op->request) ucp_request_cancel(worker_, op->request);
-    });
+    // (abort() above cancelled what was pending; nothing is posted after it.)
     stop_deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     stop_ = true;
     post([] {});

@@ -10,6 +10,7 @@
 #include <torch/version.h>
 
 #include "compute/models/parts/norm.hpp"
+#include "compute/parallel/context_parallel.hpp"
 #include "compute/parallel/tensor_parallel.hpp"
 
 namespace troupe {
@@ -51,7 +52,7 @@ torch::Tensor causal_attention::document_mask(const torch::Tensor& positions) co
   const auto T = positions.size(1);
   // Documents numbered in each sequence: key j and query i share one when as many
   // documents begin at or before each.
-  const auto doc = positions.eq(0).to(torch::kInt64).cumsum(/*dim=*/1);
+  const auto doc = cp::document_numbers(positions);
   const auto same = doc.unsqueeze(2).eq(doc.unsqueeze(1));  // (B, T, T): [b, i, j]
   return same.logical_and(causal_.slice(0, 0, T).slice(1, 0, T).to(same.device())).unsqueeze(1);
 }

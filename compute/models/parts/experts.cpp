@@ -83,9 +83,7 @@ torch::Tensor within_capacity(const part_context& c, const torch::Tensor& probs,
   if (split) {  // every rank's tokens, in rank order, then in sequence order
     const int C = c.cp->size;
     const auto gathered = tp::gather_dim(all, 1, *c.cp->group);
-    std::vector<torch::Tensor> positions;
-    for (int r = 0; r < C; ++r) positions.push_back(cp::local_positions(local * C, C, r, gathered.device()));
-    all = torch::empty_like(gathered).index_copy_(1, torch::cat(positions), gathered);
+    all = torch::empty_like(gathered).index_copy_(1, cp::all_positions(local * C, C, gathered.device()), gathered);
   }
   const std::int64_t whole = all.size(1);
   all = all.reshape({B * whole, E});
