@@ -151,7 +151,7 @@ void runtime_context::keep_only(const std::vector<std::pair<int, int>>& slots) {
 }
 
 std::vector<flat_range> runtime_context::buckets_of(const model_slice& slice) const {
-  return slice_buckets(slice, groups_of(0, slice), d > 1 || edp > 1 ? cfg.bucket_size : 0);
+  return slice_buckets(slice, groups_of(0, slice), d > 1 || edp > 1 ? cfg.bucket_size : 0, fsdp_blocks());
 }
 
 std::vector<std::int64_t> runtime_context::activation_shape(int x, std::int64_t rows) const {

@@ -127,6 +127,9 @@ struct runtime_context {
   shard_level shard = shard_level::optimizer;
   bool shards_grads() const { return shard != shard_level::optimizer; }
   bool shards_params() const { return shard == shard_level::parameters; }
+  /// FSDP by blocks (parallel.fsdp_unit): each block of a chunk a unit of its own, gathered
+  /// for its forward and again for its backward, its gradients reduced as its backward ends.
+  bool fsdp_blocks() const { return shards_grads() && cfg.fsdp_unit == "block"; }
   int n_virtual;
   bool dataflow;                     ///< no fixed order (schedule = "dataflow")
   schedule sched;                    ///< fixed-order kinds (for dataflow: 1f1b, unused)

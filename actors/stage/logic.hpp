@@ -149,6 +149,10 @@ struct stage_state {
   /// copy's added it is reduced once the step's ops ran (reduce_tied_chunk). Undefined
   /// for the other chunks.
   std::vector<torch::Tensor> fsdp_tied;
+  /// FSDP by blocks (ctx->fsdp_blocks()): per chunk the hooks its blocks' forwards and
+  /// backwards call (fsdp_block_hooks).
+  std::vector<std::unique_ptr<model_slice::block_hooks>> fsdp_hooks;
+  bool fsdp_split = false;  // the op computing is a split backward (its blocks' gradients wait for the run's end)
   torch::Tensor* tied_sum(int chunk) {
     return std::size_t(chunk) < fsdp_tied.size() && fsdp_tied[std::size_t(chunk)].defined()
                ? &fsdp_tied[std::size_t(chunk)]
@@ -242,6 +246,27 @@ struct stage_state {
   bool splits(const std::pair<int, int>& k) const { return ctx->dataflow ? ctx->split_backward : split_keys.count(k) > 0; }
   std::set<std::pair<int, int>> split_keys;  // fixed orders: the (mb, chunk) of split backwards
 };
+
+/// FSDP by blocks: a chunk's block gathered before its forward and again before its
+/// backward (the next block's gather started as it computes), released after each; its
+/// gradients made before its backward and reduce-scattered after it (a split backward's:
+/// when the run of the chunk's ops ends). The stage's thread runs them, inside the op
+/// (the backward's on LibTorch's autograd engine, from the stage's thread).
+class fsdp_block_hooks final : public model_slice::block_hooks {
+ public:
+  fsdp_block_hooks(stage_state& s, int chunk) : s_(s), chunk_(chunk) {}
+  void before(int block, bool backward) override;
+  void after(int block, bool backward) override;
+
+ private:
+  stage_state& s_;
+  int chunk_;
+};
+
+/// Sequence parallelism: the gradients of the parameters every rank holds whole (within
+/// `within`, or all), summed over the tensor-parallel group (one all-reduce of them all;
+/// every rank calls it in the same place of the same op order).
+void sum_replicated(stage_state& s, model_slice& slice, const fsdp_unit* within = nullptr);
 
 /// Megatron's deallocate_output_tensor: the output's data goes (the receiver holds its
 /// own reference), its autograd node stays for the backward.
@@ -368,10 +393,8 @@ class stage_logic {
   /// with the rest of the backward).
   void chunk_done(int chunk);
 
-  /// Sequence parallelism: the gradients of the parameters every rank holds whole, summed
-  /// over the tensor-parallel group (one all-reduce of them all; every rank calls it in
-  /// the same place of the same op order).
-  void sum_replicated_grads(model_slice& slice);
+  /// sum_replicated of this stage.
+  void sum_replicated_grads(model_slice& slice, const fsdp_unit* within = nullptr);
 
   /// All ops ran (every chunk's buffer is with the shard or waits for the tied gradient).
   void after_backward();

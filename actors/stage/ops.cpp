@@ -160,32 +160,81 @@ void stage_logic::compute(op_work& w) {
   if (w.op.kind == op_kind::backward) s_.computing_backward = w.k;
   s_.in_backward = w.op.kind == op_kind::backward;
   sharded_slice* sharded = ctx.shards_grads() ? &s_.sharded.at(std::size_t(w.op.chunk)) : nullptr;
-  if (sharded) {  // FSDP: the chunk's parameters gathered, its gradient buffer made
-    if (w.op.kind != op_kind::weight) gather_params(slice, *sharded, *s_.dp_group, s_.edp_group.get());
-    if (w.op.kind != op_kind::forward) make_grads(slice, *sharded);
+  const bool blocks = sharded && ctx.fsdp_blocks();
+  if (sharded) {  // FSDP: the chunk's parameters gathered, its gradient buffers made
+    // (By blocks: the rest of the chunk here, its blocks around their forwards and
+    // backwards, fsdp_block_hooks; a split backward's and a weight pass's gradients stay
+    // until the run ends.)
+    const auto first = blocks ? sharded->rest() : 0;
+    if (w.op.kind != op_kind::weight)
+      for (auto u = first; u < sharded->units.size(); ++u) start_gather(*sharded, u, *s_.dp_group, s_.edp_group.get());
+    if (w.op.kind == op_kind::weight) make_grads(*sharded);
+    if (w.op.kind == op_kind::backward) make_grads(*sharded, sharded->rest());
+    if (!blocks && w.op.kind == op_kind::backward) make_grads(*sharded);
+    for (auto u = first; w.op.kind != op_kind::weight && u < sharded->units.size(); ++u)
+      gather_params(slice, *sharded, u, *s_.dp_group, s_.edp_group.get());
     prefetch(s_.next_op);  // (the next op's chunk, where it is another one)
   }
-  compute_op(w, slice);
+  s_.fsdp_split = w.split;
+  if (blocks) slice.set_block_hooks(s_.fsdp_hooks.at(std::size_t(w.op.chunk)).get());
+  try {
+    compute_op(w, slice);
+  } catch (...) {
+    slice.set_block_hooks(nullptr);
+    throw;
+  }
+  slice.set_block_hooks(nullptr);
   // Released once the stage's next op is on another chunk (or the step's ops end), the
   // gradients accumulated since they were made reduce-scattered into this rank's pieces:
   // a chunk's consecutive ops share one gather and one reduction (one chunk per stage:
   // once a step, ZeRO-1's sums; torchtitan keeps a pipeline stage's parameters so too).
+  // By blocks: the rest of the chunk so, and the blocks' gradients that split backwards
+  // and weight passes left.
   if (sharded && !(s_.order && s_.next_op < s_.order->size() && (*s_.order)[s_.next_op].chunk == w.op.chunk)) {
-    release_params(slice, *sharded);
+    release_params(*sharded);
     // Sequence parallelism: the gradients of the parameters every tensor-parallel rank
     // holds whole (norms) are summed over the group before they are reduced, for each run
     // as ZeRO-1 sums them once a step (the tensor-parallel ranks run the same order).
-    if (s_.sums_replicated() && storage_held(slice.flat_grads())) sum_replicated_grads(slice);
+    if (s_.sums_replicated())
+      for (auto& u : sharded->units)
+        if (storage_held(u.grads)) sum_replicated_grads(slice, &u);
     // The tied embedding's copy: kept out of this reduction, reduced once summed with the
     // other copy's (reduce_tied).
-    if (auto* sum = s_.tied_sum(w.op.chunk); sum && storage_held(slice.flat_grads())) {
+    if (auto* sum = s_.tied_sum(w.op.chunk); sum && grads_held(*sharded, sharded->rest())) {
       torch::NoGradGuard no_grad;
       auto& g = slice.param(ctx.tied_name).mutable_grad();
       sum->add_(g);
       g.zero_();
     }
-    reduce_grads(slice, *sharded, *s_.dp_group, s_.edp_group.get());
+    reduce_grads(*sharded, *s_.dp_group, s_.edp_group.get());
   }
+}
+
+void fsdp_block_hooks::before(int block, bool backward) {
+  auto& sh = s_.sharded.at(std::size_t(chunk_));
+  const auto u = sh.unit_of(block);
+  if (sh.units[u].block != block) return;
+  auto& slice = *s_.chunks.at(std::size_t(chunk_));
+  gather_params(slice, sh, u, *s_.dp_group, s_.edp_group.get());
+  if (backward) make_grads(sh, u);
+  // The next block's gather runs while this one computes (forward: the one after it;
+  // backward: the one before).
+  if (!s_.ctx->cfg.fsdp_prefetch) return;
+  const auto next = sh.unit_of(backward ? block - 1 : block + 1);
+  if (next != sh.rest()) start_gather(sh, next, *s_.dp_group, s_.edp_group.get(), /*ahead=*/true);
+}
+
+void fsdp_block_hooks::after(int block, bool backward) {
+  auto& sh = s_.sharded.at(std::size_t(chunk_));
+  const auto u = sh.unit_of(block);
+  if (sh.units[u].block != block) return;
+  release_params(sh, u);
+  // Its gradients are in: reduce-scattered now (a split backward's wait for its weight
+  // pass, and are reduced when the run ends).
+  if (!backward || s_.fsdp_split) return;
+  auto& slice = *s_.chunks.at(std::size_t(chunk_));
+  if (s_.sums_replicated()) sum_replicated(s_, slice, &sh.units[u]);
+  reduce_grads(sh, u, *s_.dp_group, s_.edp_group.get());
 }
 
 void stage_logic::prefetch(std::size_t i) {
@@ -193,8 +242,14 @@ void stage_logic::prefetch(std::size_t i) {
   if (!ctx.shards_params() || !ctx.cfg.fsdp_prefetch || !s_.order || i >= s_.order->size()) return;
   const auto& op = (*s_.order)[i];
   if (op.kind == op_kind::weight) return;  // (a weight pass needs no parameters)
-  start_gather(*s_.chunks[std::size_t(op.chunk)], s_.sharded.at(std::size_t(op.chunk)), *s_.dp_group,
-               s_.edp_group.get(), /*ahead=*/true);
+  auto& sh = s_.sharded.at(std::size_t(op.chunk));
+  if (!ctx.fsdp_blocks()) return start_gather(sh, 0, *s_.dp_group, s_.edp_group.get(), /*ahead=*/true);
+  // By blocks: the chunk's rest, and the block its op begins with, where the op is on
+  // another chunk (or the step's first): an op on this chunk gathers its own blocks.
+  if (i > 0 && (*s_.order)[i - 1].chunk == op.chunk) return;
+  start_gather(sh, sh.rest(), *s_.dp_group, s_.edp_group.get(), /*ahead=*/true);
+  if (sh.rest() > 0)
+    start_gather(sh, op.kind == op_kind::forward ? 0 : sh.rest() - 1, *s_.dp_group, s_.edp_group.get(), true);
 }
 
 void stage_logic::compute_op(op_work& w, model_slice& slice) {
@@ -377,7 +432,7 @@ void stage_logic::reduce_tied_chunk(int chunk, const torch::Tensor& sum) {
   auto& sh = s_.sharded.at(chunk);
   {
     torch::NoGradGuard no_grad;
-    make_grads(slice, sh);  // (zeroed: only the tied embedding's elements are reduced)
+    make_grads(sh, sh.rest());  // (zeroed: only the tied embedding's elements are reduced)
     slice.param(ctx.tied_name).mutable_grad().copy_(sum);
   }
   const auto& entries = slice.entries();
@@ -385,26 +440,36 @@ void stage_logic::reduce_tied_chunk(int chunk, const torch::Tensor& sum) {
   const flat_range range{e->offset, e->offset + e->numel};
   activity_board::op_scope busy(s_.name, s_.wiring->node, s_.generation, s_.step,
                                 "the reduction of the tied embedding's gradient", -1, chunk);
-  reduce_grads(slice, sh, *s_.dp_group, s_.edp_group.get(), &range);
+  reduce_grads(sh, sh.rest(), *s_.dp_group, s_.edp_group.get(), &range);
   if (s_.ops_done == s_.total_ops) s_.fsdp_pool.clear();  // (between steps no buffer holds memory)
   send_reduced(chunk);
 }
 
-void stage_logic::sum_replicated_grads(model_slice& slice) {
+void sum_replicated(stage_state& s, model_slice& slice, const fsdp_unit* within) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> grads;
+  const auto in_unit = [within](const param_entry& e) {
+    if (!within) return true;
+    for (const auto& [begin, end] : within->ranges)
+      if (e.offset >= begin && e.offset < end) return true;
+    return false;
+  };
   for (const auto& e : slice.entries())
-    if (s_.summed_over_tp(e)) grads.push_back(slice.param(e.name).mutable_grad());
+    if (s.summed_over_tp(e) && in_unit(e)) grads.push_back(slice.param(e.name).mutable_grad());
   if (grads.empty()) return;
   std::vector<torch::Tensor> flat;
   for (const auto& g : grads) flat.push_back(g.reshape({-1}));
   auto sum = torch::cat(flat);
-  s_.tp_group->all_reduce(sum);
+  s.tp_group->all_reduce(sum);
   std::int64_t at = 0;
   for (auto& g : grads) {
     g.copy_(sum.narrow(0, at, g.numel()).view(g.sizes()));
     at += g.numel();
   }
+}
+
+void stage_logic::sum_replicated_grads(model_slice& slice, const fsdp_unit* within) {
+  sum_replicated(s_, slice, within);
 }
 
 void stage_logic::after_backward() {
@@ -490,8 +555,7 @@ void stage_logic::on_params(const param_shard& msg) {
   if (!problem.empty()) throw std::runtime_error(s_.name + ": parameters from the shard: " + problem);
   if (pieces) {
     auto& sh = s_.sharded.at(msg.chunk);
-    sh.params = tensor_of(msg.data);  // (no copy: the shard writes its next update elsewhere)
-    sh.copies_fresh = false;
+    sh.new_pieces(tensor_of(msg.data));  // (no copy: the shard writes its next update elsewhere)
   } else {
     chunk.set_params(tensor_of(msg.data));
   }

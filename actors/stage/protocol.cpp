@@ -48,7 +48,8 @@ reset_report stage_logic::reset() {
   // buffer would cost a read of every gradient and, on a GPU, a host synchronisation per step.
   for (std::size_t i = 0; i < s_.sharded.size(); ++i) {  // FSDP: nothing gathered or made between steps
     auto& c = *s_.chunks[i];
-    release_params(c, s_.sharded[i]);
+    release_params(s_.sharded[i]);
+    for (auto& u : s_.sharded[i].units) release_storage(u.grads);
     release_storage(c.flat_grads());
     s_.sharded[i].grads.zero_();
   }

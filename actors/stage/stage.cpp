@@ -147,8 +147,9 @@ void join_shard_group(stage_state& st, const std::shared_ptr<transport::communic
     auto buckets = ctx.buckets_of(*chunk);
     const auto groups = ctx.groups_of(st.replica, *chunk);
     auto layout = bucket_shard(buckets, groups);
-    st.sharded.push_back(
-        shard_slice(*chunk, std::move(buckets), std::move(layout), ctx.shards_params(), &st.fsdp_pool, groups));
+    st.sharded.push_back(shard_slice(*chunk, std::move(buckets), std::move(layout), ctx.shards_params(),
+                                     &st.fsdp_pool, groups, ctx.fsdp_blocks()));
+    if (ctx.fsdp_blocks()) st.fsdp_hooks.push_back(std::make_unique<fsdp_block_hooks>(st, int(st.fsdp_hooks.size())));
   }
 }
 

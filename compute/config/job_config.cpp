@@ -321,10 +321,18 @@ const std::vector<key_def>& key_defs() {
               "consecutive replicas, replicate across the groups; it divides the data-parallel x "
               "context-parallel ranks); 0: the whole data-parallel group",
               &job_config::shard_group, 0, 1 << 20),
+      string_key("parallel.fsdp_unit",
+                 "shard = gradients or parameters: what is gathered and reduced at once: block (torch's FSDP2 "
+                 "wrapping each transformer block: a block's parameters all-gathered before its forward and "
+                 "again before its backward, released after each, its gradients reduce-scattered as its "
+                 "backward ends; the embeddings, final norm and output layer one more unit, for each op) or "
+                 "chunk (a stage's chunk gathered for a run of the stage's ops on it and reduced once the run "
+                 "ends: one chunk per stage gathers and reduces once a step)",
+                 &job_config::fsdp_unit),
       bool_key("parallel.fsdp_prefetch",
-               "shard = parameters: start a chunk's all-gather one op ahead, while the stage computes the op "
-               "before it (or, for the step's first op, waits for its input), so that its parameters are there "
-               "when the op starts; the working set is then up to two chunks",
+               "shard = parameters: start the next unit's all-gather while the stage computes with this one "
+               "(by blocks: the next block's; by chunks: one op ahead, or for the step's first op while it "
+               "waits for its input); the working set is then up to two units",
                &job_config::fsdp_prefetch),
       bool_key("parallel.sequence_parallel",
                "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
@@ -605,6 +613,9 @@ void check_sharding(const job_config& c) {
   } catch (const std::invalid_argument& e) {
     fail(e.what());
   }
+  if (c.fsdp_unit != "block" && c.fsdp_unit != "chunk")
+    fail("fsdp_unit '" + c.fsdp_unit + "': one of block (each transformer block gathered and reduced on its own) "
+         "or chunk (a stage's chunk at once)");
   const int d = c.data_parallel * c.context_parallel;
   const std::string ranks = c.context_parallel > 1 ? " data-parallel x context-parallel ranks" : " data-parallel ranks";
   if (c.shard_group != 0 && (c.shard_group > d || d % c.shard_group != 0))

@@ -76,7 +76,8 @@ struct job_config {
   std::string context_parallel_comm = "p2p";  ///< p2p (ring) | a2a (Ulysses) | allgather
   std::string shard = "optimizer";    ///< what the data-parallel group shards: optimizer | gradients | parameters
   int shard_group = 0;                ///< ranks a shard group spans (hybrid sharding; 0: the whole group)
-  bool fsdp_prefetch = true;          ///< shard = parameters: a chunk's gather started one op ahead
+  std::string fsdp_unit = "block";    ///< shard = gradients | parameters: block | chunk (what is gathered and reduced at once)
+  bool fsdp_prefetch = true;          ///< shard = parameters: the next unit's gather started while one computes
   int microbatches = 8;               ///< per replica per step
   int chunks = 1;
   std::string schedule = "1f1b";      ///< gpipe | 1f1b | interleaved-1f1b | zero-bubble | combined-1f1b | zbv | dualpipev | dataflow

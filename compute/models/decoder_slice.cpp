@@ -27,7 +27,7 @@ decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, c
     shared.push_back(tied_parameter(spec));  // tied output layer: this stage's copy
   const auto names = slice_parameter_names(spec, range);
   if (!tp_.active()) {
-    allocate(spec, state, names, shared, pad_to, device, param_dtype, experts);
+    allocate(spec, state, names, shared, pad_to, device, param_dtype, experts, nullptr, family_.block_prefix);
   } else {
     check_tensor_parallel(spec, tp_.size, tp_.sequence);
     // (No group: a slice for the layout of the rank's part only, which computes nothing;
@@ -51,7 +51,7 @@ decoder_slice::decoder_slice(const model_spec& spec, const layer_range& range, c
       if (tp_.rank > 0 && split == tp_split::replicated && !(experts.active() && expert_of(name) >= 0))
         shared.push_back(name);
     }
-    allocate(spec, part, names, shared, pad_to, device, param_dtype, experts, &rows);
+    allocate(spec, part, names, shared, pad_to, device, param_dtype, experts, &rows, family_.block_prefix);
     heads_ = cfg_.n_head / tp_.size;
     kv_heads_ = std::max(1, cfg_.kv_heads() / tp_.size);  // (fewer than the ranks: one, replicated)
     vocab_first_ = std::int64_t(cfg_.vocab / tp_.size) * tp_.rank;
@@ -100,8 +100,28 @@ torch::Tensor decoder_slice::forward(const torch::Tensor& input, const torch::Te
   // (Function::apply builds no backward node for an input without a gradient: the
   // blocks' parameters would get none.)
   if (recompute && !x.requires_grad()) x = x.detach().requires_grad_(true);
-  for (int i = range_.first; i < range_.last; ++i)
+  // FSDP by blocks: each block's hooks around its forward, and registered for its backward
+  // on the gradients of its input (after it) and of its output (before it).
+  auto* const hooks = hooks_;
+  const bool graph = torch::GradMode::is_enabled();
+  // (A leaf's hook runs as its gradient is accumulated, which may come before the first
+  // block's parameters' are; a view's runs once the block's backward is done: the
+  // engine accumulates a parameter's gradient as soon as it is ready.)
+  if (hooks && graph && x.requires_grad() && x.is_leaf()) x = x.view_as(x);
+  for (int i = range_.first; i < range_.last; ++i) {
+    if (hooks) {
+      hooks->before(i, false);
+      if (graph && x.requires_grad())
+        x.register_hook([hooks, i, first = range_.first](const torch::Tensor&) {
+          hooks->after(i, true);
+          if (i > first) hooks->before(i - 1, true);
+        });
+    }
     x = recompute ? recomputed_block(x, *this, i, docs) : block(x, i, nullptr, block_pass::plain, docs);
+    if (hooks) hooks->after(i, false);
+  }
+  if (hooks && graph && x.requires_grad() && range_.last > range_.first)
+    x.register_hook([hooks, last = range_.last - 1](const torch::Tensor&) { hooks->before(last, true); });
   if (is_last()) x = final_norm(x);
   // (The last stage's enters its column-parallel output layer: each rank's share of the
   // gradient summed.)

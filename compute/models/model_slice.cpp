@@ -42,7 +42,7 @@ bool computes_in_fp32(const std::string& name) {
 void model_slice::allocate(const model_spec& spec, const state_dict& state, std::vector<std::string> names,
                            const std::vector<std::string>& shared_copies, std::int64_t pad_to,
                            torch::Device device, torch::ScalarType param_dtype, const expert_share& experts,
-                           const std::map<std::string, param_spec>* rows_given) {
+                           const std::map<std::string, param_spec>* rows_given, const std::string& block_prefix) {
   if (param_dtype != torch::kFloat32 && param_dtype != torch::kBFloat16)
     throw model_error(std::string("parameters in ") + c10::toString(param_dtype) + ": expected fp32 or bf16");
   auto round_up = [](std::int64_t n, std::int64_t to) {
@@ -69,9 +69,21 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, std:
   std::map<std::string, torch::Tensor> given(state.begin(), state.end());
   const auto rows = rows_given ? *rows_given : rows_by_name(spec);
   entries_.clear();
+  entry_blocks_.clear();
+  segments_.clear();
   std::int64_t offset = 0;
   for (const auto& name : names) {
     if (entries_.size() == first_expert) offset = expert_offset_ = round_up(offset, pad_to);
+    int block = -1;
+    if (!block_prefix.empty() && name.compare(0, block_prefix.size(), block_prefix) == 0)
+      block = std::stoi(name.substr(block_prefix.size()));
+    // A block begins at a multiple of its region's padding (a unit of FSDP by blocks).
+    if (!entry_blocks_.empty() && block != entry_blocks_.back()) {
+      const bool experts_region = entries_.size() >= first_expert;
+      const std::int64_t base = experts_region ? expert_offset_ : 0;
+      offset = base + round_up(offset - base, experts_region ? experts.pad_to : pad_to);
+    }
+    entry_blocks_.push_back(block);
     auto it = given.find(name);
     if (it == given.end()) throw model_error("state_dict has no parameter " + name);
     param_entry e;
@@ -98,12 +110,14 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, std:
   flat_params_ = torch::zeros({padded}, opts.dtype(param_dtype));
   flat_grads_ = torch::zeros({padded}, opts);
   params_.clear();
+  sources_.clear();
   fp32_copies_.clear();
   for (std::size_t i = 0; i < entries_.size(); ++i) {
     const auto& e = entries_[i];
     auto view = flat_params_.narrow(0, e.offset, e.numel).view(e.shape);
     view.copy_(given.at(e.name));  // (rounded in a bf16 buffer)
     auto p = view;
+    sources_.push_back(view);
     if (param_dtype != torch::kFloat32 && computes_in_fp32(e.name)) {
       p = view.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
       fp32_copies_.push_back(i);
@@ -121,16 +135,66 @@ void model_slice::set_params(const torch::Tensor& src) {
     throw model_error("parameters for a slice of " + std::to_string(flat_params_.numel()) + " elements: got " +
                       std::to_string(src.numel()));
   torch::NoGradGuard no_grad;
-  flat_params_.copy_(src.reshape(flat_params_.sizes()));
+  if (segments_.empty()) {
+    flat_params_.copy_(src.reshape(flat_params_.sizes()));
+  } else {
+    const auto flat = src.reshape({-1});
+    for (auto& [range, view] : segments_) view.copy_(flat.narrow(0, range.first, range.second - range.first));
+  }
   refresh_copies();
+}
+
+void model_slice::refresh_copies(std::int64_t begin, std::int64_t end) {
+  torch::NoGradGuard no_grad;
+  for (const auto i : fp32_copies_) {
+    const auto& e = entries_[i];
+    if (e.offset >= begin && e.offset < end) params_[i].copy_(sources_[i]);
+  }
+}
+
+std::vector<model_slice::unit_buffers> model_slice::split_buffers(
+    const std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>>& units) {
+  torch::NoGradGuard no_grad;
+  std::vector<unit_buffers> out;
+  std::vector<char> placed(entries_.size(), 0);
+  std::vector<bool> copy(entries_.size(), false);
+  for (const auto i : fp32_copies_) copy[i] = true;
+  segments_.clear();
+  for (const auto& ranges : units) {
+    std::int64_t n = 0;
+    for (const auto& r : ranges) n += r.second - r.first;
+    unit_buffers u{torch::empty({n}, flat_params_.options()), torch::zeros({n}, flat_grads_.options())};
+    std::int64_t at = 0;
+    for (const auto& [begin, end] : ranges) {
+      u.params.narrow(0, at, end - begin).copy_(flat_params_.narrow(0, begin, end - begin));
+      segments_.push_back({{begin, end}, u.params.narrow(0, at, end - begin)});
+      for (std::size_t i = 0; i < entries_.size(); ++i) {
+        const auto& e = entries_[i];
+        if (e.offset < begin || e.offset >= end) continue;
+        if (e.offset + e.numel > end)
+          throw model_error("FSDP units: parameter " + e.name + " crosses the end of a unit's range");
+        const auto local = at + e.offset - begin;
+        auto view = u.params.narrow(0, local, e.numel).view(e.shape);
+        sources_[i] = view;
+        if (!copy[i]) {
+          view.requires_grad_(true);
+          params_[i] = view;
+        }
+        params_[i].mutable_grad() = u.grads.narrow(0, local, e.numel).view(e.shape);
+        placed[i] = 1;
+      }
+      at += end - begin;
+    }
+    out.push_back(std::move(u));
+  }
+  for (std::size_t i = 0; i < entries_.size(); ++i)
+    if (!placed[i]) throw model_error("FSDP units: parameter " + entries_[i].name + " is in no unit");
+  return out;
 }
 
 void model_slice::refresh_copies() {
   torch::NoGradGuard no_grad;
-  for (const auto i : fp32_copies_) {
-    const auto& e = entries_[i];
-    params_[i].copy_(flat_params_.narrow(0, e.offset, e.numel).view(e.shape));
-  }
+  for (const auto i : fp32_copies_) params_[i].copy_(sources_[i]);
 }
 
 std::int64_t model_slice::blocks_recomputed() { return troupe::blocks_recomputed(); }

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/types.h>
@@ -85,6 +86,43 @@ class model_slice : public named_parameters {
   /// rank's experts, padded. Without an expert region: the buffers' length.
   std::int64_t expert_offset() const { return expert_offset_; }
   void zero_grads() { flat_grads_.zero_(); }
+
+  /// The block (transformer layer) entry `i` belongs to; -1 for the embeddings, the final
+  /// norm and the output layer (and every parameter of a model without blocks). A
+  /// decoder's blocks begin at a multiple of the padding in their region of the flat
+  /// buffers (the dense one, or the expert one), so a block's elements can be cut into
+  /// gradient buckets of their own: a unit of fully sharded data parallelism.
+  int entry_block(std::size_t i) const { return entry_blocks_.at(i); }
+  /// A unit's buffers (split_buffers).
+  struct unit_buffers {
+    torch::Tensor params, grads;
+  };
+  /// Fully sharded data parallelism by blocks (compute/optim/fsdp.hpp): gives each of
+  /// `units` (disjoint sets of [begin, end) ranges of the flat buffers, each holding whole
+  /// parameters) a parameter buffer and a gradient buffer of its own, its ranges one after
+  /// another, holding the values the flat buffers hold; every parameter (and its
+  /// `.grad()`) of a unit becomes a view of them. Every parameter must be in a unit. The
+  /// flat buffers' storage is left to the caller (it holds what it held, no longer the
+  /// parameters'); `set_params` and `refresh_copies` then use the units' buffers.
+  std::vector<unit_buffers> split_buffers(const std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>>& units);
+  /// refresh_copies for the entries within [begin, end) only.
+  void refresh_copies(std::int64_t begin, std::int64_t end);
+
+  /// Called around each block's forward and backward (fully sharded data parallelism by
+  /// blocks: a block's parameters gathered before and released after).
+  class block_hooks {
+   public:
+    virtual ~block_hooks() = default;
+    /// Block `block` is about to run: its forward, or (`backward`) its backward, once the
+    /// gradient of its output is complete (a forward that builds a graph registers it).
+    virtual void before(int block, bool backward) = 0;
+    /// Block `block` ran: its forward, or (`backward`) its backward, once the gradient of
+    /// its input is complete (its parameters' gradients are in).
+    virtual void after(int block, bool backward) = 0;
+  };
+  /// The hooks the forwards from now on call and register (null: none). A registered
+  /// backward hook calls the hooks its forward had: they must outlive its graph.
+  void set_block_hooks(block_hooks* hooks) { hooks_ = hooks; }
 
   /// This slice's parameters (shared copies left out) as a state_dict (fp32 CPU copies).
   state_dict state(bool include_shared_copies = false) const;
@@ -163,18 +201,26 @@ class model_slice : public named_parameters {
   /// Lays out `names` (taken from `state`) into the flat buffers; with an active `experts`,
   /// only that rank's experts, in a region of their own after the dense parameters;
   /// `rows`: the parameter table whose splits the entries record (its tensor-parallel
-  /// group's: rows_by_name(spec, size); nullptr: rows_by_name(spec)).
+  /// group's: rows_by_name(spec, size); nullptr: rows_by_name(spec)). `block_prefix`
+  /// (decoders: "h.", "model.layers."): the entries' blocks are read from their names, and
+  /// each block begins at a multiple of the padding within its region.
   void allocate(const model_spec& spec, const state_dict& state, std::vector<std::string> names,
                 const std::vector<std::string>& shared_copies, std::int64_t pad_to, torch::Device device,
                 torch::ScalarType param_dtype, const expert_share& experts,
-                const std::map<std::string, param_spec>* rows = nullptr);
+                const std::map<std::string, param_spec>* rows = nullptr, const std::string& block_prefix = {});
   layer_range range_;
+  block_hooks* hooks_ = nullptr;
   recompute_mode recompute_ = recompute_mode::none;
   torch::ScalarType residual_ = torch::kFloat32;
 
  private:
   std::vector<param_entry> entries_;
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> sources_;  ///< each entry's view of the buffer (a bf16 slice's copies': their source)
+  std::vector<int> entry_blocks_;
+  /// split_buffers's units: each range of the flat buffers and the view of a unit's buffer
+  /// holding it (none: the flat buffer holds the parameters).
+  std::vector<std::pair<std::pair<std::int64_t, std::int64_t>, torch::Tensor>> segments_;
   std::map<std::string, std::size_t> index_;
   torch::Tensor flat_params_, flat_grads_;
   std::vector<std::size_t> fp32_copies_;  ///< entries whose parameter is an fp32 copy (bf16 slices)

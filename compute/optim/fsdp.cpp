@@ -86,8 +86,43 @@ collective_group& group_of(const sharded_slice& sh, std::size_t b, collective_gr
 
 }  // namespace
 
+std::size_t sharded_slice::unit_of(int block) const {
+  for (std::size_t u = 0; u < units.size(); ++u)
+    if (units[u].block == block) return u;
+  return rest();
+}
+
+void sharded_slice::new_pieces(torch::Tensor pieces) {
+  params = std::move(pieces);
+  for (auto& u : units) u.copies_fresh = false;
+}
+
+namespace {
+
+/// By blocks: the units of `buckets` (each in one block, or in none), the blocks' in
+/// order, then the rest (always one, maybe without buckets).
+std::vector<fsdp_unit> block_units(const model_slice& slice, const std::vector<flat_range>& buckets) {
+  std::map<int, fsdp_unit> by_block;
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    if (buckets[b].size() == 0) continue;
+    const int e = entry_at(slice.entries(), buckets[b].begin);
+    const int block = e < 0 ? -1 : slice.entry_block(std::size_t(e));
+    auto& u = by_block[block];
+    u.block = block;
+    u.buckets.push_back(b);
+  }
+  std::vector<fsdp_unit> out;
+  for (auto& [block, u] : by_block)
+    if (block >= 0) out.push_back(std::move(u));
+  out.push_back(std::move(by_block[-1]));
+  out.back().block = -1;
+  return out;
+}
+
+}  // namespace
+
 sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, shard_layout layout, bool params,
-                          storage_pool* pool, const shard_groups& groups) {
+                          storage_pool* pool, const shard_groups& groups, bool by_blocks) {
   if (buckets.size() != layout.size()) throw std::logic_error("FSDP: a piece per bucket");
   sharded_slice sh;
   sh.buckets = std::move(buckets);
@@ -97,79 +132,137 @@ sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, s
     sh.at.push_back(b == 0 ? 0 : sh.at.back() + sh.layout[b - 1].size());
   const auto size = shard_size(sh.layout);
   const auto flat = slice.flat_params();
-  sh.param_bytes = flat.storage().nbytes();
-  sh.grad_bytes = slice.flat_grads().storage().nbytes();
   sh.grads = torch::zeros({size}, slice.flat_grads().options());
   sh.shards_params = params;
   sh.pool = pool;
   if (params) {
     std::vector<torch::Tensor> mine;
     for (const auto& piece : sh.layout) mine.push_back(flat.narrow(0, piece.begin, piece.size()));
-    sh.params = torch::cat(mine);  // (a copy: the buffer is released next)
-    release_storage(flat);
+    sh.params = torch::cat(mine);  // (a copy: the buffers are released next)
+  }
+  if (by_blocks) {
+    sh.units = block_units(slice, sh.buckets);
+    std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> ranges;
+    for (auto& u : sh.units) {
+      std::int64_t at = 0;
+      for (const auto b : u.buckets) {
+        const auto& bucket = sh.buckets[b];
+        if (!u.ranges.empty() && u.ranges.back().second == bucket.begin)
+          u.ranges.back().second = bucket.end;
+        else
+          u.ranges.push_back({bucket.begin, bucket.end});
+        u.at.push_back(at);
+        at += bucket.size();
+      }
+      ranges.push_back(u.ranges);
+    }
+    auto buffers = slice.split_buffers(ranges);
+    for (std::size_t i = 0; i < sh.units.size(); ++i) {
+      sh.units[i].params = std::move(buffers[i].params);
+      sh.units[i].grads = std::move(buffers[i].grads);
+    }
+    release_storage(flat);  // (the units hold the parameters now)
+  } else {
+    fsdp_unit u;
+    u.params = flat;
+    u.grads = slice.flat_grads();
+    for (std::size_t b = 0; b < sh.buckets.size(); ++b) {
+      u.buckets.push_back(b);
+      u.at.push_back(sh.buckets[b].begin);
+    }
+    u.ranges.push_back({0, flat.numel()});
+    sh.units.push_back(std::move(u));
+  }
+  for (auto& u : sh.units) {
+    u.param_bytes = u.params.storage().nbytes();
+    u.grad_bytes = u.grads.storage().nbytes();
+    if (params) release_storage(u.params);
+    release_storage(u.grads);
   }
   release_storage(slice.flat_grads());
   return sh;
 }
 
-void start_gather(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts,
-                  bool ahead) {
+void start_gather(sharded_slice& sh, std::size_t i, collective_group& group, collective_group* experts, bool ahead) {
   if (!sh.shards_params) return;
-  const auto flat = slice.flat_params();
-  if (storage_held(flat)) return;  // (held, or its gather started)
+  auto& u = sh.units.at(i);
+  if (storage_held(u.params)) return;  // (held, or its gather started)
   // Gathered through an alias of the buffer with a version counter of its own: the
   // saved views of a forward see their values again, at their versions (a refill
   // between a forward and its backward is no in-place change to autograd, as FSDP2's
   // gather into its resized storage is not).
-  materialize_storage(flat, sh.param_bytes, sh.pool);
+  materialize_storage(u.params, u.param_bytes, sh.pool);
   torch::NoGradGuard no_grad;
-  const auto alias = torch::from_blob(flat.data_ptr(), {flat.numel()}, flat.options());
-  for (std::size_t b = 0; b < sh.buckets.size(); ++b) {
-    const auto& bucket = sh.buckets[b];
-    sh.gathering.push_back(group_of(sh, b, group, experts)
-                               .start_all_gather(sh.params.narrow(0, sh.at[b], sh.layout[b].size()),
-                                                 alias.narrow(0, bucket.begin, bucket.size()),
-                                                 ahead ? "prefetched all-gather" : "all-gather"));
+  const auto alias = torch::from_blob(u.params.data_ptr(), {u.params.numel()}, u.params.options());
+  for (std::size_t k = 0; k < u.buckets.size(); ++k) {
+    const auto b = u.buckets[k];
+    u.gathering.push_back(group_of(sh, b, group, experts)
+                              .start_all_gather(sh.params.narrow(0, sh.at[b], sh.layout[b].size()),
+                                                alias.narrow(0, u.at[k], sh.buckets[b].size()),
+                                                ahead ? "prefetched all-gather" : "all-gather"));
   }
+}
+
+void gather_params(model_slice& slice, sharded_slice& sh, std::size_t i, collective_group& group,
+                   collective_group* experts) {
+  if (!sh.shards_params) return;
+  start_gather(sh, i, group, experts);
+  auto& u = sh.units[i];
+  auto started = std::move(u.gathering);
+  u.gathering.clear();
+  for (auto& g : started) g.wait();  // (on an error, the rest are settled as `started` goes)
+  if (!u.copies_fresh) {  // (bf16 slices: their fp32 copies of the norms and embeddings)
+    for (const auto& [begin, end] : u.ranges) slice.refresh_copies(begin, end);
+    u.copies_fresh = true;
+  }
+}
+
+void release_params(sharded_slice& sh, std::size_t i) {
+  auto& u = sh.units.at(i);
+  u.gathering.clear();  // (none in flight writes into the buffer: settled)
+  if (sh.shards_params) release_storage(u.params, sh.pool);
+}
+
+void make_grads(const sharded_slice& sh, std::size_t i) {
+  const auto& u = sh.units.at(i);
+  if (storage_held(u.grads)) return;
+  materialize_storage(u.grads, u.grad_bytes, sh.pool);
+  u.grads.zero_();
+}
+
+bool grads_held(const sharded_slice& sh, std::size_t i) { return storage_held(sh.units.at(i).grads); }
+
+void reduce_grads(sharded_slice& sh, std::size_t i, collective_group& group, collective_group* experts,
+                  const flat_range* only) {
+  auto& u = sh.units.at(i);
+  if (!storage_held(u.grads)) return;  // (nothing accumulated since the last reduction)
+  torch::NoGradGuard no_grad;
+  for (std::size_t k = u.buckets.size(); k-- > 0;) {
+    const auto b = u.buckets[k];
+    const auto& bucket = sh.buckets[b];
+    if (only && (bucket.end <= only->begin || bucket.begin >= only->end)) continue;
+    auto piece = torch::empty({sh.layout[b].size()}, sh.grads.options());
+    group_of(sh, b, group, experts).reduce_scatter(u.grads.narrow(0, u.at[k], bucket.size()), piece);
+    sh.grads.narrow(0, sh.at[b], sh.layout[b].size()).add_(piece);
+  }
+  release_storage(u.grads, sh.pool);
 }
 
 void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts) {
-  if (!sh.shards_params) return;
-  start_gather(slice, sh, group, experts);
-  auto started = std::move(sh.gathering);
-  sh.gathering.clear();
-  for (auto& g : started) g.wait();  // (on an error, the rest are settled as `started` goes)
-  if (!sh.copies_fresh) {  // (bf16 slices: their fp32 copies of the norms and embeddings)
-    slice.refresh_copies();
-    sh.copies_fresh = true;
-  }
+  for (std::size_t u = 0; u < sh.units.size(); ++u) start_gather(sh, u, group, experts);
+  for (std::size_t u = 0; u < sh.units.size(); ++u) gather_params(slice, sh, u, group, experts);
 }
 
-void release_params(model_slice& slice, sharded_slice& sh) {
-  sh.gathering.clear();  // (none in flight writes into the buffer: settled)
-  if (sh.shards_params) release_storage(slice.flat_params(), sh.pool);
+void release_params(sharded_slice& sh) {
+  for (std::size_t u = 0; u < sh.units.size(); ++u) release_params(sh, u);
 }
 
-void make_grads(model_slice& slice, const sharded_slice& sh) {
-  const auto grads = slice.flat_grads();
-  if (storage_held(grads)) return;
-  materialize_storage(grads, sh.grad_bytes, sh.pool);
-  grads.zero_();
+void make_grads(const sharded_slice& sh) {
+  for (std::size_t u = 0; u < sh.units.size(); ++u) make_grads(sh, u);
 }
 
-void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts,
-                  const flat_range* only) {
-  const auto grads = slice.flat_grads();
-  if (!storage_held(grads)) return;  // (nothing accumulated since the last reduction)
-  torch::NoGradGuard no_grad;
-  for (std::size_t i = sh.buckets.size(); i-- > 0;) {
-    const auto& bucket = sh.buckets[i];
-    if (only && (bucket.end <= only->begin || bucket.begin >= only->end)) continue;
-    auto piece = torch::empty({sh.layout[i].size()}, sh.grads.options());
-    group_of(sh, i, group, experts).reduce_scatter(grads.narrow(0, bucket.begin, bucket.size()), piece);
-    sh.grads.narrow(0, sh.at[i], sh.layout[i].size()).add_(piece);
-  }
-  release_storage(grads, sh.pool);
+void reduce_grads(sharded_slice& sh, collective_group& group, collective_group* experts, const flat_range* only) {
+  for (std::size_t u = sh.units.size(); u-- > 0;) reduce_grads(sh, u, group, experts, only);
 }
 
 }  // namespace troupe

@@ -1,23 +1,23 @@
 #pragma once
 // Fully sharded data parallelism (ZeRO-2 and ZeRO-3, torch's FSDP) over a slice's flat
-// buffers. A unit is a slice (a stage's chunk: a group of layers); its buffers are cut
-// into the gradient buckets of the distributed optimizer (grad_buffer.hpp) and each rank
-// owns its piece of every bucket, the same pieces its optimizer shard updates.
+// buffers, by units (fsdp_unit): the whole slice (a stage's chunk), or each of its blocks
+// and the rest. The buffers are cut into the gradient buckets of the distributed
+// optimizer (grad_buffer.hpp) and each rank owns its piece of every bucket, the same
+// pieces its optimizer shard updates.
 //
-//   parameters (ZeRO-3): between uses the slice's parameter buffer holds no memory; the
-//   first forward or backward of a run of ops on it all-gathers it from the ranks'
-//   pieces, and it is released when the run ends (the saved activations keep views of
-//   it: a later gather refills the same storage, as FSDP2 resizes its storage to 0 and
-//   back).
-//   gradients (ZeRO-2) and parameters: the gradient buffer exists from a run's first
-//   backward (or weight pass) to the run's end; its gradients are then reduce-scattered
+//   parameters (ZeRO-3): between uses a unit's parameter buffer holds no memory; it is
+//   all-gathered from the ranks' pieces before it is used and released after (the saved
+//   activations keep views of it: a later gather refills the same storage, as FSDP2
+//   resizes its storage to 0 and back).
+//   gradients (ZeRO-2) and parameters: a unit's gradient buffer exists from a backward
+//   (or weight pass) that makes it to its reduction: its gradients are reduce-scattered
 //   bucket by bucket, added into this rank's fp32 shard, and the buffer is released.
-//   (The caller says where a run ends: actors/stage/ops.cpp, when the stage's next op is
-//   on another chunk.)
+//   (The caller says when: actors/stage/ops.cpp.)
 //
 // A group of ranks calls these in one order (each a collective of the slice's group).
 #include <cstdint>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Allocator.h>
@@ -67,6 +67,27 @@ void materialize_storage(const torch::Tensor& t, std::size_t nbytes, storage_poo
 /// Whether `t`'s storage holds its bytes.
 bool storage_held(const torch::Tensor& t);
 
+/// A unit of FSDP: a group of a slice's gradient buckets whose parameters are gathered and
+/// released together, and whose gradients are made and reduced together. By chunks the
+/// slice is one unit (its flat buffers); by blocks each transformer block is one (its
+/// dense buckets and, with experts over expert-parallel ranks, its expert buckets) with
+/// buffers of its own (model_slice::split_buffers), and the rest of the slice (the
+/// embeddings, the final norm and the output layer) another.
+struct fsdp_unit {
+  int block = -1;                     ///< its block; -1: the rest of the slice (by chunks: all of it)
+  std::vector<std::size_t> buckets;   ///< its buckets (indices of sharded_slice::buckets), in order
+  std::vector<std::int64_t> at;       ///< where each of them begins in `params` and `grads`
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;  ///< the flat buffers' ranges it holds
+  torch::Tensor params, grads;        ///< its buffers (by chunks: the slice's flat buffers)
+  std::size_t param_bytes = 0, grad_bytes = 0;  ///< their sizes when held
+  /// bf16 slices: whether their fp32 copies of its norms and embeddings hold the pieces'
+  /// values (new pieces: not until its next gather, before any graph saves them).
+  bool copies_fresh = true;
+  /// Parameters: the gathers started ahead of the op that needs them (start_gather), one
+  /// per bucket; gather_params waits for them.
+  std::vector<started_collective> gathering;
+};
+
 /// One rank's part of a slice under FSDP.
 struct sharded_slice {
   std::vector<flat_range> buckets;  ///< the slice's gradient buckets (every rank's the same)
@@ -74,50 +95,62 @@ struct sharded_slice {
   std::vector<std::int64_t> at;     ///< where each piece begins in the shard
   torch::Tensor params;  ///< parameters: this rank's pieces, concatenated (the parameter dtype)
   torch::Tensor grads;   ///< this rank's pieces of the step's summed gradients so far (fp32)
-  std::size_t param_bytes = 0, grad_bytes = 0;  ///< the whole buffers' sizes
   /// Per bucket: whether it is in the expert region (expert parallelism), gathered and
   /// reduced over the expert-data-parallel group instead of the data-parallel one.
   std::vector<char> expert_bucket;
   bool shards_params = false;
   storage_pool* pool = nullptr;  ///< where its buffers' memory goes between ops (null: freed)
-  /// bf16 slices: whether their fp32 copies of the norms and embeddings hold `params`'
-  /// values (new pieces: not until the step's first gather, before any graph saves them).
-  bool copies_fresh = true;
-  /// Parameters: the gathers started ahead of the op that needs them (start_gather), one
-  /// per bucket; gather_params waits for them.
-  std::vector<started_collective> gathering;
+  std::vector<fsdp_unit> units;  ///< by blocks: the blocks' in order, then the rest; by chunks: one
   std::int64_t size() const { return grads.numel(); }
+  std::size_t rest() const { return units.size() - 1; }  ///< the unit of the slice's other parameters
+  /// The unit of block `block` (rest() where the slice has no such block).
+  std::size_t unit_of(int block) const;
+  /// New pieces of the parameters came (bf16: every unit's fp32 copies are stale).
+  void new_pieces(torch::Tensor pieces);
 };
 
 /// Lays `slice` out for FSDP over `buckets` with this rank's pieces `layout`; with
 /// `params` keeps this rank's pieces of its parameters and releases the parameter
-/// buffer. The gradient buffer is released either way (zeroed when it is next made).
+/// buffers. The gradient buffers are released either way (zeroed when next made).
 /// `pool`: where the buffers' memory goes between ops (it must outlive the result).
 /// `groups`: which buckets are in the expert region (`layout` is their pieces too).
+/// `by_blocks`: a unit per block (the buckets must not cross a block's bounds:
+/// slice_buckets by blocks), else one unit, the slice.
 sharded_slice shard_slice(model_slice& slice, std::vector<flat_range> buckets, shard_layout layout, bool params,
-                          storage_pool* pool = nullptr, const shard_groups& groups = {});
+                          storage_pool* pool = nullptr, const shard_groups& groups = {}, bool by_blocks = false);
 
-/// Parameters: all-gathers `slice`'s parameter buffer from the ranks' pieces (no-op when
+/// Parameters: all-gathers unit `u`'s parameter buffer from the ranks' pieces (no-op when
 /// it is held), over `group`; the expert region's buckets over `experts` (its
 /// expert-data-parallel group; required where the slice has them). A gather begun by
 /// start_gather is waited for.
-void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group,
+void gather_params(model_slice& slice, sharded_slice& sh, std::size_t u, collective_group& group,
                    collective_group* experts = nullptr);
 /// Parameters: starts gather_params's all-gathers and returns (`ahead`, a prefetch: they go
 /// on while the caller computes another op, and the group's observers call them
 /// "prefetched all-gather"; the buffer holds memory from now). No-op when the buffer is
 /// held or its gather started.
-void start_gather(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts = nullptr,
+void start_gather(sharded_slice& sh, std::size_t u, collective_group& group, collective_group* experts = nullptr,
                   bool ahead = false);
-/// Parameters: releases the parameter buffer.
-void release_params(model_slice& slice, sharded_slice& sh);
-/// Makes the gradient buffer (zeroed) where it is released: before a backward or a weight pass.
-void make_grads(model_slice& slice, const sharded_slice& sh);
-/// Reduce-scatters the gradient buffer over `group` (the expert region's buckets over
-/// `experts`), bucket by bucket (the last first), adds this rank's pieces into
+/// Parameters: releases unit `u`'s parameter buffer.
+void release_params(sharded_slice& sh, std::size_t u);
+/// Makes unit `u`'s gradient buffer (zeroed) where it is released: before a backward or a
+/// weight pass.
+void make_grads(const sharded_slice& sh, std::size_t u);
+/// Whether unit `u`'s gradient buffer is held (made since its last reduction).
+bool grads_held(const sharded_slice& sh, std::size_t u);
+/// Reduce-scatters unit `u`'s gradient buffer over `group` (the expert region's buckets
+/// over `experts`), bucket by bucket (the last first), adds this rank's pieces into
 /// `sh.grads`, and releases the buffer. With `only`: just the buckets that overlap it
-/// (every rank passes the same range).
-void reduce_grads(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts = nullptr,
+/// (every rank passes the same range). No-op where the buffer is not held.
+void reduce_grads(sharded_slice& sh, std::size_t u, collective_group& group, collective_group* experts = nullptr,
+                  const flat_range* only = nullptr);
+
+/// The same for every unit of the slice (reduce_grads: the last unit first).
+void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group,
+                   collective_group* experts = nullptr);
+void release_params(sharded_slice& sh);
+void make_grads(const sharded_slice& sh);
+void reduce_grads(sharded_slice& sh, collective_group& group, collective_group* experts = nullptr,
                   const flat_range* only = nullptr);
 
 /// The bytes a tensor's storage holds now (0 where released).

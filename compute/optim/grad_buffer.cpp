@@ -25,18 +25,26 @@ std::vector<flat_range> shard_ranges(std::int64_t padded_size, int ranks) {
 namespace {
 
 /// grad_buckets of the region [region.begin, region.end) (its parameters' entries), in order.
+/// With `blocks` (each entry's block): a bucket also ends where a block begins (the
+/// slice pads each block to a multiple of the ranks in its region).
 std::vector<flat_range> region_buckets(const std::vector<param_entry>& entries, flat_range region, int ranks,
-                                       std::int64_t bucket_elems) {
+                                       std::int64_t bucket_elems, const std::vector<int>& blocks = {}) {
   shard_ranges(region.size(), ranks);  // checks the size
   if (region.size() == 0) return {};
-  if (bucket_elems <= 0) return {region};
+  if (bucket_elems <= 0 && blocks.empty()) return {region};
   std::vector<flat_range> out;
   std::int64_t end = region.end;
-  for (auto e = entries.rbegin(); e != entries.rend(); ++e) {
-    if (e->offset < region.begin || e->offset >= region.end) continue;
+  for (std::size_t j = entries.size(); j-- > 0;) {
+    const auto& e = entries[j];
+    if (e.offset < region.begin || e.offset >= region.end) continue;
     // Where this parameter begins, rounded down (in the region's multiples of the ranks).
-    const auto cut = region.begin + (e->offset - region.begin) / ranks * ranks;
-    if (cut > region.begin && end - cut >= bucket_elems) {
+    const auto cut = region.begin + (e.offset - region.begin) / ranks * ranks;
+    const bool block_begins = !blocks.empty() && j > 0 && blocks[j] != blocks[j - 1];
+    if (block_begins && cut != e.offset)
+      throw std::logic_error("FSDP by blocks: parameter " + e.name + " begins a block at element " +
+                             std::to_string(e.offset) + ", not at a multiple of the " + std::to_string(ranks) +
+                             " ranks");
+    if (cut > region.begin && (block_begins || (bucket_elems > 0 && end - cut >= bucket_elems))) {
       out.push_back({cut, end});
       end = cut;
     }
@@ -54,10 +62,14 @@ std::vector<flat_range> grad_buckets(const std::vector<param_entry>& entries, st
   return out.empty() ? std::vector<flat_range>{{0, 0}} : out;
 }
 
-std::vector<flat_range> slice_buckets(const model_slice& slice, const shard_groups& g, std::int64_t bucket_elems) {
+std::vector<flat_range> slice_buckets(const model_slice& slice, const shard_groups& g, std::int64_t bucket_elems,
+                                      bool by_blocks) {
   const auto n = slice.flat_grads().numel(), split = std::min(g.expert_offset, n);
-  auto out = region_buckets(slice.entries(), {0, split}, g.ranks, bucket_elems);
-  const auto experts = region_buckets(slice.entries(), {split, n}, g.expert_ranks, bucket_elems);
+  std::vector<int> blocks;
+  if (by_blocks)
+    for (std::size_t i = 0; i < slice.entries().size(); ++i) blocks.push_back(slice.entry_block(i));
+  auto out = region_buckets(slice.entries(), {0, split}, g.ranks, bucket_elems, blocks);
+  const auto experts = region_buckets(slice.entries(), {split, n}, g.expert_ranks, bucket_elems, blocks);
   out.insert(out.end(), experts.begin(), experts.end());
   return out;
 }

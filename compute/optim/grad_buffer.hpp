@@ -77,8 +77,10 @@ struct shard_groups {
 };
 
 /// The gradient buckets of `slice` (grad_buckets) for `g`: its dense region's over
-/// g.ranks, then its expert region's over g.expert_ranks; no bucket spans both.
-std::vector<flat_range> slice_buckets(const model_slice& slice, const shard_groups& g, std::int64_t bucket_elems);
+/// g.ranks, then its expert region's over g.expert_ranks; no bucket spans both. `by_blocks`
+/// (FSDP by blocks): nor a block's bounds (model_slice::entry_block).
+std::vector<flat_range> slice_buckets(const model_slice& slice, const shard_groups& g, std::int64_t bucket_elems,
+                                      bool by_blocks = false);
 
 /// Rank `rank`'s shard of a buffer cut into `buckets`: its equal piece of each bucket
 /// (what a reduce-scatter of that bucket over `ranks` ranks gives it), in bucket order.

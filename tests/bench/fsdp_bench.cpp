@@ -6,12 +6,13 @@
 // before the job, and between steps (the lowest sample) likewise.
 // Timings are never asserted (docs/performance.md).
 //   build/troupe_fsdp_bench [--width W] [--layers L] [--seq S] [--steps N] [--rounds R]
-//                           [--only-hybrid 1] [--only-prefetch 1]
+//                           [--only-hybrid 1] [--only-prefetch 1] [--only-speed 1] [--only-memory 1]
 // (Then hybrid sharding, parameters sharded in groups of g of 8 replicas, the step time
 // of each level on one job, in alternating rounds, and parameters sharded with and
 // without the gathers' prefetch on a pipeline of 2 stages of 2 chunks each (interleaved
 // 1F1B); --only-hybrid 1: the hybrid rows alone; --only-prefetch 1: the prefetch rows
-// alone.)
+// alone; --only-speed 1: the step times alone; --only-memory 1: the first table alone.
+// Each level that shards gradients runs by chunks and by blocks, parallel.fsdp_unit.)
 #include <malloc.h>
 
 #include <algorithm>
@@ -125,6 +126,7 @@ int prefetch_rows(const job_config& base, int rounds) {
       c.microbatches = 4;
       c.global_batch = 8;
       c.shard = v.shard;
+      c.fsdp_unit = "chunk";  // (the chunks' prefetch: by blocks each op prefetches its own blocks)
       c.fsdp_prefetch = v.prefetch;
       const auto m = run(c);
       times[v.name].push_back(m.step_s);
@@ -141,7 +143,8 @@ int prefetch_rows(const job_config& base, int rounds) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int width = 512, layers = 4, seq = 256, steps = 6, rounds = 1, only_hybrid = 0, only_prefetch = 0;
+  int width = 512, layers = 4, seq = 256, steps = 6, rounds = 1, only_hybrid = 0, only_prefetch = 0,
+      only_speed = 0, only_memory = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const int v = std::atoi(argv[i + 1]);
@@ -152,6 +155,8 @@ int main(int argc, char** argv) {
     else if (a == "--rounds") rounds = v;
     else if (a == "--only-hybrid") only_hybrid = v;
     else if (a == "--only-prefetch") only_prefetch = v;
+    else if (a == "--only-speed") only_speed = v;
+    else if (a == "--only-memory") only_memory = v;
   }
   run_with_blas_kernels(argv);  // as the troupe command does
   auto base = job_config::defaults_for("llama-tiny");
@@ -169,24 +174,33 @@ int main(int argc, char** argv) {
   base.checkpoint_async = false;
   base.eval_tokens = seq;  // (the run's end evaluates: one window per forward, outside the window measured)
   const auto spec = base.model();
-  std::int64_t P = 0;
-  for (const auto& [name, t] : initial_state(spec, 1)) P += t.numel();
+  std::int64_t P = 0, rest = 0;  // (rest: the embeddings, final norm and output layer)
+  for (const auto& [name, t] : initial_state(spec, 1)) {
+    P += t.numel();
+    if (name.rfind("model.layers.", 0) != 0) rest += t.numel();
+  }
   const double MB = 1e6, p4 = 4.0 * P / MB;  // fp32 bytes of the whole model, MB
+  const double r4 = 4.0 * rest / MB, b4 = (p4 - r4) / layers;  // the rest's, and a block's
   std::printf("llama shape: width %d, %d layers, seq %d, %lld parameters (%.1f MB fp32); 1 sequence per rank "
               "per step, %d steps\n",
               width, layers, seq, static_cast<long long>(P), p4, steps);
   if (only_prefetch) return prefetch_rows(base, rounds);
   std::printf("per rank, MB: measured peak and between steps ((process bytes - bytes before) / d), and the "
               "formula's model state (W: the whole model's fp32 bytes)\n");
-  std::printf("| shard | d | peak | between steps | formula between | formula peak (state + working set) | "
-              "step s |\n| --- | --- | --- | --- | --- | --- | --- |\n");
-  for (const char* level : {"optimizer", "gradients", "parameters"}) {
-    if (only_hybrid) break;
+  std::printf("| shard | unit | d | peak | between steps | formula between | formula peak (state + working set) | "
+              "step s |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  const std::pair<const char*, const char*> levels_units[] = {
+      {"optimizer", "block"}, {"gradients", "chunk"}, {"parameters", "chunk"}, {"gradients", "block"},
+      {"parameters", "block"}};
+  for (const auto& [level, unit] : levels_units) {
+    if (only_hybrid || only_speed) break;
+    const bool blocks = std::string(unit) == "block" && std::string(level) != "optimizer";
     for (int d : {1, 2, 4, 8}) {
       auto c = base;
       c.data_parallel = d;
       c.global_batch = d;
       c.shard = level;
+      c.fsdp_unit = unit;
       std::vector<measured> ms;
       for (int r = 0; r < rounds; ++r) ms.push_back(run(c));
       measured m = ms.front();
@@ -201,31 +215,39 @@ int main(int argc, char** argv) {
       // parameters: the stage's gradient pieces (W / d); its parameter pieces are the
       // shard's own; the parameters and gradients of the chunk its ops run on (2 W
       // working, kept while the next op is on the same chunk).
+      // By blocks (R: the rest's bytes, B: a block's): the rest's gradients (and
+      // parameters) for the run, and of the blocks one block's gradients (R + B working
+      // with gradients), and the parameters of the block computing and of the next one,
+      // prefetched (2 R + 3 B with parameters).
       // Per process: the job's initial parameters (W, ctx->init), spread over the d ranks.
       const double shard = 4 * p4 / d, process = p4 / d;
       double between = 0, working = 3 * p4 / d;  // (the update's second bank)
       if (std::string(level) == "optimizer") between = 3 * p4 + shard;
-      if (std::string(level) == "gradients") between = 2 * p4 + shard + p4 / d, working += p4;
-      if (std::string(level) == "parameters") between = shard + p4 / d, working += 2 * p4;
-      std::printf("| %s | %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", level, d, m.peak_mb / d, m.between_mb / d,
+      if (std::string(level) == "gradients") between = 2 * p4 + shard + p4 / d, working += blocks ? r4 + b4 : p4;
+      if (std::string(level) == "parameters") between = shard + p4 / d, working += blocks ? 2 * r4 + 3 * b4 : 2 * p4;
+      std::printf("| %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", level,
+                  std::string(level) == "optimizer" ? "-" : unit, d, m.peak_mb / d, m.between_mb / d,
                   between + process, between + working + process, m.step_s);
       std::fflush(stdout);
     }
   }
+  if (only_memory) return 0;
   // Hybrid sharding: parameters sharded within groups of g of the 8 replicas, replicated
   // across them: a rank's model state is that of d = g (every 1/d of the formula is 1/g);
   // the process's initial parameters are still spread over the 8 replicas.
-  std::printf("\nhybrid sharding, parameters, d = 8 replicas in shard groups of g (per rank, MB)\n"
-              "| g | peak | between steps | formula between | formula peak | step s |\n"
-              "| --- | --- | --- | --- | --- | --- |\n");
+  if (!only_speed)
+    std::printf("\nhybrid sharding, parameters, d = 8 replicas in shard groups of g (per rank, MB)\n"
+                "| g | peak | between steps | formula between | formula peak | step s |\n"
+                "| --- | --- | --- | --- | --- | --- |\n");
   for (int g : {1, 2, 4, 8}) {
+    if (only_speed) break;
     auto c = base;
     c.data_parallel = 8;
     c.global_batch = 8;
     c.shard = "parameters";
     c.shard_group = g;
     const auto m = run(c);
-    const double between = 5 * p4 / g, working = 2 * p4 + 3 * p4 / g, process = p4 / 8;
+    const double between = 5 * p4 / g, working = 2 * r4 + 3 * b4 + 3 * p4 / g, process = p4 / 8;  // (by blocks)
     std::printf("| %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", g, m.peak_mb / 8, m.between_mb / 8, between + process,
                 between + working + process, m.step_s);
     std::fflush(stdout);
@@ -237,18 +259,22 @@ int main(int argc, char** argv) {
               "median step; ratio to optimizer)\n| shard | step s | ratio |\n| --- | --- | --- |\n",
               std::max(rounds, 3));
   std::map<std::string, std::vector<double>> times;
-  const char* levels[] = {"optimizer", "gradients", "parameters"};
   for (int r = 0; r < std::max(rounds, 3); ++r)
-    for (const char* level : levels) {
+    for (const auto& [level, unit] : levels_units) {
       auto c = base;
       c.data_parallel = 2;
       c.microbatches = 4;
       c.global_batch = 8;
       c.shard = level;
-      times[level].push_back(run(c).step_s);
+      c.fsdp_unit = unit;
+      times[std::string(level) + " by " + unit].push_back(run(c).step_s);
     }
-  const double ref = median(times["optimizer"]);
-  for (const char* level : levels)
-    std::printf("| %s | %.3f | %.3f |\n", level, median(times[level]), median(times[level]) / ref);
+  const double ref = median(times["optimizer by block"]);
+  for (const auto& [level, unit] : levels_units) {
+    const auto key = std::string(level) + " by " + unit;
+    std::printf("| %s | %.3f | %.3f |\n", std::string(level) == "optimizer" ? level : key.c_str(), median(times[key]),
+                median(times[key]) / ref);
+  }
+  if (only_speed) return 0;
   return prefetch_rows(base, rounds);
 }

@@ -218,19 +218,23 @@ TEST(FsdpActors, GradientsAndParametersShardedFollowZeRO1InEveryLayout) {
     if (l.c > 1) zero1.seq_len = 64;
     const auto want = actors_run(zero1);
     ASSERT_EQ(want.exit_code, 0) << want.error;
-    for (const char* level : {"gradients", "parameters"}) {
-      SCOPED_TRACE(level);
-      auto c = zero1;
-      c.shard = level;
-      const auto got = actors_run(c);
-      ASSERT_EQ(got.exit_code, 0) << got.error;
-      // One chunk per stage: its gradients are reduced once a step, after its last
-      // backward, as ZeRO-1's are: the same sums, bit for bit. Two (interleaved, zbv): each
-      // run of a chunk's ops is reduced as the stage moves to the other chunk, and the
-      // ranks' sums are added up, while ZeRO-1 sums all of a rank's micro-batches first:
-      // another order of the same fp32 additions.
-      expect_close(got, want, c.chunks > 1 ? 1e-6 : 0.0);
-    }
+    for (const char* level : {"gradients", "parameters"})
+      for (const char* unit : {"chunk", "block"}) {
+        SCOPED_TRACE(std::string(level) + " by " + unit);
+        auto c = zero1;
+        c.shard = level;
+        c.fsdp_unit = unit;
+        const auto got = actors_run(c);
+        ASSERT_EQ(got.exit_code, 0) << got.error;
+        // By chunks, one chunk per stage: its gradients are reduced once a step, after its
+        // last backward, as ZeRO-1's are: the same sums, bit for bit. Two (interleaved,
+        // zbv): each run of a chunk's ops is reduced as the stage moves to the other chunk,
+        // and the ranks' sums are added up, while ZeRO-1 sums all of a rank's micro-batches
+        // first: another order of the same fp32 additions. By blocks: each backward's
+        // blocks are reduced as it ends (a split backward's when the run ends), the same.
+        const bool same_sums = std::string(unit) == "chunk" && c.chunks == 1;
+        expect_close(got, want, same_sums ? 0.0 : 1e-6);
+      }
   }
 }
 
@@ -357,6 +361,7 @@ TEST(FsdpActors, ARankThatFailsMidStepIsRetriedInPlaceBitIdentically) {
 // the same bits, as many all-gathers, and the prefetched ones named so in the trace.
 TEST(FsdpActors, PrefetchStartsTheNextChunksGatherOneOpAhead) {
   auto c = fsdp_job({2, 2, 1, "interleaved-1f1b", "none", 4, "fp32", "gpt-tiny"}, "parameters");
+  c.fsdp_unit = "chunk";
   c.steps = 3;
   auto count = [](const actor_run_result& r, const std::string& name) {
     return std::count_if(r.events.begin(), r.events.end(), [&](const trace_event& e) { return e.name == name; });
@@ -374,6 +379,31 @@ TEST(FsdpActors, PrefetchStartsTheNextChunksGatherOneOpAhead) {
   EXPECT_GT(count(ahead, "fsdp prefetched all-gather"), 0);
 }
 
+// By blocks: a block's gather starts as the block before it (in the forward; after it, in
+// the backward) begins, and a chunk's first block and its rest as the op before starts.
+// The same bits; no fewer gathers; most of them prefetched.
+TEST(FsdpActors, ByBlocksPrefetchStartsTheNextBlocksGatherAsOneComputes) {
+  auto c = fsdp_job({2, 2, 1, "1f1b", "none", 4, "fp32", "llama-tiny"}, "parameters");
+  c.layers = 6;  // three blocks a stage
+  c.steps = 3;
+  auto count = [](const actor_run_result& r, const std::string& name) {
+    return std::count_if(r.events.begin(), r.events.end(), [&](const trace_event& e) { return e.name == name; });
+  };
+  const auto ahead = actors_run(c);
+  c.fsdp_prefetch = false;
+  const auto at_once = actors_run(c);
+  expect_same_bits(ahead, at_once);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(count(at_once, "fsdp prefetched all-gather"), 0);
+  // Without prefetch: per op, each block's gather (forward and backward alike) and the
+  // rest's; a run of a chunk's ops keeps the rest, so 2 x 4 micro-batches x 3 blocks
+  // gathers of blocks per stage and step, and at least one of the rest.
+  const auto gathers = count(at_once, "fsdp all-gather");
+  EXPECT_GE(gathers, 3 * 2 * (2 * 4 * 3 + 1));
+  // Prefetched: every block after an op's first.
+  EXPECT_GE(count(ahead, "fsdp prefetched all-gather"), 3 * 2 * 2 * 4 * 2);
+}
+
 TEST(FsdpConfig, RefusesWhatCannotWork) {
   auto base = fsdp_job({1, 2, 1, "1f1b", "none"}, "parameters");
   auto refused = [&](auto edit, const std::string& why) {
@@ -387,6 +417,7 @@ TEST(FsdpConfig, RefusesWhatCannotWork) {
     }
   };
   refused([](job_config& c) { c.shard = "everything"; }, "one of optimizer (ZeRO-1), gradients (ZeRO-2), parameters");
+  refused([](job_config& c) { c.fsdp_unit = "layer"; }, "fsdp_unit 'layer': one of block");
   refused([](job_config& c) { c.shard_group = 3; }, "shard_group 3 must divide the 2 data-parallel ranks");
   refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.runtime = "local"; }, "runs in the actor runtime");
   refused([](job_config& c) { c.shard = "optimizer"; c.shard_group = 1; c.device = "cuda"; }, "point-to-point by tag");

@@ -1,9 +1,13 @@
 // compute/optim/fsdp.hpp: a released storage refilled before the backward serves the
 // saved tensors that view it; a slice's ops over an in-process group of ranks give the
-// gradients of the whole batch, summed over the ranks, in each rank's pieces.
+// gradients of the whole batch, summed over the ranks, in each rank's pieces; by blocks,
+// each block gathered for its forward and again for its backward, released after each and
+// its gradients reduced as its backward ends, in that exact order.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "actors/tp_groups.hpp"
 #include "compute/config/job_config.hpp"
@@ -80,12 +84,12 @@ TEST(Fsdp, ShardedOpsGiveEachRankItsPiecesOfTheSummedGradients) {
       EXPECT_FALSE(storage_held(slice->flat_grads()));
       gather_params(*slice, sh, *groups[r]);
       auto loss = slice->loss(slice->forward(tokens[r]), targets[r]);
-      release_params(*slice, sh);
+      release_params(sh);
       gather_params(*slice, sh, *groups[r]);
-      make_grads(*slice, sh);
+      make_grads(sh);
       loss.backward();
-      release_params(*slice, sh);
-      reduce_grads(*slice, sh, *groups[r]);
+      release_params(sh);
+      reduce_grads(sh, *groups[r]);
       EXPECT_FALSE(storage_held(slice->flat_grads()));
       got[r] = sh.grads;
     });
@@ -94,6 +98,164 @@ TEST(Fsdp, ShardedOpsGiveEachRankItsPiecesOfTheSummedGradients) {
     std::vector<torch::Tensor> mine;
     for (const auto& piece : layouts[r]) mine.push_back(whole->flat_grads().narrow(0, piece.begin, piece.size()));
     EXPECT_LE((got[r] - torch::cat(mine)).abs().max().item<double>(), 1e-6) << "rank " << r;
+  }
+}
+
+namespace {
+
+/// What a stage's hooks do by blocks (actors/stage: fsdp_block_hooks), without prefetch,
+/// recording the calls and the block units held at each.
+struct recording_hooks final : model_slice::block_hooks {
+  model_slice& slice;
+  sharded_slice& sh;
+  collective_group& group;
+  std::vector<std::string> calls;
+  std::size_t most_blocks_held = 0;
+  recording_hooks(model_slice& s, sharded_slice& h, collective_group& g) : slice(s), sh(h), group(g) {}
+  void count() {
+    std::size_t held = 0;
+    for (std::size_t u = 0; u < sh.rest(); ++u) held += storage_held(sh.units[u].params) ? 1 : 0;
+    most_blocks_held = std::max(most_blocks_held, held);
+  }
+  void before(int block, bool backward) override {
+    calls.push_back((backward ? "B" : "F") + std::to_string(block) + "+");
+    const auto u = sh.unit_of(block);
+    gather_params(slice, sh, u, group);
+    if (backward) make_grads(sh, u);
+    count();
+  }
+  void after(int block, bool backward) override {
+    calls.push_back((backward ? "B" : "F") + std::to_string(block) + "-");
+    const auto u = sh.unit_of(block);
+    release_params(sh, u);
+    if (backward) reduce_grads(sh, u, group);
+  }
+};
+
+}  // namespace
+
+TEST(Fsdp, ByBlocksEachBlockIsGatheredForItsForwardAndBackwardAndReducedAsItsBackwardEnds) {
+  for (const char* workload : {"gpt-tiny", "llama-tiny"}) {
+    SCOPED_TRACE(workload);
+    auto cfg = job_config::defaults_for(workload);
+    cfg.layers = 3;
+    cfg.d_model = 32;
+    cfg.heads = 2;
+    if (std::string(workload) == "llama-tiny") cfg.kv_heads = 1;
+    cfg.seq_len = 16;
+    for (const char* recompute : {"none", "full"}) {
+      SCOPED_TRACE(recompute);
+      const auto spec = cfg.model();
+      const auto init = initial_state(spec, 3);
+      const int R = 2;
+      const auto range = partition_layers(spec.decoder.n_layer, 1)[0];
+      torch::manual_seed(1);
+      std::vector<torch::Tensor> tokens, targets;
+      for (int r = 0; r < R; ++r) {
+        tokens.push_back(torch::randint(0, spec.decoder.vocab, {2, 16}, torch::kInt64));
+        targets.push_back(torch::randint(0, spec.decoder.vocab, {2, 16}, torch::kInt64));
+      }
+      auto whole = make_slice(spec, range, init, R, torch::kCPU, torch::kFloat32, {}, {});
+      for (int r = 0; r < R; ++r) whole->loss(whole->forward(tokens[r]), targets[r]).backward();
+      const auto groups = in_process_groups(R);
+      std::vector<torch::Tensor> got(R);
+      std::vector<shard_layout> layouts(R);
+      std::vector<std::vector<std::string>> calls(R);
+      std::vector<std::size_t> most(R), units(R);
+      std::vector<int> held_after(R, -1);
+      std::vector<std::thread> ranks;
+      for (int r = 0; r < R; ++r)
+        ranks.emplace_back([&, r] {
+          auto slice = make_slice(spec, range, init, R, torch::kCPU, torch::kFloat32, {}, {});
+          slice->set_recompute(parse_recompute(recompute));
+          const shard_groups g{R, r};
+          const auto buckets = slice_buckets(*slice, g, 3000, /*by_blocks=*/true);
+          layouts[r] = bucket_shard(buckets, g);
+          auto sh = shard_slice(*slice, buckets, layouts[r], /*params=*/true, nullptr, g, /*by_blocks=*/true);
+          units[r] = sh.units.size();
+          recording_hooks hooks(*slice, sh, *groups[r]);
+          gather_params(*slice, sh, sh.rest(), *groups[r]);
+          make_grads(sh, sh.rest());
+          slice->set_block_hooks(&hooks);
+          auto loss = slice->loss(slice->forward(tokens[r]), targets[r]);
+          slice->set_block_hooks(nullptr);
+          int held = 0;
+          for (const auto& u : sh.units) held += storage_held(u.params) ? 1 : 0;
+          held_after[r] = held;  // (the rest only)
+          loss.backward();
+          release_params(sh, sh.rest());
+          reduce_grads(sh, sh.rest(), *groups[r]);
+          calls[r] = hooks.calls;
+          most[r] = hooks.most_blocks_held;
+          got[r] = sh.grads;
+        });
+      for (auto& t : ranks) t.join();
+      const std::vector<std::string> order{"F0+", "F0-", "F1+", "F1-", "F2+", "F2-",
+                                           "B2+", "B2-", "B1+", "B1-", "B0+", "B0-"};
+      for (int r = 0; r < R; ++r) {
+        EXPECT_EQ(units[r], 4u) << "three blocks and the rest";
+        EXPECT_EQ(calls[r], order) << "rank " << r;
+        EXPECT_EQ(most[r], 1u) << "one block's parameters held at a time";
+        EXPECT_EQ(held_after[r], 1) << "after the forward only the rest is held";
+        std::vector<torch::Tensor> mine;
+        for (const auto& piece : layouts[r]) mine.push_back(whole->flat_grads().narrow(0, piece.begin, piece.size()));
+        EXPECT_LE((got[r] - torch::cat(mine)).abs().max().item<double>(), 1e-6) << "rank " << r;
+      }
+    }
+  }
+}
+
+TEST(Fsdp, ByBlocksALaterSlicesBlocksReduceOnlyOnceTheirGradientsAreIn) {
+  // A later slice's input is a leaf: its gradient is accumulated as soon as it is ready,
+  // maybe before the first block's parameters' are. The hook after that block's backward
+  // must still see all of them (each rank's pieces against the unsharded slice's).
+  // (gpt2's: its first layer norm's one backward node gives the input's gradient and its
+  // weight's and bias's at once.)
+  auto cfg = job_config::defaults_for("gpt-tiny");
+  cfg.layers = 4;
+  cfg.d_model = 32;
+  cfg.heads = 2;
+  cfg.seq_len = 16;
+  const auto spec = cfg.model();
+  const auto init = initial_state(spec, 3);
+  const int R = 2;
+  const auto range = partition_layers(spec.decoder.n_layer, 2)[1];
+  torch::manual_seed(2);
+  const auto input = torch::randn({2, 16, 32});
+  const auto target = torch::randint(0, spec.decoder.vocab, {2, 16}, torch::kInt64);
+  auto whole = make_slice(spec, range, init, R, torch::kCPU, torch::kFloat32, {}, {});
+  for (int r = 0; r < R; ++r)
+    whole->loss(whole->forward(input.clone().requires_grad_(true)), target).backward();
+  const auto groups = in_process_groups(R);
+  std::vector<torch::Tensor> got(R), input_grads(R);
+  std::vector<shard_layout> layouts(R);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < R; ++r)
+    ranks.emplace_back([&, r] {
+      auto slice = make_slice(spec, range, init, R, torch::kCPU, torch::kFloat32, {}, {});
+      const shard_groups g{R, r};
+      const auto buckets = slice_buckets(*slice, g, 0, /*by_blocks=*/true);
+      layouts[r] = bucket_shard(buckets, g);
+      auto sh = shard_slice(*slice, buckets, layouts[r], /*params=*/true, nullptr, g, /*by_blocks=*/true);
+      recording_hooks hooks(*slice, sh, *groups[r]);
+      gather_params(*slice, sh, sh.rest(), *groups[r]);
+      make_grads(sh, sh.rest());
+      slice->set_block_hooks(&hooks);
+      const auto x = input.clone().requires_grad_(true);
+      auto loss = slice->loss(slice->forward(x), target);
+      slice->set_block_hooks(nullptr);
+      loss.backward();
+      release_params(sh, sh.rest());
+      reduce_grads(sh, sh.rest(), *groups[r]);
+      got[r] = sh.grads;
+      input_grads[r] = x.grad();
+    });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < R; ++r) {
+    std::vector<torch::Tensor> mine;
+    for (const auto& piece : layouts[r]) mine.push_back(whole->flat_grads().narrow(0, piece.begin, piece.size()));
+    EXPECT_LE((got[r] - torch::cat(mine)).abs().max().item<double>(), 1e-6) << "rank " << r;
+    EXPECT_TRUE(input_grads[r].defined());
   }
 }
 

@@ -53,8 +53,21 @@ TEST(GradBuffer, PiecesMapEveryParameterElementToExactlyOneShard) {
 TEST(GradBuffer, PaddingBelongsToNoParameter) {
   auto slice = full_gpt(7);
   ASSERT_GT(slice->flat_grads().numel(), slice->numel()) << "gpt-tiny's size is not a multiple of 7: padding expected";
-  EXPECT_EQ(entry_at(slice->entries(), slice->numel()), -1);
-  EXPECT_EQ(entry_at(slice->entries(), 0), 0);
+  const auto& entries = slice->entries();
+  EXPECT_EQ(entry_at(entries, entries.back().offset + entries.back().numel), -1);
+  EXPECT_EQ(entry_at(entries, 0), 0);
+  // Each block begins at a multiple of the padding (a unit of FSDP by blocks): the gaps
+  // before them are padding too.
+  int gaps = 0;
+  for (std::size_t i = 1; i < entries.size(); ++i) {
+    const auto end = entries[i - 1].offset + entries[i - 1].numel;
+    if (slice->entry_block(i) != slice->entry_block(i - 1)) EXPECT_EQ(entries[i].offset % 7, 0) << entries[i].name;
+    if (entries[i].offset == end) continue;
+    ++gaps;
+    EXPECT_NE(slice->entry_block(i), slice->entry_block(i - 1)) << entries[i].name;
+    EXPECT_EQ(entry_at(entries, end), -1) << entries[i].name;
+  }
+  EXPECT_GT(gaps, 0);
 }
 
 TEST(GradBuffer, DecayMaskCoversTwoDimensionalWeightsButNotWpe) {
