@@ -373,6 +373,7 @@ struct chunk_cost {
   double tp = 0;                                 ///< tensor-parallel collectives of F and B
   double params = 0;                             ///< parameters on one device
   double dense_params = 0;                       ///< of them replicated over dp x cp
+  double rest_params = 0;                        ///< of them outside the blocks (embedding, output layer)
   int layers = 0;
   double activation_bytes = 0;                   ///< kept per micro-batch in flight
   double recompute_bytes = 0;                    ///< one layer's whole activations while it recomputes
@@ -484,6 +485,7 @@ model_costs costs_of(const problem& pr, const layout& l) {
     const int tables = (x == 0) + (x == nv - 1 && (nv > 1 || !m.tie_embeddings));
     cc.dense_params += tables * double(m.vocab) * d / t;
     cc.params += tables * double(m.vocab) * d / t;
+    cc.rest_params = tables * double(m.vocab) * d / t;
     if (x == 0 && !dev.profile) cc.forward += T * d * bytes * 2 / dev.memory_bandwidth;
     if (x == nv - 1 && !dev.profile) {  // output layer and cross-entropy (fp32 logits; a profile has them in its layers')
       const double mm = 2 * T * d * m.vocab / t / rate + dev.op_seconds;
@@ -565,12 +567,15 @@ prediction predict_with(const problem& pr, const layout& l, schedule_cache& cach
   double worst_mem = -1;
   for (int r = 0; r < l.pp; ++r) {
     double params = 0, dense = 0, chunk_max = 0, act = 0, recomputing = 0, busy_compute = 0, tp = 0;
+    double rest_max = 0, block_max = 0;  // (FSDP by blocks: a chunk's rest, one block)
     int layers = 0;
     for (int k = 0; k < l.vp; ++k) {
       const auto& cc = mc.chunks[std::size_t(sched.virtual_stage(r, k))];
       params += cc.params;
       dense += cc.dense_params;
       chunk_max = std::max(chunk_max, cc.params);
+      rest_max = std::max(rest_max, cc.rest_params);
+      if (cc.layers > 0) block_max = std::max(block_max, (cc.params - cc.rest_params) / cc.layers);
       act = std::max(act, cc.activation_bytes);
       recomputing = std::max(recomputing, cc.recompute_bytes);
       busy_compute += l.microbatches * (cc.forward + cc.backward);
@@ -580,10 +585,11 @@ prediction predict_with(const problem& pr, const layout& l, schedule_cache& cach
     const auto dpt = dp_terms_of(pr, l, params, dense, layers);
     const double shard_of = dpt.shard_of;
     memory_use mem;
-    // Parameters sharded: the chunk in use gathered, and with several chunks the next one's
-    // gather prefetched beside it (parallel.fsdp_prefetch).
-    mem.params = (shard_params ? shard_of + chunk_max * (l.vp > 1 ? 2 : 1) : params) * dev.dtype_bytes;
-    mem.grads = (shard_grads ? shard_of + chunk_max : params) * 4;
+    // Parameters sharded, by blocks (parallel.fsdp_unit's default): the chunk's rest
+    // gathered while the stage's ops are on it, the block computing and the next one's,
+    // prefetched beside it (parallel.fsdp_prefetch); gradients: the rest's and one block's.
+    mem.params = (shard_params ? shard_of + rest_max + 2 * block_max : params) * dev.dtype_bytes;
+    mem.grads = (shard_grads ? shard_of + rest_max + block_max : params) * 4;
     mem.optimizer = shard_of * 12;  // fp32 main copy, two moments
     mem.activations = act * sim.peak_activations[std::size_t(r)] + recomputing;
     if (mem.total() > worst_mem) {

@@ -185,10 +185,11 @@ int main(int argc, char** argv) {
               "per step, %d steps\n",
               width, layers, seq, static_cast<long long>(P), p4, steps);
   if (only_prefetch) return prefetch_rows(base, rounds);
-  std::printf("per rank, MB: measured peak and between steps ((process bytes - bytes before) / d), and the "
-              "formula's model state (W: the whole model's fp32 bytes)\n");
-  std::printf("| shard | unit | d | peak | between steps | formula between | formula peak (state + working set) | "
-              "step s |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  if (!only_speed && !only_hybrid)
+    std::printf("per rank, MB: measured peak and between steps ((process bytes - bytes before) / d), and the "
+                "formula's model state (W: the whole model's fp32 bytes)\n"
+                "| shard | unit | d | peak | between steps | formula between | formula peak (state + working set) | "
+                "step s |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   const std::pair<const char*, const char*> levels_units[] = {
       {"optimizer", "block"}, {"gradients", "chunk"}, {"parameters", "chunk"}, {"gradients", "block"},
       {"parameters", "block"}};

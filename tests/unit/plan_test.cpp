@@ -68,6 +68,16 @@ TEST(Plan, MemoryNamesEveryBuffer) {
   EXPECT_NEAR(a.memory.grads, 4 * n, 1e-6 * n);       // fp32, whole
   EXPECT_NEAR(a.memory.optimizer, 12 * n / 8, 1e-6 * n);  // main copy and moments, 1/dp
   EXPECT_FALSE(a.fits);  // 8B at dp 8 without sharding: about 60 GB before activations
+  // Parameters sharded (FSDP by blocks): 1/dp of them and of the gradients, plus the
+  // working set: the embedding and the output layer (the chunk's rest, all of one
+  // stage's), two blocks' parameters (one computing, the next prefetched), one block's
+  // gradients.
+  auto sharded = make(1, 1, 8, 1, p);
+  sharded.shard = "parameters";
+  const auto z3 = predict(p, sharded);
+  const double rest = 2.0 * p.model.vocab * p.model.d_model, block = (n - rest) / p.model.n_layer;
+  EXPECT_NEAR(z3.memory.params, 2 * (n / 8 + rest + 2 * block), 1e-3 * n);
+  EXPECT_NEAR(z3.memory.grads, 4 * (n / 8 + rest + block), 1e-3 * n);
   // Tensor parallelism divides parameters and activations; full recompute keeps one
   // input per layer (and one layer's whole activations while it recomputes).
   p.model.vocab = 256;  // (no logits: they are kept either way)
