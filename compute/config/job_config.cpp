@@ -313,8 +313,8 @@ const std::vector<key_def>& key_defs() {
       string_key("parallel.shard",
                  "what each data-parallel replica keeps 1/d of: optimizer (ZeRO-1: the fp32 main parameters and "
                  "AdamW's moments, Megatron's distributed optimizer), gradients (ZeRO-2: and the gradients, "
-                 "reduce-scattered once the stage's ops leave a chunk) or parameters (ZeRO-3, FSDP: and the "
-                 "parameters, all-gathered when the stage's ops come to a chunk and released when they leave it)",
+                 "reduce-scattered as a unit's backward ends) or parameters (ZeRO-3, FSDP: and the parameters, "
+                 "all-gathered for the unit's compute and released after it); the unit: fsdp_unit",
                  &job_config::shard),
       int_key("parallel.shard_group",
               "ranks the state is sharded over (hybrid sharding, HSDP: shard within groups of this many "
@@ -325,8 +325,8 @@ const std::vector<key_def>& key_defs() {
                  "shard = gradients or parameters: what is gathered and reduced at once: block (torch's FSDP2 "
                  "wrapping each transformer block: a block's parameters all-gathered before its forward and "
                  "again before its backward, released after each, its gradients reduce-scattered as its "
-                 "backward ends; the embeddings, final norm and output layer one more unit, for each op) or "
-                 "chunk (a stage's chunk gathered for a run of the stage's ops on it and reduced once the run "
+                 "backward ends; the chunk's embeddings, final norm and output layer one more unit, for the run of "
+                 "ops on the chunk) or chunk (a stage's chunk gathered for a run of the stage's ops on it and reduced once the run "
                  "ends: one chunk per stage gathers and reduces once a step)",
                  &job_config::fsdp_unit),
       bool_key("parallel.fsdp_prefetch",

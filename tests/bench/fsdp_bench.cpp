@@ -10,9 +10,10 @@
 // (Then hybrid sharding, parameters sharded in groups of g of 8 replicas, the step time
 // of each level on one job, in alternating rounds, and parameters sharded with and
 // without the gathers' prefetch on a pipeline of 2 stages of 2 chunks each (interleaved
-// 1F1B); --only-hybrid 1: the hybrid rows alone; --only-prefetch 1: the prefetch rows
-// alone; --only-speed 1: the step times alone; --only-memory 1: the first table alone.
-// Each level that shards gradients runs by chunks and by blocks, parallel.fsdp_unit.)
+// 1F1B), and by blocks on one stage; --only-hybrid 1: the hybrid rows alone;
+// --only-prefetch 1: the prefetch rows alone; --only-speed 1: the step times alone;
+// --only-memory 1: the first table alone. Each level that shards gradients runs by
+// chunks and by blocks, parallel.fsdp_unit.)
 #include <malloc.h>
 
 #include <algorithm>
@@ -140,6 +141,45 @@ int prefetch_rows(const job_config& base, int rounds) {
   return 0;
 }
 
+/// By blocks (parallel.fsdp_unit = block), with and without the next block's gather
+/// started as one computes, beside optimizer: d = 2, one stage of all the layers, 4
+/// micro-batches per replica, in alternating rounds; as prefetch_rows.
+int block_prefetch_rows(const job_config& base, int rounds) {
+  std::printf("\nprefetch by blocks: parameters sharded, d = 2, one stage of %d blocks, 4 micro-batches per replica, "
+              "%d alternating rounds (median of each run's median step)\n"
+              "| run | step s | ratio to optimizer | all-gather wait per step (2 ranks) | peak per rank MB |\n"
+              "| --- | --- | --- | --- | --- |\n",
+              base.layers, std::max(rounds, 3));
+  struct variant {
+    const char* name;
+    const char* shard;
+    bool prefetch;
+  };
+  const variant variants[] = {{"optimizer", "optimizer", true},
+                              {"parameters by block, prefetch", "parameters", true},
+                              {"parameters by block, no prefetch", "parameters", false}};
+  std::map<std::string, std::vector<double>> times, peaks, waits;
+  for (int r = 0; r < std::max(rounds, 3); ++r)
+    for (const auto& v : variants) {
+      auto c = base;
+      c.data_parallel = 2;
+      c.microbatches = 4;
+      c.global_batch = 8;
+      c.shard = v.shard;
+      c.fsdp_unit = "block";
+      c.fsdp_prefetch = v.prefetch;
+      const auto m = run(c);
+      times[v.name].push_back(m.step_s);
+      peaks[v.name].push_back(m.peak_mb / 2);
+      waits[v.name].push_back(m.gather_wait_s);
+    }
+  const double ref = median(times["optimizer"]);
+  for (const auto& v : variants)
+    std::printf("| %s | %.3f | %.3f | %.1f ms | %.1f |\n", v.name, median(times[v.name]), median(times[v.name]) / ref,
+                median(waits[v.name]) * 1e3, median(peaks[v.name]));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -184,7 +224,7 @@ int main(int argc, char** argv) {
   std::printf("llama shape: width %d, %d layers, seq %d, %lld parameters (%.1f MB fp32); 1 sequence per rank "
               "per step, %d steps\n",
               width, layers, seq, static_cast<long long>(P), p4, steps);
-  if (only_prefetch) return prefetch_rows(base, rounds);
+  if (only_prefetch) return prefetch_rows(base, rounds) + block_prefetch_rows(base, rounds);
   if (!only_speed && !only_hybrid)
     std::printf("per rank, MB: measured peak and between steps ((process bytes - bytes before) / d), and the "
                 "formula's model state (W: the whole model's fp32 bytes)\n"
@@ -277,5 +317,5 @@ int main(int argc, char** argv) {
                 median(times[key]) / ref);
   }
   if (only_speed) return 0;
-  return prefetch_rows(base, rounds);
+  return prefetch_rows(base, rounds) + block_prefetch_rows(base, rounds);
 }
