@@ -190,7 +190,10 @@ void stage_logic::compute(op_work& w) {
   // once a step, ZeRO-1's sums; torchtitan keeps a pipeline stage's parameters so too).
   // By blocks: the rest of the chunk so, and the blocks' gradients that split backwards
   // and weight passes left.
-  if (sharded && !(s_.order && s_.next_op < s_.order->size() && (*s_.order)[s_.next_op].chunk == w.op.chunk)) {
+  // (Dataflow, by chunks with one chunk: the run is the step, ended by the chunk's last op.)
+  const bool run_goes_on = s_.order ? s_.next_op < s_.order->size() && (*s_.order)[s_.next_op].chunk == w.op.chunk
+                                    : s_.chunk_ops_left.at(w.op.chunk) > 1;
+  if (sharded && !run_goes_on) {
     release_params(*sharded);
     // Sequence parallelism: the gradients of the parameters every tensor-parallel rank
     // holds whole (norms) are summed over the group before they are reduced, for each run

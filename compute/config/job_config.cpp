@@ -635,9 +635,12 @@ void check_sharding(const job_config& c) {
   if (level == shard_level::optimizer) return;
   const std::string what = "shard " + c.shard;
   if (c.runtime == "local") fail(what + " runs in the actor runtime (--runtime actors)");
-  if (c.schedule == "dataflow")
-    fail(what + " with schedule dataflow: a stage's replicas meet in each op's all-gather and reduce-scatter, so "
-         "they run one fixed order (any schedule but dataflow)");
+  // (Dataflow: each replica runs its ops as their inputs come, in an order of its own. By
+  // chunks (dataflow has one a stage) the replicas still meet once a step: the chunk
+  // gathered at their first op, reduced after their last.)
+  if (c.schedule == "dataflow" && c.fsdp_unit != "chunk")
+    fail(what + " with schedule dataflow: each replica runs its ops in an order of its own, so their all-gathers "
+         "and reduce-scatters pair up only once a step: fsdp_unit chunk (or a fixed schedule)");
   if (c.device.rfind("cuda", 0) == 0)
     fail(what + " on " + c.device + ": the stage's collectives are not yet on its CUDA stream (--device cpu)");
 }
