@@ -96,88 +96,76 @@ measured run(const job_config& c) {
   return m;
 }
 
-/// Parameters sharded, with and without the gathers' prefetch (parallel.fsdp_prefetch),
-/// beside optimizer: pipeline 2 x d 2, 2 chunks per stage (interleaved 1F1B), 4
-/// micro-batches per replica, in alternating rounds; the median over rounds of each run's
-/// median step, and the peak bytes per rank (the prefetched chunk is held beside the
-/// current one).
-int prefetch_rows(const job_config& base, int rounds) {
-  std::printf("\nprefetch: parameters sharded, pipeline 2 x d 2, 2 chunks per stage (interleaved-1f1b), 4 "
-              "micro-batches per replica, %d alternating rounds (median of each run's median step)\n"
-              "| run | step s | ratio to optimizer | all-gather wait per step (4 ranks) | peak per rank MB |\n"
+/// A prefetch variant: its shard level and unit, with or without the prefetch.
+struct prefetch_variant {
+  const char* name;
+  const char* shard;
+  const char* unit;
+  bool prefetch;
+};
+
+/// `variants` of `layout`'s job (its first: the reference) in alternating rounds: the
+/// median over rounds of each run's median step, its ratio to the reference's, the
+/// gathers' wait per step over the `ranks` ranks and the peak bytes per rank.
+template <class Layout>
+int prefetch_table(const job_config& base, int rounds, int ranks, const std::vector<prefetch_variant>& variants,
+                   Layout layout) {
+  std::printf("| run | step s | ratio to optimizer | all-gather wait per step (%d ranks) | peak per rank MB |\n"
               "| --- | --- | --- | --- | --- |\n",
-              std::max(rounds, 3));
-  struct variant {
-    const char* name;
-    const char* shard;
-    bool prefetch;
-  };
-  const variant variants[] = {{"optimizer", "optimizer", true},
-                              {"parameters, prefetch", "parameters", true},
-                              {"parameters, no prefetch", "parameters", false}};
+              ranks);
   std::map<std::string, std::vector<double>> times, peaks, waits;
   for (int r = 0; r < std::max(rounds, 3); ++r)
     for (const auto& v : variants) {
       auto c = base;
-      c.pipeline = 2;
-      c.data_parallel = 2;
-      c.chunks = 2;
-      c.schedule = "interleaved-1f1b";
-      c.layers = std::max(4, c.layers);
-      c.microbatches = 4;
-      c.global_batch = 8;
+      layout(c);
       c.shard = v.shard;
-      c.fsdp_unit = "chunk";  // (the chunks' prefetch: by blocks each op prefetches its own blocks)
+      c.fsdp_unit = v.unit;
       c.fsdp_prefetch = v.prefetch;
       const auto m = run(c);
       times[v.name].push_back(m.step_s);
-      peaks[v.name].push_back(m.peak_mb / 4);
+      peaks[v.name].push_back(m.peak_mb / ranks);
       waits[v.name].push_back(m.gather_wait_s);
     }
-  const double ref = median(times["optimizer"]);
+  const double ref = median(times[variants.front().name]);
   for (const auto& v : variants)
     std::printf("| %s | %.3f | %.3f | %.1f ms | %.1f |\n", v.name, median(times[v.name]), median(times[v.name]) / ref,
                 median(waits[v.name]) * 1e3, median(peaks[v.name]));
   return 0;
 }
 
-/// By blocks (parallel.fsdp_unit = block), with and without the next block's gather
-/// started as one computes, beside optimizer: d = 2, one stage of all the layers, 4
-/// micro-batches per replica, in alternating rounds; as prefetch_rows.
-int block_prefetch_rows(const job_config& base, int rounds) {
+/// Parameters sharded, with and without the gathers' prefetch (parallel.fsdp_prefetch),
+/// beside optimizer, by chunks: pipeline 2 x d 2, 2 chunks per stage (interleaved 1F1B),
+/// 4 micro-batches per replica (the prefetched chunk is held beside the current one); by
+/// blocks: d = 2, one stage of all the layers, 4 micro-batches per replica.
+int prefetch_rows(const job_config& base, int rounds) {
+  std::printf("\nprefetch by chunks: parameters sharded, pipeline 2 x d 2, 2 chunks per stage (interleaved-1f1b), 4 "
+              "micro-batches per replica, %d alternating rounds (median of each run's median step)\n",
+              std::max(rounds, 3));
+  prefetch_table(base, rounds, 4,
+                 {{"optimizer", "optimizer", "chunk", true},
+                  {"parameters, prefetch", "parameters", "chunk", true},
+                  {"parameters, no prefetch", "parameters", "chunk", false}},
+                 [](job_config& c) {
+                   c.pipeline = 2;
+                   c.data_parallel = 2;
+                   c.chunks = 2;
+                   c.schedule = "interleaved-1f1b";
+                   c.layers = std::max(4, c.layers);
+                   c.microbatches = 4;
+                   c.global_batch = 8;
+                 });
   std::printf("\nprefetch by blocks: parameters sharded, d = 2, one stage of %d blocks, 4 micro-batches per replica, "
-              "%d alternating rounds (median of each run's median step)\n"
-              "| run | step s | ratio to optimizer | all-gather wait per step (2 ranks) | peak per rank MB |\n"
-              "| --- | --- | --- | --- | --- |\n",
+              "%d alternating rounds (median of each run's median step)\n",
               base.layers, std::max(rounds, 3));
-  struct variant {
-    const char* name;
-    const char* shard;
-    bool prefetch;
-  };
-  const variant variants[] = {{"optimizer", "optimizer", true},
-                              {"parameters by block, prefetch", "parameters", true},
-                              {"parameters by block, no prefetch", "parameters", false}};
-  std::map<std::string, std::vector<double>> times, peaks, waits;
-  for (int r = 0; r < std::max(rounds, 3); ++r)
-    for (const auto& v : variants) {
-      auto c = base;
-      c.data_parallel = 2;
-      c.microbatches = 4;
-      c.global_batch = 8;
-      c.shard = v.shard;
-      c.fsdp_unit = "block";
-      c.fsdp_prefetch = v.prefetch;
-      const auto m = run(c);
-      times[v.name].push_back(m.step_s);
-      peaks[v.name].push_back(m.peak_mb / 2);
-      waits[v.name].push_back(m.gather_wait_s);
-    }
-  const double ref = median(times["optimizer"]);
-  for (const auto& v : variants)
-    std::printf("| %s | %.3f | %.3f | %.1f ms | %.1f |\n", v.name, median(times[v.name]), median(times[v.name]) / ref,
-                median(waits[v.name]) * 1e3, median(peaks[v.name]));
-  return 0;
+  return prefetch_table(base, rounds, 2,
+                        {{"optimizer", "optimizer", "block", true},
+                         {"parameters by block, prefetch", "parameters", "block", true},
+                         {"parameters by block, no prefetch", "parameters", "block", false}},
+                        [](job_config& c) {
+                          c.data_parallel = 2;
+                          c.microbatches = 4;
+                          c.global_batch = 8;
+                        });
 }
 
 }  // namespace
@@ -224,7 +212,7 @@ int main(int argc, char** argv) {
   std::printf("llama shape: width %d, %d layers, seq %d, %lld parameters (%.1f MB fp32); 1 sequence per rank "
               "per step, %d steps\n",
               width, layers, seq, static_cast<long long>(P), p4, steps);
-  if (only_prefetch) return prefetch_rows(base, rounds) + block_prefetch_rows(base, rounds);
+  if (only_prefetch) return prefetch_rows(base, rounds);
   if (!only_speed && !only_hybrid)
     std::printf("per rank, MB: measured peak and between steps ((process bytes - bytes before) / d), and the "
                 "formula's model state (W: the whole model's fp32 bytes)\n"
@@ -317,5 +305,5 @@ int main(int argc, char** argv) {
                 median(times[key]) / ref);
   }
   if (only_speed) return 0;
-  return prefetch_rows(base, rounds) + block_prefetch_rows(base, rounds);
+  return prefetch_rows(base, rounds);
 }

@@ -358,27 +358,43 @@ TEST(FsdpActors, ARankThatFailsMidStepIsRetriedInPlaceBitIdentically) {
   expect_retried_in_place(fsdp_job({2, 2, 1, "1f1b", "none"}, "parameters"), "1:0:1");
 }
 
+namespace {
+
+/// The trace events of `r` named `name`.
+std::int64_t events_named(const actor_run_result& r, const std::string& name) {
+  return std::count_if(r.events.begin(), r.events.end(), [&](const trace_event& e) { return e.name == name; });
+}
+
+/// `c` for 3 steps with the gathers' prefetch and without: the same bits; the all-gathers
+/// of each (prefetched, at once) named in its trace. None is prefetched without it.
+struct prefetch_runs {
+  std::int64_t ahead_prefetched = 0, ahead_at_once = 0, at_once = 0;
+};
+prefetch_runs run_with_and_without_prefetch(job_config c) {
+  c.steps = 3;
+  const auto ahead = actors_run(c);
+  c.fsdp_prefetch = false;
+  const auto at_once = actors_run(c);
+  expect_same_bits(ahead, at_once);
+  EXPECT_EQ(events_named(at_once, "fsdp prefetched all-gather"), 0);
+  return {events_named(ahead, "fsdp prefetched all-gather"), events_named(ahead, "fsdp all-gather"),
+          events_named(at_once, "fsdp all-gather")};
+}
+
+}  // namespace
+
 // parallel.fsdp_prefetch: a chunk's all-gather starts one op ahead (at begin_step for the
 // step's first op, else as the op before it starts). The same gathers, started earlier:
 // the same bits, as many all-gathers, and the prefetched ones named so in the trace.
 TEST(FsdpActors, PrefetchStartsTheNextChunksGatherOneOpAhead) {
   auto c = fsdp_job({2, 2, 1, "interleaved-1f1b", "none", 4, "fp32", "gpt-tiny"}, "parameters");
   c.fsdp_unit = "chunk";
-  c.steps = 3;
-  auto count = [](const actor_run_result& r, const std::string& name) {
-    return std::count_if(r.events.begin(), r.events.end(), [&](const trace_event& e) { return e.name == name; });
-  };
-  const auto ahead = actors_run(c);
-  c.fsdp_prefetch = false;
-  const auto at_once = actors_run(c);
-  expect_same_bits(ahead, at_once);
-  if (HasFatalFailure()) return;
-  EXPECT_EQ(count(at_once, "fsdp prefetched all-gather"), 0);
+  const auto n = run_with_and_without_prefetch(c);
   // Every gather of a run of ops on a chunk is prefetched: each stage's step starts on a
   // chunk (prefetched at begin_step), and every switch to the other chunk is one op ahead.
-  EXPECT_EQ(count(ahead, "fsdp all-gather"), 0);
-  EXPECT_EQ(count(ahead, "fsdp prefetched all-gather"), count(at_once, "fsdp all-gather"));
-  EXPECT_GT(count(ahead, "fsdp prefetched all-gather"), 0);
+  EXPECT_EQ(n.ahead_at_once, 0);
+  EXPECT_EQ(n.ahead_prefetched, n.at_once);
+  EXPECT_GT(n.ahead_prefetched, 0);
 }
 
 // By blocks: a block's gather starts as the block before it (in the forward; after it, in
@@ -387,23 +403,15 @@ TEST(FsdpActors, PrefetchStartsTheNextChunksGatherOneOpAhead) {
 TEST(FsdpActors, ByBlocksPrefetchStartsTheNextBlocksGatherAsOneComputes) {
   auto c = fsdp_job({2, 2, 1, "1f1b", "none", 4, "fp32", "llama-tiny"}, "parameters");
   c.layers = 6;  // three blocks a stage
-  c.steps = 3;
-  auto count = [](const actor_run_result& r, const std::string& name) {
-    return std::count_if(r.events.begin(), r.events.end(), [&](const trace_event& e) { return e.name == name; });
-  };
-  const auto ahead = actors_run(c);
-  c.fsdp_prefetch = false;
-  const auto at_once = actors_run(c);
-  expect_same_bits(ahead, at_once);
-  if (HasFatalFailure()) return;
-  EXPECT_EQ(count(at_once, "fsdp prefetched all-gather"), 0);
+  const auto n = run_with_and_without_prefetch(c);
   // Without prefetch: per op, each block's gather (forward and backward alike) and the
   // rest's; a run of a chunk's ops keeps the rest, so 2 x 4 micro-batches x 3 blocks
-  // gathers of blocks per stage and step, and at least one of the rest.
-  const auto gathers = count(at_once, "fsdp all-gather");
-  EXPECT_GE(gathers, 3 * 2 * (2 * 4 * 3 + 1));
-  // Prefetched: every block after an op's first.
-  EXPECT_GE(count(ahead, "fsdp prefetched all-gather"), 3 * 2 * 2 * 4 * 2);
+  // gathers of blocks per stage actor and step (4 actors, 3 steps), and at least one of
+  // the rest.
+  EXPECT_GE(n.at_once, 3 * 4 * (2 * 4 * 3 + 1));
+  EXPECT_GE(n.ahead_prefetched + n.ahead_at_once, n.at_once);
+  // Prefetched: every block after an op's first (two of an op's three).
+  EXPECT_GE(n.ahead_prefetched, 3 * 4 * 2 * 4 * 2);
 }
 
 TEST(FsdpConfig, RefusesWhatCannotWork) {

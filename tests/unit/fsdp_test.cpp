@@ -5,6 +5,7 @@
 // its gradients reduced as its backward ends, in that exact order.
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +20,57 @@
 #include "test_util.hpp"
 
 namespace troupe {
+
+namespace {
+
+/// A small decoder of `workload`'s family: width 32, 2 heads (llama: 1 kv head), sequences
+/// of 16.
+model_spec small_spec(const std::string& workload, int layers) {
+  auto cfg = job_config::defaults_for(workload);
+  cfg.layers = layers;
+  cfg.d_model = 32;
+  cfg.heads = 2;
+  if (workload == "llama-tiny") cfg.kv_heads = 1;
+  cfg.seq_len = 16;
+  return cfg.model();
+}
+
+/// small_spec's whole model (initial_state seed 3) as one slice; `ranks` batches of 2
+/// sequences, and the reference: the slice (padded for `ranks`) with the gradients of all
+/// of them summed.
+struct reference_batches {
+  model_spec spec;
+  state_dict init;
+  layer_range range;
+  std::vector<torch::Tensor> tokens, targets;
+  std::unique_ptr<model_slice> whole;
+};
+reference_batches summed_reference(const std::string& workload, int layers, int ranks) {
+  reference_batches out;
+  out.spec = small_spec(workload, layers);
+  out.init = initial_state(out.spec, 3);
+  out.range = partition_layers(out.spec.decoder.n_layer, 1)[0];
+  torch::manual_seed(1);
+  for (int r = 0; r < ranks; ++r) {
+    out.tokens.push_back(torch::randint(0, out.spec.decoder.vocab, {2, 16}, torch::kInt64));
+    out.targets.push_back(torch::randint(0, out.spec.decoder.vocab, {2, 16}, torch::kInt64));
+  }
+  out.whole = make_slice(out.spec, out.range, out.init, ranks, torch::kCPU, torch::kFloat32, {}, {});
+  for (int r = 0; r < ranks; ++r) out.whole->loss(out.whole->forward(out.tokens[r]), out.targets[r]).backward();
+  return out;
+}
+
+/// Each rank's reduced pieces `got[r]` (its `layouts[r]`) are `whole`'s gradients there.
+void expect_pieces_of(const model_slice& whole, const std::vector<shard_layout>& layouts,
+                      const std::vector<torch::Tensor>& got) {
+  for (std::size_t r = 0; r < got.size(); ++r) {
+    std::vector<torch::Tensor> mine;
+    for (const auto& piece : layouts[r]) mine.push_back(whole.flat_grads().narrow(0, piece.begin, piece.size()));
+    EXPECT_LE((got[r] - torch::cat(mine)).abs().max().item<double>(), 1e-6) << "rank " << r;
+  }
+}
+
+}  // namespace
 
 TEST(Fsdp, AReleasedStorageRefilledBeforeTheBackwardServesItsSavedViews) {
   torch::manual_seed(0);
@@ -52,24 +104,9 @@ TEST(Fsdp, AReleasedStorageRefilledBeforeTheBackwardServesItsSavedViews) {
 }
 
 TEST(Fsdp, ShardedOpsGiveEachRankItsPiecesOfTheSummedGradients) {
-  auto cfg = job_config::defaults_for("gpt-tiny");
-  cfg.layers = 2;
-  cfg.d_model = 32;
-  cfg.heads = 2;
-  cfg.seq_len = 16;
-  const auto spec = cfg.model();
-  const auto init = initial_state(spec, 3);
   const int R = 2;
-  const auto range = partition_layers(spec.decoder.n_layer, 1)[0];
-  torch::manual_seed(1);
-  std::vector<torch::Tensor> tokens, targets;
-  for (int r = 0; r < R; ++r) {
-    tokens.push_back(torch::randint(0, spec.decoder.vocab, {2, 16}, torch::kInt64));
-    targets.push_back(torch::randint(0, spec.decoder.vocab, {2, 16}, torch::kInt64));
-  }
-  // The reference: one slice, both ranks' batches' gradients summed.
-  auto whole = make_slice(spec, range, init, R, torch::kCPU, torch::kFloat32, {}, {});
-  for (int r = 0; r < R; ++r) whole->loss(whole->forward(tokens[r]), targets[r]).backward();
+  const auto ref = summed_reference("gpt-tiny", 2, R);
+  const auto& [spec, init, range, tokens, targets, whole] = ref;
   const auto groups = in_process_groups(R);
   std::vector<torch::Tensor> got(R);
   std::vector<shard_layout> layouts(R);
@@ -94,11 +131,7 @@ TEST(Fsdp, ShardedOpsGiveEachRankItsPiecesOfTheSummedGradients) {
       got[r] = sh.grads;
     });
   for (auto& t : ranks) t.join();
-  for (int r = 0; r < R; ++r) {
-    std::vector<torch::Tensor> mine;
-    for (const auto& piece : layouts[r]) mine.push_back(whole->flat_grads().narrow(0, piece.begin, piece.size()));
-    EXPECT_LE((got[r] - torch::cat(mine)).abs().max().item<double>(), 1e-6) << "rank " << r;
-  }
+  expect_pieces_of(*whole, layouts, got);
 }
 
 namespace {
@@ -137,26 +170,11 @@ struct recording_hooks final : model_slice::block_hooks {
 TEST(Fsdp, ByBlocksEachBlockIsGatheredForItsForwardAndBackwardAndReducedAsItsBackwardEnds) {
   for (const char* workload : {"gpt-tiny", "llama-tiny"}) {
     SCOPED_TRACE(workload);
-    auto cfg = job_config::defaults_for(workload);
-    cfg.layers = 3;
-    cfg.d_model = 32;
-    cfg.heads = 2;
-    if (std::string(workload) == "llama-tiny") cfg.kv_heads = 1;
-    cfg.seq_len = 16;
     for (const char* recompute : {"none", "full"}) {
       SCOPED_TRACE(recompute);
-      const auto spec = cfg.model();
-      const auto init = initial_state(spec, 3);
       const int R = 2;
-      const auto range = partition_layers(spec.decoder.n_layer, 1)[0];
-      torch::manual_seed(1);
-      std::vector<torch::Tensor> tokens, targets;
-      for (int r = 0; r < R; ++r) {
-        tokens.push_back(torch::randint(0, spec.decoder.vocab, {2, 16}, torch::kInt64));
-        targets.push_back(torch::randint(0, spec.decoder.vocab, {2, 16}, torch::kInt64));
-      }
-      auto whole = make_slice(spec, range, init, R, torch::kCPU, torch::kFloat32, {}, {});
-      for (int r = 0; r < R; ++r) whole->loss(whole->forward(tokens[r]), targets[r]).backward();
+      const auto ref = summed_reference(workload, 3, R);
+      const auto& [spec, init, range, tokens, targets, whole] = ref;
       const auto groups = in_process_groups(R);
       std::vector<torch::Tensor> got(R);
       std::vector<shard_layout> layouts(R);
@@ -197,10 +215,8 @@ TEST(Fsdp, ByBlocksEachBlockIsGatheredForItsForwardAndBackwardAndReducedAsItsBac
         EXPECT_EQ(calls[r], order) << "rank " << r;
         EXPECT_EQ(most[r], 1u) << "one block's parameters held at a time";
         EXPECT_EQ(held_after[r], 1) << "after the forward only the rest is held";
-        std::vector<torch::Tensor> mine;
-        for (const auto& piece : layouts[r]) mine.push_back(whole->flat_grads().narrow(0, piece.begin, piece.size()));
-        EXPECT_LE((got[r] - torch::cat(mine)).abs().max().item<double>(), 1e-6) << "rank " << r;
       }
+      expect_pieces_of(*whole, layouts, got);
     }
   }
 }
@@ -211,12 +227,7 @@ TEST(Fsdp, ByBlocksALaterSlicesBlocksReduceOnlyOnceTheirGradientsAreIn) {
   // must still see all of them (each rank's pieces against the unsharded slice's).
   // (gpt2's: its first layer norm's one backward node gives the input's gradient and its
   // weight's and bias's at once.)
-  auto cfg = job_config::defaults_for("gpt-tiny");
-  cfg.layers = 4;
-  cfg.d_model = 32;
-  cfg.heads = 2;
-  cfg.seq_len = 16;
-  const auto spec = cfg.model();
+  const auto spec = small_spec("gpt-tiny", 4);
   const auto init = initial_state(spec, 3);
   const int R = 2;
   const auto range = partition_layers(spec.decoder.n_layer, 2)[1];
@@ -251,12 +262,8 @@ TEST(Fsdp, ByBlocksALaterSlicesBlocksReduceOnlyOnceTheirGradientsAreIn) {
       input_grads[r] = x.grad();
     });
   for (auto& t : ranks) t.join();
-  for (int r = 0; r < R; ++r) {
-    std::vector<torch::Tensor> mine;
-    for (const auto& piece : layouts[r]) mine.push_back(whole->flat_grads().narrow(0, piece.begin, piece.size()));
-    EXPECT_LE((got[r] - torch::cat(mine)).abs().max().item<double>(), 1e-6) << "rank " << r;
-    EXPECT_TRUE(input_grads[r].defined());
-  }
+  expect_pieces_of(*whole, layouts, got);
+  for (int r = 0; r < R; ++r) EXPECT_TRUE(input_grads[r].defined());
 }
 
 }  // namespace troupe
