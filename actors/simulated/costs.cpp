@@ -140,12 +140,14 @@ std::shared_ptr<const simulated_costs> make_simulated_costs(const job_config& c,
       !c.checkpoint_dir.empty())
     refuse("no weights are read or written (load, resume, init, train.model, save and checkpoint_dir are unset)");
   if (c.simulated_nodes > 1) job_slots(c, 0, c.simulated_nodes);  // the nodes' shares (throws where they do not fit)
-  for (const auto& [node, step] : fault_plan::parse(c.faults()).kills)
-    if (node <= 0 || node >= c.simulated_nodes)
-      refuse("faults.kill_node names node " + std::to_string(node) + ", but " +
-             (c.simulated_nodes > 1 ? "the simulated nodes that can be killed are 1 to " + std::to_string(c.simulated_nodes - 1)
-                                    : std::string("the job is one node (train.simulated_nodes 1)")) +
-             " (node 0, the coordinator's, is not killed)");
+  const auto faults = fault_plan::parse(c.faults());
+  for (const auto& [key, nodes] : {std::make_pair("kill_node", &faults.kills), std::make_pair("freeze_node", &faults.freezes)})
+    for (const auto& [node, step] : *nodes)
+      if (node <= 0 || node >= c.simulated_nodes)
+        refuse(std::string("faults.") + key + " names node " + std::to_string(node) + ", but " +
+               (c.simulated_nodes > 1 ? "the simulated nodes that can be lost are 1 to " + std::to_string(c.simulated_nodes - 1)
+                                      : std::string("the job is one node (train.simulated_nodes 1)")) +
+               " (node 0, the coordinator's, is not lost)");
   auto out = std::make_shared<simulated_costs>();
   out->groups = make_sim_groups(c);
   out->device = c.simulated_device;

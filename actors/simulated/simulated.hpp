@@ -35,6 +35,11 @@
 
 namespace troupe {
 
+/// How long a simulated node's peers hear nothing from it before it is lost
+/// (faults.freeze_node): a node process's connection timeout (actors/node.hpp's
+/// node_options::connection_timeout), in real time (the control plane's clock).
+inline constexpr std::chrono::milliseconds simulated_connection_timeout{5000};
+
 struct sim_groups;
 
 /// The modelled times of a simulated job (runtime_context::simulated), and its shards'

@@ -27,6 +27,10 @@ struct sim_stage_state {
   std::int64_t ticks = 0;      // ops started (each one's end is tick n)
   fault_injector faults;       // fault injection (tests): throw_at and freeze as a real stage's
   caf::actor_addr supervisor;  // its node's (faults.kill_node ends it: the node is lost)
+  // faults.freeze_node: its node went silent (it starts no op); since when (the node's
+  // first slot's stage: it ends the supervisor once the connection timeout has passed).
+  bool frozen = false;
+  std::chrono::steady_clock::time_point frozen_at{};
   // --- per step ---
   std::int64_t step = -1;
   std::int32_t attempt = 0;
@@ -72,7 +76,7 @@ class sim_stage {
 
   /// Starts the next op of the order when its inputs are here and no op is running.
   void run_ready() {
-    if (!s_.running || s_.busy || s_.next_op >= s_.order->size()) return;
+    if (s_.frozen || !s_.running || s_.busy || s_.next_op >= s_.order->size()) return;
     const auto& op = (*s_.order)[s_.next_op];
     if (!ready(op)) return;
     double extra = 0;
@@ -190,6 +194,22 @@ class sim_stage {
     self_->send(s_.wiring->supervisor, std::move(done));
   }
 
+  /// faults.freeze_node: once its node has been silent for the connection timeout, the
+  /// node is lost (its supervisor ends, with every actor of the node).
+  void connection_timed_out() {
+    if (!s_.frozen || s_.frozen_at == std::chrono::steady_clock::time_point{} ||
+        std::chrono::steady_clock::now() - s_.frozen_at < simulated_connection_timeout)
+      return;
+    const auto seconds = std::chrono::duration<double>(simulated_connection_timeout).count();
+    spdlog::warn("simulated node {}: silent for {:.0f} s, its connection timed out: the node is lost", s_.wiring->node,
+                 seconds);
+    self_->send_exit(s_.supervisor,
+                     caf::make_error(caf::sec::runtime_error,
+                                     "simulated node " + std::to_string(s_.wiring->node) + " silent for " +
+                                         fmt::format("{:.0f}", seconds) +
+                                         " s: its connection timed out (faults.freeze_node)"));
+  }
+
   /// Whether a message of `step` is taken now (a later one's waits for its begin_step).
   bool accept(std::int64_t step) {
     if (step == s_.step && s_.running) return true;
@@ -205,6 +225,18 @@ class sim_stage {
       spdlog::warn("fault injected: simulated node {} is lost as step {} (index {}) begins", s_.wiring->node,
                    msg.step + 1, msg.step);
       self_->send_exit(s_.supervisor, caf::make_error(caf::sec::runtime_error, std::string("simulated node lost (faults.kill_node)")));
+    }
+    // A silent node (faults.freeze_node: frozen, or cut off from the others): its stages
+    // start no op from now on, and nothing of it reaches the job. A node process's peers
+    // notice only when its connection times out; then it is lost as a killed one is.
+    if (s_.faults.freezes_node(s_.wiring->node, msg.step, msg.attempt)) {
+      s_.frozen = true;
+      if (job_slots(ctx_.cfg, s_.wiring->node, ctx_.cfg.simulated_nodes).front() == std::make_pair(s_.replica, s_.stage)) {
+        spdlog::warn("fault injected: simulated node {} goes silent as step {} (index {}) begins", s_.wiring->node,
+                     msg.step + 1, msg.step);
+        s_.frozen_at = std::chrono::steady_clock::now();
+        self_->delayed_send(self_, simulated_connection_timeout, run_atom_v);
+      }
     }
     s_.step = msg.step;
     s_.attempt = msg.attempt;
@@ -259,6 +291,10 @@ class sim_stage {
     };
     if (report_other_step(rep, s_.step, step)) return rep;
     rep.state = "ran " + std::to_string(s_.next_op) + " of " + std::to_string(s_.order->size()) + " simulated ops";
+    if (s_.frozen) {
+      rep.state += ", its node silent (faults.freeze_node)";
+      return rep;
+    }
     if (s_.busy) {
       rep.state += ", computing";
       return rep;
@@ -345,7 +381,7 @@ stage_actor::behavior_type sim_stage_behavior(sim_stage_self self, std::shared_p
       [=](eval_activation&) { refuse("evaluation"); },
       [=](const eval_target&) {},
       [=](eval_atom, std::int64_t) -> std::vector<trace_event> { return {}; },
-      [=](run_atom) {},
+      [=](run_atom) { logic->connection_timed_out(); },
       [=](run_atom, std::int64_t tick) { logic->op_end(tick); },
       [=](const reset_step&) -> reset_report { return logic->reset(); },
       [=](wait_atom, std::int64_t step) -> wait_report { return logic->waits(step); },

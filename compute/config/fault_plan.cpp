@@ -60,23 +60,30 @@ const char* name(message_action a) {
 }
 
 bool fault_plan::empty() const {
-  return !stage_throw && !message && !stall && !freeze && kills.empty() && !write_kill && nan_at < 0;
+  return !stage_throw && !message && !stall && !freeze && kills.empty() && freezes.empty() && !write_kill &&
+         nan_at < 0;
 }
 
 fault_plan fault_plan::parse(const fault_keys& cfg) {
   fault_plan plan;
   plan.attempt = cfg.fault_attempt;
   plan.nan_at = cfg.nan_at;
-  if (!cfg.kill_node.empty()) {
-    const auto usage = "faults.kill_node must be node:step or several joined by '+' (one per node), not '" +
-                       cfg.kill_node + "'";
-    for (const auto& item : split(cfg.kill_node, '+')) {
+  // node:step[+node:step...], a node once.
+  const auto node_steps = [](const std::string& text, const char* key) {
+    std::map<int, std::int64_t> out;
+    if (text.empty()) return out;
+    const auto usage =
+        std::string(key) + " must be node:step or several joined by '+' (one per node), not '" + text + "'";
+    for (const auto& item : split(text, '+')) {
       const auto f = split(item, ':');
       const auto node = f.size() == 2 ? count(f[0]) : std::nullopt;
       const auto step = f.size() == 2 ? count(f[1]) : std::nullopt;
-      if (!node || !step || !plan.kills.emplace(int(*node), *step).second) throw config_error(usage);
+      if (!node || !step || !out.emplace(int(*node), *step).second) throw config_error(usage);
     }
-  }
+    return out;
+  };
+  plan.kills = node_steps(cfg.kill_node, "faults.kill_node");
+  plan.freezes = node_steps(cfg.freeze_node, "faults.freeze_node");
 
   if (!cfg.throw_at.empty()) {
     const auto f = split(cfg.throw_at, ':');
@@ -189,6 +196,11 @@ bool fault_injector::shard_stalls(int stage, int rank, std::int64_t step, std::i
 bool fault_injector::kills_node(int node, std::int64_t step, std::int32_t attempt) const {
   const auto it = plan_.kills.find(node);
   return attempt == 0 && it != plan_.kills.end() && it->second == step;
+}
+
+bool fault_injector::freezes_node(int node, std::int64_t step, std::int32_t attempt) const {
+  const auto it = plan_.freezes.find(node);
+  return attempt == 0 && it != plan_.freezes.end() && it->second == step;
 }
 
 std::optional<double> fault_injector::write_kill(int node, std::int64_t step) const {

@@ -9,6 +9,7 @@
 //   stall     = "stage:rank:step"                    a shard never starts its reduce-scatter
 //   freeze    = "replica:stage:step[:SECONDS]"       a stage actor's thread blocks (default 15 s)
 //   kill_node = "node:step[+node:step...]"           a node process SIGKILLs itself
+//   freeze_node = "node:step[+node:step...]"         a simulated node goes silent (frozen, cut off)
 //   kill_in_write = "node:step[:SECONDS]"            ... during its background checkpoint write
 //   nan_at    = step                                 the last stages' losses are NaN
 //   attempt   = N                                    the launch the faults fire in
@@ -33,6 +34,7 @@ struct fault_keys {
   int fault_attempt = 0;
   int pipeline = 1;
   std::string kill_in_write;
+  std::string freeze_node;
 };
 
 /// When a stage actor throws: before the step's second op, as its updated parameters
@@ -85,6 +87,7 @@ struct fault_plan {
   std::optional<stall_fault> stall;
   std::optional<freeze_fault> freeze;
   std::map<int, std::int64_t> kills;  ///< node -> the step whose beginning kills its process
+  std::map<int, std::int64_t> freezes;  ///< simulated node -> the step whose beginning silences it
   std::optional<write_kill_fault> write_kill;
   std::int64_t nan_at = -1;
   int attempt = 0;                    ///< the launch the faults fire in
@@ -112,6 +115,8 @@ class fault_injector {
   std::optional<double> take_freeze(int replica, int stage, std::int64_t step, std::int32_t attempt);
   bool shard_stalls(int stage, int rank, std::int64_t step, std::int32_t attempt) const;
   bool kills_node(int node, std::int64_t step, std::int32_t attempt) const;
+  /// Whether simulated node `node` goes silent as `step` begins (faults.freeze_node).
+  bool freezes_node(int node, std::int64_t step, std::int32_t attempt) const;
   /// Seconds after which node `node` dies in its background write of the checkpoint
   /// after step `step` (checkpoints are written in a step's first attempt's launch only).
   std::optional<double> write_kill(int node, std::int64_t step) const;

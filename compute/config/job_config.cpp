@@ -445,6 +445,12 @@ const std::vector<key_def>& key_defs() {
       string_key("faults.kill_node", "node:step[+node:step...] - that node's process SIGKILLs itself as that step (0-based index) "
                  "begins (simulated nodes: its supervisor ends, with every actor of the node; testing)",
                  &job_config::kill_node),
+      string_key("faults.freeze_node",
+                 "node:step[+node:step...] - that simulated node goes silent as that step (0-based index) begins, as "
+                 "a frozen or cut-off node process does: its actors run nothing more, and it is lost once its "
+                 "connection times out (5 s), then rejoins from its buddy's copies (compute simulated with "
+                 "simulated_nodes; testing)",
+                 &job_config::freeze_node),
       string_key("faults.message",
                  "ACTION@replica:stage:step[:loss|:eval] - drop, duplicate, corrupt or delay (delay=SECONDS; "
                  "default 0.3) that stage's first tensor message of that step, or (:loss) the last stage's first "
@@ -836,6 +842,9 @@ void job_config::validate() const {
   if (simulated_nodes > 1 && compute != "simulated")
     fail("simulated_nodes " + std::to_string(simulated_nodes) + " needs compute simulated (real nodes are node "
          "processes: launch/troupe train --nodes N)");
+  if (!freeze_node.empty() && compute != "simulated")
+    fail("faults.freeze_node silences a simulated node (compute simulated, simulated_nodes above 1); a node "
+         "process is frozen with SIGSTOP (kill -STOP), or cut off by its network");
   if (schedule == "dataflow") {
     if (chunks != 1) fail("dataflow takes no virtual chunks (got chunks " + std::to_string(chunks) + ")");
     if (runtime != "actors") fail("the dataflow schedule needs the actors runtime");

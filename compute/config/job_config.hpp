@@ -124,6 +124,7 @@ struct job_config {
   std::string throw_at;               ///< "replica:stage:step[:late|:eval]": that stage throws
   int nan_at = -1;                    ///< step whose losses are made NaN (-1: none)
   std::string kill_node;              ///< "node:step[+node:step]": that node's process SIGKILLs itself
+  std::string freeze_node;            ///< "node:step[+node:step]": that simulated node goes silent (frozen or cut off)
   std::string message;                ///< "ACTION[=SECONDS]@replica:stage:step[:loss|:eval]"
   std::string stall;                  ///< "stage:rank:step": that shard never starts its reduce-scatter
   std::string freeze;                 ///< "replica:stage:step[:SECONDS]": that stage's thread blocks
@@ -131,7 +132,7 @@ struct job_config {
   int fault_attempt = 0;              ///< the launch (0: first, 1: first restart, ...) they fire in
   /// The [faults] keys, for fault_plan::parse.
   fault_keys faults() const {
-    return {throw_at, nan_at, kill_node, message, stall, freeze, fault_attempt, pipeline, kill_in_write};
+    return {throw_at, nan_at, kill_node, message, stall, freeze, fault_attempt, pipeline, kill_in_write, freeze_node};
   }
 
   /// The defaults of a workload of WORKLOADS.md.

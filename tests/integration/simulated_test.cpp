@@ -203,9 +203,13 @@ TEST(SimulatedRun, RefusesWhatItCannotSimulate) {
   expect_refused(c, "3 nodes need pipeline x data_parallel (2 x 2) divisible by the node count");
   c.simulated_nodes = 2;
   c.kill_node = "0:1";
-  expect_refused(c, "node 0, the coordinator's, is not killed");
+  expect_refused(c, "node 0, the coordinator's, is not lost");
   c.kill_node = "2:1";
-  expect_refused(c, "the simulated nodes that can be killed are 1 to 1");
+  expect_refused(c, "the simulated nodes that can be lost are 1 to 1");
+  c.kill_node.clear();
+  c.freeze_node = "0:1";
+  expect_refused(c, "faults.freeze_node names node 0");
+  c.freeze_node.clear();
   c.simulated_nodes = 1;
   c.kill_node = "1:1";
   expect_refused(c, "the job is one node (train.simulated_nodes 1)");
@@ -250,6 +254,47 @@ TEST(SimulatedRun, ALostNodeRejoinsFromItsBuddysCopies) {
   for (const auto& e : r.events) stage_ops += e.name == "F" || e.name == "B";
   for (const auto& e : plain.events) plain_ops += e.name == "F" || e.name == "B";
   EXPECT_EQ(stage_ops, plain_ops);
+}
+
+// A silent node (faults.freeze_node: frozen, or cut off): node 2 starts no op as step 2
+// begins, and nothing of it reaches the job. It is lost only once its connection times
+// out (5 s of silence), then rejoins as a killed node does: every step commits, with the
+// plain run's losses, and the step that lost it lasted at least the timeout.
+TEST(SimulatedRun, ASilentNodeIsLostWhenItsConnectionTimesOutAndRejoins) {
+  test::temp_dir dir;
+  auto c = simulated_job(4, 1024, 1024, 1.0);
+  c.pipeline = 2;
+  c.data_parallel = 4;
+  c.microbatches = 4;
+  c.global_batch = 16;
+  c.steps = 3;
+  c.simulated_nodes = 4;
+  c.hang_min_seconds = 60;  // (the connection timeout, not the hang watchdog, finds it)
+  const auto plain = run_quiet(c);
+  ASSERT_EQ(plain.exit_code, 0) << plain.error;
+  c.freeze_node = "2:1";
+  c.metrics = dir / "metrics.jsonl";
+  const auto r = run_quiet(c);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  EXPECT_EQ(r.losses, plain.losses);
+  std::ifstream in(c.metrics);
+  std::vector<nlohmann::json> retries;
+  std::map<int, double> committed_at;  // step -> seconds since the job's start
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("event", "") == "retry") retries.push_back(j);
+    if (j.contains("step_seconds")) committed_at[j.at("step").get<int>()] = j.at("since_start_seconds").get<double>();
+  }
+  ASSERT_EQ(retries.size(), 1u);
+  EXPECT_EQ(retries[0].at("step").get<int>(), 1);
+  EXPECT_EQ(retries[0].at("rejoined_nodes"), nlohmann::json::array({2}));
+  ASSERT_TRUE(committed_at.count(0) && committed_at.count(1));
+  EXPECT_GE(committed_at[1] - committed_at[0], 5.0) << "lost before its connection timed out";
+  // A real job's node is frozen with SIGSTOP: the key is refused there.
+  auto real = c;
+  real.compute = "real";
+  real.simulated_nodes = 1;
+  EXPECT_NE(test::config_error_of(real).find("faults.freeze_node silences a simulated node"), std::string::npos);
 }
 
 // A real run's trace as the cost model (simulated_device "trace:FILE"): each virtual

@@ -85,6 +85,9 @@ TEST(FaultPlan, BadKeysNameTheKeyAndValue) {
         << bad;
   for (const char* bad : {"1:5+1:6", "1:5+", "1", "1:-2"})
     EXPECT_NE(error_of({{"kill_node", bad}}).find("faults.kill_node must be node:step"), std::string::npos) << bad;
+  EXPECT_NE(error_of({{"compute", "simulated"}, {"freeze_node", "1"}}).find("faults.freeze_node must be node:step"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"freeze_node", "1:2"}}).find("faults.freeze_node silences a simulated node"), std::string::npos);
 }
 
 TEST(FaultPlan, TheInjectorFiresInTheFirstAttemptOfItsStepOnly) {
@@ -116,6 +119,14 @@ TEST(FaultPlan, TheInjectorFiresInTheFirstAttemptOfItsStepOnly) {
   EXPECT_TRUE(faults.nan_loss(7, 0));
   EXPECT_FALSE(faults.nan_loss(7, 1));
   EXPECT_FALSE(fault_injector().nan_loss(0, 0)) << "an empty plan fires nothing";
+  const auto silent = plan_of({{"compute", "simulated"}, {"freeze_node", "1:4+2:6"}});
+  EXPECT_EQ(silent.freezes, (std::map<int, std::int64_t>{{1, 4}, {2, 6}}));
+  EXPECT_FALSE(silent.empty());
+  fault_injector frozen(silent);
+  EXPECT_TRUE(frozen.freezes_node(1, 4, 0));
+  EXPECT_FALSE(frozen.freezes_node(1, 4, 1));  // the retry runs clean
+  EXPECT_FALSE(frozen.freezes_node(1, 6, 0));
+  EXPECT_FALSE(frozen.kills_node(1, 4, 0));
 }
 
 }  // namespace troupe
