@@ -197,9 +197,14 @@ class sim_stage {
   /// faults.freeze_node: once its node has been silent for the connection timeout, the
   /// node is lost (its supervisor ends, with every actor of the node).
   void connection_timed_out() {
-    if (!s_.frozen || s_.frozen_at == std::chrono::steady_clock::time_point{} ||
-        std::chrono::steady_clock::now() - s_.frozen_at < simulated_connection_timeout)
+    if (!s_.frozen || s_.frozen_at == std::chrono::steady_clock::time_point{}) return;
+    const auto silent = std::chrono::steady_clock::now() - s_.frozen_at;
+    if (silent < simulated_connection_timeout) {  // (early: wait for the rest of it)
+      self_->delayed_send(self_, std::chrono::duration_cast<std::chrono::milliseconds>(simulated_connection_timeout - silent) +
+                                     std::chrono::milliseconds(1),
+                          run_atom_v);
       return;
+    }
     const auto seconds = std::chrono::duration<double>(simulated_connection_timeout).count();
     spdlog::warn("simulated node {}: silent for {:.0f} s, its connection timed out: the node is lost", s_.wiring->node,
                  seconds);

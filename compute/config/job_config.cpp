@@ -332,7 +332,7 @@ const std::vector<key_def>& key_defs() {
       bool_key("parallel.fsdp_prefetch",
                "shard = parameters: start the next unit's all-gather while the stage computes with this one "
                "(by blocks: the next block's; by chunks: one op ahead, or for the step's first op while it "
-               "waits for its input); the working set is then up to two units",
+               "waits for its input); a unit's parameters are then held beside the one computing",
                &job_config::fsdp_prefetch),
       bool_key("parallel.sequence_parallel",
                "tensor_parallel > 1: the norms, residuals and embeddings hold 1/tensor_parallel of the sequence "
@@ -447,7 +447,7 @@ const std::vector<key_def>& key_defs() {
                  &job_config::kill_node),
       string_key("faults.freeze_node",
                  "node:step[+node:step...] - that simulated node goes silent as that step (0-based index) begins, as "
-                 "a frozen or cut-off node process does: its actors run nothing more, and it is lost once its "
+                 "a frozen or cut-off node process does: its stages run nothing more, and it is lost once its "
                  "connection times out (5 s), then rejoins from its buddy's copies (compute simulated with "
                  "simulated_nodes; testing)",
                  &job_config::freeze_node),

@@ -69,15 +69,18 @@ class model_slice : public named_parameters {
   /// Parameter views, in entry order.
   const std::vector<torch::Tensor>& parameters() const { return params_; }
   torch::Tensor& param(const std::string& name) override;
-  /// Flat buffers; their length is the entries' total rounded up to `pad_to`. The
-  /// parameters' buffer is in the slice's parameter dtype, the gradients' in fp32.
+  /// Flat buffers; their length is the entries' total rounded up to `pad_to` (each
+  /// block begun at a multiple of it: entry_block). The parameters' buffer is in the
+  /// slice's parameter dtype, the gradients' in fp32. After split_buffers they no longer
+  /// hold the parameters (their layout and length stay; use set_params, not these).
   torch::Tensor flat_params() const { return flat_params_; }
   /// Sets every parameter from `src`, a flat buffer of the same length (any dtype and
   /// device; rounded to the parameter dtype), fp32 copies included. Writing into
   /// `flat_params()` directly leaves a bf16 slice's fp32 copies stale.
   void set_params(const torch::Tensor& src);
-  /// After writing into `flat_params()` directly: a bf16 slice's fp32 copies take the
-  /// buffer's values (fp32 slices have none).
+  /// After writing into the parameters' buffer directly (`flat_params()`, or a unit's
+  /// after split_buffers): a bf16 slice's fp32 copies take its values (fp32 slices have
+  /// none).
   void refresh_copies();
   torch::Tensor flat_grads() const { return flat_grads_; }
   std::int64_t numel() const { return numel_; }  ///< without padding
@@ -85,7 +88,7 @@ class model_slice : public named_parameters {
   /// expert_share): [0, expert_offset()) holds the dense parameters, padded; the rest this
   /// rank's experts, padded. Without an expert region: the buffers' length.
   std::int64_t expert_offset() const { return expert_offset_; }
-  void zero_grads() { flat_grads_.zero_(); }
+  void zero_grads() { flat_grads_.zero_(); }  ///< (not after split_buffers: the units' buffers hold them)
 
   /// The block (transformer layer) entry `i` belongs to; -1 for the embeddings, the final
   /// norm and the output layer (and every parameter of a model without blocks). A

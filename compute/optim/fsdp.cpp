@@ -64,7 +64,9 @@ void release_storage(const torch::Tensor& t, storage_pool* pool) {
 
 void materialize_storage(const torch::Tensor& t, std::size_t nbytes, storage_pool* pool) {
   auto* impl = t.storage().unsafeGetStorageImpl();
-  if (impl->nbytes() != 0) return;
+  // (An empty buffer, a middle stage's rest by blocks: it takes nothing, not a pool's block
+  // that its release would not give back.)
+  if (impl->nbytes() != 0 || nbytes == 0) return;
   impl->set_data_ptr_noswap(pool ? pool->take(nbytes, impl->allocator()) : impl->allocator()->allocate(nbytes));
   impl->set_nbytes(nbytes);
 }

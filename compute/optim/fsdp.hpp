@@ -62,7 +62,7 @@ class storage_pool {
 /// pool the memory goes there.
 void release_storage(const torch::Tensor& t, storage_pool* pool = nullptr);
 /// Gives `t`'s storage `nbytes` of fresh (uninitialised) memory where it holds none
-/// (from `pool` when given).
+/// (from `pool` when given). No-op for 0 bytes.
 void materialize_storage(const torch::Tensor& t, std::size_t nbytes, storage_pool* pool = nullptr);
 /// Whether `t`'s storage holds its bytes.
 bool storage_held(const torch::Tensor& t);

@@ -585,11 +585,13 @@ prediction predict_with(const problem& pr, const layout& l, schedule_cache& cach
     const auto dpt = dp_terms_of(pr, l, params, dense, layers);
     const double shard_of = dpt.shard_of;
     memory_use mem;
-    // Parameters sharded, by blocks (parallel.fsdp_unit's default): the chunk's rest
-    // gathered while the stage's ops are on it, the block computing and the next one's,
-    // prefetched beside it (parallel.fsdp_prefetch); gradients: the rest's and one block's.
+    // Parameters sharded, by blocks (parallel.fsdp_unit's default, which the planner
+    // models): the chunk's rest gathered while the stage's ops are on it, the block
+    // computing and the next one's, prefetched beside it (parallel.fsdp_prefetch);
+    // gradients: the rest's and one block's (split backwards: every block's until the
+    // run of ops on the chunk ends, a chunk's).
     mem.params = (shard_params ? shard_of + rest_max + 2 * block_max : params) * dev.dtype_bytes;
-    mem.grads = (shard_grads ? shard_of + rest_max + block_max : params) * 4;
+    mem.grads = (shard_grads ? shard_of + (split ? chunk_max : rest_max + block_max) : params) * 4;
     mem.optimizer = shard_of * 12;  // fp32 main copy, two moments
     mem.activations = act * sim.peak_activations[std::size_t(r)] + recomputing;
     if (mem.total() > worst_mem) {

@@ -103,6 +103,23 @@ TEST(Fsdp, AReleasedStorageRefilledBeforeTheBackwardServesItsSavedViews) {
   EXPECT_TRUE(torch::equal(w.grad(), want.grad()));
 }
 
+TEST(Fsdp, AnEmptyBufferTakesNothingFromThePool) {
+  // A middle stage's rest by blocks has no parameters: its gathers and gradient buffers
+  // must not take (and keep) the pool's block, which no release would give back.
+  storage_pool pool;
+  auto t = torch::empty({1000});
+  const auto bytes = t.storage().nbytes();
+  release_storage(t);
+  materialize_storage(t, bytes, &pool);
+  release_storage(t, &pool);
+  ASSERT_EQ(pool.held(), bytes);
+  auto empty = torch::empty({0});
+  materialize_storage(empty, 0, &pool);
+  EXPECT_EQ(pool.held(), bytes);
+  release_storage(empty, &pool);
+  EXPECT_EQ(pool.held(), bytes);
+}
+
 TEST(Fsdp, ShardedOpsGiveEachRankItsPiecesOfTheSummedGradients) {
   const int R = 2;
   const auto ref = summed_reference("gpt-tiny", 2, R);
