@@ -393,9 +393,6 @@ class stage_logic {
   /// with the rest of the backward).
   void chunk_done(int chunk);
 
-  /// sum_replicated of this stage.
-  void sum_replicated_grads(model_slice& slice, const fsdp_unit* within = nullptr);
-
   /// All ops ran (every chunk's buffer is with the shard or waits for the tied gradient).
   void after_backward();
 

@@ -162,17 +162,12 @@ void stage_logic::compute(op_work& w) {
   sharded_slice* sharded = ctx.shards_grads() ? &s_.sharded.at(std::size_t(w.op.chunk)) : nullptr;
   const bool blocks = sharded && ctx.fsdp_blocks();
   if (sharded) {  // FSDP: the chunk's parameters gathered, its gradient buffers made
-    // (By blocks: the rest of the chunk here, its blocks around their forwards and
-    // backwards, fsdp_block_hooks; a split backward's and a weight pass's gradients stay
-    // until the run ends.)
-    const auto first = blocks ? sharded->rest() : 0;
-    if (w.op.kind != op_kind::weight)
-      for (auto u = first; u < sharded->units.size(); ++u) start_gather(*sharded, u, *s_.dp_group, s_.edp_group.get());
-    if (w.op.kind == op_kind::weight) make_grads(*sharded);
+    // (The chunk's rest: by chunks its one unit, the chunk; by blocks the blocks come
+    // around their forwards and backwards, fsdp_block_hooks. A weight pass's gradients,
+    // and a split backward's, stay until the run ends.)
+    if (w.op.kind != op_kind::weight) gather_params(slice, *sharded, sharded->rest(), *s_.dp_group, s_.edp_group.get());
     if (w.op.kind == op_kind::backward) make_grads(*sharded, sharded->rest());
-    if (!blocks && w.op.kind == op_kind::backward) make_grads(*sharded);
-    for (auto u = first; w.op.kind != op_kind::weight && u < sharded->units.size(); ++u)
-      gather_params(slice, *sharded, u, *s_.dp_group, s_.edp_group.get());
+    if (w.op.kind == op_kind::weight) make_grads(*sharded);
     prefetch(s_.next_op);  // (the next op's chunk, where it is another one)
   }
   s_.fsdp_split = w.split;
@@ -200,7 +195,7 @@ void stage_logic::compute(op_work& w) {
     // as ZeRO-1 sums them once a step (the tensor-parallel ranks run the same order).
     if (s_.sums_replicated())
       for (auto& u : sharded->units)
-        if (storage_held(u.grads)) sum_replicated_grads(slice, &u);
+        if (storage_held(u.grads)) sum_replicated(s_, slice, &u);
     // The tied embedding's copy: kept out of this reduction, reduced once summed with the
     // other copy's (reduce_tied).
     if (auto* sum = s_.tied_sum(w.op.chunk); sum && grads_held(*sharded, sharded->rest())) {
@@ -245,13 +240,13 @@ void stage_logic::prefetch(std::size_t i) {
   if (!ctx.shards_params() || !ctx.cfg.fsdp_prefetch || !s_.order || i >= s_.order->size()) return;
   const auto& op = (*s_.order)[i];
   if (op.kind == op_kind::weight) return;  // (a weight pass needs no parameters)
-  auto& sh = s_.sharded.at(std::size_t(op.chunk));
-  if (!ctx.fsdp_blocks()) return start_gather(sh, 0, *s_.dp_group, s_.edp_group.get(), /*ahead=*/true);
-  // By blocks: the chunk's rest, and the block its op begins with, where the op is on
-  // another chunk (or the step's first): an op on this chunk gathers its own blocks.
+  // The chunk's rest (by chunks: the chunk); by blocks also the block its op begins with.
+  // (Where op i is on the chunk the stage is on, the rest is held and the op gathers its
+  // own blocks.)
   if (i > 0 && (*s_.order)[i - 1].chunk == op.chunk) return;
+  auto& sh = s_.sharded.at(std::size_t(op.chunk));
   start_gather(sh, sh.rest(), *s_.dp_group, s_.edp_group.get(), /*ahead=*/true);
-  if (sh.rest() > 0)
+  if (ctx.fsdp_blocks() && sh.rest() > 0)
     start_gather(sh, op.kind == op_kind::forward ? 0 : sh.rest() - 1, *s_.dp_group, s_.edp_group.get(), true);
 }
 
@@ -396,7 +391,7 @@ void stage_logic::chunk_done(int chunk) {
   if (s_.sums_replicated()) {
     activity_board::op_scope busy(s_.name, s_.wiring->node, s_.generation, s_.step,
                                   "the sum of the replicated parameters' gradients", -1, chunk);
-    sum_replicated_grads(*s_.chunks.at(chunk));
+    sum_replicated(s_, *s_.chunks.at(chunk));
     if (!s_.is_tied_chunk(chunk)) send_held(chunk);  // (a tied chunk's wait for the tied sum too)
   }
   if (!s_.is_tied_chunk(chunk)) return;
@@ -469,10 +464,6 @@ void sum_replicated(stage_state& s, model_slice& slice, const fsdp_unit* within)
     g.copy_(sum.narrow(0, at, g.numel()).view(g.sizes()));
     at += g.numel();
   }
-}
-
-void stage_logic::sum_replicated_grads(model_slice& slice, const fsdp_unit* within) {
-  sum_replicated(s_, slice, within);
 }
 
 void stage_logic::after_backward() {

@@ -47,10 +47,8 @@ reset_report stage_logic::reset() {
   // would not be zeroed, nor reach the shard). Only pointers are compared: a pass over the
   // buffer would cost a read of every gradient and, on a GPU, a host synchronisation per step.
   for (std::size_t i = 0; i < s_.sharded.size(); ++i) {  // FSDP: nothing gathered or made between steps
-    auto& c = *s_.chunks[i];
     release_params(s_.sharded[i]);
-    for (auto& u : s_.sharded[i].units) release_storage(u.grads);
-    release_storage(c.flat_grads());
+    for (auto& u : s_.sharded[i].units) release_storage(u.grads);  // (by chunks: the flat buffer)
     s_.sharded[i].grads.zero_();
   }
   s_.fsdp_pool.clear();

@@ -250,11 +250,6 @@ void reduce_grads(sharded_slice& sh, std::size_t i, collective_group& group, col
   release_storage(u.grads, sh.pool);
 }
 
-void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group, collective_group* experts) {
-  for (std::size_t u = 0; u < sh.units.size(); ++u) start_gather(sh, u, group, experts);
-  for (std::size_t u = 0; u < sh.units.size(); ++u) gather_params(slice, sh, u, group, experts);
-}
-
 void release_params(sharded_slice& sh) {
   for (std::size_t u = 0; u < sh.units.size(); ++u) release_params(sh, u);
 }

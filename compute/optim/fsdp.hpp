@@ -146,8 +146,6 @@ void reduce_grads(sharded_slice& sh, std::size_t u, collective_group& group, col
                   const flat_range* only = nullptr);
 
 /// The same for every unit of the slice (reduce_grads: the last unit first).
-void gather_params(model_slice& slice, sharded_slice& sh, collective_group& group,
-                   collective_group* experts = nullptr);
 void release_params(sharded_slice& sh);
 void make_grads(const sharded_slice& sh);
 void reduce_grads(sharded_slice& sh, collective_group& group, collective_group* experts = nullptr,

@@ -136,10 +136,10 @@ TEST(Fsdp, ShardedOpsGiveEachRankItsPiecesOfTheSummedGradients) {
       auto sh = shard_slice(*slice, buckets, layouts[r], /*params=*/true);
       EXPECT_FALSE(storage_held(slice->flat_params()));
       EXPECT_FALSE(storage_held(slice->flat_grads()));
-      gather_params(*slice, sh, *groups[r]);
+      gather_params(*slice, sh, sh.rest(), *groups[r]);  // (by chunks: the one unit)
       auto loss = slice->loss(slice->forward(tokens[r]), targets[r]);
       release_params(sh);
-      gather_params(*slice, sh, *groups[r]);
+      gather_params(*slice, sh, sh.rest(), *groups[r]);  // (by chunks: the one unit)
       make_grads(sh);
       loss.backward();
       release_params(sh);
