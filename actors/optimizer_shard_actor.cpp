@@ -177,9 +177,14 @@ void init_chunks(shard_state& st, const std::shared_ptr<const shard_snapshot>& f
   const auto& ctx = st.ctx;
   const adamw_options opts{ctx->cfg.beta1, ctx->cfg.beta2, ctx->cfg.eps, ctx->cfg.weight_decay};
   const tensor_parallel tp{ctx->tp_of(st.rank), ctx->t, ctx->sequence_parallel, nullptr};  // (the layout of its part)
+  // (The initial parameters' values only for a shard that starts with the job: one made
+  // later starts from `from`.)
+  const auto init = ctx->take_init();
+  if (!from && !init.empty() && init.front().second.is_meta())
+    throw std::logic_error(st.name + " made after the job's start without a snapshot of its state");
   for (int c = 0; c < ctx->v; ++c) {
     // A slice only to learn the layout and initial values of this range; dropped at once.
-    auto layout = make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(st.stage, c)], ctx->init, ctx->d, ctx->device,
+    auto layout = make_slice(ctx->spec, ctx->ranges[ctx->virtual_stage(st.stage, c)], init, ctx->d, ctx->device,
                              torch::kFloat32, tp, ctx->experts_of(st.rank));
     const auto n = layout->flat_params().numel();
     st.chunks.emplace_back();
@@ -216,7 +221,7 @@ void init_chunks(shard_state& st, const std::shared_ptr<const shard_snapshot>& f
   // Started with the job: a resumed checkpoint's moments, if any.
   ctx->with_resume_moments([&](const std::map<std::string, torch::Tensor>& moments) {
     if (moments.empty()) return;
-    const std::map<std::string, torch::Tensor> init_by_name(ctx->init.begin(), ctx->init.end());
+    const std::map<std::string, torch::Tensor> init_by_name(init.begin(), init.end());
     if (ctx->t == 1) {
       for (auto& ch : st.chunks) restore_shard(ch.entries, ch.layout, ch.opt, init_by_name, moments, ctx->start_step);
       return;

@@ -113,6 +113,7 @@ runtime_context::runtime_context(const job_config& c, std::shared_ptr<const job_
   if (cfg.resume.empty()) check_state(spec, init);
   if (slots) keep_only(*slots);
   resume_shards_left_ = slots ? int(slots->size()) : p * pipes;
+  init_users_left_ = 2 * resume_shards_left_;  // a stage and a shard per slot
   release_freed_memory();  // of what was read and not kept
 }
 
@@ -124,6 +125,18 @@ void runtime_context::with_resume_moments(
     resume_optim.clear();
     release_freed_memory();
   }
+}
+
+state_dict runtime_context::take_init() const {
+  std::lock_guard<std::mutex> lock(init_mutex_);
+  auto out = init;
+  if (!init_released_ && --init_users_left_ <= 0 && !init.empty()) {
+    // Shapes only: the values live on in `out` (and the other takers' copies) until
+    // their actors have laid them out, then nowhere but in the actors.
+    for (auto& entry : init) entry.second = torch::empty(entry.second.sizes(), entry.second.options().device(torch::kMeta));
+    init_released_ = true;
+  }
+  return out;
 }
 
 std::set<std::string> runtime_context::parameters_of(const std::vector<std::pair<int, int>>& slots) const {
@@ -308,6 +321,9 @@ actor_run_result run_actor_training(const job_config& cfg_in, const actor_run_op
     wiring->clear();
   }
   await_checkpoint_writes(checkpoint_write_seconds);  // one the run abandoned: not left writing
+  result->initial_bytes_held = 0;
+  for (const auto& [name, t] : ctx->init)
+    if (!t.is_meta()) result->initial_bytes_held += t.nbytes();
   return *result;
 }
 

@@ -150,7 +150,18 @@ struct runtime_context {
   /// decoders by default; fp32 for the MLP). What a stage widens a received activation or
   /// gradient to.
   torch::ScalarType residual_dtype = torch::kFloat32;
-  state_dict init;                   ///< initial parameters (or the resumed ones): the whole model's, a node process's stages' after keep_only
+  /// The initial parameters (or the resumed ones): the whole model's, a node process's
+  /// stages' after keep_only. Actors take them with take_init; once every stage and shard
+  /// this process starts with has, only their names and shapes stay (tensors on the meta
+  /// device, no storage): the parameters then live in the actors alone (with parameters
+  /// sharded, in the shards alone), and an actor made later (an in-place retry, a rejoin)
+  /// takes its values from the snapshots.
+  mutable state_dict init;
+  /// `init`'s tensors (shared handles, valid while the caller keeps them) for one of this
+  /// process's stages or shards; counts it, and the last of them (slots, or p x pipes of
+  /// each without) leaves `init` with shapes only. Taken after that, the tensors are meta:
+  /// the caller must take values from elsewhere.
+  state_dict take_init() const;
   /// --load / --resume: AdamW moments by name (likewise). Held only while the job starts:
   /// emptied once every shard of this process has restored from it (with_resume_moments).
   mutable std::map<std::string, torch::Tensor> resume_optim;
@@ -180,6 +191,9 @@ struct runtime_context {
  private:
   mutable std::mutex resume_mutex_;
   mutable int resume_shards_left_ = 0;  ///< shards yet to restore from resume_optim
+  mutable std::mutex init_mutex_;
+  mutable int init_users_left_ = 0;  ///< stages and shards yet to take `init`
+  mutable bool init_released_ = false;
 
  public:
   std::shared_ptr<const job_clock> clock;  ///< the timeline of trace events
@@ -321,6 +335,9 @@ struct actor_run_result {
     int step = 0;  ///< after this many steps
   };
   std::vector<evaluation_record> evaluations;  ///< every evaluation of the run
+  /// Bytes of initial parameters the process still held at the end (runtime_context::init;
+  /// 0 once its stages and shards have taken them).
+  std::int64_t initial_bytes_held = 0;
 };
 
 /// An actor's exception as its exit reason, with the exception's message (install with

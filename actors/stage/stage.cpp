@@ -66,8 +66,13 @@ tensor_parallel join_tensor_group(stage_state& st, const std::shared_ptr<transpo
 /// theirs; every bucket's pieces go back in place, rounded as the all-gather rounds).
 void make_chunks(stage_state& st, const tensor_parallel& tp, const std::vector<torch::Tensor>& params) {
   const auto& ctx = *st.ctx;
+  // (The initial parameters' values only for a stage that starts with the job: one made
+  // later starts from `params`.)
+  const auto init = ctx.take_init();
+  if (params.empty() && !init.empty() && init.front().second.is_meta())
+    throw std::logic_error(st.name + " made after the job's start without its parameters before the step");
   for (int c = 0; c < ctx.v; ++c) {
-    st.chunks.push_back(make_slice(ctx.spec, ctx.ranges[ctx.virtual_stage(st.stage, c)], ctx.init, ctx.d, ctx.device,
+    st.chunks.push_back(make_slice(ctx.spec, ctx.ranges[ctx.virtual_stage(st.stage, c)], init, ctx.d, ctx.device,
                                    ctx.compute_dtype, tp, ctx.experts_of(st.replica)));
     auto& chunk = *st.chunks.back();
     chunk.set_recompute(parse_recompute(ctx.cfg.recompute));

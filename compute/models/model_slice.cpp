@@ -115,7 +115,9 @@ void model_slice::allocate(const model_spec& spec, const state_dict& state, std:
   for (std::size_t i = 0; i < entries_.size(); ++i) {
     const auto& e = entries_[i];
     auto view = flat_params_.narrow(0, e.offset, e.numel).view(e.shape);
-    view.copy_(given.at(e.name));  // (rounded in a bf16 buffer)
+    // (Rounded in a bf16 buffer. A meta tensor gives the shape only: the caller sets the
+    // values, as an actor rebuilt from snapshots does.)
+    if (!given.at(e.name).is_meta()) view.copy_(given.at(e.name));
     auto p = view;
     sources_.push_back(view);
     if (param_dtype != torch::kFloat32 && computes_in_fp32(e.name)) {

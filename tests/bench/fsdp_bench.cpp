@@ -248,22 +248,22 @@ int main(int argc, char** argv) {
       // parameters) for the run, and of the blocks one block's gradients (R + B working
       // with gradients), and the parameters of the block computing and of the next one,
       // prefetched (2 R + 3 B with parameters).
-      // Per process: the job's initial parameters (W, ctx->init), spread over the d ranks.
-      const double shard = 4 * p4 / d, process = p4 / d;
+      // (The job's initial parameters are the actors' alone once they have started:
+      // runtime_context::take_init.)
+      const double shard = 4 * p4 / d;
       double between = 0, working = 3 * p4 / d;  // (the update's second bank)
       if (std::string(level) == "optimizer") between = 3 * p4 + shard;
       if (std::string(level) == "gradients") between = 2 * p4 + shard + p4 / d, working += blocks ? r4 + b4 : p4;
       if (std::string(level) == "parameters") between = shard + p4 / d, working += blocks ? 2 * r4 + 3 * b4 : 2 * p4;
       std::printf("| %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", level,
                   std::string(level) == "optimizer" ? "-" : unit, d, m.peak_mb / d, m.between_mb / d,
-                  between + process, between + working + process, m.step_s);
+                  between, between + working, m.step_s);
       std::fflush(stdout);
     }
   }
   if (only_memory) return 0;
   // Hybrid sharding: parameters sharded within groups of g of the 8 replicas, replicated
-  // across them: a rank's model state is that of d = g (every 1/d of the formula is 1/g);
-  // the process's initial parameters are still spread over the 8 replicas.
+  // across them: a rank's model state is that of d = g (every 1/d of the formula is 1/g).
   if (!only_speed)
     std::printf("\nhybrid sharding, parameters, d = 8 replicas in shard groups of g (per rank, MB)\n"
                 "| g | peak | between steps | formula between | formula peak | step s |\n"
@@ -276,9 +276,9 @@ int main(int argc, char** argv) {
     c.shard = "parameters";
     c.shard_group = g;
     const auto m = run(c);
-    const double between = 5 * p4 / g, working = 2 * r4 + 3 * b4 + 3 * p4 / g, process = p4 / 8;  // (by blocks)
-    std::printf("| %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", g, m.peak_mb / 8, m.between_mb / 8, between + process,
-                between + working + process, m.step_s);
+    const double between = 5 * p4 / g, working = 2 * r4 + 3 * b4 + 3 * p4 / g;  // (by blocks)
+    std::printf("| %d | %.1f | %.1f | %.1f | %.1f | %.3f |\n", g, m.peak_mb / 8, m.between_mb / 8, between,
+                between + working, m.step_s);
     std::fflush(stdout);
   }
   if (only_hybrid) return 0;
