@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "actors/simulated/simulated.hpp"
 #include "compute/trainer/local_trainer.hpp"
 #include "messages/type_ids.hpp"
 
@@ -79,7 +80,12 @@ void start_step(loader_self self, const begin_step& msg);
 
 /// What both phases answer alike: the hang probe, the reset check, an abort.
 auto wait_handler(loader_self self) {
-  return [self](wait_atom, std::int64_t step) -> wait_report { return loader_waits(self->state, step); };
+  return [self](wait_atom, std::int64_t step) -> caf::result<wait_report> {
+    const auto& s = self->state;
+    if (s.ctx->simulated && s.ctx->simulated->groups->silent(s.wiring->node))
+      return self->make_response_promise<wait_report>();  // (a silent simulated node: never answered)
+    return loader_waits(s, step);
+  };
 }
 
 auto reset_handler(loader_self self) {

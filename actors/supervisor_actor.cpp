@@ -215,6 +215,9 @@ node_actors spawn_all(supervisor_self self, std::int64_t step, std::int32_t roun
 
 bool current(const supervisor_state& s, std::int32_t round) { return s.recovering && s.recovering->round == round; }
 
+/// A simulated node silent now (faults.freeze_node): it answers nothing until it is lost.
+bool silent(const supervisor_state& s) { return s.ctx->simulated && s.ctx->simulated->groups->silent(s.plan.node); }
+
 supervisor_actor::behavior_type serving(supervisor_self self);
 supervisor_actor::behavior_type recovering(supervisor_self self);
 
@@ -552,6 +555,8 @@ auto spawned(supervisor_self self) {
 auto retry_in_place(supervisor_self self) {
   return [self](recover_atom, std::int64_t step, std::int32_t round) -> caf::result<node_actors> {
     auto& s = self->state;
+    // (A silent node neither rebuilds nor answers: the round waits until it is lost.)
+    if (silent(s)) return self->make_response_promise<node_actors>();
     auto rp = start_recovery(self, step, round);
     if (!rp) return stale_round(round);
     if (s.children.empty()) {
@@ -676,7 +681,8 @@ auto relay_clip(supervisor_self self) {
 /// actors that cannot answer while inside an op). The reports held go first, so that the
 /// coordinator has all that the actors sent before they answered its probe.
 auto activity(supervisor_self self) {
-  return [self](activity_atom, std::int64_t step) {
+  return [self](activity_atom, std::int64_t step) -> caf::result<std::vector<wait_report>> {
+    if (silent(self->state)) return self->make_response_promise<std::vector<wait_report>>();
     flush_reports(self);
     return activity_board::reports(self->state.wiring->generation, step);
   };

@@ -216,6 +216,19 @@ void sim_collective::forget_below(std::int64_t n) {
   arrived_.erase(arrived_.begin(), arrived_.lower_bound(n));
 }
 
+void sim_groups::silence(int node, bool on) {
+  std::lock_guard<std::mutex> lock(silent_m_);
+  if (on)
+    silent_.insert(node);
+  else
+    silent_.erase(node);
+}
+
+bool sim_groups::silent(int node) const {
+  std::lock_guard<std::mutex> lock(silent_m_);
+  return silent_.count(node) > 0;
+}
+
 std::shared_ptr<sim_groups> make_sim_groups(const job_config& c) {
   auto g = std::make_shared<sim_groups>();
   for (int i = 0; i < c.pipeline * c.tensor_parallel; ++i)  // (runtime_context: p x t groups of d = DP x CP)

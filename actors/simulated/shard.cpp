@@ -191,8 +191,10 @@ shard_actor::behavior_type sim_shard_behavior(sim_shard_self self, std::shared_p
         s.events.clear();
         return rep;
       },
-      [=](wait_atom, std::int64_t step) -> wait_report {
+      [=](wait_atom, std::int64_t step) -> caf::result<wait_report> {
         auto& s = self->state;
+        if (s.ctx->simulated->groups->silent(s.wiring->node))
+          return self->make_response_promise<wait_report>();  // (its node silent: never answered)
         wait_report rep;
         rep.actor = s.name;
         rep.node = s.wiring->node;

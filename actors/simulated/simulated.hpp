@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -89,9 +90,19 @@ class sim_collective {
 };
 
 /// The simulated collectives of a job (one per shard group: (stage, tensor-parallel
-/// rank)), made once per job (simulated_costs::groups).
+/// rank)), made once per job (simulated_costs::groups), and its silent nodes.
 struct sim_groups {
   std::vector<std::shared_ptr<sim_collective>> by_group;  ///< [stage * t + tp]
+  /// faults.freeze_node: a node silent from now (`on`) until it is lost (off). None of its
+  /// actors (its supervisor, stages, shards, loader) answers anything meanwhile, as a
+  /// frozen or cut-off node process's would not: the hang probe and a retry's rebuild
+  /// wait on them until the node is lost.
+  void silence(int node, bool on);
+  bool silent(int node) const;
+
+ private:
+  mutable std::mutex silent_m_;
+  std::set<int> silent_;
 };
 std::shared_ptr<sim_groups> make_sim_groups(const job_config& c);
 

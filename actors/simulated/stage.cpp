@@ -206,6 +206,7 @@ class sim_stage {
       return;
     }
     const auto seconds = std::chrono::duration<double>(simulated_connection_timeout).count();
+    ctx_.simulated->groups->silence(s_.wiring->node, false);  // (its replacement speaks)
     spdlog::warn("simulated node {}: silent for {:.0f} s, its connection timed out: the node is lost", s_.wiring->node,
                  seconds);
     self_->send_exit(s_.supervisor,
@@ -240,6 +241,7 @@ class sim_stage {
         spdlog::warn("fault injected: simulated node {} goes silent as step {} (index {}) begins", s_.wiring->node,
                      msg.step + 1, msg.step);
         s_.frozen_at = std::chrono::steady_clock::now();
+        ctx_.simulated->groups->silence(s_.wiring->node, true);
         self_->delayed_send(self_, simulated_connection_timeout, run_atom_v);
       }
     }
@@ -389,7 +391,10 @@ stage_actor::behavior_type sim_stage_behavior(sim_stage_self self, std::shared_p
       [=](run_atom) { logic->connection_timed_out(); },
       [=](run_atom, std::int64_t tick) { logic->op_end(tick); },
       [=](const reset_step&) -> reset_report { return logic->reset(); },
-      [=](wait_atom, std::int64_t step) -> wait_report { return logic->waits(step); },
+      [=](wait_atom, std::int64_t step) -> caf::result<wait_report> {
+        if (self->state.frozen) return self->make_response_promise<wait_report>();  // (silent: never answered)
+        return logic->waits(step);
+      },
       [=](const abort_step& msg) {
         logic->reset();
         self->state.step = msg.step;

@@ -300,6 +300,24 @@ TEST(SimulatedRun, ASilentNodeIsLostWhenItsConnectionTimesOutAndRejoins) {
   EXPECT_NE(test::config_error_of(real).find("faults.freeze_node silences a simulated node"), std::string::npos);
 }
 
+// A silent node answers nothing, as a frozen process would not: node 2 goes silent as
+// step 2 begins and a stage of node 1 throws in it, so the step is retried in place at
+// once. Node 2's supervisor neither rebuilds nor answers; the round waits until node 2's
+// connection times out, and then node 2 rejoins from its buddy's copies as a lost node
+// does. (Answering, it would rebuild its actors and run again as if never silent: one
+// retry naming no rejoined node, within the timeout.)
+TEST(SimulatedRun, ASilentNodeIsNotRebuiltInPlaceByAnotherFaultsRetry) {
+  test::temp_dir dir;
+  auto c = four_node_job();
+  c.hang_min_seconds = 60;
+  const auto [r, committed_at] = expect_node_2_rejoins_in_step_1(c, dir.path, [](job_config& j) {
+    j.freeze_node = "2:1";
+    j.throw_at = "1:1:1";
+  });
+  ASSERT_TRUE(committed_at.count(0) && committed_at.count(1));
+  EXPECT_GE(committed_at.at(1) - committed_at.at(0), 5.0) << "rebuilt before its connection timed out";
+}
+
 // A real run's trace as the cost model (simulated_device "trace:FILE"): each virtual
 // stage's op times are the medians of the trace's ops after the first step, and the
 // simulated run's ops last at least as long.
