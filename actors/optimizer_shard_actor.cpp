@@ -37,7 +37,7 @@ struct shard_state {
     shard_layout layout;       // this rank's piece of each bucket (its shard: their concatenation)
     std::vector<std::int64_t> at;  // where each bucket's piece begins in the shard
     adamw_shard opt;
-    torch::Tensor norm_mask;
+    shard_mask norm_mask;  ///< the elements the gradient norm counts
     torch::Tensor grads;       // the stage's whole grad buffer of this step (hand-off)
     std::vector<char> here;    // per bucket: final, handed over this step
     torch::Tensor reduced;     // this rank's shard of the summed gradients
@@ -204,7 +204,7 @@ void init_chunks(shard_state& st, const std::shared_ptr<const shard_snapshot>& f
     const auto size = shard_size(ch.layout);
     ch.opt = adamw_shard(torch::cat(mine), decay_mask(layout->entries(), ch.layout).to(ctx->device), opts,
                          /*double_buffered=*/true);
-    ch.norm_mask = norm_mask(layout->entries(), ch.layout).to(ctx->device);
+    ch.norm_mask = shard_mask(norm_mask(layout->entries(), ch.layout).to(ctx->device));
     ch.here.assign(ch.buckets.size(), 0);
     ch.reduced = torch::empty({size}, layout->flat_params().options());
     ch.numel = n;

@@ -91,4 +91,30 @@ double masked_sq_norm(const float* g, const bool* mask, std::int64_t n) {
   return sum;
 }
 
+TROUPE_CLONES
+double runs_sq_norm(const float* g, const std::vector<decay_run>& runs) {
+  constexpr int lanes = 8;
+  double acc[lanes] = {};
+  for (const auto& run : runs) {
+    if (!run.decay) continue;
+    std::int64_t i = run.begin;
+    for (; i < run.end && i % lanes != 0; ++i) {
+      const double x = g[i];
+      acc[i % lanes] += x * x;
+    }
+    for (; i + lanes <= run.end; i += lanes)
+      for (int j = 0; j < lanes; ++j) {
+        const double x = g[i + j];
+        acc[j] += x * x;
+      }
+    for (; i < run.end; ++i) {
+      const double x = g[i];
+      acc[i % lanes] += x * x;
+    }
+  }
+  double sum = 0;
+  for (double a : acc) sum += a;
+  return sum;
+}
+
 }  // namespace troupe::kernels

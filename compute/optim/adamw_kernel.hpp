@@ -15,7 +15,8 @@ struct adamw_constants {
   float sqrt_bias_correction2, eps, neg_step_size;  // -lr / bias_correction1
 };
 
-/// A run of elements [begin, end) that all have weight decay, or all have none.
+/// A run of elements [begin, end) that all have weight decay, or all have none (of any
+/// bool mask: `decay` is the mask's value there).
 struct decay_run {
   std::int64_t begin, end;
   bool decay;
@@ -39,5 +40,8 @@ void adamw(const float* p, const float* m, const float* v, const float* g, const
 /// Sum of g[i]^2 (in double) over the i in [0, n) where mask[i] is true, in one fixed
 /// order (eight interleaved partial sums, added in lane order).
 double masked_sq_norm(const float* g, const bool* mask, std::int64_t n);
+/// The same sum over the runs of a mask (decay_runs) that are true: the same lanes (element
+/// i adds to lane i mod 8) in the same order, so the same bits as masked_sq_norm.
+double runs_sq_norm(const float* g, const std::vector<decay_run>& runs);
 
 }  // namespace troupe::kernels

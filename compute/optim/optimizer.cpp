@@ -27,14 +27,29 @@ void split_range(std::int64_t n, int threads, F fn) {
 
 }  // namespace
 
+shard_mask::shard_mask(const torch::Tensor& mask) : numel(mask.numel()) {
+  const auto bools = mask.to(torch::kBool).contiguous();
+  if (bools.device().is_cpu())
+    runs = kernels::decay_runs(bools.data_ptr<bool>(), numel);
+  else
+    tensor = bools;
+}
+
+torch::Tensor shard_mask::expanded() const {
+  if (tensor.defined()) return tensor;
+  auto out = torch::zeros({numel}, torch::kBool);
+  for (const auto& run : runs)
+    if (run.decay) out.narrow(0, run.begin, run.end - run.begin).fill_(true);
+  return out;
+}
+
 adamw_shard::adamw_shard(const torch::Tensor& main_params, const torch::Tensor& decay, adamw_options opts,
                          bool double_buffered)
-    : opts_(opts), double_buffered_(double_buffered), decay_(decay.to(torch::kBool).contiguous()) {
+    : opts_(opts), double_buffered_(double_buffered), decay_(decay) {
   auto& b = banks_[0];
   b.params = main_params.detach().to(torch::kFloat32).clone().contiguous();
   b.exp_avg = torch::zeros_like(b.params);
   b.exp_avg_sq = torch::zeros_like(b.params);
-  if (decay_.device().is_cpu()) decay_runs_ = kernels::decay_runs(decay_.data_ptr<bool>(), decay_.numel());
   if (double_buffered_)
     banks_[1] = {torch::empty_like(b.params), torch::empty_like(b.params), torch::empty_like(b.params), 0};
 }
@@ -67,7 +82,7 @@ void adamw_shard::step(const torch::Tensor& grad_in, double lr, double grad_scal
   const double bias_correction2 = 1.0 - std::pow(opts_.beta2, double(out.steps));
   const double step_size = lr / bias_correction1;
   const double decay_factor = 1.0 - lr * opts_.weight_decay;
-  if (cpu_float(in.params) && cpu_float(grad_in) && decay_.device().is_cpu()) {
+  if (cpu_float(in.params) && cpu_float(grad_in) && !decay_.tensor.defined()) {
     const kernels::adamw_constants k{float(grad_scale),
                                      float(decay_factor),
                                      float(opts_.beta1),
@@ -82,7 +97,7 @@ void adamw_shard::step(const torch::Tensor& grad_in, double lr, double grad_scal
     float *po = out.params.data_ptr<float>(), *mo = out.exp_avg.data_ptr<float>(),
           *vo = out.exp_avg_sq.data_ptr<float>();
     split_range(in.params.numel(), threads, [&](std::int64_t b, std::int64_t e) {
-      kernels::adamw(p, m, v, g, decay_runs_, po, mo, vo, b, e, k);
+      kernels::adamw(p, m, v, g, decay_.runs, po, mo, vo, b, e, k);
     });
   } else {  // another device: the same update as LibTorch ops
     // Double-buffered, each first op writes the other bank from this one (no copy of the
@@ -97,7 +112,8 @@ void adamw_shard::step(const torch::Tensor& grad_in, double lr, double grad_scal
     const torch::Tensor grad = grad_scale == 1.0 ? grad_in : grad_in * grad_scale;
     if (opts_.weight_decay != 0.0)  // decoupled weight decay only where the mask says so
       scale(out.params, in.params,
-            torch::where(decay_, torch::scalar_tensor(decay_factor, f32), torch::scalar_tensor(1.0, f32)));
+            torch::where(decay_.expanded().to(out.params.device()), torch::scalar_tensor(decay_factor, f32),
+                         torch::scalar_tensor(1.0, f32)));
     else if (to != from)
       out.params.copy_(in.params);
     scale(out.exp_avg, in.exp_avg, torch::scalar_tensor(opts_.beta1, f32));
@@ -126,6 +142,12 @@ double partial_sq_norm(const torch::Tensor& grad, const torch::Tensor& mask) {
   const auto kept = torch::where(mask, grad, torch::zeros({}, grad.options()));
   const double n = at::linalg_vector_norm(kept, 2, c10::nullopt, /*keepdim=*/false, torch::kFloat64).item<double>();
   return n * n;
+}
+
+double partial_sq_norm(const torch::Tensor& grad, const shard_mask& mask) {
+  if (!mask.tensor.defined() && cpu_float(grad) && grad.is_contiguous() && grad.numel() == mask.numel)
+    return kernels::runs_sq_norm(grad.data_ptr<float>(), mask.runs);
+  return partial_sq_norm(grad, mask.expanded().to(grad.device()));
 }
 
 double clip_factor(double total_sq_norm, double max_norm) {

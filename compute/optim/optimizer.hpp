@@ -23,6 +23,20 @@ struct adamw_options {
 /// the CPU it is one fused pass over the shard (split over `threads` threads: the result
 /// does not depend on the split), elsewhere a sequence of LibTorch ops.
 ///
+/// Which elements of a shard a per-element rule applies to (weight decay, the gradient
+/// norm): on the CPU the mask's runs (a few per parameter, where a bool tensor takes a
+/// byte per element: W/4 over the shard group), on another device the bool tensor.
+struct shard_mask {
+  shard_mask() = default;
+  /// From a bool mask (any dtype: nonzero is true): its runs on the CPU, else the tensor.
+  explicit shard_mask(const torch::Tensor& mask);
+  std::int64_t numel = 0;
+  std::vector<kernels::decay_run> runs;  ///< on the CPU
+  torch::Tensor tensor;                  ///< on another device (undefined on the CPU)
+  /// The mask as a bool tensor on the CPU (the runs expanded) or its device.
+  torch::Tensor expanded() const;
+};
+
 /// Double-buffered (`double_buffered = true`): the shard holds two copies of its state
 /// and each update reads one and writes the other, so the state before the last update
 /// stays readable (`previous()`) until the next update, at no copying cost: what the
@@ -70,8 +84,7 @@ class adamw_shard {
   state banks_[2];
   int cur_ = 0, prev_ = 0;
   bool double_buffered_ = false;
-  torch::Tensor decay_;
-  std::vector<kernels::decay_run> decay_runs_;  // of the mask, for the CPU kernel
+  shard_mask decay_;
 };
 
 /// Plain Adam is AdamW without weight decay (fmnist-mlp): decay mask all false.
@@ -88,6 +101,8 @@ struct lr_schedule {
 /// Squared L2 norm of the elements of `grad` where `mask` is true (double precision; on
 /// the CPU in one pass with a fixed summation order).
 double partial_sq_norm(const torch::Tensor& grad, const torch::Tensor& mask);
+/// The same with a shard_mask (the CPU: over its runs, the same bits).
+double partial_sq_norm(const torch::Tensor& grad, const shard_mask& mask);
 
 /// Global-norm clip factor from the sum of all shards' partial squared norms:
 /// min(1, max_norm / (norm + 1e-6)).

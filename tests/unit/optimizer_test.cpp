@@ -157,6 +157,29 @@ TEST(Optimizer, MaskedNormOfManyElements) {
   EXPECT_NEAR(partial_sq_norm(g, strided), ref, 1e-12 * ref);
 }
 
+// A shard's masks (weight decay, the gradient norm) on the CPU are their runs, not a byte
+// per element: the runs give the mask back, and the norm over them the bool mask's bits.
+TEST(Optimizer, AShardMaskOnTheCpuIsItsRunsWithTheSameNorm) {
+  torch::manual_seed(8);
+  const std::int64_t n = 100003;
+  auto mask = torch::zeros({n}, torch::kBool);
+  std::int64_t runs = 0;
+  for (std::int64_t at = 0; at < n; ++runs) {  // runs of 1 to 5000 elements, alternating
+    const auto len = std::min(n - at, std::int64_t(1) + torch::randint(5000, {1}).item<std::int64_t>());
+    if (runs % 2 == 1) mask.narrow(0, at, len).fill_(true);
+    at += len;
+  }
+  const shard_mask m(mask);
+  EXPECT_FALSE(m.tensor.defined());
+  EXPECT_EQ(std::int64_t(m.runs.size()), runs);
+  EXPECT_TRUE(torch::equal(m.expanded(), mask));
+  const auto g = torch::randn({n});
+  const double bits = partial_sq_norm(g, mask);
+  EXPECT_GT(bits, 0.0);
+  EXPECT_EQ(partial_sq_norm(g, m), bits);
+  // (Weight decay by runs against the mask as LibTorch ops: FusedKernelMatchesTorchOps.)
+}
+
 TEST(Optimizer, LearningRateScheduleOfWorkloads) {
   lr_schedule s;  // 1e-3 peak, 1e-4 floor, 20 warm-up steps
   EXPECT_DOUBLE_EQ(s.at(0, 200), 1e-3 / 20);
