@@ -35,7 +35,7 @@ struct registrar_state {
   struct address_round {
     node_addresses table;
     std::set<int> sent;
-    std::vector<caf::response_promise> waiters;
+    std::vector<std::pair<node_addresses, caf::response_promise>> waiters;  // (its entries' ids, its promise)
   };
   std::map<int, address_round> rounds;
   std::vector<caf::actor> supervisors;
@@ -181,8 +181,8 @@ caf::result<job_offer> on_hello(registrar_self self, const node_hello& h) {
   return offer_of(s);
 }
 
-/// A node's addresses of round `a.round`: once every node's are in, every node gets the
-/// whole table (with the NCCL ids of the groups that run over NCCL).
+/// A node's addresses of round `a.round`: once every node's are in, every node gets its
+/// part of the table (table_for; with the NCCL ids of the groups that run over NCCL).
 caf::result<node_addresses> on_addresses(registrar_self self, const node_addresses& a) {
   auto& s = self->state;
   if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
@@ -200,7 +200,9 @@ caf::result<node_addresses> on_addresses(registrar_self self, const node_address
   t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
   t.nccl_ids.insert(t.nccl_ids.end(), a.nccl_ids.begin(), a.nccl_ids.end());
   auto rp = self->make_response_promise<node_addresses>();
-  round.waiters.push_back(rp);
+  node_addresses groups;  // (what table_for reads of the node's own entries)
+  groups.stages = a.stages;
+  round.waiters.emplace_back(std::move(groups), rp);
   if (int(round.sent.size()) == s.nodes) {
     assign_nccl_ids(t, [] {
       try {
@@ -211,7 +213,7 @@ caf::result<node_addresses> on_addresses(registrar_self self, const node_address
         return std::string();
       }
     });
-    for (auto& w : round.waiters) w.deliver(t);
+    for (auto& [mine, w] : round.waiters) w.deliver(table_for(t, mine));
     s.rounds.erase(a.round);
   }
   return rp;
@@ -241,7 +243,7 @@ bool on_unfit(registrar_state& s, const node_unfit& u) {
   for (auto& w : s.run_waiters) w.deliver(why);
   s.run_waiters.clear();
   for (auto& [round, r] : s.rounds)
-    for (auto& w : r.waiters) w.deliver(why);
+    for (auto& [mine, w] : r.waiters) w.deliver(why);
   s.rounds.clear();
   for (auto& w : s.rejoin_waiters[u.node]) w.deliver(why);
   s.rejoin_waiters.erase(u.node);
@@ -294,6 +296,27 @@ registrar_actor::behavior_type registrar(registrar_self self, std::string token,
 registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int nodes, std::string config_toml,
                                 std::int64_t epoch_ns, std::string data) {
   return sys.spawn(registrar, std::move(token), nodes, std::move(config_toml), epoch_ns, std::move(data));
+}
+
+node_addresses table_for(const node_addresses& all, const node_addresses& mine) {
+  const std::set<std::int32_t> groups(mine.stages.begin(), mine.stages.end());
+  node_addresses out;
+  out.node = all.node;
+  out.round = all.round;
+  // (The per-entry fields run in parallel; a field may be shorter than the entries.)
+  auto keep = [](auto& to, const auto& from, std::size_t i) {
+    if (i < from.size()) to.push_back(from[i]);
+  };
+  for (std::size_t i = 0; i < all.stages.size(); ++i) {
+    if (all.stages[i] >= 0 && !groups.count(all.stages[i])) continue;
+    keep(out.stages, all.stages, i);
+    keep(out.replicas, all.replicas, i);
+    keep(out.addresses, all.addresses, i);
+    keep(out.machines, all.machines, i);
+    keep(out.gpus, all.gpus, i);
+    keep(out.nccl_ids, all.nccl_ids, i);
+  }
+  return out;
 }
 
 }  // namespace troupe

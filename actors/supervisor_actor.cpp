@@ -157,6 +157,7 @@ struct supervisor_state {
   // Old communicators being closed (a thread each); their destruction waits for them.
   std::list<std::future<void>> retired;
   relay_state relay;
+  fault_injector faults;  // faults.freeze_node: decided as the step's begin is relayed
 };
 
 using supervisor_self = supervisor_actor::stateful_pointer<supervisor_state>;
@@ -217,6 +218,11 @@ bool current(const supervisor_state& s, std::int32_t round) { return s.recoverin
 
 /// A simulated node silent now (faults.freeze_node): it answers nothing until it is lost.
 bool silent(const supervisor_state& s) { return s.ctx->simulated && s.ctx->simulated->groups->silent(s.plan.node); }
+
+/// Ends a simulated node's silence (it is lost: its replacement speaks).
+void end_silence(const supervisor_state& s) {
+  if (s.ctx->simulated) s.ctx->simulated->groups->silence(s.plan.node, false);
+}
 
 supervisor_actor::behavior_type serving(supervisor_self self);
 supervisor_actor::behavior_type recovering(supervisor_self self);
@@ -585,7 +591,8 @@ auto copy_in(supervisor_self self) {
 
 /// The copies of the previous node's shards before `step`, for that node's restarted process.
 auto buddy_copies(supervisor_self self) {
-  return [self](buddy_atom, std::int64_t step) {
+  return [self](buddy_atom, std::int64_t step) -> caf::result<std::vector<shard_copy>> {
+    if (silent(self->state)) return self->make_response_promise<std::vector<shard_copy>>();
     std::vector<shard_copy> out;
     for (const auto& [key, snap] : self->state.buddies->all_before(step))
       out.push_back(copy_of(key.first, key.second, *snap));
@@ -660,6 +667,10 @@ auto relay_report(supervisor_self self, std::vector<Report> step_reports::*list,
 auto relay_begin(supervisor_self self) {
   return [self](const begin_step& msg) {
     auto& s = self->state;
+    // A simulated node goes silent as the step begins (its stages see the same fault):
+    // decided here, before any later request to this supervisor (a retry's) is read.
+    if (s.ctx->simulated && s.faults.freezes_node(s.plan.node, msg.step, msg.attempt))
+      s.ctx->simulated->groups->silence(s.plan.node, true);
     s.relay = relay_state{};
     s.relay.step = msg.step;
     s.relay.attempt = msg.attempt;
@@ -704,7 +715,10 @@ supervisor_actor::behavior_type serving(supervisor_self self) {
         spdlog::debug("supervisor of node {}: an all-gather of recovery round {} dropped", self->state.plan.node, round);
       },
       wiring(self),
-      [self](check_atom, const reset_step& msg) { return reset_children(self, msg); },
+      [self](check_atom, const reset_step& msg) -> caf::result<std::vector<reset_report>> {
+        if (silent(self->state)) return self->make_response_promise<std::vector<reset_report>>();
+        return reset_children(self, msg);
+      },
       abort(self), activity(self), plant(self),
       relay_begin(self), relay_clip(self),
       relay_report<loss_report>(self, &step_reports::losses, report_kind::loss),
@@ -759,7 +773,9 @@ supervisor_actor::behavior_type supervisor_behavior(supervisor_self self, std::s
   // recover (with the buddy that holds its shards' state) spawns them.
   s.mine.node = s.plan.node;
   if (!s.plan.rejoining) s.mine = spawn_all(self, -1, 0, {});
+  s.faults = fault_injector(ctx->faults);
   self->set_exit_handler([self](const caf::exit_msg& msg) {
+    end_silence(self->state);
     release_groups(self->state, "the node is shutting down");
     self->state.wiring->supervisor = nullptr;
     for (auto& [h, n] : self->state.children) self->send_exit(h, msg.reason);

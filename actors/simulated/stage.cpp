@@ -206,7 +206,6 @@ class sim_stage {
       return;
     }
     const auto seconds = std::chrono::duration<double>(simulated_connection_timeout).count();
-    ctx_.simulated->groups->silence(s_.wiring->node, false);  // (its replacement speaks)
     spdlog::warn("simulated node {}: silent for {:.0f} s, its connection timed out: the node is lost", s_.wiring->node,
                  seconds);
     self_->send_exit(s_.supervisor,
@@ -241,7 +240,6 @@ class sim_stage {
         spdlog::warn("fault injected: simulated node {} goes silent as step {} (index {}) begins", s_.wiring->node,
                      msg.step + 1, msg.step);
         s_.frozen_at = std::chrono::steady_clock::now();
-        ctx_.simulated->groups->silence(s_.wiring->node, true);
         self_->delayed_send(self_, simulated_connection_timeout, run_atom_v);
       }
     }

@@ -1,6 +1,7 @@
 #include "compute/optim/optimizer.hpp"
 
 #include <cmath>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -145,7 +146,10 @@ double partial_sq_norm(const torch::Tensor& grad, const torch::Tensor& mask) {
 }
 
 double partial_sq_norm(const torch::Tensor& grad, const shard_mask& mask) {
-  if (!mask.tensor.defined() && cpu_float(grad) && grad.is_contiguous() && grad.numel() == mask.numel)
+  if (grad.numel() != mask.numel)
+    throw std::invalid_argument("a gradient of " + std::to_string(grad.numel()) + " elements with a mask of " +
+                                std::to_string(mask.numel));
+  if (!mask.tensor.defined() && cpu_float(grad) && grad.is_contiguous())
     return kernels::runs_sq_norm(grad.data_ptr<float>(), mask.runs);
   return partial_sq_norm(grad, mask.expanded().to(grad.device()));
 }

@@ -15,11 +15,15 @@
 #include <functional>
 #include <filesystem>
 #include <map>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include "actors/runtime.hpp"
 #include "actors/simulated/simulated.hpp"
@@ -316,6 +320,38 @@ TEST(SimulatedRun, ASilentNodeIsNotRebuiltInPlaceByAnotherFaultsRetry) {
   });
   ASSERT_TRUE(committed_at.count(0) && committed_at.count(1));
   EXPECT_GE(committed_at.at(1) - committed_at.at(0), 5.0) << "rebuilt before its connection timed out";
+}
+
+// A silent node's actors do not answer the hang probe, as a frozen process's would not: a
+// status request (SIGUSR2's) while node 2 is silent finds its shards and loader silent,
+// and its supervisor's board missing, where they used to answer what they wait for.
+TEST(SimulatedRun, ASilentNodesActorsDoNotAnswerTheProbe) {
+  auto c = four_node_job();
+  c.hang_min_seconds = 60;
+  c.freeze_node = "2:1";
+  std::ostringstream log;
+  auto capture = std::make_shared<spdlog::logger>("silent", std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
+  const auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(capture);
+  // (The probe starts within a watchdog tick of the request, long before the node's 5 s.)
+  std::thread status([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    request_status();
+  });
+  const auto r = run_quiet(c);
+  status.join();
+  spdlog::set_default_logger(previous);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  const auto text = log.str();
+  ASSERT_NE(text.find("status of step 2/3"), std::string::npos) << text;
+  for (const auto* actor : {"shard[stage 0, rank 2] (node 2)", "shard[stage 1, rank 2] (node 2)",
+                            "loader[replica 2] (node 2)", "stage[replica 2, stage 0] (node 2)"})
+    EXPECT_NE(text.find(std::string(actor) + " did not answer within 2 s: its node process did not answer either"),
+              std::string::npos)
+        << actor << "\n"
+        << text;
+  // Another node's actors answer.
+  EXPECT_NE(text.find("shard[stage 0, rank 1] (node 1) waits for"), std::string::npos) << text;
 }
 
 // A real run's trace as the cost model (simulated_device "trace:FILE"): each virtual
