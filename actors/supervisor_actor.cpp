@@ -256,9 +256,20 @@ void on_gathered(supervisor_self self, std::int32_t round, const std::string& er
 void gather(supervisor_self self) {
   auto& s = self->state;
   auto& rec = *s.recovering;
-  if (s.ctx->simulated) {  // nothing to gather: a simulated shard holds no parameters
+  if (s.ctx->simulated) {
+    // No parameters to gather: the all-gather of each slot's stage from its shards'
+    // snapshots takes its modelled time (the step's all-gather of the stage's chunks; the
+    // slots' all-gathers side by side).
+    const auto& sim = *s.ctx->simulated;
+    double seconds = 0;
+    for (const auto& [r, k] : s.plan.slots) {
+      double stage = 0;
+      for (int c = 0; c < s.ctx->v; ++c) stage += sim.model.chunks.at(std::size_t(s.ctx->virtual_stage(k, c))).all_gather;
+      seconds = std::max(seconds, stage);
+    }
     rec.pending = 1;
-    return on_gathered(self, rec.round, "");
+    self->delayed_send(self, sim.wait(seconds), gathered_atom_v, rec.round, std::string());
+    return;
   }
   const auto me = caf::actor_cast<supervisor_actor>(self);
   std::vector<transport::work_ptr> works;

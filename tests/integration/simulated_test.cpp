@@ -354,6 +354,37 @@ TEST(SimulatedRun, ASilentNodesActorsDoNotAnswerTheProbe) {
   EXPECT_NE(text.find("shard[stage 0, rank 1] (node 1) waits for"), std::string::npos) << text;
 }
 
+// A step retried in place on simulated nodes: there are no parameters to gather from the
+// snapshots, but the rebuild waits for that all-gather's modelled time (each node's
+// slowest stage's), as a real rebuild waits for the all-gather itself.
+TEST(SimulatedRun, ARebuildWaitsForTheModelledAllGatherOfTheParameters) {
+  test::temp_dir dir;
+  auto c = four_node_job();
+  c.d_model = 4096;  // (wide and short: the parameters' all-gather is long beside the ops)
+  c.heads = 32;
+  c.kv_heads = 8;
+  c.d_ff = 14336;
+  c.seq_len = 128;
+  c.simulated_time_scale = 50;
+  c.throw_at = "1:1:1";
+  c.metrics = (dir.path / "metrics.jsonl").string();
+  const auto costs = make_simulated_costs(c, c.model());
+  double gather = 0;  // (one chunk per stage; a node holds a replica's two stages)
+  for (const auto& chunk : costs->model.chunks) gather = std::max(gather, chunk.all_gather);
+  ASSERT_GT(gather * c.simulated_time_scale, 0.1);
+  const auto r = run_quiet(c);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  std::ifstream in(c.metrics);
+  int retries = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("event", "") != "retry") continue;
+    ++retries;
+    EXPECT_GE(j.at("rebuild_seconds").get<double>(), gather * c.simulated_time_scale);
+  }
+  EXPECT_EQ(retries, 1);
+}
+
 // A real run's trace as the cost model (simulated_device "trace:FILE"): each virtual
 // stage's op times are the medians of the trace's ops after the first step, and the
 // simulated run's ops last at least as long.
