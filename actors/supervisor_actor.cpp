@@ -318,7 +318,23 @@ void renew(supervisor_self self) {
   s.retired.remove_if([](std::future<void>& f) { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
   s.retired.push_back(std::async(std::launch::async, [old = std::move(old)]() mutable { old.clear(); }));
   try {
-    if (s.ctx->simulated) return gather(self);  // no communicators (every simulated node: its own slots)
+    if (s.ctx->simulated) {  // no communicators; simulated nodes exchange addresses as node processes do
+      if (!plan.registrar) return gather(self);
+      auto addrs = simulated_addresses(*s.ctx, plan.node, plan.slots);
+      const auto round = addrs.round = s.recovering->round;
+      self->request(plan.registrar, std::chrono::seconds(60 + s.ctx->cfg.rejoin_timeout), addrs)
+          .then(
+              [self, round](const node_addresses& table) {
+                if (!current(self->state, round)) return;
+                spdlog::debug("node {}: {} address entries in round {}", self->state.plan.node, table.stages.size(),
+                              round);
+                gather(self);
+              },
+              [self, round](caf::error& err) {
+                if (current(self->state, round)) give_up(self, "address exchange: " + self->system().render(err));
+              });
+      return;
+    }
     if (!plan.renew) {  // one process: in-process communicators
       plan = local_node_plan(*s.ctx);
       return gather(self);

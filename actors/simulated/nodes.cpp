@@ -2,10 +2,13 @@
 // ranks as that many supervisors in this process, each with the slots node_slots gives a
 // node process, and a registrar that stands in for the launcher and node 0's registrar
 // when a lost node comes back.
+#include <map>
+#include <set>
 #include <caf/all.hpp>
 #include <spdlog/spdlog.h>
 
 #include "actors/simulated/simulated.hpp"
+#include "actors/registrar_actor.hpp"
 #include "actors/supervisor_actor.hpp"
 #include "messages/type_ids.hpp"
 
@@ -16,9 +19,10 @@ namespace {
 /// Node `node`'s plan: its slots, the loaders of its pipelines' first stages, no
 /// communicators (the simulated shards meet in sim_collectives). `rejoining`: a node
 /// process started again after a loss (no actors until the coordinator's recover).
-node_plan simulated_node_plan(const runtime_context& ctx, int node, bool rejoining) {
+node_plan simulated_node_plan(const runtime_context& ctx, int node, bool rejoining, registrar_actor registrar) {
   node_plan plan;
   plan.node = node;
+  plan.registrar = std::move(registrar);  // (each recovery's address exchange)
   plan.slots = job_slots(ctx.cfg, node, ctx.cfg.simulated_nodes);
   for (const auto& [r, k] : plan.slots)
     if (k == 0) plan.loader_replicas.push_back(r);
@@ -28,7 +32,15 @@ node_plan simulated_node_plan(const runtime_context& ctx, int node, bool rejoini
 
 struct sim_registrar_state {
   std::shared_ptr<const runtime_context> ctx;
-  std::vector<supervisor_actor> supervisors;
+  /// The nodes' supervisors (filled once they are spawned, before the job's first message).
+  std::shared_ptr<std::vector<supervisor_actor>> supervisors;
+  // Each recovery's address exchange, as node 0's registrar runs it (registrar_actor.cpp).
+  struct address_round {
+    node_addresses table;
+    std::set<int> sent;
+    std::vector<std::pair<node_addresses, caf::typed_response_promise<node_addresses>>> waiters;
+  };
+  std::map<int, address_round> rounds;
 };
 
 using sim_registrar_self = registrar_actor::stateful_pointer<sim_registrar_state>;
@@ -38,13 +50,14 @@ using sim_registrar_self = registrar_actor::stateful_pointer<sim_registrar_state
 /// again); the joining side of the protocol (node processes) is refused. It ends with the
 /// coordinator.
 registrar_actor::behavior_type sim_registrar_behavior(sim_registrar_self self, std::shared_ptr<const runtime_context> ctx,
-                                                      std::vector<supervisor_actor> supervisors,
+                                                      std::shared_ptr<std::vector<supervisor_actor>> supervisors,
                                                       caf::actor_addr coordinator) {
   self->state.ctx = std::move(ctx);
   self->state.supervisors = std::move(supervisors);
   self->monitor(coordinator);
   self->set_down_handler([self](const caf::down_msg&) {
-    self->state.supervisors.clear();
+    self->state.supervisors->clear();
+    self->state.rounds.clear();
     self->quit();
   });
   const auto refused = [] {
@@ -54,22 +67,54 @@ registrar_actor::behavior_type sim_registrar_behavior(sim_registrar_self self, s
       [](clock_atom) { return steady_clock_ns(); },
       [](check_atom, std::int32_t, std::int32_t) {},
       [refused](const node_hello&) -> caf::result<job_offer> { return refused(); },
-      [](const node_addresses& a) { return a; },
+      // A node's addresses of a recovery: once every node's are in, each gets its part of
+      // the table (table_for), as from node 0's registrar.
+      [self](const node_addresses& a) -> caf::result<node_addresses> {
+        // (A newer round ends the ones before it: a node lost during one never sends.)
+        auto& rounds = self->state.rounds;
+        for (auto it = rounds.begin(); it != rounds.end() && it->first < a.round; it = rounds.erase(it))
+          for (auto& [mine, w] : it->second.waiters)
+            w.deliver(caf::make_error(caf::sec::runtime_error, "address round " + std::to_string(it->first) +
+                                                                   " replaced by round " + std::to_string(a.round)));
+        auto& round = rounds[a.round];
+        if (!round.sent.insert(a.node).second)
+          return caf::make_error(caf::sec::runtime_error, "simulated node " + std::to_string(a.node) +
+                                                              " sent its addresses twice in round " +
+                                                              std::to_string(a.round));
+        auto& t = round.table;
+        t.round = a.round;
+        for (auto* field : {&t.addresses, &t.machines, &t.gpus}) field->reserve(field->size() + a.addresses.size());
+        t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
+        t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
+        t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
+        t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
+        t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
+        node_addresses groups;
+        groups.stages = a.stages;
+        auto rp = self->make_response_promise<node_addresses>();
+        round.waiters.emplace_back(std::move(groups), rp);
+        if (int(round.sent.size()) == self->state.ctx->cfg.simulated_nodes) {
+          for (auto& [mine, w] : round.waiters) w.deliver(table_for(t, mine));
+          self->state.rounds.erase(a.round);
+        }
+        return rp;
+      },
       [](const node_ready&) { return true; },
       [self](rejoin_atom, std::int32_t node, const caf::actor&) -> caf::result<caf::actor> {
         auto& s = self->state;
-        if (node <= 0 || node >= std::int32_t(s.supervisors.size()))
+        if (node <= 0 || node >= std::int32_t(s.supervisors->size()))
           return caf::make_error(caf::sec::invalid_argument, "no simulated node " + std::to_string(node));
-        auto sup = spawn_supervisor_actor(self->system(), s.ctx, std::make_shared<job_wiring>(),
-                                          simulated_node_plan(*s.ctx, node, /*rejoining=*/true));
-        s.supervisors.at(std::size_t(node)) = sup;
+        auto sup = spawn_supervisor_actor(
+            self->system(), s.ctx, std::make_shared<job_wiring>(),
+            simulated_node_plan(*s.ctx, node, /*rejoining=*/true, caf::actor_cast<registrar_actor>(self)));
+        s.supervisors->at(std::size_t(node)) = sup;
         spdlog::info("simulated node {} started again (a fresh supervisor without actors)", node);
         return caf::actor_cast<caf::actor>(sup);
       },
       [](const node_unfit&) { return true; },
       [self](run_atom) {
         std::vector<caf::actor> out;
-        for (const auto& sup : self->state.supervisors) out.push_back(caf::actor_cast<caf::actor>(sup));
+        for (const auto& sup : *self->state.supervisors) out.push_back(caf::actor_cast<caf::actor>(sup));
         return out;
       },
   };
@@ -81,11 +126,30 @@ simulated_node_set spawn_simulated_nodes(caf::actor_system& sys, std::shared_ptr
                                          std::shared_ptr<job_wiring> node0_wiring, const caf::actor_addr& coordinator) {
   const int n = ctx->cfg.simulated_nodes;
   simulated_node_set out;
+  // (The registrar first: each node's plan names it. It reads the supervisors only when
+  // asked, after this returns.)
+  auto supervisors = std::make_shared<std::vector<supervisor_actor>>();
+  out.registrar = sys.spawn(sim_registrar_behavior, ctx, supervisors, coordinator);
   for (int node = 0; node < n; ++node)
     out.supervisors.push_back(spawn_supervisor_actor(sys, ctx, node == 0 ? node0_wiring : std::make_shared<job_wiring>(),
-                                                     simulated_node_plan(*ctx, node, false)));
-  out.registrar = sys.spawn(sim_registrar_behavior, ctx, out.supervisors, coordinator);
+                                                     simulated_node_plan(*ctx, node, false, out.registrar)));
+  *supervisors = out.supervisors;
   return out;
+}
+
+node_addresses simulated_addresses(const runtime_context& ctx, int node, const std::vector<std::pair<int, int>>& slots) {
+  node_addresses a;
+  a.node = node;
+  auto add = [&](int entry, int rank) {
+    a.stages.push_back(entry);
+    a.replicas.push_back(rank);
+    a.addresses.emplace_back(simulated_address_bytes, 'a');
+    a.machines.emplace_back();
+    a.gpus.emplace_back();
+  };
+  for (const auto& [q, k] : slots) add(k * ctx.t + q % ctx.t, q / ctx.t);
+  add(-1, node);
+  return a;
 }
 
 }  // namespace troupe

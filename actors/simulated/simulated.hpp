@@ -119,6 +119,14 @@ struct simulated_node_set {
 simulated_node_set spawn_simulated_nodes(caf::actor_system& sys, std::shared_ptr<const runtime_context> ctx,
                                          std::shared_ptr<job_wiring> node0_wiring, const caf::actor_addr& coordinator);
 
+/// A simulated node's entries of an address exchange, as a node process sends them: per
+/// slot (q, k) one of its shard group (stage k's, tensor-parallel rank q mod t; rank q / t)
+/// and one of the world (-1), each with an address of simulated_address_bytes.
+node_addresses simulated_addresses(const runtime_context& ctx, int node, const std::vector<std::pair<int, int>>& slots);
+/// A UCX worker address's size (shared memory and TCP: ucp_worker_get_address on this
+/// project's VM gives 200-300 bytes; InfiniBand adds to it).
+inline constexpr std::size_t simulated_address_bytes = 256;
+
 stage_actor spawn_simulated_stage(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,
                                   std::shared_ptr<const job_wiring> wiring, int replica, int stage);
 shard_actor spawn_simulated_shard(caf::local_actor* supervisor, std::shared_ptr<const runtime_context> ctx,

@@ -385,6 +385,34 @@ TEST(SimulatedRun, ARebuildWaitsForTheModelledAllGatherOfTheParameters) {
   EXPECT_EQ(retries, 1);
 }
 
+// Simulated nodes exchange addresses at a recovery as node processes do, through the
+// registrar, each getting its part of the table: p 4 x d 2 on 4 nodes (a node: two stages
+// of one replica), node 2 lost. Each node gets its two shard groups' 4 entries and the 4
+// world entries, 8 of the 12.
+TEST(SimulatedRun, NodesExchangeTheirAddressesAtARecovery) {
+  auto c = simulated_job(4, 1024, 1024, 1.0);
+  c.pipeline = 4;
+  c.data_parallel = 2;
+  c.microbatches = 4;
+  c.global_batch = 8;
+  c.steps = 3;
+  c.simulated_nodes = 4;
+  c.kill_node = "2:1";
+  std::ostringstream log;
+  auto capture = std::make_shared<spdlog::logger>("addresses", std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
+  capture->set_level(spdlog::level::debug);
+  const auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(capture);
+  const auto r = run_quiet(c);
+  spdlog::set_default_logger(previous);
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  const auto text = log.str();
+  for (int node = 0; node < 4; ++node)
+    EXPECT_NE(text.find("node " + std::to_string(node) + ": 8 address entries in round 1"), std::string::npos)
+        << node << "\n"
+        << text;
+}
+
 // A real run's trace as the cost model (simulated_device "trace:FILE"): each virtual
 // stage's op times are the medians of the trace's ops after the first step, and the
 // simulated run's ops last at least as long.
