@@ -83,7 +83,6 @@ registrar_actor::behavior_type sim_registrar_behavior(sim_registrar_self self, s
                                                               std::to_string(a.round));
         auto& t = round.table;
         t.round = a.round;
-        for (auto* field : {&t.addresses, &t.machines, &t.gpus}) field->reserve(field->size() + a.addresses.size());
         t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
         t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
         t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
