@@ -193,12 +193,7 @@ caf::result<node_addresses> on_addresses(registrar_self self, const node_address
                                                         " sent its addresses twice in round " + std::to_string(a.round));
   auto& t = round.table;
   t.round = a.round;
-  t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
-  t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
-  t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
-  t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
-  t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
-  t.nccl_ids.insert(t.nccl_ids.end(), a.nccl_ids.begin(), a.nccl_ids.end());
+  add_entries(t, a);
   auto rp = self->make_response_promise<node_addresses>();
   node_addresses groups;  // (what table_for reads of the node's own entries)
   groups.stages = a.stages;
@@ -296,6 +291,16 @@ registrar_actor::behavior_type registrar(registrar_self self, std::string token,
 registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int nodes, std::string config_toml,
                                 std::int64_t epoch_ns, std::string data) {
   return sys.spawn(registrar, std::move(token), nodes, std::move(config_toml), epoch_ns, std::move(data));
+}
+
+void add_entries(node_addresses& table, const node_addresses& a) {
+  auto& t = table;
+  t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
+  t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
+  t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
+  t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
+  t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
+  t.nccl_ids.insert(t.nccl_ids.end(), a.nccl_ids.begin(), a.nccl_ids.end());
 }
 
 node_addresses table_for(const node_addresses& all, const node_addresses& mine) {

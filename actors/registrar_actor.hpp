@@ -34,5 +34,7 @@ registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int n
 /// replicas), a node needs the 1,024 entries of its 8 shard groups and the 2,048 world
 /// ones, not all 18,432.
 node_addresses table_for(const node_addresses& all, const node_addresses& mine);
+/// Adds node `a`'s entries to a round's table (every per-entry field).
+void add_entries(node_addresses& table, const node_addresses& a);
 
 }  // namespace troupe

@@ -81,19 +81,14 @@ registrar_actor::behavior_type sim_registrar_behavior(sim_registrar_self self, s
           return caf::make_error(caf::sec::runtime_error, "simulated node " + std::to_string(a.node) +
                                                               " sent its addresses twice in round " +
                                                               std::to_string(a.round));
-        auto& t = round.table;
-        t.round = a.round;
-        t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
-        t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
-        t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
-        t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
-        t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
+        round.table.round = a.round;
+        add_entries(round.table, a);
         node_addresses groups;
         groups.stages = a.stages;
         auto rp = self->make_response_promise<node_addresses>();
         round.waiters.emplace_back(std::move(groups), rp);
         if (int(round.sent.size()) == self->state.ctx->cfg.simulated_nodes) {
-          for (auto& [mine, w] : round.waiters) w.deliver(table_for(t, mine));
+          for (auto& [mine, w] : round.waiters) w.deliver(table_for(round.table, mine));
           self->state.rounds.erase(a.round);
         }
         return rp;

@@ -60,6 +60,22 @@ actor_run_result run_quiet(const job_config& c) {
   return run_actor_training(c, o);
 }
 
+/// `c` run quietly with its log (debug level) captured, `meanwhile` on a thread of its own
+/// during the run; returns the log.
+std::string run_logged(const job_config& c, actor_run_result& r, const std::function<void()>& meanwhile = nullptr) {
+  std::ostringstream log;
+  auto capture = std::make_shared<spdlog::logger>("captured", std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
+  capture->set_level(spdlog::level::debug);
+  const auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(capture);
+  std::thread side;
+  if (meanwhile) side = std::thread(meanwhile);
+  r = run_quiet(c);
+  if (side.joinable()) side.join();
+  spdlog::set_default_logger(previous);
+  return log.str();
+}
+
 struct schedule_case {
   const char* schedule;
   int chunks;
@@ -329,20 +345,13 @@ TEST(SimulatedRun, ASilentNodesActorsDoNotAnswerTheProbe) {
   auto c = four_node_job();
   c.hang_min_seconds = 60;
   c.freeze_node = "2:1";
-  std::ostringstream log;
-  auto capture = std::make_shared<spdlog::logger>("silent", std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
-  const auto previous = spdlog::default_logger();
-  spdlog::set_default_logger(capture);
+  actor_run_result r;
   // (The probe starts within a watchdog tick of the request, long before the node's 5 s.)
-  std::thread status([] {
+  const auto text = run_logged(c, r, [] {
     std::this_thread::sleep_for(std::chrono::milliseconds(1000));
     request_status();
   });
-  const auto r = run_quiet(c);
-  status.join();
-  spdlog::set_default_logger(previous);
   ASSERT_EQ(r.exit_code, 0) << r.error;
-  const auto text = log.str();
   ASSERT_NE(text.find("status of step 2/3"), std::string::npos) << text;
   for (const auto* actor : {"shard[stage 0, rank 2] (node 2)", "shard[stage 1, rank 2] (node 2)",
                             "loader[replica 2] (node 2)", "stage[replica 2, stage 0] (node 2)"})
@@ -390,23 +399,14 @@ TEST(SimulatedRun, ARebuildWaitsForTheModelledAllGatherOfTheParameters) {
 // of one replica), node 2 lost. Each node gets its two shard groups' 4 entries and the 4
 // world entries, 8 of the 12.
 TEST(SimulatedRun, NodesExchangeTheirAddressesAtARecovery) {
-  auto c = simulated_job(4, 1024, 1024, 1.0);
+  auto c = four_node_job();
   c.pipeline = 4;
   c.data_parallel = 2;
-  c.microbatches = 4;
   c.global_batch = 8;
-  c.steps = 3;
-  c.simulated_nodes = 4;
   c.kill_node = "2:1";
-  std::ostringstream log;
-  auto capture = std::make_shared<spdlog::logger>("addresses", std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
-  capture->set_level(spdlog::level::debug);
-  const auto previous = spdlog::default_logger();
-  spdlog::set_default_logger(capture);
-  const auto r = run_quiet(c);
-  spdlog::set_default_logger(previous);
+  actor_run_result r;
+  const auto text = run_logged(c, r);
   ASSERT_EQ(r.exit_code, 0) << r.error;
-  const auto text = log.str();
   for (int node = 0; node < 4; ++node)
     EXPECT_NE(text.find("node " + std::to_string(node) + ": 8 address entries in round 1"), std::string::npos)
         << node << "\n"

@@ -76,13 +76,7 @@ std::vector<troupe::node_addresses> sent_addresses(int p, int d, int t, int node
 
 troupe::node_addresses whole_table(const std::vector<troupe::node_addresses>& sent) {
   troupe::node_addresses t;
-  for (const auto& a : sent) {
-    t.stages.insert(t.stages.end(), a.stages.begin(), a.stages.end());
-    t.replicas.insert(t.replicas.end(), a.replicas.begin(), a.replicas.end());
-    t.addresses.insert(t.addresses.end(), a.addresses.begin(), a.addresses.end());
-    t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
-    t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
-  }
+  for (const auto& a : sent) troupe::add_entries(t, a);
   t.nccl_ids.resize(t.stages.size());
   return t;
 }
