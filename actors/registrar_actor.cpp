@@ -32,11 +32,6 @@ struct registrar_state {
   int nodes = 0;
   std::set<int> joined;
   // Address exchanges: round 0 as the nodes join, round n for the n-th in-place recovery.
-  struct address_round {
-    node_addresses table;
-    std::set<int> sent;
-    std::vector<std::pair<node_addresses, caf::response_promise>> waiters;  // (its entries' ids, its promise)
-  };
   std::map<int, address_round> rounds;
   std::vector<caf::actor> supervisors;
   int ready = 0;
@@ -188,18 +183,9 @@ caf::result<node_addresses> on_addresses(registrar_self self, const node_address
   if (!s.unfit.empty()) return caf::make_error(caf::sec::runtime_error, s.unfit);
   if (!s.joined.count(a.node)) return caf::make_error(caf::sec::runtime_error, "addresses from a node that has not joined");
   auto& round = s.rounds[a.round];
-  if (!round.sent.insert(a.node).second)
-    return caf::make_error(caf::sec::runtime_error, "node " + std::to_string(a.node) +
-                                                        " sent its addresses twice in round " + std::to_string(a.round));
-  auto& t = round.table;
-  t.round = a.round;
-  add_entries(t, a);
-  auto rp = self->make_response_promise<node_addresses>();
-  node_addresses groups;  // (what table_for reads of the node's own entries)
-  groups.stages = a.stages;
-  round.waiters.emplace_back(std::move(groups), rp);
-  if (int(round.sent.size()) == s.nodes) {
-    assign_nccl_ids(t, [] {
+  auto rp = round.add(self, a);
+  if (round.nodes() == s.nodes) {
+    assign_nccl_ids(round.table(), [] {
       try {
         const auto bytes = transport::nccl_unique_id();
         return std::string(bytes.begin(), bytes.end());
@@ -208,7 +194,7 @@ caf::result<node_addresses> on_addresses(registrar_self self, const node_address
         return std::string();
       }
     });
-    for (auto& [mine, w] : round.waiters) w.deliver(table_for(t, mine));
+    round.deliver();
     s.rounds.erase(a.round);
   }
   return rp;
@@ -237,8 +223,7 @@ bool on_unfit(registrar_state& s, const node_unfit& u) {
   const auto why = caf::make_error(caf::sec::runtime_error, s.unfit);
   for (auto& w : s.run_waiters) w.deliver(why);
   s.run_waiters.clear();
-  for (auto& [round, r] : s.rounds)
-    for (auto& [mine, w] : r.waiters) w.deliver(why);
+  for (auto& [round, r] : s.rounds) r.fail(why);
   s.rounds.clear();
   for (auto& w : s.rejoin_waiters[u.node]) w.deliver(why);
   s.rejoin_waiters.erase(u.node);
@@ -301,6 +286,29 @@ void add_entries(node_addresses& table, const node_addresses& a) {
   t.machines.insert(t.machines.end(), a.machines.begin(), a.machines.end());
   t.gpus.insert(t.gpus.end(), a.gpus.begin(), a.gpus.end());
   t.nccl_ids.insert(t.nccl_ids.end(), a.nccl_ids.begin(), a.nccl_ids.end());
+}
+
+caf::result<node_addresses> address_round::add(caf::local_actor* self, const node_addresses& a) {
+  if (!sent_.insert(a.node).second)
+    return caf::make_error(caf::sec::runtime_error, "node " + std::to_string(a.node) +
+                                                        " sent its addresses twice in round " + std::to_string(a.round));
+  table_.round = a.round;
+  add_entries(table_, a);
+  node_addresses ids;  // (what table_for reads of the node's own entries)
+  ids.stages = a.stages;
+  auto rp = self->make_response_promise();
+  waiters_.emplace_back(std::move(ids), rp);
+  return rp;
+}
+
+void address_round::deliver() {
+  for (auto& [mine, w] : waiters_) w.deliver(table_for(table_, mine));
+  waiters_.clear();
+}
+
+void address_round::fail(const caf::error& why) {
+  for (auto& [mine, w] : waiters_) w.deliver(why);
+  waiters_.clear();
 }
 
 node_addresses table_for(const node_addresses& all, const node_addresses& mine) {

@@ -11,9 +11,15 @@
 // supervisor; the coordinator runs) -> serving (address rounds of recoveries, rejoins,
 // clock probes) until the job ends.
 #include <cstdint>
+#include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <caf/actor_system.hpp>
+#include <caf/local_actor.hpp>
+#include <caf/response_promise.hpp>
+#include <caf/result.hpp>
 
 #include "messages/interfaces.hpp"
 
@@ -36,5 +42,25 @@ registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int n
 node_addresses table_for(const node_addresses& all, const node_addresses& mine);
 /// Adds node `a`'s entries to a round's table (every per-entry field).
 void add_entries(node_addresses& table, const node_addresses& a);
+
+/// One round of an address exchange (node 0's registrar's, the simulated nodes'): every
+/// node's entries, and to each node the promise of its part of the table.
+class address_round {
+ public:
+  /// Node `a`'s entries, answered once the round is delivered; an error when the node
+  /// sent its entries before in this round.
+  caf::result<node_addresses> add(caf::local_actor* self, const node_addresses& a);
+  int nodes() const { return int(sent_.size()); }
+  node_addresses& table() { return table_; }
+  /// Each node its part of the table (table_for).
+  void deliver();
+  /// Each node `why` instead.
+  void fail(const caf::error& why);
+
+ private:
+  node_addresses table_;
+  std::set<int> sent_;
+  std::vector<std::pair<node_addresses, caf::response_promise>> waiters_;  // (the node's entry ids, its promise)
+};
 
 }  // namespace troupe

@@ -3,7 +3,7 @@
 // node process, and a registrar that stands in for the launcher and node 0's registrar
 // when a lost node comes back.
 #include <map>
-#include <set>
+
 #include <caf/all.hpp>
 #include <spdlog/spdlog.h>
 
@@ -34,13 +34,7 @@ struct sim_registrar_state {
   std::shared_ptr<const runtime_context> ctx;
   /// The nodes' supervisors (filled once they are spawned, before the job's first message).
   std::shared_ptr<std::vector<supervisor_actor>> supervisors;
-  // Each recovery's address exchange, as node 0's registrar runs it (registrar_actor.cpp).
-  struct address_round {
-    node_addresses table;
-    std::set<int> sent;
-    std::vector<std::pair<node_addresses, caf::typed_response_promise<node_addresses>>> waiters;
-  };
-  std::map<int, address_round> rounds;
+  std::map<int, address_round> rounds;  ///< each recovery's address exchange, as node 0's registrar's
 };
 
 using sim_registrar_self = registrar_actor::stateful_pointer<sim_registrar_state>;
@@ -73,23 +67,13 @@ registrar_actor::behavior_type sim_registrar_behavior(sim_registrar_self self, s
         // (A newer round ends the ones before it: a node lost during one never sends.)
         auto& rounds = self->state.rounds;
         for (auto it = rounds.begin(); it != rounds.end() && it->first < a.round; it = rounds.erase(it))
-          for (auto& [mine, w] : it->second.waiters)
-            w.deliver(caf::make_error(caf::sec::runtime_error, "address round " + std::to_string(it->first) +
-                                                                   " replaced by round " + std::to_string(a.round)));
+          it->second.fail(caf::make_error(caf::sec::runtime_error, "address round " + std::to_string(it->first) +
+                                                                       " replaced by round " + std::to_string(a.round)));
         auto& round = rounds[a.round];
-        if (!round.sent.insert(a.node).second)
-          return caf::make_error(caf::sec::runtime_error, "simulated node " + std::to_string(a.node) +
-                                                              " sent its addresses twice in round " +
-                                                              std::to_string(a.round));
-        round.table.round = a.round;
-        add_entries(round.table, a);
-        node_addresses groups;
-        groups.stages = a.stages;
-        auto rp = self->make_response_promise<node_addresses>();
-        round.waiters.emplace_back(std::move(groups), rp);
-        if (int(round.sent.size()) == self->state.ctx->cfg.simulated_nodes) {
-          for (auto& [mine, w] : round.waiters) w.deliver(table_for(round.table, mine));
-          self->state.rounds.erase(a.round);
+        auto rp = round.add(self, a);
+        if (round.nodes() == self->state.ctx->cfg.simulated_nodes) {
+          round.deliver();
+          rounds.erase(a.round);
         }
         return rp;
       },
