@@ -162,21 +162,46 @@ registrar_actor connect_to_registrar(caf::actor_system& sys, const node_options&
 
 }  // namespace
 
+namespace {
+/// The node hosting slot (pipeline q, stage k) in node_slots' layout (which it checked).
+int node_of_slot(int p, int d, int nodes, int t, int q, int k) {
+  const int per = p * d * t / nodes;
+  return ((q / t) * t * p + k * t + q % t) / per;
+}
+}  // namespace
+
 std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes, int t) {
+  node_slots(p, d, 0, nodes, t);  // (the layout's check)
   std::set<std::pair<int, int>> pairs;
-  std::map<std::pair<int, int>, int> node_of;  // (pipeline, stage) -> node
-  for (int n = 0; n < nodes; ++n)
-    for (const auto& slot : node_slots(p, d, n, nodes, t)) node_of[slot] = n;
+  auto node_of = [&](int q, int k) { return node_of_slot(p, d, nodes, t, q, k); };
   auto both_ways = [&](int a, int b) {
     if (a == b) return;
     pairs.emplace(a, b);
     pairs.emplace(b, a);
   };
   for (int q = 0; q < d * t; ++q) {
-    for (int k = 0; k + 1 < p; ++k) both_ways(node_of.at({q, k}), node_of.at({q, k + 1}));
-    both_ways(node_of.at({q, 0}), node_of.at({q, p - 1}));
+    for (int k = 0; k + 1 < p; ++k) both_ways(node_of(q, k), node_of(q, k + 1));
+    both_ways(node_of(q, 0), node_of(q, p - 1));
   }
   return {pairs.begin(), pairs.end()};
+}
+
+std::vector<std::int32_t> world_peers(int p, int d, int nodes, int t, int node) {
+  std::set<std::int32_t> peers;
+  auto add = [&](int other) {
+    if (other != node) peers.insert(other);
+  };
+  for (const auto& [q, k] : node_slots(p, d, node, nodes, t)) {
+    if (k > 0) add(node_of_slot(p, d, nodes, t, q, k - 1));
+    if (k + 1 < p) add(node_of_slot(p, d, nodes, t, q, k + 1));
+    if (k == 0) add(node_of_slot(p, d, nodes, t, q, p - 1));
+    if (k == p - 1) add(node_of_slot(p, d, nodes, t, q, 0));
+  }
+  if (nodes > 1) {  // the buddy copies: node n's shards to node n + 1, and back at its rejoin
+    add((node + 1) % nodes);
+    add((node + nodes - 1) % nodes);
+  }
+  return {peers.begin(), peers.end()};
 }
 
 std::string nccl_refusal(const std::vector<std::string>& member_gpus) {

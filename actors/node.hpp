@@ -80,8 +80,18 @@ std::string nccl_refusal(const std::vector<std::string>& member_gpus);
 /// With tensor parallelism (`t` > 1: the layout of node_slots with t) rank tp of a stage
 /// sends to rank tp of the next.
 std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes, int t = 1);
+/// The nodes node `node`'s world communicator connects to (sorted, without itself): the
+/// other ends of its link_pairs() (the only nodes its stages pass tensors to or take them
+/// from) and its neighbours by number, the buddies of the shards' copies (node n's go to
+/// node n + 1 mod `nodes`, and back when n rejoins). The world connects only these: at
+/// 2,048 nodes of one stage each, 2 or 3 of them instead of 2,047.
+std::vector<std::int32_t> world_peers(int p, int d, int nodes, int t, int node);
 
 struct node_addresses;  // messages/node_messages.hpp
+
+/// The table's `stages` entry of a link from node `from` (its `replicas` entry names the
+/// receiving node, its `nccl_ids` entry the id): -2 - from (-1 is the world).
+constexpr std::int32_t link_entry(int from) { return -2 - from; }
 
 /// The address table's entries (node_addresses::stages) of expert-parallel groups: the
 /// stage actors of replicas EP g .. EP g + EP - 1 at stage k are group g of `groups`, entry
@@ -116,6 +126,7 @@ constexpr std::int32_t context_group_entry(int stage, int group, int groups) {
 }
 constexpr bool is_expert_shard_entry(std::int32_t entry) { return entry <= expert_shard_base && entry > tensor_group_base; }
 constexpr bool is_expert_group_entry(std::int32_t entry) { return entry <= expert_group_base && entry > expert_shard_base; }
+constexpr bool is_link_entry(std::int32_t entry) { return entry <= link_entry(0) && entry > expert_group_base; }
 
 /// The registrar's part of NCCL, once every node has sent its entries of an address
 /// round: a NCCL unique id (`make_id()`; empty where making one failed) for each shard

@@ -26,10 +26,6 @@ namespace {
 /// acknowledgements of ipc/ are 2^31 plus a buffer number.
 constexpr std::uint32_t kLinkTag = 0xfffffff0u;
 
-/// The table's `stages` entry of a link from node `from` (its `replicas` entry names the
-/// receiving node, its `nccl_ids` entry the id): -2 - from (-1 is the world).
-constexpr std::int32_t link_entry(int from) { return -2 - from; }
-
 /// The indices 0 .. n-1 from the highest `entry_of` to the lowest: the order in which
 /// every node makes the groups of one kind (making a NCCL communicator waits for its other
 /// ranks, so no node may wait on a group another node makes later).
@@ -58,6 +54,7 @@ class ucx_renewal : public comm_renewal {
         machine_(transport::machine_key()), links_(transport.nccl || transport.ucx_links ? link_pairs(p, d, nodes, t)
                                                                                           : decltype(links_){}) {
     mine_.node = node;
+    mine_.peers = world_peers(p, d, nodes, t, node);  // the world connects to these only
     std::string gpu;  // asks for NCCL: names its GPU
     if (transport_.nccl) try {
         gpu = transport::gpu_key(transport_.device);

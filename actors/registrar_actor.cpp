@@ -295,7 +295,9 @@ caf::result<node_addresses> address_round::add(caf::local_actor* self, const nod
   table_.round = a.round;
   add_entries(table_, a);
   node_addresses ids;  // (what table_for reads of the node's own entries)
+  ids.node = a.node;
   ids.stages = a.stages;
+  ids.peers = a.peers;
   auto rp = self->make_response_promise();
   waiters_.emplace_back(std::move(ids), rp);
   return rp;
@@ -313,6 +315,14 @@ void address_round::fail(const caf::error& why) {
 
 node_addresses table_for(const node_addresses& all, const node_addresses& mine) {
   const std::set<std::int32_t> groups(mine.stages.begin(), mine.stages.end());
+  const std::set<std::int32_t> peers(mine.peers.begin(), mine.peers.end());
+  auto wanted = [&](std::size_t i) {
+    const auto entry = all.stages[i];
+    const auto rank = i < all.replicas.size() ? all.replicas[i] : -1;
+    if (entry == -1) return peers.empty() || rank == mine.node || peers.count(rank) > 0;  // the world
+    if (is_link_entry(entry)) return entry == link_entry(mine.node) || rank == mine.node;
+    return groups.count(entry) > 0;
+  };
   node_addresses out;
   out.node = all.node;
   out.round = all.round;
@@ -321,7 +331,7 @@ node_addresses table_for(const node_addresses& all, const node_addresses& mine) 
     if (i < from.size()) to.push_back(from[i]);
   };
   for (std::size_t i = 0; i < all.stages.size(); ++i) {
-    if (all.stages[i] >= 0 && !groups.count(all.stages[i])) continue;
+    if (!wanted(i)) continue;
     keep(out.stages, all.stages, i);
     keep(out.replicas, all.replicas, i);
     keep(out.addresses, all.addresses, i);

@@ -31,14 +31,13 @@ registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int n
                                 std::int64_t epoch_ns, std::string data);
 
 /// What a node gets of a round's table `all` (every node's entries, with the NCCL ids),
-/// given its own entries `mine`: of the shard groups' entries (ids >= 0: stage k's
-/// data-parallel collectives, per tensor-parallel rank) those of the groups it is a member
-/// of (the ids its own entries name), and every other entry (the world, the links, groups
-/// of tensor, context and expert parallelism spread over nodes). A node connects only its
-/// groups' communicators and the world, so the other shard groups' addresses would be dead
-/// weight: with 2,048 nodes of 8 ranks (tensor parallelism within the node, 16 stages, 128
-/// replicas), a node needs the 1,024 entries of its 8 shard groups and the 2,048 world
-/// ones, not all 18,432.
+/// given its own entries `mine`: the entries of the groups it is a member of (the ids its
+/// own entries name: its shard groups, and the groups of tensor, context and expert
+/// parallelism it spans nodes with), the world entries of its peers (mine.peers; all of
+/// them when it names none) and its own, and the links it is an end of. A node connects
+/// only these, so the rest would be dead weight: with 2,048 nodes of 8 ranks (tensor
+/// parallelism within the node, 16 stages, 128 replicas), a node needs the 1,024 entries
+/// of its 8 shard groups and 3 or 4 world entries, not all 18,432.
 node_addresses table_for(const node_addresses& all, const node_addresses& mine);
 /// Adds node `a`'s entries to a round's table (every per-entry field).
 void add_entries(node_addresses& table, const node_addresses& a);

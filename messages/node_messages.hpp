@@ -84,6 +84,9 @@ struct node_addresses {
   /// NCCL links; an entry of stage -2 - n (no address) asks for a link from node n to
   /// node `replicas[i]` and, in the table, carries its id.
   std::vector<std::string> gpus, nccl_ids;
+  /// The nodes whose world entries (stage -1) this node connects to (world_peers); empty:
+  /// every node's. The registrar's answer keeps only those.
+  std::vector<std::int32_t> peers;
 };
 
 struct node_ready {
@@ -138,7 +141,7 @@ typename Inspector::result_type inspect(Inspector& f, node_unfit& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_addresses& x) {
   return f(caf::meta::type_name("node_addresses"), x.node, x.round, x.stages, x.replicas, x.addresses,
-                           x.machines, x.gpus, x.nccl_ids);
+                           x.machines, x.gpus, x.nccl_ids, x.peers);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_ready& x) {

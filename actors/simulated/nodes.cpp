@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "actors/simulated/simulated.hpp"
+#include "actors/node.hpp"
 #include "actors/registrar_actor.hpp"
 #include "actors/supervisor_actor.hpp"
 #include "messages/type_ids.hpp"
@@ -127,6 +128,7 @@ node_addresses simulated_addresses(const runtime_context& ctx, int node, const s
   };
   for (const auto& [q, k] : slots) add(k * ctx.t + q % ctx.t, q / ctx.t);
   add(-1, node);
+  a.peers = world_peers(ctx.p, ctx.d, ctx.cfg.simulated_nodes, ctx.t, node);
   return a;
 }
 

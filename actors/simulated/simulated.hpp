@@ -121,7 +121,8 @@ simulated_node_set spawn_simulated_nodes(caf::actor_system& sys, std::shared_ptr
 
 /// A simulated node's entries of an address exchange, as a node process sends them: per
 /// slot (q, k) one of its shard group (stage k's, tensor-parallel rank q mod t; rank q / t)
-/// and one of the world (-1), each with an address of simulated_address_bytes.
+/// and one of the world (-1), each with an address of simulated_address_bytes, and its
+/// world peers (world_peers).
 node_addresses simulated_addresses(const runtime_context& ctx, int node, const std::vector<std::pair<int, int>>& slots);
 /// A UCX worker address's size (shared memory and TCP: ucp_worker_get_address on this
 /// project's VM gives 200-300 bytes; InfiniBand adds to it).

@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "launch/environment.hpp"
 #include "compute/runtime/device.hpp"
@@ -116,6 +117,37 @@ TEST(Transport, UcxSpinFollowsTheTransports) {
   EXPECT_EQ(resolve_spin(spin.spin, crowded, spin.tls), 300);
   EXPECT_THROW(troupe_cli::ucx_options_from("many", nullptr), troupe::config_error);
   EXPECT_THROW(troupe_cli::ucx_options_from("3x", nullptr), troupe::config_error);
+}
+
+// A sparse UCX communicator (the nodes' world: each node connects to its peers only):
+// ranks given no address are not connected; a send to one fails at once with the reason,
+// a receive from a rank that connected to this one works, and a rank needs its own address.
+TEST(Transport, ASparseUcxCommunicatorSendsOnlyToTheRanksItConnected) {
+  std::vector<std::unique_ptr<ucx_pending>> pending;
+  std::vector<std::string> a;
+  for (int r = 0; r < 3; ++r) {
+    pending.push_back(prepare_ucx_communicator(r, 3));
+    a.push_back(pending.back()->address());
+  }
+  auto c0 = pending[0]->connect({a[0], a[1], ""});  // 0 and 2 do not connect to each other
+  auto c1 = pending[1]->connect(a);
+  auto c2 = pending[2]->connect({"", a[1], a[2]});
+  const auto out = torch::arange(6, torch::kFloat32);
+  for (const auto& [from, to, c_from, c_to] :
+       {std::tuple{0, 1, c0, c1}, std::tuple{1, 0, c1, c0}, std::tuple{2, 1, c2, c1}, std::tuple{1, 2, c1, c2}}) {
+    auto in = torch::zeros({6});
+    auto r = c_to->recv(in, from, 7);
+    c_from->send(out, to, 7)->wait_or_throw(std::chrono::seconds(5));
+    r->wait_or_throw(std::chrono::seconds(5));
+    EXPECT_TRUE(torch::equal(in, out)) << from << " -> " << to;
+  }
+  for (const auto& [c, to] : {std::pair{c0, 2}, std::pair{c2, 0}}) {
+    auto w = c->send(out, to, 8);
+    ASSERT_TRUE(w->done()) << "a send to an unconnected rank fails at once";
+    EXPECT_NE(w->error().find("is not connected to rank " + std::to_string(to)), std::string::npos) << w->error();
+  }
+  auto lone = prepare_ucx_communicator(0, 2);
+  EXPECT_THROW(lone->connect({"", a[1]}), transport_error);  // no address of its own
 }
 
 TEST(Transport, LocalSendRecvAndCompletionCallbacks) {

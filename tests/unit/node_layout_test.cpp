@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -51,7 +53,8 @@ namespace {
 /// A round's table as the nodes of `nodes` would send it for p stages, d data-parallel
 /// replicas and t tensor-parallel ranks per replica: per slot an entry of its shard group
 /// (stage k's, tensor-parallel rank q mod t; rank q / t), and per node a world entry (-1),
-/// each with an address of 300 bytes naming it. Returns every node's own entries.
+/// each with an address of 300 bytes naming it, and its world peers. Returns every node's
+/// own entries.
 std::vector<troupe::node_addresses> sent_addresses(int p, int d, int t, int nodes) {
   std::vector<troupe::node_addresses> out;
   for (int node = 0; node < nodes; ++node) {
@@ -69,6 +72,7 @@ std::vector<troupe::node_addresses> sent_addresses(int p, int d, int t, int node
     };
     for (const auto& [q, k] : troupe::node_slots(p, d, node, nodes, t)) add(k * t + q % t, q / t);
     add(-1, node);
+    a.peers = troupe::world_peers(p, d, nodes, t, node);
     out.push_back(std::move(a));
   }
   return out;
@@ -83,55 +87,100 @@ troupe::node_addresses whole_table(const std::vector<troupe::node_addresses>& se
 
 }  // namespace
 
-// The registrar's answer to a node's addresses: the entries of its own shard groups and
-// every world entry, with each kept entry's fields (and a group's NCCL id) as sent.
-TEST(NodeLayout, ANodeGetsTheAddressesOfItsOwnGroupsAndTheWorld) {
-  // p 4 x d 2 on 4 nodes: node 0 holds stages 0 and 1 of replica 0, node 2 those of replica 1.
+// The nodes a node's world connects to: the other ends of its links (neighbouring stages
+// of its replicas, and a replica's first and last), and its neighbours by number (the
+// buddy copies go to the next node and come back from it at a rejoin).
+TEST(NodeLayout, TheWorldConnectsANodeToItsPipelineNeighboursAndBuddies) {
+  using peers = std::vector<std::int32_t>;
+  // p 4 x d 2 on 4 nodes: node 0 holds stages 0 and 1 of replica 0, node 1 stages 2 and 3.
+  EXPECT_EQ(troupe::world_peers(4, 2, 4, 1, 0), (peers{1, 3}));
+  EXPECT_EQ(troupe::world_peers(4, 2, 4, 1, 2), (peers{1, 3}));
+  EXPECT_EQ(troupe::world_peers(2, 2, 1, 1, 0), peers{});  // one node: no world
+  // Llama 3's layout as 2,048 nodes of one (replica, stage) each (TP 8 within the node).
+  EXPECT_EQ(troupe::world_peers(16, 128, 2048, 8, 0), (peers{1, 15, 2047}));
+  EXPECT_EQ(troupe::world_peers(16, 128, 2048, 8, 1000), (peers{999, 1001}));
+  EXPECT_EQ(troupe::world_peers(16, 128, 2048, 8, 2047), (peers{0, 2032, 2046}));
+  // Every layout: link_pairs' other ends and the two neighbours, and symmetric.
+  for (const auto& [p, d, t, nodes] : {std::tuple{4, 2, 1, 8}, std::tuple{2, 4, 2, 8}, std::tuple{2, 1, 2, 4},
+                                       std::tuple{3, 4, 1, 6}, std::tuple{8, 2, 1, 4}, std::tuple{4, 4, 2, 32}})
+    for (int node = 0; node < nodes; ++node) {
+      std::set<std::int32_t> want{(node + 1) % nodes, (node + nodes - 1) % nodes};
+      for (const auto& [a, b] : troupe::link_pairs(p, d, nodes, t))
+        if (a == node) want.insert(b);
+      want.erase(node);
+      const auto got = troupe::world_peers(p, d, nodes, t, node);
+      EXPECT_EQ(got, peers(want.begin(), want.end())) << p << "x" << d << "x" << t << " on " << nodes << ", node " << node;
+      for (const auto other : got) {
+        const auto back = troupe::world_peers(p, d, nodes, t, other);
+        EXPECT_TRUE(std::count(back.begin(), back.end(), node)) << node << " and " << other;
+      }
+    }
+}
+
+// The registrar's answer to a node's addresses: the entries of its own groups, the world
+// entries of its peers and its own, and the links it is an end of, with each kept entry's
+// fields (and a group's NCCL id) as sent.
+TEST(NodeLayout, ANodeGetsTheAddressesOfItsOwnGroupsAndItsWorldPeers) {
+  // p 4 x d 2 on 4 nodes: node 0 holds stages 0 and 1 of replica 0, node 2 those of
+  // replica 1; node 0's world peers are node 1 (stages 2 and 3 of replica 0, and its
+  // buddy) and node 3 (whose buddy it is).
   const auto sent = sent_addresses(4, 2, 1, 4);
   auto all = whole_table(sent);
   ASSERT_EQ(all.stages.size(), 12u);
   for (std::size_t i = 0; i < all.stages.size(); ++i)
     if (all.stages[i] == 0 && all.replicas[i] == 0) all.nccl_ids[i] = "id of group 0";
   const auto mine = troupe::table_for(all, sent[0]);
-  ASSERT_EQ(mine.stages.size(), 8u);  // groups 0 and 1 (2 ranks each) and the 4 world entries
-  ASSERT_EQ(mine.addresses.size(), 8u);
-  ASSERT_EQ(mine.machines.size(), 8u);
-  ASSERT_EQ(mine.gpus.size(), 8u);
-  ASSERT_EQ(mine.nccl_ids.size(), 8u);
-  int world = 0;
+  ASSERT_EQ(mine.stages.size(), 7u);  // groups 0 and 1 (2 ranks each), the world entries of nodes 0, 1, 3
+  ASSERT_EQ(mine.addresses.size(), 7u);
+  ASSERT_EQ(mine.machines.size(), 7u);
+  ASSERT_EQ(mine.gpus.size(), 7u);
+  ASSERT_EQ(mine.nccl_ids.size(), 7u);
+  std::vector<int> world;
   for (std::size_t i = 0; i < mine.stages.size(); ++i) {
     const auto group = mine.stages[i], rank = mine.replicas[i];
     EXPECT_TRUE(group == -1 || group == 0 || group == 1) << group;
-    world += group == -1;
+    if (group == -1) world.push_back(rank);
     // The entry is the one sent: by its address, which names its group, rank and node.
     EXPECT_EQ(mine.addresses[i].substr(0, mine.addresses[i].find('@')),
               std::to_string(group) + "/" + std::to_string(rank));
     EXPECT_EQ(mine.nccl_ids[i], group == 0 && rank == 0 ? "id of group 0" : "");
   }
-  EXPECT_EQ(world, 4);
+  EXPECT_EQ(world, (std::vector<int>{0, 1, 3}));
+  // A node that names no peers gets every world entry.
+  auto no_peers = sent[0];
+  no_peers.peers.clear();
+  EXPECT_EQ(troupe::table_for(all, no_peers).stages.size(), 8u);
   // Node 1 (stages 2 and 3): none of groups 0 and 1.
   for (const auto g : troupe::table_for(all, sent[1]).stages) EXPECT_TRUE(g == -1 || g == 2 || g == 3) << g;
-  // Entries of negative ids (links, and groups spread over nodes: tensor, context and
-  // expert parallelism) reach every node, whether it sent one of that id or not.
-  const int spread = -(1 << 28) - 5, link = -2 - 3;
-  for (const int g : {spread, link}) {
+  // Entries of negative ids: a link reaches its two ends; a group spread over nodes
+  // (tensor, context and expert parallelism) reaches the nodes that sent an entry of it.
+  const int spread = -(1 << 28) - 5, other_spread = -(1 << 28) - 6;
+  const int link_to_0 = troupe::link_entry(3), link_from_0 = troupe::link_entry(0), link_1_3 = troupe::link_entry(1);
+  const std::vector<std::pair<int, int>> extra{
+      {spread, 1}, {other_spread, 0}, {link_to_0, 0}, {link_from_0, 1}, {link_1_3, 3}};
+  auto node0 = sent[0];
+  node0.stages.push_back(spread);  // node 0 is rank 0 of group `spread`
+  for (const auto& [g, rank] : extra) {
     all.stages.push_back(g);
-    all.replicas.push_back(1);
+    all.replicas.push_back(rank);
     all.addresses.push_back("negative");
     all.machines.push_back("");
     all.gpus.push_back("");
     all.nccl_ids.push_back("");
   }
-  const auto with_negative = troupe::table_for(all, sent[0]);
+  const auto with_negative = troupe::table_for(all, node0);
   EXPECT_EQ(with_negative.stages.size(), 10u);
-  EXPECT_EQ(std::count(with_negative.stages.begin(), with_negative.stages.end(), spread), 1);
-  EXPECT_EQ(std::count(with_negative.stages.begin(), with_negative.stages.end(), link), 1);
+  for (const int g : {spread, link_to_0, link_from_0})
+    EXPECT_EQ(std::count(with_negative.stages.begin(), with_negative.stages.end(), g), 1) << g;
+  for (const int g : {other_spread, link_1_3})
+    EXPECT_EQ(std::count(with_negative.stages.begin(), with_negative.stages.end(), g), 0) << g;
 
   // Llama 3's layout as 2,048 nodes of 8 ranks (TP 8 within a node, PP 16, DP 128): a
-  // node's 8 shard groups of 128 ranks and the 2,048 world entries, a sixth of the table.
+  // node's 8 shard groups of 128 ranks and the world entries of itself and its 2 or 3
+  // peers, not the 18,432 of the whole table.
   const auto big = sent_addresses(16, 128, 8, 2048);
   const auto whole = whole_table(big);
   ASSERT_EQ(whole.stages.size(), 2048u * 9);
-  for (const int node : {0, 1000, 2047})
-    EXPECT_EQ(troupe::table_for(whole, big[std::size_t(node)]).addresses.size(), 8u * 128 + 2048) << node;
+  for (const auto& [node, size] : {std::pair{0, 1028u}, std::pair{1000, 1027u}, std::pair{2047, 1028u}})
+    EXPECT_EQ(troupe::table_for(whole, big[std::size_t(node)]).addresses.size(), size) << node;
 }

@@ -283,13 +283,20 @@ void ucx_comm::connect(const std::vector<std::string>& all) {
   int local = 0;
   const auto here = machine_name();
   for (const auto& a : all) {
+    if (a.empty()) {  // a rank this one does not connect to (a sparse communicator)
+      ucx_addresses.emplace_back();
+      continue;
+    }
     auto [ucx_address, machine] = split_address(a);
     ucx_addresses.push_back(std::move(ucx_address));
     local += machine == here;
   }
+  if (ucx_addresses.at(std::size_t(rank_)).empty())
+    throw transport_error("address exchange gave rank " + std::to_string(rank_) + " no address of its own");
   spin_ = resolve_spin(opts_.spin, local, opts_.tls);
   eps_.assign(size_, nullptr);
   for (int r = 0; r < size_; ++r) {
+    if (ucx_addresses[r].empty()) continue;
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -376,6 +383,9 @@ void ucx_comm::end_drive() {
 }
 
 void ucx_comm::post_send(const work_ptr& w, torch::Tensor t, int dst, std::uint64_t tag) {
+  if (!eps_[dst])
+    return w->complete("rank " + std::to_string(rank_) + " is not connected to rank " + std::to_string(dst) +
+                       " (it was given no address of it: the communicator connects some ranks only)");
   submit(w, std::move(t), 0, 0, [this, dst, tag](pending_op* op, ucp_request_param_t& p) {
     p.cb.send = send_cb;
     return ucp_tag_send_nbx(eps_[dst], op->keep.data_ptr(), op->keep.nbytes(), tag, &p);

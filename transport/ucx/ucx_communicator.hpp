@@ -66,7 +66,10 @@ using address_exchange = std::function<std::vector<std::string>(const std::strin
 
 /// A communicator in two phases, for callers whose address exchange is asynchronous (the
 /// actors' control plane): make the worker, publish `address()`, then `connect()` with
-/// every rank's address in rank order.
+/// every rank's address in rank order. An empty address leaves that rank unconnected (a
+/// sparse communicator: the nodes' world connects to its peers only); receiving from it
+/// still works (for a rank that connected to this one), sending to it fails the work,
+/// and so does a collective that would.
 class ucx_pending {
  public:
   virtual ~ucx_pending() = default;
