@@ -2,6 +2,7 @@
 // ranks as that many supervisors in this process, each with the slots node_slots gives a
 // node process, and a registrar that stands in for the launcher and node 0's registrar
 // when a lost node comes back.
+#include <chrono>
 #include <map>
 
 #include <caf/all.hpp>
@@ -109,9 +110,25 @@ simulated_node_set spawn_simulated_nodes(caf::actor_system& sys, std::shared_ptr
   // asked, after this returns.)
   auto supervisors = std::make_shared<std::vector<supervisor_actor>>();
   out.registrar = sys.spawn(sim_registrar_behavior, ctx, supervisors, coordinator);
+  std::vector<node_plan> plans;
+  for (int node = 0; node < n; ++node) plans.push_back(simulated_node_plan(*ctx, node, false, out.registrar));
+  // The join's address exchange (round 0), as node 0's registrar runs it before any node
+  // spawns its actors: every node's entries into one table, and each node its part of it.
+  const auto start = std::chrono::steady_clock::now();
+  node_addresses table;
+  std::vector<node_addresses> sent;
+  for (const auto& plan : plans) {
+    sent.push_back(simulated_addresses(*ctx, plan.node, plan.slots));
+    add_entries(table, sent.back());
+  }
+  std::size_t delivered = 0;
+  for (const auto& mine : sent) delivered += table_for(table, mine).stages.size();
+  spdlog::info("simulated nodes: the join's address exchange: {} entries, {} to the {} nodes, in {:.2f} s",
+               table.stages.size(), delivered, n,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   for (int node = 0; node < n; ++node)
     out.supervisors.push_back(spawn_supervisor_actor(sys, ctx, node == 0 ? node0_wiring : std::make_shared<job_wiring>(),
-                                                     simulated_node_plan(*ctx, node, false, out.registrar)));
+                                                     std::move(plans[std::size_t(node)])));
   *supervisors = out.supervisors;
   return out;
 }

@@ -400,7 +400,7 @@ TEST(SimulatedRun, ARebuildWaitsForTheModelledAllGatherOfTheParameters) {
 // Simulated nodes exchange addresses at a recovery as node processes do, through the
 // registrar, each getting its part of the table: p 4 x d 2 on 4 nodes (a node: two stages
 // of one replica), node 2 lost. Each node gets its two shard groups' 4 entries and the
-// world entries of itself and its 2 peers (world_peers), 7 of the 12.
+// world entries of itself and its 2 peers (world_peers), 7 of the 12; so at the job's start.
 TEST(SimulatedRun, NodesExchangeTheirAddressesAtARecovery) {
   auto c = four_node_job();
   c.pipeline = 4;
@@ -414,6 +414,8 @@ TEST(SimulatedRun, NodesExchangeTheirAddressesAtARecovery) {
     EXPECT_NE(text.find("node " + std::to_string(node) + ": 7 address entries in round 1"), std::string::npos)
         << node << "\n"
         << text;
+  // And at the job's start (round 0), before any node spawns its actors.
+  EXPECT_NE(text.find("the join's address exchange: 12 entries, 28 to the 4 nodes"), std::string::npos) << text;
 }
 
 // A real run's trace as the cost model (simulated_device "trace:FILE"): each virtual
