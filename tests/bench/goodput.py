@@ -62,9 +62,9 @@ INPUTS = {
         "connection_seconds": 0.05,  # a killed node process: its connection drops (tests/bench/faults)
         "host_timeout_seconds": 5.0,  # a host gone: the connection timeout (tests/faults/fence_test.sh)
         "process_restart_seconds": 2.0,  # the launcher's back-off, a node process's start and rejoin (tests/bench/faults)
-        "rejoin_rebuild_seconds": 4.55,  # 2,048 simulated nodes (16k-lost): the median of 3 runs, 4.90 s, less the modelled all-gather's 50x scaling (0.36 s; 7 ms unscaled): the address exchange and every node's actors rebuilt
+        "rejoin_rebuild_seconds": 2.10,  # 2,048 simulated nodes (16k-lost): the median of 3 runs, 2.46 s, less the modelled all-gather's 50x scaling (0.36 s; 7 ms unscaled): the address exchange and every node's actors rebuilt
         "hang_detect_seconds": 40.4,  # hang_factor 4 x the 10 s median step, and the 0.4 s the probe took at 16,384 ranks
-        "retry_rebuild_seconds": 3.69,  # 2,048 simulated nodes (16k-throw): the median of 3 runs, 4.04 s, less the all-gather's scaling: the address exchange and every actor respawned
+        "retry_rebuild_seconds": 1.78,  # 2,048 simulated nodes (16k-throw): the median of 3 runs, 2.14 s, less the all-gather's scaling: the address exchange and every actor respawned
         "launch_to_first_step_seconds": 2.7,  # 2,048 simulated nodes: the job's start to its first step's begin
         "relaunch_seconds": 300,  # the same processes and communicators as a checkpoint restart's (assumed)
         "checkpoint_interval_minutes": 10,
