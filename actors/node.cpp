@@ -197,10 +197,10 @@ std::vector<std::int32_t> world_peers(int p, int d, int nodes, int t, int node) 
     if (k == 0) add(node_of_slot(p, d, nodes, t, q, p - 1));
     if (k == p - 1) add(node_of_slot(p, d, nodes, t, q, 0));
   }
-  if (nodes > 1) {  // the buddy copies: node n's shards to node n + 1, and back at its rejoin
-    add((node + 1) % nodes);
-    add((node + nodes - 1) % nodes);
-  }
+  // The buddy copies: the shards of node n > 0 send theirs to node n + 1 mod N (node 0's
+  // keep none: its loss ends the job). They come back at a rejoin over CAF, not the world.
+  if (nodes > 1 && node > 0) add((node + 1) % nodes);
+  if (nodes > 1 && (node + nodes - 1) % nodes > 0) add((node + nodes - 1) % nodes);
   return {peers.begin(), peers.end()};
 }
 
@@ -439,7 +439,8 @@ actor_run_result run_node(const node_options& o) {
         }
         // this node's stages' parameters (and moments), not the whole model's
         std::shared_ptr<const runtime_context> ctx = std::make_shared<runtime_context>(cfg, clock, slots, o.run.launch);
-        const auto how = transport_for(*ctx, o.transport, where);
+        auto how = transport_for(*ctx, o.transport, where);
+        how.host_nodes = std::max(1, o.nodes_per_host);
         node_plan plan;
         if (o.rejoin) {  // communicators come with the coordinator's recovery round
           plan.node = o.node;

@@ -82,9 +82,9 @@ std::string nccl_refusal(const std::vector<std::string>& member_gpus);
 std::vector<std::pair<int, int>> link_pairs(int p, int d, int nodes, int t = 1);
 /// The nodes node `node`'s world communicator connects to (sorted, without itself): the
 /// other ends of its link_pairs() (the only nodes its stages pass tensors to or take them
-/// from) and its neighbours by number, the buddies of the shards' copies (node n's go to
-/// node n + 1 mod `nodes`, and back when n rejoins). The world connects only these: at
-/// 2,048 nodes of one stage each, 2 or 3 of them instead of 2,047.
+/// from) and the nodes its shards' buddy copies go to or come from (node n > 0 sends
+/// its shards' to node n + 1 mod `nodes`). The world connects only these: at 2,048 nodes
+/// of one stage each, 2 or 3 of them instead of 2,047.
 std::vector<std::int32_t> world_peers(int p, int d, int nodes, int t, int node);
 
 struct node_addresses;  // messages/node_messages.hpp

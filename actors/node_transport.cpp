@@ -74,7 +74,10 @@ class ucx_renewal : public comm_renewal {
       pending_.push_back(transport::prepare_ucx_communicator(r / t_, d));
       add(shard_group(r, k), r / t_, pending_.back()->address(), gpu);
     }
-    pending_.push_back(transport::prepare_ucx_communicator(node, nodes));
+    auto world = transport::process_ucx_options();  // connected to world_peers only
+    world.sparse = true;
+    world.spin = transport::resolve_spin(world.spin, transport_.host_nodes, world.tls);
+    pending_.push_back(transport::prepare_ucx_communicator(node, nodes, world));
     add(-1, node, pending_.back()->address(), gpu);  // the world: with this node's GPU key
     if (t_ > 1)  // tensor-parallel groups that span nodes (the others are made in connect)
       for (const auto& [q, k] : slots_)

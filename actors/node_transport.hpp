@@ -26,6 +26,10 @@ struct node_transport {
   enum class staging { off, device_tensors, all_tensors } staged = staging::off;
   enum class ipc_memory { off, host, cuda } ipc = ipc_memory::off;
   int device = 0;  ///< the node's GPU (CUDA IPC buffers, NCCL)
+  /// Node processes on this machine (the launcher's TROUPE_NODES_PER_HOST): whether the
+  /// world's progress threads spin (transport::resolve_spin) counts them all, not only
+  /// the peers the world connects to.
+  int host_nodes = 1;
   /// The shard groups' collectives, and the tensors between stages on nodes of
   /// link_pairs(), over NCCL where every member has a GPU of its own (TROUPE_NCCL=1).
   bool nccl = false;

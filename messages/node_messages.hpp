@@ -9,11 +9,12 @@
 //        steady clock (ns), for the offset between the two clocks (one trace timeline)
 //   node --node_addresses{round 0}--> registrar: UCX worker addresses of the node's
 //        optimizer shards (with machine and GPU keys, and a NCCL unique id from the rank 0
-//        of a group that asks for NCCL); answered with every node's (the table) once all
-//        nodes sent theirs
+//        of a group that asks for NCCL) and its world peers; answered, once all nodes sent
+//        theirs, with its part of the table (table_for: its groups' entries, its world
+//        peers' and the links it is an end of)
 //   supervisor --node_addresses{round n > 0}--> registrar: addresses of the fresh
 //        communicators of a step retried in place (n-th in-place recovery of the job);
-//        answered with every node's addresses of that round
+//        answered with its part of that round's table
 //   node --node_ready{supervisor}--> registrar; the coordinator then asks every
 //        supervisor for its actors (node_actors) and sends every supervisor the whole
 //        job's handles (wiring_msg) before the first step.
@@ -34,7 +35,7 @@
 namespace troupe {
 
 /// Bumped whenever a message of the job changes: nodes of other versions are refused.
-constexpr std::int32_t protocol_version = 10;  // raised with every change of a message or the type-ID block
+constexpr std::int32_t protocol_version = 11;  // raised with every change of a message or the type-ID block
 
 struct node_hello {
   std::int32_t version = 0;

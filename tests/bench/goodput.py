@@ -65,7 +65,7 @@ INPUTS = {
         "rejoin_rebuild_seconds": 2.10,  # 2,048 simulated nodes (16k-lost): the median of 3 runs, 2.46 s, less the modelled all-gather's 50x scaling (0.36 s; 7 ms unscaled): the address exchange and every node's actors rebuilt
         "hang_detect_seconds": 40.4,  # hang_factor 4 x the 10 s median step, and the 0.4 s the probe took at 16,384 ranks
         "retry_rebuild_seconds": 1.78,  # 2,048 simulated nodes (16k-throw): the median of 3 runs, 2.14 s, less the all-gather's scaling: the address exchange and every actor respawned
-        "launch_to_first_step_seconds": 2.7,  # 2,048 simulated nodes: the job's start to its first step's begin
+        "launch_to_first_step_seconds": 2.0,  # 2,048 simulated nodes (16k-nodes): the job's start to its first step's begin, the join's address exchange included
         "relaunch_seconds": 300,  # the same processes and communicators as a checkpoint restart's (assumed)
         "checkpoint_interval_minutes": 10,
         "checkpoint_stall_seconds": 1.0,  # asynchronous: the copy out of the step (assumed)

@@ -121,12 +121,15 @@ TEST(Transport, UcxSpinFollowsTheTransports) {
 
 // A sparse UCX communicator (the nodes' world: each node connects to its peers only):
 // ranks given no address are not connected; a send to one fails at once with the reason,
-// a receive from a rank that connected to this one works, and a rank needs its own address.
+// a receive from a rank that connected to this one works, and a rank needs its own
+// address. A communicator not made sparse refuses an empty address.
 TEST(Transport, ASparseUcxCommunicatorSendsOnlyToTheRanksItConnected) {
+  auto sparse = process_ucx_options();
+  sparse.sparse = true;
   std::vector<std::unique_ptr<ucx_pending>> pending;
   std::vector<std::string> a;
   for (int r = 0; r < 3; ++r) {
-    pending.push_back(prepare_ucx_communicator(r, 3));
+    pending.push_back(prepare_ucx_communicator(r, 3, sparse));
     a.push_back(pending.back()->address());
   }
   auto c0 = pending[0]->connect({a[0], a[1], ""});  // 0 and 2 do not connect to each other
@@ -146,8 +149,10 @@ TEST(Transport, ASparseUcxCommunicatorSendsOnlyToTheRanksItConnected) {
     ASSERT_TRUE(w->done()) << "a send to an unconnected rank fails at once";
     EXPECT_NE(w->error().find("is not connected to rank " + std::to_string(to)), std::string::npos) << w->error();
   }
-  auto lone = prepare_ucx_communicator(0, 2);
+  auto lone = prepare_ucx_communicator(0, 2, sparse);
   EXPECT_THROW(lone->connect({"", a[1]}), transport_error);  // no address of its own
+  auto strict = prepare_ucx_communicator(0, 2);
+  EXPECT_THROW(strict->connect({strict->address(), ""}), transport_error);
 }
 
 TEST(Transport, LocalSendRecvAndCompletionCallbacks) {

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <tuple>
 #include <utility>
@@ -88,8 +89,8 @@ troupe::node_addresses whole_table(const std::vector<troupe::node_addresses>& se
 }  // namespace
 
 // The nodes a node's world connects to: the other ends of its links (neighbouring stages
-// of its replicas, and a replica's first and last), and its neighbours by number (the
-// buddy copies go to the next node and come back from it at a rejoin).
+// of its replicas, and a replica's first and last), and the nodes its shards' buddy
+// copies go to or come from (node n > 0 sends to node n + 1 mod N).
 TEST(NodeLayout, TheWorldConnectsANodeToItsPipelineNeighboursAndBuddies) {
   using peers = std::vector<std::int32_t>;
   // p 4 x d 2 on 4 nodes: node 0 holds stages 0 and 1 of replica 0, node 1 stages 2 and 3.
@@ -100,13 +101,21 @@ TEST(NodeLayout, TheWorldConnectsANodeToItsPipelineNeighboursAndBuddies) {
   EXPECT_EQ(troupe::world_peers(16, 128, 2048, 8, 0), (peers{1, 15, 2047}));
   EXPECT_EQ(troupe::world_peers(16, 128, 2048, 8, 1000), (peers{999, 1001}));
   EXPECT_EQ(troupe::world_peers(16, 128, 2048, 8, 2047), (peers{0, 2032, 2046}));
-  // Every layout: link_pairs' other ends and the two neighbours, and symmetric.
+  // Every layout, from node_slots' placement: the nodes of the neighbouring stages of
+  // each of its pipelines (and of the first and the last), the buddies; and symmetric.
   for (const auto& [p, d, t, nodes] : {std::tuple{4, 2, 1, 8}, std::tuple{2, 4, 2, 8}, std::tuple{2, 1, 2, 4},
-                                       std::tuple{3, 4, 1, 6}, std::tuple{8, 2, 1, 4}, std::tuple{4, 4, 2, 32}})
+                                       std::tuple{3, 4, 1, 6}, std::tuple{8, 2, 1, 4}, std::tuple{4, 4, 2, 32},
+                                       std::tuple{1, 4, 1, 4}})
     for (int node = 0; node < nodes; ++node) {
-      std::set<std::int32_t> want{(node + 1) % nodes, (node + nodes - 1) % nodes};
-      for (const auto& [a, b] : troupe::link_pairs(p, d, nodes, t))
-        if (a == node) want.insert(b);
+      std::map<std::pair<int, int>, int> node_of;  // (pipeline, stage) -> node
+      for (int n = 0; n < nodes; ++n)
+        for (const auto& slot : troupe::node_slots(p, d, n, nodes, t)) node_of[slot] = n;
+      std::set<std::int32_t> want;
+      for (const auto& [q, k] : troupe::node_slots(p, d, node, nodes, t))
+        for (const int other : {k - 1, k + 1, k == 0 ? p - 1 : -1, k == p - 1 ? 0 : -1})
+          if (other >= 0 && other < p) want.insert(node_of.at({q, other}));
+      if (node > 0) want.insert((node + 1) % nodes);
+      if ((node + nodes - 1) % nodes > 0) want.insert((node + nodes - 1) % nodes);
       want.erase(node);
       const auto got = troupe::world_peers(p, d, nodes, t, node);
       EXPECT_EQ(got, peers(want.begin(), want.end())) << p << "x" << d << "x" << t << " on " << nodes << ", node " << node;

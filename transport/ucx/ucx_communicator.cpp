@@ -283,7 +283,7 @@ void ucx_comm::connect(const std::vector<std::string>& all) {
   int local = 0;
   const auto here = machine_name();
   for (const auto& a : all) {
-    if (a.empty()) {  // a rank this one does not connect to (a sparse communicator)
+    if (a.empty() && opts_.sparse) {  // a rank this one does not connect to
       ucx_addresses.emplace_back();
       continue;
     }

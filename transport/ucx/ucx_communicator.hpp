@@ -32,6 +32,9 @@ struct ucx_options {
   /// RDMA, and TCP with a core per rank: 2 ranks on 2 cores, 47-76 us spinning, 127-222
   /// sleeping).
   int spin = -1;
+  /// connect() may leave ranks given an empty address unconnected (the nodes' world,
+  /// connected to a node's peers only); without it an empty address is an error.
+  bool sparse = false;
   /// UCX_TLS as UCX reads it (launch/ fills it from the environment, with `spin` from
   /// TROUPE_UCX_SPIN: process_ucx_options); "": UCX's default, every transport.
   std::string tls;
@@ -66,8 +69,8 @@ using address_exchange = std::function<std::vector<std::string>(const std::strin
 
 /// A communicator in two phases, for callers whose address exchange is asynchronous (the
 /// actors' control plane): make the worker, publish `address()`, then `connect()` with
-/// every rank's address in rank order. An empty address leaves that rank unconnected (a
-/// sparse communicator: the nodes' world connects to its peers only); receiving from it
+/// every rank's address in rank order. With ucx_options::sparse an empty address leaves
+/// that rank unconnected (the nodes' world connects to its peers only): receiving from it
 /// still works (for a rank that connected to this one), sending to it fails the work,
 /// and so does a collective that would.
 class ucx_pending {
