@@ -34,8 +34,10 @@ registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int n
 /// given its own entries `mine`: the entries of the groups it is a member of (the ids its
 /// own entries name: its shard groups, and the groups of tensor, context and expert
 /// parallelism it spans nodes with), the world entries of its peers (mine.peers; all of
-/// them when it names none) and its own, and the links it is an end of. A node connects
-/// only these, so the rest would be dead weight: with 2,048 nodes of 8 ranks (tensor
+/// them when it names none) and its own, and the links it is an end of. A group that runs
+/// over NCCL (an id in one of its entries) keeps its entries' GPU keys and id, not their
+/// addresses: its members connect by the id. A node connects only these, so the rest
+/// would be dead weight: with 2,048 nodes of 8 ranks (tensor
 /// parallelism within the node, 16 stages, 128 replicas), a node needs the 1,024 entries
 /// of its 8 shard groups and 3 or 4 world entries, not all 18,432.
 node_addresses table_for(const node_addresses& all, const node_addresses& mine);

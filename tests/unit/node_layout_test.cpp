@@ -69,7 +69,7 @@ std::vector<troupe::node_addresses> sent_addresses(int p, int d, int t, int node
       address.resize(300, '.');
       a.addresses.push_back(address);
       a.machines.push_back("machine " + std::to_string(node / 8));
-      a.gpus.push_back("");
+      a.gpus.push_back("gpu of node " + std::to_string(node));
     };
     for (const auto& [q, k] : troupe::node_slots(p, d, node, nodes, t)) add(k * t + q % t, q / t);
     add(-1, node);
@@ -128,7 +128,8 @@ TEST(NodeLayout, TheWorldConnectsANodeToItsPipelineNeighboursAndBuddies) {
 
 // The registrar's answer to a node's addresses: the entries of its own groups, the world
 // entries of its peers and its own, and the links it is an end of, with each kept entry's
-// fields (and a group's NCCL id) as sent.
+// fields (and a group's NCCL id) as sent, but for the addresses of a group that runs over
+// NCCL.
 TEST(NodeLayout, ANodeGetsTheAddressesOfItsOwnGroupsAndItsWorldPeers) {
   // p 4 x d 2 on 4 nodes: node 0 holds stages 0 and 1 of replica 0, node 2 those of
   // replica 1; node 0's world peers are node 1 (stages 2 and 3 of replica 0, and its
@@ -149,9 +150,15 @@ TEST(NodeLayout, ANodeGetsTheAddressesOfItsOwnGroupsAndItsWorldPeers) {
     const auto group = mine.stages[i], rank = mine.replicas[i];
     EXPECT_TRUE(group == -1 || group == 0 || group == 1) << group;
     if (group == -1) world.push_back(rank);
-    // The entry is the one sent: by its address, which names its group, rank and node.
-    EXPECT_EQ(mine.addresses[i].substr(0, mine.addresses[i].find('@')),
-              std::to_string(group) + "/" + std::to_string(rank));
+    // The entry is the one sent: by its address, which names its group, rank and node;
+    // group 0 runs over NCCL (it has an id), so its members get no addresses of it.
+    if (group == 0)
+      EXPECT_EQ(mine.addresses[i], "");
+    else
+      EXPECT_EQ(mine.addresses[i].substr(0, mine.addresses[i].find('@')),
+                std::to_string(group) + "/" + std::to_string(rank));
+    EXPECT_EQ(mine.machines[i], "machine 0");  // (nodes 0-7 share a machine)
+    EXPECT_EQ(mine.gpus[i].rfind("gpu of node ", 0), 0u) << i;
     EXPECT_EQ(mine.nccl_ids[i], group == 0 && rank == 0 ? "id of group 0" : "");
   }
   EXPECT_EQ(world, (std::vector<int>{0, 1, 3}));
