@@ -37,9 +37,9 @@ registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int n
 /// them when it names none) and its own, and the links it is an end of. A group that runs
 /// over NCCL (an id in one of its entries) keeps its entries' GPU keys and id, not their
 /// addresses: its members connect by the id. A node connects only these, so the rest
-/// would be dead weight: with 2,048 nodes of 8 ranks (tensor
-/// parallelism within the node, 16 stages, 128 replicas), a node needs the 1,024 entries
-/// of its 8 shard groups and 3 or 4 world entries, not all 18,432.
+/// would be dead weight: with 2,048 nodes of 8 ranks (tensor parallelism within the node,
+/// 16 stages, 128 replicas), a node needs the 1,024 entries of its 8 shard groups and 3 or
+/// 4 world entries, not all 18,432.
 node_addresses table_for(const node_addresses& all, const node_addresses& mine);
 /// Adds node `a`'s entries to a round's table (every per-entry field).
 void add_entries(node_addresses& table, const node_addresses& a);
