@@ -2,7 +2,6 @@
 
 #include <signal.h>
 
-#include <algorithm>
 #include <fstream>
 #include <map>
 #include <set>
@@ -305,8 +304,7 @@ caf::result<node_addresses> address_round::add(caf::local_actor* self, const nod
 }
 
 void address_round::deliver() {
-  const table_index index(table_);
-  for (auto& [mine, w] : waiters_) w.deliver(index.part_for(mine));
+  for (auto& [mine, w] : waiters_) w.deliver(table_for(table_, mine));
   waiters_.clear();
 }
 
@@ -315,61 +313,39 @@ void address_round::fail(const caf::error& why) {
   waiters_.clear();
 }
 
-table_index::table_index(const node_addresses& all) : all_(all) {
-  for (std::size_t i = 0; i < all.stages.size(); ++i) {
+node_addresses table_for(const node_addresses& all, const node_addresses& mine) {
+  const std::set<std::int32_t> groups(mine.stages.begin(), mine.stages.end());
+  const std::set<std::int32_t> peers(mine.peers.begin(), mine.peers.end());
+  auto wanted = [&](std::size_t i) {
     const auto entry = all.stages[i];
     const auto rank = i < all.replicas.size() ? all.replicas[i] : -1;
-    if (entry == -1) {
-      world_[rank].push_back(i);
-    } else if (is_link_entry(entry)) {
-      links_[-2 - entry].push_back(i);  // (its sender, link_entry(from)) and its receiver
-      if (rank != -2 - entry) links_[rank].push_back(i);
-    } else {
-      groups_[entry].push_back(i);
-      // Groups that run over NCCL (the registrar put an id in an entry of theirs): their
-      // members connect by the id, so their UCX addresses go nowhere.
-      if (i < all.nccl_ids.size() && !all.nccl_ids[i].empty()) by_id_.insert(entry);
-    }
-  }
-}
-
-node_addresses table_index::part_for(const node_addresses& mine) const {
-  std::vector<std::size_t> take;
-  auto add = [&take](const std::map<std::int32_t, std::vector<std::size_t>>& index, std::int32_t key) {
-    if (auto it = index.find(key); it != index.end()) take.insert(take.end(), it->second.begin(), it->second.end());
+    if (entry == -1) return peers.empty() || rank == mine.node || peers.count(rank) > 0;  // the world
+    if (is_link_entry(entry)) return entry == link_entry(mine.node) || rank == mine.node;
+    return groups.count(entry) > 0;
   };
-  for (const auto group : std::set<std::int32_t>(mine.stages.begin(), mine.stages.end()))
-    if (group != -1 && !is_link_entry(group)) add(groups_, group);
-  if (mine.peers.empty()) {
-    for (const auto& [node, entries] : world_) take.insert(take.end(), entries.begin(), entries.end());
-  } else {
-    add(world_, mine.node);
-    for (const auto peer : std::set<std::int32_t>(mine.peers.begin(), mine.peers.end()))
-      if (peer != mine.node) add(world_, peer);
-  }
-  add(links_, mine.node);
-  std::sort(take.begin(), take.end());  // (the table's order)
+  // Groups that run over NCCL (the registrar put an id in an entry of theirs): their
+  // members connect by the id, so their UCX addresses go nowhere.
+  std::set<std::int32_t> by_id;
+  for (std::size_t i = 0; i < all.stages.size() && i < all.nccl_ids.size(); ++i)
+    if (!all.nccl_ids[i].empty() && !is_link_entry(all.stages[i]) && all.stages[i] != -1) by_id.insert(all.stages[i]);
   node_addresses out;
-  out.node = all_.node;
-  out.round = all_.round;
+  out.node = all.node;
+  out.round = all.round;
   // (The per-entry fields run in parallel; a field may be shorter than the entries.)
   auto keep = [](auto& to, const auto& from, std::size_t i) {
     if (i < from.size()) to.push_back(from[i]);
   };
-  for (const auto i : take) {
-    keep(out.stages, all_.stages, i);
-    keep(out.replicas, all_.replicas, i);
-    if (by_id_.count(all_.stages[i]) && i < all_.addresses.size()) out.addresses.emplace_back();
-    else keep(out.addresses, all_.addresses, i);
-    keep(out.machines, all_.machines, i);
-    keep(out.gpus, all_.gpus, i);
-    keep(out.nccl_ids, all_.nccl_ids, i);
+  for (std::size_t i = 0; i < all.stages.size(); ++i) {
+    if (!wanted(i)) continue;
+    keep(out.stages, all.stages, i);
+    keep(out.replicas, all.replicas, i);
+    if (by_id.count(all.stages[i]) && i < all.addresses.size()) out.addresses.emplace_back();
+    else keep(out.addresses, all.addresses, i);
+    keep(out.machines, all.machines, i);
+    keep(out.gpus, all.gpus, i);
+    keep(out.nccl_ids, all.nccl_ids, i);
   }
   return out;
-}
-
-node_addresses table_for(const node_addresses& all, const node_addresses& mine) {
-  return table_index(all).part_for(mine);
 }
 
 }  // namespace troupe

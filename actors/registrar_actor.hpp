@@ -11,7 +11,6 @@
 // supervisor; the coordinator runs) -> serving (address rounds of recoveries, rejoins,
 // clock probes) until the job ends.
 #include <cstdint>
-#include <map>
 #include <set>
 #include <string>
 #include <utility>
@@ -42,20 +41,6 @@ registrar_actor spawn_registrar(caf::actor_system& sys, std::string token, int n
 /// 16 stages, 128 replicas), a node needs the 1,024 entries of its 8 shard groups and 3 or
 /// 4 world entries, not all 18,432.
 node_addresses table_for(const node_addresses& all, const node_addresses& mine);
-/// table_for for every node of a round from one index of the table: each part costs its
-/// own entries, not a pass over the whole table (at 2,048 nodes, 18,432 entries per node).
-class table_index {
- public:
-  explicit table_index(const node_addresses& all);
-  node_addresses part_for(const node_addresses& mine) const;
-
- private:
-  const node_addresses& all_;
-  std::map<std::int32_t, std::vector<std::size_t>> groups_;  // entry id (not the world, not a link) -> its entries
-  std::map<std::int32_t, std::vector<std::size_t>> world_;   // node -> its world entries
-  std::map<std::int32_t, std::vector<std::size_t>> links_;   // node -> the link entries it is an end of
-  std::set<std::int32_t> by_id_;                             // groups over NCCL (an id in an entry)
-};
 /// Adds node `a`'s entries to a round's table (every per-entry field).
 void add_entries(node_addresses& table, const node_addresses& a);
 

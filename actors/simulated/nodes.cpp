@@ -122,8 +122,7 @@ simulated_node_set spawn_simulated_nodes(caf::actor_system& sys, std::shared_ptr
     add_entries(table, sent.back());
   }
   std::size_t delivered = 0;
-  const table_index index(table);
-  for (const auto& mine : sent) delivered += index.part_for(mine).stages.size();
+  for (const auto& mine : sent) delivered += table_for(table, mine).stages.size();
   spdlog::info("simulated nodes: the join's address exchange: {} entries, {} to the {} nodes, in {:.2f} s",
                table.stages.size(), delivered, n,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
