@@ -323,11 +323,6 @@ node_addresses table_for(const node_addresses& all, const node_addresses& mine) 
     if (is_link_entry(entry)) return entry == link_entry(mine.node) || rank == mine.node;
     return groups.count(entry) > 0;
   };
-  // Groups that run over NCCL (the registrar put an id in an entry of theirs): their
-  // members connect by the id, so their UCX addresses go nowhere.
-  std::set<std::int32_t> by_id;
-  for (std::size_t i = 0; i < all.stages.size() && i < all.nccl_ids.size(); ++i)
-    if (!all.nccl_ids[i].empty() && !is_link_entry(all.stages[i]) && all.stages[i] != -1) by_id.insert(all.stages[i]);
   node_addresses out;
   out.node = all.node;
   out.round = all.round;
@@ -339,12 +334,18 @@ node_addresses table_for(const node_addresses& all, const node_addresses& mine) 
     if (!wanted(i)) continue;
     keep(out.stages, all.stages, i);
     keep(out.replicas, all.replicas, i);
-    if (by_id.count(all.stages[i]) && i < all.addresses.size()) out.addresses.emplace_back();
-    else keep(out.addresses, all.addresses, i);
+    keep(out.addresses, all.addresses, i);
     keep(out.machines, all.machines, i);
     keep(out.gpus, all.gpus, i);
     keep(out.nccl_ids, all.nccl_ids, i);
   }
+  // Groups that run over NCCL (the registrar put an id in their rank 0's entry, which the
+  // node kept as a member): their members connect by the id, so their addresses go nowhere.
+  std::set<std::int32_t> by_id;
+  for (std::size_t i = 0; i < out.stages.size() && i < out.nccl_ids.size(); ++i)
+    if (!out.nccl_ids[i].empty() && !is_link_entry(out.stages[i]) && out.stages[i] != -1) by_id.insert(out.stages[i]);
+  for (std::size_t i = 0; i < out.stages.size() && i < out.addresses.size(); ++i)
+    if (by_id.count(out.stages[i])) out.addresses[i] = std::string();
   return out;
 }
 
